@@ -1,0 +1,70 @@
+"""Layer backends: one interface, selected by name; never a silent fallback.
+
+A backend turns routed tokens into the layer output:
+
+    backend(x [T, H], topk_idx [T, k] int64, topk_w [T, k] float32, w13 [E_l, 2I, H], w2 [E_l, H, I]) -> y [T, H]
+
+differentiable (through autograd) w.r.t. x, topk_w, w13 and w2. It is built once per :class:`megamoe.MoE`
+module (``make_backend``), so it can own workspaces for the module's lifetime.
+
+| name    | status                                                                 |
+|---------|------------------------------------------------------------------------|
+| `torch` | all_to_all_single with host-read split sizes + grouped GEMM (torchtitan) |
+| `split` | megamoe kernels launched back to back (issue 5; not built yet)          |
+| `fused` | the persistent megakernel (issue 6; not built yet)                      |
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megamoe.layer import MoE
+
+# name -> (module, class). A backend whose module is missing is "not built" and selecting it raises.
+_REGISTRY = {
+    "torch": ("megamoe.backends.torch_a2a", "TorchBackend"),
+    "split": ("megamoe.backends.split", "SplitBackend"),
+    "fused": ("megamoe.backends.fused", "FusedBackend"),
+}
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend asked for cannot run here; the message says why. megamoe never falls back silently."""
+
+
+def _load(name: str):
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(_REGISTRY)}")
+    module, cls = _REGISTRY[name]
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            raise BackendUnavailable(f"backend {name!r} is not built in this version of megamoe") from None
+        raise
+    return getattr(mod, cls)
+
+
+def why_unavailable(name: str, device) -> str | None:
+    """None if backend ``name`` can run on ``device``, else the reason."""
+    try:
+        cls = _load(name)
+    except BackendUnavailable as exc:
+        return str(exc)
+    return cls.why_unavailable(device)
+
+
+def available_backends(device="cpu") -> list[str]:
+    """Names of the backends that can run on ``device``."""
+    return [name for name in _REGISTRY if why_unavailable(name, device) is None]
+
+
+def make_backend(name: str, moe: MoE, **options):
+    """Build backend ``name`` for ``moe``; raises :class:`BackendUnavailable` (never falls back)."""
+    cls = _load(name)
+    reason = cls.why_unavailable(moe.device)
+    if reason is not None:
+        raise BackendUnavailable(f"backend {name!r} cannot run on {moe.device}: {reason}")
+    return cls(moe, **options)

@@ -1,0 +1,151 @@
+"""Backend ``torch``: expert parallelism the way torchtitan does it, the baseline every backend is timed against.
+
+Shape legend: T tokens on this rank, H hidden, I intermediate, E experts, E_l = E/W local experts, k top-k,
+W world size, S = T*k (token, slot) pairs sent, R rows received.
+
+    counts[e]        = #(t, j) with idx[t, j] = e                                  [E]   (device)
+    recv_counts      = all_to_all_single(counts)         -> [W, E_l] rows from rank s for local expert l
+    in/out splits    = counts.view(W, E_l).sum(1).tolist(), recv_counts.sum(1).tolist()   (HOST SYNC, as
+                       in torchtitan: the sizes of the row all-to-all are read on the host)
+    send             = x[argsort(idx.flatten()) // k]     [S, H]  rows sorted by expert (= by dest rank)
+    recv             = all_to_all_single(send)            [R, H]  ordered (source rank, local expert, token)
+    xs               = permute recv into (local expert, source rank, token) order, each expert's group
+                       padded to ALIGN rows on CUDA (torchtitan pads so torch._grouped_mm gets aligned,
+                       non-empty groups); padding rows are zeros and are never gathered back
+    o                = grouped_mm(swiglu(grouped_mm(xs, w13^T)), w2^T)   [P, H]
+    back             = all_to_all_single(o[un-permute])   [S, H]  then un-sort to (t, j) order
+    y[t]             = sum_j topk_w[t, j] * back[t, j]    (float32 accumulation, j in order)
+
+Communication: NCCL on GPUs, gloo on CPU ranks (gloo has no bfloat16 all-to-all, so bf16 rows cross as
+float32 there; on NCCL they cross as bf16). The grouped GEMM is ``torch._grouped_mm`` for bf16 on CUDA,
+and a loop of per-expert matmuls otherwise (CPU, float32/float64 checks), since torch's CPU grouped_mm has
+no float64 and its backward fails on empty groups (torch 2.13.0, seen 2026-11-29).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megamoe.reference import swiglu
+
+#: rows per expert group are padded to a multiple of this (and at least this) on CUDA, as torchtitan does
+ALIGN_CUDA = 16
+
+
+def _wire_dtype(t: torch.Tensor, group) -> torch.dtype:
+    if t.dtype == torch.bfloat16 and dist.get_backend(group) == "gloo":
+        return torch.float32
+    return t.dtype
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single of rows with autograd; the backward sends gradients back the way rows came."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits = (out_splits, in_splits)
+        ctx.group = group
+        return _a2a(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _a2a(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    wire = _wire_dtype(x, group)
+    send = x.to(wire).contiguous()
+    out = send.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, send, out_splits, in_splits, group=group)
+    return out.to(x.dtype)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """out[rows of g] = a[rows of g] @ b[g]; a [M, K], b [G, K, N], offs int32 [G] (end of each group).
+
+    torch._grouped_mm for bf16 CUDA tensors; a per-group loop (which reads offs on the host) otherwise.
+    """
+    if a.is_cuda and a.dtype == torch.bfloat16:
+        return torch._grouped_mm(a, b, offs=offs)
+    ends = offs.tolist()
+    if ends[-1] != a.shape[0]:
+        raise ValueError(f"grouped_mm: the last offset ({ends[-1]}) must equal the rows of a ({a.shape[0]})")
+    starts = [0] + ends[:-1]
+    return torch.cat([a[s:e] @ b[g] for g, (s, e) in enumerate(zip(starts, ends, strict=True))])
+
+
+class TorchBackend:
+    """all_to_all + grouped GEMM baseline (see module docstring)."""
+
+    name = "torch"
+
+    @staticmethod
+    def why_unavailable(device) -> str | None:
+        if not dist.is_available():
+            return "torch.distributed is not available in this torch build"
+        return None
+
+    def __init__(self, moe):
+        self.moe = moe
+        self.align = ALIGN_CUDA if moe.device.type == "cuda" else 1
+
+    def __call__(self, x, topk_idx, topk_w, w13, w2):
+        moe = self.moe
+        W, E_l, k = moe.world, moe.local_experts, topk_idx.shape[1]
+        T, H = x.shape
+        dev = x.device
+        flat = topk_idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (expert, token, slot) order
+        counts = torch.zeros(W * E_l, dtype=torch.int64, device=dev)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        send = x[order // k]  # [S, H]
+        if W > 1:
+            recv_counts = torch.empty_like(counts)
+            dist.all_to_all_single(recv_counts, counts, group=moe.group)
+            # the host sync of the recipe: split sizes of the row all-to-all
+            splits = torch.stack([counts.view(W, E_l).sum(1), recv_counts.view(W, E_l).sum(1)]).tolist()
+            in_splits, out_splits = splits
+            recv = _AllToAll.apply(send, out_splits, in_splits, moe.group)
+        else:
+            recv_counts = counts
+            recv = send
+        R = recv.shape[0]
+        rc = recv_counts.view(W, E_l)
+        # destination of each received row in the padded, expert-grouped layout
+        n_l = rc.sum(0)  # [E_l]
+        if self.align > 1:
+            padded = torch.clamp_min((n_l + self.align - 1) // self.align * self.align, self.align)
+        else:
+            padded = n_l
+        P = R + (E_l * self.align if self.align > 1 else 0)  # host-known upper bound of sum(padded)
+        pend = torch.cumsum(padded, 0)
+        pstart = pend - padded
+        # start of block (s, l) inside expert l's group: rows of lower source ranks come first
+        in_group = torch.cumsum(rc, 0) - rc  # [W, E_l]
+        block_dest = (pstart[None, :] + in_group).reshape(-1)  # [(s, l)]
+        block_src = torch.cumsum(rc.reshape(-1), 0) - rc.reshape(-1)
+        block_of_row = torch.repeat_interleave(
+            torch.arange(W * E_l, device=dev), rc.reshape(-1), output_size=R
+        )
+        dest = block_dest[block_of_row] + (torch.arange(R, device=dev) - block_src[block_of_row])
+        xs = recv.new_zeros(P, H).index_copy(0, dest, recv)
+        offs = pend.to(torch.int32)
+        offs[-1] = P  # the tail rows (zeros) join the last group: they produce zero rows, never read back
+        h = grouped_mm(xs, w13.transpose(-2, -1), offs)
+        o = grouped_mm(swiglu(h), w2.transpose(-2, -1), offs)
+        o_recv = o[dest]  # [R, H] back in received order
+        if W > 1:
+            back = _AllToAll.apply(o_recv, in_splits, out_splits, moe.group)
+        else:
+            back = o_recv
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=dev)
+        out_tk = back[inv].view(T, k, H)
+        cdt = topk_w.dtype if topk_w.dtype == torch.float64 else torch.float32
+        y = (out_tk.to(cdt) * topk_w.to(cdt).unsqueeze(-1)).sum(1)
+        return y.to(x.dtype)
+
+
+__all__ = ["TorchBackend", "grouped_mm"]

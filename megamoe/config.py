@@ -1,0 +1,161 @@
+"""MoE layer configuration and the named presets.
+
+Shape legend: T tokens (per rank), H hidden, I expert intermediate, E experts, E_l = E / W local experts,
+k top-k, W world size (expert-parallel degree).
+
+Every constraint is checked when a config is built (``MoEConfig(...)``) or bound to a world size
+(:meth:`MoEConfig.validate_world`), and a violation raises ``ValueError`` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+RouterKind = Literal["softmax", "sigmoid"]
+
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"bf16"`` / ``"float32"`` / ``torch.bfloat16`` ... -> torch.dtype (ValueError on anything else)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in set(_DTYPES.values()):
+            raise ValueError(f"unsupported dtype {dtype}; expected one of bf16, fp16, fp32, fp64")
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Shape and routing of one MoE layer (SwiGLU experts, top-k routing).
+
+    Attributes:
+        hidden: H, model width.
+        intermediate: I, each expert's SwiGLU width (w13 is [2I, H], w2 is [H, I]).
+        num_experts: E, routed experts in the layer (all ranks together).
+        top_k: k, experts per token.
+        router: ``"softmax"``: softmax over all E logits, then top-k (Mixtral, Qwen3, gpt-oss);
+            ``"sigmoid"``: sigmoid scores, top-k chosen on score + per-expert bias, gates from the scores
+            without the bias (DeepSeek-V3; the bias is a buffer tuned outside autograd).
+        norm_topk: divide the k gates of a token by their sum.
+        route_scale: multiply the gates by this (DeepSeek-V3 uses 2.5).
+        aux_loss_coef: weight of the load-balancing loss returned by the layer.
+        dtype: parameter and activation dtype of the layer (the router always computes in fp32 or better).
+        max_tokens_per_rank: capacity the communication buffers of the ``split``/``fused`` backends are sized
+            for (tokens per rank per call); the ``torch`` backend ignores it.
+        ring_rows: receive-ring rows of the ``fused`` backend (None: sized for the worst case).
+    """
+
+    hidden: int
+    intermediate: int
+    num_experts: int
+    top_k: int
+    router: RouterKind = "softmax"
+    norm_topk: bool = True
+    route_scale: float = 1.0
+    aux_loss_coef: float = 1e-2
+    dtype: torch.dtype = torch.bfloat16
+    max_tokens_per_rank: int = 16384
+    ring_rows: int | None = None
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for field in ("hidden", "intermediate", "num_experts", "top_k", "max_tokens_per_rank"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"MoEConfig.{field} must be a positive int, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"MoEConfig: top_k ({self.top_k}) must be <= num_experts ({self.num_experts})"
+            )
+        if self.router not in ("softmax", "sigmoid"):
+            raise ValueError(f"MoEConfig.router must be 'softmax' or 'sigmoid', got {self.router!r}")
+        if not (self.route_scale > 0):
+            raise ValueError(f"MoEConfig.route_scale must be > 0, got {self.route_scale}")
+        if self.aux_loss_coef < 0:
+            raise ValueError(f"MoEConfig.aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
+        if self.ring_rows is not None and self.ring_rows < 1:
+            raise ValueError(f"MoEConfig.ring_rows must be None or >= 1, got {self.ring_rows}")
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+
+    # ---- derived quantities -------------------------------------------------------------------
+    def local_experts(self, world: int) -> int:
+        """E_l = E / W, after checking that W divides E."""
+        self.validate_world(world)
+        return self.num_experts // world
+
+    def validate_world(self, world: int) -> None:
+        if not isinstance(world, int) or world < 1:
+            raise ValueError(f"world size must be a positive int, got {world!r}")
+        if self.num_experts % world != 0:
+            raise ValueError(
+                f"num_experts ({self.num_experts}) must be divisible by the world size ({world}) "
+                f"for expert parallelism (E/W experts per rank)"
+            )
+
+    def flops_forward(self, rows: int) -> int:
+        """Expert FLOPs of a forward pass over ``rows`` (token, expert) pairs: 2*rows*H*2I + 2*rows*I*H."""
+        return 6 * rows * self.hidden * self.intermediate
+
+    def expert_weight_bytes(self, world: int) -> int:
+        """Bytes of this rank's expert weights (w13 + w2) in the layer dtype."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.local_experts(world) * 3 * self.hidden * self.intermediate * elem
+
+    def replace(self, **changes) -> MoEConfig:
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, MoEConfig] = {
+    # Qwen3-30B-A3B: 128 experts, top-8, softmax then top-k with normalised gates.
+    "qwen3-30b-a3b": MoEConfig(
+        hidden=2048, intermediate=768, num_experts=128, top_k=8, router="softmax", norm_topk=True,
+        name="qwen3-30b-a3b",
+    ),
+    # DeepSeek-V3: 256 routed experts, top-8, sigmoid scores with a per-expert selection bias, normalised
+    # gates scaled by 2.5. (Group-limited routing and the shared expert are not part of this layer.)
+    "deepseek-v3": MoEConfig(
+        hidden=7168, intermediate=2048, num_experts=256, top_k=8, router="sigmoid", norm_topk=True,
+        route_scale=2.5, name="deepseek-v3",
+    ),
+    # Mixtral-8x7B: 8 experts, top-2, softmax over the chosen logits (= softmax-top-k renormalised).
+    "mixtral-8x7b": MoEConfig(
+        hidden=4096, intermediate=14336, num_experts=8, top_k=2, router="softmax", norm_topk=True,
+        name="mixtral-8x7b",
+    ),
+    # gpt-oss-120b: 128 experts, top-4, softmax over the chosen logits.
+    "gpt-oss-120b": MoEConfig(
+        hidden=2880, intermediate=2880, num_experts=128, top_k=4, router="softmax", norm_topk=True,
+        name="gpt-oss-120b",
+    ),
+    # tiny: CPU runs and tests (H not a power of two on purpose).
+    "tiny": MoEConfig(
+        hidden=96, intermediate=64, num_experts=8, top_k=2, router="softmax", norm_topk=True,
+        max_tokens_per_rank=256, name="tiny",
+    ),
+}
+
+
+def preset(name: str, **overrides) -> MoEConfig:
+    """A named preset, optionally with fields replaced (``preset("tiny", dtype=torch.float64)``)."""
+    try:
+        cfg = PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None
+    return cfg.replace(**overrides) if overrides else cfg

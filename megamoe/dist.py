@@ -1,0 +1,165 @@
+"""Process-group helpers: run a function on W ranks, on CPUs (gloo) or GPUs (NCCL).
+
+Two ways a megamoe program gets its ranks:
+
+* under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set): :func:`init_from_env` joins the group
+  that torchrun describes, NCCL on GPUs, gloo on CPUs;
+* on its own: :func:`spawn` starts ``world`` fresh processes (``spawn`` start method), gives each a process
+  group over a free local TCP port, runs ``fn(rank, world, *args)`` in each, gathers the return values and
+  re-raises the first failure in the parent with the rank's traceback. Tests and ``megamoe bench`` on a CPU
+  machine use this.
+
+Every process sets the NVLink-multicast switches off before torch touches a GPU (see :data:`NO_MULTICAST`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+#: NVLink multicast must stay off on the shared machines (NCCL NVLS, symmetric-memory multicast, NVSHMEM NVLS).
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+def disable_multicast() -> None:
+    """Force the multicast switches off in this process (and in the children it starts)."""
+    for key, value in NO_MULTICAST.items():
+        os.environ[key] = value
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_from_env(device: str | None = None, timeout_s: float = 300.0):
+    """Join the process group described by torchrun's environment; returns the torch.device of this rank.
+
+    ``device`` is ``"cuda"``, ``"cpu"`` or None (CUDA when available).
+    """
+    import torch
+    import torch.distributed as dist
+
+    disable_multicast()
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        dev = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        kwargs = {"device_id": dev} if backend == "nccl" else {}
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    return dev
+
+
+def _child(rank: int, world: int, port: int, device: str, fn: Callable, args: tuple, queue) -> None:
+    disable_multicast()
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
+    import torch.distributed as dist
+
+    try:
+        init_from_env(device)
+        result = fn(rank, world, *args)
+        queue.put((rank, True, result))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent with its traceback
+        queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a failed peer can leave the group unusable
+                pass
+
+
+class RankError(RuntimeError):
+    """One or more spawned ranks raised; the message holds each failing rank's traceback."""
+
+
+def spawn(fn: Callable[..., Any], world: int, *args: Any, device: str = "cpu", timeout_s: float = 900.0) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` new processes; return the results in rank order.
+
+    ``fn`` must be importable (module level) and its arguments and result picklable. Raises
+    :class:`RankError` naming every rank that failed, and a ``TimeoutError`` if the ranks are not done
+    within ``timeout_s`` (the processes are killed, so nothing hangs).
+    """
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    disable_multicast()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_child, args=(r, world, port, device, fn, args, q), daemon=True) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) + len(failures) < world:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"spawned ranks not done after {timeout_s:.0f} s; finished: "
+                    f"{sorted(results)}, failed: {sorted(failures)}"
+                )
+            try:
+                rank, ok, payload = q.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                dead = [r for r in dead if r not in results and r not in failures]
+                if dead:
+                    # give a dying rank a moment to flush its report through the queue
+                    try:
+                        rank, ok, payload = q.get(timeout=2.0)
+                    except queue_mod.Empty:
+                        for r in dead:
+                            failures[r] = f"process exited with code {procs[r].exitcode} without a report"
+                        continue
+                else:
+                    continue
+            (results if ok else failures)[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5.0 if not failures else 1.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failures:
+        text = "\n".join(f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures))
+        raise RankError(f"{len(failures)} of {world} ranks failed:\n{text}")
+    return [results[r] for r in range(world)]

@@ -1,0 +1,167 @@
+"""Checks shared by the tests of every backend: one rank's side of "layer vs float64 reference".
+
+:func:`layer_case` runs on each rank of a process group (spawned by :func:`megamoe.dist.spawn` or under
+torchrun). It builds the unsharded layer weights from a seed, gives this rank its experts, runs the
+backend forward and backward on this rank's tokens, runs :mod:`megamoe.reference` in float64 on the global
+batch (every rank's tokens), and returns relative errors of the output and of every gradient:
+
+* ``out``: this rank's rows of y;
+* ``dx``: this rank's rows of dL/dx with L = sum(y * g) for a fixed random g over the global batch;
+* ``drouter``: dL/d router weight summed over ranks (each rank's part covers its own tokens);
+* ``dw13``, ``dw2``: the expert gradients gathered from all ranks.
+
+Relative error is ||a - ref|| / ||ref|| in float64 (0 when both are 0; NaN is reported as inf).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megamoe.config import MoEConfig, parse_dtype, preset
+from megamoe.layer import MoE, gather_experts, load_full_weights
+from megamoe.reference import moe_forward
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a = a.detach().double().cpu()
+    ref = ref.detach().double().cpu()
+    if a.shape != ref.shape:
+        raise AssertionError(f"shape mismatch: {tuple(a.shape)} vs reference {tuple(ref.shape)}")
+    if not torch.isfinite(a).all():
+        return math.inf
+    denom = ref.norm().item()
+    num = (a - ref).norm().item()
+    if denom == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / denom
+
+
+@dataclass(frozen=True)
+class LayerCase:
+    """One layer check. ``tokens``: tokens per rank (length W; a 0 makes an empty rank).
+
+    ``offset``: logit offset per expert, as {expert: value}, to force routing (a large negative value
+    starves an expert, a large positive one draws every token to it).
+    """
+
+    name: str
+    preset: str = "tiny"
+    dtype: str = "fp32"
+    tokens: tuple[int, ...] = (24, 24)
+    overrides: dict = field(default_factory=dict)
+    offset: dict = field(default_factory=dict)
+    seed: int = 0
+
+    def config(self) -> MoEConfig:
+        return preset(self.preset, dtype=parse_dtype(self.dtype), **self.overrides)
+
+
+def _full_weights(cfg: MoEConfig, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    E, H, I = cfg.num_experts, cfg.hidden, cfg.intermediate
+    router = torch.randn(E, H, generator=gen, dtype=torch.float64) * H ** -0.5
+    w13 = torch.randn(E, 2 * I, H, generator=gen, dtype=torch.float64) * H ** -0.5
+    w2 = torch.randn(E, H, I, generator=gen, dtype=torch.float64) * I ** -0.5
+    bias = torch.randn(E, generator=gen, dtype=torch.float64) * 0.1 if cfg.router == "sigmoid" else None
+    return router, w13, w2, bias
+
+
+def layer_case(case: LayerCase, backend: str, device: torch.device, group=None, **backend_options) -> dict:
+    """Run ``case`` on this rank; returns {"case", "rank", errors...} (see module docstring)."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    if len(case.tokens) != world:
+        raise ValueError(f"case {case.name}: {len(case.tokens)} token counts for {world} ranks")
+    cfg = case.config()
+    router_w, w13, w2, bias = _full_weights(cfg, case.seed)
+    offset = torch.zeros(cfg.num_experts, dtype=torch.float64)
+    for e, v in case.offset.items():
+        offset[e] = v
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    T_all = sum(case.tokens)
+    x_all = torch.randn(T_all, cfg.hidden, generator=gen, dtype=torch.float64)
+    g_all = torch.randn(T_all, cfg.hidden, generator=gen, dtype=torch.float64)
+    lo = sum(case.tokens[:rank])
+    hi = lo + case.tokens[rank]
+
+    # --- the layer under test ---
+    moe = MoE(cfg, group=group, backend=backend, device=device, **backend_options)
+    load_full_weights(moe, router_w.to(cfg.dtype), w13.to(cfg.dtype), w2.to(cfg.dtype),
+                      None if bias is None else bias.float())
+    if case.offset:
+        moe.router.set_logit_offset(offset.float().to(device))
+    # round the float64 inputs to the layer dtype once, so the reference sees exactly what the layer sees
+    x = x_all[lo:hi].to(cfg.dtype).to(device).clone().requires_grad_()
+    out = moe(x)
+    dx, drouter, dw13, dw2 = _grads((out.out.double() * g_all[lo:hi].to(device)).sum(),
+                                    (x, moe.router.weight, moe.w13, moe.w2))
+
+    # --- float64 reference on the global batch, from the same (rounded) weights ---
+    ref_cfg = dataclasses.replace(cfg, dtype=torch.float64)
+    xr, rw, r13, r2 = (t.to(cfg.dtype).double().clone().requires_grad_() for t in (x_all, router_w, w13, w2))
+    rb = None if bias is None else bias.float().double()
+    y_ref, _ = moe_forward(xr, rw, r13, r2, ref_cfg, rb, offset.float().double() if case.offset else None)
+    ref_grads = _grads((y_ref * g_all).sum(), (xr, rw, r13, r2))
+
+    drouter = drouter.double()
+    if world > 1:
+        drouter = drouter.to(device)
+        dist.all_reduce(drouter, group=group)
+    errs = {
+        "case": case.name,
+        "rank": rank,
+        "out": rel_err(out.out, y_ref[lo:hi]),
+        "dx": rel_err(dx, ref_grads[0][lo:hi]),
+        "drouter": rel_err(drouter, ref_grads[1]),
+        "dw13": rel_err(gather_experts(moe, dw13), ref_grads[2]),
+        "dw2": rel_err(gather_experts(moe, dw2), ref_grads[3]),
+        "out_shape": tuple(out.out.shape),
+        "max_expert_share": (out.tokens_per_expert.max().item() / max(1, x.shape[0] * cfg.top_k)),
+        "tokens": x.shape[0],
+        "counts": out.tokens_per_expert.cpu().tolist(),
+        "counts_ok": bool(
+            torch.equal(out.tokens_per_expert.cpu(),
+                        torch.bincount(_route_ids(moe, x), minlength=cfg.num_experts).cpu())
+        ),
+    }
+    return errs
+
+
+def _grads(loss: torch.Tensor, inputs: tuple) -> tuple:
+    """d loss / d inputs, zeros for inputs the loss does not reach (an empty batch reaches none)."""
+    if not loss.requires_grad:
+        return tuple(torch.zeros_like(t) for t in inputs)
+    return torch.autograd.grad(loss, inputs, allow_unused=True, materialize_grads=True)
+
+
+def _route_ids(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return moe.router(x.detach()).topk_idx.reshape(-1).cpu()
+
+
+#: the edge cases every backend is checked on (tiny preset; world size w -> tokens per rank)
+def standard_cases(world: int) -> list[LayerCase]:
+    even = tuple([24] * world)
+    ragged = tuple(13 + 7 * r for r in range(world))  # token counts not multiples of any block size
+    empty_rank = tuple(0 if r == world - 1 else 19 for r in range(world)) if world > 1 else (0,)
+    cases = [
+        LayerCase("fp32-even", dtype="fp32", tokens=even),
+        LayerCase("bf16-ragged", dtype="bf16", tokens=ragged),
+        LayerCase("fp32-empty-rank", dtype="fp32", tokens=empty_rank),  # a rank with zero tokens
+        LayerCase("fp32-starved-expert", dtype="fp32", tokens=even, offset={3: -1e4, 6: -1e4}),  # experts get nothing
+        LayerCase("fp64-one-expert-k1", dtype="fp64", tokens=ragged, overrides={"top_k": 1, "norm_topk": False},
+                  offset={5: 12.0}),  # k=1 and every token on expert 5 (fp64: the router grad is ~1e-5)
+        LayerCase("bf16-k1", dtype="bf16", tokens=even, overrides={"top_k": 1, "norm_topk": False}),  # top-1 (gate = p)
+        LayerCase("fp32-sigmoid-bias", dtype="fp32", tokens=ragged,
+                  overrides={"router": "sigmoid", "route_scale": 2.5}),  # DeepSeek-style router
+    ]
+    return cases
+
+
+#: tolerances of the checks (relative error vs float64)
+TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2, "fp64": 1e-12}
