@@ -1,0 +1,333 @@
+"""Expert SwiGLU MLP over expert-grouped rows: op-level API (Triton launchers), pure-torch twins, autograd.
+
+Shape legend: R received rows (buffer capacity), H hidden, I expert intermediate, E_l local experts.
+Rows are grouped by local expert: group e is rows ``offs[e]:offs[e+1]`` of a [R, ...] buffer, ``offs`` an
+int32 device tensor [E_l+1], offs[0] = 0. Rows at or past offs[E_l] are padding: the kernels never read them
+as data and never write them (outputs allocated here hold garbage there, except gradients w.r.t. inputs of
+ExpertsFn, which are zero-filled). The launchers never read ``offs`` on the host: no sync, graph-capturable.
+
+Weights: w13 [E_l, 2I, H] (rows 0..I-1 gate, I..2I-1 up), w2 [E_l, H, I].
+    h   = x @ w13[e]^T               [n, 2I]     g = h[:, :I], u = h[:, I:]
+    act = silu(g) * u                [n, I]
+    out = s[r] * (act @ w2[e]^T)     [n, H]      s: optional per-row gate scale, fp32 [R]
+
+Launchers (each takes ``config=`` to pin a GemmConfig; default: gemm_config.default_config per shape):
+    grouped_gemm, gemm1_swiglu, gemm2, gemm2_dgrad_swiglu, gemm1_dgrad, grouped_wgrad      (bf16)
+    quantize_act, quantize_weight, grouped_gemm_fp8, gemm1_swiglu_fp8, gemm2_fp8,
+    gemm2_dgrad_swiglu_fp8, gemm1_dgrad_fp8                                             (FP8 e4m3)
+Twins (``*_ref``): pure torch, CPU or GPU, any float dtype incl. float64; padding rows of their outputs are 0.
+Autograd: ``ExpertsFn.apply(x, offs, w13, w2, scale)`` / ``experts_mlp(...)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megamoe.kernels import fp8_quant as _q
+from megamoe.kernels.gemm_config import GemmConfig, default_config, pin_config
+from megamoe.kernels.grouped_gemm import (
+    EPI_DSWIGLU,
+    EPI_NONE,
+    EPI_SWIGLU,
+    check_grouped,
+    launch_grouped_gemm,
+)
+from megamoe.kernels.grouped_gemm_bwd import launch_grouped_wgrad
+from megamoe.kernels.grouped_gemm_fp8 import check_fp8, launch_grouped_gemm_fp8
+
+__all__ = [
+    "GemmConfig", "default_config", "pin_config",
+    "grouped_gemm", "gemm1_swiglu", "gemm2", "gemm2_dgrad_swiglu", "gemm1_dgrad", "grouped_wgrad",
+    "quantize_act", "quantize_weight", "grouped_gemm_fp8", "gemm1_swiglu_fp8", "gemm2_fp8",
+    "gemm2_dgrad_swiglu_fp8", "gemm1_dgrad_fp8",
+    "ExpertsFn", "experts_mlp",
+    "grouped_gemm_ref", "gemm1_swiglu_ref", "gemm2_ref", "gemm2_dgrad_swiglu_ref", "gemm1_dgrad_ref",
+    "grouped_wgrad_ref", "experts_mlp_ref", "quantize_act_ref", "quantize_weight_ref", "dequantize_act_ref",
+    "dequantize_weight_ref",
+]
+
+
+def _check_scale(scale: torch.Tensor | None, R: int, name: str) -> None:
+    if scale is None:
+        return
+    if scale.dtype != torch.float32 or scale.shape != (R,) or not scale.is_contiguous():
+        raise ValueError(f"{name}: scale must be a contiguous float32 [R] = [{R}] tensor, got {scale.dtype} "
+                         f"{tuple(scale.shape)}")
+
+
+def _check_bf16(name: str, *ts: torch.Tensor) -> None:
+    for t in ts:
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"{name}: expected bfloat16 operands, got {t.dtype}")
+
+
+def _out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, device=like.device, dtype=dtype)
+    if tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} {shape} tensor, got {out.dtype} {tuple(out.shape)}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- bf16 ops
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, w_layout: str = "nk",
+                 scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 config: GemmConfig | None = None) -> torch.Tensor:
+    """out[rows_e] = s * a[rows_e] @ w[e]^T (w_layout 'nk': w [E_l, N, K]) or @ w[e] ('kn': w [E_l, K, N])."""
+    if w_layout not in ("nk", "kn"):
+        raise ValueError(f"grouped_gemm: w_layout must be 'nk' or 'kn', got {w_layout!r}")
+    kn = w_layout == "kn"
+    k_dim, n = (w.shape[1], w.shape[2]) if kn else (w.shape[2], w.shape[1])
+    check_grouped(a, w, offs, k_dim, "grouped_gemm")
+    _check_bf16("grouped_gemm", a, w)
+    _check_scale(scale, a.shape[0], "grouped_gemm")
+    out = _out(out, (a.shape[0], n), a)
+    cfg = config or default_config("grouped_gemm", a.shape[0], n, k_dim)
+    launch_grouped_gemm(a, w, offs, out, cfg, n=n, w_kn=kn, epilogue=EPI_NONE, scale=scale)
+    return out
+
+
+def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, offs: torch.Tensor, *, store_h: bool = True,
+                 out: torch.Tensor | None = None, h_out: torch.Tensor | None = None,
+                 config: GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """act [R, I] = silu(x @ w13[e, :I]^T) * (x @ w13[e, I:]^T); also h [R, 2I] (pre-activation) if store_h."""
+    check_grouped(x, w13, offs, w13.shape[2], "gemm1_swiglu")
+    _check_bf16("gemm1_swiglu", x, w13)
+    if w13.shape[1] % 2:
+        raise ValueError(f"gemm1_swiglu: w13 must be [E_l, 2I, H], got {tuple(w13.shape)}")
+    R, I = x.shape[0], w13.shape[1] // 2
+    act = _out(out, (R, I), x)
+    h = _out(h_out, (R, 2 * I), x) if store_h else None
+    cfg = config or default_config("gemm1_swiglu", R, I, x.shape[1])
+    launch_grouped_gemm(x, w13, offs, act, cfg, n=I, w_kn=False, epilogue=EPI_SWIGLU, h=h, store_h=store_h, n_up=I)
+    return act, h
+
+
+def gemm2(act: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, *, scale: torch.Tensor | None = None,
+          out: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+    """out [R, H] = s[r] * act @ w2[e]^T (s optional fp32 [R])."""
+    check_grouped(act, w2, offs, w2.shape[2], "gemm2")
+    _check_bf16("gemm2", act, w2)
+    _check_scale(scale, act.shape[0], "gemm2")
+    out = _out(out, (act.shape[0], w2.shape[1]), act)
+    cfg = config or default_config("gemm2", act.shape[0], w2.shape[1], act.shape[1])
+    launch_grouped_gemm(act, w2, offs, out, cfg, n=w2.shape[1], w_kn=False, epilogue=EPI_NONE, scale=scale)
+    return out
+
+
+def gemm2_dgrad_swiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, offs: torch.Tensor, *,
+                       scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                       config: GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dh [R, 2I] = d(silu(g) * u) for dact = s[r] * dy @ w2[e]; with scale also ds [R] = <dy, act @ w2^T>."""
+    check_grouped(dy, w2, offs, w2.shape[1], "gemm2_dgrad_swiglu")
+    _check_bf16("gemm2_dgrad_swiglu", dy, w2, h)
+    R, I = dy.shape[0], w2.shape[2]
+    if tuple(h.shape) != (R, 2 * I) or not h.is_contiguous():
+        raise ValueError(f"gemm2_dgrad_swiglu: h must be contiguous [R, 2I] = {(R, 2 * I)}, got {tuple(h.shape)}")
+    _check_scale(scale, R, "gemm2_dgrad_swiglu")
+    dh = _out(out, (R, 2 * I), dy)
+    cfg = config or default_config("dgrad_swiglu", R, I, dy.shape[1])
+    dsp = None
+    if scale is not None:
+        dsp = torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dy.device, dtype=torch.float32)
+    launch_grouped_gemm(dy, w2, offs, dh, cfg, n=I, w_kn=True, epilogue=EPI_DSWIGLU, h=h, scale=scale, dsp=dsp)
+    return dh, (dsp.sum(0) if dsp is not None else None)
+
+
+def gemm1_dgrad(dh: torch.Tensor, w13: torch.Tensor, offs: torch.Tensor, *, out: torch.Tensor | None = None,
+                config: GemmConfig | None = None) -> torch.Tensor:
+    """dx [R, H] = dh @ w13[e]."""
+    check_grouped(dh, w13, offs, w13.shape[1], "gemm1_dgrad")
+    _check_bf16("gemm1_dgrad", dh, w13)
+    out = _out(out, (dh.shape[0], w13.shape[2]), dh)
+    cfg = config or default_config("dgrad1", dh.shape[0], w13.shape[2], dh.shape[1])
+    launch_grouped_gemm(dh, w13, offs, out, cfg, n=w13.shape[2], w_kn=True, epilogue=EPI_NONE)
+    return out
+
+
+def grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, *, out_dtype: torch.dtype = torch.float32,
+                  config: GemmConfig | None = None) -> torch.Tensor:
+    """c [E_l, M, N] with c[e] = x[rows_e]^T @ y[rows_e]; x [R, M], y [R, N]. Deterministic (no atomics)."""
+    _check_bf16("grouped_wgrad", x, y)
+    if x.dim() != 2 or y.dim() != 2 or x.shape[0] != y.shape[0] or not (x.is_contiguous() and y.is_contiguous()):
+        raise ValueError(f"grouped_wgrad: x [R, M] and y [R, N] must be contiguous with equal R, got "
+                         f"{tuple(x.shape)} and {tuple(y.shape)}")
+    if offs.dtype != torch.int32 or offs.dim() != 1:
+        raise ValueError("grouped_wgrad: offs must be an int32 [E_l + 1] tensor")
+    E_l = offs.numel() - 1
+    out = torch.empty((E_l, x.shape[1], y.shape[1]), device=x.device, dtype=out_dtype)
+    cfg = config or default_config("wgrad", x.shape[0], y.shape[1], x.shape[1])
+    launch_grouped_wgrad(x, y, offs, out, cfg)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- FP8 ops
+def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] -> (q [R, K] float8_e4m3fn, s [R, cdiv(K, 128)] fp32), x ~= q * s per 1x128 block."""
+    return _q.quantize_act(x, pow2_scale=pow2_scale)
+
+
+def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E_l, N, K] -> (q float8_e4m3fn, s [E_l, cdiv(N, 128), cdiv(K, 128)] fp32) per 128x128 block."""
+    return _q.quantize_weight(w, pow2_scale=pow2_scale)
+
+
+def grouped_gemm_fp8(aq, a_s, wq, w_s, offs, *, scale=None, out=None, config=None) -> torch.Tensor:
+    """out [R, N] bf16 = s[r] * dequant(aq) @ dequant(wq[e])^T; wq [E_l, N, K] (transpose weights for dgrad)."""
+    check_fp8(aq, a_s, wq, w_s, offs, "grouped_gemm_fp8")
+    _check_scale(scale, aq.shape[0], "grouped_gemm_fp8")
+    out = _out(out, (aq.shape[0], wq.shape[1]), aq)
+    cfg = config or default_config("grouped_gemm_fp8", aq.shape[0], wq.shape[1], aq.shape[1])
+    launch_grouped_gemm_fp8(aq, a_s, wq, w_s, offs, out, cfg, n=wq.shape[1], epilogue=EPI_NONE, scale=scale)
+    return out
+
+
+def gemm1_swiglu_fp8(xq, x_s, w13q, w13_s, offs, *, store_h=True, config=None):
+    """FP8 GEMM1 + SwiGLU: (act [R, I] bf16, h [R, 2I] bf16 or None)."""
+    check_fp8(xq, x_s, w13q, w13_s, offs, "gemm1_swiglu_fp8")
+    R, I = xq.shape[0], w13q.shape[1] // 2
+    act = torch.empty((R, I), device=xq.device, dtype=torch.bfloat16)
+    h = torch.empty((R, 2 * I), device=xq.device, dtype=torch.bfloat16) if store_h else None
+    cfg = config or default_config("gemm1_swiglu_fp8", R, I, xq.shape[1])
+    launch_grouped_gemm_fp8(xq, x_s, w13q, w13_s, offs, act, cfg, n=I, epilogue=EPI_SWIGLU, h=h,
+                            store_h=store_h, n_up=I)
+    return act, h
+
+
+def gemm2_fp8(aq, a_s, w2q, w2_s, offs, *, scale=None, config=None) -> torch.Tensor:
+    """FP8 GEMM2: out [R, H] bf16 = s[r] * act @ w2[e]^T."""
+    return grouped_gemm_fp8(aq, a_s, w2q, w2_s, offs, scale=scale,
+                            config=config or default_config("gemm2_fp8", aq.shape[0], w2q.shape[1], aq.shape[1]))
+
+
+def gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, config=None):
+    """FP8 dgrad of GEMM2 through SwiGLU; w2t = quantize_weight(w2.transpose(1, 2)) [E_l, I, H]."""
+    check_fp8(dyq, dy_s, w2tq, w2t_s, offs, "gemm2_dgrad_swiglu_fp8")
+    R, I = dyq.shape[0], w2tq.shape[1]
+    if tuple(h.shape) != (R, 2 * I) or h.dtype != torch.bfloat16 or not h.is_contiguous():
+        raise ValueError(f"gemm2_dgrad_swiglu_fp8: h must be contiguous bf16 [R, 2I] = {(R, 2 * I)}")
+    _check_scale(scale, R, "gemm2_dgrad_swiglu_fp8")
+    cfg = config or default_config("dgrad_swiglu_fp8", R, I, dyq.shape[1])
+    dh = torch.empty((R, 2 * I), device=dyq.device, dtype=torch.bfloat16)
+    dsp = None
+    if scale is not None:
+        dsp = torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dyq.device, dtype=torch.float32)
+    launch_grouped_gemm_fp8(dyq, dy_s, w2tq, w2t_s, offs, dh, cfg, n=I, epilogue=EPI_DSWIGLU, h=h, scale=scale,
+                            dsp=dsp)
+    return dh, (dsp.sum(0) if dsp is not None else None)
+
+
+def gemm1_dgrad_fp8(dhq, dh_s, w13tq, w13t_s, offs, *, config=None) -> torch.Tensor:
+    """FP8 dgrad of GEMM1: dx [R, H] = dh @ w13[e]; w13t = quantize_weight(w13.transpose(1, 2)) [E_l, H, 2I]."""
+    return grouped_gemm_fp8(dhq, dh_s, w13tq, w13t_s, offs,
+                            config=config or default_config("dgrad1_fp8", dhq.shape[0], w13tq.shape[1],
+                                                            dhq.shape[1]))
+
+
+# ---------------------------------------------------------------------------------------------- autograd
+class ExpertsFn(torch.autograd.Function):
+    """out = s[r] * (silu(x @ w13_g^T) * (x @ w13_u^T)) @ w2^T over expert-grouped rows (bf16, Triton).
+
+    forward: gemm1_swiglu (keeps h) + gemm2 (gate scale in the epilogue). Saves x, h, act.
+    backward: dW2 = (s * dy)^T @ act, dh = gemm2_dgrad_swiglu(dy), dx = dh @ w13, dW13 = dh^T @ x,
+    ds = <dy, act @ w2^T>. Weight gradients are deterministic; dx padding rows are zero.
+    """
+
+    @staticmethod
+    def forward(ctx, x, offs, w13, w2, scale=None):
+        act, h = gemm1_swiglu(x, w13, offs, store_h=True)
+        out = gemm2(act, w2, offs, scale=scale)
+        ctx.save_for_backward(x, offs, w13, w2, h, act, scale)
+        ctx.has_scale = scale is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, offs, w13, w2, h, act, scale = ctx.saved_tensors
+        dy = dy.contiguous()
+        dh, ds = gemm2_dgrad_swiglu(dy, w2, h, offs, scale=scale)
+        dx = dw13 = dw2 = None
+        if ctx.needs_input_grad[0]:
+            dx = gemm1_dgrad(dh, w13, offs, out=torch.zeros_like(x))
+        if ctx.needs_input_grad[3]:
+            dys = (dy * scale[:, None]).to(dy.dtype) if scale is not None else dy
+            dw2 = grouped_wgrad(dys, act, offs, out_dtype=w2.dtype)
+        if ctx.needs_input_grad[2]:
+            dw13 = grouped_wgrad(dh, x, offs, out_dtype=w13.dtype)
+        return dx, None, dw13, dw2, (ds if ctx.has_scale else None)
+
+
+def experts_mlp(x: torch.Tensor, offs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Autograd entry: ExpertsFn.apply(x, offs, w13, w2, scale)."""
+    return ExpertsFn.apply(x, offs, w13, w2, scale)
+
+
+# ---------------------------------------------------------------------------------------------- references
+def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+    o = offs.tolist()
+    return [(o[e], o[e + 1]) for e in range(len(o) - 1)]
+
+
+def grouped_gemm_ref(a, w, offs, *, w_layout="nk", scale=None):
+    """Twin of grouped_gemm, computed in a's dtype; padding rows 0."""
+    n = w.shape[2] if w_layout == "kn" else w.shape[1]
+    out = torch.zeros((a.shape[0], n), dtype=a.dtype, device=a.device)
+    for e, (s0, s1) in enumerate(_bounds(offs)):
+        if s1 > s0:
+            we = w[e].to(a.dtype)
+            out[s0:s1] = a[s0:s1] @ (we if w_layout == "kn" else we.T)
+    if scale is not None:
+        out = out * scale.to(a.dtype)[:, None]
+    return out
+
+
+def gemm1_swiglu_ref(x, w13, offs):
+    """(act, h) twin of gemm1_swiglu."""
+    h = grouped_gemm_ref(x, w13, offs)
+    I = w13.shape[1] // 2
+    return F.silu(h[:, :I]) * h[:, I:], h
+
+
+def gemm2_ref(act, w2, offs, *, scale=None):
+    return grouped_gemm_ref(act, w2, offs, scale=scale)
+
+
+def gemm2_dgrad_swiglu_ref(dy, w2, h, offs, *, scale=None):
+    """(dh, ds) twin of gemm2_dgrad_swiglu (ds None without scale)."""
+    dact = grouped_gemm_ref(dy, w2, offs, w_layout="kn")
+    I = w2.shape[2]
+    g, u = h[:, :I].to(dy.dtype), h[:, I:].to(dy.dtype)
+    sig = torch.sigmoid(g)
+    ds = None
+    if scale is not None:
+        ds = (dact * (g * sig) * u).sum(1)
+        dact = dact * scale.to(dy.dtype)[:, None]
+    dg = dact * u * sig * (1 + g * (1 - sig))
+    du = dact * g * sig
+    return torch.cat([dg, du], 1), ds
+
+
+def gemm1_dgrad_ref(dh, w13, offs):
+    return grouped_gemm_ref(dh, w13, offs, w_layout="kn")
+
+
+def grouped_wgrad_ref(x, y, offs):
+    E_l = offs.numel() - 1
+    out = torch.zeros((E_l, x.shape[1], y.shape[1]), dtype=x.dtype, device=x.device)
+    for e, (s0, s1) in enumerate(_bounds(offs)):
+        out[e] = x[s0:s1].T @ y[s0:s1]
+    return out
+
+
+def experts_mlp_ref(x, offs, w13, w2, scale=None):
+    """Twin of experts_mlp, differentiable through torch autograd (use float64 leaves for a reference)."""
+    act, _ = gemm1_swiglu_ref(x, w13, offs)
+    return gemm2_ref(act, w2, offs, scale=scale)
+
+
+quantize_act_ref = _q.quantize_act_ref
+quantize_weight_ref = _q.quantize_weight_ref
+dequantize_act_ref = _q.dequantize_act_ref
+dequantize_weight_ref = _q.dequantize_weight_ref

@@ -1,0 +1,167 @@
+"""FP8 (e4m3) block quantisation: 1x128 for activations, 128x128 for weights (the DeepSeek-V3 recipe).
+
+Shape legend: R rows, K reduction columns, E_l experts, N weight rows.
+    activations  x [R, K]       -> q [R, K] float8_e4m3fn, s [R, cdiv(K, 128)] fp32      x[r, k] ~ q * s[r, k // 128]
+    weights      w [E_l, N, K]  -> q float8_e4m3fn, s [E_l, cdiv(N, 128), cdiv(K, 128)] fp32
+Scale = amax(|block|) / 448 (448 = largest e4m3 value), floored at 1e-12 so zero blocks quantise to 0; with
+``pow2_scale`` the scale is rounded up to a power of two (exact rescaling, as some recipes want).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megamoe.kernels.gemm_config import interpreting
+
+FP8_MAX = 448.0
+QBLOCK = 128
+
+
+@triton.jit
+def _scale_of(amax, POW2: tl.constexpr):
+    s = tl.maximum(amax, 1e-12) / 448.0
+    if POW2:
+        s = tl.exp2(tl.ceil(tl.log2(s)))
+    return s
+
+
+@triton.jit
+def _to_e4m3(v, RNE_IN_FP32: tl.constexpr):
+    """Cast |v| <= 448 to e4m3. The interpreter's fp8 cast rounds wrongly (seen: 124.3 -> 64, ties away
+    from even) but converts representable values exactly, so there (RNE_IN_FP32) we round to the e4m3 grid
+    in fp32 first: ulp = 2^(max(floor(log2|v|), -6) - 3), round half to even."""
+    if RNE_IN_FP32:
+        a = tl.abs(v)
+        ex = tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), -6.0)
+        ulp = tl.exp2(ex - 3.0)
+        t = a / ulp
+        f = tl.floor(t)
+        d = t - f
+        odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+        up = (d > 0.5) | ((d == 0.5) & odd)
+        r = tl.where(up, f + 1.0, f) * ulp
+        v = tl.where(v < 0, -r, r)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quant_act_kernel(
+    x_ptr,   # x_RK [R, K] bf16/fp32, row stride stride_x
+    q_ptr,   # q_RK [R, K] fp8 e4m3, contiguous
+    s_ptr,   # s [R, n_kb] fp32
+    R, K, stride_x, n_kb,
+    BLOCK_R: tl.constexpr, POW2: tl.constexpr, RNE_IN_FP32: tl.constexpr,
+):
+    """Grid: (cdiv(R, BLOCK_R), n_kb). s[r, kb] = amax(x[r, kb*128 : +128]) / 448; q = x / s."""
+    pid_r = tl.program_id(0)
+    kb = tl.program_id(1)
+    rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    rk = kb * 128 + tl.arange(0, 128)
+    mask = (rr < R)[:, None] & (rk < K)[None, :]
+    rr64 = rr.to(tl.int64)
+    x = tl.load(x_ptr + rr64[:, None] * stride_x + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = _scale_of(tl.max(tl.abs(x), axis=1), POW2)
+    q = tl.clamp(x / s[:, None], -448.0, 448.0)
+    tl.store(q_ptr + rr64[:, None] * K + rk[None, :], _to_e4m3(q, RNE_IN_FP32), mask=mask)
+    tl.store(s_ptr + rr64 * n_kb + kb, s, mask=rr < R)
+
+
+@triton.jit
+def _quant_weight_kernel(
+    w_ptr,   # w [E_l, N, K] bf16/fp32 contiguous
+    q_ptr,   # q [E_l, N, K] fp8 e4m3
+    s_ptr,   # s [E_l, n_nb, n_kb] fp32
+    N, K, n_nb, n_kb,
+    POW2: tl.constexpr, RNE_IN_FP32: tl.constexpr,
+):
+    """Grid: (E_l, n_nb, n_kb). One 128x128 block: s = amax / 448, q = w / s."""
+    e = tl.program_id(0)
+    nb = tl.program_id(1)
+    kb = tl.program_id(2)
+    rn = nb * 128 + tl.arange(0, 128)
+    rk = kb * 128 + tl.arange(0, 128)
+    mask = (rn < N)[:, None] & (rk < K)[None, :]
+    off = e.to(tl.int64) * N * K + rn.to(tl.int64)[:, None] * K + rk[None, :]
+    w = tl.load(w_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    s = _scale_of(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
+    q = tl.clamp(w / s, -448.0, 448.0)
+    tl.store(q_ptr + off, _to_e4m3(q, RNE_IN_FP32), mask=mask)
+    tl.store(s_ptr + (e * n_nb + nb) * n_kb + kb, s)
+
+
+def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] (bf16/fp32, unit inner stride) -> (q [R, K] float8_e4m3fn, s [R, cdiv(K, 128)] fp32)."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"quantize_act: x must be 2-D [R, K] with unit inner stride, got {tuple(x.shape)}")
+    R, K = x.shape
+    n_kb = triton.cdiv(K, QBLOCK)
+    q = torch.empty((R, K), device=x.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty((R, n_kb), device=x.device, dtype=torch.float32)
+    if R and K:
+        block_r = 32
+        _quant_act_kernel[(triton.cdiv(R, block_r), n_kb)](x, q, s, R, K, x.stride(0), n_kb, BLOCK_R=block_r,
+                                                           POW2=pow2_scale, RNE_IN_FP32=interpreting(), num_warps=4)
+    return q, s
+
+
+def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E_l, N, K] -> (q float8_e4m3fn [E_l, N, K], s [E_l, cdiv(N, 128), cdiv(K, 128)] fp32)."""
+    if w.dim() != 3:
+        raise ValueError(f"quantize_weight: w must be 3-D [E_l, N, K], got {tuple(w.shape)}")
+    w = w.contiguous()
+    E_l, N, K = w.shape
+    n_nb, n_kb = triton.cdiv(N, QBLOCK), triton.cdiv(K, QBLOCK)
+    q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
+    s = torch.empty((E_l, n_nb, n_kb), device=w.device, dtype=torch.float32)
+    if E_l and N and K:
+        _quant_weight_kernel[(E_l, n_nb, n_kb)](w, q, s, N, K, n_nb, n_kb, POW2=pow2_scale,
+                                                RNE_IN_FP32=interpreting(), num_warps=8)
+    return q, s
+
+
+# ---------------------------------------------------------------------------------------------- twins
+def _pad_to(x: torch.Tensor, dim: int, mult: int) -> torch.Tensor:
+    pad = (-x.shape[dim]) % mult
+    if pad == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+def _scale_ref(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
+    s = amax.float().clamp_min(1e-12) / FP8_MAX
+    if pow2:
+        s = torch.exp2(torch.ceil(torch.log2(s)))
+    return s
+
+
+def quantize_act_ref(x: torch.Tensor, *, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    R, K = x.shape
+    xp = _pad_to(x.float(), 1, QBLOCK).view(R, -1, QBLOCK)
+    s = _scale_ref(xp.abs().amax(-1), pow2_scale)
+    q = (xp / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(R, -1)[:, :K]
+    return q.contiguous(), s
+
+
+def quantize_weight_ref(w: torch.Tensor, *, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    E_l, N, K = w.shape
+    wp = _pad_to(_pad_to(w.float(), 1, QBLOCK), 2, QBLOCK)
+    nb, kb = wp.shape[1] // QBLOCK, wp.shape[2] // QBLOCK
+    blocks = wp.view(E_l, nb, QBLOCK, kb, QBLOCK)
+    s = _scale_ref(blocks.abs().amax(dim=(2, 4)), pow2_scale)
+    q = (blocks / s[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(E_l, nb * QBLOCK, kb * QBLOCK)[:, :N, :K].contiguous(), s
+
+
+def dequantize_act_ref(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    K = q.shape[1]
+    return q.to(dtype) * s.to(dtype).repeat_interleave(QBLOCK, 1)[:, :K]
+
+
+def dequantize_weight_ref(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    N, K = q.shape[1], q.shape[2]
+    full = s.to(dtype).repeat_interleave(QBLOCK, 1).repeat_interleave(QBLOCK, 2)
+    return q.to(dtype) * full[:, :N, :K]

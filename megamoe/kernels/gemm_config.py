@@ -1,0 +1,129 @@
+"""Launch configs of the grouped GEMM kernels: a named frozen dataclass, heuristic defaults, pinning.
+
+A config holds only what changes code generation or the launch: block sizes, the L2 swizzle height,
+pipeline depth, warps, the number of persistent programs and whether loads use TMA descriptors.
+``default_config(op, ...)`` picks one per shape; ``pin_config(op, cfg)`` (a context manager) or the
+``config=`` argument of every launcher in megamoe.experts overrides it, which is how tests force each path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    num_stages: int = 3
+    num_warps: int = 8
+    num_sms: int | None = None     # persistent programs; None: the device's SM count (4 under the interpreter)
+    use_tma: bool | None = None    # None: TMA descriptors when strides/pointers are 16-byte aligned
+
+    def with_(self, **kw) -> GemmConfig:
+        return replace(self, **kw)
+
+
+#: op names used by default_config / pin_config
+OPS = ("gemm1_swiglu", "gemm2", "dgrad_swiglu", "dgrad1", "wgrad", "gemm1_swiglu_fp8", "gemm2_fp8",
+       "dgrad_swiglu_fp8", "dgrad1_fp8", "grouped_gemm", "grouped_gemm_fp8")
+
+_PINNED: dict[str, GemmConfig] = {}
+
+
+@contextlib.contextmanager
+def pin_config(op: str, cfg: GemmConfig) -> Iterator[None]:
+    """Force ``cfg`` for every launch of ``op`` inside the block (ops: see OPS)."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; one of {OPS}")
+    old = _PINNED.get(op)
+    _PINNED[op] = cfg
+    try:
+        yield
+    finally:
+        if old is None:
+            _PINNED.pop(op, None)
+        else:
+            _PINNED[op] = old
+
+
+def default_config(op: str, rows: int, n: int, k: int) -> GemmConfig:
+    """Heuristic per shape (rows = buffer capacity R, n output columns, k reduction length).
+
+    bf16 (measured on H200, docs/perf-notes.md): 128 x 256 output tiles for the plain GEMMs, 128 x (2 x 128)
+    for SwiGLU (gate and up accumulators side by side), BLOCK_K 64, 8 warps. FP8: BLOCK_K 128 (one scale per
+    k-step), same output tiles. Under the interpreter: small tiles so the CPU tests stay fast.
+    """
+    if op in _PINNED:
+        return _PINNED[op]
+    if interpreting():
+        return GemmConfig(block_m=32, block_n=32, block_k=32 if "fp8" not in op else 128, group_m=2,
+                          num_stages=1, num_warps=4)
+    fp8 = op.endswith("fp8")
+    if op == "wgrad":
+        return GemmConfig(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8)
+    if op in ("gemm1_swiglu", "dgrad_swiglu", "gemm1_swiglu_fp8", "dgrad_swiglu_fp8"):
+        bn = 128
+    else:
+        bn = 256 if n >= 256 else 128
+    return GemmConfig(block_m=128, block_n=bn, block_k=128 if fp8 else 64, group_m=8,
+                      num_stages=4 if fp8 else 3, num_warps=8)
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1; also installs the interpreter shim below (once)."""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return False
+    _patch_interpreter_index()
+    return True
+
+
+_PATCHED = False
+
+
+def _patch_interpreter_index() -> None:
+    """Interpreter shim (triton 3.6 + numpy >= 2.3): scalars are 1-element arrays there and
+    ``int(np.array([3]))`` now raises, so ``for i in range(n)`` with a runtime n fails. Re-bind the patched
+    ``tensor.__index__`` to read the single element. Touches only the interpreter, only when it is on."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    from triton.runtime import interpreter as _interp
+
+    orig = _interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interp._patch_lang_tensor = patched
+    _PATCHED = True
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def grid_size(cfg: GemmConfig, max_tiles: int, device: torch.device) -> int:
+    p = cfg.num_sms if cfg.num_sms is not None else num_sms(device)
+    return max(0, min(p, max_tiles))
+
+
+def tma_ok(tensors: list[torch.Tensor]) -> bool:
+    """TMA descriptors need a 16-byte aligned base, unit inner stride and 16-byte aligned outer strides."""
+    for t in tensors:
+        if t.data_ptr() % 16 != 0 or t.stride(-1) != 1:
+            return False
+        for s in t.stride()[:-1]:
+            if (s * t.element_size()) % 16 != 0:
+                return False
+    return True

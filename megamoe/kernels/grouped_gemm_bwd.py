@@ -1,0 +1,112 @@
+"""Backward kernels of the expert MLP: deterministic grouped weight gradient (wgrad).
+
+Shape legend: R received rows, E_l local experts, M and N the two column counts of the operands.
+``offs`` int32 [E_l+1] on device, as in grouped_gemm.py.
+
+wgrad computes, for every local expert e, ``c[e] = x[rows_e]^T @ y[rows_e]`` ([M, N], reduction over the
+expert's rows). Used for dW2 = (s * dy)^T @ act ([H, I]) and dW13 = dh^T @ x ([2I, H]).
+
+Determinism: each program owns one (e, m-block, n-block) output tile and reduces over the expert's rows in
+a fixed order, no atomics, so two runs are bitwise equal. An expert with no rows gets a zero tile.
+
+dgrad kernels are the forward kernel of grouped_gemm.py with w read K-major (``W_KN``): dgrad of GEMM2
+runs the SwiGLU backward in its epilogue (``EPI_DSWIGLU``), dgrad of GEMM1 is plain.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from megamoe.kernels.gemm_config import GemmConfig, interpreting, tma_ok
+
+
+@triton.jit
+def _grouped_wgrad_kernel(
+    x_desc, x_ptr,      # x_RM [R, M] bf16 contiguous
+    y_desc, y_ptr,      # y_RN [R, N] bf16 contiguous
+    c_ptr,              # c [E_l, M, N] (fp32 or bf16) contiguous
+    offs_ptr,           # offs [E_l + 1] int32
+    M, N,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Grid: (E_l * cdiv(M, BM) * cdiv(N, BN),). Program -> (e, mi, ni) (GROUP_M swizzle inside e):
+        acc = sum over row chunks r of offs[e]..offs[e+1] (BLOCK_K rows each, in order) of x[r]^T @ y[r]
+    Full chunks ride TMA; the last partial chunk is loaded, then rows >= offs[e+1] are zeroed in both
+    operands (padding may hold NaN: 0 * NaN would leak).
+    """
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_e = tiles_m * tiles_n
+    e = pid // per_e
+    local = pid % per_e
+    width = GROUP_M * tiles_n
+    first_m = (local // width) * GROUP_M
+    gsz = tl.minimum(tiles_m - first_m, GROUP_M)
+    mi = first_m + (local % width) % gsz
+    ni = (local % width) // gsz
+    off_m = mi * BLOCK_M
+    off_n = ni * BLOCK_N
+    start = tl.load(offs_ptr + e)
+    end = tl.load(offs_ptr + e + 1)
+    n_rows = tl.maximum(end - start, 0)
+    n_full = n_rows // BLOCK_K
+    rm = off_m + tl.arange(0, BLOCK_M)
+    rn = off_n + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(n_full):
+        r0 = start + ki * BLOCK_K
+        if USE_TMA:
+            x = x_desc.load([r0, off_m])
+            y = y_desc.load([r0, off_n])
+        else:
+            rk = (r0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+            x = tl.load(x_ptr + rk[:, None] * M + rm[None, :], mask=(rm < M)[None, :], other=0.0)
+            y = tl.load(y_ptr + rk[:, None] * N + rn[None, :], mask=(rn < N)[None, :], other=0.0)
+        if DOT_F32:
+            x = x.to(tl.float32)
+            y = y.to(tl.float32)
+        acc = tl.dot(x.T, y, acc)
+    r0 = start + n_full * BLOCK_K
+    if r0 < end:
+        rk = r0 + tl.arange(0, BLOCK_K)
+        valid = rk < end
+        rk64 = rk.to(tl.int64)
+        x = tl.load(x_ptr + rk64[:, None] * M + rm[None, :], mask=valid[:, None] & (rm < M)[None, :], other=0.0)
+        y = tl.load(y_ptr + rk64[:, None] * N + rn[None, :], mask=valid[:, None] & (rn < N)[None, :], other=0.0)
+        if DOT_F32:
+            x = x.to(tl.float32)
+            y = y.to(tl.float32)
+        acc = tl.dot(x.T, y, acc)
+    c_ptrs = c_ptr + e.to(tl.int64) * M * N + rm.to(tl.int64)[:, None] * N + rn[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+def launch_grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
+                         cfg: GemmConfig) -> None:
+    R, M = x.shape
+    N = y.shape[1]
+    E_l = out.shape[0]
+    BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
+    ok = tma_ok([x, y])
+    if cfg.use_tma and not ok:
+        raise ValueError("grouped_wgrad: config pins use_tma=True, but TMA needs 16-byte aligned row strides "
+                         f"(bf16: column counts multiple of 8); got x {tuple(x.shape)}, y {tuple(y.shape)}")
+    use_tma = ok if cfg.use_tma is None else bool(cfg.use_tma)
+    if use_tma:
+        x_desc = TensorDescriptor.from_tensor(x, [BK, BM])
+        y_desc = TensorDescriptor.from_tensor(y, [BK, BN])
+    else:
+        x_desc = y_desc = None
+    grid = E_l * triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    if grid == 0:
+        return
+    _grouped_wgrad_kernel[(grid,)](
+        x_desc, x, y_desc, y, out, offs, M, N,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.group_m, USE_TMA=use_tma, DOT_F32=interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
