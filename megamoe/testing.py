@@ -103,10 +103,11 @@ def layer_case(case: LayerCase, backend: str, device: torch.device, group=None, 
 
     # --- float64 reference on the global batch, from the same (rounded) weights ---
     ref_cfg = dataclasses.replace(cfg, dtype=torch.float64)
-    xr, rw, r13, r2 = (t.to(cfg.dtype).double().clone().requires_grad_() for t in (x_all, router_w, w13, w2))
-    rb = None if bias is None else bias.float().double()
-    y_ref, _ = moe_forward(xr, rw, r13, r2, ref_cfg, rb, offset.float().double() if case.offset else None)
-    ref_grads = _grads((y_ref * g_all).sum(), (xr, rw, r13, r2))
+    xr, rw, r13, r2 = (t.to(cfg.dtype).double().to(device).requires_grad_() for t in (x_all, router_w, w13, w2))
+    rb = None if bias is None else bias.float().double().to(device)
+    ro = offset.float().double().to(device) if case.offset else None
+    y_ref, _ = moe_forward(xr, rw, r13, r2, ref_cfg, rb, ro)
+    ref_grads = _grads((y_ref * g_all.to(device)).sum(), (xr, rw, r13, r2))
 
     drouter = drouter.double()
     if world > 1:
@@ -146,6 +147,12 @@ def _route_ids(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 
 #: the edge cases every backend is checked on (tiny preset; world size w -> tokens per rank)
 def standard_cases(world: int) -> list[LayerCase]:
+    """Tiny-preset cases for ``world`` ranks (E = 8, or 4*world when world does not divide 8)."""
+    experts = 8 if 8 % world == 0 else 4 * world
+    return [dataclasses.replace(c, overrides={"num_experts": experts, **c.overrides}) for c in _cases(world)]
+
+
+def _cases(world: int) -> list[LayerCase]:
     even = tuple([24] * world)
     ragged = tuple(13 + 7 * r for r in range(world))  # token counts not multiples of any block size
     empty_rank = tuple(0 if r == world - 1 else 19 for r in range(world)) if world > 1 else (0,)
@@ -161,6 +168,15 @@ def standard_cases(world: int) -> list[LayerCase]:
                   overrides={"router": "sigmoid", "route_scale": 2.5}),  # DeepSeek-style router
     ]
     return cases
+
+
+def gpu_cases(world: int) -> list[LayerCase]:
+    """Full-width shapes for GPU runs: qwen3-30b-a3b experts (H 2048, I 768, 128 experts, top-8) in bf16."""
+    return [
+        LayerCase("bf16-qwen3-512", preset="qwen3-30b-a3b", dtype="bf16", tokens=tuple([512] * world)),
+        LayerCase("bf16-qwen3-ragged-skew", preset="qwen3-30b-a3b", dtype="bf16",
+                  tokens=tuple(300 + 77 * r for r in range(world)), offset={0: 3.0, 1: 2.5, 2: 2.0}),
+    ]
 
 
 #: tolerances of the checks (relative error vs float64)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megamoe.dist import spawn
-from megamoe.testing import TOLERANCE, layer_case, standard_cases
+from megamoe.testing import TOLERANCE, gpu_cases, layer_case, standard_cases
 
 
 def _rank_cases(rank: int, world: int, backend: str) -> list[dict]:
@@ -15,7 +15,7 @@ def _rank_cases(rank: int, world: int, backend: str) -> list[dict]:
 
 
 def check_results(results: list[list[dict]], world: int) -> None:
-    cases = {c.name: c for c in standard_cases(world)}
+    cases = {c.name: c for c in standard_cases(world) + gpu_cases(world)}
     for rank_results in results:
         for r in rank_results:
             tol = TOLERANCE[cases[r["case"]].dtype]
@@ -28,7 +28,7 @@ def check_results(results: list[list[dict]], world: int) -> None:
                 assert r["counts"][3] == 0 and r["counts"][6] == 0, "starved experts received tokens"
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])  # 1: no communication; 2, 4: gloo all-to-all
+@pytest.mark.parametrize("world", [1, 2, 3, 4])  # 1: no communication; 3: a world size that is not a power of 2
 def test_torch_backend_matches_reference(world):
     results = spawn(_rank_cases, world, "torch", timeout_s=600)
     check_results(results, world)

@@ -1,0 +1,340 @@
+"""``megamoe bench``: the MoE layer forward and forward+backward, backends side by side on the same inputs.
+
+How it runs:
+* under ``torchrun`` (one process per GPU): uses the process group torchrun describes;
+* otherwise it spawns its own ranks: ``--world N`` gloo CPU ranks when there is no GPU (default 2, preset
+  ``tiny``), or one NCCL rank per visible GPU.
+
+Per backend it reports, from the same weights and the same rotating inputs:
+* forward and forward+backward time: CUDA events (CPU: perf_counter) around each iteration, all ranks
+  started together (device sync + barrier before each iteration), the max over ranks per iteration, then the
+  median over iterations;
+* TFLOP/s: the forward expert flops of all ranks / W / time (x3 for forward+backward), see megamoe.perf;
+* ratio to the floor: time / floor, the floor of the busiest rank (megamoe.perf, measured ceilings);
+* relative error of the forward output against the float64 reference on the global batch (each rank
+  evaluates its own experts in float64 on every rank's routed tokens, the partial sums are all-reduced).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from megamoe.config import PRESETS, parse_dtype, preset
+from megamoe.dist import init_from_env, spawn, under_torchrun
+from megamoe.perf import ceilings_for, floor_seconds, forward_flops, run_metadata
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megamoe bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="layer shape (default: tiny without GPUs, deepseek-v3 with GPUs)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default: 64 on CPU, 4096 on GPU)")
+    p.add_argument("--skew", type=float, default=0.0,
+                   help="routing skew: a logit offset falling linearly from SKEW to 0 across the experts")
+    p.add_argument("--dtype", default="bf16", help="layer dtype (bf16, fp32, ...)")
+    p.add_argument("--backends", default=None,
+                   help="comma-separated backends (default: every backend available here)")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (default: 20 GPU, 5 CPU)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default: 5 GPU, 1 CPU)")
+    p.add_argument("--world", type=int, default=None,
+                   help="ranks to spawn when not under torchrun (CPU default 2; GPU default: all GPUs)")
+    p.add_argument("--cpu", action="store_true", help="use CPU ranks even if GPUs are present")
+    p.add_argument("--no-check", action="store_true", help="skip the float64 reference check")
+    p.add_argument("--json", default=None, help="write results here (default: benchmarks/results/<auto>.json "
+                                                 "on GPU, nothing on CPU)")
+    p.add_argument("--png", default=None, help="draw a bar chart here (needs matplotlib)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    return p
+
+
+def _defaults(args, on_gpu: bool) -> argparse.Namespace:
+    args = argparse.Namespace(**vars(args))
+    if args.preset is None:
+        args.preset = "deepseek-v3" if on_gpu else "tiny"
+    if args.tokens is None:
+        args.tokens = 4096 if on_gpu else 64
+    if args.iters is None:
+        args.iters = 20 if on_gpu else 5
+    if args.warmup is None:
+        args.warmup = 5 if on_gpu else 1
+    if args.tokens < 0 or args.iters < 1 or args.warmup < 0:
+        raise SystemExit("megamoe bench: --tokens must be >= 0, --iters >= 1, --warmup >= 0")
+    return args
+
+
+class _Timer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def start(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, t0) -> float:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            ev.synchronize()
+            return t0.elapsed_time(ev) * 1e-3
+        return time.perf_counter() - t0
+
+
+def _progress(msg: str, enabled: bool, step: bool = False) -> None:
+    """One updating line on a terminal; on a pipe or log file, one line per stage (``step`` False)."""
+    if not enabled:
+        return
+    if sys.stderr.isatty():
+        sys.stderr.write(f"\r[megamoe bench] {msg:<70}")
+    elif not step:
+        sys.stderr.write(f"[megamoe bench] {msg}\n")
+    sys.stderr.flush()
+
+
+def _max_over_ranks(times: list[float], device) -> list[float]:
+    t = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.cpu().tolist()
+
+
+def _reference_error(moe, x: torch.Tensor, y: torch.Tensor) -> float:
+    """||y - y_ref|| / ||y_ref|| over the global batch; the routing is the layer's own (shared by backends)."""
+    from megamoe.reference import experts_ref
+
+    W = moe.world
+    with torch.no_grad():
+        r = moe.router(x)
+        T = torch.tensor([x.shape[0]], device=x.device)
+        Ts = [torch.zeros_like(T) for _ in range(W)]
+        dist.all_gather(Ts, T)
+        Ts = [int(t) for t in torch.cat(Ts).tolist()]
+        Tmax = max(Ts)
+
+        def gather(t):
+            pad = t.new_zeros((Tmax,) + tuple(t.shape[1:]))
+            pad[: t.shape[0]] = t
+            parts = [torch.empty_like(pad) for _ in range(W)]
+            dist.all_gather(parts, pad)
+            return torch.cat([p[:n] for p, n in zip(parts, Ts, strict=True)])
+
+        x_all = gather(x.double())
+        idx_all = gather(r.topk_idx)
+        w_all = gather(r.topk_w.double())
+        y_part = experts_ref(x_all, idx_all, w_all, moe.w13.double(), moe.w2.double(), moe.expert_offset)
+        dist.all_reduce(y_part)
+        lo = sum(Ts[: moe.rank])
+        ref = y_part[lo: lo + x.shape[0]]
+        num = (y.double() - ref).norm() ** 2
+        den = ref.norm() ** 2
+        nd = torch.stack([num, den])
+        dist.all_reduce(nd)
+        num, den = nd.tolist()
+        if not math.isfinite(num):
+            return math.inf
+        return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
+    """The benchmark on one rank of an initialised process group; rank 0 returns the results."""
+    from megamoe.backends import available_backends
+    from megamoe.layer import MoE
+
+    W, rank = dist.get_world_size(), dist.get_rank()
+    cfg = preset(args.preset, dtype=parse_dtype(args.dtype))
+    cfg = cfg.replace(max_tokens_per_rank=max(cfg.max_tokens_per_rank, args.tokens))
+    cfg.validate_world(W)
+    backends = args.backends.split(",") if args.backends else available_backends(device)
+    show = rank == 0 and not args.quiet
+    ceil = ceilings_for(device)
+
+    gen = torch.Generator(device=device).manual_seed(args.seed * 7 + rank + 1)
+    n_sets = 4 if device.type == "cuda" else 2  # rotate inputs so L2 does not flatter
+    xs = [torch.randn(args.tokens, cfg.hidden, generator=gen, device=device, dtype=cfg.dtype)
+          for _ in range(n_sets)]
+    dys = [torch.randn(args.tokens, cfg.hidden, generator=gen, device=device, dtype=cfg.dtype)
+           for _ in range(n_sets)]
+    offset = None
+    if args.skew:
+        offset = torch.linspace(args.skew, 0.0, cfg.num_experts, device=device)
+
+    timer = _Timer(device)
+    results = []
+    rows_per_rank = None
+    for name in backends:
+        moe = MoE(cfg, backend=name, device=device, seed=args.seed)
+        if offset is not None:
+            moe.router.set_logit_offset(offset)
+        if rows_per_rank is None:
+            with torch.no_grad():
+                counts = moe.router(xs[0]).tokens_per_expert.clone()
+            dist.all_reduce(counts)
+            rows_per_rank = counts.view(W, -1).sum(1).tolist()
+        entry = {"backend": name}
+        for mode in ("forward", "forward+backward"):
+            times = []
+            for it in range(args.warmup + args.iters):
+                x = xs[it % n_sets].detach().requires_grad_()
+                moe.zero_grad(set_to_none=True)
+                t0 = timer.start()
+                out = moe(x)
+                if mode == "forward+backward":
+                    out.out.backward(dys[it % n_sets])
+                dt = timer.stop(t0)
+                if it >= args.warmup:
+                    times.append(dt)
+                _progress(f"{name} {mode} {it + 1}/{args.warmup + args.iters}", show, step=it > 0)
+                del out
+            per_iter = _max_over_ranks(times, device)
+            entry[mode] = {"median_s": statistics.median(per_iter), "min_s": min(per_iter),
+                           "max_s": max(per_iter), "iters": len(per_iter)}
+        if not args.no_check:
+            _progress(f"{name} reference check", show)
+            with torch.no_grad():
+                y = moe(xs[0]).out
+            entry["rel_err"] = _reference_error(moe, xs[0], y)
+        results.append(entry)
+        del moe
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if show and sys.stderr.isatty():
+        sys.stderr.write("\n")
+
+    busiest = max(rows_per_rank)
+    total_rows = sum(rows_per_rank)
+    for entry in results:
+        for mode, passes in (("forward", 1.0), ("forward+backward", 3.0)):
+            m = entry[mode]
+            m["tflops"] = passes * forward_flops(cfg, total_rows) / W / m["median_s"] / 1e12
+            floor = floor_seconds(cfg, busiest, W, ceil, passes)
+            m["floor_s"] = floor
+            m["x_floor"] = m["median_s"] / floor if floor else None
+    if rank != 0:
+        return None
+    return {
+        "meta": run_metadata(device, W),
+        "config": {"preset": args.preset, "tokens_per_rank": args.tokens, "skew": args.skew,
+                   "dtype": str(cfg.dtype).replace("torch.", ""), "world": W, "iters": args.iters,
+                   "warmup": args.warmup, "seed": args.seed, "hidden": cfg.hidden,
+                   "intermediate": cfg.intermediate, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
+                   "rows_per_rank": rows_per_rank},
+        "timing": "CUDA events (CPU: perf_counter) per iteration after device sync + barrier; "
+                  "max over ranks per iteration; median over iterations",
+        "results": results,
+    }
+
+
+def format_table(report: dict) -> str:
+    c = report["config"]
+    head = (f"megamoe bench: {c['preset']} (H={c['hidden']} I={c['intermediate']} E={c['num_experts']} "
+            f"k={c['top_k']}), {c['tokens_per_rank']} tokens/rank x {c['world']} ranks, {c['dtype']}, "
+            f"skew {c['skew']}, on {report['meta'].get('gpu') or 'CPU (gloo ranks)'}")
+    lines = [head, f"{'backend':<8} {'fwd ms':>9} {'TFLOP/s':>8} {'x floor':>8} {'fwd+bwd ms':>11} "
+                   f"{'TFLOP/s':>8} {'x floor':>8} {'rel err':>9}"]
+
+    def fx(v):
+        return f"{v:8.2f}" if v is not None else f"{'n/a':>8}"
+
+    for e in report["results"]:
+        f, b = e["forward"], e["forward+backward"]
+        err = e.get("rel_err")
+        lines.append(f"{e['backend']:<8} {f['median_s'] * 1e3:9.3f} {f['tflops']:8.4g} {fx(f['x_floor'])} "
+                     f"{b['median_s'] * 1e3:11.3f} {b['tflops']:8.4g} {fx(b['x_floor'])} "
+                     f"{(f'{err:9.2e}' if err is not None else 'skipped'):>9}")
+    floor = report["results"][0]["forward"]["floor_s"] if report["results"] else None
+    if floor:
+        lines.append(f"floor (busiest rank, measured ceilings): forward {floor * 1e3:.3f} ms, "
+                     f"forward+backward {report['results'][0]['forward+backward']['floor_s'] * 1e3:.3f} ms")
+    else:
+        lines.append("floor: n/a (no measured ceilings for this device)")
+    return "\n".join(lines)
+
+
+def draw_png(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [e["backend"] for e in report["results"]]
+    fwd = [e["forward"]["median_s"] * 1e3 for e in report["results"]]
+    both = [e["forward+backward"]["median_s"] * 1e3 for e in report["results"]]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xpos = range(len(names))
+    ax.bar([i - 0.2 for i in xpos], fwd, 0.4, label="forward")
+    ax.bar([i + 0.2 for i in xpos], both, 0.4, label="forward+backward")
+    r0 = report["results"][0] if report["results"] else None
+    if r0 and r0["forward"]["floor_s"]:
+        ax.axhline(r0["forward"]["floor_s"] * 1e3, color="k", ls="--", lw=1, label="forward floor")
+        ax.axhline(r0["forward+backward"]["floor_s"] * 1e3, color="gray", ls=":", lw=1, label="fwd+bwd floor")
+    ax.set_xticks(list(xpos), names)
+    ax.set_ylabel("ms (max over ranks, median)")
+    c = report["config"]
+    ax.set_title(f"{c['preset']}, {c['tokens_per_rank']} tok/rank x {c['world']}, {c['dtype']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _spawned_rank(rank: int, world: int, args: argparse.Namespace, device_type: str):
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    return run_rank(args, device)
+
+
+def _finish(report: dict, args, on_gpu: bool) -> None:
+    print(format_table(report))
+    path = args.json
+    if path is None and on_gpu:
+        stamp = report["meta"]["date"][:10]
+        path = os.path.join("benchmarks", "results",
+                            f"bench-{args.preset}-{args.tokens}-{report['config']['world']}gpu-{stamp}.json")
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {path}")
+    if args.png:
+        draw_png(report, args.png)
+        print(f"wrote {args.png}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw = build_parser().parse_args(argv)
+    if under_torchrun():
+        device = init_from_env("cpu" if raw.cpu else None)
+        on_gpu = device.type == "cuda"
+        args = _defaults(raw, on_gpu)
+        report = run_rank(args, device)
+        if report is not None:
+            _finish(report, args, on_gpu)
+        dist.destroy_process_group()
+        return 0
+    on_gpu = torch.cuda.is_available() and not raw.cpu
+    args = _defaults(raw, on_gpu)
+    if on_gpu:
+        world = args.world or torch.cuda.device_count()
+        if world > torch.cuda.device_count():
+            raise SystemExit(f"megamoe bench: --world {world} but only {torch.cuda.device_count()} GPUs")
+    else:
+        world = args.world or 2
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU ranks run the Triton kernels interpreted
+    preset(args.preset).validate_world(world)
+    reports = spawn(_spawned_rank, world, args, "cuda" if on_gpu else "cpu",
+                    device="cuda" if on_gpu else "cpu", timeout_s=3600)
+    _finish(reports[0], args, on_gpu)
+    return 0

@@ -1,0 +1,105 @@
+"""Measured ceilings, flop/byte formulas and run metadata shared by the benchmarks.
+
+Ceilings are the figures measured on the project's GPU machine (shared/MEASURED.md, 4x H200, 2026-11-29),
+not datasheet numbers. A GPU without an entry gets no floor (reported as n/a).
+
+Formulas (per rank, ``rows`` = (token, expert) pairs this rank's experts process):
+
+* forward flops   = 6 * rows * H * I            (GEMM1 2*rows*H*2I + GEMM2 2*rows*I*H)
+* forward bytes   = expert weights of the rank (3*E_l*H*I*elem) + rows * 2H * elem (rows in and out)
+* forward floor   = max(flops / matmul ceiling, bytes / HBM ceiling)
+* fwd+bwd floor   = 3x the forward floor's flops and bytes (dgrad + wgrad double the GEMM work; weights are
+                    read again and their gradients written)
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from dataclasses import asdict, dataclass
+
+import torch
+
+from megamoe.config import MoEConfig
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    matmul_bf16: float  # FLOP/s, measured dense GEMM
+    matmul_fp8: float  # FLOP/s
+    hbm: float  # bytes/s, device copy counting read + write
+    nvlink_pair: float  # bytes/s, one peer pair one direction
+    source: str
+
+
+#: substring of torch.cuda.get_device_name() -> ceilings measured on that GPU
+CEILINGS = {
+    "H200": Ceilings(790e12, 1438e12, 4.3e12, 394e9, "shared/MEASURED.md, 4x H200, 2026-11-29"),
+}
+
+
+def ceilings_for(device: torch.device) -> Ceilings | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in CEILINGS.items():
+        if key in name:
+            return value
+    return None
+
+
+def forward_flops(cfg: MoEConfig, rows: int) -> float:
+    return float(cfg.flops_forward(rows))
+
+
+def forward_bytes(cfg: MoEConfig, rows: int, world: int) -> float:
+    elem = torch.empty((), dtype=cfg.dtype).element_size()
+    return float(cfg.expert_weight_bytes(world) + rows * 2 * cfg.hidden * elem)
+
+
+def floor_seconds(cfg: MoEConfig, rows: int, world: int, ceil: Ceilings | None, passes: float = 1.0) -> float | None:
+    """Roofline floor of ``passes`` x the forward work on one rank (passes=3 for forward+backward)."""
+    if ceil is None:
+        return None
+    flops = passes * forward_flops(cfg, rows)
+    nbytes = passes * forward_bytes(cfg, rows, world)
+    return max(flops / ceil.matmul_bf16, nbytes / ceil.hbm)
+
+
+def git_commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("MEGAMOE_COMMIT", "unknown")
+
+
+def run_metadata(device: torch.device, world: int) -> dict:
+    import triton
+
+    meta = {
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "world": world,
+        "device": device.type,
+    }
+    if device.type == "cuda":
+        meta["gpu"] = torch.cuda.get_device_name(device)
+        meta["cuda"] = torch.version.cuda
+        meta["gpu_count"] = torch.cuda.device_count()
+        ceil = ceilings_for(device)
+        meta["ceilings"] = asdict(ceil) if ceil else None
+    else:
+        meta["gpu"] = None
+        meta["cpu"] = platform.processor() or platform.machine()
+    return meta

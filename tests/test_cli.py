@@ -1,0 +1,56 @@
+"""The command line: `megamoe bench` on CPU ranks writes a complete report; `megamoe info` runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "megamoe", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=600)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU default; GPUs run it under torchrun")
+def test_bench_cpu_default_writes_report(tmp_path):
+    out_json = tmp_path / "bench.json"
+    out_png = tmp_path / "bench.png"
+    proc = _run("bench", "--world", "2", "--iters", "2", "--warmup", "1", "--skew", "2.0",
+                "--json", str(out_json), "--png", str(out_png))
+    assert proc.returncode == 0, proc.stderr
+    assert "torch" in proc.stdout and "rel err" in proc.stdout
+    report = json.loads(out_json.read_text())
+    assert report["config"]["preset"] == "tiny" and report["config"]["world"] == 2
+    assert report["config"]["skew"] == 2.0
+    for key in ("commit", "date", "torch", "triton"):
+        assert report["meta"][key]
+    (entry,) = report["results"]
+    assert entry["backend"] == "torch"
+    assert 0 <= entry["rel_err"] < 1e-2  # bf16 layer vs float64 reference
+    for mode in ("forward", "forward+backward"):
+        assert entry[mode]["median_s"] > 0 and entry[mode]["iters"] == 2
+    assert sum(report["config"]["rows_per_rank"]) == 2 * 64 * 2  # ranks x tokens x top-k
+    assert out_png.stat().st_size > 1000
+
+
+def test_bench_rejects_bad_world():
+    proc = _run("bench", "--cpu", "--world", "3", "--iters", "1")
+    assert proc.returncode == 2
+    assert "divisible by the world size" in proc.stderr
+
+
+def test_cli_usage_and_info():
+    proc = _run("--help")
+    assert proc.returncode == 0 and "bench" in proc.stdout
+    assert _run("nonsense").returncode == 2
+    info = _run("info")
+    assert info.returncode == 0, info.stderr
+    assert "torch" in info.stdout and "backends:" in info.stdout

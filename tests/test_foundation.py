@@ -1,0 +1,136 @@
+"""Config validation, presets, routers, the reference against an explicit loop, and input checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megamoe import MoE, MoEConfig, preset
+from megamoe.backends import BackendUnavailable, available_backends
+from megamoe.config import PRESETS
+from megamoe.reference import moe_forward, moe_forward_loop
+from megamoe.router import route
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_presets_have_published_shapes():
+    shapes = {n: (c.hidden, c.intermediate, c.num_experts, c.top_k, c.router) for n, c in PRESETS.items()}
+    assert shapes["qwen3-30b-a3b"] == (2048, 768, 128, 8, "softmax")
+    assert shapes["deepseek-v3"] == (7168, 2048, 256, 8, "sigmoid")
+    assert shapes["mixtral-8x7b"] == (4096, 14336, 8, 2, "softmax")
+    assert shapes["gpt-oss-120b"] == (2880, 2880, 128, 4, "softmax")
+    assert "tiny" in PRESETS
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset("gpt-5")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(top_k=9, num_experts=8), "top_k"),  # k > E
+        (dict(hidden=0), "hidden"),  # non-positive size
+        (dict(router="relu"), "router"),  # unknown router kind
+        (dict(dtype="int8"), "dtype"),  # unsupported dtype
+        (dict(route_scale=0.0), "route_scale"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, match):
+    base = dict(hidden=64, intermediate=32, num_experts=8, top_k=2)
+    base.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        MoEConfig(**base)
+
+
+def test_world_size_must_divide_experts():
+    cfg = preset("tiny")  # E = 8
+    with pytest.raises(ValueError, match="divisible by the world size"):
+        cfg.local_experts(3)
+    assert cfg.local_experts(4) == 2
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_reference_matches_explicit_loop_float64(router):
+    cfg = preset("tiny", dtype=torch.float64, router=router, route_scale=2.5 if router == "sigmoid" else 1.0)
+    g = torch.Generator().manual_seed(3)
+    E, H, I = cfg.num_experts, cfg.hidden, cfg.intermediate
+    x = torch.randn(29, H, generator=g, dtype=torch.float64, requires_grad=True)
+    rw = (torch.randn(E, H, generator=g, dtype=torch.float64) * H**-0.5).requires_grad_()
+    w13 = (torch.randn(E, 2 * I, H, generator=g, dtype=torch.float64) * H**-0.5).requires_grad_()
+    w2 = (torch.randn(E, H, I, generator=g, dtype=torch.float64) * I**-0.5).requires_grad_()
+    bias = torch.randn(E, generator=g, dtype=torch.float64) * 0.3 if router == "sigmoid" else None
+    gy = torch.randn(29, H, generator=g, dtype=torch.float64)
+    y, _ = moe_forward(x, rw, w13, w2, cfg, bias)
+    grads = torch.autograd.grad((y * gy).sum(), (x, rw, w13, w2))
+    y_loop = moe_forward_loop(x, rw, w13, w2, cfg, bias)
+    grads_loop = torch.autograd.grad((y_loop * gy).sum(), (x, rw, w13, w2))
+    assert rel(y, y_loop) < 1e-12
+    for a, b in zip(grads, grads_loop, strict=True):
+        assert rel(a, b) < 1e-12
+
+
+def test_routers():
+    torch.manual_seed(0)
+    cfg = preset("tiny", dtype=torch.float32)
+    x = torch.randn(50, cfg.hidden)
+    w = torch.randn(cfg.num_experts, cfg.hidden) * 0.1
+    r = route(x, w, cfg)
+    assert r.topk_idx.shape == (50, cfg.top_k) and r.topk_w.dtype == torch.float32
+    torch.testing.assert_close(r.topk_w.sum(-1), torch.ones(50))  # normalised gates
+    assert int(r.tokens_per_expert.sum()) == 50 * cfg.top_k
+    # distinct experts per token
+    assert (r.topk_idx.sort(-1).values.diff(dim=-1) > 0).all()
+    # softmax-then-top-k picks the largest logits
+    ref_idx = (x @ w.t()).topk(cfg.top_k, -1).indices
+    assert torch.equal(r.topk_idx, ref_idx)
+    assert r.aux_loss.item() > 0
+    # sigmoid router: the bias moves the choice, not the gate values
+    scfg = cfg.replace(router="sigmoid", route_scale=2.5)
+    bias = torch.zeros(cfg.num_experts)
+    bias[4] = 100.0
+    rs = route(x, w, scfg, bias)
+    assert (rs.topk_idx == 4).any(-1).all()
+    torch.testing.assert_close(rs.topk_w.sum(-1), torch.full((50,), 2.5))
+    scores = torch.sigmoid(x @ w.t())
+    g = scores.gather(1, rs.topk_idx)
+    torch.testing.assert_close(rs.topk_w, 2.5 * g / g.sum(-1, keepdim=True))
+    # empty batch: zero loss, no NaN
+    r0 = route(x[:0], w, cfg)
+    assert r0.aux_loss.item() == 0.0 and r0.topk_idx.shape == (0, cfg.top_k)
+
+
+def test_bad_input_errors():
+    moe = MoE(preset("tiny", dtype=torch.float32))
+    H = moe.config.hidden
+    with pytest.raises(ValueError, match="hidden size"):
+        moe(torch.randn(4, H + 1))
+    with pytest.raises(TypeError, match="dtype"):
+        moe(torch.randn(4, H, dtype=torch.float64))
+    with pytest.raises(ValueError, match="2-D"):
+        moe(torch.randn(2, 4, H))
+    with pytest.raises(ValueError, match="contiguous"):
+        moe(torch.randn(H, 8).t())
+    out = moe(torch.randn(5, H))
+    assert out.out.shape == (5, H) and torch.isfinite(out.out).all()
+
+
+def test_backend_selection_never_falls_back():
+    cfg = preset("tiny", dtype=torch.float32)
+    with pytest.raises(ValueError, match="unknown backend"):
+        MoE(cfg, backend="nccl")
+    assert "torch" in available_backends("cpu")
+    for name in ("split", "fused"):
+        if name not in available_backends("cpu"):
+            with pytest.raises(BackendUnavailable):
+                MoE(cfg, backend=name)
+
+
+def test_import_does_no_work():
+    import subprocess
+    import sys
+
+    code = "import sys, megamoe; print('megamoe.layer' in sys.modules, 'triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
