@@ -77,6 +77,14 @@ def default_config(op: str, rows: int, n: int, k: int) -> GemmConfig:
                       num_stages=4 if fp8 else 3, num_warps=8)
 
 
+#: the compiled kernel of the last launch per kernel name (for register/spill reports: .n_regs, .n_spills)
+LAST_COMPILED: dict[str, object] = {}
+
+
+def record(name: str, compiled: object) -> None:
+    LAST_COMPILED[name] = compiled
+
+
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1; also installs the interpreter shim below (once)."""
     if os.environ.get("TRITON_INTERPRET", "0") != "1":

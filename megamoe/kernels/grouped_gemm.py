@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.kernels.gemm_config import GemmConfig, grid_size, interpreting, tma_ok
+from megamoe.kernels.gemm_config import GemmConfig, grid_size, interpreting, record, tma_ok
 
 EPI_NONE = 0
 EPI_SWIGLU = 1
@@ -264,7 +264,7 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ou
     if grid == 0:
         return
     dummy = out
-    _grouped_gemm_kernel[(grid,)](
+    k = _grouped_gemm_kernel[(grid,)](
         a_desc, a, w_desc, w, out, h if h is not None else dummy,
         scale if scale is not None else dummy, dsp if dsp is not None else dummy, offs,
         R, n, K, E_l, grid,
@@ -275,6 +275,7 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ou
         HAS_SCALE=scale is not None, STORE_H=store_h, USE_TMA=use_tma, DOT_F32=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    record("_grouped_gemm_kernel", k)
 
 
 __all__ = ["EPI_NONE", "EPI_SWIGLU", "EPI_DSWIGLU", "launch_grouped_gemm", "check_grouped"]

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.kernels.gemm_config import GemmConfig, interpreting, tma_ok
+from megamoe.kernels.gemm_config import GemmConfig, interpreting, record, tma_ok
 
 
 @triton.jit
@@ -105,8 +105,9 @@ def launch_grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, o
     grid = E_l * triton.cdiv(M, BM) * triton.cdiv(N, BN)
     if grid == 0:
         return
-    _grouped_wgrad_kernel[(grid,)](
+    k = _grouped_wgrad_kernel[(grid,)](
         x_desc, x, y_desc, y, out, offs, M, N,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.group_m, USE_TMA=use_tma, DOT_F32=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    record("_grouped_wgrad_kernel", k)

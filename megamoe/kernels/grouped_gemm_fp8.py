@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.kernels.gemm_config import GemmConfig, grid_size, interpreting, tma_ok
+from megamoe.kernels.gemm_config import GemmConfig, grid_size, interpreting, record, tma_ok
 from megamoe.kernels.grouped_gemm import _epilogue, _expert_tiles, _load_a, _load_b, _locate_tile
 
 
@@ -129,7 +129,7 @@ def launch_grouped_gemm_fp8(aq, a_s, wq, w_s, offs, out, cfg: GemmConfig, *, n: 
     if grid == 0:
         return
     dummy = out
-    _grouped_gemm_fp8_kernel[(grid,)](
+    k = _grouped_gemm_fp8_kernel[(grid,)](
         a_desc, aq, a_s, w_desc, wq, w_s, out, h if h is not None else dummy,
         scale if scale is not None else dummy, dsp if dsp is not None else dummy, offs,
         R, n, K, E_l, grid,
@@ -139,3 +139,4 @@ def launch_grouped_gemm_fp8(aq, a_s, wq, w_s, offs, out, cfg: GemmConfig, *, n: 
         EPILOGUE=epilogue, HAS_SCALE=scale is not None, STORE_H=store_h, USE_TMA=use_tma,
         DOT_F32=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    record("_grouped_gemm_fp8_kernel", k)

@@ -1,0 +1,269 @@
+"""Grouped GEMM kernels vs float64 twins: forward (SwiGLU, gate scale), dgrad, wgrad, autograd, FP8.
+
+On a machine without CUDA the real kernels run under TRITON_INTERPRET=1 at small sizes; tests marked gpu
+run on CUDA at larger sizes (``pytest -m gpu``). Padding rows of the inputs hold NaN and outputs are poisoned
+before each call, so a read of padding or a missed/extra write fails.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from megamoe import experts as X  # noqa: E402
+from megamoe.kernels.gemm_config import GemmConfig  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+cpu_only = pytest.mark.skipif(CUDA, reason="the CPU (interpreter) variant; the gpu tests cover CUDA")
+
+SENTINEL = 4352.0  # poison for outputs: finite, so unwritten-but-required and written-but-forbidden both show
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    assert torch.isfinite(out).all(), "non-finite values in output"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten().cpu(), b.double().flatten().cpu()
+    return (a @ b / (a.norm() * b.norm())).item()
+
+
+def make_problem(sizes: list[int], pad: int, H: int, I: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    E = len(sizes)
+    n = sum(sizes)
+    R = n + pad
+    offs = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32)
+    x = torch.randn(R, H, generator=g)
+    x[n:] = float("nan")  # padding rows: never read as data
+    w13 = torch.randn(E, 2 * I, H, generator=g) / H**0.5
+    w2 = torch.randn(E, H, I, generator=g) / I**0.5
+    s = torch.rand(R, generator=g) + 0.5
+    dy = torch.randn(R, H, generator=g)
+    dy[n:] = float("nan")
+    bf = lambda t: t.to(DEV, torch.bfloat16).contiguous()
+    return dict(n=n, R=R, offs=offs.to(DEV), x=bf(x), w13=bf(w13), w2=bf(w2), s=s.to(DEV), dy=bf(dy))
+
+
+def poisoned(shape, dtype=torch.bfloat16):
+    return torch.full(shape, SENTINEL, device=DEV, dtype=dtype)
+
+
+def check_padding_untouched(t: torch.Tensor, n: int) -> None:
+    assert (t[n:].float() == SENTINEL).all(), "a padding row was written"
+
+
+# Interpreter cases (small). Edges: groups of size 0, 1, 127, 129 (straddle the 32-row block), one group
+# holding every row, every group empty; H = 40 and I = 24 are not multiples of the 32-wide blocks.
+CPU_CASES = [
+    pytest.param([0, 1, 127, 129], 5, id="sizes-0-1-127-129"),
+    pytest.param([70], 3, id="one-group-all-rows"),
+    pytest.param([0, 0, 0], 4, id="all-empty"),
+]
+CPU_CFG = GemmConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_stages=1, num_warps=4)
+
+
+def _forward_backward(p, cfg: GemmConfig, I: int, tol: float = 1e-2):
+    n, offs = p["n"], p["offs"]
+    x64, w13_64, w2_64, s64 = p["x"].double(), p["w13"].double(), p["w2"].double(), p["s"].double()
+    # GEMM1 + SwiGLU
+    act, h = X.gemm1_swiglu(p["x"], p["w13"], offs, out=poisoned((p["R"], I)), h_out=poisoned((p["R"], 2 * I)),
+                            config=cfg)
+    ract, rh = X.gemm1_swiglu_ref(x64, w13_64, offs)
+    check_padding_untouched(act, n)
+    check_padding_untouched(h, n)
+    if n:
+        assert rel(act[:n], ract[:n]) < tol
+        assert rel(h[:n], rh[:n]) < tol
+    # GEMM2 with and without the gate scale
+    for scale in (None, p["s"]):
+        out = X.gemm2(act, p["w2"], offs, scale=scale, out=poisoned((p["R"], p["x"].shape[1])), config=cfg)
+        rout = X.gemm2_ref(act.double(), w2_64, offs, scale=None if scale is None else s64)
+        check_padding_untouched(out, n)
+        if n:
+            assert rel(out[:n], rout[:n]) < tol
+    # dgrad through SwiGLU (+ gate gradient), dgrad of GEMM1, both wgrads
+    dh, ds = X.gemm2_dgrad_swiglu(p["dy"], p["w2"], h, offs, scale=p["s"], out=poisoned((p["R"], 2 * I)),
+                                  config=cfg)
+    rdh, rds = X.gemm2_dgrad_swiglu_ref(p["dy"].double(), w2_64, h.double(), offs, scale=s64)
+    check_padding_untouched(dh, n)
+    assert (ds[n:] == 0).all()
+    if n:
+        assert rel(dh[:n], rdh[:n]) < tol
+        assert rel(ds[:n], rds[:n]) < tol
+    dx = X.gemm1_dgrad(dh, p["w13"], offs, out=poisoned(tuple(p["x"].shape)), config=cfg)
+    check_padding_untouched(dx, n)
+    if n:
+        assert rel(dx[:n], X.gemm1_dgrad_ref(dh.double(), w13_64, offs)[:n]) < tol
+    dh_clean = torch.where(torch.arange(p["R"], device=DEV)[:, None] < n, dh, 0).double()
+    x_clean = torch.nan_to_num(x64, nan=0.0)
+    for xa, ya, xr, yr in ((dh, p["x"], dh_clean, x_clean), (act, dh[:, :I].contiguous(), act.double(),
+                                                            dh_clean[:, :I])):
+        dw = X.grouped_wgrad(xa, ya, offs, config=cfg)
+        rdw = X.grouped_wgrad_ref(torch.nan_to_num(xr), torch.nan_to_num(yr), offs)
+        empty = (offs[1:] - offs[:-1]).cpu() == 0
+        assert (dw[empty.to(DEV)] == 0).all(), "an empty expert's weight gradient must be zero"
+        if n:
+            assert rel(dw, rdw) < tol
+        again = X.grouped_wgrad(xa, ya, offs, config=cfg)
+        assert torch.equal(dw, again), "wgrad is not bitwise deterministic"
+
+
+@cpu_only
+@pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize("sizes,pad", CPU_CASES)
+def test_bf16_ops_interpreter(sizes, pad, use_tma):
+    p = make_problem(sizes, pad, H=40, I=24)
+    _forward_backward(p, CPU_CFG.with_(use_tma=use_tma), I=24)
+
+
+@cpu_only
+def test_bf16_unaligned_k_pointer_path():
+    # H = 36: rows of 72 bytes are not 16-byte aligned, so TMA is impossible; the default picks pointers.
+    p = make_problem([5, 0, 9], 2, H=36, I=20)
+    _forward_backward(p, CPU_CFG, I=20)
+    with pytest.raises(ValueError, match="16-byte"):
+        X.gemm1_swiglu(p["x"], p["w13"], p["offs"], config=CPU_CFG.with_(use_tma=True))
+
+
+def test_validation_errors():
+    p = make_problem([3, 4], 1, H=32, I=16)
+    with pytest.raises(ValueError, match="offs must be int32"):
+        X.gemm1_swiglu(p["x"], p["w13"], p["offs"].long())
+    with pytest.raises(ValueError, match="K ="):
+        X.gemm2(p["x"], p["w2"], p["offs"])
+    with pytest.raises(ValueError, match="scale"):
+        X.gemm2(torch.zeros(p["R"], 16, device=DEV, dtype=torch.bfloat16), p["w2"], p["offs"],
+                scale=p["s"].double())
+    q, s = X.quantize_act(p["x"])
+    wq, ws = X.quantize_weight(p["w2"].transpose(1, 2))
+    with pytest.raises(ValueError, match="1x128"):
+        X.grouped_gemm_fp8(q, s[:, :0], wq, ws, p["offs"])
+    with pytest.raises(ValueError, match="128x128"):
+        X.grouped_gemm_fp8(q, s, wq, ws[:, :, :0], p["offs"])
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        X.grouped_gemm_fp8(p["x"], s, wq, ws, p["offs"])
+    with pytest.raises(ValueError, match="block_k must be 128"):
+        X.grouped_gemm_fp8(q, s, wq, ws, p["offs"], config=GemmConfig(block_k=64))
+
+
+def test_experts_fn_autograd_and_determinism():
+    sizes = [0, 33, 1, 40] if not CUDA else [0, 300, 1, 129, 1000]
+    H, I = (40, 24) if not CUDA else (256, 192)
+    p = make_problem(sizes, 6, H=H, I=I, seed=3)
+    n, offs = p["n"], p["offs"]
+    x = torch.nan_to_num(p["x"]).requires_grad_()
+    w13 = p["w13"].clone().requires_grad_()
+    w2 = p["w2"].clone().requires_grad_()
+    s = p["s"].clone().requires_grad_()
+    dy = torch.nan_to_num(p["dy"])
+    grads = []
+    for _ in range(2):
+        for t in (x, w13, w2, s):
+            t.grad = None
+        out = X.experts_mlp(x, offs, w13, w2, s)
+        out.backward(dy)
+        grads.append([out.detach()[:n].clone()] +  # padding rows of out are unspecified
+                      [t.grad.clone() for t in (x, w13, w2, s)])
+    for a, b in zip(grads[0], grads[1], strict=True):
+        assert torch.equal(a, b), "forward/backward not bitwise deterministic"
+    leaves = [t.detach().double().requires_grad_() for t in (x, w13, w2, s)]
+    rout = X.experts_mlp_ref(leaves[0], offs, leaves[1], leaves[2], leaves[3])
+    rout.backward(dy.double())
+    out, dx, dw13, dw2, ds = grads[0]
+    assert rel(out, rout[:n]) < 1e-2
+    assert rel(dx[:n], leaves[0].grad[:n]) < 1e-2
+    assert (dx[n:] == 0).all()
+    assert rel(dw13, leaves[1].grad) < 1e-2
+    assert rel(dw2, leaves[2].grad) < 1e-2
+    assert rel(ds[:n], leaves[3].grad[:n]) < 1e-2
+
+
+def _fp8_checks(p, cfg: GemmConfig | None, I: int):
+    n, offs = p["n"], p["offs"]
+    x, w13, w2 = p["x"], p["w13"], p["w2"]
+    for pow2 in (False, True):
+        q, s = X.quantize_act(x, pow2_scale=pow2)
+        rq, rs = X.quantize_act_ref(x[:n], pow2_scale=pow2)
+        assert torch.equal(s[:n], rs) and torch.equal(q[:n].float(), rq.float())
+        wq, ws = X.quantize_weight(w13, pow2_scale=pow2)
+        rwq, rws = X.quantize_weight_ref(w13, pow2_scale=pow2)
+        assert torch.equal(ws, rws) and torch.equal(wq.float(), rwq.float())
+        if pow2:
+            assert torch.equal(torch.exp2(torch.log2(ws).round()), ws)
+    q, s = X.quantize_act(x)
+    wq, ws = X.quantize_weight(w13)
+    act8, h8 = X.gemm1_swiglu_fp8(q, s, wq, ws, offs, config=cfg)
+    xd = X.dequantize_act_ref(q[:n], s[:n])
+    ract_q, rh_q = X.gemm1_swiglu_ref(torch.cat([xd, xd.new_zeros(p["R"] - n, xd.shape[1])]),
+                                      X.dequantize_weight_ref(wq, ws), offs)
+    act16, h16 = X.gemm1_swiglu(x, w13, offs)
+    if n:
+        # against the float64 product of the same quantised operands: only accumulation/rounding error
+        assert rel(act8[:n], ract_q[:n]) < 1e-2 and rel(h8[:n], rh_q[:n]) < 1e-2
+        # against the bf16 kernel: the e4m3 quantisation error itself
+        assert rel(h8[:n], h16[:n]) < 5e-2 and cosine(h8[:n], h16[:n]) >= 0.999
+        assert rel(act8[:n], act16[:n]) < 6e-2 and cosine(act8[:n], act16[:n]) >= 0.998
+    aq, a_s = X.quantize_act(act16)
+    w2q, w2s = X.quantize_weight(w2)
+    out8 = X.gemm2_fp8(aq, a_s, w2q, w2s, offs, scale=p["s"], config=cfg)
+    out16 = X.gemm2(act16, w2, offs, scale=p["s"])
+    dyq, dys = X.quantize_act(p["dy"])
+    w2tq, w2ts = X.quantize_weight(w2.transpose(1, 2))
+    dh8, ds8 = X.gemm2_dgrad_swiglu_fp8(dyq, dys, w2tq, w2ts, h16, offs, scale=p["s"], config=cfg)
+    dh16, ds16 = X.gemm2_dgrad_swiglu(p["dy"], w2, h16, offs, scale=p["s"])
+    dhq, dhs = X.quantize_act(dh16)
+    w13tq, w13ts = X.quantize_weight(w13.transpose(1, 2))
+    dx8 = X.gemm1_dgrad_fp8(dhq, dhs, w13tq, w13ts, offs, config=cfg)
+    dx16 = X.gemm1_dgrad(dh16, w13, offs)
+    if n:
+        for a8, a16 in ((out8, out16), (dx8, dx16)):
+            assert rel(a8[:n], a16[:n]) < 5e-2 and cosine(a8[:n], a16[:n]) >= 0.999
+        assert rel(dh8[:n], dh16[:n]) < 6e-2 and cosine(dh8[:n], dh16[:n]) >= 0.998
+        assert rel(ds8[:n], ds16[:n]) < 5e-2
+
+
+@cpu_only
+@pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tma"])
+def test_fp8_interpreter(use_tma):
+    # groups 0, 1, 129 and one large; H = 160 and I = 144 are not multiples of 128 (partial scale blocks)
+    p = make_problem([0, 1, 129, 70], 3, H=160, I=144, seed=1)
+    _fp8_checks(p, GemmConfig(block_m=32, block_n=32, block_k=128, group_m=2, num_stages=1, num_warps=4,
+                              use_tma=use_tma), I=144)
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+GPU_CASES = [
+    pytest.param([0, 1, 127, 129, 2000, 0, 513, 64], 37, id="mixed-0-1-127-129"),
+    pytest.param([4099], 5, id="one-group-all-rows"),
+]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("use_tma", [None, False], ids=["default", "pointers"])
+@pytest.mark.parametrize("sizes,pad", GPU_CASES)
+def test_bf16_ops_gpu(sizes, pad, use_tma):
+    H, I = 1040, 776  # not multiples of the 64/128/256 blocks, but 16-byte aligned (TMA allowed)
+    p = make_problem(sizes, pad, H=H, I=I, seed=7)
+    cfg = None if use_tma is None else GemmConfig(block_m=64, block_n=64, block_k=64, num_stages=3, num_warps=4,
+                                                  use_tma=False)
+    _forward_backward(p, cfg, I=I)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("sizes,pad", GPU_CASES)
+def test_fp8_gpu(sizes, pad):
+    p = make_problem(sizes, pad, H=1040, I=776, seed=9)
+    _fp8_checks(p, None, I=776)
