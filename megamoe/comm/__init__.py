@@ -1,0 +1,33 @@
+"""Communication path: symmetric heap, signals, device-side schedule, pull dispatch and combine.
+
+Public API (each module's docstring has the details):
+    CommShape, SymmetricHeap, heap_bytes, workspace_bytes, CommTimeoutError   (heap.py)
+    dispatch, dispatch_backward, DispatchHandle                               (dispatch.py)
+    combine, combine_backward                                                 (combine.py)
+    barrier                                                                   (signals.py)
+    Schedule                                                                  (schedule.py)
+
+Importing this package imports triton; under TRITON_INTERPRET=1 (set before the import) the kernels run
+on the CPU against the ``host`` heap backend.
+"""
+
+from .combine import combine, combine_backward
+from .dispatch import DispatchHandle, dispatch, dispatch_backward
+from .heap import CommShape, CommTimeoutError, SymmetricHeap, heap_bytes, workspace_bytes
+from .schedule import Schedule
+from .signals import barrier
+
+__all__ = [
+    "CommShape",
+    "CommTimeoutError",
+    "DispatchHandle",
+    "Schedule",
+    "SymmetricHeap",
+    "barrier",
+    "combine",
+    "combine_backward",
+    "dispatch",
+    "dispatch_backward",
+    "heap_bytes",
+    "workspace_bytes",
+]

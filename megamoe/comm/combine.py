@@ -1,0 +1,201 @@
+"""Combine: the token owner pulls its k expert outputs and sums them with the gates, in fixed order.
+
+Shape legend: W world size, T tokens on this rank, H hidden, k top-k, R_cap rows a rank can receive.
+
+    y_TH = combine(out_RH, topk_w_Tk, handle)      # y[t] = sum_{j=0..k-1} topk_w[t, j] * out_j(t)
+
+out_RH is the expert output in receive-buffer order on every rank (row r of rank q is the output for
+(row_src[r], row_tok[r], row_slot[r])). Steps: stage (out -> heap ``rows`` unless the expert GEMM wrote it
+there already, publish READY); _gather_sum_kernel: for each own token, load the k rows from the expert ranks
+(dest_rank[t, j], dest_row[t, j]) over NVLink, accumulate w * row in fp32 in j order, write y[t] once.
+No atomics on activations, no [T, k, H] buffer; bitwise deterministic.
+
+Design record (pull by the owner vs. push into per-slot buffers):
+- 2026-11-29: chose pull by the owner. Push (the Blackwell megakernel's way) needs a [T_max, k, H] slot
+  buffer on every owner (470 MB for deepseek-v3 at 4096 tokens) plus a second local pass that reads it back
+  to sum; pull reads each expert output once over NVLink and sums in registers, writing y once. The cost of
+  pull is that the expert outputs must sit in symmetric memory: the layer lets the expert GEMM write
+  straight into ``heap.rows_buffer()``, so there is no staging copy. Push was not built or measured; the
+  benchmark figures for pull are in docs/perf-notes.md ("Dispatch and combine (issue 3)").
+
+Backward twins:
+- :func:`combine_backward` (dy, out, topk_w, handle) -> (grad_out [R_cap, H], grad_w [T, k] fp32): the expert
+  ranks pull dy rows (dy staged into ``tok``, gates into ``w``) once per (source, token), write
+  grad_out[r] = w * dy and d(topk_w)[t, j] = <dy_t, out_j> (fp32) into the owner's ``dw`` slot (single
+  writer per slot); the owner waits for every rank's DONE and copies ``dw`` out.
+- dispatch_backward (dispatch.py) = this module's gather-sum without gates.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import signals as S
+from .dispatch import DispatchHandle, pull_rows
+from .signals import (
+    ARRIVE_WORK,
+    DONE,
+    READY,
+    arrive_last,
+    current_call,
+    error_set,
+    publish,
+    wait_flags,
+)
+
+
+@triton.jit
+def _gather_sum_kernel(
+    tab, W, rank,
+    src_reg,  # heap region holding the rows on every rank: rows [R_cap, H]
+    dest_row_ptr,  # int32 [T_max, K] row of own (t, j) on its expert rank
+    dest_rank_ptr,  # int32 [T_max, K] that rank
+    w_ptr,  # [T, K] gates (any float dtype), HAS_W only
+    y_ptr,  # [T, H] out
+    T, H, timeout_ns,
+    OP: tl.constexpr,
+    HAS_W: tl.constexpr,
+    K: tl.constexpr, KP2: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    ALIGNED: tl.constexpr, WP2: tl.constexpr,
+    SRC_DT: tl.constexpr,  # dtype of the rows (the heap dtype)
+):
+    """grid (P,): persistent programs over own tokens, ROWS tokens per step.
+
+        for t in own tokens:                 # e.g. k = 2, dest = [(rank 1, row 7), (rank 0, row 3)]
+            acc = 0 (fp32)
+            for j in 0..K-1:                 #   acc = w[t,0] * rows_1[7];  acc += w[t,1] * rows_0[3]
+                acc += w[t, j] * rows_{dest_rank[t, j]}[dest_row[t, j]]
+            y[t] = acc
+        last program: publish DONE = call
+    """
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    call = current_call(tab, W, rank)
+    ok = wait_flags(tab, W, rank, READY, 0, W, call, OP, timeout_ns, WP2)
+    if ok:
+        jj = tl.arange(0, KP2)
+        DT = y_ptr.dtype.element_ty
+        SRC_PTR = tl.pointer_type(SRC_DT)
+        ITEM: tl.constexpr = SRC_DT.primitive_bitwidth // 8
+        t0 = pid * ROWS
+        while t0 < T:
+            t = t0 + tl.arange(0, ROWS)
+            mt = t < T
+            mk = mt[:, None] & (jj < K)[None, :]
+            toff = (t * K)[:, None] + jj[None, :]
+            drow = tl.load(dest_row_ptr + toff, mask=mk, other=0)
+            drank = tl.load(dest_rank_ptr + toff, mask=mk, other=0)
+            addr = tl.load(tab + src_reg * W + drank, mask=mk, other=0) + drow.to(tl.int64) * H * ITEM
+            if HAS_W:
+                wv = tl.load(w_ptr + toff, mask=mk, other=0.0).to(tl.float32)
+            h0 = tl.program_id(0) * 0
+            while h0 < H:
+                oh = h0 + tl.arange(0, BLOCK_H)
+                mh = oh < H
+                m2 = mt[:, None] & mh[None, :]
+                acc = tl.zeros([ROWS, BLOCK_H], tl.float32)
+                for j in tl.static_range(K):
+                    aj = tl.sum(tl.where(jj[None, :] == j, addr, 0), axis=1)
+                    pj = aj.to(SRC_PTR)
+                    if ALIGNED:
+                        pj = tl.multiple_of(pj, 16)
+                    v = tl.load(pj[:, None] + oh[None, :], mask=m2, other=0.0).to(tl.float32)
+                    if HAS_W:
+                        wj = tl.sum(tl.where(jj[None, :] == j, wv, 0.0), axis=1)
+                        acc += wj[:, None] * v
+                    else:
+                        acc += v
+                tl.store(y_ptr + t.to(tl.int64)[:, None] * H + oh[None, :], acc.to(DT), mask=m2)
+                h0 += BLOCK_H
+            t0 += P * ROWS
+    last = arrive_last(tab, W, rank, ARRIVE_WORK, P)
+    if last:
+        if error_set(tab, W, rank) == 0:
+            publish(tab, W, rank, DONE, call, WP2)
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def _stage_rows(heap, rows: torch.Tensor, P: int) -> None:
+    sh = heap.shape
+    if rows.dim() != 2 or rows.shape[1] != sh.hidden or rows.shape[0] > sh.rows_cap or rows.dtype != sh.dtype:
+        raise ValueError(f"expert rows must be [<= R_cap={sh.rows_cap}, H={sh.hidden}] {sh.dtype}, "
+                         f"got {tuple(rows.shape)} {rows.dtype}")
+    buf = heap.rows_buffer()
+    in_place = rows.data_ptr() == buf.data_ptr() and rows.stride() == (sh.hidden, 1)
+    # only rows < offs[E_l] matter, but that count lives on the device: copy the given rows
+    S.stage(heap, act=None if in_place else rows.contiguous(), act_reg=S.REG_ROWS.value, programs=P)
+
+
+def _gather_sum(rows: torch.Tensor, topk_w: torch.Tensor | None, handle: DispatchHandle,
+                num_sms: int | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    heap = handle.heap
+    sh = heap.shape
+    T = handle.num_tokens
+    P = max(1, int(num_sms or handle.num_sms))
+    if topk_w is not None and tuple(topk_w.shape) != (T, sh.topk):
+        raise ValueError(f"topk_w must be [T={T}, k={sh.topk}], got {tuple(topk_w.shape)}")
+    _stage_rows(heap, rows, P)
+    y = torch.empty(T, sh.hidden, dtype=out_dtype or sh.dtype, device=heap.device)
+    rws, block_h, warps = S.launch_config(sh.hidden)
+    has_w = topk_w is not None
+    sched = handle.schedule
+    _gather_sum_kernel[(P,)](
+        heap.tab, heap.world, heap.rank, S.REG_ROWS.value, sched.dest_row, sched.dest_rank,
+        topk_w.contiguous() if has_w else sched.dest_row, y if T > 0 else heap.tab.new_empty(1).view(sh.dtype),
+        T, sh.hidden, heap.timeout_ns,
+        OP=S.OP_COMBINE.value, HAS_W=has_w,
+        K=sh.topk, KP2=triton.next_power_of_2(sh.topk), ROWS=rws, BLOCK_H=block_h,
+        ALIGNED=(sh.hidden * sh.dtype.itemsize) % 16 == 0, WP2=heap.wp2, SRC_DT=_TL_DTYPES[sh.dtype],
+        num_warps=warps,
+    )
+    heap.after_launch()
+    return y
+
+
+def combine(out: torch.Tensor, topk_w: torch.Tensor, handle: DispatchHandle, num_sms: int | None = None,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y[t] = sum_j topk_w[t, j] * out_j(t) in j order with fp32 accumulation; returns y [T, H].
+
+    out: [R_cap, H] (or its first rows) expert outputs in receive order, heap dtype; pass
+    ``heap.rows_buffer()`` to skip the staging copy. topk_w: [T, k] any float dtype.
+    out_dtype: dtype of y (default the heap dtype; float32 keeps the fp32 sum).
+    """
+    return _gather_sum(out, topk_w, handle, num_sms, out_dtype)
+
+
+def combine_backward(dy: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor, handle: DispatchHandle,
+                     num_sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`combine`: returns (grad_out [R_cap, H] heap dtype, grad_w [T, k] fp32).
+
+    grad_out[r] = topk_w_s[t, j] * dy_s[t] for row r = (s, t, j); grad_w[t, j] = <dy_t, out_j(t)> (fp32 sum
+    over H). dy: [T, H] heap dtype (pulled by the expert ranks, once per (source, token)); out: the expert
+    outputs given to combine (read locally).
+    """
+    heap = handle.heap
+    sh = heap.shape
+    T = handle.num_tokens
+    P = max(1, int(num_sms or handle.num_sms))
+    if tuple(dy.shape) != (T, sh.hidden) or dy.dtype != sh.dtype:
+        raise ValueError(f"dy must be [T={T}, H={sh.hidden}] {sh.dtype}, got {tuple(dy.shape)} {dy.dtype}")
+    if tuple(topk_w.shape) != (T, sh.topk):
+        raise ValueError(f"topk_w must be [T={T}, k={sh.topk}], got {tuple(topk_w.shape)}")
+    if out.shape[0] < sh.rows_cap:
+        full = torch.empty(sh.rows_cap, sh.hidden, dtype=sh.dtype, device=heap.device)
+        full[: out.shape[0]] = out
+        out = full
+    w32 = topk_w.to(torch.float32).contiguous().view(torch.int32)
+    S.stage(heap, act=dy.contiguous(), act_reg=S.REG_TOK.value, small=w32, small_reg=S.REG_W.value,
+            ntok=-1, programs=P)
+    grad_out = torch.empty(sh.rows_cap, sh.hidden, dtype=sh.dtype, device=heap.device)
+    pull_rows(heap, handle.schedule, grad_out, P, out=out.contiguous())
+    grad_w = torch.empty(T, sh.topk, dtype=torch.float32, device=heap.device)
+    S.finish(heap, S.REG_DW.value, grad_w if T > 0 else heap.tab.new_empty(1).view(torch.float32),
+             T * sh.topk, P)
+    return grad_out, grad_w
+
+
+__all__ = ["combine", "combine_backward", "DONE"]

@@ -1,0 +1,340 @@
+"""Symmetric heap: every cross-rank buffer of the communication path, allocated once per process group.
+
+Shape legend: W world size, T_max max tokens per rank, H hidden, k top-k, E experts, E_l = E / W local
+experts, R_cap = W * T_max * min(k, E_l) worst-case rows received by one rank.
+
+One :class:`SymmetricHeap` per process group. Its size is known before anything is allocated
+(:func:`heap_bytes`), logged once at construction, allocated once, and torn down by :meth:`close`. Regions
+(each rank holds the same layout; ``tab[reg, p]`` is this process's address of rank p's copy):
+
+| region | shape, dtype | written by | read by |
+|---|---|---|---|
+| flags | [2, W] int64 | rank s writes column s (READY, DONE call numbers) | owner polls |
+| ctrl  | [8] int64 | owner (call counter, arrival counters) | owner |
+| meta  | [8] int64 | owner (meta[0] = tokens this call) | peers |
+| idx   | [T_max, k] int32 | owner (top-k expert ids) | peers (schedule) |
+| w     | [T_max, k] fp32 | owner (gates, combine backward) | peers |
+| dw    | [T_max, k] fp32 | the expert rank of each slot (d gates) | owner |
+| tok   | [T_max, H] dtype | owner (x for dispatch, dy for combine backward) | peers (pull) |
+| rows  | [R_cap, H] dtype | owner (expert outputs / their grads) | peers (pull by the token owner) |
+| err   | [16] int64 | owner's kernels (timeout record) | owner's host (host backend only) |
+
+Backends:
+* ``cuda``: ``torch.distributed._symmetric_memory`` (CUDA backend): one uint8 allocation, ``rendezvous``
+  once, peer addresses from ``handle.buffer_ptrs``. The error record is pinned host memory (device-mapped
+  under UVA) that a watchdog thread polls, so the host learns of a timeout without synchronising.
+* ``host``: one POSIX shared-memory file per rank in /dev/shm, mapped by every CPU rank (names agreed over
+  the gloo group, unlinked as soon as all ranks have mapped them, so a crash leaks nothing); addresses are
+  this process's mappings of the peers' files. The same Triton kernels then run under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import signals as S
+
+log = logging.getLogger("megamoe.comm")
+
+_ALIGN = 256
+
+
+class CommTimeoutError(RuntimeError):
+    """A device-side wait ran out: names the op, call number, rank, and the peer that never signalled."""
+
+
+@dataclass(frozen=True)
+class CommShape:
+    """Sizes the heap is built for. ``max_tokens`` bounds T on every rank (T may differ per rank, or be 0)."""
+
+    world: int
+    max_tokens: int
+    hidden: int
+    topk: int
+    num_experts: int
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self):
+        if self.world < 1:
+            raise ValueError(f"world must be >= 1, got {self.world}")
+        if self.num_experts % self.world:
+            raise ValueError(f"num_experts ({self.num_experts}) must be a multiple of world ({self.world})")
+        if not 1 <= self.topk <= self.num_experts:
+            raise ValueError(f"topk must be in [1, num_experts={self.num_experts}], got {self.topk}")
+        if self.max_tokens < 1 or self.hidden < 1:
+            raise ValueError(f"max_tokens and hidden must be >= 1, got {self.max_tokens}, {self.hidden}")
+        if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"dtype must be bf16, fp16 or fp32, got {self.dtype}")
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.world
+
+    @property
+    def rows_cap(self) -> int:
+        """R_cap: worst-case rows one rank receives (every token of every rank, min(k, E_l) copies)."""
+        return self.world * self.max_tokens * min(self.topk, self.local_experts)
+
+
+def _regions(shape: CommShape) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    W, T, H, k = shape.world, shape.max_tokens, shape.hidden, shape.topk
+    return [
+        ("flags", (2, W), torch.int64),
+        ("ctrl", (8,), torch.int64),
+        ("meta", (8,), torch.int64),
+        ("idx", (T, k), torch.int32),
+        ("w", (T, k), torch.float32),
+        ("dw", (T, k), torch.float32),
+        ("tok", (T, H), shape.dtype),
+        ("rows", (shape.rows_cap, H), shape.dtype),
+        ("err", (S.ERR_SLOTS,), torch.int64),
+    ]
+
+
+_REG_INDEX = {"flags": 0, "ctrl": 1, "meta": 2, "idx": 3, "w": 4, "dw": 5, "tok": 6, "rows": 7, "err": 8}
+
+
+def _layout(shape: CommShape) -> tuple[dict[str, tuple[int, tuple[int, ...], torch.dtype]], int]:
+    out, off = {}, 0
+    for name, dims, dtype in _regions(shape):
+        out[name] = (off, dims, dtype)
+        n = dtype.itemsize
+        for d in dims:
+            n *= d
+        off += (n + _ALIGN - 1) // _ALIGN * _ALIGN
+    return out, off
+
+
+def heap_bytes(shape: CommShape) -> int:
+    """Bytes of symmetric memory each rank allocates for ``shape`` (nothing is allocated)."""
+    return _layout(shape)[1]
+
+
+def workspace_bytes(shape: CommShape) -> int:
+    """Bytes of ordinary device memory one dispatch call allocates (receive buffer + schedule tables)."""
+    W, T, H, k, E = shape.world, shape.max_tokens, shape.hidden, shape.topk, shape.num_experts
+    recv = shape.rows_cap * H * shape.dtype.itemsize
+    chunks = -(-T // max(1, 128 // _next_pow2(k)))
+    tables = 4 * (W * chunks * E + 2 * W * E + W * T * k + 2 * T * k + 3 * shape.rows_cap + shape.local_experts + 1 + W)
+    return recv + tables
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class SymmetricHeap:
+    """Cross-rank buffers for one process group; see the module docstring for the regions.
+
+    ``timeout_s`` (default 60) bounds every device-side wait; ``num_sms`` is the default number of programs
+    the communication kernels launch. Use :meth:`buffer` for this rank's views and ``tab`` (int64 [9, W],
+    on ``device``) for the peer-pointer table the kernels take; :meth:`peer_ptrs` gives one region's row.
+    """
+
+    def __init__(
+        self,
+        shape: CommShape,
+        group: dist.ProcessGroup | None = None,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        timeout_s: float = 60.0,
+        num_sms: int = 32,
+    ):
+        if not dist.is_initialized():
+            raise RuntimeError("SymmetricHeap needs an initialised torch.distributed process group")
+        self.group = group or dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        if self.world != shape.world:
+            raise ValueError(f"shape.world={shape.world} but the process group has {self.world} ranks")
+        if backend == "auto":
+            backend = "cuda" if torch.cuda.is_available() and dist.get_backend(self.group) == "nccl" else "host"
+        if backend not in ("cuda", "host"):
+            raise ValueError(f"backend must be 'cuda', 'host' or 'auto', got {backend!r}")
+        self.shape = shape
+        self.backend = backend
+        self.timeout_s = float(timeout_s)
+        self.num_sms = int(num_sms)
+        self.wp2 = _next_pow2(self.world)
+        self.layout, self.nbytes = _layout(shape)
+        self._closed = False
+        self._error: str | None = None
+        self._maps: list = []
+        self._watchdog = None
+        if backend == "cuda":
+            self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+            bases = self._alloc_cuda()
+        else:
+            self.device = torch.device("cpu")
+            bases = self._alloc_host()
+        tab = torch.empty(len(_REG_INDEX), self.world, dtype=torch.int64)
+        for name, (off, _, _) in self.layout.items():
+            tab[_REG_INDEX[name]] = torch.tensor([b + off for b in bases], dtype=torch.int64)
+        tab[_REG_INDEX["err"]] = self._err_addr
+        self.tab = tab.to(self.device)
+        log.info(
+            "megamoe symmetric heap (%s, W=%d, rank %d): %.1f MiB symmetric per rank (rows %.1f MiB, tok %.1f MiB), "
+            "%.1f MiB workspace per dispatch call",
+            backend, self.world, self.rank, self.nbytes / 2**20,
+            shape.rows_cap * shape.hidden * shape.dtype.itemsize / 2**20,
+            shape.max_tokens * shape.hidden * shape.dtype.itemsize / 2**20,
+            workspace_bytes(shape) / 2**20,
+        )
+
+    # ---------------------------------------------------------------- allocation
+    def _alloc_cuda(self) -> list[int]:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        try:
+            symm_mem.set_backend("CUDA")
+        except Exception:  # noqa: BLE001 - already set, or an older torch without set_backend
+            pass
+        self._buf = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        self._buf.zero_()
+        self._handle = symm_mem.rendezvous(self._buf, self.group)
+        bases = [int(p) for p in self._handle.buffer_ptrs]
+        self._err_host = torch.zeros(S.ERR_SLOTS, dtype=torch.int64, pin_memory=True)
+        self._err_addr = self._err_host.data_ptr()
+        torch.cuda.synchronize(self.device)
+        dist.barrier(self.group)
+        self._views = self._make_views(self._buf)
+        self._watchdog_stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="megamoe-comm-watchdog", daemon=True)
+        self._watchdog.start()
+        return bases
+
+    def _alloc_host(self) -> list[int]:
+        token = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
+        dist.broadcast_object_list(token, src=dist.get_global_rank(self.group, 0), group=self.group)
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+        paths = [os.path.join(root, f"megamoe-{token[0]}-{r}") for r in range(self.world)]
+        fd = os.open(paths[self.rank], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, self.nbytes)
+        finally:
+            os.close(fd)
+        dist.barrier(self.group)  # every file exists, zero-filled
+        bases = []
+        for r in range(self.world):
+            fd = os.open(paths[r], os.O_RDWR)
+            try:
+                mm = mmap.mmap(fd, self.nbytes)
+            finally:
+                os.close(fd)
+            self._maps.append(mm)
+            bases.append(ctypes.addressof(ctypes.c_char.from_buffer(mm)))
+        dist.barrier(self.group)  # every rank mapped every file: unlink now, nothing leaks on a crash
+        self._paths = paths
+        self._unlink_own()
+        own = torch.frombuffer(self._maps[self.rank], dtype=torch.uint8)
+        self._views = self._make_views(own)
+        self._err_addr = bases[self.rank] + self.layout["err"][0]
+        return bases
+
+    def _unlink_own(self) -> None:
+        try:
+            os.unlink(self._paths[self.rank])
+        except FileNotFoundError:
+            pass
+
+    def _make_views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        views = {}
+        for name, (off, dims, dtype) in self.layout.items():
+            n = dtype.itemsize
+            for d in dims:
+                n *= d
+            views[name] = buf[off : off + n].view(dtype).view(dims)
+        return views
+
+    # ---------------------------------------------------------------- access
+    def buffer(self, name: str) -> torch.Tensor:
+        """This rank's view of region ``name`` (see the module docstring)."""
+        return self._views[name]
+
+    def tokens_buffer(self) -> torch.Tensor:
+        """[T_max, H] symmetric buffer: write x[:T] here and dispatch skips its staging copy."""
+        return self._views["tok"]
+
+    def rows_buffer(self) -> torch.Tensor:
+        """[R_cap, H] symmetric buffer: let the expert GEMM write here and combine skips its staging copy."""
+        return self._views["rows"]
+
+    def peer_ptrs(self, name: str) -> torch.Tensor:
+        """int64 [W]: this process's addresses of every rank's copy of region ``name``."""
+        return self.tab[_REG_INDEX[name]]
+
+    @property
+    def timeout_ns(self) -> int:
+        return int(self.timeout_s * 1e9)
+
+    # ---------------------------------------------------------------- errors
+    def _read_error(self) -> str | None:
+        rec = self._err_host.tolist() if self.backend == "cuda" else self._views["err"].tolist()
+        if rec[S.ERR_FLAG.value] == 0:
+            return None
+        op = S.OPS.get(rec[S.ERR_OP.value], str(rec[S.ERR_OP.value]))
+        purpose = S.PURPOSES.get(rec[S.ERR_PURPOSE.value], str(rec[S.ERR_PURPOSE.value]))
+        return (
+            f"megamoe comm timeout in {op} (call {rec[S.ERR_CALL.value]}) on rank {rec[S.ERR_RANK.value]}: "
+            f"peer rank {rec[S.ERR_PEER.value]} never signalled {purpose} (expected >= {rec[S.ERR_EXPECTED.value]}, "
+            f"saw {rec[S.ERR_SEEN.value]}) within {self.timeout_s:g} s"
+        )
+
+    def _watch(self) -> None:
+        while not self._watchdog_stop.wait(0.05):
+            msg = self._read_error()
+            if msg is not None:
+                self._error = msg
+                log.error("%s", msg)
+                return
+
+    def check(self) -> None:
+        """Raise :class:`CommTimeoutError` if a device-side wait of this rank timed out (no device sync)."""
+        if self._closed:
+            raise RuntimeError("SymmetricHeap is closed")
+        msg = self._error or self._read_error()
+        if msg is not None:
+            self._error = msg
+            raise CommTimeoutError(msg)
+
+    def after_launch(self) -> None:
+        """Host backend: kernels ran synchronously, so report a timeout now. CUDA: the watchdog does."""
+        if self.backend == "host":
+            self.check()
+
+    # ---------------------------------------------------------------- teardown
+    def close(self) -> None:
+        """Free the heap (the host backend unmaps its segments; files were unlinked at construction)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._watchdog is not None:
+            self._watchdog_stop.set()
+            self._watchdog.join(timeout=1.0)
+        self._views = {}
+        if self.backend == "cuda":
+            self._handle = None
+            self._buf = None
+        else:
+            self._unlink_own()
+            for mm in self._maps:
+                try:
+                    mm.close()
+                except BufferError:  # a view handed out earlier is still alive; the mapping goes with it
+                    pass
+            self._maps = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
