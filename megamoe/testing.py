@@ -172,9 +172,11 @@ def _cases(world: int) -> list[LayerCase]:
 
 def gpu_cases(world: int) -> list[LayerCase]:
     """Full-width shapes for GPU runs: qwen3-30b-a3b experts (H 2048, I 768, 128 experts, top-8) in bf16."""
+    experts = world * (128 // world)  # 128, or the nearest multiple of world below it (126 for 3 ranks)
     return [
-        LayerCase("bf16-qwen3-512", preset="qwen3-30b-a3b", dtype="bf16", tokens=tuple([512] * world)),
-        LayerCase("bf16-qwen3-ragged-skew", preset="qwen3-30b-a3b", dtype="bf16",
+        LayerCase("bf16-qwen3-512", preset="qwen3-30b-a3b", dtype="bf16", tokens=tuple([512] * world),
+                  overrides={"num_experts": experts}),
+        LayerCase("bf16-qwen3-ragged-skew", preset="qwen3-30b-a3b", dtype="bf16", overrides={"num_experts": experts},
                   tokens=tuple(300 + 77 * r for r in range(world)), offset={0: 3.0, 1: 2.5, 2: 2.0}),
     ]
 
