@@ -254,6 +254,8 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ou
     E_l = w.shape[0]
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     use_tma = _resolve_tma(cfg, [a, w], "grouped_gemm")
+    if R == 0 or n == 0 or E_l == 0:
+        return
     if use_tma:
         a_desc = TensorDescriptor.from_tensor(a, [BM, BK])
         w_desc = TensorDescriptor.from_tensor(w, [1, BK, BN] if w_kn else [1, BN, BK])

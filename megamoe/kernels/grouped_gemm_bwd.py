@@ -97,6 +97,9 @@ def launch_grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, o
         raise ValueError("grouped_wgrad: config pins use_tma=True, but TMA needs 16-byte aligned row strides "
                          f"(bf16: column counts multiple of 8); got x {tuple(x.shape)}, y {tuple(y.shape)}")
     use_tma = ok if cfg.use_tma is None else bool(cfg.use_tma)
+    if R == 0:
+        out.zero_()
+        return
     if use_tma:
         x_desc = TensorDescriptor.from_tensor(x, [BK, BM])
         y_desc = TensorDescriptor.from_tensor(y, [BK, BN])

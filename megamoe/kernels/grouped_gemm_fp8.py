@@ -120,6 +120,8 @@ def launch_grouped_gemm_fp8(aq, a_s, wq, w_s, offs, out, cfg: GemmConfig, *, n: 
         raise ValueError("grouped_gemm_fp8: config pins use_tma=True, but TMA needs 16-byte aligned strides "
                          f"(fp8: K a multiple of 16); got K = {K}")
     use_tma = ok if cfg.use_tma is None else bool(cfg.use_tma)
+    if R == 0 or n == 0 or E_l == 0:
+        return
     if use_tma:
         a_desc = TensorDescriptor.from_tensor(aq, [BM, 128])
         w_desc = TensorDescriptor.from_tensor(wq, [1, BN, 128])
