@@ -208,15 +208,16 @@ def dispatch(
     return recv, DispatchHandle(heap=heap, num_tokens=T, schedule=sched, offs=sched.offs, num_sms=P)
 
 
-def dispatch_backward(grad_recv: torch.Tensor, handle: DispatchHandle, num_sms: int | None = None) -> torch.Tensor:
+def dispatch_backward(grad_recv: torch.Tensor, handle: DispatchHandle, num_sms: int | None = None,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """grad_x[t] = sum_j grad_recv[row(t, j)] on its expert rank, in fixed j order, fp32 accumulation.
 
     grad_recv: [R_cap, H] (rows >= offs[E_l] are ignored); it is staged into the heap's ``rows`` buffer
-    unless it already is ``heap.rows_buffer()``. Returns grad_x [T, H] in the heap dtype.
+    unless it already is ``heap.rows_buffer()``. Returns grad_x [T, H] in ``out_dtype`` (default: heap dtype).
     """
     from .combine import _gather_sum
 
-    return _gather_sum(grad_recv, None, handle, num_sms)
+    return _gather_sum(grad_recv, None, handle, num_sms, out_dtype)
 
 
 __all__ = ["DispatchHandle", "dispatch", "dispatch_backward", "pull_rows", "READY"]

@@ -171,7 +171,8 @@ class SymmetricHeap:
         self._maps: list = []
         self._watchdog = None
         if backend == "cuda":
-            self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+            cur = torch.device("cuda", torch.cuda.current_device())
+            self.device = torch.device(device) if device is not None else cur
             bases = self._alloc_cuda()
         else:
             self.device = torch.device("cpu")

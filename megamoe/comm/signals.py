@@ -265,6 +265,7 @@ def _stage_kernel(
     HAS_SMALL: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    ALIGNED: tl.constexpr,  # H * itemsize % 16 == 0
     WP2: tl.constexpr,
 ):
     """grid (P,): open call s = seq+1 and publish this rank's sources for it.
@@ -280,7 +281,7 @@ def _stage_kernel(
     ok = wait_flags(tab, W, rank, DONE, 0, W, prev, OP_STAGE, timeout_ns, WP2)
     if ok:
         if HAS_ACT:
-            dst = tl.multiple_of(region_ptr(tab, act_reg, W, rank, act_ptr.dtype.element_ty), 16)  # 256-B aligned
+            dst = region_ptr(tab, act_reg, W, rank, act_ptr.dtype.element_ty)
             r0 = pid * ROWS
             while r0 < n_act:
                 r = r0 + tl.arange(0, ROWS)
@@ -291,7 +292,10 @@ def _stage_kernel(
                     oh = h0 + tl.arange(0, BLOCK_H)
                     m = mr[:, None] & (oh < H)[None, :]
                     o = ro[:, None] + oh[None, :]
-                    tl.store(dst + o, tl.load(act_ptr + o, mask=m), mask=m)
+                    drow = dst + ro
+                    if ALIGNED:
+                        drow = tl.multiple_of(drow, 16)
+                    tl.store(drow[:, None] + oh[None, :], tl.load(act_ptr + o, mask=m), mask=m)
                     h0 += BLOCK_H
                 r0 += P * ROWS
         if HAS_SMALL:
@@ -332,6 +336,7 @@ def stage(heap, act=None, act_reg: int = 0, small=None, small_reg: int = 0, ntok
         act if has_act else heap.tab, act.shape[0] if has_act else 0, act_reg, H,
         small if has_small else heap.tab, small.numel() if has_small else 0, small_reg,
         ntok, heap.timeout_ns,
-        HAS_ACT=has_act, HAS_SMALL=has_small, ROWS=rows, BLOCK_H=block_h, WP2=heap.wp2, num_warps=warps,
+        HAS_ACT=has_act, HAS_SMALL=has_small, ROWS=rows, BLOCK_H=block_h,
+        ALIGNED=(H * heap.shape.dtype.itemsize) % 16 == 0, WP2=heap.wp2, num_warps=warps,
     )
     heap.after_launch()

@@ -1,0 +1,164 @@
+"""Per-rank bodies of the communication tests (imported by the spawned ranks of test_comm*.py).
+
+Every rank builds the same global inputs from one seed, runs the ops on its own share, and checks against
+megamoe.comm.reference on the global batch. A rank returns a list of failure strings (empty: passed), so the
+parent sees every rank's failures at once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def _inputs(world, T_list, H, k, E, seed, routing, dtype, device):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    xs, idxs, ws = [], [], []
+    for T in T_list:
+        xs.append(torch.randn(T, H, generator=g).to(dtype))
+        rows = []
+        for _ in range(T):
+            perm = torch.randperm(E, generator=g)[:k]
+            if routing == "hot":  # expert 0 in every token's list: it receives everything
+                if 0 not in perm.tolist():
+                    perm[0] = 0
+            elif routing == "narrow":  # only experts of rank 0 (others receive nothing)
+                perm = torch.randperm(E // world, generator=g)[:k]
+            rows.append(perm)
+        idxs.append(torch.stack(rows) if T else torch.empty(0, k, dtype=torch.long))
+        # dyadic gates: every product w * x is exact in fp32, so "exact" holds with and without FMA
+        ws.append(torch.randint(1, 16, (T, k), generator=g).float() / 16)
+    return xs, idxs, ws
+
+
+def _rel(a, b):
+    import torch
+
+    a, b = a.double().cpu(), b.double().cpu()
+    if torch.isnan(a).any():
+        return float("inf")
+    den = b.norm().item()
+    return (a - b).norm().item() / (den if den > 0 else 1.0)
+
+
+def run_case(rank, world, case, device, timeout_s=30.0, num_sms=None):
+    """One case: dispatch -> identity experts -> combine, both backward twins, twice for determinism."""
+    import torch
+
+    from megamoe.comm import CommShape, SymmetricHeap, combine, combine_backward, dispatch, dispatch_backward
+    from megamoe.comm.reference import combine_ref, dispatch_ref, gather_rows_ref
+
+    name = case["name"]
+    T_list, H, k, E = case["T"], case["H"], case["k"], case["E"]
+    dtype = torch.bfloat16
+    fails = []
+    xs, idxs, ws = _inputs(world, T_list, H, k, E, case.get("seed", 0), case.get("routing", "uniform"), dtype, device)
+    T = T_list[rank]
+    shape = CommShape(world, max(T_list), H, k, E, dtype)
+    heap = SymmetricHeap(shape, device=device, timeout_s=timeout_s, num_sms=num_sms or case.get("sms", 3))
+    dev = heap.device
+    try:
+        x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
+        outs = []
+        for _rep in range(2):
+            recv = torch.full((shape.rows_cap, H), float("nan"), dtype=dtype, device=dev)  # poison
+            recv, h = dispatch(x, idx, heap, recv=recv)
+            y32 = combine(recv, w, h, out_dtype=torch.float32)
+            y = combine(recv, w, h)
+            outs.append((recv.clone(), h.offs.clone(), y32.clone(), y.clone()))
+        ref, offs, src, tok, slot = dispatch_ref(xs, idxs, rank, E)
+        R = ref.shape[0]
+        recv, offs_dev, y32, y = outs[0]
+        if not torch.equal(offs_dev.long().cpu(), offs):
+            fails.append(f"{name} rank {rank}: offs {offs_dev.tolist()} != {offs.tolist()}")
+        if not torch.equal(recv[:R].cpu(), ref):
+            fails.append(f"{name} rank {rank}: receive rows differ from the reference permutation")
+        sch = h.schedule
+        triples = (("row_src", sch.row_src, src), ("row_tok", sch.row_tok, tok), ("row_slot", sch.row_slot, slot))
+        for nm, got, want in triples:
+            if not torch.equal(got[:R].long().cpu(), want):
+                fails.append(f"{name} rank {rank}: {nm} differs")
+        ref_y = combine_ref(ws[rank], [xs[rank]] * k)  # identity experts: every slot returns x
+        if not torch.equal(y32.cpu(), ref_y):
+            fails.append(f"{name} rank {rank}: fp32 combine not exact, max err {(y32.cpu() - ref_y).abs().max()}")
+        if T and _rel(y, ref_y) > 1e-2:
+            fails.append(f"{name} rank {rank}: bf16 combine rel err {_rel(y, ref_y)}")
+        for a, b in zip(outs[0], outs[1], strict=False):
+            if not torch.equal(a[: R if a.shape[0] == shape.rows_cap else a.shape[0]].cpu(),
+                               b[: R if b.shape[0] == shape.rows_cap else b.shape[0]].cpu()):
+                fails.append(f"{name} rank {rank}: second run differs bitwise")
+                break
+
+        # backward twins: every rank knows every rank's gradient rows (same seed)
+        g = torch.Generator().manual_seed(1000 + case.get("seed", 0))
+        Rs = [dispatch_ref(xs, idxs, q, E)[0].shape[0] for q in range(world)]
+        grads = [torch.randn(Rs[q], H, generator=g).to(dtype) for q in range(world)]
+        dys = [torch.randn(Tq, H, generator=g).to(dtype) for Tq in T_list]
+        expert_out = [torch.randn(Rs[q], H, generator=g).to(dtype) for q in range(world)]
+        grad_recv = torch.full((shape.rows_cap, H), float("nan"), dtype=dtype, device=dev)  # padding is NaN
+        grad_recv[: Rs[rank]] = grads[rank].to(dev)
+        gx = dispatch_backward(grad_recv, h, out_dtype=torch.float32)
+        ref_gx = combine_ref(None, gather_rows_ref(grads, idxs, rank, E))
+        if not torch.equal(gx.cpu(), ref_gx) and _rel(gx, ref_gx) > 1e-6:
+            fails.append(f"{name} rank {rank}: dispatch_backward rel err {_rel(gx, ref_gx)}")
+        out_full = torch.zeros(shape.rows_cap, H, dtype=dtype, device=dev)
+        out_full[: Rs[rank]] = expert_out[rank].to(dev)
+        g_out, g_w = combine_backward(dys[rank].to(dev), out_full, w, h)
+        # grad_out[r] = w_s[t, j] * dy_s[t] for row r = (s, t, j)
+        want_gout = torch.empty(R, H)
+        for s in range(world):
+            m = src == s
+            want_gout[m] = ws[s][tok[m], slot[m]][:, None] * dys[s][tok[m]].float()
+        if _rel(g_out[:R], want_gout) > 1e-2:
+            fails.append(f"{name} rank {rank}: combine_backward grad_out rel err {_rel(g_out[:R], want_gout)}")
+        rows_j = gather_rows_ref(expert_out, idxs, rank, E)
+        want_gw = torch.stack([(dys[rank].double() * r.double()).sum(1) for r in rows_j], 1) if T else torch.zeros(0, k)
+        if T and _rel(g_w, want_gw) > 1e-5:
+            fails.append(f"{name} rank {rank}: combine_backward grad_w rel err {_rel(g_w, want_gw)}")
+    finally:
+        heap.close()
+    return fails
+
+
+def rank_cases(rank, world, cases, device="cpu"):
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    fails = []
+    for case in cases:
+        try:
+            fails += run_case(rank, world, case, device)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            import traceback
+
+            fails.append(f"{case['name']} rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    return fails
+
+
+def rank_absent(rank, world, absent, timeout_s, device="cpu"):
+    """Rank ``absent`` builds the heap but never enters dispatch; the others must raise naming it."""
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    from megamoe.comm import CommShape, CommTimeoutError, SymmetricHeap, dispatch
+
+    heap = SymmetricHeap(CommShape(world, 4, 16, 2, 2 * world), device=None, timeout_s=timeout_s, num_sms=2)
+    try:
+        if rank == absent:
+            return ("absent", 0.0)
+        dev = heap.device
+        x = torch.randn(4, 16).to(torch.bfloat16).to(dev)
+        idx = torch.stack([torch.randperm(2 * world)[:2] for _ in range(4)]).to(dev)
+        t0 = time.monotonic()
+        try:
+            dispatch(x, idx, heap)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            heap.check()
+        except CommTimeoutError as exc:
+            return (str(exc), time.monotonic() - t0)
+        return ("no error", time.monotonic() - t0)
+    finally:
+        heap.close()

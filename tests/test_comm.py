@@ -1,0 +1,86 @@
+"""Communication path on CPU ranks: host heap + gloo + TRITON_INTERPRET=1 (the same Triton kernels as on GPUs).
+
+Each spawn runs several cases (the interpreter is slow, so shapes are small); every rank checks its share
+against megamoe.comm.reference on the global batch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from comm_cases import rank_absent, rank_cases  # noqa: E402
+
+from megamoe.dist import spawn  # noqa: E402
+
+CASES_W2 = [
+    # random routing, uneven T per rank, k = 2
+    dict(name="w2-basic", T=[9, 5], H=48, k=2, E=4, seed=1),
+    # rank 0 has no tokens; H = 100 is not a power of two (and rows are not 16-byte aligned)
+    dict(name="w2-empty-rank-H100", T=[0, 7], H=100, k=2, E=4, seed=2),
+    # k = 1; expert 0 receives every token; T not a multiple of the schedule chunk
+    dict(name="w2-k1-hot", T=[17, 3], H=32, k=1, E=4, routing="hot", seed=3),
+    # only rank 0's experts are used: rank 1's experts receive nothing, rank 1 receives no rows
+    dict(name="w2-narrow", T=[6, 6], H=40, k=2, E=8, routing="narrow", seed=4),
+]
+
+CASES_W4 = [
+    # k = 3 (not a power of two), 4 ranks, one rank without tokens
+    dict(name="w4-k3", T=[6, 0, 5, 3], H=40, k=3, E=8, seed=5),
+    # expert 0 in every token's list (receives everything); k = 4 > E_l = 2
+    dict(name="w4-hot-k4", T=[4, 5, 3, 6], H=24, k=4, E=8, routing="hot", seed=6),
+]
+
+
+def _run(world, cases):
+    fails = spawn(rank_cases, world, cases, timeout_s=600)
+    flat = [f for rank_fails in fails for f in rank_fails]
+    assert not flat, "\n".join(flat)
+
+
+def test_dispatch_combine_two_ranks():
+    _run(2, CASES_W2)
+
+
+def test_dispatch_combine_four_ranks():
+    _run(4, CASES_W4)
+
+
+@pytest.mark.parametrize("world,absent", [(2, 1), (4, 2)])
+def test_absent_rank_times_out_naming_it(world, absent):
+    timeout_s = 1.5
+    t0 = time.monotonic()
+    res = spawn(rank_absent, world, absent, timeout_s, timeout_s=120)
+    wall = time.monotonic() - t0
+    for r, (msg, took) in enumerate(res):
+        if r == absent:
+            continue
+        assert f"peer rank {absent} never signalled" in msg, msg
+        assert f"on rank {r}" in msg, msg
+        assert took < timeout_s + 10, took
+    assert wall < 90
+
+
+def test_heap_bytes_known_before_allocation():
+    from megamoe.comm import CommShape, heap_bytes, workspace_bytes
+
+    s = CommShape(world=4, max_tokens=4096, hidden=7168, topk=8, num_experts=256)
+    assert s.rows_cap == 4 * 4096 * 8
+    b = heap_bytes(s)
+    assert b >= s.rows_cap * 7168 * 2 + 4096 * 7168 * 2
+    assert workspace_bytes(s) >= s.rows_cap * 7168 * 2
+    with pytest.raises(ValueError, match="multiple of world"):
+        CommShape(world=3, max_tokens=8, hidden=8, topk=2, num_experts=8)
+    with pytest.raises(ValueError, match="topk"):
+        CommShape(world=2, max_tokens=8, hidden=8, topk=9, num_experts=8)
+
+
+def test_cpu_only_sanity():
+    # the CPU suite must not need CUDA
+    assert torch.tensor([1]).device.type == "cpu"
