@@ -13,6 +13,7 @@ COMMANDS = {
     "bench": ("megamoe.bench", "time the MoE layer forward and forward+backward, backends side by side"),
     "bench-comm": ("megamoe.comm.bench", "time dispatch and combine alone next to NCCL all_to_all_single"),
     "bench-gemm": ("megamoe.bench_gemm", "time the expert grouped GEMMs next to torch._grouped_mm"),
+    "train": ("megamoe.train", "train a small MoE language model with expert parallelism; tokens/s/GPU"),
     "info": ("megamoe.info", "versions, GPUs, peer access, whether symmetric memory works"),
 }
 

@@ -83,8 +83,11 @@ def _child(rank: int, world: int, port: int, device: str, fn: Callable, args: tu
             "MASTER_PORT": str(port),
         }
     )
+    import torch
     import torch.distributed as dist
 
+    if device == "cpu":  # W ranks share the machine's cores: no oversubscription
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         init_from_env(device)
         result = fn(rank, world, *args)

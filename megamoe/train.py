@@ -1,0 +1,376 @@
+"""``megamoe train``: train a small MoE language model with expert parallelism; tokens/s/GPU per backend.
+
+Under ``torchrun`` it uses the GPUs (bf16 autocast, MoE layers in bf16 with float32 master weights); on
+its own it spawns ``--world`` gloo CPU ranks (default 2) with a tiny float32 model. Expert weights are
+sharded over the ranks (expert parallelism); every other parameter is replicated and its gradients are
+averaged by torch DistributedDataParallel (the experts are excluded from DDP: each rank owns its own).
+
+Loss: the mean next-byte cross-entropy of the rank's tokens + the MoE load-balancing losses. Expert
+gradients collect every rank's tokens, so they are divided by the world size to be the gradient of the
+global mean loss, like the DDP-averaged ones.
+
+With ``--backends torch,split`` the same run (same seed, same data) is repeated per backend in one process
+group and the summary compares them. Outputs in ``--out``: ``summary.json`` (tokens/s/GPU, step time
+breakdown, peak memory, losses, per-expert load, commit, GPU) and ``loss.png``; checkpoints in
+``--out/ckpt-<backend>`` (one file per rank) when ``--ckpt-every`` is set, resumed with ``--resume``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megamoe.config import PRESETS, parse_dtype, preset
+from megamoe.data import ByteCorpus
+from megamoe.dist import init_from_env, spawn, under_torchrun
+from megamoe.model import ModelConfig, MoETransformer
+from megamoe.perf import run_metadata
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megamoe train", description=__doc__.split("\n\n")[0])
+    p.add_argument("files", nargs="*", help="text files to train on (default: the Python stdlib sources)")
+    p.add_argument("--backends", default="torch", help="comma-separated MoE backends, run one after another")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="expert shapes (default: tiny on CPU, qwen3-30b-a3b on GPU)")
+    p.add_argument("--layers", type=int, default=None, help="transformer blocks (default 2 CPU, 4 GPU)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (default 4 CPU, 16 GPU)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default 64 CPU, 4096 GPU)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per rank per step (default 4 CPU, 1 GPU)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 30 CPU, 200 GPU)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3 CPU, 1e-3 GPU)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps // 10)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
+    p.add_argument("--eval-every", type=int, default=None, help="evaluation period in steps (default steps//5)")
+    p.add_argument("--eval-batches", type=int, default=2)
+    p.add_argument("--ckpt-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--stop-at", type=int, default=None, help="stop after this step (to test resuming)")
+    p.add_argument("--out", default="out/train", help="output folder")
+    p.add_argument("--world", type=int, default=None,
+                   help="ranks to spawn when not under torchrun (CPU default 2; GPU default: all GPUs)")
+    p.add_argument("--cpu", action="store_true", help="CPU ranks even if GPUs are present")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timing-skip", type=int, default=None, help="first steps left out of tokens/s")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def _defaults(args, on_gpu: bool) -> argparse.Namespace:
+    a = argparse.Namespace(**vars(args))
+    gpu = on_gpu
+    a.preset = a.preset or ("qwen3-30b-a3b" if gpu else "tiny")
+    a.layers = a.layers or (4 if gpu else 2)
+    a.heads = a.heads or (16 if gpu else 4)
+    a.seq = a.seq or (4096 if gpu else 64)
+    a.batch = a.batch or (1 if gpu else 4)
+    a.steps = a.steps or (200 if gpu else 30)
+    a.lr = a.lr or (1e-3 if gpu else 3e-3)
+    a.warmup = a.warmup if a.warmup is not None else max(1, a.steps // 10)
+    a.eval_every = a.eval_every or max(1, a.steps // 5)
+    a.timing_skip = a.timing_skip if a.timing_skip is not None else (10 if gpu else 2)
+    a.dtype = "bf16" if gpu else "fp32"
+    return a
+
+
+def lr_at(step: int, args) -> float:
+    """Linear warm-up to args.lr, then cosine decay to 10% of it at the last step."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+class MasterWeights:
+    """float32 master copies of low-precision parameters: the optimizer steps the copies, the model's
+    bf16 parameters are refreshed from them after every step."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.pairs = [(p, p.detach().float().clone().requires_grad_()) for p in params]
+
+    def masters(self) -> list[torch.Tensor]:
+        return [m for _, m in self.pairs]
+
+    def grads_to_masters(self) -> None:
+        for p, m in self.pairs:
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+
+    @torch.no_grad()
+    def masters_to_model(self) -> None:
+        for p, m in self.pairs:
+            p.copy_(m)
+
+
+def clip_global_norm(replicated: list[torch.Tensor], local: list[torch.Tensor], max_norm: float, group) -> float:
+    """Clip by the norm over all parameters: replicated grads counted once, each rank's experts added up."""
+    def sq(ts):
+        return sum((t.grad.float().pow(2).sum() for t in ts if t.grad is not None), torch.zeros(()))
+
+    dev = (replicated + local)[0].device
+    rep = sq(replicated).to(dev)
+    loc = sq(local).to(dev)
+    dist.all_reduce(loc, group=group)
+    norm = (rep + loc).sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for t in replicated + local:
+        if t.grad is not None:
+            t.grad.mul_(coef.to(t.grad.dtype))
+    return norm
+
+
+def _ckpt_path(out: str, backend: str, rank: int) -> str:
+    return os.path.join(out, f"ckpt-{backend}", f"rank{rank}.pt")
+
+
+def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) -> dict:
+    """Train one model with ``backend``; returns this rank's summary (rank 0's is the one reported)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    W, rank = dist.get_world_size(), dist.get_rank()
+    on_gpu = device.type == "cuda"
+    ep_group = dist.new_group(list(range(W)))  # the MoE layers' own communicator, apart from DDP's
+    moe_cfg = preset(args.preset, dtype=parse_dtype(args.dtype))
+    moe_cfg = moe_cfg.replace(max_tokens_per_rank=max(moe_cfg.max_tokens_per_rank, args.batch * args.seq))
+    cfg = ModelConfig(moe_cfg, layers=args.layers, heads=args.heads, max_seq=args.seq)
+    model = MoETransformer(cfg, group=ep_group, backend=backend, device=device, seed=args.seed)
+    expert_names = model.expert_parameter_names()
+    DDP._set_params_and_buffers_to_ignore_for_model(model, expert_names)
+    ddp = DDP(model, device_ids=[device.index] if on_gpu else None, broadcast_buffers=False)
+    experts = model.expert_parameters()
+    expert_ids = {id(p) for p in experts}
+    replicated = [p for p in model.parameters() if id(p) not in expert_ids]
+    low_precision = [p for p in model.parameters() if p.dtype != torch.float32]
+    master = MasterWeights(low_precision) if low_precision else None
+    master_of = {id(p): m for p, m in (master.pairs if master else [])}
+    opt_params = [master_of.get(id(p), p) for p in model.parameters()]
+    decay = [p for p in opt_params if p.dim() >= 2]
+    no_decay = [p for p in opt_params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
+                            fused=False)
+
+    history = {"step": [], "loss": [], "aux": [], "lr": [], "grad_norm": [], "eval": []}
+    start = 0
+    ckpt = _ckpt_path(args.out, backend, rank)
+    if args.resume and os.path.exists(ckpt):
+        state = torch.load(ckpt, map_location=device, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        if master:
+            with torch.no_grad():
+                for (_, m), saved in zip(master.pairs, state["master"], strict=True):
+                    m.copy_(saved)
+            master.masters_to_model()
+        history = state["history"]
+        start = state["step"]
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext())
+    times = {"forward": [], "backward": [], "optimizer": [], "step": []}
+    load_sum = None
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats(device)
+    show = rank == 0 and not args.quiet
+    t_run = time.perf_counter()
+    end = min(args.steps, args.stop_at) if args.stop_at else args.steps
+    tokens_per_step = args.batch * args.seq
+    for step in range(start, end):
+        lr = lr_at(step, args)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        data = corpus.batch("train", args.batch, args.seq, args.seed, step, rank).to(device)
+        marks = _Marks(device)
+        with autocast:
+            logits, aux, load = ddp(data[:, :-1])
+            ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), data[:, 1:].reshape(-1))
+            loss = ce + aux
+        marks.mark()
+        loss.backward()
+        for p in experts:
+            if p.grad is not None:
+                p.grad.div_(W)
+        marks.mark()
+        if master:
+            master.grads_to_masters()
+            params_rep = [master_of.get(id(p), p) for p in replicated]
+            params_loc = [master_of.get(id(p), p) for p in experts]
+        else:
+            params_rep, params_loc = replicated, experts
+        gnorm = clip_global_norm(params_rep, params_loc, args.clip, None)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        if master:
+            master.masters_to_model()
+        marks.mark()
+        load_sum = load.detach().clone() if load_sum is None else load_sum + load.detach()
+        stats = torch.stack([ce.detach().float(), aux.detach().float()])
+        dist.all_reduce(stats)
+        stats = (stats / W).tolist()
+        fwd, bwd, optim = marks.elapsed()
+        if step - start >= args.timing_skip:
+            for key, v in zip(("forward", "backward", "optimizer"), (fwd, bwd, optim), strict=True):
+                times[key].append(v)
+            times["step"].append(fwd + bwd + optim)
+        history["step"].append(step)
+        history["loss"].append(stats[0])
+        history["aux"].append(stats[1])
+        history["lr"].append(lr)
+        history["grad_norm"].append(float(gnorm))
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            history["eval"].append((step, evaluate(ddp, corpus, args, device, autocast, rank, W)))
+        if show:
+            tps = tokens_per_step / statistics.median(times["step"]) if times["step"] else float("nan")
+            bar = "#" * int(30 * (step + 1) / args.steps)
+            sys.stderr.write(f"\r[{backend}] [{bar:<30}] step {step + 1}/{args.steps} loss {stats[0]:.4f} "
+                             f"aux {stats[1]:.4f} lr {lr:.2e} {tps:,.0f} tok/s/GPU")
+            if not sys.stderr.isatty() or step + 1 == end:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+        if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
+            os.makedirs(os.path.dirname(ckpt), exist_ok=True)
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1,
+                        "history": history, "master": master.masters() if master else None}, ckpt)
+    wall = time.perf_counter() - t_run
+    med = {k: (statistics.median(v) if v else None) for k, v in times.items()}
+    dist.all_reduce(load_sum if load_sum is not None else torch.zeros(1, device=device))
+    summary = {
+        "backend": backend,
+        "steps_run": end - start,
+        "tokens_per_step_per_gpu": tokens_per_step,
+        "tokens_per_s_per_gpu": tokens_per_step / med["step"] if med["step"] else None,
+        "step_time_s": med,
+        "wall_s": wall,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if on_gpu else None,
+        "history": history,
+        "expert_load": load_sum.sum(0).tolist() if load_sum is not None else None,
+        "final_loss": history["loss"][-1] if history["loss"] else None,
+    }
+    del ddp, model, opt
+    dist.destroy_process_group(ep_group)
+    return summary
+
+
+class _Marks:
+    """Phase boundaries of one step: CUDA events (read once the step is over) or host clocks."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.points = []
+        self.mark()
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.points.append(ev)
+        else:
+            self.points.append(time.perf_counter())
+
+    def elapsed(self) -> list[float]:
+        if self.cuda:
+            self.points[-1].synchronize()
+            return [a.elapsed_time(b) * 1e-3 for a, b in zip(self.points, self.points[1:], strict=False)]
+        return [b - a for a, b in zip(self.points, self.points[1:], strict=False)]
+
+
+@torch.no_grad()
+def evaluate(ddp, corpus, args, device, autocast, rank, W) -> float:
+    losses = []
+    for i in range(args.eval_batches):
+        data = corpus.batch("eval", args.batch, args.seq, args.seed, i, rank).to(device)
+        with autocast:
+            logits, _, _ = ddp.module(data[:, :-1])
+        losses.append(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), data[:, 1:].reshape(-1)))
+    loss = torch.stack(losses).mean()
+    dist.all_reduce(loss)
+    return float(loss / W)
+
+
+def run_rank(args, device: torch.device) -> dict | None:
+    corpus = ByteCorpus(args.files or None)
+    results = [train_backend(b, args, device, corpus) for b in args.backends.split(",")]
+    if dist.get_rank() != 0:
+        return None
+    return {"meta": run_metadata(device, dist.get_world_size()),
+            "config": {k: v for k, v in vars(args).items() if k not in ("quiet",)},
+            "corpus": {"files": len(corpus.files), "train_bytes": len(corpus.train), "eval_bytes": len(corpus.eval)},
+            "results": results}
+
+
+def _finish(report: dict, args) -> None:
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "summary.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    lines = [f"{'backend':<8} {'tok/s/GPU':>10} {'step ms':>8} {'fwd':>7} {'bwd':>7} {'opt':>7} {'peak GiB':>9} "
+             f"{'final loss':>10}"]
+    for r in report["results"]:
+        st = r["step_time_s"]
+
+        def ms(v):
+            return f"{v * 1e3:7.1f}" if v else f"{'n/a':>7}"
+
+        peak = f"{r['peak_memory_bytes'] / 2**30:9.2f}" if r["peak_memory_bytes"] else f"{'n/a':>9}"
+        tps = f"{r['tokens_per_s_per_gpu']:10,.0f}" if r["tokens_per_s_per_gpu"] else f"{'n/a':>10}"
+        lines.append(f"{r['backend']:<8} {tps} {ms(st['step']):>8} {ms(st['forward'])} {ms(st['backward'])} "
+                     f"{ms(st['optimizer'])} {peak} {r['final_loss']:10.4f}")
+    print("\n".join(lines))
+    print(f"wrote {path}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no loss.png")
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for r in report["results"]:
+        h = r["history"]
+        ax.plot(h["step"], h["loss"], label=f"{r['backend']} train", lw=1)
+        if h["eval"]:
+            ax.plot([s for s, _ in h["eval"]], [v for _, v in h["eval"]], "o--", ms=3, label=f"{r['backend']} eval")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/byte)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "loss.png"), dpi=120)
+    plt.close(fig)
+    print(f"wrote {os.path.join(args.out, 'loss.png')}")
+
+
+def _spawned(rank, world, args, device_type):
+    return run_rank(args, torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw = build_parser().parse_args(argv)
+    if under_torchrun():
+        device = init_from_env("cpu" if raw.cpu else None)
+        args = _defaults(raw, device.type == "cuda")
+        report = run_rank(args, device)
+        if report is not None:
+            _finish(report, args)
+        dist.destroy_process_group()
+        return 0
+    on_gpu = torch.cuda.is_available() and not raw.cpu
+    args = _defaults(raw, on_gpu)
+    world = args.world or (torch.cuda.device_count() if on_gpu else 2)
+    if not on_gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    preset(args.preset).validate_world(world)
+    reports = spawn(_spawned, world, args, "cuda" if on_gpu else "cpu", device="cuda" if on_gpu else "cpu",
+                    timeout_s=7200)
+    _finish(reports[0], args)
+    return 0
