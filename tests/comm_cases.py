@@ -91,6 +91,8 @@ def run_case(rank, world, case, device, timeout_s=30.0, num_sms=None):
                 fails.append(f"{name} rank {rank}: second run differs bitwise")
                 break
 
+        if not case.get("backward", True):
+            return fails
         # backward twins: every rank knows every rank's gradient rows (same seed)
         g = torch.Generator().manual_seed(1000 + case.get("seed", 0))
         Rs = [dispatch_ref(xs, idxs, q, E)[0].shape[0] for q in range(world)]
@@ -123,6 +125,7 @@ def run_case(rank, world, case, device, timeout_s=30.0, num_sms=None):
 
 
 def rank_cases(rank, world, cases, device="cpu"):
+    """Run ``cases`` (see run_case) on this rank; returns the failure strings."""
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
     fails = []
@@ -162,3 +165,58 @@ def rank_absent(rank, world, absent, timeout_s, device="cpu"):
         return ("no error", time.monotonic() - t0)
     finally:
         heap.close()
+
+
+def rank_graph(rank, world, device="cuda"):
+    """No host sync inside dispatch/combine (sync debug mode "error"), and both replay from a CUDA graph."""
+    import torch
+
+    from megamoe.comm import CommShape, SymmetricHeap, combine, dispatch
+    from megamoe.comm.reference import combine_ref
+
+    fails = []
+    T, H, k, E = 256, 1024, 4, 8 * world
+    heap = SymmetricHeap(CommShape(world, T, H, k, E), timeout_s=30, num_sms=16)
+    dev = heap.device
+    try:
+        def make(seed):
+            g = torch.Generator().manual_seed(seed * 10 + rank)
+            x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+            idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+            w = torch.randint(1, 16, (T, k), generator=g).float() / 16
+            return x, idx, w
+
+        x0, i0, w0 = make(0)
+        sx, si, sw = x0.to(dev), i0.to(dev), w0.to(dev)
+        recv, h = dispatch(sx, si, heap)  # warm-up: compiles every kernel
+        y = combine(recv, sw, h, out_dtype=torch.float32)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            recv, h = dispatch(sx, si, heap)
+            y = combine(recv, sw, h, out_dtype=torch.float32)
+        except Exception as exc:  # noqa: BLE001
+            fails.append(f"rank {rank}: sync debug mode raised: {exc}")
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        if not torch.equal(y.cpu(), combine_ref(w0, [x0] * k)):
+            fails.append(f"rank {rank}: eager combine under sync debug mode is wrong")
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g_recv, g_h = dispatch(sx, si, heap)
+            g_y = combine(g_recv, sw, g_h, out_dtype=torch.float32)
+        for seed in (1, 2, 3):
+            x1, i1, w1 = make(seed)
+            sx.copy_(x1)
+            si.copy_(i1)
+            sw.copy_(w1)
+            graph.replay()
+            torch.cuda.synchronize()
+            if not torch.equal(g_y.cpu(), combine_ref(w1, [x1] * k)):
+                fails.append(f"rank {rank}: graph replay {seed} gives a wrong combine")
+        heap.check()
+    finally:
+        heap.close()
+    return fails

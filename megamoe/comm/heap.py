@@ -171,8 +171,8 @@ class SymmetricHeap:
         self._maps: list = []
         self._watchdog = None
         if backend == "cuda":
-            cur = torch.device("cuda", torch.cuda.current_device())
-            self.device = torch.device(device) if device is not None else cur
+            dev = torch.device(device) if device is not None else torch.device("cuda")
+            self.device = dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
             bases = self._alloc_cuda()
         else:
             self.device = torch.device("cpu")
@@ -198,6 +198,10 @@ class SymmetricHeap:
         try:
             symm_mem.set_backend("CUDA")
         except Exception:  # noqa: BLE001 - already set, or an older torch without set_backend
+            pass
+        try:
+            symm_mem.enable_symm_mem_for_group(self.group.group_name)
+        except Exception:  # noqa: BLE001 - not needed (or deprecated) on recent torch
             pass
         self._buf = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self._buf.zero_()

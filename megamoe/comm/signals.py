@@ -48,6 +48,8 @@ SEQ = tl.constexpr(0)
 ARRIVE_STAGE = tl.constexpr(1)
 ARRIVE_WORK = tl.constexpr(2)
 ARRIVE_FINISH = tl.constexpr(3)
+ERR_LOCAL = tl.constexpr(4)  # device-memory mirror of the error flag (cheap to poll; the record is host memory)
+ERR_LOCAL_CLAIM = tl.constexpr(5)
 # error record slots (int64)
 ERR_FLAG = tl.constexpr(0)
 ERR_OP = tl.constexpr(1)
@@ -56,7 +58,6 @@ ERR_RANK = tl.constexpr(3)
 ERR_PEER = tl.constexpr(4)
 ERR_EXPECTED = tl.constexpr(5)
 ERR_SEEN = tl.constexpr(6)
-ERR_CLAIM = tl.constexpr(7)
 ERR_PURPOSE = tl.constexpr(8)
 ERR_SLOTS = 16
 
@@ -129,9 +130,9 @@ def region_ptr(tab, reg, W, peer, dtype: tl.constexpr):
 
 @triton.jit
 def error_set(tab, W, rank):
-    """This rank's error-record flag (0: no wait has timed out)."""
-    err = region_ptr(tab, REG_ERR, W, rank, tl.int64)
-    return tl.load(err + ERR_FLAG, volatile=True)
+    """This rank's error flag (0: no wait has timed out), read from the device-memory mirror."""
+    ctrl = region_ptr(tab, REG_CTRL, W, rank, tl.int64)
+    return tl.load(ctrl + ERR_LOCAL, volatile=True)
 
 
 @triton.jit
@@ -142,25 +143,26 @@ def wait_flags(tab, W, rank, purpose, lo, hi, expected, op, timeout_ns, WP2: tl.
     writing the record on a timeout). Called by every program that needs the data; polls local memory.
     """
     flags = region_ptr(tab, REG_FLAGS, W, rank, tl.int64) + purpose * W
-    err = region_ptr(tab, REG_ERR, W, rank, tl.int64)
+    ctrl = region_ptr(tab, REG_CTRL, W, rank, tl.int64)
     offs = tl.arange(0, WP2)
     valid = (offs >= lo) & (offs < hi)
     p = flags + tl.where(valid, offs, rank)
     seen = tl.where(valid, ld_acquire(p), expected)
-    errv = tl.load(err + ERR_FLAG, volatile=True)
+    errv = tl.load(ctrl + ERR_LOCAL, volatile=True)
     t0 = now_ns()
     elapsed = now_ns() - t0
     while (tl.min(seen, axis=0) < expected) & (errv == 0) & (elapsed <= timeout_ns):
         seen = tl.where(valid, ld_acquire(p), expected)
-        errv = tl.load(err + ERR_FLAG, volatile=True)
+        errv = tl.load(ctrl + ERR_LOCAL, volatile=True)
         elapsed = now_ns() - t0
     ok = tl.min(seen, axis=0) >= expected
     if (tl.min(seen, axis=0) < expected) & (errv == 0):
         peer = tl.min(tl.where(seen < expected, offs, WP2), axis=0)
         got = tl.sum(tl.where(offs == peer, seen, 0), axis=0)
         zero = tl.full([], 0, tl.int64)
-        claimed = tl.atomic_cas(err + ERR_CLAIM, zero, zero + 1, sem="acq_rel", scope="sys")
+        claimed = tl.atomic_cas(ctrl + ERR_LOCAL_CLAIM, zero, zero + 1, sem="acq_rel", scope="gpu")
         if claimed == 0:
+            err = region_ptr(tab, REG_ERR, W, rank, tl.int64)  # host-visible record
             tl.store(err + ERR_OP, op)
             tl.store(err + ERR_CALL, expected)
             tl.store(err + ERR_RANK, rank)
@@ -168,7 +170,8 @@ def wait_flags(tab, W, rank, purpose, lo, hi, expected, op, timeout_ns, WP2: tl.
             tl.store(err + ERR_EXPECTED, expected)
             tl.store(err + ERR_SEEN, got)
             tl.store(err + ERR_PURPOSE, purpose)
-            tl.atomic_xchg(err + ERR_FLAG, 1, sem="release", scope="sys")
+            tl.atomic_xchg(err + ERR_FLAG, zero + 1, sem="release", scope="sys")
+            tl.atomic_xchg(ctrl + ERR_LOCAL, zero + 1, sem="release", scope="gpu")
     tl.debug_barrier()
     return ok
 
