@@ -35,21 +35,24 @@ HBM = 4.3e12
 
 
 def _candidates(op: str):
-    from megamoe.kernels.gemm_config import GemmConfig as C
+    from megamoe.kernels.gemm_config import GemmConfig
 
-    if op in ("gemm1", "dgrad2"):
-        return [C(128, 128, 64, 8, 3, 8), C(128, 128, 64, 8, 4, 8), C(128, 64, 64, 8, 4, 8), C(64, 128, 64, 8, 4, 4)]
-    if op in ("gemm2", "dgrad1"):
-        return [C(128, 256, 64, 8, 3, 8), C(128, 256, 64, 8, 4, 8), C(128, 128, 64, 8, 4, 8), C(128, 128, 64, 8, 4, 4)]
-    if op == "gemm1_fp8":
-        return [C(128, 128, 128, 8, 3, 8), C(128, 128, 128, 8, 4, 8), C(128, 64, 128, 8, 4, 8),
-                C(64, 128, 128, 8, 4, 4)]
-    if op == "gemm2_fp8":
-        return [C(128, 256, 128, 8, 3, 8), C(128, 256, 128, 8, 4, 8), C(128, 128, 128, 8, 4, 8),
-                C(128, 128, 128, 8, 5, 4)]
-    if op in ("wgrad1", "wgrad2"):
-        return [C(128, 256, 64, 8, 3, 8), C(128, 128, 64, 8, 4, 8)]
-    raise KeyError(op)
+    def C(bm, bn, bk, st, wp, sp=1):  # noqa: N802
+        return GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_stages=st, num_warps=wp, epi_split=sp)
+
+    table = {
+        "gemm1": [C(128, 128, 64, 3, 8, 2), C(128, 128, 64, 4, 8, 2), C(128, 128, 64, 4, 8, 4), C(128, 128, 64, 3, 8)],
+        "dgrad2": [C(128, 128, 64, 3, 8, 4), C(128, 128, 64, 4, 8, 2), C(128, 128, 64, 4, 8, 4), C(128, 64, 64, 4, 8)],
+        "gemm2": [C(128, 256, 64, 3, 8), C(128, 256, 64, 4, 8), C(128, 256, 64, 3, 8, 2), C(128, 256, 64, 4, 8, 2)],
+        "gemm1_fp8": [C(128, 64, 128, 4, 8), C(128, 128, 128, 3, 8, 2), C(128, 64, 128, 5, 8),
+                      C(128, 128, 128, 4, 8, 4)],
+        "gemm2_fp8": [C(128, 128, 128, 4, 8), C(128, 128, 128, 5, 8), C(128, 128, 128, 3, 8, 2),
+                      C(128, 256, 128, 3, 8, 4)],
+        "wgrad1": [C(128, 256, 64, 3, 8), C(128, 256, 64, 4, 8), C(128, 128, 64, 4, 8)],
+    }
+    table["dgrad1"] = table["gemm2"]
+    table["wgrad2"] = table["wgrad1"]
+    return table[op]
 
 
 def _group_sizes(R: int, E_l: int, align: int, gen: torch.Generator) -> list[int]:

@@ -120,11 +120,14 @@ def _forward_backward(p, cfg: GemmConfig, I: int, tol: float = 1e-2):
 
 
 @cpu_only
-@pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize("use_tma,epi_split", [(False, 1), (True, 1), (True, 2), (False, 4)],
+                         ids=["pointers", "tma", "tma-split2", "pointers-split4"])
 @pytest.mark.parametrize("sizes,pad", CPU_CASES)
-def test_bf16_ops_interpreter(sizes, pad, use_tma):
+def test_bf16_ops_interpreter(sizes, pad, use_tma, epi_split):
+    if epi_split > 1 and sizes != CPU_CASES[0].values[0]:
+        pytest.skip("the epilogue split is covered on the mixed-size case")
     p = make_problem(sizes, pad, H=40, I=24)
-    _forward_backward(p, CPU_CFG.with_(use_tma=use_tma), I=24)
+    _forward_backward(p, CPU_CFG.with_(use_tma=use_tma, epi_split=epi_split), I=24)
 
 
 @cpu_only
@@ -234,12 +237,12 @@ def _fp8_checks(p, cfg: GemmConfig | None, I: int):
 
 
 @cpu_only
-@pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tma"])
-def test_fp8_interpreter(use_tma):
+@pytest.mark.parametrize("use_tma,epi_split", [(False, 1), (True, 2)], ids=["pointers", "tma-split2"])
+def test_fp8_interpreter(use_tma, epi_split):
     # groups 0, 1, 129 and one large; H = 160 and I = 144 are not multiples of 128 (partial scale blocks)
     p = make_problem([0, 1, 129, 70], 3, H=160, I=144, seed=1)
     _fp8_checks(p, GemmConfig(block_m=32, block_n=32, block_k=128, group_m=2, num_stages=1, num_warps=4,
-                              use_tma=use_tma), I=144)
+                              use_tma=use_tma, epi_split=epi_split), I=144)
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -257,7 +260,7 @@ def test_bf16_ops_gpu(sizes, pad, use_tma):
     H, I = 1040, 776  # not multiples of the 64/128/256 blocks, but 16-byte aligned (TMA allowed)
     p = make_problem(sizes, pad, H=H, I=I, seed=7)
     cfg = None if use_tma is None else GemmConfig(block_m=64, block_n=64, block_k=64, num_stages=3, num_warps=4,
-                                                  use_tma=False)
+                                                  use_tma=False, epi_split=2)
     _forward_backward(p, cfg, I=I)
 
 

@@ -21,9 +21,11 @@ QBLOCK = 128
 
 @triton.jit
 def _scale_of(amax, POW2: tl.constexpr):
-    s = tl.maximum(amax, 1e-12) / 448.0
-    if POW2:
-        s = tl.exp2(tl.ceil(tl.log2(s)))
+    s = tl.div_rn(tl.maximum(amax, 1e-12), 448.0)
+    if POW2:  # round up to a power of two on the bits (exact; log2 on the GPU is approximate)
+        bits = s.to(tl.int32, bitcast=True)
+        ex = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        s = (ex << 23).to(tl.float32, bitcast=True)
     return s
 
 
@@ -63,7 +65,7 @@ def _quant_act_kernel(
     rr64 = rr.to(tl.int64)
     x = tl.load(x_ptr + rr64[:, None] * stride_x + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     s = _scale_of(tl.max(tl.abs(x), axis=1), POW2)
-    q = tl.clamp(x / s[:, None], -448.0, 448.0)
+    q = tl.clamp(tl.div_rn(x, s[:, None]), -448.0, 448.0)  # IEEE division: bitwise equal to torch
     tl.store(q_ptr + rr64[:, None] * K + rk[None, :], _to_e4m3(q, RNE_IN_FP32), mask=mask)
     tl.store(s_ptr + rr64 * n_kb + kb, s, mask=rr < R)
 
@@ -86,7 +88,7 @@ def _quant_weight_kernel(
     off = e.to(tl.int64) * N * K + rn.to(tl.int64)[:, None] * K + rk[None, :]
     w = tl.load(w_ptr + off, mask=mask, other=0.0).to(tl.float32)
     s = _scale_of(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
-    q = tl.clamp(w / s, -448.0, 448.0)
+    q = tl.clamp(tl.div_rn(w, s), -448.0, 448.0)
     tl.store(q_ptr + off, _to_e4m3(q, RNE_IN_FP32), mask=mask)
     tl.store(s_ptr + (e * n_nb + nb) * n_kb + kb, s)
 
@@ -134,7 +136,8 @@ def _pad_to(x: torch.Tensor, dim: int, mult: int) -> torch.Tensor:
 def _scale_ref(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
     s = amax.float().clamp_min(1e-12) / FP8_MAX
     if pow2:
-        s = torch.exp2(torch.ceil(torch.log2(s)))
+        m, e = torch.frexp(s)  # s = m * 2^e, m in [0.5, 1)
+        s = torch.where(m == 0.5, s, torch.ldexp(torch.ones_like(s), e))
     return s
 
 

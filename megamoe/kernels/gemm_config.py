@@ -26,6 +26,12 @@ class GemmConfig:
     num_warps: int = 8
     num_sms: int | None = None     # persistent programs; None: the device's SM count (4 under the interpreter)
     use_tma: bool | None = None    # None: TMA descriptors when strides/pointers are 16-byte aligned
+    epi_split: int = 1             # epilogue in 1, 2 or 4 column slices (fewer live registers)
+
+    def __post_init__(self):
+        if self.epi_split not in (1, 2, 4) or self.block_n % (8 * self.epi_split):
+            raise ValueError(f"epi_split must be 1, 2 or 4 and divide block_n into >= 8 columns, got "
+                             f"epi_split={self.epi_split}, block_n={self.block_n}")
 
     def with_(self, **kw) -> GemmConfig:
         return replace(self, **kw)
@@ -66,15 +72,17 @@ def default_config(op: str, rows: int, n: int, k: int) -> GemmConfig:
     if interpreting():
         return GemmConfig(block_m=32, block_n=32, block_k=32 if "fp8" not in op else 128, group_m=2,
                           num_stages=1, num_warps=4)
-    fp8 = op.endswith("fp8")
     if op == "wgrad":
         return GemmConfig(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8)
-    if op in ("gemm1_swiglu", "dgrad_swiglu", "gemm1_swiglu_fp8", "dgrad_swiglu_fp8"):
-        bn = 128
-    else:
-        bn = 256 if n >= 256 else 128
-    return GemmConfig(block_m=128, block_n=bn, block_k=128 if fp8 else 64, group_m=8,
-                      num_stages=4 if fp8 else 3, num_warps=8)
+    if op in ("gemm1_swiglu", "dgrad_swiglu"):
+        return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4 if op == "gemm1_swiglu" else 3,
+                          num_warps=8, epi_split=2 if op == "gemm1_swiglu" else 4)
+    if op in ("gemm1_swiglu_fp8", "dgrad_swiglu_fp8"):
+        return GemmConfig(block_m=128, block_n=64, block_k=128, num_stages=4, num_warps=8)
+    if op.endswith("fp8"):
+        return GemmConfig(block_m=128, block_n=128, block_k=128, num_stages=4, num_warps=8)
+    return GemmConfig(block_m=128, block_n=256 if n >= 256 else 128, block_k=64,
+                      num_stages=4 if n >= 4096 else 3, num_warps=8)
 
 
 #: the compiled kernel of the last launch per kernel name (for register/spill reports: .n_regs, .n_spills)

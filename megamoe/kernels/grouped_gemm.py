@@ -82,54 +82,107 @@ def _locate_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, N, BLOCK_N: tl.con
 
 
 @triton.jit
-def _epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N,
-              out_ptr, stride_om, h_ptr, stride_hm, scale_ptr, dsp_ptr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _epi_part(acc, acc2, off_m, off_n, row_end, R, N,
+              out_ptr, stride_om, h_ptr, stride_hm, scale_ptr,
+              BLOCK_M: tl.constexpr, NP: tl.constexpr,
               EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, STORE_H: tl.constexpr):
-    """Write one [BLOCK_M, BLOCK_N] output tile; rows >= row_end and cols >= N are dropped.
+    """Write a [BLOCK_M, NP] column slice of the output tile; rows >= row_end and cols >= N are dropped.
 
     EPI_NONE:    out = acc (* s[r])
     EPI_SWIGLU:  acc = g, acc2 = u; h[:, n] = g, h[:, N + n] = u (STORE_H); out = silu(g) * u
     EPI_DSWIGLU: acc = dact (unscaled, = dy @ w2); g, u read from h; da = s[r] * dact;
-                 out[:, n] = da * u * silu'(g), out[:, N + n] = da * silu(g);
-                 dsp[ni, r] = sum_n dact * silu(g) * u  (HAS_SCALE: the gate's gradient, per n-block)
+                 out[:, n] = da * u * silu'(g), out[:, N + n] = da * silu(g)
+    Returns the row sums of dact * silu(g) * u (EPI_DSWIGLU with HAS_SCALE: the gate's gradient), else 0.
+    Pointers are a 64-bit tile base plus 32-bit in-tile offsets, to keep registers down.
     """
-    rm = off_m + tl.arange(0, BLOCK_M)
-    rn = off_n + tl.arange(0, BLOCK_N)
+    lm = tl.arange(0, BLOCK_M)
+    rn = off_n + tl.arange(0, NP)
+    rm = off_m + lm
     mmask = rm < row_end
     mask = mmask[:, None] & (rn < N)[None, :]
-    rm64 = rm.to(tl.int64)
-    o_ptrs = out_ptr + rm64[:, None] * stride_om + rn[None, :]
+    o_base = out_ptr + off_m.to(tl.int64) * stride_om
+    o_offs = lm[:, None] * stride_om + rn[None, :]
+    part = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if EPILOGUE == 0:
         if HAS_SCALE:
             s = tl.load(scale_ptr + rm, mask=mmask, other=0.0)
             acc = acc * s[:, None]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_base + o_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     elif EPILOGUE == 1:
         g = acc
         u = acc2
         if STORE_H:
-            h_ptrs = h_ptr + rm64[:, None] * stride_hm + rn[None, :]
-            tl.store(h_ptrs, g.to(h_ptr.dtype.element_ty), mask=mask)
-            tl.store(h_ptrs + N, u.to(h_ptr.dtype.element_ty), mask=mask)
+            h_base = h_ptr + off_m.to(tl.int64) * stride_hm
+            h_offs = lm[:, None] * stride_hm + rn[None, :]
+            tl.store(h_base + h_offs, g.to(h_ptr.dtype.element_ty), mask=mask)
+            tl.store(h_base + N + h_offs, u.to(h_ptr.dtype.element_ty), mask=mask)
         act = g / (1.0 + tl.exp(-g)) * u
-        tl.store(o_ptrs, act.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_base + o_offs, act.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        h_ptrs = h_ptr + rm64[:, None] * stride_hm + rn[None, :]
-        g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(h_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+        h_base = h_ptr + off_m.to(tl.int64) * stride_hm
+        h_offs = lm[:, None] * stride_hm + rn[None, :]
+        g = tl.load(h_base + h_offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_base + N + h_offs, mask=mask, other=0.0).to(tl.float32)
         sig = 1.0 / (1.0 + tl.exp(-g))
         silu = g * sig
         da = acc
         if HAS_SCALE:
             part = tl.sum(acc * silu * u, axis=1)
-            tl.store(dsp_ptr + ni.to(tl.int64) * R + rm, part, mask=mmask)
             s = tl.load(scale_ptr + rm, mask=mmask, other=0.0)
             da = acc * s[:, None]
         dg = da * u * (sig * (1.0 + g * (1.0 - sig)))
+        tl.store(o_base + o_offs, dg.to(out_ptr.dtype.element_ty), mask=mask)
         du = da * silu
-        tl.store(o_ptrs, dg.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(o_ptrs + N, du.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_base + N + o_offs, du.to(out_ptr.dtype.element_ty), mask=mask)
+    return part
+
+
+@triton.jit
+def _halves(x, BLOCK_M: tl.constexpr, NP: tl.constexpr):
+    """[BLOCK_M, NP] -> (cols 0..NP/2-1, cols NP/2..NP-1)."""
+    x = tl.permute(tl.reshape(x, (BLOCK_M, 2, NP // 2)), (0, 2, 1))
+    return tl.split(x)
+
+
+@triton.jit
+def _epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N,
+              out_ptr, stride_om, h_ptr, stride_hm, scale_ptr, dsp_ptr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, STORE_H: tl.constexpr, EPI_SPLIT: tl.constexpr):
+    """Write one [BLOCK_M, BLOCK_N] output tile in EPI_SPLIT column slices (1, 2 or 4; fewer live registers),
+    see _epi_part; EPI_DSWIGLU with HAS_SCALE also writes dsp[ni, r] = sum over the tile's columns."""
+    if EPI_SPLIT == 1:
+        part = _epi_part(acc, acc2, off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
+                         scale_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H)
+    elif EPI_SPLIT == 2:
+        HN: tl.constexpr = BLOCK_N // 2
+        a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
+        b0, b1 = _halves(acc2, BLOCK_M, BLOCK_N)
+        part = _epi_part(a0, b0, off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
+                         scale_ptr, BLOCK_M, HN, EPILOGUE, HAS_SCALE, STORE_H)
+        part += _epi_part(a1, b1, off_m, off_n + HN, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
+                          scale_ptr, BLOCK_M, HN, EPILOGUE, HAS_SCALE, STORE_H)
+    else:
+        HN: tl.constexpr = BLOCK_N // 2
+        QN: tl.constexpr = BLOCK_N // 4
+        a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
+        b0, b1 = _halves(acc2, BLOCK_M, BLOCK_N)
+        a00, a01 = _halves(a0, BLOCK_M, HN)
+        b00, b01 = _halves(b0, BLOCK_M, HN)
+        part = _epi_part(a00, b00, off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
+                         scale_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H)
+        part += _epi_part(a01, b01, off_m, off_n + QN, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
+                          scale_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H)
+        a10, a11 = _halves(a1, BLOCK_M, HN)
+        b10, b11 = _halves(b1, BLOCK_M, HN)
+        part += _epi_part(a10, b10, off_m, off_n + HN, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
+                          scale_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H)
+        part += _epi_part(a11, b11, off_m, off_n + HN + QN, row_end, R, N, out_ptr, stride_om, h_ptr,
+                          stride_hm, scale_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H)
+    if EPILOGUE == 2:
+        if HAS_SCALE:
+            rm = off_m + tl.arange(0, BLOCK_M)
+            tl.store(dsp_ptr + ni.to(tl.int64) * R + rm, part, mask=rm < row_end)
 
 
 @triton.jit
@@ -181,7 +234,7 @@ def _grouped_gemm_kernel(
     N_UP,               # row of w where the up projection starts (EPI_SWIGLU: I)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_E: tl.constexpr, W_KN: tl.constexpr, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr,
-    STORE_H: tl.constexpr, USE_TMA: tl.constexpr, DOT_F32: tl.constexpr,
+    STORE_H: tl.constexpr, USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, EPI_SPLIT: tl.constexpr,
 ):
     """Grid: (P,) persistent programs. For each tile (e, mi, ni) of the schedule in the module docstring:
         acc = a[offs[e] + mi*BM : +BM, :] @ w[e][ni*BN : +BN, :]^T      (fp32, k-loop over BLOCK_K)
@@ -215,7 +268,7 @@ def _grouped_gemm_kernel(
                     b2 = b2.to(tl.float32)
                 acc2 = tl.dot(a, b2, acc2)
         _epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                  scale_ptr, dsp_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H)
+                  scale_ptr, dsp_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H, EPI_SPLIT)
         tile += num_progs
 
 
@@ -275,6 +328,7 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ou
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.group_m,
         BLOCK_E=triton.next_power_of_2(max(E_l, 2)), W_KN=w_kn, EPILOGUE=epilogue,
         HAS_SCALE=scale is not None, STORE_H=store_h, USE_TMA=use_tma, DOT_F32=interpreting(),
+        EPI_SPLIT=cfg.epi_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     record("_grouped_gemm_kernel", k)

@@ -35,7 +35,7 @@ def _grouped_gemm_fp8_kernel(
     N_UP,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
     EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, STORE_H: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, EPI_SPLIT: tl.constexpr,
 ):
     """Grid: (P,) persistent programs; tile -> (e, mi, ni) as in grouped_gemm.py; per k-block kb:
         acc += (aq_tile @ wq_tile^T) * a_s[rows, kb][:, None] * w_s[e, cols // 128, kb][None, :]
@@ -78,7 +78,7 @@ def _grouped_gemm_fp8_kernel(
                     b2 = b2.to(tl.float32)
                 acc2 += tl.dot(a, b2) * sa[:, None] * sb2[None, :]
         _epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                  scale_ptr, dsp_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H)
+                  scale_ptr, dsp_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H, EPI_SPLIT)
         tile += num_progs
 
 
@@ -139,6 +139,6 @@ def launch_grouped_gemm_fp8(aq, a_s, wq, w_s, offs, out, cfg: GemmConfig, *, n: 
         out.stride(0), h.stride(0) if h is not None else 0, n_up,
         BLOCK_M=BM, BLOCK_N=BN, GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
         EPILOGUE=epilogue, HAS_SCALE=scale is not None, STORE_H=store_h, USE_TMA=use_tma,
-        DOT_F32=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_F32=interpreting(), EPI_SPLIT=cfg.epi_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     record("_grouped_gemm_fp8_kernel", k)
