@@ -11,11 +11,15 @@ Importing this package imports triton; under TRITON_INTERPRET=1 (set before the 
 on the CPU against the ``host`` heap backend.
 """
 
-from .combine import combine, combine_backward
-from .dispatch import DispatchHandle, dispatch, dispatch_backward
-from .heap import CommShape, CommTimeoutError, SymmetricHeap, heap_bytes, workspace_bytes
-from .schedule import Schedule
-from .signals import barrier
+from megamoe import _interp
+
+_interp.apply()  # before any kernel runs: round-to-nearest bf16 conversions under the interpreter
+
+from .combine import combine, combine_backward  # noqa: E402
+from .dispatch import DispatchHandle, dispatch, dispatch_backward  # noqa: E402
+from .heap import CommShape, CommTimeoutError, SymmetricHeap, heap_bytes, workspace_bytes  # noqa: E402
+from .schedule import Schedule  # noqa: E402
+from .signals import barrier  # noqa: E402
 
 __all__ = [
     "CommShape",
