@@ -45,6 +45,14 @@ def _commit() -> str:
         return "unknown"
 
 
+def _tiles(spec: str, cap: int) -> list[tuple[int, int, int]]:
+    out = []
+    for item in spec.split(","):
+        elems, warps = item.split("x")
+        out.append((int(elems), int(warps), cap))
+    return out
+
+
 def _time(fn, iters: int, warmup: int):
     import torch
     import torch.distributed as dist
@@ -70,13 +78,15 @@ def _time(fn, iters: int, warmup: int):
     return float(per_iter_max.median()), [float(v) for v in per_iter_max.tolist()]
 
 
-def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: int, seed: int) -> dict:
+def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: int, seed: int,
+               pull_tiles: list, gather_tiles: list) -> dict:
     import torch
     import torch.distributed as dist
 
     from megamoe.comm import CommShape, SymmetricHeap, combine, dispatch
-    from megamoe.comm.combine import _gather_sum_kernel  # noqa: F401 - compiled through _gather_sum
+    from megamoe.comm import signals as S
     from megamoe.comm.dispatch import pull_rows
+    from megamoe.comm.schedule import build_schedule
 
     cfg = CONFIGS[name]
     H, E, k = cfg["hidden"], cfg["num_experts"], cfg["topk"]
@@ -135,24 +145,54 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
     add("nccl_a2a_combine", "nccl", us, smp, comb_bytes)
 
     recv = torch.empty(heap.shape.rows_cap, H, dtype=torch.bfloat16, device=dev)
+    rows = heap.rows_buffer()
+    state = {}
+
+    def disp(sms):
+        state["recv"], state["h"] = dispatch(x_heap, idx, heap, num_sms=sms, recv=recv)
+
+    def graph_of(fn):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return g
+
     for sms in sms_list:
-        state = {}
-
-        def disp(sms=sms, state=state):
-            state["recv"], state["h"] = dispatch(x_heap, idx, heap, num_sms=sms, recv=recv)
-
-        us, smp = _time(disp, iters, warmup)
+        disp(sms)
+        h = state["h"]
+        rows.copy_(recv)  # identity experts, written where combine reads them
+        # tile sweep (pull alone, combine eager), keep the fastest for this SM count
+        best = {}
+        for op, tiles, fn, nbytes in (
+            ("pull", pull_tiles, lambda sms=sms, h=h: pull_rows(heap, h.schedule, recv, sms), disp_bytes),
+            ("gather", gather_tiles, lambda sms=sms, h=h: combine(rows, w, h, num_sms=sms), comb_bytes),
+        ):
+            for tile in tiles:
+                S.TILES[op] = tile
+                us, smp = _time(fn, iters, warmup)
+                add(f"{op}[{tile[0]}x{tile[1]}w]", sms, us, smp, nbytes)
+                if op not in best or us < best[op][0]:
+                    best[op] = (us, tile)
+            S.TILES[op] = best[op][1]
+        res.setdefault("best_tiles", {})[str(sms)] = {op: list(v[1]) for op, v in best.items()}
+        us, smp = _time(lambda sms=sms: disp(sms), iters, warmup)
         add("dispatch", sms, us, smp, disp_bytes)
         us, smp = _time(lambda sms=sms: dispatch(x, idx, heap, num_sms=sms, recv=recv), iters, warmup)
         add("dispatch+copy", sms, us, smp, disp_bytes)
-        disp()
+        us, smp = _time(lambda: build_schedule(heap), iters, warmup)
+        add("schedule", sms, us, smp, 0)
+        g = graph_of(lambda sms=sms: disp(sms))
+        us, smp = _time(g.replay, iters, warmup)
+        add("dispatch(graph)", sms, us, smp, disp_bytes)
         h = state["h"]
-        us, smp = _time(lambda sms=sms, h=h: pull_rows(heap, h.schedule, recv, sms), iters, warmup)
-        add("pull", sms, us, smp, disp_bytes)
-        rows = heap.rows_buffer()
-        rows.copy_(recv)  # identity experts, written where combine reads them
-        us, smp = _time(lambda sms=sms, h=h, rows=rows: combine(rows, w, h, num_sms=sms), iters, warmup)
+        us, smp = _time(lambda sms=sms, h=h: combine(rows, w, h, num_sms=sms), iters, warmup)
         add("combine", sms, us, smp, comb_bytes)
+        g2 = graph_of(lambda sms=sms, h=h: combine(rows, w, h, num_sms=sms))
+        us, smp = _time(g2.replay, iters, warmup)
+        add("combine(graph)", sms, us, smp, comb_bytes)
+        del g, g2
+        disp(sms)
+        h = state["h"]
     # correctness spot check of the last combine (identity experts): y = sum_j w_j x
     y = combine(rows, w, h)
     ref = (w.float()[:, :, None] * x.float()[:, None, :]).sum(1)
@@ -173,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results here (rank 0)")
+    p.add_argument("--pull-tiles", default="32768x16", help="elements x warps per step of the pull kernel")
+    p.add_argument("--gather-tiles", default="4096x16", help="elements x warps per step of the gather kernel")
     args = p.parse_args(argv)
 
     import torch
@@ -188,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         print("bytes = rows received from other ranks x H x 2 (bf16); time = median over iterations of the max "
               "over ranks (CUDA events)", flush=True)
     for name in args.configs.split(","):
-        results.append(run_config(name, args.tokens, sms_list, args.iters, args.warmup, args.seed))
+        results.append(run_config(name, args.tokens, sms_list, args.iters, args.warmup, args.seed,
+                                  _tiles(args.pull_tiles, 8192), _tiles(args.gather_tiles, 2048)))
     if dist.get_rank() == 0 and args.json:
         out = {
             "bench": "comm",

@@ -140,7 +140,7 @@ def _gather_sum(rows: torch.Tensor, topk_w: torch.Tensor | None, handle: Dispatc
         raise ValueError(f"topk_w must be [T={T}, k={sh.topk}], got {tuple(topk_w.shape)}")
     _stage_rows(heap, rows, P)
     y = torch.empty(T, sh.hidden, dtype=out_dtype or sh.dtype, device=heap.device)
-    rws, block_h, warps = S.launch_config(sh.hidden)
+    rws, block_h, warps = S.launch_config(sh.hidden, "gather")
     has_w = topk_w is not None
     sched = handle.schedule
     _gather_sum_kernel[(P,)](

@@ -103,12 +103,15 @@ def _pull_kernel(
             ii = i0 + tl.arange(0, ROWS)
             t = ii // W
             s = (rank + 1 + ii % W) % W
-            T_s = tl.load(ntok_ptr + s)
-            valid = (ii < n_items) & (t < T_s)
-            mk = valid[:, None] & (jj < K)[None, :]
-            rows = tl.load(recv_row_ptr + ((s * T_max + t) * K)[:, None] + jj[None, :], mask=mk, other=-1)
+            inb = ii < n_items
+            # three independent local loads, then the remote row: a short dependency chain per step
+            T_s = tl.load(ntok_ptr + s, mask=inb, other=0)
+            rows = tl.load(recv_row_ptr + ((s * T_max + t) * K)[:, None] + jj[None, :],
+                           mask=inb[:, None] & (jj < K)[None, :], other=-1)
+            src_addr = tl.load(tab + src_reg * W + s, mask=inb, other=0)
+            valid = inb & (t < T_s)
+            rows = tl.where(valid[:, None], rows, -1)
             need = valid & (tl.max(rows, axis=1) >= 0)
-            src_addr = tl.load(tab + src_reg * W + s, mask=need, other=0)
             src_addr = src_addr + t.to(tl.int64) * H * DT.primitive_bitwidth // 8
             src = src_addr.to(tl.pointer_type(DT))
             if ALIGNED:
@@ -152,8 +155,8 @@ def pull_rows(heap: SymmetricHeap, sched: Schedule, dst: torch.Tensor, programs:
               out: torch.Tensor | None = None) -> None:
     """Launch :func:`_pull_kernel` (dispatch when ``out`` is None, else combine backward)."""
     sh = heap.shape
-    rows, block_h, warps = S.launch_config(sh.hidden)
     has_w = out is not None
+    rows, block_h, warps = S.launch_config(sh.hidden, "pull_bwd" if has_w else "pull")
     _pull_kernel[(programs,)](
         heap.tab, heap.world, heap.rank, S.REG_TOK.value, sched.recv_row, sched.tokens_per_rank, dst,
         out if has_w else dst, sh.max_tokens, sh.hidden, heap.timeout_ns,

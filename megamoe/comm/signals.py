@@ -319,11 +319,24 @@ def _stage_kernel(
         tl.store(ctrl + SEQ, prev + 1)
 
 
-def launch_config(hidden: int) -> tuple[int, int, int]:
-    """(ROWS, BLOCK_H, num_warps) for row-copy kernels: ~8K elements per program step."""
-    block_h = min(triton.next_power_of_2(max(hidden, 1)), 2048)
-    rows = max(1, min(8, 8192 // block_h))
-    return rows, block_h, 8
+#: tile per program step for the row-moving kernels: op -> (elements per step, num_warps, max BLOCK_H).
+#: Overridable (the benchmark sweeps them); tests force small and large tiles through it.
+#: ptxas (sm_90a, k = 8) reports no spills for these: pull 4 x 8192 / 16 warps 128 regs, pull_bwd 2 x 2048 / 8
+#: warps 210 regs, gather 2 x 2048 / 16 warps 94 regs (2026-11-29, triton 3.6).
+TILES = {
+    "stage": (8192, 8, 2048),
+    "pull": (32768, 16, 8192),
+    "pull_bwd": (4096, 8, 2048),
+    "gather": (4096, 16, 2048),
+}
+
+
+def launch_config(hidden: int, op: str = "stage") -> tuple[int, int, int]:
+    """(ROWS, BLOCK_H, num_warps) for a row-moving kernel: ROWS x BLOCK_H ~ TILES[op] elements per step."""
+    elems, warps, cap = TILES[op]
+    block_h = min(triton.next_power_of_2(max(hidden, 1)), cap)
+    rows = max(1, min(64, elems // block_h))
+    return rows, block_h, warps
 
 
 def stage(heap, act=None, act_reg: int = 0, small=None, small_reg: int = 0, ntok: int = -1, programs=None):
@@ -332,7 +345,7 @@ def stage(heap, act=None, act_reg: int = 0, small=None, small_reg: int = 0, ntok
     H = heap.shape.hidden
     has_act = act is not None and act.numel() > 0
     has_small = small is not None and small.numel() > 0
-    rows, block_h, warps = launch_config(H)
+    rows, block_h, warps = launch_config(H, "stage")
     P = max(1, int(programs or heap.num_sms))
     _stage_kernel[(P,)](
         heap.tab, heap.world, heap.rank,
