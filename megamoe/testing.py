@@ -170,6 +170,29 @@ def _cases(world: int) -> list[LayerCase]:
     return cases
 
 
+def bf16_cases(world: int) -> list[LayerCase]:
+    """The standard edge cases in bf16 (for backends whose kernels are bf16-only)."""
+    return [dataclasses.replace(c, name="bf16:" + c.name, dtype="bf16") for c in standard_cases(world)]
+
+
+def determinism_case(case: LayerCase, backend: str, device: torch.device, **backend_options) -> bool:
+    """Two forward+backward passes on the same inputs give bitwise-equal outputs and gradients."""
+    cfg = case.config()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    moe = MoE(cfg, backend=backend, device=device, seed=case.seed, **backend_options)
+    gen = torch.Generator().manual_seed(case.seed + 10 + rank)
+    x = torch.randn(case.tokens[rank], cfg.hidden, generator=gen).to(cfg.dtype).to(device)
+    g = torch.randn(case.tokens[rank], cfg.hidden, generator=gen).to(cfg.dtype).to(device)
+    runs = []
+    for _ in range(2):
+        xi = x.clone().requires_grad_()
+        out = moe(xi).out
+        grads = torch.autograd.grad((out.float() * g.float()).sum(), (xi, moe.router.weight, moe.w13, moe.w2),
+                                    allow_unused=True, materialize_grads=True)
+        runs.append([out.detach(), *grads])
+    return all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
 def gpu_cases(world: int) -> list[LayerCase]:
     """Full-width shapes for GPU runs: qwen3-30b-a3b experts (H 2048, I 768, 128 experts, top-8) in bf16."""
     experts = world * (128 // world)  # 128, or the nearest multiple of world below it (126 for 3 ranks)
