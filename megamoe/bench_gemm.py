@@ -37,13 +37,16 @@ HBM = 4.3e12
 def _candidates(op: str):
     from megamoe.kernels.gemm_config import GemmConfig
 
-    def C(bm, bn, bk, st, wp, sp=1):  # noqa: N802
-        return GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_stages=st, num_warps=wp, epi_split=sp)
+    def C(bm, bn, bk, st, wp, sp=1, fl=False):  # noqa: N802
+        return GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_stages=st, num_warps=wp, epi_split=sp,
+                          flatten=fl)
 
     table = {
-        "gemm1": [C(128, 128, 64, 3, 8, 2), C(128, 128, 64, 4, 8, 2), C(128, 128, 64, 4, 8, 4), C(128, 128, 64, 3, 8)],
+        "gemm1": [C(128, 128, 64, 3, 8, 2), C(128, 128, 64, 4, 8, 4), C(128, 128, 64, 3, 8, 2, True),
+                  C(128, 128, 64, 4, 8, 4, True)],
         "dgrad2": [C(128, 128, 64, 3, 8, 4), C(128, 128, 64, 4, 8, 2), C(128, 128, 64, 4, 8, 4), C(128, 64, 64, 4, 8)],
-        "gemm2": [C(128, 256, 64, 3, 8), C(128, 256, 64, 4, 8), C(128, 256, 64, 3, 8, 2), C(128, 256, 64, 4, 8, 2)],
+        "gemm2": [C(128, 256, 64, 3, 8), C(128, 256, 64, 3, 8, 2), C(128, 256, 64, 3, 8, 1, True),
+                  C(128, 256, 64, 3, 8, 2, True)],
         "gemm1_fp8": [C(128, 64, 128, 4, 8), C(128, 128, 128, 3, 8, 2), C(128, 64, 128, 5, 8),
                       C(128, 128, 128, 4, 8, 4)],
         "gemm2_fp8": [C(128, 128, 128, 4, 8), C(128, 128, 128, 5, 8), C(128, 128, 128, 3, 8, 2),

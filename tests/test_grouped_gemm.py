@@ -120,14 +120,15 @@ def _forward_backward(p, cfg: GemmConfig, I: int, tol: float = 1e-2):
 
 
 @cpu_only
-@pytest.mark.parametrize("use_tma,epi_split", [(False, 1), (True, 1), (True, 2), (False, 4)],
-                         ids=["pointers", "tma", "tma-split2", "pointers-split4"])
+@pytest.mark.parametrize("use_tma,epi_split,flatten", [(False, 1, False), (True, 1, True), (True, 2, False),
+                                                       (False, 4, True)],
+                         ids=["pointers", "tma-flatten", "tma-split2", "pointers-split4-flatten"])
 @pytest.mark.parametrize("sizes,pad", CPU_CASES)
-def test_bf16_ops_interpreter(sizes, pad, use_tma, epi_split):
+def test_bf16_ops_interpreter(sizes, pad, use_tma, epi_split, flatten):
     if epi_split > 1 and sizes != CPU_CASES[0].values[0]:
         pytest.skip("the epilogue split is covered on the mixed-size case")
     p = make_problem(sizes, pad, H=40, I=24)
-    _forward_backward(p, CPU_CFG.with_(use_tma=use_tma, epi_split=epi_split), I=24)
+    _forward_backward(p, CPU_CFG.with_(use_tma=use_tma, epi_split=epi_split, flatten=flatten), I=24)
 
 
 @cpu_only
@@ -254,13 +255,16 @@ GPU_CASES = [
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("use_tma", [None, False], ids=["default", "pointers"])
+@pytest.mark.parametrize("variant", ["default", "pointers", "tma-flatten"])
 @pytest.mark.parametrize("sizes,pad", GPU_CASES)
-def test_bf16_ops_gpu(sizes, pad, use_tma):
+def test_bf16_ops_gpu(sizes, pad, variant):
     H, I = 1040, 776  # not multiples of the 64/128/256 blocks, but 16-byte aligned (TMA allowed)
     p = make_problem(sizes, pad, H=H, I=I, seed=7)
-    cfg = None if use_tma is None else GemmConfig(block_m=64, block_n=64, block_k=64, num_stages=3, num_warps=4,
-                                                  use_tma=False, epi_split=2)
+    cfg = {"default": None,
+           "pointers": GemmConfig(block_m=64, block_n=64, block_k=64, num_stages=3, num_warps=4, use_tma=False,
+                                  epi_split=2),
+           "tma-flatten": GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=8,
+                                     epi_split=2, flatten=True)}[variant]
     _forward_backward(p, cfg, I=I)
 
 

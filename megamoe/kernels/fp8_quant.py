@@ -134,7 +134,9 @@ def _pad_to(x: torch.Tensor, dim: int, mult: int) -> torch.Tensor:
 
 
 def _scale_ref(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
-    s = amax.float().clamp_min(1e-12) / FP8_MAX
+    amax = amax.float().clamp_min(1e-12)
+    # tensor / tensor: IEEE division (torch turns "tensor / python scalar" into a reciprocal multiply on CUDA)
+    s = amax / torch.full_like(amax, FP8_MAX)
     if pow2:
         m, e = torch.frexp(s)  # s = m * 2^e, m in [0.5, 1)
         s = torch.where(m == 0.5, s, torch.ldexp(torch.ones_like(s), e))
@@ -145,7 +147,7 @@ def quantize_act_ref(x: torch.Tensor, *, pow2_scale: bool = False) -> tuple[torc
     R, K = x.shape
     xp = _pad_to(x.float(), 1, QBLOCK).view(R, -1, QBLOCK)
     s = _scale_ref(xp.abs().amax(-1), pow2_scale)
-    q = (xp / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(R, -1)[:, :K]
+    q = torch.div(xp, s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(R, -1)[:, :K]
     return q.contiguous(), s
 
 

@@ -27,6 +27,7 @@ class GemmConfig:
     num_sms: int | None = None     # persistent programs; None: the device's SM count (4 under the interpreter)
     use_tma: bool | None = None    # None: TMA descriptors when strides/pointers are 16-byte aligned
     epi_split: int = 1             # epilogue in 1, 2 or 4 column slices (fewer live registers)
+    flatten: bool = False          # bf16 kernel: fuse the persistent tile loop with the k-loop (tl.range flatten)
 
     def __post_init__(self):
         if self.epi_split not in (1, 2, 4) or self.block_n % (8 * self.epi_split):
@@ -63,9 +64,11 @@ def pin_config(op: str, cfg: GemmConfig) -> Iterator[None]:
 def default_config(op: str, rows: int, n: int, k: int) -> GemmConfig:
     """Heuristic per shape (rows = buffer capacity R, n output columns, k reduction length).
 
-    bf16 (measured on H200, docs/perf-notes.md): 128 x 256 output tiles for the plain GEMMs, 128 x (2 x 128)
-    for SwiGLU (gate and up accumulators side by side), BLOCK_K 64, 8 warps. FP8: BLOCK_K 128 (one scale per
-    k-step), same output tiles. Under the interpreter: small tiles so the CPU tests stay fast.
+    From two config sweeps on H200 over every preset's shapes (2026-11-29, docs/perf-notes.md): bf16 128 x 256
+    output tiles for the plain GEMMs, 128 x (2 x 128) for SwiGLU (gate and up accumulators side by side) with
+    the epilogue in two column slices, BLOCK_K 64, 8 warps, 3-4 stages. FP8: BLOCK_K 128 (one scale per
+    k-step), 128 x 128 plain / 128 x (2 x 64) SwiGLU (wider tiles spill: the per-k-step scaled result and the
+    accumulator are both live), 5 stages. Under the interpreter: small tiles so the CPU tests stay fast.
     """
     if op in _PINNED:
         return _PINNED[op]
@@ -73,16 +76,16 @@ def default_config(op: str, rows: int, n: int, k: int) -> GemmConfig:
         return GemmConfig(block_m=32, block_n=32, block_k=32 if "fp8" not in op else 128, group_m=2,
                           num_stages=1, num_warps=4)
     if op == "wgrad":
-        return GemmConfig(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8)
-    if op in ("gemm1_swiglu", "dgrad_swiglu"):
-        return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4 if op == "gemm1_swiglu" else 3,
-                          num_warps=8, epi_split=2 if op == "gemm1_swiglu" else 4)
+        return GemmConfig(block_m=128, block_n=256, block_k=64, num_stages=4, num_warps=8)
+    if op == "gemm1_swiglu":
+        return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=8, epi_split=2)
+    if op == "dgrad_swiglu":
+        return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8, epi_split=2)
     if op in ("gemm1_swiglu_fp8", "dgrad_swiglu_fp8"):
-        return GemmConfig(block_m=128, block_n=64, block_k=128, num_stages=4, num_warps=8)
+        return GemmConfig(block_m=128, block_n=64, block_k=128, num_stages=5, num_warps=8)
     if op.endswith("fp8"):
-        return GemmConfig(block_m=128, block_n=128, block_k=128, num_stages=4, num_warps=8)
-    return GemmConfig(block_m=128, block_n=256 if n >= 256 else 128, block_k=64,
-                      num_stages=4 if n >= 4096 else 3, num_warps=8)
+        return GemmConfig(block_m=128, block_n=128, block_k=128, num_stages=5, num_warps=8)
+    return GemmConfig(block_m=128, block_n=256 if n >= 256 else 128, block_k=64, num_stages=3, num_warps=8)
 
 
 #: the compiled kernel of the last launch per kernel name (for register/spill reports: .n_regs, .n_spills)

@@ -235,6 +235,7 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_E: tl.constexpr, W_KN: tl.constexpr, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr,
     STORE_H: tl.constexpr, USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, EPI_SPLIT: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     """Grid: (P,) persistent programs. For each tile (e, mi, ni) of the schedule in the module docstring:
         acc = a[offs[e] + mi*BM : +BM, :] @ w[e][ni*BN : +BN, :]^T      (fp32, k-loop over BLOCK_K)
@@ -244,8 +245,8 @@ def _grouped_gemm_kernel(
     pid = tl.program_id(0)
     e_idx, starts, cnts, m_tiles, cum_end, total = _expert_tiles(offs_ptr, E_l, N, BLOCK_M, BLOCK_N, BLOCK_E)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    tile = pid
-    while tile < total:
+    # FLATTEN lets the compiler fuse the tile loop with the k-loop (next tile's loads overlap this epilogue)
+    for tile in tl.range(pid, total, num_progs, flatten=FLATTEN):
         e, row0, n_rows, mi, ni = _locate_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, N, BLOCK_N, GROUP_M)
         off_m = row0 + mi * BLOCK_M
         off_n = ni * BLOCK_N
@@ -269,7 +270,6 @@ def _grouped_gemm_kernel(
                 acc2 = tl.dot(a, b2, acc2)
         _epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N, out_ptr, stride_om, h_ptr, stride_hm,
                   scale_ptr, dsp_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H, EPI_SPLIT)
-        tile += num_progs
 
 
 def check_grouped(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, k_dim: int, name: str) -> None:
@@ -328,7 +328,7 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ou
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.group_m,
         BLOCK_E=triton.next_power_of_2(max(E_l, 2)), W_KN=w_kn, EPILOGUE=epilogue,
         HAS_SCALE=scale is not None, STORE_H=store_h, USE_TMA=use_tma, DOT_F32=interpreting(),
-        EPI_SPLIT=cfg.epi_split,
+        EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.flatten,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     record("_grouped_gemm_kernel", k)
