@@ -27,7 +27,7 @@ class GemmConfig:
     num_sms: int | None = None     # persistent programs; None: the device's SM count (4 under the interpreter)
     use_tma: bool | None = None    # None: TMA descriptors when strides/pointers are 16-byte aligned
     epi_split: int = 1             # epilogue in 1, 2 or 4 column slices (fewer live registers)
-    flatten: bool = False          # bf16 kernel: fuse the persistent tile loop with the k-loop (tl.range flatten)
+    flatten: bool = False          # bf16 kernel: tl.range(flatten=True) tile loop (CPU-tested only, not yet on GPU)
 
     def __post_init__(self):
         if self.epi_split not in (1, 2, 4) or self.block_n % (8 * self.epi_split):

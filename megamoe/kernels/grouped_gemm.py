@@ -221,6 +221,39 @@ def _load_b(w_desc, w_ptr, e, off_n, off_k, N_lim, K, stride_we, stride_wr,
 
 
 @triton.jit
+def _gemm_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, k_tiles,
+               a_desc, a_ptr, w_desc, w_ptr, out_ptr, h_ptr, scale_ptr, dsp_ptr,
+               R, N, K, stride_am, stride_we, stride_wr, stride_om, stride_hm, N_UP,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+               W_KN: tl.constexpr, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, STORE_H: tl.constexpr,
+               USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, EPI_SPLIT: tl.constexpr):
+    """One output tile: locate it, run the k-loop, write the epilogue (inlined by the compiler)."""
+    e, row0, n_rows, mi, ni = _locate_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, N, BLOCK_N, GROUP_M)
+    off_m = row0 + mi * BLOCK_M
+    off_n = ni * BLOCK_N
+    row_end = row0 + n_rows
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(k_tiles):
+        off_k = ki * BLOCK_K
+        a = _load_a(a_desc, a_ptr, off_m, off_k, row_end, K, stride_am, BLOCK_M, BLOCK_K, USE_TMA)
+        b = _load_b(w_desc, w_ptr, e, off_n, off_k, N, K, stride_we, stride_wr, BLOCK_N, BLOCK_K,
+                    W_KN, USE_TMA)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        if EPILOGUE == 1:
+            b2 = _load_b(w_desc, w_ptr, e, N_UP + off_n, off_k, N_UP + N, K, stride_we, stride_wr,
+                         BLOCK_N, BLOCK_K, W_KN, USE_TMA)
+            if DOT_F32:
+                b2 = b2.to(tl.float32)
+            acc2 = tl.dot(a, b2, acc2)
+    _epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N, out_ptr, stride_om, h_ptr, stride_hm,
+              scale_ptr, dsp_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H, EPI_SPLIT)
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_desc, a_ptr,      # a_RK [R, K] bf16, row stride stride_am (descriptor when USE_TMA, else pointer)
     w_desc, w_ptr,      # w [E_l, N_w, K] (W_KN=False) or [E_l, K, N] (W_KN=True) bf16, contiguous
@@ -241,35 +274,26 @@ def _grouped_gemm_kernel(
         acc = a[offs[e] + mi*BM : +BM, :] @ w[e][ni*BN : +BN, :]^T      (fp32, k-loop over BLOCK_K)
         (EPI_SWIGLU: acc2 = same with w rows N_UP + ni*BN, the up projection)
         _epilogue(acc, acc2) writes rows < offs[e+1] only.
+    The tile loop is a while loop (the measured default) or, with FLATTEN, tl.range(..., flatten=True), which
+    lets the compiler fuse it with the k-loop so the next tile's loads overlap this tile's epilogue.
     """
     pid = tl.program_id(0)
     e_idx, starts, cnts, m_tiles, cum_end, total = _expert_tiles(offs_ptr, E_l, N, BLOCK_M, BLOCK_N, BLOCK_E)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    # FLATTEN lets the compiler fuse the tile loop with the k-loop (next tile's loads overlap this epilogue)
-    for tile in tl.range(pid, total, num_progs, flatten=FLATTEN):
-        e, row0, n_rows, mi, ni = _locate_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, N, BLOCK_N, GROUP_M)
-        off_m = row0 + mi * BLOCK_M
-        off_n = ni * BLOCK_N
-        row_end = row0 + n_rows
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_tiles):
-            off_k = ki * BLOCK_K
-            a = _load_a(a_desc, a_ptr, off_m, off_k, row_end, K, stride_am, BLOCK_M, BLOCK_K, USE_TMA)
-            b = _load_b(w_desc, w_ptr, e, off_n, off_k, N, K, stride_we, stride_wr, BLOCK_N, BLOCK_K,
-                        W_KN, USE_TMA)
-            if DOT_F32:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
-            if EPILOGUE == 1:
-                b2 = _load_b(w_desc, w_ptr, e, N_UP + off_n, off_k, N_UP + N, K, stride_we, stride_wr,
-                             BLOCK_N, BLOCK_K, W_KN, USE_TMA)
-                if DOT_F32:
-                    b2 = b2.to(tl.float32)
-                acc2 = tl.dot(a, b2, acc2)
-        _epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                  scale_ptr, dsp_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H, EPI_SPLIT)
+    if FLATTEN:
+        for tile in tl.range(pid, total, num_progs, flatten=True):
+            _gemm_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, k_tiles, a_desc, a_ptr, w_desc, w_ptr,
+                       out_ptr, h_ptr, scale_ptr, dsp_ptr, R, N, K, stride_am, stride_we, stride_wr, stride_om,
+                       stride_hm, N_UP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_KN, EPILOGUE, HAS_SCALE, STORE_H,
+                       USE_TMA, DOT_F32, EPI_SPLIT)
+    else:
+        tile = pid
+        while tile < total:
+            _gemm_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, k_tiles, a_desc, a_ptr, w_desc, w_ptr,
+                       out_ptr, h_ptr, scale_ptr, dsp_ptr, R, N, K, stride_am, stride_we, stride_wr, stride_om,
+                       stride_hm, N_UP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_KN, EPILOGUE, HAS_SCALE, STORE_H,
+                       USE_TMA, DOT_F32, EPI_SPLIT)
+            tile += num_progs
 
 
 def check_grouped(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, k_dim: int, name: str) -> None:
