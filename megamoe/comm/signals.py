@@ -319,23 +319,29 @@ def _stage_kernel(
         tl.store(ctrl + SEQ, prev + 1)
 
 
-#: tile per program step for the row-moving kernels: op -> (elements per step, num_warps, max BLOCK_H).
-#: Overridable (the benchmark sweeps them); tests force small and large tiles through it.
-#: ptxas (sm_90a, k = 8) reports no spills for these: pull 4 x 8192 / 16 warps 128 regs, pull_bwd 2 x 2048 / 8
-#: warps 210 regs, gather 2 x 2048 / 16 warps 94 regs (2026-11-29, triton 3.6).
+#: tile per program step for the row-moving kernels:
+#: op -> (elements per step, num_warps, max BLOCK_H, max ROWS); ROWS x BLOCK_H ~ elements.
+#: Overridable (the benchmark sweeps them); the interpreter tests run them at small H (many ROWS).
+#: Chosen 2026-11-29 on 4x H200 (benchmarks/results/comm_4xH200_2026-11-29.json, 24 and 32 programs):
+#: pull 32768 x 16 warps best for H=7168 (4 x 8192: 810 us vs 945 us at 16384 x 16), 16384 x 16 best for
+#: H=2048 (8 x 2048: 439 us vs 499 us at 16 x 2048), hence the ROWS cap of 8; gather 8192 x 16 warps best for
+#: both (deepseek 1315 us vs 1641 us at 4096 x 16). ptxas (sm_90a, k = 8) reports no spills for pull 4 x 8192
+#: and gather 4 x 2048 at 16 warps (128 regs), pull_bwd 2 x 2048 at 8 warps (210 regs).
 TILES = {
-    "stage": (8192, 8, 2048),
-    "pull": (32768, 16, 8192),
-    "pull_bwd": (4096, 8, 2048),
-    "gather": (4096, 16, 2048),
+    "stage": (8192, 8, 2048, 8),
+    "pull": (32768, 16, 8192, 8),
+    "pull_bwd": (4096, 8, 2048, 8),
+    "gather": (8192, 16, 2048, 8),
 }
 
 
 def launch_config(hidden: int, op: str = "stage") -> tuple[int, int, int]:
     """(ROWS, BLOCK_H, num_warps) for a row-moving kernel: ROWS x BLOCK_H ~ TILES[op] elements per step."""
-    elems, warps, cap = TILES[op]
+    elems, warps, cap, rows_cap = (tuple(TILES[op]) + (64,))[:4]
+    if INTERPRET:  # registers are free there and every step costs Python overhead: take big steps
+        rows_cap = 64
     block_h = min(triton.next_power_of_2(max(hidden, 1)), cap)
-    rows = max(1, min(64, elems // block_h))
+    rows = max(1, min(rows_cap, elems // block_h))
     return rows, block_h, warps
 
 
