@@ -48,10 +48,14 @@ def run_case(rank, world, case, device, timeout_s=30.0, num_sms=None):
     import torch
 
     from megamoe.comm import CommShape, SymmetricHeap, combine, combine_backward, dispatch, dispatch_backward
+    from megamoe.comm import signals as S
     from megamoe.comm.reference import combine_ref, dispatch_ref, gather_rows_ref
 
     name = case["name"]
     T_list, H, k, E = case["T"], case["H"], case["k"], case["E"]
+    saved_tiles = dict(S.TILES)
+    if "tiles" in case:  # force a tile shape on every row-moving kernel (e.g. BLOCK_H < H: chunked rows)
+        S.TILES.update({op: case["tiles"] for op in S.TILES})
     dtype = torch.bfloat16
     fails = []
     xs, idxs, ws = _inputs(world, T_list, H, k, E, case.get("seed", 0), case.get("routing", "uniform"), dtype, device)
@@ -121,6 +125,8 @@ def run_case(rank, world, case, device, timeout_s=30.0, num_sms=None):
             fails.append(f"{name} rank {rank}: combine_backward grad_w rel err {_rel(g_w, want_gw)}")
     finally:
         heap.close()
+        S.TILES.clear()
+        S.TILES.update(saved_tiles)
     return fails
 
 

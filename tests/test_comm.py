@@ -28,6 +28,9 @@ CASES_W2 = [
     dict(name="w2-k1-hot", T=[17, 3], H=32, k=1, E=4, routing="hot", seed=3),
     # only rank 0's experts are used: rank 1's experts receive nothing, rank 1 receives no rows
     dict(name="w2-narrow", T=[6, 6], H=40, k=2, E=8, routing="narrow", seed=4),
+    # tiles forced small: BLOCK_H = 16 < H = 40, so every kernel walks a row in 3 chunks (last one masked),
+    # 2 rows per step; covers the chunked d(topk_w) accumulation of combine_backward
+    dict(name="w2-chunked-rows", T=[7, 4], H=40, k=3, E=4, seed=7, tiles=(32, 4, 16, 2)),
 ]
 
 CASES_W4 = [
