@@ -36,6 +36,7 @@ import mmap
 import os
 import threading
 import uuid
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -200,8 +201,10 @@ class SymmetricHeap:
         except Exception:  # noqa: BLE001 - already set, or an older torch without set_backend
             pass
         try:
-            symm_mem.enable_symm_mem_for_group(self.group.group_name)
-        except Exception:  # noqa: BLE001 - not needed (or deprecated) on recent torch
+            with warnings.catch_warnings():  # deprecated (a no-op) on torch 2.11; needed on older versions
+                warnings.simplefilter("ignore")
+                symm_mem.enable_symm_mem_for_group(self.group.group_name)
+        except Exception:  # noqa: BLE001 - not needed on recent torch
             pass
         self._buf = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self._buf.zero_()
@@ -266,11 +269,20 @@ class SymmetricHeap:
         return self._views[name]
 
     def tokens_buffer(self) -> torch.Tensor:
-        """[T_max, H] symmetric buffer: write x[:T] here and dispatch skips its staging copy."""
+        """[T_max, H] symmetric buffer: write x[:T] here and dispatch skips its staging copy.
+
+        Peers read it until they finish the op that pulled from it (dispatch, or combine_backward's dy).
+        Write it (on the stream) only after a later op of this heap has been enqueued, e.g. after the
+        combine that follows a dispatch: that op's stage kernel waits until every peer is done reading.
+        """
         return self._views["tok"]
 
     def rows_buffer(self) -> torch.Tensor:
-        """[R_cap, H] symmetric buffer: let the expert GEMM write here and combine skips its staging copy."""
+        """[R_cap, H] symmetric buffer: let the expert GEMM write here and combine skips its staging copy.
+
+        Same rule as :meth:`tokens_buffer`: peers read it during combine / dispatch_backward; writing it after
+        the next dispatch has been enqueued (the usual dispatch -> GEMM -> combine order) is safe.
+        """
         return self._views["rows"]
 
     def peer_ptrs(self, name: str) -> torch.Tensor:
