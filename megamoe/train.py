@@ -142,7 +142,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     on_gpu = device.type == "cuda"
     ep_group = dist.new_group(list(range(W)))  # the MoE layers' own communicator, apart from DDP's
     moe_cfg = preset(args.preset, dtype=parse_dtype(args.dtype))
-    moe_cfg = moe_cfg.replace(max_tokens_per_rank=max(moe_cfg.max_tokens_per_rank, args.batch * args.seq))
+    moe_cfg = moe_cfg.replace(max_tokens_per_rank=args.batch * args.seq)
     cfg = ModelConfig(moe_cfg, layers=args.layers, heads=args.heads, max_seq=args.seq)
     model = MoETransformer(cfg, group=ep_group, backend=backend, device=device, seed=args.seed)
     expert_names = model.expert_parameter_names()

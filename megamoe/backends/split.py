@@ -28,6 +28,8 @@ here yet). Other dtypes raise ``ValueError`` at construction.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -85,7 +87,8 @@ class _SplitMoE(torch.autograd.Function):
 
 
 class SplitBackend:
-    """See the module docstring. Options: ``comm_sms`` (programs of the communication kernels),
+    """See the module docstring. Options: ``comm_sms`` (programs of the communication kernels; default 32
+    on GPUs, 2 under the interpreter),
     ``timeout_s`` (bound of every device-side wait, default 60)."""
 
     name = "split"
@@ -96,8 +99,10 @@ class SplitBackend:
             return "torch.distributed is not available"
         return None
 
-    def __init__(self, moe, comm_sms: int = 32, timeout_s: float = 60.0):
+    def __init__(self, moe, comm_sms: int | None = None, timeout_s: float = 60.0):
         cfg = moe.config
+        if comm_sms is None:  # the interpreter runs programs one by one: fewer is faster there
+            comm_sms = 2 if os.environ.get("TRITON_INTERPRET") == "1" else 32
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"backend 'split' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
         if not dist.is_initialized():
