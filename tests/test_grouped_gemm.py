@@ -274,3 +274,12 @@ def test_bf16_ops_gpu(sizes, pad, variant):
 def test_fp8_gpu(sizes, pad):
     p = make_problem(sizes, pad, H=1040, I=776, seed=9)
     _fp8_checks(p, None, I=776)
+
+
+def test_pin_config_forces_the_config():
+    # H = 36: unaligned for TMA; pinning use_tma=True must reach the launcher and raise there
+    p = make_problem([4, 3], 1, H=36, I=16)
+    with pytest.raises(ValueError, match="16-byte"), X.pin_config("gemm1_swiglu", GemmConfig(use_tma=True)):
+        X.gemm1_swiglu(p["x"], p["w13"], p["offs"])
+    with pytest.raises(ValueError, match="epi_split"):
+        GemmConfig(block_n=32, epi_split=8)
