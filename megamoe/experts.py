@@ -43,8 +43,8 @@ __all__ = [
     "gemm2_dgrad_swiglu_fp8", "gemm1_dgrad_fp8",
     "ExpertsFn", "experts_mlp",
     "grouped_gemm_ref", "gemm1_swiglu_ref", "gemm2_ref", "gemm2_dgrad_swiglu_ref", "gemm1_dgrad_ref",
-    "grouped_wgrad_ref", "experts_mlp_ref", "quantize_act_ref", "quantize_weight_ref", "dequantize_act_ref",
-    "dequantize_weight_ref",
+    "grouped_wgrad_ref", "experts_mlp_ref", "grouped_gemm_fp8_ref", "gemm1_swiglu_fp8_ref",
+    "quantize_act_ref", "quantize_weight_ref", "dequantize_act_ref", "dequantize_weight_ref",
 ]
 
 
@@ -325,6 +325,18 @@ def experts_mlp_ref(x, offs, w13, w2, scale=None):
     """Twin of experts_mlp, differentiable through torch autograd (use float64 leaves for a reference)."""
     act, _ = gemm1_swiglu_ref(x, w13, offs)
     return gemm2_ref(act, w2, offs, scale=scale)
+
+
+def grouped_gemm_fp8_ref(aq, a_s, wq, w_s, offs, *, scale=None, dtype=torch.float64):
+    """Twin of grouped_gemm_fp8: the dequantised operands multiplied in ``dtype`` (padding rows 0)."""
+    return grouped_gemm_ref(_q.dequantize_act_ref(aq, a_s, dtype), _q.dequantize_weight_ref(wq, w_s, dtype), offs,
+                            scale=scale)
+
+
+def gemm1_swiglu_fp8_ref(xq, x_s, w13q, w13_s, offs, *, dtype=torch.float64):
+    """(act, h) twin of gemm1_swiglu_fp8."""
+    return gemm1_swiglu_ref(_q.dequantize_act_ref(xq, x_s, dtype), _q.dequantize_weight_ref(w13q, w13_s, dtype),
+                            offs)
 
 
 quantize_act_ref = _q.quantize_act_ref

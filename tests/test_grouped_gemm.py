@@ -222,6 +222,11 @@ def _fp8_checks(p, cfg: GemmConfig | None, I: int):
     w2q, w2s = X.quantize_weight(w2)
     out8 = X.gemm2_fp8(aq, a_s, w2q, w2s, offs, scale=p["s"], config=cfg)
     out16 = X.gemm2(act16, w2, offs, scale=p["s"])
+    if n:
+        rout8 = X.grouped_gemm_fp8_ref(aq[:n], a_s[:n], w2q, w2s, offs, scale=p["s"][:n].double())
+        assert rel(out8[:n], rout8) < 1e-2
+        ract8, _ = X.gemm1_swiglu_fp8_ref(q[:n], s[:n], wq, ws, offs)
+        assert rel(act8[:n], ract8) < 1e-2
     dyq, dys = X.quantize_act(p["dy"])
     w2tq, w2ts = X.quantize_weight(w2.transpose(1, 2))
     dh8, ds8 = X.gemm2_dgrad_swiglu_fp8(dyq, dys, w2tq, w2ts, h16, offs, scale=p["s"], config=cfg)
