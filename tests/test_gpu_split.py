@@ -74,7 +74,8 @@ def _sync_free_and_graph(rank: int, world: int) -> dict:
     torch.cuda.current_stream(dev).wait_stream(s)
     moe.load_state_dict(state)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # capture on the warmed-up side stream; "thread_local": the heap's watchdog thread may read host memory
+    with torch.cuda.graph(graph, stream=s, capture_error_mode="thread_local"):
         static_out = step()
     moe.load_state_dict(state)
     replay = []
