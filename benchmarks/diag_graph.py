@@ -42,6 +42,23 @@ def run(rank, world, which):
     h = torch.randn(R, 2 * I, device=dev, dtype=cfg.dtype)
     act = torch.randn(R, I, device=dev, dtype=cfg.dtype)
     dout = torch.randn(R, H, device=dev, dtype=cfg.dtype)
+    opt = torch.optim.SGD(moe.parameters(), lr=1e-3)
+    opt_loop = torch.optim.SGD(moe.parameters(), lr=1e-3, foreach=False)
+
+    def step(o):
+        o.zero_grad(set_to_none=False)
+        moe(x.requires_grad_()).out.backward(dy)
+        o.step()
+
+    def manual():
+        for p in moe.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+        moe(x.requires_grad_()).out.backward(dy)
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.add_(p.grad, alpha=-1e-3)
+
     tests = {
         "gemm1_swiglu": lambda: X.gemm1_swiglu(a, moe.w13.data, offs),
         "gemm2": lambda: X.gemm2(act, moe.w2.data, offs),
@@ -51,6 +68,9 @@ def run(rank, world, which):
         "wgrad_w13": lambda: X.grouped_wgrad(h, a, offs, out_dtype=cfg.dtype),
         "fwd": lambda: moe(x),
         "fwd+bwd": lambda: moe(x.requires_grad_()).out.backward(dy),
+        "step-manual": manual,
+        "step-sgd-loop": lambda: step(opt_loop),
+        "step-sgd-foreach": lambda: step(opt),
     }
     return [_try(n, f, dev) for n, f in tests.items() if which in ("all", n)]
 
