@@ -67,6 +67,9 @@ def _sync_free_and_graph(rank: int, world: int) -> dict:
     eager = [step().clone() for _ in range(2)]
     eager_w = moe.w13.detach().clone()
     moe.load_state_dict(state)
+    # gradients made on the default (legacy) stream cannot be accumulated into inside a capture: drop them
+    # and let the side-stream warm-up create them on the capture stream, as torch's graph recipe does
+    opt.zero_grad(set_to_none=True)
     s = torch.cuda.Stream(dev)
     s.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(s):
