@@ -76,5 +76,8 @@ def run(rank, world, which):
 
 
 if __name__ == "__main__":
-    for line in spawn(run, 1, sys.argv[1] if len(sys.argv) > 1 else "all", device="cuda", timeout_s=200)[0]:
-        print(line)
+    world = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    for r, lines in enumerate(spawn(run, world, sys.argv[1] if len(sys.argv) > 1 else "all", device="cuda",
+                                    timeout_s=200)):
+        for line in lines:
+            print(f"rank {r} of {world}: {line}")
