@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=int, default=None,
                    help="ranks to spawn when not under torchrun (CPU default 2; GPU default: all GPUs)")
     p.add_argument("--cpu", action="store_true", help="CPU ranks even if GPUs are present")
+    p.add_argument("--dtype", default=None, help="MoE layer dtype (default bf16 on GPU, fp32 on CPU; the split "
+                                                  "backend needs bf16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timing-skip", type=int, default=None, help="first steps left out of tokens/s")
     p.add_argument("--quiet", action="store_true")
@@ -80,7 +82,7 @@ def _defaults(args, on_gpu: bool) -> argparse.Namespace:
     a.warmup = a.warmup if a.warmup is not None else max(1, a.steps // 10)
     a.eval_every = a.eval_every or max(1, a.steps // 5)
     a.timing_skip = a.timing_skip if a.timing_skip is not None else (10 if gpu else 2)
-    a.dtype = "bf16" if gpu else "fp32"
+    a.dtype = a.dtype or ("bf16" if gpu else "fp32")
     return a
 
 
@@ -159,7 +161,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     no_decay = [p for p in opt_params if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
-                            fused=False)
+                            fused=on_gpu)
 
     history = {"step": [], "loss": [], "aux": [], "lr": [], "grad_norm": [], "eval": []}
     start = 0

