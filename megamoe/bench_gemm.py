@@ -18,10 +18,11 @@ import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 
 import torch
+
+from megamoe.perf import git_commit
 
 PRESETS = {  # name: (H, I, E, k)
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -275,14 +276,6 @@ def print_table(rows: list[dict]) -> None:
               f"{_fmt(r.get('n_spills'), '3d')} {cfg}")
 
 
-def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], stderr=subprocess.DEVNULL,
-                                       cwd=os.path.dirname(__file__)).decode().strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="megamoe bench-gemm", description=__doc__.split("\n")[0])
     ap.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS) + list(TINY))
@@ -324,7 +317,7 @@ def _write(args, rows) -> None:
 
     if args.json:
         meta = {
-            "commit": args.commit or _commit(),
+            "commit": args.commit or git_commit(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "triton": triton.__version__,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -69,6 +69,10 @@ def floor_seconds(cfg: MoEConfig, rows: int, world: int, ceil: Ceilings | None, 
 
 
 def git_commit() -> str:
+    """``MEGAMOE_COMMIT`` if set (a copy of the tree without .git, e.g. on a remote GPU machine, is told its
+    commit by whoever copied it), else ``git rev-parse HEAD`` of the source tree (+ "-dirty"), else "unknown"."""
+    if os.environ.get("MEGAMOE_COMMIT"):
+        return os.environ["MEGAMOE_COMMIT"]
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
@@ -77,7 +81,7 @@ def git_commit() -> str:
                                capture_output=True, text=True, check=True).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("MEGAMOE_COMMIT", "unknown")
+        return "unknown"
 
 
 def run_metadata(device: torch.device, world: int) -> dict:

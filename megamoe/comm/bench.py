@@ -26,23 +26,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import subprocess
+
+from megamoe.perf import git_commit
 
 CONFIGS = {
     "deepseek-v3": dict(hidden=7168, num_experts=256, topk=8),
     "qwen3-30b-a3b": dict(hidden=2048, num_experts=128, topk=8),
 }
-
-
-def _commit() -> str:
-    env = os.environ.get("MEGAMOE_COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], stderr=subprocess.DEVNULL, text=True).strip()
-    except Exception:  # noqa: BLE001 - no git in the copy we run from
-        return "unknown"
 
 
 def _tiles(spec: str, cap: int) -> list[tuple[int, int, int]]:
@@ -235,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     if dist.get_rank() == 0 and args.json:
         out = {
             "bench": "comm",
-            "commit": _commit(),
+            "commit": git_commit(),
             "gpu": torch.cuda.get_device_name(),
             "world": dist.get_world_size(),
             "torch": torch.__version__,
