@@ -124,15 +124,16 @@ def _gather_sum_kernel(
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-def _stage_rows(heap, rows: torch.Tensor, P: int) -> None:
+def _stage_rows(heap, rows: torch.Tensor, P: int, nrows: torch.Tensor) -> None:
     sh = heap.shape
     if rows.dim() != 2 or rows.shape[1] != sh.hidden or rows.shape[0] > sh.rows_cap or rows.dtype != sh.dtype:
         raise ValueError(f"expert rows must be [<= R_cap={sh.rows_cap}, H={sh.hidden}] {sh.dtype}, "
                          f"got {tuple(rows.shape)} {rows.dtype}")
     buf = heap.rows_buffer()
     in_place = rows.data_ptr() == buf.data_ptr() and rows.stride() == (sh.hidden, 1)
-    # only rows < offs[E_l] matter, but that count lives on the device: copy the given rows
-    S.stage(heap, act=None if in_place else rows.contiguous(), act_reg=S.REG_ROWS.value, programs=P)
+    # only rows < offs[E_l] hold data; that count lives on the device, so the kernel reads it there
+    S.stage(heap, act=None if in_place else rows.contiguous(), act_reg=S.REG_ROWS.value, programs=P,
+            nrows=nrows)
 
 
 def _gather_sum(rows: torch.Tensor, topk_w: torch.Tensor | None, handle: DispatchHandle,
@@ -143,7 +144,7 @@ def _gather_sum(rows: torch.Tensor, topk_w: torch.Tensor | None, handle: Dispatc
     P = max(1, int(num_sms or handle.num_sms))
     if topk_w is not None and tuple(topk_w.shape) != (T, sh.topk):
         raise ValueError(f"topk_w must be [T={T}, k={sh.topk}], got {tuple(topk_w.shape)}")
-    _stage_rows(heap, rows, P)
+    _stage_rows(heap, rows, P, handle.offs[-1:])
     y = torch.empty(T, sh.hidden, dtype=out_dtype or sh.dtype, device=heap.device)
     rws, block_h, warps = S.launch_config(sh.hidden, "gather")
     has_w = topk_w is not None

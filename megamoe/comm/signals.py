@@ -257,6 +257,7 @@ def _stage_kernel(
     rank,
     act_ptr,  # [n_act, H] activation rows to copy into region act_reg (dtype of the heap)
     n_act,
+    nrows_ptr,  # int32 [1] device-side row count (HAS_NROWS): copy min(n_act, *nrows_ptr) rows
     act_reg,
     H,
     small_ptr,  # int32 [n_small] 4-byte table (top-k ids, or fp32 gates viewed as int32) -> region small_reg
@@ -266,6 +267,7 @@ def _stage_kernel(
     timeout_ns,
     HAS_ACT: tl.constexpr,
     HAS_SMALL: tl.constexpr,
+    HAS_NROWS: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ALIGNED: tl.constexpr,  # H * itemsize % 16 == 0
@@ -274,7 +276,8 @@ def _stage_kernel(
     """grid (P,): open call s = seq+1 and publish this rank's sources for it.
 
         wait flags[DONE, p] >= s-1 for all p        # nobody still reads my buffers from earlier calls
-        region[act_reg][:n_act] = act ; region[small_reg][:n_small] = small
+        n = min(n_act, *nrows_ptr) if HAS_NROWS else n_act     # rows that hold data (count on the device)
+        region[act_reg][:n] = act ; region[small_reg][:n_small] = small
         last program: meta[0] = ntok; publish READY = s to every peer; seq = s
     """
     pid = tl.program_id(0)
@@ -285,6 +288,8 @@ def _stage_kernel(
     if ok:
         if HAS_ACT:
             dst = region_ptr(tab, act_reg, W, rank, act_ptr.dtype.element_ty)
+            if HAS_NROWS:
+                n_act = tl.minimum(n_act, tl.load(nrows_ptr))
             r0 = pid * ROWS
             while r0 < n_act:
                 r = r0 + tl.arange(0, ROWS)
@@ -345,8 +350,13 @@ def launch_config(hidden: int, op: str = "stage") -> tuple[int, int, int]:
     return rows, block_h, warps
 
 
-def stage(heap, act=None, act_reg: int = 0, small=None, small_reg: int = 0, ntok: int = -1, programs=None):
-    """Open a new call on ``heap`` and publish ``act`` / ``small`` into its symmetric regions (see kernel)."""
+def stage(heap, act=None, act_reg: int = 0, small=None, small_reg: int = 0, ntok: int = -1, programs=None,
+          nrows=None):
+    """Open a new call on ``heap`` and publish ``act`` / ``small`` into its symmetric regions (see kernel).
+
+    ``nrows``: optional int32 device tensor of one element bounding the rows of ``act`` that are copied (the
+    receive-side row count offs[E_l] lives on the device; the buffers are sized for the worst case).
+    """
     heap.check()
     H = heap.shape.hidden
     has_act = act is not None and act.numel() > 0
@@ -355,10 +365,11 @@ def stage(heap, act=None, act_reg: int = 0, small=None, small_reg: int = 0, ntok
     P = max(1, int(programs or heap.num_sms))
     _stage_kernel[(P,)](
         heap.tab, heap.world, heap.rank,
-        act if has_act else heap.tab, act.shape[0] if has_act else 0, act_reg, H,
+        act if has_act else heap.tab, act.shape[0] if has_act else 0, nrows if nrows is not None else heap.tab,
+        act_reg, H,
         small if has_small else heap.tab, small.numel() if has_small else 0, small_reg,
         ntok, heap.timeout_ns,
-        HAS_ACT=has_act, HAS_SMALL=has_small, ROWS=rows, BLOCK_H=block_h,
+        HAS_ACT=has_act, HAS_SMALL=has_small, HAS_NROWS=nrows is not None, ROWS=rows, BLOCK_H=block_h,
         ALIGNED=(H * heap.shape.dtype.itemsize) % 16 == 0, WP2=heap.wp2, num_warps=warps,
     )
     heap.after_launch()
