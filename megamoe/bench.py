@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks to spawn when not under torchrun (CPU default 2; GPU default: all GPUs)")
     p.add_argument("--cpu", action="store_true", help="use CPU ranks even if GPUs are present")
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference check")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also time graph-capturable backends (split) as CUDA-graph replays: no launch latency")
     p.add_argument("--json", default=None, help="write results here (default: benchmarks/results/<auto>.json "
                                                  "on GPU, nothing on CPU)")
     p.add_argument("--png", default=None, help="draw a bar chart here (needs matplotlib)")
@@ -149,6 +151,45 @@ def _reference_error(moe, x: torch.Tensor, y: torch.Tensor) -> float:
         return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
 
 
+def _graph_times(moe, xs, dys, args, timer, device, mode: str) -> list[float]:
+    """Per-iteration times of ``mode`` captured once in a CUDA graph and replayed on rotating inputs.
+
+    Warm-up and capture run on one side stream from the start (gradients made on the legacy stream cannot be
+    accumulated into inside a capture); the inputs are copied into the graph's static tensors outside the
+    timed region.
+    """
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    x = xs[0].detach().clone().requires_grad_()
+    dy = dys[0].clone()
+
+    def body():
+        out = moe(x)
+        if mode == "forward+backward":
+            out.out.backward(dy)
+
+    with torch.cuda.stream(side):
+        moe.zero_grad(set_to_none=True)
+        for _ in range(2):
+            body()
+    side.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        body()
+    times = []
+    for it in range(args.warmup + args.iters):
+        with torch.no_grad():
+            x.copy_(xs[it % len(xs)])
+            dy.copy_(dys[it % len(dys)])
+        t0 = timer.start()
+        graph.replay()
+        dt = timer.stop(t0)
+        if it >= args.warmup:
+            times.append(dt)
+    del graph
+    return times
+
+
 def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
     """The benchmark on one rank of an initialised process group; rank 0 returns the results."""
     from megamoe.backends import available_backends
@@ -184,7 +225,7 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
                 counts = moe.router(xs[0]).tokens_per_expert.clone()
             dist.all_reduce(counts)
             rows_per_rank = counts.view(W, -1).sum(1).tolist()
-        entry = {"backend": name}
+        entry = {"backend": name, "timing": "eager"}
         for mode in ("forward", "forward+backward"):
             times = []
             for it in range(args.warmup + args.iters):
@@ -208,6 +249,14 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
                 y = moe(xs[0]).out
             entry["rel_err"] = _reference_error(moe, xs[0], y)
         results.append(entry)
+        if args.cuda_graph and getattr(moe.backend, "graph_capturable", False):
+            graphed = {"backend": name, "timing": "cuda-graph", "rel_err": entry.get("rel_err")}
+            for mode in ("forward", "forward+backward"):
+                _progress(f"{name} {mode} (CUDA graph)", show)
+                per_iter = _max_over_ranks(_graph_times(moe, xs, dys, args, timer, device, mode), device)
+                graphed[mode] = {"median_s": statistics.median(per_iter), "min_s": min(per_iter),
+                                 "max_s": max(per_iter), "iters": len(per_iter)}
+            results.append(graphed)
         del moe
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -243,7 +292,7 @@ def format_table(report: dict) -> str:
     head = (f"megamoe bench: {c['preset']} (H={c['hidden']} I={c['intermediate']} E={c['num_experts']} "
             f"k={c['top_k']}), {c['tokens_per_rank']} tokens/rank x {c['world']} ranks, {c['dtype']}, "
             f"skew {c['skew']}, on {report['meta'].get('gpu') or 'CPU (gloo ranks)'}")
-    lines = [head, f"{'backend':<8} {'fwd ms':>9} {'TFLOP/s':>8} {'x floor':>8} {'fwd+bwd ms':>11} "
+    lines = [head, f"{'backend':<12} {'fwd ms':>9} {'TFLOP/s':>8} {'x floor':>8} {'fwd+bwd ms':>11} "
                    f"{'TFLOP/s':>8} {'x floor':>8} {'rel err':>9}"]
 
     def fx(v):
@@ -252,7 +301,8 @@ def format_table(report: dict) -> str:
     for e in report["results"]:
         f, b = e["forward"], e["forward+backward"]
         err = e.get("rel_err")
-        lines.append(f"{e['backend']:<8} {f['median_s'] * 1e3:9.3f} {f['tflops']:8.4g} {fx(f['x_floor'])} "
+        label = e["backend"] + ("/graph" if e.get("timing") == "cuda-graph" else "")
+        lines.append(f"{label:<12} {f['median_s'] * 1e3:9.3f} {f['tflops']:8.4g} {fx(f['x_floor'])} "
                      f"{b['median_s'] * 1e3:11.3f} {b['tflops']:8.4g} {fx(b['x_floor'])} "
                      f"{(f'{err:9.2e}' if err is not None else 'skipped'):>9}")
     floor = report["results"][0]["forward"]["floor_s"] if report["results"] else None
@@ -270,7 +320,7 @@ def draw_png(report: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [e["backend"] for e in report["results"]]
+    names = [e["backend"] + ("/graph" if e.get("timing") == "cuda-graph" else "") for e in report["results"]]
     fwd = [e["forward"]["median_s"] * 1e3 for e in report["results"]]
     both = [e["forward+backward"]["median_s"] * 1e3 for e in report["results"]]
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -319,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         device = init_from_env("cpu" if raw.cpu else None)
         on_gpu = device.type == "cuda"
         args = _defaults(raw, on_gpu)
+        if args.cuda_graph and not on_gpu:
+            raise ValueError("--cuda-graph needs CUDA GPUs")
         report = run_rank(args, device)
         if report is not None:
             _finish(report, args, on_gpu)
@@ -326,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     on_gpu = torch.cuda.is_available() and not raw.cpu
     args = _defaults(raw, on_gpu)
+    if args.cuda_graph and not on_gpu:
+        raise ValueError("--cuda-graph needs CUDA GPUs")
     if on_gpu:
         world = args.world or torch.cuda.device_count()
         if world > torch.cuda.device_count():

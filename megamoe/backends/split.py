@@ -92,6 +92,7 @@ class SplitBackend:
     ``timeout_s`` (bound of every device-side wait, default 60)."""
 
     name = "split"
+    graph_capturable = True  # no host sync: a whole step can be captured in a CUDA graph
 
     @staticmethod
     def why_unavailable(device) -> str | None:

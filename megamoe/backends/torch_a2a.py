@@ -80,6 +80,7 @@ class TorchBackend:
     """all_to_all + grouped GEMM baseline (see module docstring)."""
 
     name = "torch"
+    graph_capturable = False  # the split sizes are read on the host
 
     @staticmethod
     def why_unavailable(device) -> str | None:
