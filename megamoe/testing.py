@@ -146,9 +146,14 @@ def _route_ids(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 
 
 #: the edge cases every backend is checked on (tiny preset; world size w -> tokens per rank)
+def tiny_experts(world: int) -> int:
+    """Experts of the tiny test layer on ``world`` ranks: 8, or 4*world when world does not divide 8."""
+    return 8 if 8 % world == 0 else 4 * world
+
+
 def standard_cases(world: int) -> list[LayerCase]:
-    """Tiny-preset cases for ``world`` ranks (E = 8, or 4*world when world does not divide 8)."""
-    experts = 8 if 8 % world == 0 else 4 * world
+    """Tiny-preset cases for ``world`` ranks (E = :func:`tiny_experts`)."""
+    experts = tiny_experts(world)
     return [dataclasses.replace(c, overrides={"num_experts": experts, **c.overrides}) for c in _cases(world)]
 
 

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from megamoe.dist import spawn
-from megamoe.testing import TOLERANCE, LayerCase, bf16_cases, determinism_case, layer_case
+from megamoe.testing import TOLERANCE, LayerCase, bf16_cases, determinism_case, layer_case, tiny_experts
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # spawned CPU ranks inherit it before importing triton
 
 
 # the interpreter is slow: every edge case on 2 ranks, a subset on 1 and 4 (CI runs on 2 cores)
 SUBSET = {1: ("bf16:bf16-ragged", "bf16:fp64-one-expert-k1"),
+          3: ("bf16:bf16-ragged", "bf16:fp32-empty-rank"),
           4: ("bf16:bf16-ragged", "bf16:fp32-empty-rank", "bf16:fp32-starved-expert")}
 
 
@@ -23,7 +24,9 @@ def _rank(rank: int, world: int) -> tuple[list[dict], bool]:
     dev = torch.device("cpu")
     cases = [c for c in bf16_cases(world) if world not in SUBSET or c.name in SUBSET[world]]
     results = [layer_case(c, "split", dev) for c in cases]
-    det = determinism_case(LayerCase("det", dtype="bf16", tokens=tuple(17 + r for r in range(world))), "split", dev)
+    det_case = LayerCase("det", dtype="bf16", tokens=tuple(17 + r for r in range(world)),
+                         overrides={"num_experts": tiny_experts(world)})
+    det = determinism_case(det_case, "split", dev)
     return results, det
 
 
@@ -41,7 +44,7 @@ def check(results, world):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test; GPUs run tests/test_gpu_split.py")
-@pytest.mark.parametrize("world", [1, 2, 4])  # 1: the pull path with itself as the only peer
+@pytest.mark.parametrize("world", [1, 2, 3, 4])  # 1: itself as the only peer; 3: not a power of two
 def test_split_matches_reference_cpu(world):
     check(spawn(_rank, world, timeout_s=900), world)
 
