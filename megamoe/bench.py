@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="routing skew: a logit offset falling linearly from SKEW to 0 across the experts")
     p.add_argument("--dtype", default="bf16", help="layer dtype (bf16, fp32, ...)")
     p.add_argument("--backends", default=None,
-                   help="comma-separated backends (default: every backend available here)")
+                   help="comma-separated backends (default: every backend available here); options after a "
+                        "colon, e.g. split:comm_sms=24:overlap_backward=1")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default: 20 GPU, 5 CPU)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default: 5 GPU, 1 CPU)")
     p.add_argument("--world", type=int, default=None,
@@ -190,6 +191,29 @@ def _graph_times(moe, xs, dys, args, timer, device, mode: str) -> list[float]:
     return times
 
 
+def parse_backend(spec: str) -> tuple[str, dict]:
+    """``"split:comm_sms=24:overlap_backward=1"`` -> ("split", {"comm_sms": 24, "overlap_backward": True})."""
+    name, *opts = spec.split(":")
+    options = {}
+    for opt in opts:
+        key, sep, value = opt.partition("=")
+        if not sep or not key:
+            raise ValueError(f"backend option {opt!r} in {spec!r} is not key=value")
+        if value.lower() in ("true", "false"):
+            options[key] = value.lower() == "true"
+        else:
+            try:
+                options[key] = int(value)
+            except ValueError:
+                try:
+                    options[key] = float(value)
+                except ValueError:
+                    options[key] = value
+        if key == "overlap_backward" and isinstance(options[key], int):
+            options[key] = bool(options[key])
+    return name, options
+
+
 def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
     """The benchmark on one rank of an initialised process group; rank 0 returns the results."""
     from megamoe.backends import available_backends
@@ -216,8 +240,9 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
     timer = _Timer(device)
     results = []
     rows_per_rank = None
-    for name in backends:
-        moe = MoE(cfg, backend=name, device=device, seed=args.seed)
+    for spec in backends:
+        name, options = parse_backend(spec)
+        moe = MoE(cfg, backend=name, device=device, seed=args.seed, **options)
         if offset is not None:
             moe.router.set_logit_offset(offset)
         if rows_per_rank is None:
@@ -225,7 +250,7 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
                 counts = moe.router(xs[0]).tokens_per_expert.clone()
             dist.all_reduce(counts)
             rows_per_rank = counts.view(W, -1).sum(1).tolist()
-        entry = {"backend": name, "timing": "eager"}
+        entry = {"backend": spec, "timing": "eager"}
         for mode in ("forward", "forward+backward"):
             times = []
             for it in range(args.warmup + args.iters):
@@ -238,21 +263,21 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
                 dt = timer.stop(t0)
                 if it >= args.warmup:
                     times.append(dt)
-                _progress(f"{name} {mode} {it + 1}/{args.warmup + args.iters}", show, step=it > 0)
+                _progress(f"{spec} {mode} {it + 1}/{args.warmup + args.iters}", show, step=it > 0)
                 del out
             per_iter = _max_over_ranks(times, device)
             entry[mode] = {"median_s": statistics.median(per_iter), "min_s": min(per_iter),
                            "max_s": max(per_iter), "iters": len(per_iter)}
         if not args.no_check:
-            _progress(f"{name} reference check", show)
+            _progress(f"{spec} reference check", show)
             with torch.no_grad():
                 y = moe(xs[0]).out
             entry["rel_err"] = _reference_error(moe, xs[0], y)
         results.append(entry)
         if args.cuda_graph and getattr(moe.backend, "graph_capturable", False):
-            graphed = {"backend": name, "timing": "cuda-graph", "rel_err": entry.get("rel_err")}
+            graphed = {"backend": spec, "timing": "cuda-graph", "rel_err": entry.get("rel_err")}
             for mode in ("forward", "forward+backward"):
-                _progress(f"{name} {mode} (CUDA graph)", show)
+                _progress(f"{spec} {mode} (CUDA graph)", show)
                 per_iter = _max_over_ranks(_graph_times(moe, xs, dys, args, timer, device, mode), device)
                 graphed[mode] = {"median_s": statistics.median(per_iter), "min_s": min(per_iter),
                                  "max_s": max(per_iter), "iters": len(per_iter)}
@@ -292,17 +317,18 @@ def format_table(report: dict) -> str:
     head = (f"megamoe bench: {c['preset']} (H={c['hidden']} I={c['intermediate']} E={c['num_experts']} "
             f"k={c['top_k']}), {c['tokens_per_rank']} tokens/rank x {c['world']} ranks, {c['dtype']}, "
             f"skew {c['skew']}, on {report['meta'].get('gpu') or 'CPU (gloo ranks)'}")
-    lines = [head, f"{'backend':<12} {'fwd ms':>9} {'TFLOP/s':>8} {'x floor':>8} {'fwd+bwd ms':>11} "
+    labels = [e["backend"] + ("/graph" if e.get("timing") == "cuda-graph" else "") for e in report["results"]]
+    w = max([8] + [len(label) for label in labels])
+    lines = [head, f"{'backend':<{w}} {'fwd ms':>9} {'TFLOP/s':>8} {'x floor':>8} {'fwd+bwd ms':>11} "
                    f"{'TFLOP/s':>8} {'x floor':>8} {'rel err':>9}"]
 
     def fx(v):
         return f"{v:8.2f}" if v is not None else f"{'n/a':>8}"
 
-    for e in report["results"]:
+    for label, e in zip(labels, report["results"], strict=True):
         f, b = e["forward"], e["forward+backward"]
         err = e.get("rel_err")
-        label = e["backend"] + ("/graph" if e.get("timing") == "cuda-graph" else "")
-        lines.append(f"{label:<12} {f['median_s'] * 1e3:9.3f} {f['tflops']:8.4g} {fx(f['x_floor'])} "
+        lines.append(f"{label:<{w}} {f['median_s'] * 1e3:9.3f} {f['tflops']:8.4g} {fx(f['x_floor'])} "
                      f"{b['median_s'] * 1e3:11.3f} {b['tflops']:8.4g} {fx(b['x_floor'])} "
                      f"{(f'{err:9.2e}' if err is not None else 'skipped'):>9}")
     floor = report["results"][0]["forward"]["floor_s"] if report["results"] else None
@@ -320,7 +346,8 @@ def draw_png(report: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [e["backend"] + ("/graph" if e.get("timing") == "cuda-graph" else "") for e in report["results"]]
+    names = [e["backend"].replace(":", "\n") + ("\n(graph)" if e.get("timing") == "cuda-graph" else "")
+             for e in report["results"]]
     fwd = [e["forward"]["median_s"] * 1e3 for e in report["results"]]
     both = [e["forward+backward"]["median_s"] * 1e3 for e in report["results"]]
     fig, ax = plt.subplots(figsize=(6, 3.5))

@@ -54,3 +54,12 @@ def test_cli_usage_and_info():
     info = _run("info")
     assert info.returncode == 0, info.stderr
     assert "torch" in info.stdout and "backends:" in info.stdout
+
+
+def test_backend_spec_parsing():
+    from megamoe.bench import parse_backend
+
+    assert parse_backend("torch") == ("torch", {})
+    assert parse_backend("split:comm_sms=24:overlap_backward=1") == ("split", {"comm_sms": 24, "overlap_backward": True})
+    with pytest.raises(ValueError, match="key=value"):
+        parse_backend("split:fast")

@@ -112,3 +112,27 @@ def test_split_graph_capturable():
     for r in spawn(_graph_step, min(NGPU, 4), device="cuda", timeout_s=600):
         assert r["graph_out_equal"], "graph replay output differs from eager"
         assert r["graph_w_equal"], "graph replay parameters differ from eager"
+
+
+def _overlap_equal(rank: int, world: int) -> bool:
+    """overlap_backward (dx on a side stream, wgrad on the remaining SMs) gives bitwise the same gradients."""
+    from megamoe import MoE, preset
+
+    dev = torch.device("cuda", rank)
+    cfg = preset("qwen3-30b-a3b", max_tokens_per_rank=1024)
+    gen = torch.Generator(device=dev).manual_seed(rank + 5)
+    x = torch.randn(1024, cfg.hidden, device=dev, dtype=cfg.dtype, generator=gen)
+    dy = torch.randn_like(x)
+    grads = []
+    for overlap in (False, True):
+        moe = MoE(cfg, backend="split", device=dev, seed=3, overlap_backward=overlap)
+        xi = x.clone().requires_grad_()
+        moe(xi).out.backward(dy)
+        torch.cuda.synchronize()
+        grads.append([xi.grad, moe.w13.grad, moe.w2.grad, moe.router.weight.grad])
+    return all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2+ GPUs")
+def test_split_overlap_backward_same_gradients():
+    assert all(spawn(_overlap_equal, min(NGPU, 4), device="cuda", timeout_s=600))

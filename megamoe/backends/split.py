@@ -10,9 +10,12 @@ forward (one torch.autograd.Function):
     y_TH            = combine(out, topk_w, handle)            owner pulls its k rows, sums with gates in fp32
 backward:
     g_out, d_topk_w = combine_backward(dy, out, topk_w, handle)   g_out[r] = w * dy (pulled to expert ranks)
-    dh              = gemm2_dgrad_swiglu(g_out, w2, h, offs);  dW2 = g_out^T act;  dW13 = dh^T recv
+    dh              = gemm2_dgrad_swiglu(g_out, w2, h, offs)
     d_recv          = gemm1_dgrad(dh, w13, offs)
     dx              = dispatch_backward(d_recv, handle)       owner pulls and sums its k gradient rows
+    dW2 = g_out^T act;  dW13 = dh^T recv                      (overlap_backward: these two on the SMs the
+                                                               communication programs leave free, while dx
+                                                               travels on a side stream)
 
 Every size the host needs (T, R_cap) is known before the call; group sizes live on the device, so the step
 never waits for the GPU (``torch.cuda.set_sync_debug_mode("error")`` passes) and can be graph-captured.
@@ -37,6 +40,8 @@ from megamoe.comm.combine import combine, combine_backward
 from megamoe.comm.dispatch import dispatch, dispatch_backward
 from megamoe.comm.heap import CommShape, SymmetricHeap, heap_bytes, workspace_bytes
 from megamoe.experts import gemm1_dgrad, gemm1_swiglu, gemm2, gemm2_dgrad_swiglu, grouped_wgrad
+from megamoe.kernels.gemm_config import default_config
+from megamoe.kernels.gemm_config import num_sms as device_sms
 
 #: one heap per (process group, shape), shared by the layers of a model
 _HEAPS: dict[tuple, SymmetricHeap] = {}
@@ -59,9 +64,20 @@ def close_heaps() -> None:
     _HEAPS.clear()
 
 
+def _wgrads(g_out, act, dh, recv, offs, w13, w2, sms: int | None):
+    """dW2 = g_out^T act and dW13 = dh^T recv per expert; ``sms`` caps the persistent programs (None: all)."""
+    def cfg(x, y):
+        c = default_config("wgrad", x.shape[0], y.shape[1], x.shape[1])
+        return c if sms is None else c.with_(num_sms=sms)
+
+    dw2 = grouped_wgrad(g_out, act, offs, out_dtype=w2.dtype, config=cfg(g_out, act))
+    dw13 = grouped_wgrad(dh, recv, offs, out_dtype=w13.dtype, config=cfg(dh, recv))
+    return dw13, dw2
+
+
 class _SplitMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_w, w13, w2, topk_idx, heap, num_sms):
+    def forward(ctx, x, topk_w, w13, w2, topk_idx, heap, num_sms, overlap):
         recv, handle = dispatch(x, topk_idx, heap, num_sms=num_sms)
         offs = handle.offs
         act, h = gemm1_swiglu(recv, w13, offs, store_h=True)
@@ -70,6 +86,7 @@ class _SplitMoE(torch.autograd.Function):
         ctx.save_for_backward(recv, h, act, out, topk_w, w13, w2)
         ctx.handle = handle
         ctx.num_sms = num_sms
+        ctx.overlap = overlap
         return y
 
     @staticmethod
@@ -79,16 +96,38 @@ class _SplitMoE(torch.autograd.Function):
         offs = handle.offs
         g_out, d_topk_w = combine_backward(dy.contiguous(), out, topk_w, handle, num_sms=num_sms)
         dh, _ = gemm2_dgrad_swiglu(g_out, w2, h, offs)
-        dw2 = grouped_wgrad(g_out, act, offs, out_dtype=w2.dtype)
-        dw13 = grouped_wgrad(dh, recv, offs, out_dtype=w13.dtype)
         d_recv = gemm1_dgrad(dh, w13, offs, out=torch.zeros_like(recv))
-        dx = dispatch_backward(d_recv, handle, num_sms=num_sms, out_dtype=dy.dtype)
-        return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None
+        if ctx.overlap and d_recv.is_cuda:
+            # dx goes home on a side stream (num_sms programs) while the weight gradients take the other SMs
+            main = torch.cuda.current_stream(d_recv.device)
+            side = _side_stream(d_recv.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                dx = dispatch_backward(d_recv, handle, num_sms=num_sms, out_dtype=dy.dtype)
+            d_recv.record_stream(side)
+            dw13, dw2 = _wgrads(g_out, act, dh, recv, offs, w13, w2, max(1, device_sms(d_recv.device) - num_sms))
+            main.wait_stream(side)
+            dx.record_stream(main)
+        else:
+            dx = dispatch_backward(d_recv, handle, num_sms=num_sms, out_dtype=dy.dtype)
+            dw13, dw2 = _wgrads(g_out, act, dh, recv, offs, w13, w2, None)
+        return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None, None
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    """One communication stream per device, reused (creating streams per call would leak them)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 class SplitBackend:
     """See the module docstring. Options: ``comm_sms`` (programs of the communication kernels; default 32
-    on GPUs, 2 under the interpreter),
+    on GPUs, 2 under the interpreter), ``overlap_backward`` (send dx home on a side stream with ``comm_sms``
+    programs while the weight-gradient GEMMs run on the other SMs; off by default until measured),
     ``timeout_s`` (bound of every device-side wait, default 60)."""
 
     name = "split"
@@ -100,7 +139,7 @@ class SplitBackend:
             return "torch.distributed is not available"
         return None
 
-    def __init__(self, moe, comm_sms: int | None = None, timeout_s: float = 60.0):
+    def __init__(self, moe, comm_sms: int | None = None, timeout_s: float = 60.0, overlap_backward: bool = False):
         cfg = moe.config
         if comm_sms is None:  # the interpreter runs programs one by one: fewer is faster there
             comm_sms = 2 if os.environ.get("TRITON_INTERPRET") == "1" else 32
@@ -113,6 +152,7 @@ class SplitBackend:
             raise ValueError(f"comm_sms must be >= 1, got {comm_sms}")
         self.moe = moe
         self.comm_sms = comm_sms
+        self.overlap_backward = overlap_backward
         self.shape = CommShape(world=moe.world, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden,
                                topk=cfg.top_k, num_experts=cfg.num_experts, dtype=cfg.dtype)
         self.heap = get_heap(self.shape, moe.group, moe.device, timeout_s, comm_sms)
@@ -125,4 +165,4 @@ class SplitBackend:
         if x.shape[0] > self.shape.max_tokens:
             raise ValueError(f"{x.shape[0]} tokens exceed the layer's max_tokens_per_rank "
                              f"({self.shape.max_tokens}); build the MoEConfig with a larger one")
-        return _SplitMoE.apply(x, topk_w, w13, w2, topk_idx, self.heap, self.comm_sms)
+        return _SplitMoE.apply(x, topk_w, w13, w2, topk_idx, self.heap, self.comm_sms, self.overlap_backward)
