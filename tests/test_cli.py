@@ -60,6 +60,7 @@ def test_backend_spec_parsing():
     from megamoe.bench import parse_backend
 
     assert parse_backend("torch") == ("torch", {})
-    assert parse_backend("split:comm_sms=24:overlap_backward=1") == ("split", {"comm_sms": 24, "overlap_backward": True})
+    spec = parse_backend("split:comm_sms=24:overlap_backward=1")
+    assert spec == ("split", {"comm_sms": 24, "overlap_backward": True})
     with pytest.raises(ValueError, match="key=value"):
         parse_backend("split:fast")
