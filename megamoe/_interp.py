@@ -6,6 +6,10 @@ memory, while the GPU rounds to nearest even. Truncation doubles the rounding er
 relative error 3.3e-3 against 1.7e-3 for torch's conversion of the same randn values), which pushes bf16
 results of chained kernels past the 1e-2 tolerance on CPU that they meet on the GPU. :func:`apply` wraps the
 interpreter's float converter so that float32 -> bfloat16 rounds to nearest even, like the hardware.
+
+Runtime loop bounds (triton 3.6 + numpy >= 2.3): scalars are 1-element arrays in the interpreter and
+``int(np.array([3]))`` now raises, so ``for i in range(n)`` with a runtime ``n`` fails there. :func:`apply`
+re-binds the interpreter's ``tensor.__index__`` to read the single element.
 """
 
 from __future__ import annotations
@@ -43,4 +47,12 @@ def apply() -> None:
         return original(input, input_dtype, output_dtype, rounding_mode)
 
     interpreter._convert_float = convert
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_tensor_with_index(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_tensor_with_index
     _applied = True

@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from megamoe import _interp
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -97,33 +99,11 @@ def record(name: str, compiled: object) -> None:
 
 
 def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1; also installs the interpreter shim below (once)."""
+    """True under TRITON_INTERPRET=1 (whose fix-ups megamoe._interp installs once)."""
     if os.environ.get("TRITON_INTERPRET", "0") != "1":
         return False
-    _patch_interpreter_index()
+    _interp.apply()
     return True
-
-
-_PATCHED = False
-
-
-def _patch_interpreter_index() -> None:
-    """Interpreter shim (triton 3.6 + numpy >= 2.3): scalars are 1-element arrays there and
-    ``int(np.array([3]))`` now raises, so ``for i in range(n)`` with a runtime n fails. Re-bind the patched
-    ``tensor.__index__`` to read the single element. Touches only the interpreter, only when it is on."""
-    global _PATCHED
-    if _PATCHED:
-        return
-    from triton.runtime import interpreter as _interp
-
-    orig = _interp._patch_lang_tensor
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _interp._patch_lang_tensor = patched
-    _PATCHED = True
 
 
 def num_sms(device: torch.device) -> int:
