@@ -171,6 +171,10 @@ def _cases(world: int) -> list[LayerCase]:
         LayerCase("bf16-k1", dtype="bf16", tokens=even, overrides={"top_k": 1, "norm_topk": False}),  # top-1 (gate = p)
         LayerCase("fp32-sigmoid-bias", dtype="fp32", tokens=ragged,
                   overrides={"router": "sigmoid", "route_scale": 2.5}),  # DeepSeek-style router
+        LayerCase("fp32-odd-widths", dtype="fp32", tokens=ragged,
+                  overrides={"hidden": 100, "intermediate": 40}),  # H, I not multiples of 16 (no TMA)
+        LayerCase("fp32-k5", dtype="fp32", tokens=ragged, overrides={"top_k": 5}),  # k > E_l on 2+ ranks
+        LayerCase("fp32-all-empty", dtype="fp32", tokens=tuple([0] * world)),  # no tokens anywhere
     ]
     return cases
 
