@@ -209,7 +209,7 @@ def parse_backend(spec: str) -> tuple[str, dict]:
                     options[key] = float(value)
                 except ValueError:
                     options[key] = value
-        if key == "overlap_backward" and isinstance(options[key], int):
+        if key in ("overlap_backward", "presum_combine") and isinstance(options[key], int):
             options[key] = bool(options[key])
     return name, options
 

@@ -16,6 +16,7 @@ NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 def _rank_cases(rank: int, world: int) -> tuple[list[dict], bool]:
     dev = torch.device("cuda", rank)
     results = [layer_case(c, "split", dev) for c in bf16_cases(world) + gpu_cases(world)]
+    results += [layer_case(c, "split", dev, presum_combine=True) for c in gpu_cases(world)]  # comm/presum.py
     det = determinism_case(LayerCase("det", preset="qwen3-30b-a3b", dtype="bf16", tokens=tuple([1024] * world),
                                      overrides={"num_experts": world * (128 // world)}), "split", dev)
     return results, det

@@ -20,10 +20,17 @@ SUBSET = {1: ("bf16:bf16-ragged", "bf16:fp64-one-expert-k1"),
           4: ("bf16:bf16-ragged", "bf16:fp32-empty-rank", "bf16:fp32-starved-expert")}
 
 
+# the pre-summing combine (comm/presum.py) on a few edge cases
+PRESUM = ("bf16:bf16-ragged", "bf16:fp32-empty-rank", "bf16:fp32-k5")
+
+
 def _rank(rank: int, world: int) -> tuple[list[dict], bool]:
     dev = torch.device("cpu")
     cases = [c for c in bf16_cases(world) if world not in SUBSET or c.name in SUBSET[world]]
     results = [layer_case(c, "split", dev) for c in cases]
+    if world == 2:
+        results += [dict(layer_case(c, "split", dev, presum_combine=True), case="presum:" + c.name)
+                    for c in bf16_cases(world) if c.name in PRESUM]
     det_case = LayerCase("det", dtype="bf16", tokens=tuple(17 + r for r in range(world)),
                          overrides={"num_experts": tiny_experts(world)})
     det = determinism_case(det_case, "split", dev)

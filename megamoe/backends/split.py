@@ -77,16 +77,20 @@ def _wgrads(g_out, act, dh, recv, offs, w13, w2, sms: int | None):
 
 class _SplitMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_w, w13, w2, topk_idx, heap, num_sms, overlap):
-        recv, handle = dispatch(x, topk_idx, heap, num_sms=num_sms)
+    def forward(ctx, x, topk_w, w13, w2, topk_idx, heap, num_sms, overlap, presum):
+        recv, handle = dispatch(x, topk_idx, heap, num_sms=num_sms, topk_w=topk_w if presum else None)
         offs = handle.offs
         act, h = gemm1_swiglu(recv, w13, offs, store_h=True)
         out = gemm2(act, w2, offs)
-        y = combine(out, topk_w, handle, num_sms=num_sms, out_dtype=x.dtype)
+        if presum:  # expert ranks pre-sum each token's rows with the gates dispatch brought
+            y = combine(out, None, handle, num_sms=num_sms, out_dtype=x.dtype, presum=True)
+        else:
+            y = combine(out, topk_w, handle, num_sms=num_sms, out_dtype=x.dtype)
         ctx.save_for_backward(recv, h, act, out, topk_w, w13, w2)
         ctx.handle = handle
         ctx.num_sms = num_sms
         ctx.overlap = overlap
+        ctx.presum = presum
         return y
 
     @staticmethod
@@ -103,15 +107,15 @@ class _SplitMoE(torch.autograd.Function):
             side = _side_stream(d_recv.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                dx = dispatch_backward(d_recv, handle, num_sms=num_sms, out_dtype=dy.dtype)
+                dx = dispatch_backward(d_recv, handle, num_sms=num_sms, out_dtype=dy.dtype, presum=ctx.presum)
             d_recv.record_stream(side)
             dw13, dw2 = _wgrads(g_out, act, dh, recv, offs, w13, w2, max(1, device_sms(d_recv.device) - num_sms))
             main.wait_stream(side)
             dx.record_stream(main)
         else:
-            dx = dispatch_backward(d_recv, handle, num_sms=num_sms, out_dtype=dy.dtype)
+            dx = dispatch_backward(d_recv, handle, num_sms=num_sms, out_dtype=dy.dtype, presum=ctx.presum)
             dw13, dw2 = _wgrads(g_out, act, dh, recv, offs, w13, w2, None)
-        return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None, None
+        return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None, None, None
 
 
 _SIDE_STREAMS: dict = {}
@@ -128,6 +132,8 @@ class SplitBackend:
     """See the module docstring. Options: ``comm_sms`` (programs of the communication kernels; default 32
     on GPUs, 2 under the interpreter), ``overlap_backward`` (send dx home on a side stream with ``comm_sms``
     programs while the weight-gradient GEMMs run on the other SMs; off by default until measured),
+    ``presum_combine`` (expert ranks pre-sum each token's rows so the owner pulls one row per rank, in
+    combine and in dispatch's backward: comm/presum.py; off by default until measured),
     ``timeout_s`` (bound of every device-side wait, default 60)."""
 
     name = "split"
@@ -139,7 +145,8 @@ class SplitBackend:
             return "torch.distributed is not available"
         return None
 
-    def __init__(self, moe, comm_sms: int | None = None, timeout_s: float = 60.0, overlap_backward: bool = False):
+    def __init__(self, moe, comm_sms: int | None = None, timeout_s: float = 60.0, overlap_backward: bool = False,
+                 presum_combine: bool = False):
         cfg = moe.config
         if comm_sms is None:  # the interpreter runs programs one by one: fewer is faster there
             comm_sms = 2 if os.environ.get("TRITON_INTERPRET") == "1" else 32
@@ -153,6 +160,7 @@ class SplitBackend:
         self.moe = moe
         self.comm_sms = comm_sms
         self.overlap_backward = overlap_backward
+        self.presum_combine = presum_combine
         self.shape = CommShape(world=moe.world, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden,
                                topk=cfg.top_k, num_experts=cfg.num_experts, dtype=cfg.dtype)
         self.heap = get_heap(self.shape, moe.group, moe.device, timeout_s, comm_sms)
@@ -165,4 +173,5 @@ class SplitBackend:
         if x.shape[0] > self.shape.max_tokens:
             raise ValueError(f"{x.shape[0]} tokens exceed the layer's max_tokens_per_rank "
                              f"({self.shape.max_tokens}); build the MoEConfig with a larger one")
-        return _SplitMoE.apply(x, topk_w, w13, w2, topk_idx, self.heap, self.comm_sms, self.overlap_backward)
+        return _SplitMoE.apply(x, topk_w, w13, w2, topk_idx, self.heap, self.comm_sms, self.overlap_backward,
+                               self.presum_combine)

@@ -104,9 +104,10 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
     recv_dedup = torch.stack([a[rank] for a in all_dedup])  # from each source
     disp_remote = int(recv_dedup.sum() - recv_dedup[rank])
     comb_remote = int(send_slots.sum() - send_slots[rank])
-    remote = torch.tensor([disp_remote, comb_remote], device=dev)
+    presum_remote = int(send_dedup.sum() - send_dedup[rank])  # presum combine: one row per (token, remote rank)
+    remote = torch.tensor([disp_remote, comb_remote, presum_remote], device=dev)
     dist.all_reduce(remote, op=dist.ReduceOp.MAX)
-    disp_bytes, comb_bytes = int(remote[0]) * H * 2, int(remote[1]) * H * 2
+    disp_bytes, comb_bytes, presum_bytes = int(remote[0]) * H * 2, int(remote[1]) * H * 2, int(remote[2]) * H * 2
 
     # NCCL all_to_all_single on the same rows (buffers and splits prepared before timing)
     in_split_d = send_dedup.tolist()
@@ -120,7 +121,8 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
     a2a_out_c = torch.empty(sum(out_split_c), H, device=dev, dtype=torch.bfloat16)
 
     res = {"config": name, "hidden": H, "num_experts": E, "topk": k, "tokens_per_rank": tokens, "world": W,
-           "dispatch_remote_bytes": disp_bytes, "combine_remote_bytes": comb_bytes, "rows": []}
+           "dispatch_remote_bytes": disp_bytes, "combine_remote_bytes": comb_bytes,
+           "combine_presum_remote_bytes": presum_bytes, "rows": []}
 
     def add(op, sms, us, samples, nbytes):
         row = {"op": op, "sms": sms, "us": round(us, 2), "GBps": round(nbytes / (us * 1e-6) / 1e9, 1),
@@ -180,9 +182,17 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
         g2 = graph_of(lambda sms=sms, h=h: combine(rows, w, h, num_sms=sms))
         us, smp = _time(g2.replay, iters, warmup)
         add("combine(graph)", sms, us, smp, comb_bytes)
-        del g, g2
+        # pre-summing combine (presum.py): gates travel with dispatch, expert ranks pre-sum, owner pulls <= W rows
+        _, hp = dispatch(x_heap, idx, heap, num_sms=sms, recv=recv, topk_w=w)
+        us, smp = _time(lambda sms=sms, hp=hp: combine(recv, None, hp, num_sms=sms, presum=True), iters, warmup)
+        add("combine_presum", sms, us, smp, presum_bytes)
+        g3 = graph_of(lambda sms=sms, hp=hp: combine(recv, None, hp, num_sms=sms, presum=True))
+        us, smp = _time(g3.replay, iters, warmup)
+        add("combine_presum(graph)", sms, us, smp, presum_bytes)
+        del g, g2, g3
         disp(sms)
         h = state["h"]
+        rows.copy_(recv)  # the pre-summing combine wrote partial sums over the identity rows
     # correctness spot check of the last combine (identity experts): y = sum_j w_j x
     y = combine(rows, w, h)
     ref = (w.float()[:, :, None] * x.float()[:, None, :]).sum(1)

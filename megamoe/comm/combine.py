@@ -40,6 +40,7 @@ import triton.language as tl
 from . import signals as S
 from .dispatch import DispatchHandle, pull_rows
 from .signals import (
+    _TL_DTYPES,
     ARRIVE_WORK,
     DONE,
     READY,
@@ -121,7 +122,6 @@ def _gather_sum_kernel(
             publish(tab, W, rank, DONE, call, WP2)
 
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def _stage_rows(heap, rows: torch.Tensor, P: int, nrows: torch.Tensor) -> None:
@@ -162,15 +162,31 @@ def _gather_sum(rows: torch.Tensor, topk_w: torch.Tensor | None, handle: Dispatc
     return y
 
 
-def combine(out: torch.Tensor, topk_w: torch.Tensor, handle: DispatchHandle, num_sms: int | None = None,
-            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def combine(out: torch.Tensor, topk_w: torch.Tensor | None, handle: DispatchHandle, num_sms: int | None = None,
+            out_dtype: torch.dtype | None = None, presum: bool = False) -> torch.Tensor:
     """y[t] = sum_j topk_w[t, j] * out_j(t) in j order with fp32 accumulation; returns y [T, H].
 
     out: [R_cap, H] (or its first rows) expert outputs in receive order, heap dtype; pass
     ``heap.rows_buffer()`` to skip the staging copy. topk_w: [T, k] any float dtype.
     out_dtype: dtype of y (default the heap dtype; float32 keeps the fp32 sum).
+    presum: each expert rank first sums (with the gates dispatch brought) the rows of a token it holds, and
+    the owner pulls one row per expert rank (presum.py); then ``topk_w`` must be None (the gates given to
+    ``dispatch(..., topk_w=...)`` are used, never a second copy that could differ) and ``out`` is read
+    locally, never staged.
     """
+    if presum:
+        if topk_w is not None:
+            raise ValueError("combine(presum=True) weights with the gates given to dispatch; pass topk_w=None")
+        return _presum_gather(out, True, handle, num_sms, out_dtype)
+    if topk_w is None:
+        raise ValueError("combine needs topk_w (or presum=True with gates given to dispatch)")
     return _gather_sum(out, topk_w, handle, num_sms, out_dtype)
+
+
+def _presum_gather(rows, gated: bool, handle: DispatchHandle, num_sms, out_dtype):
+    from .presum import presum_gather
+
+    return presum_gather(rows, handle, gated, num_sms, out_dtype)
 
 
 def combine_backward(dy: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor, handle: DispatchHandle,

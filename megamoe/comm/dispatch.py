@@ -61,6 +61,8 @@ class DispatchHandle:
         offs, counts, row_src/tok/slot, tokens_per_rank).
     offs: int32 [E_l + 1] expert offsets into the receive buffer (= schedule.offs), for the grouped GEMMs.
     num_sms: programs the communication kernels of this call used.
+    row_gate: fp32 [R_cap] gate of every received row (only when dispatch was given ``topk_w``): what the
+        pre-summing combine (``combine(..., presum=True)``) weights the expert outputs with.
     """
 
     heap: SymmetricHeap
@@ -68,6 +70,7 @@ class DispatchHandle:
     schedule: Schedule
     offs: torch.Tensor
     num_sms: int
+    row_gate: torch.Tensor | None = None
 
 
 @triton.jit
@@ -78,9 +81,11 @@ def _pull_kernel(
     ntok_ptr,  # int64 [W] T_s per source
     dst_ptr,  # [R_cap, H] out: receive buffer (dispatch) or grad of expert outputs (combine backward)
     out_ptr,  # [R_cap, H] expert outputs (combine backward only)
+    gate_ptr,  # fp32 [R_cap] out (HAS_GATE): gate w_s[t, j] of every received row (from the owner's w region)
     T_max, H, timeout_ns,
     OP: tl.constexpr,
     HAS_W: tl.constexpr,  # combine backward: dst = w * src row, dw[s][t, j] = <src row, out row>
+    HAS_GATE: tl.constexpr,  # dispatch with gates: also record each received row's gate (for presum combine)
     K: tl.constexpr, KP2: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     ALIGNED: tl.constexpr,  # H * itemsize % 16 == 0: rows start on 16-byte boundaries
     WP2: tl.constexpr,
@@ -93,6 +98,7 @@ def _pull_kernel(
             for j < K with r = recv_row[s, t, j] >= 0:   # one local write per local expert slot
                 dst[r] = v                               # (HAS_W: dst[r] = w_s[t, j] * v,
                                                          #  dw_s[t, j] = <v, out[r]> written to rank s)
+                gate[r] = w_s[t, j]                      # (HAS_GATE)
         last program: publish DONE = call
     """
     pid = tl.program_id(0)
@@ -121,10 +127,13 @@ def _pull_kernel(
             src = src_addr.to(tl.pointer_type(DT))
             if ALIGNED:
                 src = tl.multiple_of(src, 16)
-            if HAS_W:
+            if HAS_W or HAS_GATE:
                 w_addr = tl.load(tab + REG_W * W + s, mask=need, other=0).to(tl.pointer_type(tl.float32))
                 wv = tl.load(w_addr[:, None] + (t * K)[:, None] + jj[None, :], mask=need[:, None] & (rows >= 0),
                              other=0.0)
+            if HAS_GATE:
+                tl.store(gate_ptr + rows, wv, mask=need[:, None] & (rows >= 0))
+            if HAS_W:
                 dw = tl.zeros([ROWS, KP2], tl.float32)
             h0 = tl.program_id(0) * 0
             while h0 < H:
@@ -157,15 +166,18 @@ def _pull_kernel(
 
 
 def pull_rows(heap: SymmetricHeap, sched: Schedule, dst: torch.Tensor, programs: int,
-              out: torch.Tensor | None = None) -> None:
-    """Launch :func:`_pull_kernel` (dispatch when ``out`` is None, else combine backward)."""
+              out: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> None:
+    """Launch :func:`_pull_kernel` (dispatch when ``out`` is None, else combine backward).
+
+    ``gate``: fp32 [R_cap] filled with each received row's gate (dispatch with gates staged in ``w``).
+    """
     sh = heap.shape
     has_w = out is not None
     rows, block_h, warps = S.launch_config(sh.hidden, "pull_bwd" if has_w else "pull")
     _pull_kernel[(programs,)](
         heap.tab, heap.world, heap.rank, S.REG_TOK.value, sched.recv_row, sched.tokens_per_rank, dst,
-        out if has_w else dst, sh.max_tokens, sh.hidden, heap.timeout_ns,
-        OP=OP_COMBINE_BWD.value if has_w else OP_PULL.value, HAS_W=has_w,
+        out if has_w else dst, gate if gate is not None else dst, sh.max_tokens, sh.hidden, heap.timeout_ns,
+        OP=OP_COMBINE_BWD.value if has_w else OP_PULL.value, HAS_W=has_w, HAS_GATE=gate is not None,
         K=sh.topk, KP2=triton.next_power_of_2(sh.topk), ROWS=rows, BLOCK_H=block_h,
         ALIGNED=(sh.hidden * sh.dtype.itemsize) % 16 == 0, WP2=heap.wp2, num_warps=warps,
     )
@@ -194,37 +206,49 @@ def dispatch(
     heap: SymmetricHeap,
     num_sms: int | None = None,
     recv: torch.Tensor | None = None,
+    topk_w: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, DispatchHandle]:
     """Route x_TH to the ranks owning its experts; returns (recv_RH [R_cap, H], handle).
 
     x: [T, H] heap dtype, T <= heap.shape.max_tokens (T may be 0). topk_idx: [T, k] integer ids in [0, E).
     num_sms: programs for the pull and staging kernels (default heap.num_sms). recv: optional preallocated
     [R_cap, H] output. Rows of expert e are recv[offs[e]:offs[e+1]] with ``handle.offs`` on the device.
+    topk_w: optional [T, k] gates; they travel with the rows (``handle.row_gate``) so that the combine can
+    pre-sum each token's rows on the expert rank (``combine(..., presum=True)``).
     """
     T = _check_inputs(heap, x, topk_idx)
+    if topk_w is not None and tuple(topk_w.shape) != tuple(topk_idx.shape):
+        raise ValueError(f"topk_w must be [T={T}, k={heap.shape.topk}], got {tuple(topk_w.shape)}")
     sh = heap.shape
     P = max(1, int(num_sms or heap.num_sms))
     tok = heap.tokens_buffer()
     in_place = T > 0 and x.data_ptr() == tok.data_ptr() and x.stride() == (sh.hidden, 1)
     idx32 = topk_idx.to(torch.int32).contiguous()
+    w32 = None if topk_w is None else topk_w.to(torch.float32).contiguous().view(torch.int32)
     S.stage(heap, act=None if in_place else x.contiguous(), act_reg=S.REG_TOK.value, small=idx32,
-            small_reg=S.REG_IDX.value, ntok=T, programs=P)
+            small_reg=S.REG_IDX.value, ntok=T, programs=P, small2=w32, small2_reg=S.REG_W.value)
     sched = build_schedule(heap)
     if recv is None:
         recv = torch.empty(sh.rows_cap, sh.hidden, dtype=sh.dtype, device=heap.device)
-    pull_rows(heap, sched, recv, P)
-    return recv, DispatchHandle(heap=heap, num_tokens=T, schedule=sched, offs=sched.offs, num_sms=P)
+    gate = None if topk_w is None else torch.empty(sh.rows_cap, dtype=torch.float32, device=heap.device)
+    pull_rows(heap, sched, recv, P, gate=gate)
+    return recv, DispatchHandle(heap=heap, num_tokens=T, schedule=sched, offs=sched.offs, num_sms=P,
+                                row_gate=gate)
 
 
 def dispatch_backward(grad_recv: torch.Tensor, handle: DispatchHandle, num_sms: int | None = None,
-                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                      out_dtype: torch.dtype | None = None, presum: bool = False) -> torch.Tensor:
     """grad_x[t] = sum_j grad_recv[row(t, j)] on its expert rank, in fixed j order, fp32 accumulation.
 
     grad_recv: [R_cap, H] (rows >= offs[E_l] are ignored); it is staged into the heap's ``rows`` buffer
     unless it already is ``heap.rows_buffer()``. Returns grad_x [T, H] in ``out_dtype`` (default: heap dtype).
+    presum: each expert rank first sums a token's rows it holds (see combine.py), the owner then sums one
+    row per expert rank, in rank order.
     """
-    from .combine import _gather_sum
+    from .combine import _gather_sum, _presum_gather
 
+    if presum:
+        return _presum_gather(grad_recv, False, handle, num_sms, out_dtype)
     return _gather_sum(grad_recv, None, handle, num_sms, out_dtype)
 
 

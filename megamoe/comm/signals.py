@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 import time
 
+import torch
 import triton
 import triton.language as tl
 
@@ -72,6 +73,9 @@ REG_TOK = tl.constexpr(6)
 REG_ROWS = tl.constexpr(7)
 REG_ERR = tl.constexpr(8)
 NUM_REGIONS = 9
+
+#: torch dtype -> triton dtype of the heap's activation regions
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 #: op codes written into the error record
 OPS = {1: "stage", 2: "schedule", 3: "dispatch", 4: "combine", 5: "combine_backward", 6: "finish", 7: "barrier"}
@@ -263,10 +267,14 @@ def _stage_kernel(
     small_ptr,  # int32 [n_small] 4-byte table (top-k ids, or fp32 gates viewed as int32) -> region small_reg
     n_small,
     small_reg,
+    small2_ptr,  # int32 [n_small2] a second 4-byte table -> region small2_reg (HAS_SMALL2)
+    n_small2,
+    small2_reg,
     ntok,  # tokens this call (written to meta[0]; < 0: leave meta alone)
     timeout_ns,
     HAS_ACT: tl.constexpr,
     HAS_SMALL: tl.constexpr,
+    HAS_SMALL2: tl.constexpr,
     HAS_NROWS: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -277,7 +285,7 @@ def _stage_kernel(
 
         wait flags[DONE, p] >= s-1 for all p        # nobody still reads my buffers from earlier calls
         n = min(n_act, *nrows_ptr) if HAS_NROWS else n_act     # rows that hold data (count on the device)
-        region[act_reg][:n] = act ; region[small_reg][:n_small] = small
+        region[act_reg][:n] = act ; region[small_reg][:n_small] = small ; region[small2_reg] = small2
         last program: meta[0] = ntok; publish READY = s to every peer; seq = s
     """
     pid = tl.program_id(0)
@@ -313,6 +321,14 @@ def _stage_kernel(
                 o = i0 + tl.arange(0, 1024)
                 m = o < n_small
                 tl.store(dsts + o, tl.load(small_ptr + o, mask=m), mask=m)
+                i0 += P * 1024
+        if HAS_SMALL2:
+            dsts2 = region_ptr(tab, small2_reg, W, rank, tl.int32)
+            i0 = pid * 1024
+            while i0 < n_small2:
+                o = i0 + tl.arange(0, 1024)
+                m = o < n_small2
+                tl.store(dsts2 + o, tl.load(small2_ptr + o, mask=m), mask=m)
                 i0 += P * 1024
     last = arrive_last(tab, W, rank, ARRIVE_STAGE, P)
     if last:
@@ -351,16 +367,18 @@ def launch_config(hidden: int, op: str = "stage") -> tuple[int, int, int]:
 
 
 def stage(heap, act=None, act_reg: int = 0, small=None, small_reg: int = 0, ntok: int = -1, programs=None,
-          nrows=None):
+          nrows=None, small2=None, small2_reg: int = 0):
     """Open a new call on ``heap`` and publish ``act`` / ``small`` into its symmetric regions (see kernel).
 
     ``nrows``: optional int32 device tensor of one element bounding the rows of ``act`` that are copied (the
     receive-side row count offs[E_l] lives on the device; the buffers are sized for the worst case).
+    ``small2``: a second 4-byte table (e.g. the gates beside the top-k ids) staged into ``small2_reg``.
     """
     heap.check()
     H = heap.shape.hidden
     has_act = act is not None and act.numel() > 0
     has_small = small is not None and small.numel() > 0
+    has_small2 = small2 is not None and small2.numel() > 0
     rows, block_h, warps = launch_config(H, "stage")
     P = max(1, int(programs or heap.num_sms))
     _stage_kernel[(P,)](
@@ -368,8 +386,10 @@ def stage(heap, act=None, act_reg: int = 0, small=None, small_reg: int = 0, ntok
         act if has_act else heap.tab, act.shape[0] if has_act else 0, nrows if nrows is not None else heap.tab,
         act_reg, H,
         small if has_small else heap.tab, small.numel() if has_small else 0, small_reg,
+        small2 if has_small2 else heap.tab, small2.numel() if has_small2 else 0, small2_reg,
         ntok, heap.timeout_ns,
-        HAS_ACT=has_act, HAS_SMALL=has_small, HAS_NROWS=nrows is not None, ROWS=rows, BLOCK_H=block_h,
+        HAS_ACT=has_act, HAS_SMALL=has_small, HAS_SMALL2=has_small2, HAS_NROWS=nrows is not None,
+        ROWS=rows, BLOCK_H=block_h,
         ALIGNED=(H * heap.shape.dtype.itemsize) % 16 == 0, WP2=heap.wp2, num_warps=warps,
     )
     heap.after_launch()
