@@ -152,25 +152,27 @@ def _reference_error(moe, x: torch.Tensor, y: torch.Tensor) -> float:
         return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
 
 
-def _graph_times(moe, xs, dys, args, timer, device, mode: str) -> list[float]:
+def _graph_times(make_moe, xs, dys, args, timer, device, mode: str) -> list[float]:
     """Per-iteration times of ``mode`` captured once in a CUDA graph and replayed on rotating inputs.
 
-    Warm-up and capture run on one side stream from the start (gradients made on the legacy stream cannot be
-    accumulated into inside a capture); the inputs are copied into the graph's static tensors outside the
-    timed region.
+    A fresh module (same seed, same weights) is built, warmed up and captured on one side stream from the
+    start: seen 2026-11-29, a module first run on the legacy default stream failed to capture later
+    ("operation would make the legacy stream depend on a capturing blocking stream"), while the same step run
+    on a side stream from the start captured and replayed on 1, 2 and 4 ranks. The inputs are copied into the
+    graph's static tensors outside the timed region.
     """
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
-    x = xs[0].detach().clone().requires_grad_()
-    dy = dys[0].clone()
-
-    def body():
-        out = moe(x)
-        if mode == "forward+backward":
-            out.out.backward(dy)
-
     with torch.cuda.stream(side):
-        moe.zero_grad(set_to_none=True)
+        moe = make_moe()
+        x = xs[0].detach().clone().requires_grad_()
+        dy = dys[0].clone()
+
+        def body():
+            out = moe(x)
+            if mode == "forward+backward":
+                out.out.backward(dy)
+
         for _ in range(2):
             body()
     side.synchronize()
@@ -276,9 +278,16 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
         results.append(entry)
         if args.cuda_graph and getattr(moe.backend, "graph_capturable", False):
             graphed = {"backend": spec, "timing": "cuda-graph", "rel_err": entry.get("rel_err")}
+
+            def make_moe(name=name, options=options):
+                m = MoE(cfg, backend=name, device=device, seed=args.seed, **options)
+                if offset is not None:
+                    m.router.set_logit_offset(offset)
+                return m
+
             for mode in ("forward", "forward+backward"):
                 _progress(f"{spec} {mode} (CUDA graph)", show)
-                per_iter = _max_over_ranks(_graph_times(moe, xs, dys, args, timer, device, mode), device)
+                per_iter = _max_over_ranks(_graph_times(make_moe, xs, dys, args, timer, device, mode), device)
                 graphed[mode] = {"median_s": statistics.median(per_iter), "min_s": min(per_iter),
                                  "max_s": max(per_iter), "iters": len(per_iter)}
             results.append(graphed)
