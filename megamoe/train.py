@@ -259,6 +259,9 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
         "final_loss": history["loss"][-1] if history["loss"] else None,
     }
     del ddp, model, opt
+    from megamoe.backends.split import close_heaps
+
+    close_heaps()  # the split backend's symmetric heaps belong to ep_group
     dist.destroy_process_group(ep_group)
     return summary
 

@@ -49,7 +49,7 @@ _HEAPS: dict[tuple, SymmetricHeap] = {}
 
 def get_heap(shape: CommShape, group, device, timeout_s: float, num_sms: int) -> SymmetricHeap:
     group = group or dist.group.WORLD
-    key = (id(group), shape, str(device), timeout_s, num_sms)
+    key = (group.group_name, shape, str(device), timeout_s, num_sms)  # names are unique, ids can be reused
     heap = _HEAPS.get(key)
     if heap is None or heap._closed:
         heap = SymmetricHeap(shape, group=group, device=device, timeout_s=timeout_s, num_sms=num_sms)
