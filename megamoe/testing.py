@@ -61,13 +61,16 @@ class LayerCase:
         return preset(self.preset, dtype=parse_dtype(self.dtype), **self.overrides)
 
 
-def _full_weights(cfg: MoEConfig, seed: int):
-    gen = torch.Generator().manual_seed(seed)
+def _full_weights(cfg: MoEConfig, seed: int, device: torch.device):
+    """Unsharded float64 weights drawn on ``device`` (every rank draws the same ones from the same seed;
+    drawing on the GPU keeps full-width cases fast)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     E, H, I = cfg.num_experts, cfg.hidden, cfg.intermediate
-    router = torch.randn(E, H, generator=gen, dtype=torch.float64) * H ** -0.5
-    w13 = torch.randn(E, 2 * I, H, generator=gen, dtype=torch.float64) * H ** -0.5
-    w2 = torch.randn(E, H, I, generator=gen, dtype=torch.float64) * I ** -0.5
-    bias = torch.randn(E, generator=gen, dtype=torch.float64) * 0.1 if cfg.router == "sigmoid" else None
+    kw = dict(generator=gen, dtype=torch.float64, device=device)
+    router = torch.randn(E, H, **kw) * H ** -0.5
+    w13 = torch.randn(E, 2 * I, H, **kw) * H ** -0.5
+    w2 = torch.randn(E, H, I, **kw) * I ** -0.5
+    bias = torch.randn(E, **kw) * 0.1 if cfg.router == "sigmoid" else None
     return router, w13, w2, bias
 
 
@@ -78,7 +81,7 @@ def layer_case(case: LayerCase, backend: str, device: torch.device, group=None, 
     if len(case.tokens) != world:
         raise ValueError(f"case {case.name}: {len(case.tokens)} token counts for {world} ranks")
     cfg = case.config()
-    router_w, w13, w2, bias = _full_weights(cfg, case.seed)
+    router_w, w13, w2, bias = _full_weights(cfg, case.seed, device)
     offset = torch.zeros(cfg.num_experts, dtype=torch.float64)
     for e, v in case.offset.items():
         offset[e] = v
