@@ -255,6 +255,18 @@ def finish(heap, src_reg: int, dst, n: int, programs: int) -> None:
 
 
 @triton.jit
+def _copy_table(tab, W, rank, reg, src_ptr, n, pid, P):
+    """region[reg][:n] = src[:n] (4-byte words), the programs of the launch striding over blocks of 1024."""
+    dst = region_ptr(tab, reg, W, rank, tl.int32)
+    i0 = pid * 1024
+    while i0 < n:
+        o = i0 + tl.arange(0, 1024)
+        m = o < n
+        tl.store(dst + o, tl.load(src_ptr + o, mask=m), mask=m)
+        i0 += P * 1024
+
+
+@triton.jit
 def _stage_kernel(
     tab,  # int64 [9, W] heap pointer table
     W,
@@ -315,21 +327,9 @@ def _stage_kernel(
                     h0 += BLOCK_H
                 r0 += P * ROWS
         if HAS_SMALL:
-            dsts = region_ptr(tab, small_reg, W, rank, tl.int32)
-            i0 = pid * 1024
-            while i0 < n_small:
-                o = i0 + tl.arange(0, 1024)
-                m = o < n_small
-                tl.store(dsts + o, tl.load(small_ptr + o, mask=m), mask=m)
-                i0 += P * 1024
+            _copy_table(tab, W, rank, small_reg, small_ptr, n_small, pid, P)
         if HAS_SMALL2:
-            dsts2 = region_ptr(tab, small2_reg, W, rank, tl.int32)
-            i0 = pid * 1024
-            while i0 < n_small2:
-                o = i0 + tl.arange(0, 1024)
-                m = o < n_small2
-                tl.store(dsts2 + o, tl.load(small2_ptr + o, mask=m), mask=m)
-                i0 += P * 1024
+            _copy_table(tab, W, rank, small2_reg, small2_ptr, n_small2, pid, P)
     last = arrive_last(tab, W, rank, ARRIVE_STAGE, P)
     if last:
         if ntok >= 0:
