@@ -105,30 +105,43 @@ class MasterWeights:
         return [m for _, m in self.pairs]
 
     def grads_to_masters(self) -> None:
+        """Master grads = model grads (upcast, one foreach copy); the model's grads are released."""
+        have = []
         for p, m in self.pairs:
-            m.grad = None if p.grad is None else p.grad.float()
+            if p.grad is None:
+                m.grad = None
+            else:
+                if m.grad is None:
+                    m.grad = torch.empty_like(m)
+                have.append((m.grad, p.grad))
+        if have:
+            torch._foreach_copy_([d for d, _ in have], [s for _, s in have])
+        for p, _ in self.pairs:
             p.grad = None
 
     @torch.no_grad()
     def masters_to_model(self) -> None:
-        for p, m in self.pairs:
-            p.copy_(m)
+        torch._foreach_copy_([p for p, _ in self.pairs], [m for _, m in self.pairs])
 
 
 def clip_global_norm(replicated: list[torch.Tensor], local: list[torch.Tensor], max_norm: float, group) -> float:
     """Clip by the norm over all parameters: replicated grads counted once, each rank's experts added up."""
-    def sq(ts):
-        return sum((t.grad.float().pow(2).sum() for t in ts if t.grad is not None), torch.zeros(()))
-
     dev = (replicated + local)[0].device
-    rep = sq(replicated).to(dev)
-    loc = sq(local).to(dev)
+
+    def sq(ts):
+        grads = [t.grad for t in ts if t.grad is not None]
+        if not grads:
+            return torch.zeros((), device=dev)
+        return torch.stack([n.float() for n in torch._foreach_norm(grads)]).pow(2).sum()
+
+    rep = sq(replicated)
+    loc = sq(local)
     dist.all_reduce(loc, group=group)
     norm = (rep + loc).sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for t in replicated + local:
-        if t.grad is not None:
-            t.grad.mul_(coef.to(t.grad.dtype))
+    grads = [t.grad for t in replicated + local if t.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, coef)
     return norm
 
 
