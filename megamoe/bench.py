@@ -70,6 +70,8 @@ def _defaults(args, on_gpu: bool) -> argparse.Namespace:
         args.iters = 20 if on_gpu else 3
     if args.warmup is None:
         args.warmup = 5 if on_gpu else 1
+    if args.cuda_graph and not on_gpu:
+        raise ValueError("--cuda-graph needs CUDA GPUs")
     if args.tokens < 0 or args.iters < 1 or args.warmup < 0:
         raise SystemExit("megamoe bench: --tokens must be >= 0, --iters >= 1, --warmup >= 0")
     return args
@@ -194,7 +196,10 @@ def _graph_times(make_moe, xs, dys, args, timer, device, mode: str) -> list[floa
 
 
 def parse_backend(spec: str) -> tuple[str, dict]:
-    """``"split:comm_sms=24:overlap_backward=1"`` -> ("split", {"comm_sms": 24, "overlap_backward": True})."""
+    """``"split:comm_sms=24:overlap_backward=1"`` -> ("split", {"comm_sms": 24, "overlap_backward": 1}).
+
+    Values parse as true/false, int, float or string; a flag given as 1 or 0 acts as True or False.
+    """
     name, *opts = spec.split(":")
     options = {}
     for opt in opts:
@@ -211,8 +216,6 @@ def parse_backend(spec: str) -> tuple[str, dict]:
                     options[key] = float(value)
                 except ValueError:
                     options[key] = value
-        if key in ("overlap_backward", "presum_combine") and isinstance(options[key], int):
-            options[key] = bool(options[key])
     return name, options
 
 
@@ -405,8 +408,6 @@ def main(argv: list[str] | None = None) -> int:
         device = init_from_env("cpu" if raw.cpu else None)
         on_gpu = device.type == "cuda"
         args = _defaults(raw, on_gpu)
-        if args.cuda_graph and not on_gpu:
-            raise ValueError("--cuda-graph needs CUDA GPUs")
         report = run_rank(args, device)
         if report is not None:
             _finish(report, args, on_gpu)
@@ -414,8 +415,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     on_gpu = torch.cuda.is_available() and not raw.cpu
     args = _defaults(raw, on_gpu)
-    if args.cuda_graph and not on_gpu:
-        raise ValueError("--cuda-graph needs CUDA GPUs")
     if on_gpu:
         world = args.world or torch.cuda.device_count()
         if world > torch.cuda.device_count():

@@ -102,6 +102,16 @@ def _child(rank: int, world: int, port: int, device: str, fn: Callable, args: tu
                 pass
 
 
+def wire_dtype(dtype, group=None):
+    """dtype a tensor crosses a collective in: gloo has no bfloat16 collectives, so bf16 goes as float32."""
+    import torch
+    import torch.distributed as dist
+
+    if dtype == torch.bfloat16 and dist.get_backend(group) == "gloo":
+        return torch.float32
+    return dtype
+
+
 class RankError(RuntimeError):
     """One or more spawned ranks raised; the message holds each failing rank's traceback."""
 

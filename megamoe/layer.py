@@ -23,6 +23,7 @@ from torch import nn
 
 from megamoe.backends import make_backend
 from megamoe.config import MoEConfig
+from megamoe.dist import wire_dtype
 from megamoe.router import Router
 
 
@@ -161,7 +162,7 @@ def gather_experts(moe: MoE, tensor: torch.Tensor | None = None) -> torch.Tensor
     t = t.detach().contiguous()
     if moe.world == 1:
         return t.clone()
-    wire = torch.float32 if (t.dtype == torch.bfloat16 and dist.get_backend(moe.group) == "gloo") else t.dtype
+    wire = wire_dtype(t.dtype, moe.group)
     parts = [torch.empty_like(t, dtype=wire) for _ in range(moe.world)]
     dist.all_gather(parts, t.to(wire), group=moe.group)
     return torch.cat(parts).to(t.dtype)

@@ -205,9 +205,14 @@ def determinism_case(case: LayerCase, backend: str, device: torch.device, **back
     return all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
+def qwen3_experts(world: int) -> int:
+    """Experts of the full-width GPU cases: 128, or the nearest multiple of world below it (126 for 3 ranks)."""
+    return world * (128 // world)
+
+
 def gpu_cases(world: int) -> list[LayerCase]:
     """Full-width shapes for GPU runs: qwen3-30b-a3b experts (H 2048, I 768, 128 experts, top-8) in bf16."""
-    experts = world * (128 // world)  # 128, or the nearest multiple of world below it (126 for 3 ranks)
+    experts = qwen3_experts(world)
     return [
         LayerCase("bf16-qwen3-512", preset="qwen3-30b-a3b", dtype="bf16", tokens=tuple([512] * world),
                   overrides={"num_experts": experts}),

@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from megamoe.dist import spawn
-from megamoe.testing import TOLERANCE, LayerCase, bf16_cases, determinism_case, gpu_cases, layer_case
+from megamoe.testing import (
+    TOLERANCE,
+    LayerCase,
+    bf16_cases,
+    determinism_case,
+    gpu_cases,
+    layer_case,
+    qwen3_experts,
+)
 
 pytestmark = pytest.mark.gpu
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -18,7 +26,7 @@ def _rank_cases(rank: int, world: int) -> tuple[list[dict], bool]:
     results = [layer_case(c, "split", dev) for c in bf16_cases(world) + gpu_cases(world)]
     results += [layer_case(c, "split", dev, presum_combine=True) for c in gpu_cases(world)]  # comm/presum.py
     det = determinism_case(LayerCase("det", preset="qwen3-30b-a3b", dtype="bf16", tokens=tuple([1024] * world),
-                                     overrides={"num_experts": world * (128 // world)}), "split", dev)
+                                     overrides={"num_experts": qwen3_experts(world)}), "split", dev)
     return results, det
 
 

@@ -27,16 +27,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megamoe.dist import wire_dtype
 from megamoe.reference import swiglu
 
 #: rows per expert group are padded to a multiple of this (and at least this) on CUDA, as torchtitan does
 ALIGN_CUDA = 16
-
-
-def _wire_dtype(t: torch.Tensor, group) -> torch.dtype:
-    if t.dtype == torch.bfloat16 and dist.get_backend(group) == "gloo":
-        return torch.float32
-    return t.dtype
 
 
 class _AllToAll(torch.autograd.Function):
@@ -55,7 +50,7 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    wire = _wire_dtype(x, group)
+    wire = wire_dtype(x.dtype, group)
     send = x.to(wire).contiguous()
     out = send.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, send, out_splits, in_splits, group=group)
