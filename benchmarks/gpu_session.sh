@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that measures what the CPU cannot: GPU tests, the layer benchmark with every split option
 # (eager and CUDA-graph), the communication benchmark and a per-kernel profile. Writes everything under $OUT.
-#   usage (device tool, kind nvidia-h200-x4):  MEGAMOE_COMMIT=<sha> bash benchmarks/gpu_session.sh [quick]
+#   usage (device tool, kind nvidia-h200-x4 or -x2):  MEGAMOE_COMMIT=<sha> bash benchmarks/gpu_session.sh [quick]
 # Sections are ordered by value and each has its own time limit, so a short lease still returns the first ones.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -12,8 +12,9 @@ NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 quiet() { grep -v "^W1\|OMP_NUM\|^\*\*\*\*" ; }
 echo "== GPUs: $NGPU, commit ${MEGAMOE_COMMIT:-unknown}"
 
-echo "== 1. split: sync-free step, graph capture, overlap, 4-rank reference"
-timeout 240 python3 -m pytest -q -m gpu tests/test_gpu_split.py -k "sync or graph or overlap or (on_gpus and 4)" 2>&1 \
+echo "== 1. split: sync-free step, graph capture, overlap, reference on every rank count; FP8 GEMM test"
+timeout 240 python3 -m pytest -q -m gpu tests/test_gpu_split.py tests/test_grouped_gemm.py \
+  -k "sync or graph or overlap or on_gpus or fp8_gpu" 2>&1 \
   | grep -v "^frame\|^E *frame" > "$OUT/gpu_split.log"; grep -E "passed|failed|Error:" "$OUT/gpu_split.log" | tail -5
 
 SPLITS="torch,split,split:presum_combine=1,split:presum_combine=1:overlap_backward=1"
