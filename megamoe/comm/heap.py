@@ -18,6 +18,7 @@ One :class:`SymmetricHeap` per process group. Its size is known before anything 
 | tok   | [T_max, H] dtype | owner (x for dispatch, dy for combine backward) | peers (pull) |
 | rows  | [R_cap, H] dtype | owner (expert outputs / their grads) | peers (pull by the token owner) |
 | err   | [16] int64 | owner's kernels (timeout record) | owner's host (host backend only) |
+| slots | [T_max, k, H] dtype (only with ``CommShape.slots``) | the expert rank of slot (t, j) pushes out_j(t) | owner (fused combine) |
 
 Backends:
 * ``cuda``: ``torch.distributed._symmetric_memory`` (CUDA backend): one uint8 allocation, ``rendezvous``
@@ -63,6 +64,7 @@ class CommShape:
     topk: int
     num_experts: int
     dtype: torch.dtype = torch.bfloat16
+    slots: bool = False  # also a [T_max, k, H] per-slot buffer that expert ranks push into (backend fused)
 
     def __post_init__(self):
         if self.world < 1:
@@ -98,10 +100,12 @@ def _regions(shape: CommShape) -> list[tuple[str, tuple[int, ...], torch.dtype]]
         ("tok", (T, H), shape.dtype),
         ("rows", (shape.rows_cap, H), shape.dtype),
         ("err", (S.ERR_SLOTS,), torch.int64),
+        ("slots", (T, k, H) if shape.slots else (0,), shape.dtype),
     ]
 
 
-_REG_INDEX = {"flags": 0, "ctrl": 1, "meta": 2, "idx": 3, "w": 4, "dw": 5, "tok": 6, "rows": 7, "err": 8}
+_REG_INDEX = {"flags": 0, "ctrl": 1, "meta": 2, "idx": 3, "w": 4, "dw": 5, "tok": 6, "rows": 7, "err": 8,
+              "slots": 9}
 
 
 def _layout(shape: CommShape) -> tuple[dict[str, tuple[int, tuple[int, ...], torch.dtype]], int]:
@@ -137,7 +141,7 @@ class SymmetricHeap:
     """Cross-rank buffers for one process group; see the module docstring for the regions.
 
     ``timeout_s`` (default 60) bounds every device-side wait; ``num_sms`` is the default number of programs
-    the communication kernels launch. Use :meth:`buffer` for this rank's views and ``tab`` (int64 [9, W],
+    the communication kernels launch. Use :meth:`buffer` for this rank's views and ``tab`` (int64 [10, W],
     on ``device``) for the peer-pointer table the kernels take; :meth:`peer_ptrs` gives one region's row.
     """
 

@@ -72,13 +72,15 @@ REG_DW = tl.constexpr(5)
 REG_TOK = tl.constexpr(6)
 REG_ROWS = tl.constexpr(7)
 REG_ERR = tl.constexpr(8)
-NUM_REGIONS = 9
+REG_SLOTS = tl.constexpr(9)
+NUM_REGIONS = 10
 
 #: torch dtype -> triton dtype of the heap's activation regions
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 #: op codes written into the error record
-OPS = {1: "stage", 2: "schedule", 3: "dispatch", 4: "combine", 5: "combine_backward", 6: "finish", 7: "barrier"}
+OPS = {1: "stage", 2: "schedule", 3: "dispatch", 4: "combine", 5: "combine_backward", 6: "finish", 7: "barrier",
+       8: "fused"}
 OP_STAGE = tl.constexpr(1)
 OP_SCHEDULE = tl.constexpr(2)
 OP_PULL = tl.constexpr(3)
@@ -86,7 +88,8 @@ OP_COMBINE = tl.constexpr(4)
 OP_COMBINE_BWD = tl.constexpr(5)
 OP_FINISH = tl.constexpr(6)
 OP_BARRIER = tl.constexpr(7)
-PURPOSES = {0: "READY", 1: "DONE"}
+OP_FUSED = tl.constexpr(8)
+PURPOSES = {0: "READY", 1: "DONE", 2: "TILE"}  # TILE: a local tile counter of the fused kernel
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -348,10 +351,13 @@ def _stage_kernel(
 #: H=2048 (8 x 2048: 439 us vs 499 us at 16 x 2048), hence the ROWS cap of 8; gather 8192 x 16 warps best for
 #: both (deepseek 1315 us vs 1641 us at 4096 x 16). ptxas (sm_90a, k = 8) reports no spills for pull 4 x 8192
 #: and gather 4 x 2048 at 16 warps (128 regs), pull_bwd 2 x 2048 at 8 warps (210 regs).
+#: pull_scale (pull_rows(scale_only=True): dst = w * dy rows, no d(topk_w)) 2026-11-30, not yet timed: half the
+#: pull's step since each chunk is also widened to fp32 for the product.
 TILES = {
     "stage": (8192, 8, 2048, 8),
     "pull": (32768, 16, 8192, 8),
     "pull_bwd": (4096, 8, 2048, 8),
+    "pull_scale": (16384, 16, 8192, 8),
     "gather": (8192, 16, 2048, 8),
 }
 

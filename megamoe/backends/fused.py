@@ -1,0 +1,150 @@
+"""Backend ``fused``: the forward as one persistent megakernel (megamoe/kernels/fused_moe.py).
+
+Shape legend: T tokens on this rank, H hidden, I intermediate, E_l local experts, k top-k, R_cap worst-case
+rows received, BM rows of a block.
+
+forward (one torch.autograd.Function):
+    stage x + top-k ids, publish             (comm/signals.stage)
+    schedule                                  (comm/schedule.py, 4 small kernels, device-side)
+    megakernel: pull rows -> GEMM1+SwiGLU -> GEMM2 -> push each output row into its owner's slot buffer
+                -> (after every rank's DONE) y[t] = sum_j topk_w[t, j] * slot[t, j]
+backward (not fused yet: split's kernels, reusing what the forward kept):
+    d(topk_w)[t, j] = <dy[t], out_j(t)>       owner-local, from the slot rows the forward saved [T, k, H]
+    g_out = pull w * dy to the expert rows    (comm, the combine's backward)
+    dh = dgrad2+SwiGLU, d_recv = dgrad1, dx = dispatch backward (owner gathers), dW2, dW13 (deterministic)
+    The forward's receive rows, h and act are reused when the ring held every block (``ring_blocks=None``,
+    dense buffers); with a smaller ring they were overwritten, so the backward first recomputes them
+    (dispatch of x + GEMM1, split's kernels; that cost is what ``megamoe bench`` measures for a ring).
+
+Options: ``ring_blocks`` (None: dense buffers of R_cap rows, no recompute; an int >= 4: the macrobatch
+ring of that many BM-row blocks, memory independent of routing), ``programs`` (persistent programs of the
+megakernel; default the SM count), ``lookahead`` (pull -> GEMM1 distance in steps), ``comm_sms`` (programs
+of the staging / backward communication kernels, default 32), ``timeout_s`` (bound of every device wait).
+
+Capacity: no token is ever dropped: dense buffers hold the worst case (every token of every rank routed
+here); a ring cycles as many times as the routing needs. The symmetric heap adds a [T_max, k, H] slot
+buffer per rank (``CommShape(slots=True)``), reported with the rest by :meth:`FusedBackend.workspace_bytes`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from megamoe.backends.split import _side_stream, _wgrads, get_heap  # noqa: F401 - shared heap cache
+from megamoe.comm import signals as S
+from megamoe.comm.dispatch import dispatch, dispatch_backward, pull_rows
+from megamoe.comm.heap import CommShape, heap_bytes
+from megamoe.experts import gemm1_dgrad, gemm1_swiglu, gemm2_dgrad_swiglu
+from megamoe.kernels.fused_moe import FusedConfig, default_fused_config, dgate, fused_forward
+
+
+def _pull_scaled_dy(dy: torch.Tensor, topk_w: torch.Tensor, handle, num_sms: int) -> torch.Tensor:
+    """g_out [R_cap, H]: g_out[r] = topk_w_s[t, j] * dy_s[t] for received row r = (s, t, j)."""
+    heap = handle.heap
+    sh = heap.shape
+    w32 = topk_w.to(torch.float32).contiguous().view(torch.int32)
+    S.stage(heap, act=dy.contiguous(), act_reg=S.REG_TOK.value, small=w32, small_reg=S.REG_W.value, ntok=-1,
+            programs=num_sms)
+    rows = torch.empty(sh.rows_cap, sh.hidden, dtype=sh.dtype, device=heap.device)
+    gate = torch.empty(sh.rows_cap, dtype=torch.float32, device=heap.device)
+    pull_rows(heap, handle.schedule, rows, num_sms, gate=gate)
+    return (rows.float() * gate[:, None]).to(sh.dtype)
+
+
+class _FusedMoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_w, w13, w2, topk_idx, backend, train):
+        ring = backend.ring_blocks or 0
+        y, st = fused_forward(backend.heap, x, topk_idx, topk_w, w13, w2, backend.config, ring_blocks=ring,
+                              store_h=train and not ring, save=train, comm_programs=backend.comm_sms)
+        if train:
+            ctx.save_for_backward(x, topk_idx, topk_w, w13, w2, st.saved,
+                                  *(() if ring else (st.xbuf, st.act, st.h)))
+            ctx.handle = st.handle
+            ctx.backend = backend
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        b = ctx.backend
+        saved = ctx.saved_tensors
+        x, topk_idx, topk_w, w13, w2, slots = saved[:6]
+        dy = dy.contiguous()
+        if b.ring_blocks:  # the ring overwrote the forward's rows: recompute them (dispatch + GEMM1)
+            recv, handle = dispatch(x, topk_idx, b.heap, num_sms=b.comm_sms)
+            act, h = gemm1_swiglu(recv, w13, handle.offs, store_h=True)
+        else:
+            recv, act, h = saved[6:]
+            handle = ctx.handle
+        offs = handle.offs
+        d_topk_w = dgate(dy, slots)
+        g_out = _pull_scaled_dy(dy, topk_w, handle, b.comm_sms)
+        dh, _ = gemm2_dgrad_swiglu(g_out, w2, h, offs)
+        d_recv = gemm1_dgrad(dh, w13, offs, out=torch.zeros_like(recv))
+        dx = dispatch_backward(d_recv, handle, num_sms=b.comm_sms, out_dtype=dy.dtype)
+        dw13, dw2 = _wgrads(g_out, act, dh, recv, offs, w13, w2, None)
+        return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None
+
+
+class FusedBackend:
+    """See the module docstring."""
+
+    name = "fused"
+    graph_capturable = True  # no host sync in forward or backward
+
+    @staticmethod
+    def why_unavailable(device) -> str | None:
+        if not dist.is_available():
+            return "torch.distributed is not available"
+        return None
+
+    def __init__(self, moe, ring_blocks: int | None = None, programs: int | None = None,
+                 lookahead: int | None = None, comm_sms: int | None = None, timeout_s: float = 60.0):
+        cfg = moe.config
+        if cfg.dtype != torch.bfloat16:
+            raise ValueError(f"backend 'fused' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
+        if not dist.is_initialized():
+            raise ValueError("backend 'fused' needs an initialised torch.distributed process group "
+                             "(a one-rank group is fine)")
+        if comm_sms is None:
+            comm_sms = 2 if os.environ.get("TRITON_INTERPRET") == "1" else 32
+        if comm_sms < 1:
+            raise ValueError(f"comm_sms must be >= 1, got {comm_sms}")
+        self.config: FusedConfig = default_fused_config(moe.device)
+        if programs is not None:
+            if programs < 1:
+                raise ValueError(f"programs must be >= 1, got {programs}")
+            self.config = self.config.with_(programs=int(programs))
+        if lookahead is not None:
+            if lookahead < 1:
+                raise ValueError(f"lookahead must be >= 1, got {lookahead}")
+            self.config = self.config.with_(lookahead=int(lookahead))
+        if ring_blocks is not None:
+            ring_blocks = int(ring_blocks)
+            if ring_blocks < self.config.lag + 3:
+                raise ValueError(f"ring_blocks must be >= {self.config.lag + 3} (lag + 3), got {ring_blocks}")
+        self.moe = moe
+        self.ring_blocks = ring_blocks
+        self.comm_sms = comm_sms
+        self.shape = CommShape(world=moe.world, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden,
+                               topk=cfg.top_k, num_experts=cfg.num_experts, dtype=cfg.dtype, slots=True)
+        self.heap = get_heap(self.shape, moe.group, moe.device, timeout_s, comm_sms)
+
+    def workspace_bytes(self) -> dict:
+        """Symmetric heap bytes (shared by layers of this shape) and the megakernel's per-call buffers."""
+        sh, c = self.shape, self.config
+        rows = self.ring_blocks * c.block_m if self.ring_blocks else sh.rows_cap
+        inter = self.moe.config.intermediate
+        per_row = (sh.hidden + inter + (0 if self.ring_blocks else 2 * inter)) * 2
+        return {"symmetric": heap_bytes(self.shape), "per_call": rows * per_row,
+                "saved_slots": sh.max_tokens * sh.topk * sh.hidden * 2}
+
+    def __call__(self, x, topk_idx, topk_w, w13, w2):
+        if x.shape[0] > self.shape.max_tokens:
+            raise ValueError(f"{x.shape[0]} tokens exceed the layer's max_tokens_per_rank "
+                             f"({self.shape.max_tokens}); build the MoEConfig with a larger one")
+        train = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_w, w13, w2))
+        return _FusedMoE.apply(x, topk_w, w13, w2, topk_idx, self, train)

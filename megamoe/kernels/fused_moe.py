@@ -1,0 +1,540 @@
+"""The MoE forward megakernel: pull dispatch, GEMM1+SwiGLU, GEMM2 and the combine push in one persistent kernel.
+
+Shape legend: W world size, T tokens on this rank, H hidden, I expert intermediate, E_l local experts, k top-k,
+R rows this rank receives (device value offs[E_l]), R_cap its worst case, BM rows of a block (128 on GPUs),
+NB blocks: expert e's rows offs[e]:offs[e+1] cut into cdiv(n_e, BM) blocks, in expert order (NB <= NB_MAX =
+cdiv(R_cap, BM) + E_l), T1 = cdiv(I, BN1) GEMM1 column tiles, T2 = cdiv(H, BN2) GEMM2 column tiles.
+
+Before the kernel (stream order, no host sync): stage x and top-k ids into the symmetric heap and publish
+READY (comm/signals.stage), then the device-side schedule (comm/schedule.py: offs, and for every received row
+its (source rank, token, slot)).
+
+Work items (one program runs one item at a time; items are taken in order from one atomic counter):
+
+    step s = 0, 1, ...: [PULL(s), GEMM1(s - L1, j) for j < T1, GEMM2(s - L1 - L2, j) for j < T2]
+    PULL(b):     x rows of block b from their owners' ``tok`` regions (NVLink) -> xbuf slot of b; ready[b] = 1
+    GEMM1(b, j): wait ready[b]; act[:, j-th BN1 cols] = silu(x @ w13g^T) * (x @ w13u^T) (and h when STORE_H);
+                 g1[b] += 1
+    GEMM2(b, j): wait g1[b] == T1; out = act @ w2[e]^T (cols j*BN2..); each row r = (src, t, slot) is stored
+                 straight into rank src's ``slots`` region at [t, slot, cols] (the combine's push); g2[b] += 1
+    then:        the last program to finish publishes DONE; every program waits for DONE from every rank
+                 (all pushes into this rank's slots have landed) and sums its tokens:
+                 y[t] = sum_j topk_w[t, j] * slots[t, j] in j order, fp32 (SAVE: also copies slots out for
+                 the backward's d(topk_w)).
+
+Why this is deadlock-free: an item only waits on items with a smaller index (taken earlier by a program
+that is running, since only running programs take items) or on peers' READY / DONE, and the ring (below)
+only makes PULL(b) wait on GEMM1(b - NS) and GEMM1(b) on GEMM2(b - NS), both earlier items when NS > L1 + L2.
+No program needs another to be resident, so no occupancy assumption; under the interpreter, where programs
+run one after another, a single program runs every item in order.
+
+Macrobatch ring (``NS`` > 0): xbuf / act / h hold NS blocks; block b uses slot b % NS, so memory is NS * BM
+rows whatever the routing, and the work cycles through the ring in order. NS = 0 (dense): block b's rows
+live at their receive rows (offs[e] + i * BM ...), i.e. the buffers are split's expert-grouped layout and the
+backward can reuse them.
+
+Communication programs vs compute programs: there is no static split. Every program takes the next item,
+PULL or GEMM, so the share of SMs moving rows follows the work (about one pull per 1 + T1 + T2 items);
+the lookahead L1 (pull to GEMM1, in steps) is the knob, default from the programs in flight.
+
+Determinism: every output element is computed by one tile in a fixed k order and every y row sums its k
+slots in j order, so results are bitwise reproducible whatever program takes which item.
+
+Visibility: generic-proxy stores (the pull, the SwiGLU epilogue) are released with a CTA barrier and a
+release atomic; the consumer acquires the counter and issues ``fence.proxy.async`` before its TMA loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from megamoe.comm import signals as S
+from megamoe.comm.dispatch import DispatchHandle
+from megamoe.comm.schedule import build_schedule
+from megamoe.comm.signals import (
+    ARRIVE_WORK,
+    DONE,
+    ERR_CALL,
+    ERR_EXPECTED,
+    ERR_FLAG,
+    ERR_LOCAL,
+    ERR_LOCAL_CLAIM,
+    ERR_OP,
+    ERR_PEER,
+    ERR_PURPOSE,
+    ERR_RANK,
+    ERR_SEEN,
+    INTERPRET,
+    OP_FUSED,
+    READY,
+    REG_CTRL,
+    REG_ERR,
+    REG_SLOTS,
+    REG_TOK,
+    arrive_last,
+    current_call,
+    error_set,
+    ld_acquire,
+    now_ns,
+    publish,
+    region_ptr,
+    wait_flags,
+)
+from megamoe.kernels.gemm_config import interpreting, num_sms, record, tma_ok
+from megamoe.kernels.grouped_gemm import _epilogue, _load_a, _load_b
+
+PURPOSE_TILE = tl.constexpr(2)
+
+if INTERPRET:
+
+    @triton.jit
+    def fence_proxy_async():
+        """No-op under the interpreter (no async proxy there)."""
+        return 0
+
+else:
+
+    @triton.jit
+    def fence_proxy_async():
+        """``fence.proxy.async.global``: make generic-proxy writes seen via an acquire visible to TMA loads."""
+        return tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+
+
+@triton.jit
+def wait_counter(ptr, target, tab, W, rank, call, timeout_ns):
+    """Wait until the local int64 counter ``*ptr >= target``; bounded like signals.wait_flags (records op
+    'fused', purpose TILE, peer = this rank, on a timeout). Returns True when reached."""
+    ctrl = region_ptr(tab, REG_CTRL, W, rank, tl.int64)
+    seen = ld_acquire(ptr)
+    errv = tl.load(ctrl + ERR_LOCAL, volatile=True)
+    if (seen < target) & (errv == 0):
+        t0 = now_ns()
+        elapsed = now_ns() - t0
+        while (seen < target) & (errv == 0) & (elapsed <= timeout_ns):
+            seen = ld_acquire(ptr)
+            errv = tl.load(ctrl + ERR_LOCAL, volatile=True)
+            elapsed = now_ns() - t0
+        if (seen < target) & (errv == 0):
+            zero = tl.full([], 0, tl.int64)
+            claimed = tl.atomic_cas(ctrl + ERR_LOCAL_CLAIM, zero, zero + 1, sem="acq_rel", scope="gpu")
+            if claimed == 0:
+                err = region_ptr(tab, REG_ERR, W, rank, tl.int64)
+                tl.store(err + ERR_OP, OP_FUSED)
+                tl.store(err + ERR_CALL, call)
+                tl.store(err + ERR_RANK, rank)
+                tl.store(err + ERR_PEER, rank)
+                tl.store(err + ERR_EXPECTED, target)
+                tl.store(err + ERR_SEEN, seen)
+                tl.store(err + ERR_PURPOSE, PURPOSE_TILE)
+                tl.atomic_xchg(err + ERR_FLAG, zero + 1, sem="release", scope="sys")
+                tl.atomic_xchg(ctrl + ERR_LOCAL, zero + 1, sem="release", scope="gpu")
+    tl.debug_barrier()
+    return seen >= target
+
+
+@triton.jit
+def signal_counter(ptr):
+    """All threads' stores of this program so far, then ``*ptr += 1`` with release semantics."""
+    tl.debug_barrier()
+    tl.atomic_add(ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _blocks(offs_ptr, E_l, BM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Per-expert vectors: first receive row, rows, blocks, running sum of blocks; and the block total."""
+    e_idx = tl.arange(0, BLOCK_E)
+    emask = e_idx < E_l
+    starts = tl.load(offs_ptr + e_idx, mask=emask, other=0)
+    ends = tl.load(offs_ptr + e_idx + 1, mask=emask, other=0)
+    cnts = tl.maximum(ends - starts, 0)
+    nblk = (cnts + BM - 1) // BM
+    cum = tl.cumsum(nblk, 0)
+    return e_idx, starts, cnts, cum, tl.sum(nblk, axis=0)
+
+
+@triton.jit
+def _locate(b, e_idx, starts, cnts, cum, NS, BM: tl.constexpr):
+    """block b -> (expert, first receive row, valid rows, first buffer row)."""
+    e = tl.sum((cum <= b).to(tl.int32), axis=0)
+    sel = e_idx == e
+    first_blk = tl.sum(tl.where(sel, cum, 0), axis=0) - tl.sum(tl.where(sel, (cnts + BM - 1) // BM, 0), axis=0)
+    row0 = tl.sum(tl.where(sel, starts, 0), axis=0) + (b - first_blk) * BM
+    nrows = tl.minimum(tl.sum(tl.where(sel, cnts, 0), axis=0) - (b - first_blk) * BM, BM)
+    if NS > 0:
+        base = (b % NS) * BM
+    else:
+        base = row0
+    return e, row0, nrows, base
+
+
+@triton.jit
+def _pull_block(tab, W, row0, nrows, base, row_src_ptr, row_tok_ptr, x_ptr, H,
+                BM: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr):
+    """xbuf[base + r] = tok_{src(r)}[tok(r)] for the block's rows r < nrows (one NVLink read per row)."""
+    DT = x_ptr.dtype.element_ty
+    for r0 in range(0, BM, ROWS_P):
+        rr = r0 + tl.arange(0, ROWS_P)
+        valid = rr < nrows
+        src = tl.load(row_src_ptr + row0 + rr, mask=valid, other=0)
+        tok = tl.load(row_tok_ptr + row0 + rr, mask=valid, other=0)
+        addr = tl.load(tab + REG_TOK * W + src, mask=valid, other=0) + tok.to(tl.int64) * H * (
+            DT.primitive_bitwidth // 8)
+        sp = addr.to(tl.pointer_type(DT))
+        if ALIGNED:
+            sp = tl.multiple_of(sp, 16)
+        dst = x_ptr + (base + rr).to(tl.int64) * H
+        for h0 in range(0, H, BLOCK_H):
+            oh = h0 + tl.arange(0, BLOCK_H)
+            m = valid[:, None] & (oh < H)[None, :]
+            v = tl.load(sp[:, None] + oh[None, :], mask=m)
+            tl.store(dst[:, None] + oh[None, :], v, mask=m)
+
+
+@triton.jit
+def _push_part(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H,
+               K: tl.constexpr, BM: tl.constexpr, NP: tl.constexpr, DT: tl.constexpr):
+    """Store a [BM, NP] slice of GEMM2's output rows into the owners' slots regions."""
+    rr = tl.arange(0, BM)
+    valid = rr < nrows
+    src = tl.load(row_src_ptr + row0 + rr, mask=valid, other=0)
+    tok = tl.load(row_tok_ptr + row0 + rr, mask=valid, other=0)
+    slot = tl.load(row_slot_ptr + row0 + rr, mask=valid, other=0)
+    addr = tl.load(tab + REG_SLOTS * W + src, mask=valid, other=0) + (tok * K + slot).to(tl.int64) * H * (
+        DT.primitive_bitwidth // 8)
+    rn = off_n + tl.arange(0, NP)
+    ptrs = addr.to(tl.pointer_type(DT))[:, None] + rn[None, :]
+    tl.store(ptrs, acc.to(DT), mask=valid[:, None] & (rn < H)[None, :])
+
+
+@triton.jit
+def _halves(x, BM: tl.constexpr, NP: tl.constexpr):
+    x = tl.permute(tl.reshape(x, (BM, 2, NP // 2)), (0, 2, 1))
+    return tl.split(x)
+
+
+@triton.jit
+def _push_epilogue(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H,
+                   K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr,
+                   EPI_SPLIT: tl.constexpr):
+    if EPI_SPLIT == 1:
+        _push_part(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, BM, BN, DT)
+    elif EPI_SPLIT == 2:
+        HN: tl.constexpr = BN // 2
+        a0, a1 = _halves(acc, BM, BN)
+        _push_part(a0, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, BM, HN, DT)
+        _push_part(a1, off_n + HN, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, BM, HN,
+                   DT)
+    else:
+        HN: tl.constexpr = BN // 2
+        QN: tl.constexpr = BN // 4
+        a0, a1 = _halves(acc, BM, BN)
+        a00, a01 = _halves(a0, BM, HN)
+        a10, a11 = _halves(a1, BM, HN)
+        _push_part(a00, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, BM, QN, DT)
+        _push_part(a01, off_n + QN, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, BM, QN,
+                   DT)
+        _push_part(a10, off_n + HN, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, BM, QN,
+                   DT)
+        _push_part(a11, off_n + HN + QN, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, BM,
+                   QN, DT)
+
+
+@triton.jit
+def _fused_fwd_kernel(
+    tab, W, rank,
+    x_desc, x_ptr,          # xbuf [NROWS, H] bf16 (ring: NS * BM rows; dense: R_cap rows)
+    w13_desc, w13_ptr,      # w13 [E_l, 2I, H] bf16
+    act_desc, act_ptr,      # act [NROWS, I] bf16
+    w2_desc, w2_ptr,        # w2 [E_l, H, I] bf16
+    h_ptr,                  # h [NROWS, 2I] bf16 (STORE_H)
+    offs_ptr,               # int32 [E_l + 1] (schedule)
+    row_src_ptr, row_tok_ptr, row_slot_ptr,  # int32 [R_cap] (schedule): (source rank, token, slot) per row
+    gate_ptr,               # fp32 [T, K] this rank's gates
+    y_ptr,                  # [T, H] out
+    save_ptr,               # [T, K, H] out (SAVE): un-gated expert outputs of this rank's slots
+    ctr_ptr,                # int64 [1 + 3 * NB_MAX] zeroed: queue, ready[NB_MAX], g1[NB_MAX], g2[NB_MAX]
+    T, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
+    K: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
+    BLOCK_E: tl.constexpr, EPI_SPLIT1: tl.constexpr, EPI_SPLIT2: tl.constexpr,
+    ROWS_P: tl.constexpr, BLOCK_H: tl.constexpr, ROWS_C: tl.constexpr, BLOCK_HC: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, STORE_H: tl.constexpr, SAVE: tl.constexpr,
+    ALIGNED: tl.constexpr, WP2: tl.constexpr,
+):
+    """grid (P,): see the module docstring."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    call = current_call(tab, W, rank)
+    ok = wait_flags(tab, W, rank, READY, 0, W, call, OP_FUSED, timeout_ns, WP2)
+    DT = y_ptr.dtype.element_ty
+    e_idx, starts, cnts, cum, nb = _blocks(offs_ptr, E_l, BM, BLOCK_E)
+    T1 = tl.cdiv(I, BN1)
+    T2 = tl.cdiv(H, BN2)
+    PS = 1 + T1 + T2
+    n_steps = tl.where(nb > 0, nb + L1 + L2, 0)
+    ready = ctr_ptr + 1
+    g1 = ready + NB_MAX
+    g2 = g1 + NB_MAX
+    go = ok
+    while go:
+        item = tl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
+        s = (item // PS).to(tl.int32)
+        sub = (item % PS).to(tl.int32)
+        go = s < n_steps
+        if go:
+            if sub == 0:  # PULL(s)
+                b = s
+                if b < nb:
+                    e, row0, nrows, base = _locate(b, e_idx, starts, cnts, cum, NS, BM)
+                    free = b >= 0
+                    if NS > 0:
+                        if b >= NS:  # the slot's previous block has been read by all its GEMM1 tiles
+                            free = wait_counter(g1 + b - NS, T1, tab, W, rank, call, timeout_ns)
+                    if free:
+                        _pull_block(tab, W, row0, nrows, base, row_src_ptr, row_tok_ptr, x_ptr, H, BM, ROWS_P,
+                                    BLOCK_H, ALIGNED)
+                    signal_counter(ready + b)
+                    go = free
+            elif sub <= T1:  # GEMM1(s - L1, j)
+                b = s - L1
+                j = sub - 1
+                if (b >= 0) & (b < nb):
+                    e, row0, nrows, base = _locate(b, e_idx, starts, cnts, cum, NS, BM)
+                    fine = wait_counter(ready + b, 1, tab, W, rank, call, timeout_ns)
+                    if NS > 0:
+                        if b >= NS:  # act slot: GEMM2 of the slot's previous block is done
+                            fine = fine & wait_counter(g2 + b - NS, T2, tab, W, rank, call, timeout_ns)
+                    if fine:
+                        fence_proxy_async()
+                        off_n = j * BN1
+                        acc = tl.zeros((BM, BN1), dtype=tl.float32)
+                        acc2 = tl.zeros((BM, BN1), dtype=tl.float32)
+                        for ki in range(tl.cdiv(H, BK)):
+                            off_k = ki * BK
+                            a = _load_a(x_desc, x_ptr, base, off_k, base + nrows, H, H, BM, BK, USE_TMA)
+                            bg = _load_b(w13_desc, w13_ptr, e, off_n, off_k, I, H, 2 * I * H, H, BN1, BK, False,
+                                         USE_TMA)
+                            bu = _load_b(w13_desc, w13_ptr, e, I + off_n, off_k, 2 * I, H, 2 * I * H, H, BN1, BK,
+                                         False, USE_TMA)
+                            if DOT_F32:
+                                a = a.to(tl.float32)
+                                bg = bg.to(tl.float32)
+                                bu = bu.to(tl.float32)
+                            acc = tl.dot(a, bg, acc)
+                            acc2 = tl.dot(a, bu, acc2)
+                        _epilogue(acc, acc2, base, off_n, base + nrows, j, 0, I, act_ptr, I, h_ptr, 2 * I,
+                                  gate_ptr, gate_ptr, BM, BN1, 1, False, STORE_H, EPI_SPLIT1)
+                    signal_counter(g1 + b)
+                    go = fine
+            else:  # GEMM2(s - L1 - L2, j)
+                b = s - L1 - L2
+                j = sub - 1 - T1
+                if (b >= 0) & (b < nb):
+                    e, row0, nrows, base = _locate(b, e_idx, starts, cnts, cum, NS, BM)
+                    fine = wait_counter(g1 + b, T1, tab, W, rank, call, timeout_ns)
+                    if fine:
+                        fence_proxy_async()
+                        off_n = j * BN2
+                        acc = tl.zeros((BM, BN2), dtype=tl.float32)
+                        for ki in range(tl.cdiv(I, BK)):
+                            off_k = ki * BK
+                            a = _load_a(act_desc, act_ptr, base, off_k, base + nrows, I, I, BM, BK, USE_TMA)
+                            bw = _load_b(w2_desc, w2_ptr, e, off_n, off_k, H, I, H * I, I, BN2, BK, False, USE_TMA)
+                            if DOT_F32:
+                                a = a.to(tl.float32)
+                                bw = bw.to(tl.float32)
+                            acc = tl.dot(a, bw, acc)
+                        _push_epilogue(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H,
+                                       K, BM, BN2, DT, EPI_SPLIT2)
+                    signal_counter(g2 + b)
+                    go = fine
+    # every push of this rank has been issued: the last program tells every rank
+    last = arrive_last(tab, W, rank, ARRIVE_WORK, P)
+    if last:
+        if error_set(tab, W, rank) == 0:
+            publish(tab, W, rank, DONE, call, WP2)
+    ok = wait_flags(tab, W, rank, DONE, 0, W, call, OP_FUSED, timeout_ns, WP2)
+    if ok:
+        slots = region_ptr(tab, REG_SLOTS, W, rank, DT)
+        for t0 in range(pid * ROWS_C, T, P * ROWS_C):
+            t = t0 + tl.arange(0, ROWS_C)
+            mt = t < T
+            for h0 in range(0, H, BLOCK_HC):
+                oh = h0 + tl.arange(0, BLOCK_HC)
+                m2 = mt[:, None] & (oh < H)[None, :]
+                acc = tl.zeros((ROWS_C, BLOCK_HC), dtype=tl.float32)
+                for jk in tl.static_range(K):
+                    wj = tl.load(gate_ptr + t * K + jk, mask=mt, other=0.0)
+                    o2 = (t.to(tl.int64) * K + jk)[:, None] * H + oh[None, :]
+                    v = tl.load(slots + o2, mask=m2, other=0.0)
+                    if SAVE:
+                        tl.store(save_ptr + o2, v, mask=m2)
+                    acc += wj[:, None] * v.to(tl.float32)
+                tl.store(y_ptr + t.to(tl.int64)[:, None] * H + oh[None, :], acc.to(DT), mask=m2)
+
+
+@triton.jit
+def _dgate_kernel(dy_ptr, save_ptr, dw_ptr, T, H, K: tl.constexpr, KP2: tl.constexpr, ROWS: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    """grid (cdiv(T, ROWS),): dw[t, j] = sum_h dy[t, h] * save[t, j, h] (fp32, fixed order)."""
+    pid = tl.program_id(0)
+    t = pid * ROWS + tl.arange(0, ROWS)
+    mt = t < T
+    jj = tl.arange(0, KP2)
+    acc = tl.zeros((ROWS, KP2), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        oh = h0 + tl.arange(0, BLOCK_H)
+        m2 = mt[:, None] & (oh < H)[None, :]
+        d = tl.load(dy_ptr + t.to(tl.int64)[:, None] * H + oh[None, :], mask=m2, other=0.0).to(tl.float32)
+        for j in tl.static_range(K):
+            o = save_ptr + (t.to(tl.int64) * K + j)[:, None] * H + oh[None, :]
+            v = tl.load(o, mask=m2, other=0.0).to(tl.float32)
+            acc += tl.where(jj[None, :] == j, tl.sum(d * v, axis=1)[:, None], 0.0)
+    tl.store(dw_ptr + (t * K)[:, None] + jj[None, :], acc, mask=mt[:, None] & (jj < K)[None, :])
+
+
+# ------------------------------------------------------------------------------------------------ launcher
+@dataclass(frozen=True)
+class FusedConfig:
+    """Launch config of :func:`_fused_fwd_kernel` (see the module docstring for L1 / L2 and the ring).
+
+    block_m: rows of a block (BM); bn1: GEMM1 columns per tile (gate and up each); bn2: GEMM2 columns per
+    tile; programs: persistent programs (None: the device's SM count; 1 under the interpreter);
+    lookahead: L1 in steps (None: programs in flight / items per step + 1); lag: L2.
+    """
+
+    block_m: int = 128
+    bn1: int = 128
+    bn2: int = 256
+    block_k: int = 64
+    num_stages: int = 3
+    num_warps: int = 8
+    epi_split1: int = 2
+    epi_split2: int = 4
+    programs: int | None = None
+    lookahead: int | None = None
+    lag: int = 1
+    pull_elems: int = 16384  # ROWS_P x BLOCK_H of one pull step
+    use_tma: bool | None = None
+
+    def with_(self, **kw) -> FusedConfig:
+        return replace(self, **kw)
+
+
+def default_fused_config(device: torch.device) -> FusedConfig:
+    if interpreting():
+        return FusedConfig(block_m=32, bn1=32, bn2=32, block_k=32, num_stages=1, num_warps=4, epi_split1=1,
+                           epi_split2=1, programs=1, pull_elems=4096)
+    return FusedConfig()
+
+
+@dataclass
+class FusedState:
+    """What one fused forward leaves for the backward (see megamoe/backends/fused.py)."""
+
+    handle: DispatchHandle
+    xbuf: torch.Tensor           # [NROWS, H] received rows (dense: receive-row layout)
+    act: torch.Tensor            # [NROWS, I]
+    h: torch.Tensor | None       # [NROWS, 2I] (dense + store_h)
+    saved: torch.Tensor | None   # [T, k, H] un-gated expert outputs of this rank's slots (save)
+
+
+def ring_rows(cfg: FusedConfig, ring_blocks: int) -> int:
+    return ring_blocks * cfg.block_m
+
+
+def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor, cfg: FusedConfig, ring_blocks: int = 0, store_h: bool = False,
+                  save: bool = False, comm_programs: int | None = None) -> tuple[torch.Tensor, FusedState]:
+    """y [T, H] = the MoE layer's expert part for this rank's tokens (gates applied), via the megakernel.
+
+    ring_blocks: 0 = dense buffers (R_cap rows, split's layout); else the ring's slots (>= lag + 3 blocks).
+    store_h: keep the SwiGLU input h (dense only, for the backward). save: keep the un-gated expert outputs of
+    this rank's (token, slot) pairs [T, k, H] (for d(topk_w)).
+    """
+    sh = heap.shape
+    if not sh.slots:
+        raise ValueError("fused_forward needs a heap built with CommShape(slots=True)")
+    T = x.shape[0]
+    H, k, E_l = sh.hidden, sh.topk, sh.local_experts
+    I = w2.shape[2]
+    if tuple(w13.shape) != (E_l, 2 * I, H) or tuple(w2.shape) != (E_l, H, I):
+        raise ValueError(f"w13 must be [E_l={E_l}, 2I, H={H}] and w2 [E_l, H, I]; got {tuple(w13.shape)}, "
+                         f"{tuple(w2.shape)}")
+    if x.dtype != torch.bfloat16 or w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
+        raise ValueError("fused_forward is bf16 only (x, w13, w2)")
+    if tuple(topk_idx.shape) != (T, k) or tuple(topk_w.shape) != (T, k):
+        raise ValueError(f"topk_idx and topk_w must be [T={T}, k={k}]")
+    BM = cfg.block_m
+    L2 = cfg.lag
+    dev = heap.device
+    P = cfg.programs if cfg.programs is not None else num_sms(dev)
+    T1, T2 = triton.cdiv(I, cfg.bn1), triton.cdiv(H, cfg.bn2)
+    PS = 1 + T1 + T2
+    L1 = cfg.lookahead if cfg.lookahead is not None else triton.cdiv(P, PS) + 1
+    if ring_blocks:
+        if ring_blocks < L2 + 3:
+            raise ValueError(f"ring of {ring_blocks} blocks is too small: needs >= lag + 3 = {L2 + 3} blocks")
+        L1 = max(1, min(L1, ring_blocks - L2 - 1))  # NS > L1 + L2: every wait is on an earlier item
+    # 1. stage x and the routing, publish READY; 2. schedule (device-side, no host reads)
+    Pc = max(1, int(comm_programs or heap.num_sms))
+    tok = heap.tokens_buffer()
+    in_place = T > 0 and x.data_ptr() == tok.data_ptr() and x.stride() == (H, 1)
+    S.stage(heap, act=None if in_place else x.contiguous(), act_reg=S.REG_TOK.value,
+            small=topk_idx.to(torch.int32).contiguous(), small_reg=S.REG_IDX.value, ntok=T, programs=Pc)
+    sched = build_schedule(heap)
+    handle = DispatchHandle(heap=heap, num_tokens=T, schedule=sched, offs=sched.offs, num_sms=Pc)
+    # 3. the megakernel
+    nrows = ring_blocks * BM if ring_blocks else sh.rows_cap
+    nb_max = triton.cdiv(sh.rows_cap, BM) + E_l
+    xbuf = torch.empty(nrows, H, dtype=x.dtype, device=dev)
+    act = torch.empty(nrows, I, dtype=x.dtype, device=dev)
+    h = torch.empty(nrows, 2 * I, dtype=x.dtype, device=dev) if (store_h and not ring_blocks) else None
+    y = torch.empty(T, H, dtype=x.dtype, device=dev)
+    saved = torch.empty(T, k, H, dtype=x.dtype, device=dev) if save else None
+    ctr = torch.zeros(1 + 3 * nb_max, dtype=torch.int64, device=dev)
+    gate = topk_w.to(torch.float32).contiguous()
+    use_tma = cfg.use_tma if cfg.use_tma is not None else tma_ok([xbuf, act, w13, w2])
+    BK = cfg.block_k
+    if use_tma:
+        x_desc = TensorDescriptor.from_tensor(xbuf, [BM, BK])
+        act_desc = TensorDescriptor.from_tensor(act, [BM, BK])
+        w13_desc = TensorDescriptor.from_tensor(w13, [1, cfg.bn1, BK])
+        w2_desc = TensorDescriptor.from_tensor(w2, [1, cfg.bn2, BK])
+    else:
+        x_desc = act_desc = w13_desc = w2_desc = None
+    block_h = min(triton.next_power_of_2(H), 2048)
+    rows_p = max(1, min(BM, cfg.pull_elems // block_h))
+    block_hc = min(triton.next_power_of_2(H), 1024)
+    compiled = _fused_fwd_kernel[(P,)](
+        heap.tab, heap.world, heap.rank,
+        x_desc, xbuf, w13_desc, w13, act_desc, act, w2_desc, w2, h if h is not None else act,
+        sched.offs, sched.row_src, sched.row_tok, sched.row_slot, gate,
+        y if T > 0 else act, saved if saved is not None else act, ctr,
+        T, H, I, E_l, nb_max, ring_blocks, L1, L2, heap.timeout_ns,
+        K=k, BM=BM, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
+        EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, ROWS_P=rows_p, BLOCK_H=block_h,
+        ROWS_C=max(1, 4096 // block_hc), BLOCK_HC=block_hc, USE_TMA=use_tma, DOT_F32=interpreting(),
+        STORE_H=h is not None, SAVE=saved is not None, ALIGNED=(H * 2) % 16 == 0, WP2=heap.wp2,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    record("_fused_fwd_kernel", compiled)
+    heap.after_launch()
+    return y, FusedState(handle=handle, xbuf=xbuf, act=act, h=h, saved=saved)
+
+
+def dgate(dy: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
+    """d(topk_w) [T, k] fp32 = <dy[t], saved[t, j]> (fixed order, fp32)."""
+    T, k, H = saved.shape
+    out = torch.empty(T, k, dtype=torch.float32, device=dy.device)
+    if T == 0:
+        return out
+    rows = 16
+    _dgate_kernel[(triton.cdiv(T, rows),)](dy.contiguous(), saved, out, T, H, K=k, KP2=triton.next_power_of_2(k),
+                                           ROWS=rows, BLOCK_H=min(triton.next_power_of_2(H), 512))
+    return out

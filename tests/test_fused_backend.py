@@ -1,0 +1,131 @@
+"""Backend ``fused`` (the forward megakernel) on 1, 2 and 4 gloo CPU ranks under the Triton interpreter,
+against the float64 reference on the global batch: dense buffers and macrobatch rings that must cycle
+(skewed routing, rings of 1x, 2x and 4x a minibatch and the smallest ring), bitwise determinism, bounded
+waits, clear errors."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from megamoe.dist import spawn
+from megamoe.testing import TOLERANCE, LayerCase, bf16_cases, determinism_case, layer_case, tiny_experts
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # spawned CPU ranks inherit it before importing triton
+
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test; GPUs run test_gpu_fused.py")
+
+# the interpreter is slow: every edge case on 2 ranks, a subset on 1 and 4 (CI runs on 2 cores)
+SUBSET = {1: ("bf16:bf16-ragged", "bf16:fp64-one-expert-k1"),
+          4: ("bf16:bf16-ragged", "bf16:fp32-empty-rank", "bf16:fp32-starved-expert")}
+
+BM_INTERP = 32  # rows of a block under the interpreter (kernels/fused_moe.default_fused_config)
+
+
+def skewed_case(world: int) -> LayerCase:
+    """Most rows land on rank 0: experts 0 and 1 (both on rank 0) get a large logit offset."""
+    return LayerCase("bf16:skewed", dtype="bf16", tokens=tuple([96] + [40] * (world - 1)),
+                     overrides={"num_experts": tiny_experts(world)}, offset={0: 4.0, 1: 4.0})
+
+
+def blocks_on_rank(counts: list[int], rank: int, world: int, bm: int = BM_INTERP) -> int:
+    """Blocks the megakernel walks on ``rank``: cdiv(rows, BM) per local expert."""
+    e_l = len(counts) // world
+    return sum(-(-c // bm) for c in counts[rank * e_l:(rank + 1) * e_l])
+
+
+def _rank(rank: int, world: int) -> tuple[list[dict], list[bool]]:
+    dev = torch.device("cpu")
+    cases = [c for c in bf16_cases(world) if world not in SUBSET or c.name in SUBSET[world]]
+    results = [layer_case(c, "fused", dev) for c in cases]
+    det_case = LayerCase("det", dtype="bf16", tokens=tuple(17 + r for r in range(world)),
+                         overrides={"num_experts": tiny_experts(world)})
+    dets = [determinism_case(det_case, "fused", dev)]
+    if world == 2:
+        sk = skewed_case(world)
+        # a minibatch: the blocks uniform routing gives one rank (T * k rows of 32); rings of 1x, 2x, 4x it
+        mini = max(4, -(-(sum(sk.tokens) // world) * 2 // BM_INTERP))
+        for ring in (4, mini, 2 * mini, 4 * mini):  # 4 = the smallest ring (lag + 3)
+            r = layer_case(sk, "fused", dev, ring_blocks=ring)
+            r["case"] = f"ring{ring}:" + r["case"]
+            r["ring"] = ring
+            r["blocks"] = blocks_on_rank(r["counts"], rank, world)
+            results.append(r)
+        dets.append(determinism_case(sk, "fused", dev, ring_blocks=4))
+    return results, dets
+
+
+def check(results) -> None:
+    cycled = 0
+    for rank_results, dets in results:
+        assert all(dets), "fused backend: two runs differ bitwise"
+        for r in rank_results:
+            for key in ("out", "dx", "drouter", "dw13", "dw2"):
+                assert r[key] < TOLERANCE["bf16"], f"{r['case']} rank {r['rank']}: {key} rel err {r[key]:.3g}"
+            assert r["counts_ok"]
+            if r["case"].endswith("starved-expert"):
+                assert r["counts"][3] == 0 and r["counts"][6] == 0
+            if "ring" in r and r["blocks"] > r["ring"]:
+                cycled += 1
+    if any("ring" in r for rr, _ in results for r in rr):
+        assert cycled >= 2, "the skewed case should make the smallest rings cycle"
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_fused_matches_reference_cpu(world):
+    check(spawn(_rank, world, timeout_s=900))
+
+
+def _absent(rank: int, world: int):
+    """Rank 1 builds the layer but never runs it; rank 0 must raise naming it, within the timeout."""
+    from megamoe import MoE, preset
+    from megamoe.comm import CommTimeoutError
+
+    moe = MoE(preset("tiny", max_tokens_per_rank=8), backend="fused", timeout_s=1.5)
+    if rank == 1:
+        time.sleep(0.5)
+        return None
+    x = torch.randn(8, moe.config.hidden).to(torch.bfloat16)
+    t0 = time.monotonic()
+    try:
+        moe(x)
+    except CommTimeoutError as exc:
+        return str(exc), time.monotonic() - t0
+    return "no error", time.monotonic() - t0
+
+
+@CPU_ONLY
+def test_fused_absent_rank_raises():
+    msg, took = spawn(_absent, 2, timeout_s=120)[0]
+    assert "peer rank 1 never signalled" in msg, msg
+    assert took < 1.5 + 10, took
+
+
+def _bad_options(rank, world):
+    from megamoe import MoE, preset
+
+    msgs = []
+    for kw in ({"ring_blocks": 2}, {"programs": 0}, {"lookahead": 0}):
+        try:
+            MoE(preset("tiny"), backend="fused", **kw)
+            msgs.append(None)
+        except ValueError as exc:
+            msgs.append(str(exc))
+    try:
+        MoE(preset("tiny", dtype=torch.float32), backend="fused")
+        msgs.append(None)
+    except ValueError as exc:
+        msgs.append(str(exc))
+    return msgs
+
+
+def test_fused_rejects_bad_options():
+    (msgs,) = spawn(_bad_options, 1)
+    assert msgs[0] is not None and "ring_blocks" in msgs[0]
+    assert msgs[1] is not None and "programs" in msgs[1]
+    assert msgs[2] is not None and "lookahead" in msgs[2]
+    assert msgs[3] is not None and "bfloat16" in msgs[3]
