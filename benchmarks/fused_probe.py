@@ -27,13 +27,31 @@ from megamoe.layer import MoE  # noqa: E402
 
 VARIANTS = [
     ("default", {}, None),
-    ("stages2", {"num_stages": 2}, None),
+    ("la=4", {"lookahead": 4}, None),
+    ("la=16", {"lookahead": 16}, None),
+    ("la=32", {"lookahead": 32}, None),
+    ("la=64", {"lookahead": 64}, None),
+    ("split2", {"pull_split": 2}, None),
+    ("split4", {"pull_split": 4}, None),
+    ("el32k", {"pull_elems": 32768}, None),
+    ("s4el32k", {"pull_split": 4, "pull_elems": 32768}, None),
     ("bn2=128", {"bn2": 128, "epi_split2": 2}, None),
-    ("la=1", {"lookahead": 1}, None),
-    ("la=8", {"lookahead": 8}, None),
     ("ring64", {}, 64),
     ("ring16", {}, 16),
 ]
+
+
+def profile(fn, iters=3) -> list[tuple[str, float]]:
+    """Device time per iteration of every kernel of ``fn`` (torch.profiler), largest first."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key[:48], e.device_time_total / 1e3 / iters) for e in p.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])[:8]
 
 
 def timed(fn, iters=10):
@@ -57,6 +75,7 @@ def main() -> None:
     p.add_argument("--presets", default="qwen3-30b-a3b,deepseek-v3")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--variants", default="")
+    p.add_argument("--profile", action="store_true", help="per-kernel device times of split and fused (default)")
     args = p.parse_args()
     dev = init_from_env()
     rank = dist.get_rank()
@@ -73,6 +92,13 @@ def main() -> None:
             print(f"== {name} {args.tokens} tok/rank, W={dist.get_world_size()}: split forward {t_split:.3f} ms")
         fused = MoE(cfg, backend="fused", device=dev, seed=1, timeout_s=20)
         base = fused.backend.config
+        if args.profile:
+            with torch.no_grad():
+                fused(x)
+                for label, m in (("split", split), ("fused", fused)):
+                    rows = profile(lambda m=m, x=x: m(x))
+                    if rank == 0:
+                        print(f"-- {label} kernels (ms/iter): " + ", ".join(f"{k} {v:.3f}" for k, v in rows))
         for vname, kw, ring in VARIANTS:
             if names and vname not in names:
                 continue

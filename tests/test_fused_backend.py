@@ -55,6 +55,9 @@ def _rank(rank: int, world: int) -> tuple[list[dict], list[bool]]:
             r["blocks"] = blocks_on_rank(r["counts"], rank, world)
             results.append(r)
         dets.append(determinism_case(sk, "fused", dev, ring_blocks=4))
+        r = layer_case(cases[1], "fused", dev, pull_split=2, lookahead=1)  # two pull items per block
+        r["case"] = "pull_split2:" + r["case"]
+        results.append(r)
     return results, dets
 
 

@@ -18,7 +18,8 @@ backward (not fused yet: split's kernels, reusing what the forward kept):
 
 Options: ``ring_blocks`` (None: dense buffers of R_cap rows, no recompute; an int >= 4: the macrobatch
 ring of that many BM-row blocks, memory independent of routing), ``programs`` (persistent programs of the
-megakernel; default the SM count), ``lookahead`` (pull -> GEMM1 distance in steps), ``comm_sms`` (programs
+megakernel; default the SM count), ``lookahead`` (pull -> GEMM1 distance in steps), ``pull_split`` (pull
+items per block), ``comm_sms`` (programs
 of the staging / backward communication kernels, default 32), ``timeout_s`` (bound of every device wait).
 
 Capacity: no token is ever dropped: dense buffers hold the worst case (every token of every rank routed
@@ -102,7 +103,8 @@ class FusedBackend:
         return None
 
     def __init__(self, moe, ring_blocks: int | None = None, programs: int | None = None,
-                 lookahead: int | None = None, comm_sms: int | None = None, timeout_s: float = 60.0):
+                 lookahead: int | None = None, pull_split: int | None = None, comm_sms: int | None = None,
+                 timeout_s: float = 60.0):
         cfg = moe.config
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"backend 'fused' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
@@ -122,6 +124,11 @@ class FusedBackend:
             if lookahead < 1:
                 raise ValueError(f"lookahead must be >= 1, got {lookahead}")
             self.config = self.config.with_(lookahead=int(lookahead))
+        if pull_split is not None:
+            if pull_split < 1 or self.config.block_m % pull_split:
+                raise ValueError(f"pull_split must be >= 1 and divide the block's {self.config.block_m} rows, "
+                                 f"got {pull_split}")
+            self.config = self.config.with_(pull_split=int(pull_split))
         if ring_blocks is not None:
             ring_blocks = int(ring_blocks)
             if ring_blocks < self.config.lag + 3:

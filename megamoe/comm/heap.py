@@ -18,7 +18,7 @@ One :class:`SymmetricHeap` per process group. Its size is known before anything 
 | tok   | [T_max, H] dtype | owner (x for dispatch, dy for combine backward) | peers (pull) |
 | rows  | [R_cap, H] dtype | owner (expert outputs / their grads) | peers (pull by the token owner) |
 | err   | [16] int64 | owner's kernels (timeout record) | owner's host (host backend only) |
-| slots | [T_max, k, H] dtype (only with ``CommShape.slots``) | the expert rank of slot (t, j) pushes out_j(t) | owner (fused combine) |
+| slots | [T_max, k, H] dtype (``CommShape.slots`` only) | expert rank of (t, j): out_j(t) | owner (fused) |
 
 Backends:
 * ``cuda``: ``torch.distributed._symmetric_memory`` (CUDA backend): one uint8 allocation, ``rendezvous``

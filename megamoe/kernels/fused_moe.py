@@ -11,10 +11,11 @@ its (source rank, token, slot)).
 
 Work items (one program runs one item at a time; items are taken in order from one atomic counter):
 
-    step s = 0, 1, ...: [PULL(s), GEMM1(s - L1, j) for j < T1, GEMM2(s - L1 - L2, j) for j < T2]
-    PULL(b):     x rows of block b from their owners' ``tok`` regions (NVLink) -> xbuf slot of b; ready[b] = 1
-    GEMM1(b, j): wait ready[b]; act[:, j-th BN1 cols] = silu(x @ w13g^T) * (x @ w13u^T) (and h when STORE_H);
-                 g1[b] += 1
+    step s = 0, 1, ...: [PULL(s, p) for p < PULL_SPLIT, GEMM1(s - L1, j) for j < T1, GEMM2(s - L1 - L2, j) for j < T2]
+    PULL(b, p):  part p (of PULL_SPLIT) of block b's x rows from their owners' ``tok`` regions (NVLink) ->
+                 xbuf slot of b; ready[b] += 1
+    GEMM1(b, j): wait ready[b] == PULL_SPLIT; act[:, j-th BN1 cols] = silu(x @ w13g^T) * (x @ w13u^T)
+                 (and h when STORE_H); g1[b] += 1
     GEMM2(b, j): wait g1[b] == T1; out = act @ w2[e]^T (cols j*BN2..); each row r = (src, t, slot) is stored
                  straight into rank src's ``slots`` region at [t, slot, cols] (the combine's push); g2[b] += 1
     then:        the last program to finish publishes DONE; every program waits for DONE from every rank
@@ -174,26 +175,52 @@ def _locate(b, e_idx, starts, cnts, cum, NS, BM: tl.constexpr):
 
 
 @triton.jit
-def _pull_block(tab, W, row0, nrows, base, row_src_ptr, row_tok_ptr, x_ptr, H,
-                BM: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr):
-    """xbuf[base + r] = tok_{src(r)}[tok(r)] for the block's rows r < nrows (one NVLink read per row)."""
+def _pull_rows_ptrs(tab, W, row0, r_lo, rr, nrows, base, row_src_ptr, row_tok_ptr, x_ptr, H,
+                    DT: tl.constexpr, ALIGNED: tl.constexpr):
+    """Source and destination row pointers of block rows r_lo + rr (valid: < nrows)."""
+    r = r_lo + rr
+    valid = r < nrows
+    src = tl.load(row_src_ptr + row0 + r, mask=valid, other=0)
+    tok = tl.load(row_tok_ptr + row0 + r, mask=valid, other=0)
+    addr = tl.load(tab + REG_TOK * W + src, mask=valid, other=0) + tok.to(tl.int64) * H * (
+        DT.primitive_bitwidth // 8)
+    sp = addr.to(tl.pointer_type(DT))
+    if ALIGNED:
+        sp = tl.multiple_of(sp, 16)
+    dp = x_ptr + (base + r).to(tl.int64) * H
+    return sp, dp, valid
+
+
+@triton.jit
+def _pull_block(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_ptr, x_ptr, H,
+                ROWS_P: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr):
+    """xbuf[base + r] = tok_{src(r)}[tok(r)] for block rows r in [r_lo, min(r_hi, nrows)) (one NVLink read
+    per row), in [ROWS_P, BLOCK_H] chunks, software-pipelined: chunk c + 1 is loaded before chunk c is stored,
+    so two chunks of remote reads are in flight per program."""
     DT = x_ptr.dtype.element_ty
-    for r0 in range(0, BM, ROWS_P):
-        rr = r0 + tl.arange(0, ROWS_P)
-        valid = rr < nrows
-        src = tl.load(row_src_ptr + row0 + rr, mask=valid, other=0)
-        tok = tl.load(row_tok_ptr + row0 + rr, mask=valid, other=0)
-        addr = tl.load(tab + REG_TOK * W + src, mask=valid, other=0) + tok.to(tl.int64) * H * (
-            DT.primitive_bitwidth // 8)
-        sp = addr.to(tl.pointer_type(DT))
-        if ALIGNED:
-            sp = tl.multiple_of(sp, 16)
-        dst = x_ptr + (base + rr).to(tl.int64) * H
-        for h0 in range(0, H, BLOCK_H):
-            oh = h0 + tl.arange(0, BLOCK_H)
-            m = valid[:, None] & (oh < H)[None, :]
-            v = tl.load(sp[:, None] + oh[None, :], mask=m)
-            tl.store(dst[:, None] + oh[None, :], v, mask=m)
+    rr = tl.arange(0, ROWS_P)
+    hh = tl.arange(0, BLOCK_H)
+    n_h = tl.cdiv(H, BLOCK_H)
+    n_chunks = tl.cdiv(tl.minimum(r_hi, nrows) - r_lo, ROWS_P) * n_h
+    if n_chunks > 0:
+        sp, dp, valid = _pull_rows_ptrs(tab, W, row0, r_lo, rr, tl.minimum(r_hi, nrows), base, row_src_ptr,
+                                        row_tok_ptr, x_ptr, H, DT, ALIGNED)
+        m = valid[:, None] & (hh < H)[None, :]
+        v = tl.load(sp[:, None] + hh[None, :], mask=m)
+        for c in range(1, n_chunks):
+            ri = c // n_h
+            oh = (c % n_h) * BLOCK_H + hh
+            sp2, dp2, valid2 = _pull_rows_ptrs(tab, W, row0, r_lo + ri * ROWS_P, rr, tl.minimum(r_hi, nrows), base,
+                                               row_src_ptr, row_tok_ptr, x_ptr, H, DT, ALIGNED)
+            m2 = valid2[:, None] & (oh < H)[None, :]
+            v2 = tl.load(sp2[:, None] + oh[None, :], mask=m2)
+            oh_prev = ((c - 1) % n_h) * BLOCK_H + hh
+            tl.store(dp[:, None] + oh_prev[None, :], v, mask=m)
+            v = v2
+            m = m2
+            dp = dp2
+        oh_last = ((n_chunks - 1) % n_h) * BLOCK_H + hh
+        tl.store(dp[:, None] + oh_last[None, :], v, mask=m)
 
 
 @triton.jit
@@ -262,7 +289,7 @@ def _fused_fwd_kernel(
     T, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
     K: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     BLOCK_E: tl.constexpr, EPI_SPLIT1: tl.constexpr, EPI_SPLIT2: tl.constexpr,
-    ROWS_P: tl.constexpr, BLOCK_H: tl.constexpr, ROWS_C: tl.constexpr, BLOCK_HC: tl.constexpr,
+    PULL_SPLIT: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_H: tl.constexpr, ROWS_C: tl.constexpr, BLOCK_HC: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, STORE_H: tl.constexpr, SAVE: tl.constexpr,
     ALIGNED: tl.constexpr, WP2: tl.constexpr,
 ):
@@ -275,7 +302,7 @@ def _fused_fwd_kernel(
     e_idx, starts, cnts, cum, nb = _blocks(offs_ptr, E_l, BM, BLOCK_E)
     T1 = tl.cdiv(I, BN1)
     T2 = tl.cdiv(H, BN2)
-    PS = 1 + T1 + T2
+    PS = PULL_SPLIT + T1 + T2
     n_steps = tl.where(nb > 0, nb + L1 + L2, 0)
     ready = ctr_ptr + 1
     g1 = ready + NB_MAX
@@ -287,7 +314,7 @@ def _fused_fwd_kernel(
         sub = (item % PS).to(tl.int32)
         go = s < n_steps
         if go:
-            if sub == 0:  # PULL(s)
+            if sub < PULL_SPLIT:  # PULL(s), part sub of PULL_SPLIT
                 b = s
                 if b < nb:
                     e, row0, nrows, base = _locate(b, e_idx, starts, cnts, cum, NS, BM)
@@ -296,16 +323,17 @@ def _fused_fwd_kernel(
                         if b >= NS:  # the slot's previous block has been read by all its GEMM1 tiles
                             free = wait_counter(g1 + b - NS, T1, tab, W, rank, call, timeout_ns)
                     if free:
-                        _pull_block(tab, W, row0, nrows, base, row_src_ptr, row_tok_ptr, x_ptr, H, BM, ROWS_P,
-                                    BLOCK_H, ALIGNED)
+                        part = BM // PULL_SPLIT
+                        _pull_block(tab, W, row0, nrows, base, sub * part, sub * part + part, row_src_ptr,
+                                    row_tok_ptr, x_ptr, H, ROWS_P, BLOCK_H, ALIGNED)
                     signal_counter(ready + b)
                     go = free
-            elif sub <= T1:  # GEMM1(s - L1, j)
+            elif sub < PULL_SPLIT + T1:  # GEMM1(s - L1, j)
                 b = s - L1
-                j = sub - 1
+                j = sub - PULL_SPLIT
                 if (b >= 0) & (b < nb):
                     e, row0, nrows, base = _locate(b, e_idx, starts, cnts, cum, NS, BM)
-                    fine = wait_counter(ready + b, 1, tab, W, rank, call, timeout_ns)
+                    fine = wait_counter(ready + b, PULL_SPLIT, tab, W, rank, call, timeout_ns)
                     if NS > 0:
                         if b >= NS:  # act slot: GEMM2 of the slot's previous block is done
                             fine = fine & wait_counter(g2 + b - NS, T2, tab, W, rank, call, timeout_ns)
@@ -333,7 +361,7 @@ def _fused_fwd_kernel(
                     go = fine
             else:  # GEMM2(s - L1 - L2, j)
                 b = s - L1 - L2
-                j = sub - 1 - T1
+                j = sub - PULL_SPLIT - T1
                 if (b >= 0) & (b < nb):
                     e, row0, nrows, base = _locate(b, e_idx, starts, cnts, cum, NS, BM)
                     fine = wait_counter(g1 + b, T1, tab, W, rank, call, timeout_ns)
@@ -420,6 +448,7 @@ class FusedConfig:
     lookahead: int | None = None
     lag: int = 1
     pull_elems: int = 16384  # ROWS_P x BLOCK_H of one pull step
+    pull_split: int = 1      # pull items per block (each moves BM / pull_split rows)
     use_tma: bool | None = None
 
     def with_(self, **kw) -> FusedConfig:
@@ -475,7 +504,7 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     dev = heap.device
     P = cfg.programs if cfg.programs is not None else num_sms(dev)
     T1, T2 = triton.cdiv(I, cfg.bn1), triton.cdiv(H, cfg.bn2)
-    PS = 1 + T1 + T2
+    PS = cfg.pull_split + T1 + T2
     L1 = cfg.lookahead if cfg.lookahead is not None else triton.cdiv(P, PS) + 1
     if ring_blocks:
         if ring_blocks < L2 + 3:
@@ -509,7 +538,9 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     else:
         x_desc = act_desc = w13_desc = w2_desc = None
     block_h = min(triton.next_power_of_2(H), 2048)
-    rows_p = max(1, min(BM, cfg.pull_elems // block_h))
+    if BM % cfg.pull_split:
+        raise ValueError(f"pull_split={cfg.pull_split} must divide block_m={BM}")
+    rows_p = max(1, min(BM // cfg.pull_split, cfg.pull_elems // block_h))
     block_hc = min(triton.next_power_of_2(H), 1024)
     compiled = _fused_fwd_kernel[(P,)](
         heap.tab, heap.world, heap.rank,
@@ -518,7 +549,7 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
         y if T > 0 else act, saved if saved is not None else act, ctr,
         T, H, I, E_l, nb_max, ring_blocks, L1, L2, heap.timeout_ns,
         K=k, BM=BM, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
-        EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, ROWS_P=rows_p, BLOCK_H=block_h,
+        EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, PULL_SPLIT=cfg.pull_split, ROWS_P=rows_p, BLOCK_H=block_h,
         ROWS_C=max(1, 4096 // block_hc), BLOCK_HC=block_hc, USE_TMA=use_tma, DOT_F32=interpreting(),
         STORE_H=h is not None, SAVE=saved is not None, ALIGNED=(H * 2) % 16 == 0, WP2=heap.wp2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
