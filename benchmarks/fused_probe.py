@@ -27,17 +27,15 @@ from megamoe.layer import MoE  # noqa: E402
 
 VARIANTS = [
     ("default", {}, None),
-    ("la=4", {"lookahead": 4}, None),
-    ("la=16", {"lookahead": 16}, None),
-    ("la=32", {"lookahead": 32}, None),
-    ("la=64", {"lookahead": 64}, None),
-    ("split2", {"pull_split": 2}, None),
-    ("split4", {"pull_split": 4}, None),
-    ("el32k", {"pull_elems": 32768}, None),
+    ("msub2", {"m_sub": 2}, None),
+    ("msub4", {"m_sub": 4}, None),
     ("s4el32k", {"pull_split": 4, "pull_elems": 32768}, None),
-    ("bn2=128", {"bn2": 128, "epi_split2": 2}, None),
-    ("ring64", {}, 64),
+    ("nopull", {"ablate": 1}, None),  # ablations: timing only, results wrong
+    ("nopush", {"ablate": 2}, None),
+    ("nog2", {"ablate": 6}, None),
+    ("nocomm", {"ablate": 3}, None),
     ("ring16", {}, 16),
+    ("msub2r16", {"m_sub": 2}, 16),
 ]
 
 
@@ -113,7 +111,12 @@ def main() -> None:
                 k = LAST_COMPILED.get("_fused_fwd_kernel")
                 rep = (f"regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')} "
                        f"smem {k.metadata.shared if k is not None else '?'}")
-                line = f"{vname:10s} fwd {t:8.3f} ms  vs split {err:.2e}  {rep}"
+                kt = ""
+                if args.profile:
+                    with torch.no_grad():
+                        kt = dict(profile(lambda m=fused, x=x: m(x))).get("_fused_fwd_kernel", float("nan"))
+                    kt = f" kernel {kt:.3f} ms"
+                line = f"{vname:10s} fwd {t:8.3f} ms{kt}  vs split {err:.2e}  {rep}"
             except Exception as exc:  # noqa: BLE001 - report and go on to the next variant
                 line = f"{vname:10s} FAILED: {type(exc).__name__}: {str(exc)[:300]}"
                 barrier(fused.backend.heap)  # the failed call never published DONE: close it on every rank

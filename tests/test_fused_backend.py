@@ -14,7 +14,8 @@ import torch
 from megamoe.dist import spawn
 from megamoe.testing import TOLERANCE, LayerCase, bf16_cases, determinism_case, layer_case, tiny_experts
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # spawned CPU ranks inherit it before importing triton
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # spawned CPU ranks inherit it before importing triton
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test; GPUs run test_gpu_fused.py")
 
@@ -57,6 +58,9 @@ def _rank(rank: int, world: int) -> tuple[list[dict], list[bool]]:
         dets.append(determinism_case(sk, "fused", dev, ring_blocks=4))
         r = layer_case(cases[1], "fused", dev, pull_split=2, lookahead=1)  # two pull items per block
         r["case"] = "pull_split2:" + r["case"]
+        results.append(r)
+        r = layer_case(sk, "fused", dev, m_sub=2, ring_blocks=4)  # 2 x 32-row sub-tiles per block, ring cycles
+        r["case"] = "m_sub2-ring4:" + r["case"]
         results.append(r)
     return results, dets
 

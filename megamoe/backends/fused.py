@@ -19,7 +19,8 @@ backward (not fused yet: split's kernels, reusing what the forward kept):
 Options: ``ring_blocks`` (None: dense buffers of R_cap rows, no recompute; an int >= 4: the macrobatch
 ring of that many BM-row blocks, memory independent of routing), ``programs`` (persistent programs of the
 megakernel; default the SM count), ``lookahead`` (pull -> GEMM1 distance in steps), ``pull_split`` (pull
-items per block), ``comm_sms`` (programs
+items per block), ``m_sub`` (BM-row sub-tiles per block that one GEMM item walks with the same weight tile),
+``comm_sms`` (programs
 of the staging / backward communication kernels, default 32), ``timeout_s`` (bound of every device wait).
 
 Capacity: no token is ever dropped: dense buffers hold the worst case (every token of every rank routed
@@ -103,8 +104,8 @@ class FusedBackend:
         return None
 
     def __init__(self, moe, ring_blocks: int | None = None, programs: int | None = None,
-                 lookahead: int | None = None, pull_split: int | None = None, comm_sms: int | None = None,
-                 timeout_s: float = 60.0):
+                 lookahead: int | None = None, pull_split: int | None = None, m_sub: int | None = None,
+                 comm_sms: int | None = None, timeout_s: float = 60.0):
         cfg = moe.config
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"backend 'fused' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
@@ -124,9 +125,14 @@ class FusedBackend:
             if lookahead < 1:
                 raise ValueError(f"lookahead must be >= 1, got {lookahead}")
             self.config = self.config.with_(lookahead=int(lookahead))
+        if m_sub is not None:
+            if m_sub < 1:
+                raise ValueError(f"m_sub must be >= 1, got {m_sub}")
+            self.config = self.config.with_(m_sub=int(m_sub))
         if pull_split is not None:
-            if pull_split < 1 or self.config.block_m % pull_split:
-                raise ValueError(f"pull_split must be >= 1 and divide the block's {self.config.block_m} rows, "
+            if pull_split < 1 or (self.config.block_m * self.config.m_sub) % pull_split:
+                raise ValueError(f"pull_split must be >= 1 and divide the block's "
+                                 f"{self.config.block_m * self.config.m_sub} rows, "
                                  f"got {pull_split}")
             self.config = self.config.with_(pull_split=int(pull_split))
         if ring_blocks is not None:
@@ -143,7 +149,7 @@ class FusedBackend:
     def workspace_bytes(self) -> dict:
         """Symmetric heap bytes (shared by layers of this shape) and the megakernel's per-call buffers."""
         sh, c = self.shape, self.config
-        rows = self.ring_blocks * c.block_m if self.ring_blocks else sh.rows_cap
+        rows = self.ring_blocks * c.block_m * c.m_sub if self.ring_blocks else sh.rows_cap
         inter = self.moe.config.intermediate
         per_row = (sh.hidden + inter + (0 if self.ring_blocks else 2 * inter)) * 2
         return {"symmetric": heap_bytes(self.shape), "per_call": rows * per_row,

@@ -289,7 +289,8 @@ def _fused_fwd_kernel(
     T, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
     K: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     BLOCK_E: tl.constexpr, EPI_SPLIT1: tl.constexpr, EPI_SPLIT2: tl.constexpr,
-    PULL_SPLIT: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_H: tl.constexpr, ROWS_C: tl.constexpr, BLOCK_HC: tl.constexpr,
+    MSUB: tl.constexpr, ABLATE: tl.constexpr, PULL_SPLIT: tl.constexpr, ROWS_P: tl.constexpr,
+    BLOCK_H: tl.constexpr, ROWS_C: tl.constexpr, BLOCK_HC: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, STORE_H: tl.constexpr, SAVE: tl.constexpr,
     ALIGNED: tl.constexpr, WP2: tl.constexpr,
 ):
@@ -299,7 +300,8 @@ def _fused_fwd_kernel(
     call = current_call(tab, W, rank)
     ok = wait_flags(tab, W, rank, READY, 0, W, call, OP_FUSED, timeout_ns, WP2)
     DT = y_ptr.dtype.element_ty
-    e_idx, starts, cnts, cum, nb = _blocks(offs_ptr, E_l, BM, BLOCK_E)
+    BB: tl.constexpr = BM * MSUB  # rows of a block
+    e_idx, starts, cnts, cum, nb = _blocks(offs_ptr, E_l, BB, BLOCK_E)
     T1 = tl.cdiv(I, BN1)
     T2 = tl.cdiv(H, BN2)
     PS = PULL_SPLIT + T1 + T2
@@ -317,13 +319,13 @@ def _fused_fwd_kernel(
             if sub < PULL_SPLIT:  # PULL(s), part sub of PULL_SPLIT
                 b = s
                 if b < nb:
-                    e, row0, nrows, base = _locate(b, e_idx, starts, cnts, cum, NS, BM)
+                    e, row0, nrows, base = _locate(b, e_idx, starts, cnts, cum, NS, BB)
                     free = b >= 0
                     if NS > 0:
                         if b >= NS:  # the slot's previous block has been read by all its GEMM1 tiles
                             free = wait_counter(g1 + b - NS, T1, tab, W, rank, call, timeout_ns)
-                    if free:
-                        part = BM // PULL_SPLIT
+                    if free & ((ABLATE & 1) == 0):
+                        part = BB // PULL_SPLIT
                         _pull_block(tab, W, row0, nrows, base, sub * part, sub * part + part, row_src_ptr,
                                     row_tok_ptr, x_ptr, H, ROWS_P, BLOCK_H, ALIGNED)
                     signal_counter(ready + b)
@@ -332,7 +334,7 @@ def _fused_fwd_kernel(
                 b = s - L1
                 j = sub - PULL_SPLIT
                 if (b >= 0) & (b < nb):
-                    e, row0, nrows, base = _locate(b, e_idx, starts, cnts, cum, NS, BM)
+                    e, row0, nrows, base = _locate(b, e_idx, starts, cnts, cum, NS, BB)
                     fine = wait_counter(ready + b, PULL_SPLIT, tab, W, rank, call, timeout_ns)
                     if NS > 0:
                         if b >= NS:  # act slot: GEMM2 of the slot's previous block is done
@@ -340,45 +342,55 @@ def _fused_fwd_kernel(
                     if fine:
                         fence_proxy_async()
                         off_n = j * BN1
-                        acc = tl.zeros((BM, BN1), dtype=tl.float32)
-                        acc2 = tl.zeros((BM, BN1), dtype=tl.float32)
-                        for ki in range(tl.cdiv(H, BK)):
-                            off_k = ki * BK
-                            a = _load_a(x_desc, x_ptr, base, off_k, base + nrows, H, H, BM, BK, USE_TMA)
-                            bg = _load_b(w13_desc, w13_ptr, e, off_n, off_k, I, H, 2 * I * H, H, BN1, BK, False,
-                                         USE_TMA)
-                            bu = _load_b(w13_desc, w13_ptr, e, I + off_n, off_k, 2 * I, H, 2 * I * H, H, BN1, BK,
-                                         False, USE_TMA)
-                            if DOT_F32:
-                                a = a.to(tl.float32)
-                                bg = bg.to(tl.float32)
-                                bu = bu.to(tl.float32)
-                            acc = tl.dot(a, bg, acc)
-                            acc2 = tl.dot(a, bu, acc2)
-                        _epilogue(acc, acc2, base, off_n, base + nrows, j, 0, I, act_ptr, I, h_ptr, 2 * I,
-                                  gate_ptr, gate_ptr, BM, BN1, 1, False, STORE_H, EPI_SPLIT1)
+                        for mm in range(MSUB):  # the block's BM-row sub-tiles reuse this weight tile (L2)
+                            if mm * BM < nrows:
+                                acc = tl.zeros((BM, BN1), dtype=tl.float32)
+                                acc2 = tl.zeros((BM, BN1), dtype=tl.float32)
+                                off_m = base + mm * BM
+                                for ki in range(tl.cdiv(H, BK)):
+                                    off_k = ki * BK
+                                    a = _load_a(x_desc, x_ptr, off_m, off_k, base + nrows, H, H, BM, BK, USE_TMA)
+                                    bg = _load_b(w13_desc, w13_ptr, e, off_n, off_k, I, H, 2 * I * H, H, BN1, BK,
+                                                 False, USE_TMA)
+                                    bu = _load_b(w13_desc, w13_ptr, e, I + off_n, off_k, 2 * I, H, 2 * I * H, H, BN1,
+                                                 BK, False, USE_TMA)
+                                    if DOT_F32:
+                                        a = a.to(tl.float32)
+                                        bg = bg.to(tl.float32)
+                                        bu = bu.to(tl.float32)
+                                    acc = tl.dot(a, bg, acc)
+                                    acc2 = tl.dot(a, bu, acc2)
+                                _epilogue(acc, acc2, off_m, off_n, base + nrows, j, 0, I, act_ptr, I, h_ptr, 2 * I,
+                                          gate_ptr, gate_ptr, BM, BN1, 1, False, STORE_H, EPI_SPLIT1)
                     signal_counter(g1 + b)
                     go = fine
             else:  # GEMM2(s - L1 - L2, j)
                 b = s - L1 - L2
                 j = sub - PULL_SPLIT - T1
                 if (b >= 0) & (b < nb):
-                    e, row0, nrows, base = _locate(b, e_idx, starts, cnts, cum, NS, BM)
+                    e, row0, nrows, base = _locate(b, e_idx, starts, cnts, cum, NS, BB)
                     fine = wait_counter(g1 + b, T1, tab, W, rank, call, timeout_ns)
                     if fine:
                         fence_proxy_async()
                         off_n = j * BN2
-                        acc = tl.zeros((BM, BN2), dtype=tl.float32)
-                        for ki in range(tl.cdiv(I, BK)):
-                            off_k = ki * BK
-                            a = _load_a(act_desc, act_ptr, base, off_k, base + nrows, I, I, BM, BK, USE_TMA)
-                            bw = _load_b(w2_desc, w2_ptr, e, off_n, off_k, H, I, H * I, I, BN2, BK, False, USE_TMA)
-                            if DOT_F32:
-                                a = a.to(tl.float32)
-                                bw = bw.to(tl.float32)
-                            acc = tl.dot(a, bw, acc)
-                        _push_epilogue(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H,
-                                       K, BM, BN2, DT, EPI_SPLIT2)
+                        for mm in range(MSUB):
+                            if mm * BM < nrows:
+                                acc = tl.zeros((BM, BN2), dtype=tl.float32)
+                                off_m = base + mm * BM
+                                if (ABLATE & 4) == 0:
+                                    for ki in range(tl.cdiv(I, BK)):
+                                        off_k = ki * BK
+                                        a = _load_a(act_desc, act_ptr, off_m, off_k, base + nrows, I, I, BM, BK,
+                                                    USE_TMA)
+                                        bw = _load_b(w2_desc, w2_ptr, e, off_n, off_k, H, I, H * I, I, BN2, BK, False,
+                                                     USE_TMA)
+                                        if DOT_F32:
+                                            a = a.to(tl.float32)
+                                            bw = bw.to(tl.float32)
+                                        acc = tl.dot(a, bw, acc)
+                                if (ABLATE & 2) == 0:
+                                    _push_epilogue(acc, off_n, row0 + mm * BM, nrows - mm * BM, tab, W, row_src_ptr,
+                                                   row_tok_ptr, row_slot_ptr, H, K, BM, BN2, DT, EPI_SPLIT2)
                     signal_counter(g2 + b)
                     go = fine
     # every push of this rank has been issued: the last program tells every rank
@@ -448,7 +460,9 @@ class FusedConfig:
     lookahead: int | None = None
     lag: int = 1
     pull_elems: int = 16384  # ROWS_P x BLOCK_H of one pull step
-    pull_split: int = 1      # pull items per block (each moves BM / pull_split rows)
+    pull_split: int = 1      # pull items per block (each moves block rows / pull_split rows)
+    m_sub: int = 1           # BM-row sub-tiles per block: a GEMM item walks them with one weight tile (L2 reuse)
+    ablate: int = 0          # diagnostics only, results are WRONG: bit 1 skips the pull copy, 2 the push, 4 GEMM2
     use_tma: bool | None = None
 
     def with_(self, **kw) -> FusedConfig:
@@ -474,7 +488,8 @@ class FusedState:
 
 
 def ring_rows(cfg: FusedConfig, ring_blocks: int) -> int:
-    return ring_blocks * cfg.block_m
+    """Rows of a ring of ``ring_blocks`` blocks (a block is block_m * m_sub rows)."""
+    return ring_blocks * cfg.block_m * cfg.m_sub
 
 
 def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w13: torch.Tensor,
@@ -499,7 +514,7 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
         raise ValueError("fused_forward is bf16 only (x, w13, w2)")
     if tuple(topk_idx.shape) != (T, k) or tuple(topk_w.shape) != (T, k):
         raise ValueError(f"topk_idx and topk_w must be [T={T}, k={k}]")
-    BM = cfg.block_m
+    BM = cfg.block_m * cfg.m_sub  # rows of a block
     L2 = cfg.lag
     dev = heap.device
     P = cfg.programs if cfg.programs is not None else num_sms(dev)
@@ -531,15 +546,15 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     use_tma = cfg.use_tma if cfg.use_tma is not None else tma_ok([xbuf, act, w13, w2])
     BK = cfg.block_k
     if use_tma:
-        x_desc = TensorDescriptor.from_tensor(xbuf, [BM, BK])
-        act_desc = TensorDescriptor.from_tensor(act, [BM, BK])
+        x_desc = TensorDescriptor.from_tensor(xbuf, [cfg.block_m, BK])
+        act_desc = TensorDescriptor.from_tensor(act, [cfg.block_m, BK])
         w13_desc = TensorDescriptor.from_tensor(w13, [1, cfg.bn1, BK])
         w2_desc = TensorDescriptor.from_tensor(w2, [1, cfg.bn2, BK])
     else:
         x_desc = act_desc = w13_desc = w2_desc = None
     block_h = min(triton.next_power_of_2(H), 2048)
     if BM % cfg.pull_split:
-        raise ValueError(f"pull_split={cfg.pull_split} must divide block_m={BM}")
+        raise ValueError(f"pull_split={cfg.pull_split} must divide the block's {BM} rows")
     rows_p = max(1, min(BM // cfg.pull_split, cfg.pull_elems // block_h))
     block_hc = min(triton.next_power_of_2(H), 1024)
     compiled = _fused_fwd_kernel[(P,)](
@@ -548,8 +563,9 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
         sched.offs, sched.row_src, sched.row_tok, sched.row_slot, gate,
         y if T > 0 else act, saved if saved is not None else act, ctr,
         T, H, I, E_l, nb_max, ring_blocks, L1, L2, heap.timeout_ns,
-        K=k, BM=BM, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
-        EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, PULL_SPLIT=cfg.pull_split, ROWS_P=rows_p, BLOCK_H=block_h,
+        K=k, BM=cfg.block_m, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
+        EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, MSUB=cfg.m_sub, ABLATE=cfg.ablate,
+        PULL_SPLIT=cfg.pull_split, ROWS_P=rows_p, BLOCK_H=block_h,
         ROWS_C=max(1, 4096 // block_hc), BLOCK_HC=block_hc, USE_TMA=use_tma, DOT_F32=interpreting(),
         STORE_H=h is not None, SAVE=saved is not None, ALIGNED=(H * 2) % 16 == 0, WP2=heap.wp2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
