@@ -27,15 +27,18 @@ from megamoe.layer import MoE  # noqa: E402
 
 VARIANTS = [
     ("default", {}, None),
-    ("msub2", {"m_sub": 2}, None),
-    ("msub4", {"m_sub": 4}, None),
-    ("s4el32k", {"pull_split": 4, "pull_elems": 32768}, None),
+    ("group1", {"group": 1}, None),
+    ("group2", {"group": 2}, None),
+    ("group8", {"group": 8}, None),
+    ("g8la16", {"group": 8, "lookahead": 16}, None),
+    ("g4epi2", {"epi_split2": 2}, None),
+    ("g4s4", {"pull_split": 4}, None),
     ("nopull", {"ablate": 1}, None),  # ablations: timing only, results wrong
     ("nopush", {"ablate": 2}, None),
     ("nog2", {"ablate": 6}, None),
     ("nocomm", {"ablate": 3}, None),
     ("ring16", {}, 16),
-    ("msub2r16", {"m_sub": 2}, 16),
+    ("ring64", {}, 64),
 ]
 
 

@@ -218,9 +218,9 @@ def gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, confi
     return dh, (dsp.sum(0) if dsp is not None else None)
 
 
-def gemm1_dgrad_fp8(dhq, dh_s, w13tq, w13t_s, offs, *, config=None) -> torch.Tensor:
+def gemm1_dgrad_fp8(dhq, dh_s, w13tq, w13t_s, offs, *, out=None, config=None) -> torch.Tensor:
     """FP8 dgrad of GEMM1: dx [R, H] = dh @ w13[e]; w13t = quantize_weight(w13.transpose(1, 2)) [E_l, H, 2I]."""
-    return grouped_gemm_fp8(dhq, dh_s, w13tq, w13t_s, offs,
+    return grouped_gemm_fp8(dhq, dh_s, w13tq, w13t_s, offs, out=out,
                             config=config or default_config("dgrad1_fp8", dhq.shape[0], w13tq.shape[1],
                                                             dhq.shape[1]))
 

@@ -60,7 +60,7 @@ def run_case(rank, world, case, device, timeout_s=30.0, num_sms=None):
     fails = []
     xs, idxs, ws = _inputs(world, T_list, H, k, E, case.get("seed", 0), case.get("routing", "uniform"), dtype, device)
     T = T_list[rank]
-    shape = CommShape(world, max(T_list), H, k, E, dtype)
+    shape = CommShape(world, case.get("max_tokens", max(T_list)), H, k, E, dtype)
     heap = SymmetricHeap(shape, device=device, timeout_s=timeout_s, num_sms=num_sms or case.get("sms", 3))
     dev = heap.device
     try:
@@ -125,10 +125,47 @@ def run_case(rank, world, case, device, timeout_s=30.0, num_sms=None):
         want_gw = torch.stack([(dys[rank].double() * r.double()).sum(1) for r in rows_j], 1) if T else torch.zeros(0, k)
         if T and _rel(g_w, want_gw) > 1e-5:
             fails.append(f"{name} rank {rank}: combine_backward grad_w rel err {_rel(g_w, want_gw)}")
+        fails += _pull_variant_checks(name, rank, x, idx, w, dys[rank].to(dev), heap, h, recv, g_out, want_gout, R)
     finally:
         heap.close()
         S.TILES.clear()
         S.TILES.update(saved_tiles)
+    return fails
+
+
+def _pull_variant_checks(name, rank, x, idx, w, dy, heap, h, recv_ref, g_out, want_gout, R):
+    """Both pull loops (pipelined or not) give bitwise the same rows; the scale-only pull (no d(topk_w), no
+    ``out``) writes bitwise the rows combine_backward writes, and they match w_s[t, j] * dy_s[t]."""
+    import importlib
+
+    import torch
+
+    from megamoe.comm import dispatch
+    from megamoe.comm import signals as S
+
+    D = importlib.import_module("megamoe.comm.dispatch")  # the module (the package exports the function)
+    fails = []
+    saved = D.PULL_PIPELINE
+    try:
+        D.PULL_PIPELINE = not saved
+        recv = torch.full_like(recv_ref, float("nan"))
+        recv, _ = dispatch(x, idx, heap, recv=recv)
+        if not torch.equal(recv[:R].cpu(), recv_ref[:R].cpu()):
+            fails.append(f"{name} rank {rank}: dispatch with PULL_PIPELINE={not saved} differs bitwise")
+    finally:
+        D.PULL_PIPELINE = saved
+    w32 = w.to(torch.float32).contiguous().view(torch.int32)
+    for pipe in (True, False):
+        # the same staging as combine_backward: dy -> tok, gates -> w (the schedule of dispatch is reused)
+        S.stage(heap, act=dy.contiguous(), act_reg=S.REG_TOK.value, small=w32, small_reg=S.REG_W.value, ntok=-1,
+                programs=h.num_sms)
+        dst = torch.full_like(recv_ref, float("nan"))
+        D.pull_rows(heap, h.schedule, dst, h.num_sms, scale_only=True, pipeline=pipe)
+        if not torch.equal(dst[:R].cpu(), g_out[:R].cpu()):
+            fails.append(f"{name} rank {rank}: scale-only pull (pipeline={pipe}) differs bitwise from "
+                         "combine_backward's grad_out")
+        if _rel(dst[:R], want_gout) > 1e-2:
+            fails.append(f"{name} rank {rank}: scale-only pull (pipeline={pipe}) rel err {_rel(dst[:R], want_gout)}")
     return fails
 
 

@@ -31,6 +31,9 @@ CASES_W2 = [
     # tiles forced small: BLOCK_H = 16 < H = 40, so every kernel walks a row in 3 chunks (last one masked),
     # 2 rows per step; covers the chunked d(topk_w) accumulation of combine_backward
     dict(name="w2-chunked-rows", T=[7, 4], H=40, k=3, E=4, seed=7, tiles=(32, 4, 16, 2)),
+    # heap sized for 11 tokens, calls with 5 and 3: the pull stops its walk at max T_s = 5 (and 2 rows per
+    # step make the pipelined pull run several steps per program, an odd number of units on some)
+    dict(name="w2-spare-capacity", T=[5, 3], H=32, k=2, E=4, seed=8, max_tokens=11, tiles=(64, 4, 32, 2)),
 ]
 
 CASES_W4 = [

@@ -59,8 +59,8 @@ def _rank(rank: int, world: int) -> tuple[list[dict], list[bool]]:
         r = layer_case(cases[1], "fused", dev, pull_split=2, lookahead=1)  # two pull items per block
         r["case"] = "pull_split2:" + r["case"]
         results.append(r)
-        r = layer_case(sk, "fused", dev, m_sub=2, ring_blocks=4)  # 2 x 32-row sub-tiles per block, ring cycles
-        r["case"] = "m_sub2-ring4:" + r["case"]
+        r = layer_case(sk, "fused", dev, group_blocks=2, ring_blocks=8)  # 2 blocks per step, cycling ring
+        r["case"] = "group2-ring8:" + r["case"]
         results.append(r)
     return results, dets
 
@@ -116,7 +116,7 @@ def _bad_options(rank, world):
     from megamoe import MoE, preset
 
     msgs = []
-    for kw in ({"ring_blocks": 2}, {"programs": 0}, {"lookahead": 0}):
+    for kw in ({"ring_blocks": 2}, {"programs": 0}, {"lookahead": 0}, {"group_blocks": 0}):
         try:
             MoE(preset("tiny"), backend="fused", **kw)
             msgs.append(None)
@@ -135,4 +135,5 @@ def test_fused_rejects_bad_options():
     assert msgs[0] is not None and "ring_blocks" in msgs[0]
     assert msgs[1] is not None and "programs" in msgs[1]
     assert msgs[2] is not None and "lookahead" in msgs[2]
-    assert msgs[3] is not None and "bfloat16" in msgs[3]
+    assert msgs[3] is not None and "group_blocks" in msgs[3]
+    assert msgs[4] is not None and "bfloat16" in msgs[4]

@@ -42,12 +42,12 @@ def test_split_on_gpus(world):
                 assert r[key] < TOLERANCE["bf16"], f"{r['case']} rank {r['rank']}: {key} rel err {r[key]:.3g}"
 
 
-def _setup(rank: int):
+def _setup(rank: int, **options):
     from megamoe import MoE, preset
 
     dev = torch.device("cuda", rank)
     cfg = preset("qwen3-30b-a3b", max_tokens_per_rank=2048)
-    moe = MoE(cfg, backend="split", device=dev, seed=1)
+    moe = MoE(cfg, backend="split", device=dev, seed=1, **options)
     opt = torch.optim.SGD(moe.parameters(), lr=1e-3)
     gen = torch.Generator(device=dev).manual_seed(rank)
     x = torch.randn(2048, cfg.hidden, device=dev, dtype=cfg.dtype, generator=gen)
@@ -63,9 +63,9 @@ def _setup(rank: int):
     return dev, moe, step
 
 
-def _sync_free(rank: int, world: int) -> bool:
+def _sync_free(rank: int, world: int, options: dict | None = None) -> bool:
     """No host-device synchronisation anywhere in a forward+backward+optimizer step."""
-    dev, moe, step = _setup(rank)
+    dev, moe, step = _setup(rank, **(options or {}))
     for _ in range(2):  # warm-up: compile every kernel, allocate gradients
         step()
     torch.cuda.synchronize()
@@ -145,3 +145,29 @@ def _overlap_equal(rank: int, world: int) -> bool:
 @pytest.mark.skipif(NGPU < 2, reason="needs 2+ GPUs")
 def test_split_overlap_backward_same_gradients():
     assert all(spawn(_overlap_equal, min(NGPU, 4), device="cuda", timeout_s=600))
+
+
+def _rank_fp8(rank: int, world: int):
+    """fp8=1: the reference checks (edge cases + full width), bitwise determinism and cosine vs the bf16 layer
+    at full width, and no host sync in an fp8 training step (per-call weight quantisation included)."""
+    from test_split_backend import fp8_vs_bf16
+
+    dev = torch.device("cuda", rank)
+    results = [dict(layer_case(c, "split", dev, fp8=True), case="fp8:" + c.name)
+               for c in bf16_cases(world) + gpu_cases(world)]
+    det = fp8_vs_bf16(LayerCase("det", preset="qwen3-30b-a3b", dtype="bf16", tokens=tuple([1024] * world),
+                                overrides={"num_experts": qwen3_experts(world)}), dev)
+    return results, det, _sync_free(rank, world, {"fp8": True})
+
+
+@pytest.mark.skipif(NGPU == 0, reason="needs CUDA GPUs")
+def test_split_fp8_on_gpus():
+    """FP8 GEMMs in backend split on every local GPU (one rank each); tolerances: tests/test_split_backend.py
+    (measured on CPU; the full-width GPU figures are not measured yet)."""
+    from test_split_backend import check_fp8
+
+    if torch.cuda.get_device_capability(0) < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability >= 8.9")
+    results = spawn(_rank_fp8, NGPU, device="cuda", timeout_s=900)
+    assert all(sync_free for _, _, sync_free in results)
+    check_fp8([(rank_results, det) for rank_results, det, _ in results])

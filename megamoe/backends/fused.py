@@ -19,7 +19,8 @@ backward (not fused yet: split's kernels, reusing what the forward kept):
 Options: ``ring_blocks`` (None: dense buffers of R_cap rows, no recompute; an int >= 4: the macrobatch
 ring of that many BM-row blocks, memory independent of routing), ``programs`` (persistent programs of the
 megakernel; default the SM count), ``lookahead`` (pull -> GEMM1 distance in steps), ``pull_split`` (pull
-items per block), ``m_sub`` (BM-row sub-tiles per block that one GEMM item walks with the same weight tile),
+items per block), ``group_blocks`` (blocks per step whose GEMM tiles run side by side, sharing weight
+tiles in L2),
 ``comm_sms`` (programs
 of the staging / backward communication kernels, default 32), ``timeout_s`` (bound of every device wait).
 
@@ -51,9 +52,8 @@ def _pull_scaled_dy(dy: torch.Tensor, topk_w: torch.Tensor, handle, num_sms: int
     S.stage(heap, act=dy.contiguous(), act_reg=S.REG_TOK.value, small=w32, small_reg=S.REG_W.value, ntok=-1,
             programs=num_sms)
     rows = torch.empty(sh.rows_cap, sh.hidden, dtype=sh.dtype, device=heap.device)
-    gate = torch.empty(sh.rows_cap, dtype=torch.float32, device=heap.device)
-    pull_rows(heap, handle.schedule, rows, num_sms, gate=gate)
-    return (rows.float() * gate[:, None]).to(sh.dtype)
+    pull_rows(heap, handle.schedule, rows, num_sms, scale_only=True)
+    return rows
 
 
 class _FusedMoE(torch.autograd.Function):
@@ -104,7 +104,7 @@ class FusedBackend:
         return None
 
     def __init__(self, moe, ring_blocks: int | None = None, programs: int | None = None,
-                 lookahead: int | None = None, pull_split: int | None = None, m_sub: int | None = None,
+                 lookahead: int | None = None, pull_split: int | None = None, group_blocks: int | None = None,
                  comm_sms: int | None = None, timeout_s: float = 60.0):
         cfg = moe.config
         if cfg.dtype != torch.bfloat16:
@@ -125,14 +125,14 @@ class FusedBackend:
             if lookahead < 1:
                 raise ValueError(f"lookahead must be >= 1, got {lookahead}")
             self.config = self.config.with_(lookahead=int(lookahead))
-        if m_sub is not None:
-            if m_sub < 1:
-                raise ValueError(f"m_sub must be >= 1, got {m_sub}")
-            self.config = self.config.with_(m_sub=int(m_sub))
+        if group_blocks is not None:
+            if group_blocks < 1:
+                raise ValueError(f"group_blocks must be >= 1, got {group_blocks}")
+            self.config = self.config.with_(group=int(group_blocks))
         if pull_split is not None:
-            if pull_split < 1 or (self.config.block_m * self.config.m_sub) % pull_split:
+            if pull_split < 1 or self.config.block_m % pull_split:
                 raise ValueError(f"pull_split must be >= 1 and divide the block's "
-                                 f"{self.config.block_m * self.config.m_sub} rows, "
+                                 f"{self.config.block_m} rows, "
                                  f"got {pull_split}")
             self.config = self.config.with_(pull_split=int(pull_split))
         if ring_blocks is not None:
@@ -149,7 +149,7 @@ class FusedBackend:
     def workspace_bytes(self) -> dict:
         """Symmetric heap bytes (shared by layers of this shape) and the megakernel's per-call buffers."""
         sh, c = self.shape, self.config
-        rows = self.ring_blocks * c.block_m * c.m_sub if self.ring_blocks else sh.rows_cap
+        rows = self.ring_blocks * c.block_m if self.ring_blocks else sh.rows_cap
         inter = self.moe.config.intermediate
         per_row = (sh.hidden + inter + (0 if self.ring_blocks else 2 * inter)) * 2
         return {"symmetric": heap_bytes(self.shape), "per_call": rows * per_row,

@@ -73,6 +73,7 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
     import torch
     import torch.distributed as dist
 
+    import megamoe.comm.dispatch as dispatch_mod
     from megamoe.comm import CommShape, SymmetricHeap, combine, dispatch
     from megamoe.comm import signals as S
     from megamoe.comm.dispatch import pull_rows
@@ -155,8 +156,10 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
         rows.copy_(recv)  # identity experts, written where combine reads them
         # tile sweep (pull alone, combine eager), keep the fastest for this SM count
         best = {}
+        # the pull's tile entry is "pull_pipe" when the pipelined loop is the default (dispatch.PULL_PIPELINE)
+        pull_op = "pull_pipe" if getattr(dispatch_mod, "PULL_PIPELINE", False) else "pull"
         for op, tiles, fn, nbytes in (
-            ("pull", pull_tiles, lambda sms=sms, h=h: pull_rows(heap, h.schedule, recv, sms), disp_bytes),
+            (pull_op, pull_tiles, lambda sms=sms, h=h: pull_rows(heap, h.schedule, recv, sms), disp_bytes),
             ("gather", gather_tiles, lambda sms=sms, h=h: combine(rows, w, h, num_sms=sms), comb_bytes),
         ):
             for tile in tiles:

@@ -351,13 +351,17 @@ def _stage_kernel(
 #: H=2048 (8 x 2048: 439 us vs 499 us at 16 x 2048), hence the ROWS cap of 8; gather 8192 x 16 warps best for
 #: both (deepseek 1315 us vs 1641 us at 4096 x 16). ptxas (sm_90a, k = 8) reports no spills for pull 4 x 8192
 #: and gather 4 x 2048 at 16 warps (128 regs), pull_bwd 2 x 2048 at 8 warps (210 regs).
-#: pull_scale (pull_rows(scale_only=True): dst = w * dy rows, no d(topk_w)) 2026-11-30, not yet timed: half the
-#: pull's step since each chunk is also widened to fp32 for the product.
+#: 2026-11-30, not yet timed on a GPU (benchmarks/pull_sweep.py sweeps them): pull_pipe is the software-pipelined
+#: pull loop (two units in flight, so half the old step keeps as many bytes in flight): 8 x 2048 / 2 x 8192;
+#: pull_scale is pull_rows(scale_only=True) (dst = w * dy rows, pipelined): 4 x 2048 / 1 x 8192. ptxas (sm_90a,
+#: k = 8, 16 warps, 128 regs) spills 12-20 bytes for pull_pipe and 0-12 for pull_scale; twice those steps spill
+#: 84-108 bytes.
 TILES = {
     "stage": (8192, 8, 2048, 8),
     "pull": (32768, 16, 8192, 8),
     "pull_bwd": (4096, 8, 2048, 8),
-    "pull_scale": (16384, 16, 8192, 8),
+    "pull_pipe": (16384, 16, 8192, 8),
+    "pull_scale": (8192, 16, 8192, 8),
     "gather": (8192, 16, 2048, 8),
 }
 

@@ -11,7 +11,10 @@ its (source rank, token, slot)).
 
 Work items (one program runs one item at a time; items are taken in order from one atomic counter):
 
-    step s = 0, 1, ...: [PULL(s, p) for p < PULL_SPLIT, GEMM1(s - L1, j) for j < T1, GEMM2(s - L1 - L2, j) for j < T2]
+    step s = 0, 1, ... covers blocks sG .. sG + G - 1 (G = ``group``):
+        [PULL(b, p) of its blocks, GEMM1(b, j) of step s - L1's blocks, GEMM2(b, j) of step s - L1 - L2's
+         blocks], the GEMM items j-major (tile j of every block of the group, then j + 1), so the tiles that
+         read one weight tile run side by side and share it in L2 (split's GROUP_M swizzle, measured below)
     PULL(b, p):  part p (of PULL_SPLIT) of block b's x rows from their owners' ``tok`` regions (NVLink) ->
                  xbuf slot of b; ready[b] += 1
     GEMM1(b, j): wait ready[b] == PULL_SPLIT; act[:, j-th BN1 cols] = silu(x @ w13g^T) * (x @ w13u^T)
@@ -289,7 +292,7 @@ def _fused_fwd_kernel(
     T, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
     K: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     BLOCK_E: tl.constexpr, EPI_SPLIT1: tl.constexpr, EPI_SPLIT2: tl.constexpr,
-    MSUB: tl.constexpr, ABLATE: tl.constexpr, PULL_SPLIT: tl.constexpr, ROWS_P: tl.constexpr,
+    GB: tl.constexpr, ABLATE: tl.constexpr, PULL_SPLIT: tl.constexpr, ROWS_P: tl.constexpr,
     BLOCK_H: tl.constexpr, ROWS_C: tl.constexpr, BLOCK_HC: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, STORE_H: tl.constexpr, SAVE: tl.constexpr,
     ALIGNED: tl.constexpr, WP2: tl.constexpr,
@@ -300,12 +303,11 @@ def _fused_fwd_kernel(
     call = current_call(tab, W, rank)
     ok = wait_flags(tab, W, rank, READY, 0, W, call, OP_FUSED, timeout_ns, WP2)
     DT = y_ptr.dtype.element_ty
-    BB: tl.constexpr = BM * MSUB  # rows of a block
-    e_idx, starts, cnts, cum, nb = _blocks(offs_ptr, E_l, BB, BLOCK_E)
+    e_idx, starts, cnts, cum, nb = _blocks(offs_ptr, E_l, BM, BLOCK_E)
     T1 = tl.cdiv(I, BN1)
     T2 = tl.cdiv(H, BN2)
-    PS = PULL_SPLIT + T1 + T2
-    n_steps = tl.where(nb > 0, nb + L1 + L2, 0)
+    PS = GB * (PULL_SPLIT + T1 + T2)
+    n_steps = tl.where(nb > 0, tl.cdiv(nb, GB) + L1 + L2, 0)
     ready = ctr_ptr + 1
     g1 = ready + NB_MAX
     g2 = g1 + NB_MAX
@@ -316,25 +318,27 @@ def _fused_fwd_kernel(
         sub = (item % PS).to(tl.int32)
         go = s < n_steps
         if go:
-            if sub < PULL_SPLIT:  # PULL(s), part sub of PULL_SPLIT
-                b = s
+            if sub < GB * PULL_SPLIT:  # PULL(b, part) for the GB blocks of step s
+                b = s * GB + sub // PULL_SPLIT
+                part_i = sub % PULL_SPLIT
                 if b < nb:
-                    e, row0, nrows, base = _locate(b, e_idx, starts, cnts, cum, NS, BB)
+                    e, row0, nrows, base = _locate(b, e_idx, starts, cnts, cum, NS, BM)
                     free = b >= 0
                     if NS > 0:
                         if b >= NS:  # the slot's previous block has been read by all its GEMM1 tiles
                             free = wait_counter(g1 + b - NS, T1, tab, W, rank, call, timeout_ns)
                     if free & ((ABLATE & 1) == 0):
-                        part = BB // PULL_SPLIT
-                        _pull_block(tab, W, row0, nrows, base, sub * part, sub * part + part, row_src_ptr,
+                        part = BM // PULL_SPLIT
+                        _pull_block(tab, W, row0, nrows, base, part_i * part, part_i * part + part, row_src_ptr,
                                     row_tok_ptr, x_ptr, H, ROWS_P, BLOCK_H, ALIGNED)
                     signal_counter(ready + b)
                     go = free
-            elif sub < PULL_SPLIT + T1:  # GEMM1(s - L1, j)
-                b = s - L1
-                j = sub - PULL_SPLIT
+            elif sub < GB * (PULL_SPLIT + T1):  # GEMM1(b, j) for the blocks of step s - L1, j-major
+                q = sub - GB * PULL_SPLIT
+                b = (s - L1) * GB + q % GB
+                j = q // GB
                 if (b >= 0) & (b < nb):
-                    e, row0, nrows, base = _locate(b, e_idx, starts, cnts, cum, NS, BB)
+                    e, row0, nrows, base = _locate(b, e_idx, starts, cnts, cum, NS, BM)
                     fine = wait_counter(ready + b, PULL_SPLIT, tab, W, rank, call, timeout_ns)
                     if NS > 0:
                         if b >= NS:  # act slot: GEMM2 of the slot's previous block is done
@@ -342,55 +346,49 @@ def _fused_fwd_kernel(
                     if fine:
                         fence_proxy_async()
                         off_n = j * BN1
-                        for mm in range(MSUB):  # the block's BM-row sub-tiles reuse this weight tile (L2)
-                            if mm * BM < nrows:
-                                acc = tl.zeros((BM, BN1), dtype=tl.float32)
-                                acc2 = tl.zeros((BM, BN1), dtype=tl.float32)
-                                off_m = base + mm * BM
-                                for ki in range(tl.cdiv(H, BK)):
-                                    off_k = ki * BK
-                                    a = _load_a(x_desc, x_ptr, off_m, off_k, base + nrows, H, H, BM, BK, USE_TMA)
-                                    bg = _load_b(w13_desc, w13_ptr, e, off_n, off_k, I, H, 2 * I * H, H, BN1, BK,
-                                                 False, USE_TMA)
-                                    bu = _load_b(w13_desc, w13_ptr, e, I + off_n, off_k, 2 * I, H, 2 * I * H, H, BN1,
-                                                 BK, False, USE_TMA)
-                                    if DOT_F32:
-                                        a = a.to(tl.float32)
-                                        bg = bg.to(tl.float32)
-                                        bu = bu.to(tl.float32)
-                                    acc = tl.dot(a, bg, acc)
-                                    acc2 = tl.dot(a, bu, acc2)
-                                _epilogue(acc, acc2, off_m, off_n, base + nrows, j, 0, I, act_ptr, I, h_ptr, 2 * I,
-                                          gate_ptr, gate_ptr, BM, BN1, 1, False, STORE_H, EPI_SPLIT1)
+                        acc = tl.zeros((BM, BN1), dtype=tl.float32)
+                        acc2 = tl.zeros((BM, BN1), dtype=tl.float32)
+                        for ki in range(tl.cdiv(H, BK)):
+                            off_k = ki * BK
+                            a = _load_a(x_desc, x_ptr, base, off_k, base + nrows, H, H, BM, BK, USE_TMA)
+                            bg = _load_b(w13_desc, w13_ptr, e, off_n, off_k, I, H, 2 * I * H, H, BN1, BK, False,
+                                         USE_TMA)
+                            bu = _load_b(w13_desc, w13_ptr, e, I + off_n, off_k, 2 * I, H, 2 * I * H, H, BN1, BK,
+                                         False, USE_TMA)
+                            if DOT_F32:
+                                a = a.to(tl.float32)
+                                bg = bg.to(tl.float32)
+                                bu = bu.to(tl.float32)
+                            acc = tl.dot(a, bg, acc)
+                            acc2 = tl.dot(a, bu, acc2)
+                        _epilogue(acc, acc2, base, off_n, base + nrows, j, 0, I, act_ptr, I, h_ptr, 2 * I,
+                                  gate_ptr, gate_ptr, BM, BN1, 1, False, STORE_H, EPI_SPLIT1)
                     signal_counter(g1 + b)
                     go = fine
-            else:  # GEMM2(s - L1 - L2, j)
-                b = s - L1 - L2
-                j = sub - PULL_SPLIT - T1
+            else:  # GEMM2(b, j) for the blocks of step s - L1 - L2, j-major
+                q = sub - GB * (PULL_SPLIT + T1)
+                b = (s - L1 - L2) * GB + q % GB
+                j = q // GB
                 if (b >= 0) & (b < nb):
-                    e, row0, nrows, base = _locate(b, e_idx, starts, cnts, cum, NS, BB)
+                    e, row0, nrows, base = _locate(b, e_idx, starts, cnts, cum, NS, BM)
                     fine = wait_counter(g1 + b, T1, tab, W, rank, call, timeout_ns)
                     if fine:
                         fence_proxy_async()
                         off_n = j * BN2
-                        for mm in range(MSUB):
-                            if mm * BM < nrows:
-                                acc = tl.zeros((BM, BN2), dtype=tl.float32)
-                                off_m = base + mm * BM
-                                if (ABLATE & 4) == 0:
-                                    for ki in range(tl.cdiv(I, BK)):
-                                        off_k = ki * BK
-                                        a = _load_a(act_desc, act_ptr, off_m, off_k, base + nrows, I, I, BM, BK,
-                                                    USE_TMA)
-                                        bw = _load_b(w2_desc, w2_ptr, e, off_n, off_k, H, I, H * I, I, BN2, BK, False,
-                                                     USE_TMA)
-                                        if DOT_F32:
-                                            a = a.to(tl.float32)
-                                            bw = bw.to(tl.float32)
-                                        acc = tl.dot(a, bw, acc)
-                                if (ABLATE & 2) == 0:
-                                    _push_epilogue(acc, off_n, row0 + mm * BM, nrows - mm * BM, tab, W, row_src_ptr,
-                                                   row_tok_ptr, row_slot_ptr, H, K, BM, BN2, DT, EPI_SPLIT2)
+                        acc = tl.zeros((BM, BN2), dtype=tl.float32)
+                        if (ABLATE & 4) == 0:
+                            for ki in range(tl.cdiv(I, BK)):
+                                off_k = ki * BK
+                                a = _load_a(act_desc, act_ptr, base, off_k, base + nrows, I, I, BM, BK, USE_TMA)
+                                bw = _load_b(w2_desc, w2_ptr, e, off_n, off_k, H, I, H * I, I, BN2, BK, False,
+                                             USE_TMA)
+                                if DOT_F32:
+                                    a = a.to(tl.float32)
+                                    bw = bw.to(tl.float32)
+                                acc = tl.dot(a, bw, acc)
+                        if (ABLATE & 2) == 0:
+                            _push_epilogue(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr,
+                                           H, K, BM, BN2, DT, EPI_SPLIT2)
                     signal_counter(g2 + b)
                     go = fine
     # every push of this rank has been issued: the last program tells every rank
@@ -461,7 +459,8 @@ class FusedConfig:
     lag: int = 1
     pull_elems: int = 16384  # ROWS_P x BLOCK_H of one pull step
     pull_split: int = 1      # pull items per block (each moves block rows / pull_split rows)
-    m_sub: int = 1           # BM-row sub-tiles per block: a GEMM item walks them with one weight tile (L2 reuse)
+    group: int = 4           # blocks per step; GEMM items of a step go j-major over them, so the tiles that read one
+                             # weight tile run at the same time (L2 reuse, like split's GROUP_M swizzle)
     ablate: int = 0          # diagnostics only, results are WRONG: bit 1 skips the pull copy, 2 the push, 4 GEMM2
     use_tma: bool | None = None
 
@@ -488,8 +487,8 @@ class FusedState:
 
 
 def ring_rows(cfg: FusedConfig, ring_blocks: int) -> int:
-    """Rows of a ring of ``ring_blocks`` blocks (a block is block_m * m_sub rows)."""
-    return ring_blocks * cfg.block_m * cfg.m_sub
+    """Rows of a ring of ``ring_blocks`` blocks."""
+    return ring_blocks * cfg.block_m
 
 
 def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w13: torch.Tensor,
@@ -514,17 +513,20 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
         raise ValueError("fused_forward is bf16 only (x, w13, w2)")
     if tuple(topk_idx.shape) != (T, k) or tuple(topk_w.shape) != (T, k):
         raise ValueError(f"topk_idx and topk_w must be [T={T}, k={k}]")
-    BM = cfg.block_m * cfg.m_sub  # rows of a block
+    BM = cfg.block_m
+    GB = cfg.group
     L2 = cfg.lag
     dev = heap.device
     P = cfg.programs if cfg.programs is not None else num_sms(dev)
     T1, T2 = triton.cdiv(I, cfg.bn1), triton.cdiv(H, cfg.bn2)
-    PS = cfg.pull_split + T1 + T2
+    PS = GB * (cfg.pull_split + T1 + T2)
     L1 = cfg.lookahead if cfg.lookahead is not None else triton.cdiv(P, PS) + 1
     if ring_blocks:
-        if ring_blocks < L2 + 3:
+        GB = max(1, min(GB, ring_blocks // (L2 + 3)))
+        if ring_blocks < GB * (L2 + 3):
             raise ValueError(f"ring of {ring_blocks} blocks is too small: needs >= lag + 3 = {L2 + 3} blocks")
-        L1 = max(1, min(L1, ring_blocks - L2 - 1))  # NS > L1 + L2: every wait is on an earlier item
+        # every wait is on an earlier item: PULL(b) on GEMM1(b - NS), GEMM1(b) on GEMM2(b - NS)
+        L1 = max(1, min(L1, ring_blocks // GB - L2 - 2))
     # 1. stage x and the routing, publish READY; 2. schedule (device-side, no host reads)
     Pc = max(1, int(comm_programs or heap.num_sms))
     tok = heap.tokens_buffer()
@@ -535,7 +537,7 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     handle = DispatchHandle(heap=heap, num_tokens=T, schedule=sched, offs=sched.offs, num_sms=Pc)
     # 3. the megakernel
     nrows = ring_blocks * BM if ring_blocks else sh.rows_cap
-    nb_max = triton.cdiv(sh.rows_cap, BM) + E_l
+    nb_max = triton.cdiv(sh.rows_cap, BM) + E_l + GB
     xbuf = torch.empty(nrows, H, dtype=x.dtype, device=dev)
     act = torch.empty(nrows, I, dtype=x.dtype, device=dev)
     h = torch.empty(nrows, 2 * I, dtype=x.dtype, device=dev) if (store_h and not ring_blocks) else None
@@ -546,8 +548,8 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     use_tma = cfg.use_tma if cfg.use_tma is not None else tma_ok([xbuf, act, w13, w2])
     BK = cfg.block_k
     if use_tma:
-        x_desc = TensorDescriptor.from_tensor(xbuf, [cfg.block_m, BK])
-        act_desc = TensorDescriptor.from_tensor(act, [cfg.block_m, BK])
+        x_desc = TensorDescriptor.from_tensor(xbuf, [BM, BK])
+        act_desc = TensorDescriptor.from_tensor(act, [BM, BK])
         w13_desc = TensorDescriptor.from_tensor(w13, [1, cfg.bn1, BK])
         w2_desc = TensorDescriptor.from_tensor(w2, [1, cfg.bn2, BK])
     else:
@@ -563,8 +565,8 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
         sched.offs, sched.row_src, sched.row_tok, sched.row_slot, gate,
         y if T > 0 else act, saved if saved is not None else act, ctr,
         T, H, I, E_l, nb_max, ring_blocks, L1, L2, heap.timeout_ns,
-        K=k, BM=cfg.block_m, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
-        EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, MSUB=cfg.m_sub, ABLATE=cfg.ablate,
+        K=k, BM=BM, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
+        EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, GB=GB, ABLATE=cfg.ablate,
         PULL_SPLIT=cfg.pull_split, ROWS_P=rows_p, BLOCK_H=block_h,
         ROWS_C=max(1, 4096 // block_hc), BLOCK_HC=block_hc, USE_TMA=use_tma, DOT_F32=interpreting(),
         STORE_H=h is not None, SAVE=saved is not None, ALIGNED=(H * 2) % 16 == 0, WP2=heap.wp2,
