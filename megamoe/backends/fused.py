@@ -22,7 +22,7 @@ megakernel; default the SM count), ``lookahead`` (pull -> GEMM1 distance in step
 items per block), ``group_blocks`` (blocks per step whose GEMM tiles run side by side, sharing weight
 tiles in L2),
 ``comm_sms`` (programs
-of the staging / backward communication kernels, default 32), ``timeout_s`` (bound of every device wait).
+of the staging / backward communication kernels, default every SM), ``timeout_s`` (bound of every device wait).
 
 Capacity: no token is ever dropped: dense buffers hold the worst case (every token of every rank routed
 here); a ring cycles as many times as the routing needs. The symmetric heap adds a [T_max, k, H] slot
@@ -42,6 +42,7 @@ from megamoe.comm.dispatch import dispatch, dispatch_backward, pull_rows
 from megamoe.comm.heap import CommShape, heap_bytes
 from megamoe.experts import gemm1_dgrad, gemm1_swiglu, gemm2_dgrad_swiglu
 from megamoe.kernels.fused_moe import FusedConfig, default_fused_config, dgate, fused_forward
+from megamoe.kernels.gemm_config import num_sms as device_sms
 
 
 def _pull_scaled_dy(dy: torch.Tensor, topk_w: torch.Tensor, handle, num_sms: int) -> torch.Tensor:
@@ -112,8 +113,8 @@ class FusedBackend:
         if not dist.is_initialized():
             raise ValueError("backend 'fused' needs an initialised torch.distributed process group "
                              "(a one-rank group is fine)")
-        if comm_sms is None:
-            comm_sms = 2 if os.environ.get("TRITON_INTERPRET") == "1" else 32
+        if comm_sms is None:  # staging and the backward's communication kernels run alone: every SM
+            comm_sms = 2 if os.environ.get("TRITON_INTERPRET") == "1" else device_sms(moe.device)
         if comm_sms < 1:
             raise ValueError(f"comm_sms must be >= 1, got {comm_sms}")
         self.config: FusedConfig = default_fused_config(moe.device)

@@ -181,9 +181,9 @@ def _side_stream(device: torch.device):
 
 
 class SplitBackend:
-    """See the module docstring. Options: ``comm_sms`` (programs of the communication kernels; default 32
-    on GPUs, 2 under the interpreter), ``overlap_backward`` (send dx home on a side stream with ``comm_sms``
-    programs while the weight-gradient GEMMs run on the other SMs; off by default until measured),
+    """See the module docstring. Options: ``comm_sms`` (programs of the communication kernels; default every
+    SM on GPUs, 32 with ``overlap_backward``, 2 under the interpreter), ``overlap_backward`` (send dx home on
+    a side stream with ``comm_sms`` programs while the weight-gradient GEMMs run on the other SMs; off by default until measured),
     ``presum_combine`` (expert ranks pre-sum each token's rows so the owner pulls one row per rank, in
     combine and in dispatch's backward: comm/presum.py; off by default until measured),
     ``fp8`` (GEMM1+SwiGLU, GEMM2 and both dgrad GEMMs on FP8 e4m3 with 1x128 activation / 128x128 weight
@@ -205,7 +205,10 @@ class SplitBackend:
                  presum_combine: bool = False, fp8: bool = False):
         cfg = moe.config
         if comm_sms is None:  # the interpreter runs programs one by one: fewer is faster there
-            comm_sms = 2 if os.environ.get("TRITON_INTERPRET") == "1" else 32
+            # on GPUs: every SM when nothing runs beside the communication kernels (the pull at 132 programs
+            # took 0.53-0.65x its time at 32, 2x H200, 2026-11-30), 32 when dx overlaps the weight gradients
+            comm_sms = (2 if os.environ.get("TRITON_INTERPRET") == "1"
+                        else 32 if overlap_backward else device_sms(moe.device))
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"backend 'split' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
         if not dist.is_initialized():

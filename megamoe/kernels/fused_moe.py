@@ -459,7 +459,7 @@ class FusedConfig:
     lag: int = 1
     pull_elems: int = 16384  # ROWS_P x BLOCK_H of one pull step
     pull_split: int = 1      # pull items per block (each moves block rows / pull_split rows)
-    group: int = 4           # blocks per step; GEMM items of a step go j-major over them, so the tiles that read one
+    group: int = 8           # blocks per step; GEMM items of a step go j-major over them, so the tiles that read one
                              # weight tile run at the same time (L2 reuse, like split's GROUP_M swizzle)
     ablate: int = 0          # diagnostics only, results are WRONG: bit 1 skips the pull copy, 2 the push, 4 GEMM2
     use_tma: bool | None = None
