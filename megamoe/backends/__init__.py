@@ -10,8 +10,8 @@ module (``make_backend``), so it can own workspaces for the module's lifetime.
 | name    | status                                                                 |
 |---------|------------------------------------------------------------------------|
 | `torch` | all_to_all_single with host-read split sizes + grouped GEMM (torchtitan) |
-| `split` | megamoe kernels launched back to back (issue 5; not built yet)          |
-| `fused` | the persistent megakernel (issue 6; not built yet)                      |
+| `split` | megamoe kernels launched back to back, no host sync (bf16; FP8 GEMMs as an option) |
+| `fused` | the forward megakernel (pull + GEMMs + combine push); backward on split's kernels |
 """
 
 from __future__ import annotations
