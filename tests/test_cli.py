@@ -32,7 +32,7 @@ def test_bench_cpu_default_writes_report(tmp_path):
     assert report["config"]["skew"] == 2.0
     for key in ("commit", "date", "torch", "triton"):
         assert report["meta"][key]
-    assert [e["backend"] for e in report["results"]] == ["torch", "split"]  # every backend available on CPU
+    assert [e["backend"] for e in report["results"]] == ["torch", "split", "fused"]  # every backend available on CPU
     for entry in report["results"]:
         assert 0 <= entry["rel_err"] < 1e-2  # bf16 layer vs float64 reference
         for mode in ("forward", "forward+backward"):

@@ -62,6 +62,12 @@ def _rank(rank: int, world: int) -> tuple[list[dict], list[bool]]:
         r = layer_case(sk, "fused", dev, group_blocks=2, ring_blocks=8)  # 2 blocks per step, cycling ring
         r["case"] = "group2-ring8:" + r["case"]
         results.append(r)
+        for c in cases:  # the backward megakernel (fused_backward=True) on the edge cases of this rank count
+            if c.name in ("bf16:bf16-ragged", "bf16:fp32-empty-rank", "bf16:fp32-k5"):
+                r = layer_case(c, "fused", dev, fused_backward=True)
+                r["case"] = "bwd-megakernel:" + r["case"]
+                results.append(r)
+        dets.append(determinism_case(det_case, "fused", dev, fused_backward=True))
     return results, dets
 
 
@@ -116,7 +122,8 @@ def _bad_options(rank, world):
     from megamoe import MoE, preset
 
     msgs = []
-    for kw in ({"ring_blocks": 2}, {"programs": 0}, {"lookahead": 0}, {"group_blocks": 0}):
+    for kw in ({"ring_blocks": 2}, {"programs": 0}, {"lookahead": 0}, {"group_blocks": 0},
+               {"fused_backward": True, "ring_blocks": 8}):
         try:
             MoE(preset("tiny"), backend="fused", **kw)
             msgs.append(None)
@@ -136,4 +143,5 @@ def test_fused_rejects_bad_options():
     assert msgs[1] is not None and "programs" in msgs[1]
     assert msgs[2] is not None and "lookahead" in msgs[2]
     assert msgs[3] is not None and "group_blocks" in msgs[3]
-    assert msgs[4] is not None and "bfloat16" in msgs[4]
+    assert msgs[4] is not None and "fused_backward" in msgs[4]
+    assert msgs[5] is not None and "bfloat16" in msgs[5]

@@ -24,6 +24,8 @@ def _skewed(world: int) -> LayerCase:
 def _rank_cases(rank: int, world: int) -> tuple[list[dict], list[bool]]:
     dev = torch.device("cuda", rank)
     results = [layer_case(c, "fused", dev) for c in bf16_cases(world) + gpu_cases(world)]
+    results += [dict(layer_case(c, "fused", dev, fused_backward=True), case="bwd-megakernel:" + c.name)
+                for c in gpu_cases(world)]
     sk = _skewed(world)
     mini = 2048 * 8 // BM  # a minibatch: the blocks uniform routing gives a rank
     for ring in (4, mini, 2 * mini, 4 * mini):  # 4 = the smallest ring; 1x, 2x, 4x a minibatch
@@ -35,7 +37,8 @@ def _rank_cases(rank: int, world: int) -> tuple[list[dict], list[bool]]:
         results.append(r)
     det_case = LayerCase("det", preset="qwen3-30b-a3b", dtype="bf16", tokens=tuple([1024] * world),
                          overrides={"num_experts": qwen3_experts(world)})
-    dets = [determinism_case(det_case, "fused", dev), determinism_case(sk, "fused", dev, ring_blocks=8)]
+    dets = [determinism_case(det_case, "fused", dev), determinism_case(sk, "fused", dev, ring_blocks=8),
+            determinism_case(det_case, "fused", dev, fused_backward=True)]
     return results, dets
 
 
@@ -77,7 +80,7 @@ def _setup(rank: int, **opts):
 
 
 def _sync_free(rank: int, world: int) -> bool:
-    for opts in ({}, {"ring_blocks": 16}):
+    for opts in ({}, {"ring_blocks": 16}, {"fused_backward": True}):
         dev, moe, step = _setup(rank, **opts)
         for _ in range(2):
             step()

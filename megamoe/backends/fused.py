@@ -8,13 +8,17 @@ forward (one torch.autograd.Function):
     schedule                                  (comm/schedule.py, 4 small kernels, device-side)
     megakernel: pull rows -> GEMM1+SwiGLU -> GEMM2 -> push each output row into its owner's slot buffer
                 -> (after every rank's DONE) y[t] = sum_j topk_w[t, j] * slot[t, j]
-backward (not fused yet: split's kernels, reusing what the forward kept):
+backward, default (split's kernels, reusing what the forward kept):
     d(topk_w)[t, j] = <dy[t], out_j(t)>       owner-local, from the slot rows the forward saved [T, k, H]
     g_out = pull w * dy to the expert rows    (comm, the combine's backward)
     dh = dgrad2+SwiGLU, d_recv = dgrad1, dx = dispatch backward (owner gathers), dW2, dW13 (deterministic)
     The forward's receive rows, h and act are reused when the ring held every block (``ring_blocks=None``,
     dense buffers); with a smaller ring they were overwritten, so the backward first recomputes them
     (dispatch of x + GEMM1, split's kernels; that cost is what ``megamoe bench`` measures for a ring).
+
+backward with ``fused_backward=True`` (dense buffers only; CPU-tested, not yet run on a GPU, hence off):
+    the same megakernel in its BWD mode (kernels/fused_moe.fused_backward): pull w * dy rows, dgrad2 +
+    SwiGLU', dgrad1 pushed into the owners' slots, owners sum dx; then split's deterministic wgrad kernels.
 
 Options: ``ring_blocks`` (None: dense buffers of R_cap rows, no recompute; an int >= 4: the macrobatch
 ring of that many BM-row blocks, memory independent of routing), ``programs`` (persistent programs of the
@@ -41,7 +45,14 @@ from megamoe.comm import signals as S
 from megamoe.comm.dispatch import dispatch, dispatch_backward, pull_rows
 from megamoe.comm.heap import CommShape, heap_bytes
 from megamoe.experts import gemm1_dgrad, gemm1_swiglu, gemm2_dgrad_swiglu
-from megamoe.kernels.fused_moe import FusedConfig, default_fused_config, dgate, fused_forward
+from megamoe.kernels.fused_moe import (
+    FusedConfig,
+    FusedState,
+    default_fused_config,
+    dgate,
+    fused_backward,
+    fused_forward,
+)
 from megamoe.kernels.gemm_config import num_sms as device_sms
 
 
@@ -55,6 +66,10 @@ def _pull_scaled_dy(dy: torch.Tensor, topk_w: torch.Tensor, handle, num_sms: int
     rows = torch.empty(sh.rows_cap, sh.hidden, dtype=sh.dtype, device=heap.device)
     pull_rows(heap, handle.schedule, rows, num_sms, scale_only=True)
     return rows
+
+
+def _state(ctx, recv, act, h) -> FusedState:
+    return FusedState(handle=ctx.handle, xbuf=recv, act=act, h=h, saved=None)
 
 
 class _FusedMoE(torch.autograd.Function):
@@ -84,6 +99,11 @@ class _FusedMoE(torch.autograd.Function):
             handle = ctx.handle
         offs = handle.offs
         d_topk_w = dgate(dy, slots)
+        if b.fused_backward and not b.ring_blocks:  # the backward megakernel, then split's wgrad kernels
+            dx, g_out, dh = fused_backward(b.heap, dy, topk_w, _state(ctx, recv, act, h), w13, w2, b.config,
+                                           comm_programs=b.comm_sms)
+            dw13, dw2 = _wgrads(g_out, act, dh, recv, offs, w13, w2, None)
+            return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None
         g_out = _pull_scaled_dy(dy, topk_w, handle, b.comm_sms)
         dh, _ = gemm2_dgrad_swiglu(g_out, w2, h, offs)
         d_recv = gemm1_dgrad(dh, w13, offs, out=torch.zeros_like(recv))
@@ -106,7 +126,7 @@ class FusedBackend:
 
     def __init__(self, moe, ring_blocks: int | None = None, programs: int | None = None,
                  lookahead: int | None = None, pull_split: int | None = None, group_blocks: int | None = None,
-                 comm_sms: int | None = None, timeout_s: float = 60.0):
+                 comm_sms: int | None = None, timeout_s: float = 60.0, fused_backward: bool = False):
         cfg = moe.config
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"backend 'fused' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
@@ -140,7 +160,13 @@ class FusedBackend:
             ring_blocks = int(ring_blocks)
             if ring_blocks < self.config.lag + 3:
                 raise ValueError(f"ring_blocks must be >= {self.config.lag + 3} (lag + 3), got {ring_blocks}")
+        if fused_backward not in (True, False, 0, 1):
+            raise ValueError(f"fused_backward must be a flag (True/False or 1/0), got {fused_backward!r}")
+        if fused_backward and ring_blocks:
+            raise ValueError("fused_backward needs the dense buffers (ring_blocks=None): a cycling ring overwrote "
+                             "the forward's rows, which the backward recomputes with split's kernels")
         self.moe = moe
+        self.fused_backward = bool(fused_backward)
         self.ring_blocks = ring_blocks
         self.comm_sms = comm_sms
         self.shape = CommShape(world=moe.world, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden,

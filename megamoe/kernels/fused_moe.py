@@ -44,6 +44,14 @@ the lookahead L1 (pull to GEMM1, in steps) is the knob, default from the program
 Determinism: every output element is computed by one tile in a fixed k order and every y row sums its k
 slots in j order, so results are bitwise reproducible whatever program takes which item.
 
+Backward (``BWD``, :func:`fused_backward`, dense buffers only): the same items and waits with the roles
+mirrored: PULL brings w * dy rows (dy and the gates staged in the owners' ``tok`` / ``w`` regions) into g_out,
+GEMM1'(b, j) computes dact = g_out @ w2[e] (w2 read as [H, I]) and the SwiGLU backward from the forward's h
+into dh [rows, 2I], GEMM2'(b, j) computes d_recv = dh @ w13[e] (w13 read as [2I, H]) and pushes each row into
+its owner's slot, and every rank sums its tokens' k rows without gates: dx. g_out and dh stay for the weight
+gradients (split's deterministic wgrad kernels run after). CPU-tested (bitwise equal to split's backward
+there); not yet run on a GPU.
+
 Visibility: generic-proxy stores (the pull, the SwiGLU epilogue) are released with a CTA barrier and a
 release atomic; the consumer acquires the counter and issues ``fence.proxy.async`` before its TMA loads.
 """
@@ -80,6 +88,7 @@ from megamoe.comm.signals import (
     REG_ERR,
     REG_SLOTS,
     REG_TOK,
+    REG_W,
     arrive_last,
     current_call,
     error_set,
@@ -178,6 +187,16 @@ def _locate(b, e_idx, starts, cnts, cum, NS, BM: tl.constexpr):
 
 
 @triton.jit
+def _row_gate(tab, W, row0, r, valid, row_src_ptr, row_tok_ptr, row_slot_ptr, K: tl.constexpr):
+    """fp32 gate w_src[tok, slot] of block rows r, read from the source rank's ``w`` region."""
+    src = tl.load(row_src_ptr + row0 + r, mask=valid, other=0)
+    tok = tl.load(row_tok_ptr + row0 + r, mask=valid, other=0)
+    slot = tl.load(row_slot_ptr + row0 + r, mask=valid, other=0)
+    wp = tl.load(tab + REG_W * W + src, mask=valid, other=0).to(tl.pointer_type(tl.float32))
+    return tl.load(wp + tok * K + slot, mask=valid, other=0.0)
+
+
+@triton.jit
 def _pull_rows_ptrs(tab, W, row0, r_lo, rr, nrows, base, row_src_ptr, row_tok_ptr, x_ptr, H,
                     DT: tl.constexpr, ALIGNED: tl.constexpr):
     """Source and destination row pointers of block rows r_lo + rr (valid: < nrows)."""
@@ -195,35 +214,48 @@ def _pull_rows_ptrs(tab, W, row0, r_lo, rr, nrows, base, row_src_ptr, row_tok_pt
 
 
 @triton.jit
-def _pull_block(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_ptr, x_ptr, H,
-                ROWS_P: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr):
-    """xbuf[base + r] = tok_{src(r)}[tok(r)] for block rows r in [r_lo, min(r_hi, nrows)) (one NVLink read
-    per row), in [ROWS_P, BLOCK_H] chunks, software-pipelined: chunk c + 1 is loaded before chunk c is stored,
+def _pull_block(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_ptr, row_slot_ptr, x_ptr, H,
+                K: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr,
+                GATED: tl.constexpr):
+    """xbuf[base + r] = tok_{src(r)}[tok(r)] (GATED: times the row's gate w_src[tok, slot], rounded once from
+    fp32, as the scale-only pull does) for block rows r in [r_lo, min(r_hi, nrows)) (one NVLink read per
+    row), in [ROWS_P, BLOCK_H] chunks, software-pipelined: chunk c + 1 is loaded before chunk c is stored,
     so two chunks of remote reads are in flight per program."""
     DT = x_ptr.dtype.element_ty
     rr = tl.arange(0, ROWS_P)
     hh = tl.arange(0, BLOCK_H)
     n_h = tl.cdiv(H, BLOCK_H)
-    n_chunks = tl.cdiv(tl.minimum(r_hi, nrows) - r_lo, ROWS_P) * n_h
+    r_end = tl.minimum(r_hi, nrows)
+    n_chunks = tl.cdiv(r_end - r_lo, ROWS_P) * n_h
     if n_chunks > 0:
-        sp, dp, valid = _pull_rows_ptrs(tab, W, row0, r_lo, rr, tl.minimum(r_hi, nrows), base, row_src_ptr,
-                                        row_tok_ptr, x_ptr, H, DT, ALIGNED)
+        sp, dp, valid = _pull_rows_ptrs(tab, W, row0, r_lo, rr, r_end, base, row_src_ptr, row_tok_ptr, x_ptr, H,
+                                        DT, ALIGNED)
+        if GATED:
+            g = _row_gate(tab, W, row0, r_lo + rr, valid, row_src_ptr, row_tok_ptr, row_slot_ptr, K)
         m = valid[:, None] & (hh < H)[None, :]
         v = tl.load(sp[:, None] + hh[None, :], mask=m)
         for c in range(1, n_chunks):
             ri = c // n_h
             oh = (c % n_h) * BLOCK_H + hh
-            sp2, dp2, valid2 = _pull_rows_ptrs(tab, W, row0, r_lo + ri * ROWS_P, rr, tl.minimum(r_hi, nrows), base,
-                                               row_src_ptr, row_tok_ptr, x_ptr, H, DT, ALIGNED)
+            sp2, dp2, valid2 = _pull_rows_ptrs(tab, W, row0, r_lo + ri * ROWS_P, rr, r_end, base, row_src_ptr,
+                                               row_tok_ptr, x_ptr, H, DT, ALIGNED)
             m2 = valid2[:, None] & (oh < H)[None, :]
             v2 = tl.load(sp2[:, None] + oh[None, :], mask=m2)
             oh_prev = ((c - 1) % n_h) * BLOCK_H + hh
-            tl.store(dp[:, None] + oh_prev[None, :], v, mask=m)
+            if GATED:
+                tl.store(dp[:, None] + oh_prev[None, :], (v.to(tl.float32) * g[:, None]).to(DT), mask=m)
+                g = _row_gate(tab, W, row0, r_lo + ri * ROWS_P + rr, valid2, row_src_ptr, row_tok_ptr,
+                              row_slot_ptr, K)
+            else:
+                tl.store(dp[:, None] + oh_prev[None, :], v, mask=m)
             v = v2
             m = m2
             dp = dp2
         oh_last = ((n_chunks - 1) % n_h) * BLOCK_H + hh
-        tl.store(dp[:, None] + oh_last[None, :], v, mask=m)
+        if GATED:
+            tl.store(dp[:, None] + oh_last[None, :], (v.to(tl.float32) * g[:, None]).to(DT), mask=m)
+        else:
+            tl.store(dp[:, None] + oh_last[None, :], v, mask=m)
 
 
 @triton.jit
@@ -289,15 +321,16 @@ def _fused_fwd_kernel(
     y_ptr,                  # [T, H] out
     save_ptr,               # [T, K, H] out (SAVE): un-gated expert outputs of this rank's slots
     ctr_ptr,                # int64 [1 + 3 * NB_MAX] zeroed: queue, ready[NB_MAX], g1[NB_MAX], g2[NB_MAX]
-    T, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
+    T, H, I, K2, E_l, NB_MAX, NS, L1, L2, timeout_ns,
     K: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     BLOCK_E: tl.constexpr, EPI_SPLIT1: tl.constexpr, EPI_SPLIT2: tl.constexpr,
     GB: tl.constexpr, ABLATE: tl.constexpr, PULL_SPLIT: tl.constexpr, ROWS_P: tl.constexpr,
     BLOCK_H: tl.constexpr, ROWS_C: tl.constexpr, BLOCK_HC: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, STORE_H: tl.constexpr, SAVE: tl.constexpr,
-    ALIGNED: tl.constexpr, WP2: tl.constexpr,
+    ALIGNED: tl.constexpr, WP2: tl.constexpr, BWD: tl.constexpr,
 ):
-    """grid (P,): see the module docstring."""
+    """grid (P,): see the module docstring. BWD: the backward pass through the same item structure (x -> g_out
+    pulled with gates, act -> dh, w13 -> w2 and w2 -> w13 read transposed, y -> dx summed without gates)."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     call = current_call(tab, W, rank)
@@ -330,7 +363,7 @@ def _fused_fwd_kernel(
                     if free & ((ABLATE & 1) == 0):
                         part = BM // PULL_SPLIT
                         _pull_block(tab, W, row0, nrows, base, part_i * part, part_i * part + part, row_src_ptr,
-                                    row_tok_ptr, x_ptr, H, ROWS_P, BLOCK_H, ALIGNED)
+                                    row_tok_ptr, row_slot_ptr, x_ptr, H, K, ROWS_P, BLOCK_H, ALIGNED, BWD)
                     signal_counter(ready + b)
                     go = free
             elif sub < GB * (PULL_SPLIT + T1):  # GEMM1(b, j) for the blocks of step s - L1, j-major
@@ -347,22 +380,35 @@ def _fused_fwd_kernel(
                         fence_proxy_async()
                         off_n = j * BN1
                         acc = tl.zeros((BM, BN1), dtype=tl.float32)
-                        acc2 = tl.zeros((BM, BN1), dtype=tl.float32)
-                        for ki in range(tl.cdiv(H, BK)):
-                            off_k = ki * BK
-                            a = _load_a(x_desc, x_ptr, base, off_k, base + nrows, H, H, BM, BK, USE_TMA)
-                            bg = _load_b(w13_desc, w13_ptr, e, off_n, off_k, I, H, 2 * I * H, H, BN1, BK, False,
-                                         USE_TMA)
-                            bu = _load_b(w13_desc, w13_ptr, e, I + off_n, off_k, 2 * I, H, 2 * I * H, H, BN1, BK,
-                                         False, USE_TMA)
-                            if DOT_F32:
-                                a = a.to(tl.float32)
-                                bg = bg.to(tl.float32)
-                                bu = bu.to(tl.float32)
-                            acc = tl.dot(a, bg, acc)
-                            acc2 = tl.dot(a, bu, acc2)
-                        _epilogue(acc, acc2, base, off_n, base + nrows, j, 0, I, act_ptr, I, h_ptr, 2 * I,
-                                  gate_ptr, gate_ptr, BM, BN1, 1, False, STORE_H, EPI_SPLIT1)
+                        if BWD:  # dact = g_out @ w2[e] (w2 [E_l, H, I] read as [K = H, N = I]); dh via SwiGLU'
+                            for ki in range(tl.cdiv(H, BK)):
+                                off_k = ki * BK
+                                a = _load_a(x_desc, x_ptr, base, off_k, base + nrows, H, H, BM, BK, USE_TMA)
+                                bw = _load_b(w13_desc, w13_ptr, e, off_n, off_k, I, H, H * I, I, BN1, BK, True,
+                                             USE_TMA)
+                                if DOT_F32:
+                                    a = a.to(tl.float32)
+                                    bw = bw.to(tl.float32)
+                                acc = tl.dot(a, bw, acc)
+                            _epilogue(acc, acc, base, off_n, base + nrows, j, 0, I, act_ptr, 2 * I, h_ptr, 2 * I,
+                                      gate_ptr, gate_ptr, BM, BN1, 2, False, False, EPI_SPLIT1)
+                        else:
+                            acc2 = tl.zeros((BM, BN1), dtype=tl.float32)
+                            for ki in range(tl.cdiv(H, BK)):
+                                off_k = ki * BK
+                                a = _load_a(x_desc, x_ptr, base, off_k, base + nrows, H, H, BM, BK, USE_TMA)
+                                bg = _load_b(w13_desc, w13_ptr, e, off_n, off_k, I, H, 2 * I * H, H, BN1, BK, False,
+                                             USE_TMA)
+                                bu = _load_b(w13_desc, w13_ptr, e, I + off_n, off_k, 2 * I, H, 2 * I * H, H, BN1,
+                                             BK, False, USE_TMA)
+                                if DOT_F32:
+                                    a = a.to(tl.float32)
+                                    bg = bg.to(tl.float32)
+                                    bu = bu.to(tl.float32)
+                                acc = tl.dot(a, bg, acc)
+                                acc2 = tl.dot(a, bu, acc2)
+                            _epilogue(acc, acc2, base, off_n, base + nrows, j, 0, I, act_ptr, I, h_ptr, 2 * I,
+                                      gate_ptr, gate_ptr, BM, BN1, 1, False, STORE_H, EPI_SPLIT1)
                     signal_counter(g1 + b)
                     go = fine
             else:  # GEMM2(b, j) for the blocks of step s - L1 - L2, j-major
@@ -377,11 +423,11 @@ def _fused_fwd_kernel(
                         off_n = j * BN2
                         acc = tl.zeros((BM, BN2), dtype=tl.float32)
                         if (ABLATE & 4) == 0:
-                            for ki in range(tl.cdiv(I, BK)):
+                            for ki in range(tl.cdiv(K2, BK)):  # K2 = I (act @ w2^T) or 2I (BWD: dh @ w13)
                                 off_k = ki * BK
-                                a = _load_a(act_desc, act_ptr, base, off_k, base + nrows, I, I, BM, BK, USE_TMA)
-                                bw = _load_b(w2_desc, w2_ptr, e, off_n, off_k, H, I, H * I, I, BN2, BK, False,
-                                             USE_TMA)
+                                a = _load_a(act_desc, act_ptr, base, off_k, base + nrows, K2, K2, BM, BK, USE_TMA)
+                                bw = _load_b(w2_desc, w2_ptr, e, off_n, off_k, H, K2, H * K2, H if BWD else K2, BN2,
+                                             BK, BWD, USE_TMA)
                                 if DOT_F32:
                                     a = a.to(tl.float32)
                                     bw = bw.to(tl.float32)
@@ -407,12 +453,15 @@ def _fused_fwd_kernel(
                 m2 = mt[:, None] & (oh < H)[None, :]
                 acc = tl.zeros((ROWS_C, BLOCK_HC), dtype=tl.float32)
                 for jk in tl.static_range(K):
-                    wj = tl.load(gate_ptr + t * K + jk, mask=mt, other=0.0)
                     o2 = (t.to(tl.int64) * K + jk)[:, None] * H + oh[None, :]
                     v = tl.load(slots + o2, mask=m2, other=0.0)
                     if SAVE:
                         tl.store(save_ptr + o2, v, mask=m2)
-                    acc += wj[:, None] * v.to(tl.float32)
+                    if BWD:  # dx[t] = sum_j d_recv rows (unweighted)
+                        acc += v.to(tl.float32)
+                    else:
+                        wj = tl.load(gate_ptr + t * K + jk, mask=mt, other=0.0)
+                        acc += wj[:, None] * v.to(tl.float32)
                 tl.store(y_ptr + t.to(tl.int64)[:, None] * H + oh[None, :], acc.to(DT), mask=m2)
 
 
@@ -564,12 +613,12 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
         x_desc, xbuf, w13_desc, w13, act_desc, act, w2_desc, w2, h if h is not None else act,
         sched.offs, sched.row_src, sched.row_tok, sched.row_slot, gate,
         y if T > 0 else act, saved if saved is not None else act, ctr,
-        T, H, I, E_l, nb_max, ring_blocks, L1, L2, heap.timeout_ns,
+        T, H, I, I, E_l, nb_max, ring_blocks, L1, L2, heap.timeout_ns,
         K=k, BM=BM, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
         EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, GB=GB, ABLATE=cfg.ablate,
         PULL_SPLIT=cfg.pull_split, ROWS_P=rows_p, BLOCK_H=block_h,
         ROWS_C=max(1, 4096 // block_hc), BLOCK_HC=block_hc, USE_TMA=use_tma, DOT_F32=interpreting(),
-        STORE_H=h is not None, SAVE=saved is not None, ALIGNED=(H * 2) % 16 == 0, WP2=heap.wp2,
+        STORE_H=h is not None, SAVE=saved is not None, ALIGNED=(H * 2) % 16 == 0, WP2=heap.wp2, BWD=False,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     record("_fused_fwd_kernel", compiled)
@@ -587,3 +636,68 @@ def dgate(dy: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
     _dgate_kernel[(triton.cdiv(T, rows),)](dy.contiguous(), saved, out, T, H, K=k, KP2=triton.next_power_of_2(k),
                                            ROWS=rows, BLOCK_H=min(triton.next_power_of_2(H), 512))
     return out
+
+
+def fused_backward(heap, dy: torch.Tensor, topk_w: torch.Tensor, state: FusedState, w13: torch.Tensor,
+                   w2: torch.Tensor, cfg: FusedConfig, comm_programs: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward megakernel (dense buffers only): returns (dx [T, H], g_out [R_cap, H], dh [R_cap, 2I]).
+
+    Same item structure as the forward (``BWD``): PULL(b) brings w * dy rows to the expert rank (dy and the
+    gates staged in the owners' ``tok`` / ``w`` regions), GEMM1'(b, j) dact = g_out @ w2[e] with the SwiGLU
+    backward epilogue reading h -> dh, GEMM2'(b, j) d_recv = dh @ w13[e] pushed into the owners' slots, and
+    every rank sums its tokens' k rows: dx. g_out and dh stay for the weight gradients (split's wgrad kernels).
+    """
+    sh = heap.shape
+    if state.h is None:
+        raise ValueError("fused_backward needs the forward's h (dense buffers, store_h=True)")
+    T = dy.shape[0]
+    H, k, E_l = sh.hidden, sh.topk, sh.local_experts
+    I = w2.shape[2]
+    handle = state.handle
+    sched = handle.schedule
+    BM, GB, L2 = cfg.block_m, cfg.group, cfg.lag
+    dev = heap.device
+    P = cfg.programs if cfg.programs is not None else num_sms(dev)
+    T1, T2 = triton.cdiv(I, cfg.bn1), triton.cdiv(H, cfg.bn2)
+    L1 = cfg.lookahead if cfg.lookahead is not None else triton.cdiv(P, GB * (cfg.pull_split + T1 + T2)) + 1
+    Pc = max(1, int(comm_programs or heap.num_sms))
+    w32 = topk_w.to(torch.float32).contiguous().view(torch.int32)
+    S.stage(heap, act=dy.contiguous(), act_reg=S.REG_TOK.value, small=w32, small_reg=S.REG_W.value, ntok=-1,
+            programs=Pc)
+    nrows = sh.rows_cap
+    nb_max = triton.cdiv(nrows, BM) + E_l + GB
+    g_out = torch.empty(nrows, H, dtype=dy.dtype, device=dev)
+    dh = torch.empty(nrows, 2 * I, dtype=dy.dtype, device=dev)
+    dx = torch.empty(T, H, dtype=dy.dtype, device=dev)
+    ctr = torch.zeros(1 + 3 * nb_max, dtype=torch.int64, device=dev)
+    use_tma = cfg.use_tma if cfg.use_tma is not None else tma_ok([g_out, dh, w13, w2])
+    BK = cfg.block_k
+    if use_tma:
+        g_desc = TensorDescriptor.from_tensor(g_out, [BM, BK])
+        dh_desc = TensorDescriptor.from_tensor(dh, [BM, BK])
+        w2_kn = TensorDescriptor.from_tensor(w2, [1, BK, cfg.bn1])    # [E_l, K = H, N = I]
+        w13_kn = TensorDescriptor.from_tensor(w13, [1, BK, cfg.bn2])  # [E_l, K = 2I, N = H]
+    else:
+        g_desc = dh_desc = w2_kn = w13_kn = None
+    block_h = min(triton.next_power_of_2(H), 2048)
+    if BM % cfg.pull_split:
+        raise ValueError(f"pull_split={cfg.pull_split} must divide the block's {BM} rows")
+    rows_p = max(1, min(BM // cfg.pull_split, cfg.pull_elems // block_h))
+    block_hc = min(triton.next_power_of_2(H), 1024)
+    compiled = _fused_fwd_kernel[(P,)](
+        heap.tab, heap.world, heap.rank,
+        g_desc, g_out, w2_kn, w2, dh_desc, dh, w13_kn, w13, state.h,
+        sched.offs, sched.row_src, sched.row_tok, sched.row_slot, topk_w,
+        dx if T > 0 else dh, dh, ctr,
+        T, H, I, 2 * I, E_l, nb_max, 0, L1, L2, heap.timeout_ns,
+        K=k, BM=BM, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
+        EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, GB=GB, ABLATE=0,
+        PULL_SPLIT=cfg.pull_split, ROWS_P=rows_p, BLOCK_H=block_h,
+        ROWS_C=max(1, 4096 // block_hc), BLOCK_HC=block_hc, USE_TMA=use_tma, DOT_F32=interpreting(),
+        STORE_H=False, SAVE=False, ALIGNED=(H * 2) % 16 == 0, WP2=heap.wp2, BWD=True,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    record("_fused_fwd_kernel[bwd]", compiled)
+    heap.after_launch()
+    return dx, g_out, dh
