@@ -27,6 +27,7 @@ from megamoe.layer import MoE  # noqa: E402
 
 VARIANTS = [
     ("default", {}, None),
+    ("pullcomb", {"combine": "pull"}, None),
     ("group1", {"group": 1}, None),
     ("group2", {"group": 2}, None),
     ("group8", {"group": 8}, None),

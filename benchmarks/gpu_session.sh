@@ -17,7 +17,7 @@ bench() {  # bench <preset> <tokens> <backends> <tag> [extra args]
 echo "== GPUs: $NGPU, commit ${MEGAMOE_COMMIT:-unknown}"
 
 echo "== 1. layer bench, 4096 tokens/GPU, eager and CUDA graph"
-ALL="torch,split,split:presum_combine=1,fused,fused:ring_blocks=64"
+ALL="torch,split,split:presum_combine=1,fused,fused:combine=pull,fused:fused_backward=1,fused:ring_blocks=64"
 for p in qwen3-30b-a3b deepseek-v3 mixtral-8x7b; do echo "-- $p"; bench "$p" 4096 "$ALL" main --cuda-graph; done
 
 echo "== 2. GPU tests: split and fused on every rank count, sync-free, graph, FP8"

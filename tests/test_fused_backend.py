@@ -68,6 +68,14 @@ def _rank(rank: int, world: int) -> tuple[list[dict], list[bool]]:
                 r["case"] = "bwd-megakernel:" + r["case"]
                 results.append(r)
         dets.append(determinism_case(det_case, "fused", dev, fused_backward=True))
+        for c in cases:  # the owner-pull combine, forward and with the backward megakernel
+            if c.name in ("bf16:bf16-ragged", "bf16:fp32-empty-rank"):
+                r = layer_case(c, "fused", dev, combine="pull", fused_backward=True)
+                r["case"] = "pull-combine:" + r["case"]
+                results.append(r)
+        r = layer_case(sk, "fused", dev, combine="pull", ring_blocks=4)
+        r["case"] = "pull-combine-ring4:" + r["case"]
+        results.append(r)
     return results, dets
 
 
@@ -123,7 +131,7 @@ def _bad_options(rank, world):
 
     msgs = []
     for kw in ({"ring_blocks": 2}, {"programs": 0}, {"lookahead": 0}, {"group_blocks": 0},
-               {"fused_backward": True, "ring_blocks": 8}):
+               {"fused_backward": True, "ring_blocks": 8}, {"combine": "both"}):
         try:
             MoE(preset("tiny"), backend="fused", **kw)
             msgs.append(None)
@@ -144,4 +152,5 @@ def test_fused_rejects_bad_options():
     assert msgs[2] is not None and "lookahead" in msgs[2]
     assert msgs[3] is not None and "group_blocks" in msgs[3]
     assert msgs[4] is not None and "fused_backward" in msgs[4]
-    assert msgs[5] is not None and "bfloat16" in msgs[5]
+    assert msgs[5] is not None and "combine" in msgs[5]
+    assert msgs[6] is not None and "bfloat16" in msgs[6]

@@ -16,6 +16,10 @@ backward, default (split's kernels, reusing what the forward kept):
     dense buffers); with a smaller ring they were overwritten, so the backward first recomputes them
     (dispatch of x + GEMM1, split's kernels; that cost is what ``megamoe bench`` measures for a ring).
 
+``combine="pull"`` (CPU-tested, not yet timed): GEMM2 keeps its rows in this rank's symmetric ``rows`` region and
+each owner pulls its k rows after DONE (split's gather, inside the kernel) instead of the epilogue pushing them
+(the push measured ~2.2 ms of deepseek's 12 ms kernel on 2x H200, split's separate gather 0.73 ms).
+
 backward with ``fused_backward=True`` (dense buffers only; CPU-tested, not yet run on a GPU, hence off):
     the same megakernel in its BWD mode (kernels/fused_moe.fused_backward): pull w * dy rows, dgrad2 +
     SwiGLU', dgrad1 pushed into the owners' slots, owners sum dx; then split's deterministic wgrad kernels.
@@ -126,7 +130,8 @@ class FusedBackend:
 
     def __init__(self, moe, ring_blocks: int | None = None, programs: int | None = None,
                  lookahead: int | None = None, pull_split: int | None = None, group_blocks: int | None = None,
-                 comm_sms: int | None = None, timeout_s: float = 60.0, fused_backward: bool = False):
+                 comm_sms: int | None = None, timeout_s: float = 60.0, fused_backward: bool = False,
+                 combine: str = "push"):
         cfg = moe.config
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"backend 'fused' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
@@ -160,6 +165,9 @@ class FusedBackend:
             ring_blocks = int(ring_blocks)
             if ring_blocks < self.config.lag + 3:
                 raise ValueError(f"ring_blocks must be >= {self.config.lag + 3} (lag + 3), got {ring_blocks}")
+        if combine not in ("push", "pull"):
+            raise ValueError(f"combine must be 'push' or 'pull', got {combine!r}")
+        self.config = self.config.with_(combine=combine)
         if fused_backward not in (True, False, 0, 1):
             raise ValueError(f"fused_backward must be a flag (True/False or 1/0), got {fused_backward!r}")
         if fused_backward and ring_blocks:

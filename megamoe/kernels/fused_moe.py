@@ -86,6 +86,7 @@ from megamoe.comm.signals import (
     READY,
     REG_CTRL,
     REG_ERR,
+    REG_ROWS,
     REG_SLOTS,
     REG_TOK,
     REG_W,
@@ -317,6 +318,7 @@ def _fused_fwd_kernel(
     h_ptr,                  # h [NROWS, 2I] bf16 (STORE_H)
     offs_ptr,               # int32 [E_l + 1] (schedule)
     row_src_ptr, row_tok_ptr, row_slot_ptr,  # int32 [R_cap] (schedule): (source rank, token, slot) per row
+    dest_rank_ptr, dest_row_ptr,  # int32 [T_max, K] (schedule): expert rank and receive row of own (t, j)
     gate_ptr,               # fp32 [T, K] this rank's gates
     y_ptr,                  # [T, H] out
     save_ptr,               # [T, K, H] out (SAVE): un-gated expert outputs of this rank's slots
@@ -327,7 +329,7 @@ def _fused_fwd_kernel(
     GB: tl.constexpr, ABLATE: tl.constexpr, PULL_SPLIT: tl.constexpr, ROWS_P: tl.constexpr,
     BLOCK_H: tl.constexpr, ROWS_C: tl.constexpr, BLOCK_HC: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, STORE_H: tl.constexpr, SAVE: tl.constexpr,
-    ALIGNED: tl.constexpr, WP2: tl.constexpr, BWD: tl.constexpr,
+    ALIGNED: tl.constexpr, WP2: tl.constexpr, BWD: tl.constexpr, PULL_COMBINE: tl.constexpr,
 ):
     """grid (P,): see the module docstring. BWD: the backward pass through the same item structure (x -> g_out
     pulled with gates, act -> dh, w13 -> w2 and w2 -> w13 read transposed, y -> dx summed without gates)."""
@@ -433,8 +435,13 @@ def _fused_fwd_kernel(
                                     bw = bw.to(tl.float32)
                                 acc = tl.dot(a, bw, acc)
                         if (ABLATE & 2) == 0:
-                            _push_epilogue(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr,
-                                           H, K, BM, BN2, DT, EPI_SPLIT2)
+                            if PULL_COMBINE:  # keep the rows here, at their receive rows; owners pull them later
+                                rows_here = region_ptr(tab, REG_ROWS, W, rank, DT)
+                                _epilogue(acc, acc, row0, off_n, row0 + nrows, j, 0, H, rows_here, H, rows_here, H,
+                                          gate_ptr, gate_ptr, BM, BN2, 0, False, False, EPI_SPLIT2)
+                            else:
+                                _push_epilogue(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr,
+                                               row_slot_ptr, H, K, BM, BN2, DT, EPI_SPLIT2)
                     signal_counter(g2 + b)
                     go = fine
     # every push of this rank has been issued: the last program tells every rank
@@ -454,7 +461,13 @@ def _fused_fwd_kernel(
                 acc = tl.zeros((ROWS_C, BLOCK_HC), dtype=tl.float32)
                 for jk in tl.static_range(K):
                     o2 = (t.to(tl.int64) * K + jk)[:, None] * H + oh[None, :]
-                    v = tl.load(slots + o2, mask=m2, other=0.0)
+                    if PULL_COMBINE:  # the row of slot (t, jk) on its expert rank, over NVLink
+                        drank = tl.load(dest_rank_ptr + t * K + jk, mask=mt, other=0)
+                        drow = tl.load(dest_row_ptr + t * K + jk, mask=mt, other=0)
+                        src = tl.load(tab + REG_ROWS * W + drank, mask=mt, other=0).to(tl.pointer_type(DT))
+                        v = tl.load(src[:, None] + drow.to(tl.int64)[:, None] * H + oh[None, :], mask=m2, other=0.0)
+                    else:
+                        v = tl.load(slots + o2, mask=m2, other=0.0)
                     if SAVE:
                         tl.store(save_ptr + o2, v, mask=m2)
                     if BWD:  # dx[t] = sum_j d_recv rows (unweighted)
@@ -510,6 +523,8 @@ class FusedConfig:
     pull_split: int = 1      # pull items per block (each moves block rows / pull_split rows)
     group: int = 8           # blocks per step; GEMM items of a step go j-major over them, so the tiles that read one
                              # weight tile run at the same time (L2 reuse, like split's GROUP_M swizzle)
+    combine: str = "push"    # "push": GEMM2 stores rows into the owners' slots; "pull": rows stay in this rank's
+                             # ``rows`` region and owners pull their k rows after DONE (split's gather, in-kernel)
     ablate: int = 0          # diagnostics only, results are WRONG: bit 1 skips the pull copy, 2 the push, 4 GEMM2
     use_tma: bool | None = None
 
@@ -611,7 +626,7 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     compiled = _fused_fwd_kernel[(P,)](
         heap.tab, heap.world, heap.rank,
         x_desc, xbuf, w13_desc, w13, act_desc, act, w2_desc, w2, h if h is not None else act,
-        sched.offs, sched.row_src, sched.row_tok, sched.row_slot, gate,
+        sched.offs, sched.row_src, sched.row_tok, sched.row_slot, sched.dest_rank, sched.dest_row, gate,
         y if T > 0 else act, saved if saved is not None else act, ctr,
         T, H, I, I, E_l, nb_max, ring_blocks, L1, L2, heap.timeout_ns,
         K=k, BM=BM, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
@@ -619,6 +634,7 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
         PULL_SPLIT=cfg.pull_split, ROWS_P=rows_p, BLOCK_H=block_h,
         ROWS_C=max(1, 4096 // block_hc), BLOCK_HC=block_hc, USE_TMA=use_tma, DOT_F32=interpreting(),
         STORE_H=h is not None, SAVE=saved is not None, ALIGNED=(H * 2) % 16 == 0, WP2=heap.wp2, BWD=False,
+        PULL_COMBINE=cfg.combine == "pull",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     record("_fused_fwd_kernel", compiled)
@@ -688,7 +704,7 @@ def fused_backward(heap, dy: torch.Tensor, topk_w: torch.Tensor, state: FusedSta
     compiled = _fused_fwd_kernel[(P,)](
         heap.tab, heap.world, heap.rank,
         g_desc, g_out, w2_kn, w2, dh_desc, dh, w13_kn, w13, state.h,
-        sched.offs, sched.row_src, sched.row_tok, sched.row_slot, topk_w,
+        sched.offs, sched.row_src, sched.row_tok, sched.row_slot, sched.dest_rank, sched.dest_row, topk_w,
         dx if T > 0 else dh, dh, ctr,
         T, H, I, 2 * I, E_l, nb_max, 0, L1, L2, heap.timeout_ns,
         K=k, BM=BM, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
@@ -696,6 +712,7 @@ def fused_backward(heap, dy: torch.Tensor, topk_w: torch.Tensor, state: FusedSta
         PULL_SPLIT=cfg.pull_split, ROWS_P=rows_p, BLOCK_H=block_h,
         ROWS_C=max(1, 4096 // block_hc), BLOCK_HC=block_hc, USE_TMA=use_tma, DOT_F32=interpreting(),
         STORE_H=False, SAVE=False, ALIGNED=(H * 2) % 16 == 0, WP2=heap.wp2, BWD=True,
+        PULL_COMBINE=cfg.combine == "pull",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     record("_fused_fwd_kernel[bwd]", compiled)
