@@ -1,0 +1,238 @@
+"""Device-side pieces of the MoE megakernel (megamoe/kernels/fused_moe.py): local tile counters with bounded
+waits, block bookkeeping, the pipelined row pull and the combine push.
+
+Shape legend as in fused_moe.py: W world size, H hidden, K top-k, BM rows of a block, NS ring slots (0: dense).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from megamoe.comm.signals import (
+    ERR_CALL,
+    ERR_EXPECTED,
+    ERR_FLAG,
+    ERR_LOCAL,
+    ERR_LOCAL_CLAIM,
+    ERR_OP,
+    ERR_PEER,
+    ERR_PURPOSE,
+    ERR_RANK,
+    ERR_SEEN,
+    INTERPRET,
+    OP_FUSED,
+    REG_CTRL,
+    REG_ERR,
+    REG_SLOTS,
+    REG_TOK,
+    REG_W,
+    ld_acquire,
+    now_ns,
+    region_ptr,
+)
+
+PURPOSE_TILE = tl.constexpr(2)
+
+if INTERPRET:
+
+    @triton.jit
+    def fence_proxy_async():
+        """No-op under the interpreter (no async proxy there)."""
+        return 0
+
+else:
+
+    @triton.jit
+    def fence_proxy_async():
+        """``fence.proxy.async.global``: make generic-proxy writes seen via an acquire visible to TMA loads."""
+        return tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+
+
+@triton.jit
+def wait_counter(ptr, target, tab, W, rank, call, timeout_ns):
+    """Wait until the local int64 counter ``*ptr >= target``; bounded like signals.wait_flags (records op
+    'fused', purpose TILE, peer = this rank, on a timeout). Returns True when reached."""
+    ctrl = region_ptr(tab, REG_CTRL, W, rank, tl.int64)
+    seen = ld_acquire(ptr)
+    errv = tl.load(ctrl + ERR_LOCAL, volatile=True)
+    if (seen < target) & (errv == 0):
+        t0 = now_ns()
+        elapsed = now_ns() - t0
+        while (seen < target) & (errv == 0) & (elapsed <= timeout_ns):
+            seen = ld_acquire(ptr)
+            errv = tl.load(ctrl + ERR_LOCAL, volatile=True)
+            elapsed = now_ns() - t0
+        if (seen < target) & (errv == 0):
+            zero = tl.full([], 0, tl.int64)
+            claimed = tl.atomic_cas(ctrl + ERR_LOCAL_CLAIM, zero, zero + 1, sem="acq_rel", scope="gpu")
+            if claimed == 0:
+                err = region_ptr(tab, REG_ERR, W, rank, tl.int64)
+                tl.store(err + ERR_OP, OP_FUSED)
+                tl.store(err + ERR_CALL, call)
+                tl.store(err + ERR_RANK, rank)
+                tl.store(err + ERR_PEER, rank)
+                tl.store(err + ERR_EXPECTED, target)
+                tl.store(err + ERR_SEEN, seen)
+                tl.store(err + ERR_PURPOSE, PURPOSE_TILE)
+                tl.atomic_xchg(err + ERR_FLAG, zero + 1, sem="release", scope="sys")
+                tl.atomic_xchg(ctrl + ERR_LOCAL, zero + 1, sem="release", scope="gpu")
+    tl.debug_barrier()
+    return seen >= target
+
+
+@triton.jit
+def signal_counter(ptr):
+    """All threads' stores of this program so far, then ``*ptr += 1`` with release semantics."""
+    tl.debug_barrier()
+    tl.atomic_add(ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _blocks(offs_ptr, E_l, BM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Per-expert vectors: first receive row, rows, blocks, running sum of blocks; and the block total."""
+    e_idx = tl.arange(0, BLOCK_E)
+    emask = e_idx < E_l
+    starts = tl.load(offs_ptr + e_idx, mask=emask, other=0)
+    ends = tl.load(offs_ptr + e_idx + 1, mask=emask, other=0)
+    cnts = tl.maximum(ends - starts, 0)
+    nblk = (cnts + BM - 1) // BM
+    cum = tl.cumsum(nblk, 0)
+    return e_idx, starts, cnts, cum, tl.sum(nblk, axis=0)
+
+
+@triton.jit
+def _locate(b, e_idx, starts, cnts, cum, NS, BM: tl.constexpr):
+    """block b -> (expert, first receive row, valid rows, first buffer row)."""
+    e = tl.sum((cum <= b).to(tl.int32), axis=0)
+    sel = e_idx == e
+    first_blk = tl.sum(tl.where(sel, cum, 0), axis=0) - tl.sum(tl.where(sel, (cnts + BM - 1) // BM, 0), axis=0)
+    row0 = tl.sum(tl.where(sel, starts, 0), axis=0) + (b - first_blk) * BM
+    nrows = tl.minimum(tl.sum(tl.where(sel, cnts, 0), axis=0) - (b - first_blk) * BM, BM)
+    if NS > 0:
+        base = (b % NS) * BM
+    else:
+        base = row0
+    return e, row0, nrows, base
+
+
+@triton.jit
+def _row_gate(tab, W, row0, r, valid, row_src_ptr, row_tok_ptr, row_slot_ptr, K: tl.constexpr):
+    """fp32 gate w_src[tok, slot] of block rows r, read from the source rank's ``w`` region."""
+    src = tl.load(row_src_ptr + row0 + r, mask=valid, other=0)
+    tok = tl.load(row_tok_ptr + row0 + r, mask=valid, other=0)
+    slot = tl.load(row_slot_ptr + row0 + r, mask=valid, other=0)
+    wp = tl.load(tab + REG_W * W + src, mask=valid, other=0).to(tl.pointer_type(tl.float32))
+    return tl.load(wp + tok * K + slot, mask=valid, other=0.0)
+
+
+@triton.jit
+def _pull_rows_ptrs(tab, W, row0, r_lo, rr, nrows, base, row_src_ptr, row_tok_ptr, x_ptr, H,
+                    DT: tl.constexpr, ALIGNED: tl.constexpr):
+    """Source and destination row pointers of block rows r_lo + rr (valid: < nrows)."""
+    r = r_lo + rr
+    valid = r < nrows
+    src = tl.load(row_src_ptr + row0 + r, mask=valid, other=0)
+    tok = tl.load(row_tok_ptr + row0 + r, mask=valid, other=0)
+    addr = tl.load(tab + REG_TOK * W + src, mask=valid, other=0) + tok.to(tl.int64) * H * (
+        DT.primitive_bitwidth // 8)
+    sp = addr.to(tl.pointer_type(DT))
+    if ALIGNED:
+        sp = tl.multiple_of(sp, 16)
+    dp = x_ptr + (base + r).to(tl.int64) * H
+    return sp, dp, valid
+
+
+@triton.jit
+def _pull_block(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_ptr, row_slot_ptr, x_ptr, H,
+                K: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr,
+                GATED: tl.constexpr):
+    """xbuf[base + r] = tok_{src(r)}[tok(r)] (GATED: times the row's gate w_src[tok, slot], rounded once from
+    fp32, as the scale-only pull does) for block rows r in [r_lo, min(r_hi, nrows)) (one NVLink read per
+    row), in [ROWS_P, BLOCK_H] chunks, software-pipelined: chunk c + 1 is loaded before chunk c is stored,
+    so two chunks of remote reads are in flight per program."""
+    DT = x_ptr.dtype.element_ty
+    rr = tl.arange(0, ROWS_P)
+    hh = tl.arange(0, BLOCK_H)
+    n_h = tl.cdiv(H, BLOCK_H)
+    r_end = tl.minimum(r_hi, nrows)
+    n_chunks = tl.cdiv(r_end - r_lo, ROWS_P) * n_h
+    if n_chunks > 0:
+        sp, dp, valid = _pull_rows_ptrs(tab, W, row0, r_lo, rr, r_end, base, row_src_ptr, row_tok_ptr, x_ptr, H,
+                                        DT, ALIGNED)
+        if GATED:
+            g = _row_gate(tab, W, row0, r_lo + rr, valid, row_src_ptr, row_tok_ptr, row_slot_ptr, K)
+        m = valid[:, None] & (hh < H)[None, :]
+        v = tl.load(sp[:, None] + hh[None, :], mask=m)
+        for c in range(1, n_chunks):
+            ri = c // n_h
+            oh = (c % n_h) * BLOCK_H + hh
+            sp2, dp2, valid2 = _pull_rows_ptrs(tab, W, row0, r_lo + ri * ROWS_P, rr, r_end, base, row_src_ptr,
+                                               row_tok_ptr, x_ptr, H, DT, ALIGNED)
+            m2 = valid2[:, None] & (oh < H)[None, :]
+            v2 = tl.load(sp2[:, None] + oh[None, :], mask=m2)
+            oh_prev = ((c - 1) % n_h) * BLOCK_H + hh
+            if GATED:
+                tl.store(dp[:, None] + oh_prev[None, :], (v.to(tl.float32) * g[:, None]).to(DT), mask=m)
+                g = _row_gate(tab, W, row0, r_lo + ri * ROWS_P + rr, valid2, row_src_ptr, row_tok_ptr,
+                              row_slot_ptr, K)
+            else:
+                tl.store(dp[:, None] + oh_prev[None, :], v, mask=m)
+            v = v2
+            m = m2
+            dp = dp2
+        oh_last = ((n_chunks - 1) % n_h) * BLOCK_H + hh
+        if GATED:
+            tl.store(dp[:, None] + oh_last[None, :], (v.to(tl.float32) * g[:, None]).to(DT), mask=m)
+        else:
+            tl.store(dp[:, None] + oh_last[None, :], v, mask=m)
+
+
+@triton.jit
+def _push_part(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H,
+               K: tl.constexpr, BM: tl.constexpr, NP: tl.constexpr, DT: tl.constexpr):
+    """Store a [BM, NP] slice of GEMM2's output rows into the owners' slots regions."""
+    rr = tl.arange(0, BM)
+    valid = rr < nrows
+    src = tl.load(row_src_ptr + row0 + rr, mask=valid, other=0)
+    tok = tl.load(row_tok_ptr + row0 + rr, mask=valid, other=0)
+    slot = tl.load(row_slot_ptr + row0 + rr, mask=valid, other=0)
+    addr = tl.load(tab + REG_SLOTS * W + src, mask=valid, other=0) + (tok * K + slot).to(tl.int64) * H * (
+        DT.primitive_bitwidth // 8)
+    rn = off_n + tl.arange(0, NP)
+    ptrs = addr.to(tl.pointer_type(DT))[:, None] + rn[None, :]
+    tl.store(ptrs, acc.to(DT), mask=valid[:, None] & (rn < H)[None, :])
+
+
+@triton.jit
+def _halves(x, BM: tl.constexpr, NP: tl.constexpr):
+    x = tl.permute(tl.reshape(x, (BM, 2, NP // 2)), (0, 2, 1))
+    return tl.split(x)
+
+
+@triton.jit
+def _push_epilogue(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H,
+                   K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr,
+                   EPI_SPLIT: tl.constexpr):
+    if EPI_SPLIT == 1:
+        _push_part(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, BM, BN, DT)
+    elif EPI_SPLIT == 2:
+        HN: tl.constexpr = BN // 2
+        a0, a1 = _halves(acc, BM, BN)
+        _push_part(a0, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, BM, HN, DT)
+        _push_part(a1, off_n + HN, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, BM, HN,
+                   DT)
+    else:
+        HN: tl.constexpr = BN // 2
+        QN: tl.constexpr = BN // 4
+        a0, a1 = _halves(acc, BM, BN)
+        a00, a01 = _halves(a0, BM, HN)
+        a10, a11 = _halves(a1, BM, HN)
+        _push_part(a00, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, BM, QN, DT)
+        _push_part(a01, off_n + QN, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, BM, QN,
+                   DT)
+        _push_part(a10, off_n + HN, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, BM, QN,
+                   DT)
+        _push_part(a11, off_n + HN + QN, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, BM,
+                   QN, DT)
