@@ -59,7 +59,8 @@ class MoEConfig:
         dtype: parameter and activation dtype of the layer (the router always computes in fp32 or better).
         max_tokens_per_rank: capacity the communication buffers of the ``split``/``fused`` backends are sized
             for (tokens per rank per call); the ``torch`` backend ignores it.
-        ring_rows: receive-ring rows of the ``fused`` backend (None: sized for the worst case).
+        ring_rows: receive-ring rows of the ``fused`` backend, rounded up to its 128-row blocks (None: sized for
+            the worst case); the backend option ``ring_blocks`` is the same in blocks.
     """
 
     hidden: int

@@ -143,6 +143,13 @@ def _bad_options(rank, world):
         msgs.append(None)
     except ValueError as exc:
         msgs.append(str(exc))
+    try:  # MoEConfig.ring_rows and ring_blocks must agree
+        MoE(preset("tiny", ring_rows=1000), backend="fused", ring_blocks=5)
+        msgs.append(None)
+    except ValueError as exc:
+        msgs.append(str(exc))
+    b = MoE(preset("tiny", ring_rows=1000), backend="fused").backend  # rows rounded up to whole blocks
+    msgs.append((b.ring_blocks, -(-1000 // b.config.block_m)))
     return msgs
 
 
@@ -155,3 +162,5 @@ def test_fused_rejects_bad_options():
     assert msgs[4] is not None and "fused_backward" in msgs[4]
     assert msgs[5] is not None and "combine" in msgs[5]
     assert msgs[6] is not None and "bfloat16" in msgs[6]
+    assert msgs[7] is not None and "ring_rows" in msgs[7]
+    assert msgs[8][0] == msgs[8][1]

@@ -25,7 +25,8 @@ backward with ``fused_backward=True`` (dense buffers only; CPU-tested, not yet r
     SwiGLU', dgrad1 pushed into the owners' slots, owners sum dx; then split's deterministic wgrad kernels.
 
 Options: ``ring_blocks`` (None: dense buffers of R_cap rows, no recompute; an int >= 4: the macrobatch
-ring of that many BM-row blocks, memory independent of routing), ``programs`` (persistent programs of the
+ring of that many BM-row blocks, memory independent of routing; ``MoEConfig.ring_rows`` sets the same ring in
+rows, rounded up to whole blocks), ``programs`` (persistent programs of the
 megakernel; default the SM count), ``lookahead`` (pull -> GEMM1 distance in steps), ``pull_split`` (pull
 items per block), ``group_blocks`` (blocks per step whose GEMM tiles run side by side, sharing weight
 tiles in L2),
@@ -45,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe.backends.split import _side_stream, _wgrads, get_heap  # noqa: F401 - shared heap cache
-from megamoe.comm import signals as S
+from megamoe.comm.combine import stage_grad
 from megamoe.comm.dispatch import dispatch, dispatch_backward, pull_rows
 from megamoe.comm.heap import CommShape, heap_bytes
 from megamoe.experts import gemm1_dgrad, gemm1_swiglu, gemm2_dgrad_swiglu
@@ -64,9 +65,7 @@ def _pull_scaled_dy(dy: torch.Tensor, topk_w: torch.Tensor, handle, num_sms: int
     """g_out [R_cap, H]: g_out[r] = topk_w_s[t, j] * dy_s[t] for received row r = (s, t, j)."""
     heap = handle.heap
     sh = heap.shape
-    w32 = topk_w.to(torch.float32).contiguous().view(torch.int32)
-    S.stage(heap, act=dy.contiguous(), act_reg=S.REG_TOK.value, small=w32, small_reg=S.REG_W.value, ntok=-1,
-            programs=num_sms)
+    stage_grad(heap, dy, topk_w, num_sms)
     rows = torch.empty(sh.rows_cap, sh.hidden, dtype=sh.dtype, device=heap.device)
     pull_rows(heap, handle.schedule, rows, num_sms, scale_only=True)
     return rows
@@ -161,6 +160,12 @@ class FusedBackend:
                                  f"{self.config.block_m} rows, "
                                  f"got {pull_split}")
             self.config = self.config.with_(pull_split=int(pull_split))
+        if cfg.ring_rows is not None:  # MoEConfig.ring_rows: the same ring, in rows (rounded up to blocks)
+            from_cfg = -(-cfg.ring_rows // self.config.block_m)
+            if ring_blocks is not None and int(ring_blocks) != from_cfg:
+                raise ValueError(f"ring_blocks={ring_blocks} contradicts MoEConfig.ring_rows={cfg.ring_rows} "
+                                 f"({from_cfg} blocks of {self.config.block_m} rows); give one of them")
+            ring_blocks = from_cfg
         if ring_blocks is not None:
             ring_blocks = int(ring_blocks)
             if ring_blocks < self.config.lag + 3:

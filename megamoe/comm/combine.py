@@ -189,6 +189,14 @@ def _presum_gather(rows, gated: bool, handle: DispatchHandle, num_sms, out_dtype
     return presum_gather(rows, handle, gated, num_sms, out_dtype)
 
 
+def stage_grad(heap, dy: torch.Tensor, topk_w: torch.Tensor, programs: int) -> None:
+    """Open a new call: dy [T, H] into this rank's ``tok`` region and topk_w [T, k] (as fp32) into ``w``, for
+    the expert ranks' pull of w * dy (combine's backward, and the fused backend's backward)."""
+    w32 = topk_w.to(torch.float32).contiguous().view(torch.int32)
+    S.stage(heap, act=dy.contiguous(), act_reg=S.REG_TOK.value, small=w32, small_reg=S.REG_W.value,
+            ntok=-1, programs=programs)
+
+
 def combine_backward(dy: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor, handle: DispatchHandle,
                      num_sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`combine`: returns (grad_out [R_cap, H] heap dtype, grad_w [T, k] fp32).
@@ -209,9 +217,7 @@ def combine_backward(dy: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor, 
         full = torch.empty(sh.rows_cap, sh.hidden, dtype=sh.dtype, device=heap.device)
         full[: out.shape[0]] = out
         out = full
-    w32 = topk_w.to(torch.float32).contiguous().view(torch.int32)
-    S.stage(heap, act=dy.contiguous(), act_reg=S.REG_TOK.value, small=w32, small_reg=S.REG_W.value,
-            ntok=-1, programs=P)
+    stage_grad(heap, dy, topk_w, P)
     grad_out = torch.empty(sh.rows_cap, sh.hidden, dtype=sh.dtype, device=heap.device)
     pull_rows(heap, handle.schedule, grad_out, P, out=out.contiguous())
     grad_w = torch.empty(T, sh.topk, dtype=torch.float32, device=heap.device)
@@ -220,4 +226,4 @@ def combine_backward(dy: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor, 
     return grad_out, grad_w
 
 
-__all__ = ["combine", "combine_backward", "DONE"]
+__all__ = ["combine", "combine_backward", "stage_grad", "DONE"]

@@ -66,6 +66,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.comm import signals as S
+from megamoe.comm.combine import stage_grad
 from megamoe.comm.dispatch import DispatchHandle
 from megamoe.comm.schedule import build_schedule
 from megamoe.comm.signals import (
@@ -337,9 +338,58 @@ class FusedState:
     saved: torch.Tensor | None   # [T, k, H] un-gated expert outputs of this rank's slots (save)
 
 
-def ring_rows(cfg: FusedConfig, ring_blocks: int) -> int:
-    """Rows of a ring of ``ring_blocks`` blocks."""
-    return ring_blocks * cfg.block_m
+def _plan(cfg: FusedConfig, device: torch.device, H: int, I: int, ring_blocks: int) -> tuple[int, int, int]:
+    """(programs, blocks per step G, lookahead L1) for a launch; with a ring, G and L1 shrink so that every
+    wait is on an earlier item (PULL(b) on GEMM1(b - NS), GEMM1(b) on GEMM2(b - NS): NS // G > L1 + L2)."""
+    P = cfg.programs if cfg.programs is not None else num_sms(device)
+    G, L2 = cfg.group, cfg.lag
+    steps_items = G * (cfg.pull_split + triton.cdiv(I, cfg.bn1) + triton.cdiv(H, cfg.bn2))
+    L1 = cfg.lookahead if cfg.lookahead is not None else triton.cdiv(P, steps_items) + 1
+    if ring_blocks:
+        G = max(1, min(G, ring_blocks // (L2 + 3)))
+        if ring_blocks < G * (L2 + 3):
+            raise ValueError(f"ring of {ring_blocks} blocks is too small: needs >= lag + 3 = {L2 + 3} blocks")
+        L1 = max(1, min(L1, ring_blocks // G - L2 - 2))
+    return P, G, L1
+
+
+def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y, save, T: int, I: int, k2: int,
+            nb_max: int, ring_blocks: int, group: int, lookahead: int, bwd: bool) -> None:
+    """Launch :func:`_fused_fwd_kernel` on P programs. Forward: a = received rows [NROWS, H], w1 = w13, act =
+    act [NROWS, I], w2 = w2 (both weights read [N, K]). Backward (``bwd``): a = g_out, w1 = w2 and w2 = w13 read
+    transposed ([K, N]), act = dh [NROWS, 2I], h read; k2 is GEMM2's reduction length (I, or 2I backward)."""
+    sh = heap.shape
+    H, k, E_l = sh.hidden, sh.topk, sh.local_experts
+    BM, BK = cfg.block_m, cfg.block_k
+    if BM % cfg.pull_split:
+        raise ValueError(f"pull_split={cfg.pull_split} must divide the block's {BM} rows")
+    use_tma = cfg.use_tma if cfg.use_tma is not None else tma_ok([a, act, w1, w2])
+    if use_tma:
+        a_desc = TensorDescriptor.from_tensor(a, [BM, BK])
+        act_desc = TensorDescriptor.from_tensor(act, [BM, BK])
+        w1_desc = TensorDescriptor.from_tensor(w1, [1, BK, cfg.bn1] if bwd else [1, cfg.bn1, BK])
+        w2_desc = TensorDescriptor.from_tensor(w2, [1, BK, cfg.bn2] if bwd else [1, cfg.bn2, BK])
+    else:
+        a_desc = act_desc = w1_desc = w2_desc = None
+    block_h = min(triton.next_power_of_2(H), 2048)
+    block_hc = min(triton.next_power_of_2(H), 1024)
+    ctr = torch.zeros(1 + 3 * nb_max, dtype=torch.int64, device=heap.device)
+    compiled = _fused_fwd_kernel[(P,)](
+        heap.tab, heap.world, heap.rank,
+        a_desc, a, w1_desc, w1, act_desc, act, w2_desc, w2, h if h is not None else act,
+        sched.offs, sched.row_src, sched.row_tok, sched.row_slot, sched.dest_rank, sched.dest_row, gate,
+        y if T > 0 else act, save if save is not None else act, ctr,
+        T, H, I, k2, E_l, nb_max, ring_blocks, lookahead, cfg.lag, heap.timeout_ns,
+        K=k, BM=BM, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
+        EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, GB=group, ABLATE=cfg.ablate,
+        PULL_SPLIT=cfg.pull_split, ROWS_P=max(1, min(BM // cfg.pull_split, cfg.pull_elems // block_h)),
+        BLOCK_H=block_h, ROWS_C=max(1, 4096 // block_hc), BLOCK_HC=block_hc, USE_TMA=use_tma,
+        DOT_F32=interpreting(), STORE_H=h is not None and not bwd, SAVE=save is not None,
+        ALIGNED=(H * 2) % 16 == 0, WP2=heap.wp2, BWD=bwd, PULL_COMBINE=cfg.combine == "pull",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    record("_fused_fwd_kernel", compiled)
+    heap.after_launch()
 
 
 def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w13: torch.Tensor,
@@ -365,19 +415,8 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     if tuple(topk_idx.shape) != (T, k) or tuple(topk_w.shape) != (T, k):
         raise ValueError(f"topk_idx and topk_w must be [T={T}, k={k}]")
     BM = cfg.block_m
-    GB = cfg.group
-    L2 = cfg.lag
     dev = heap.device
-    P = cfg.programs if cfg.programs is not None else num_sms(dev)
-    T1, T2 = triton.cdiv(I, cfg.bn1), triton.cdiv(H, cfg.bn2)
-    PS = GB * (cfg.pull_split + T1 + T2)
-    L1 = cfg.lookahead if cfg.lookahead is not None else triton.cdiv(P, PS) + 1
-    if ring_blocks:
-        GB = max(1, min(GB, ring_blocks // (L2 + 3)))
-        if ring_blocks < GB * (L2 + 3):
-            raise ValueError(f"ring of {ring_blocks} blocks is too small: needs >= lag + 3 = {L2 + 3} blocks")
-        # every wait is on an earlier item: PULL(b) on GEMM1(b - NS), GEMM1(b) on GEMM2(b - NS)
-        L1 = max(1, min(L1, ring_blocks // GB - L2 - 2))
+    P, GB, L1 = _plan(cfg, dev, H, I, ring_blocks)
     # 1. stage x and the routing, publish READY; 2. schedule (device-side, no host reads)
     Pc = max(1, int(comm_programs or heap.num_sms))
     tok = heap.tokens_buffer()
@@ -394,38 +433,9 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     h = torch.empty(nrows, 2 * I, dtype=x.dtype, device=dev) if (store_h and not ring_blocks) else None
     y = torch.empty(T, H, dtype=x.dtype, device=dev)
     saved = torch.empty(T, k, H, dtype=x.dtype, device=dev) if save else None
-    ctr = torch.zeros(1 + 3 * nb_max, dtype=torch.int64, device=dev)
     gate = topk_w.to(torch.float32).contiguous()
-    use_tma = cfg.use_tma if cfg.use_tma is not None else tma_ok([xbuf, act, w13, w2])
-    BK = cfg.block_k
-    if use_tma:
-        x_desc = TensorDescriptor.from_tensor(xbuf, [BM, BK])
-        act_desc = TensorDescriptor.from_tensor(act, [BM, BK])
-        w13_desc = TensorDescriptor.from_tensor(w13, [1, cfg.bn1, BK])
-        w2_desc = TensorDescriptor.from_tensor(w2, [1, cfg.bn2, BK])
-    else:
-        x_desc = act_desc = w13_desc = w2_desc = None
-    block_h = min(triton.next_power_of_2(H), 2048)
-    if BM % cfg.pull_split:
-        raise ValueError(f"pull_split={cfg.pull_split} must divide the block's {BM} rows")
-    rows_p = max(1, min(BM // cfg.pull_split, cfg.pull_elems // block_h))
-    block_hc = min(triton.next_power_of_2(H), 1024)
-    compiled = _fused_fwd_kernel[(P,)](
-        heap.tab, heap.world, heap.rank,
-        x_desc, xbuf, w13_desc, w13, act_desc, act, w2_desc, w2, h if h is not None else act,
-        sched.offs, sched.row_src, sched.row_tok, sched.row_slot, sched.dest_rank, sched.dest_row, gate,
-        y if T > 0 else act, saved if saved is not None else act, ctr,
-        T, H, I, I, E_l, nb_max, ring_blocks, L1, L2, heap.timeout_ns,
-        K=k, BM=BM, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
-        EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, GB=GB, ABLATE=cfg.ablate,
-        PULL_SPLIT=cfg.pull_split, ROWS_P=rows_p, BLOCK_H=block_h,
-        ROWS_C=max(1, 4096 // block_hc), BLOCK_HC=block_hc, USE_TMA=use_tma, DOT_F32=interpreting(),
-        STORE_H=h is not None, SAVE=saved is not None, ALIGNED=(H * 2) % 16 == 0, WP2=heap.wp2, BWD=False,
-        PULL_COMBINE=cfg.combine == "pull",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    record("_fused_fwd_kernel", compiled)
-    heap.after_launch()
+    _launch(heap, cfg, sched, P, a=xbuf, w1=w13, act=act, w2=w2, h=h, gate=gate, y=y, save=saved, T=T, I=I,
+            k2=I, nb_max=nb_max, ring_blocks=ring_blocks, group=GB, lookahead=L1, bwd=False)
     return y, FusedState(handle=handle, xbuf=xbuf, act=act, h=h, saved=saved)
 
 
@@ -455,53 +465,18 @@ def fused_backward(heap, dy: torch.Tensor, topk_w: torch.Tensor, state: FusedSta
     if state.h is None:
         raise ValueError("fused_backward needs the forward's h (dense buffers, store_h=True)")
     T = dy.shape[0]
-    H, k, E_l = sh.hidden, sh.topk, sh.local_experts
+    H, E_l = sh.hidden, sh.local_experts
     I = w2.shape[2]
-    handle = state.handle
-    sched = handle.schedule
-    BM, GB, L2 = cfg.block_m, cfg.group, cfg.lag
+    sched = state.handle.schedule
+    BM = cfg.block_m
     dev = heap.device
-    P = cfg.programs if cfg.programs is not None else num_sms(dev)
-    T1, T2 = triton.cdiv(I, cfg.bn1), triton.cdiv(H, cfg.bn2)
-    L1 = cfg.lookahead if cfg.lookahead is not None else triton.cdiv(P, GB * (cfg.pull_split + T1 + T2)) + 1
-    Pc = max(1, int(comm_programs or heap.num_sms))
-    w32 = topk_w.to(torch.float32).contiguous().view(torch.int32)
-    S.stage(heap, act=dy.contiguous(), act_reg=S.REG_TOK.value, small=w32, small_reg=S.REG_W.value, ntok=-1,
-            programs=Pc)
+    P, GB, L1 = _plan(cfg, dev, H, I, 0)
+    stage_grad(heap, dy, topk_w, max(1, int(comm_programs or heap.num_sms)))
     nrows = sh.rows_cap
     nb_max = triton.cdiv(nrows, BM) + E_l + GB
     g_out = torch.empty(nrows, H, dtype=dy.dtype, device=dev)
     dh = torch.empty(nrows, 2 * I, dtype=dy.dtype, device=dev)
     dx = torch.empty(T, H, dtype=dy.dtype, device=dev)
-    ctr = torch.zeros(1 + 3 * nb_max, dtype=torch.int64, device=dev)
-    use_tma = cfg.use_tma if cfg.use_tma is not None else tma_ok([g_out, dh, w13, w2])
-    BK = cfg.block_k
-    if use_tma:
-        g_desc = TensorDescriptor.from_tensor(g_out, [BM, BK])
-        dh_desc = TensorDescriptor.from_tensor(dh, [BM, BK])
-        w2_kn = TensorDescriptor.from_tensor(w2, [1, BK, cfg.bn1])    # [E_l, K = H, N = I]
-        w13_kn = TensorDescriptor.from_tensor(w13, [1, BK, cfg.bn2])  # [E_l, K = 2I, N = H]
-    else:
-        g_desc = dh_desc = w2_kn = w13_kn = None
-    block_h = min(triton.next_power_of_2(H), 2048)
-    if BM % cfg.pull_split:
-        raise ValueError(f"pull_split={cfg.pull_split} must divide the block's {BM} rows")
-    rows_p = max(1, min(BM // cfg.pull_split, cfg.pull_elems // block_h))
-    block_hc = min(triton.next_power_of_2(H), 1024)
-    compiled = _fused_fwd_kernel[(P,)](
-        heap.tab, heap.world, heap.rank,
-        g_desc, g_out, w2_kn, w2, dh_desc, dh, w13_kn, w13, state.h,
-        sched.offs, sched.row_src, sched.row_tok, sched.row_slot, sched.dest_rank, sched.dest_row, topk_w,
-        dx if T > 0 else dh, dh, ctr,
-        T, H, I, 2 * I, E_l, nb_max, 0, L1, L2, heap.timeout_ns,
-        K=k, BM=BM, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
-        EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, GB=GB, ABLATE=0,
-        PULL_SPLIT=cfg.pull_split, ROWS_P=rows_p, BLOCK_H=block_h,
-        ROWS_C=max(1, 4096 // block_hc), BLOCK_HC=block_hc, USE_TMA=use_tma, DOT_F32=interpreting(),
-        STORE_H=False, SAVE=False, ALIGNED=(H * 2) % 16 == 0, WP2=heap.wp2, BWD=True,
-        PULL_COMBINE=cfg.combine == "pull",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    record("_fused_fwd_kernel[bwd]", compiled)
-    heap.after_launch()
+    _launch(heap, cfg, sched, P, a=g_out, w1=w2, act=dh, w2=w13, h=state.h, gate=topk_w, y=dx, save=None, T=T,
+            I=I, k2=2 * I, nb_max=nb_max, ring_blocks=0, group=GB, lookahead=L1, bwd=True)
     return dx, g_out, dh

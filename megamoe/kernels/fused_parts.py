@@ -31,6 +31,7 @@ from megamoe.comm.signals import (
     now_ns,
     region_ptr,
 )
+from megamoe.kernels.grouped_gemm import _halves
 
 PURPOSE_TILE = tl.constexpr(2)
 
@@ -203,12 +204,6 @@ def _push_part(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_sl
     rn = off_n + tl.arange(0, NP)
     ptrs = addr.to(tl.pointer_type(DT))[:, None] + rn[None, :]
     tl.store(ptrs, acc.to(DT), mask=valid[:, None] & (rn < H)[None, :])
-
-
-@triton.jit
-def _halves(x, BM: tl.constexpr, NP: tl.constexpr):
-    x = tl.permute(tl.reshape(x, (BM, 2, NP // 2)), (0, 2, 1))
-    return tl.split(x)
 
 
 @triton.jit
