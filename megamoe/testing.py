@@ -223,3 +223,72 @@ def gpu_cases(world: int) -> list[LayerCase]:
 
 #: tolerances of the checks (relative error vs float64)
 TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2, "fp64": 1e-12}
+
+
+def training_step(rank: int, backend: str, tokens: int = 2048, **backend_options):
+    """A qwen3-30b-a3b layer on GPU ``rank`` and a closure running one forward + backward + SGD step on fixed
+    inputs (returns the layer output); for the GPU tests' sync-free and CUDA-graph checks."""
+    dev = torch.device("cuda", rank)
+    cfg = preset("qwen3-30b-a3b", max_tokens_per_rank=tokens)
+    moe = MoE(cfg, backend=backend, device=dev, seed=1, **backend_options)
+    opt = torch.optim.SGD(moe.parameters(), lr=1e-3)
+    gen = torch.Generator(device=dev).manual_seed(rank)
+    x = torch.randn(tokens, cfg.hidden, device=dev, dtype=cfg.dtype, generator=gen)
+    dy = torch.randn(tokens, cfg.hidden, device=dev, dtype=cfg.dtype, generator=gen)
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        out = moe(x)
+        out.out.backward(dy)
+        opt.step()
+        return out.out
+
+    return dev, moe, step
+
+
+def sync_free_step(step) -> bool:
+    """After two warm-up steps (compile every kernel, allocate gradients), one step under
+    ``torch.cuda.set_sync_debug_mode("error")``: raises if anything in it synchronises with the host."""
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return True
+
+
+def graph_replay_vs_eager(dev: torch.device, moe: MoE, step) -> dict:
+    """A training step captured in a CUDA graph replays like eager from the same parameters.
+
+    Everything runs on one side stream from the start (torch's whole-network capture recipe): seen
+    2026-11-29, a step whose gradients were first made on the legacy default stream cannot be captured
+    ("operation would make the legacy stream depend on a capturing blocking stream"), while the same step
+    warmed up on the side stream captured and replayed on 1, 2 and 4 ranks (benchmarks/diag_graph.py).
+    Returns {"graph_out_equal", "graph_w_equal"}: two replays against two eager steps, bit for bit.
+    """
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()  # warm-up: compile, allocate gradients on s
+        state = {k: v.clone() for k, v in moe.state_dict().items()}
+        eager = [step().clone() for _ in range(2)]
+        eager_w = moe.w13.detach().clone()
+        moe.load_state_dict(state)
+    s.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s):
+        static_out = step()
+    replay = []
+    with torch.cuda.stream(s):
+        moe.load_state_dict(state)
+        for _ in range(2):
+            graph.replay()
+            replay.append(static_out.clone())
+    s.synchronize()
+    return {"graph_out_equal": all(torch.equal(a, b) for a, b in zip(eager, replay, strict=True)),
+            "graph_w_equal": torch.equal(eager_w, moe.w13.detach())}

@@ -8,7 +8,18 @@ import pytest
 import torch
 
 from megamoe.dist import spawn
-from megamoe.testing import TOLERANCE, LayerCase, bf16_cases, determinism_case, gpu_cases, layer_case, qwen3_experts
+from megamoe.testing import (
+    TOLERANCE,
+    LayerCase,
+    bf16_cases,
+    determinism_case,
+    gpu_cases,
+    graph_replay_vs_eager,
+    layer_case,
+    qwen3_experts,
+    sync_free_step,
+    training_step,
+)
 
 pytestmark = pytest.mark.gpu
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -60,67 +71,14 @@ def test_fused_on_gpus(world):
     assert cycled >= 1, "the skewed case should make the smallest ring cycle"
 
 
-def _setup(rank: int, **opts):
-    from megamoe import MoE, preset
-
-    dev = torch.device("cuda", rank)
-    cfg = preset("qwen3-30b-a3b", max_tokens_per_rank=2048)
-    moe = MoE(cfg, backend="fused", device=dev, seed=1, **opts)
-    opt = torch.optim.SGD(moe.parameters(), lr=1e-3)
-    gen = torch.Generator(device=dev).manual_seed(rank)
-    x = torch.randn(2048, cfg.hidden, device=dev, dtype=cfg.dtype, generator=gen)
-    dy = torch.randn(2048, cfg.hidden, device=dev, dtype=cfg.dtype, generator=gen)
-
-    def step():
-        opt.zero_grad(set_to_none=False)
-        out = moe(x)
-        out.out.backward(dy)
-        opt.step()
-        return out.out
-
-    return dev, moe, step
-
-
 def _sync_free(rank: int, world: int) -> bool:
     for opts in ({}, {"ring_blocks": 16}, {"fused_backward": True}):
-        dev, moe, step = _setup(rank, **opts)
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
+        sync_free_step(training_step(rank, "fused", **opts)[2])
     return True
 
 
 def _graph_step(rank: int, world: int) -> dict:
-    """Same recipe as test_gpu_split._graph_step: everything on one side stream from the start."""
-    dev, moe, step = _setup(rank)
-    s = torch.cuda.Stream(dev)
-    s.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-        state = {k: v.clone() for k, v in moe.state_dict().items()}
-        eager = [step().clone() for _ in range(2)]
-        eager_w = moe.w13.detach().clone()
-        moe.load_state_dict(state)
-    s.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=s):
-        static_out = step()
-    replay = []
-    with torch.cuda.stream(s):
-        moe.load_state_dict(state)
-        for _ in range(2):
-            graph.replay()
-            replay.append(static_out.clone())
-    s.synchronize()
-    return {"graph_out_equal": all(torch.equal(a, b) for a, b in zip(eager, replay, strict=True)),
-            "graph_w_equal": torch.equal(eager_w, moe.w13.detach())}
+    return graph_replay_vs_eager(*training_step(rank, "fused"))
 
 
 @pytest.mark.skipif(NGPU < 1, reason="needs a GPU")

@@ -13,8 +13,11 @@ from megamoe.testing import (
     bf16_cases,
     determinism_case,
     gpu_cases,
+    graph_replay_vs_eager,
     layer_case,
     qwen3_experts,
+    sync_free_step,
+    training_step,
 )
 
 pytestmark = pytest.mark.gpu
@@ -42,73 +45,14 @@ def test_split_on_gpus(world):
                 assert r[key] < TOLERANCE["bf16"], f"{r['case']} rank {r['rank']}: {key} rel err {r[key]:.3g}"
 
 
-def _setup(rank: int, **options):
-    from megamoe import MoE, preset
-
-    dev = torch.device("cuda", rank)
-    cfg = preset("qwen3-30b-a3b", max_tokens_per_rank=2048)
-    moe = MoE(cfg, backend="split", device=dev, seed=1, **options)
-    opt = torch.optim.SGD(moe.parameters(), lr=1e-3)
-    gen = torch.Generator(device=dev).manual_seed(rank)
-    x = torch.randn(2048, cfg.hidden, device=dev, dtype=cfg.dtype, generator=gen)
-    dy = torch.randn(2048, cfg.hidden, device=dev, dtype=cfg.dtype, generator=gen)
-
-    def step():
-        opt.zero_grad(set_to_none=False)
-        out = moe(x)
-        out.out.backward(dy)
-        opt.step()
-        return out.out
-
-    return dev, moe, step
-
-
 def _sync_free(rank: int, world: int, options: dict | None = None) -> bool:
     """No host-device synchronisation anywhere in a forward+backward+optimizer step."""
-    dev, moe, step = _setup(rank, **(options or {}))
-    for _ in range(2):  # warm-up: compile every kernel, allocate gradients
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    return True
+    return sync_free_step(training_step(rank, "split", **(options or {}))[2])
 
 
 def _graph_step(rank: int, world: int) -> dict:
-    """A training step captured in a CUDA graph replays like eager from the same parameters.
-
-    Everything runs on one side stream from the start (torch's whole-network capture recipe): seen
-    2026-11-29, a step whose gradients were first made on the legacy default stream cannot be captured
-    ("operation would make the legacy stream depend on a capturing blocking stream"), while the same step
-    warmed up on the side stream captured and replayed on 1, 2 and 4 ranks (benchmarks/diag_graph.py).
-    """
-    dev, moe, step = _setup(rank)
-    s = torch.cuda.Stream(dev)
-    s.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()  # warm-up: compile, allocate gradients on s
-        state = {k: v.clone() for k, v in moe.state_dict().items()}
-        eager = [step().clone() for _ in range(2)]
-        eager_w = moe.w13.detach().clone()
-        moe.load_state_dict(state)
-    s.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=s):
-        static_out = step()
-    replay = []
-    with torch.cuda.stream(s):
-        moe.load_state_dict(state)
-        for _ in range(2):
-            graph.replay()
-            replay.append(static_out.clone())
-    s.synchronize()
-    return {"graph_out_equal": all(torch.equal(a, b) for a, b in zip(eager, replay, strict=True)),
-            "graph_w_equal": torch.equal(eager_w, moe.w13.detach())}
+    """A training step captured in a CUDA graph replays like eager (megamoe.testing.graph_replay_vs_eager)."""
+    return graph_replay_vs_eager(*training_step(rank, "split"))
 
 
 @pytest.mark.skipif(NGPU < 2, reason="needs 2+ GPUs")

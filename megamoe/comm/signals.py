@@ -166,21 +166,30 @@ def wait_flags(tab, W, rank, purpose, lo, hi, expected, op, timeout_ns, WP2: tl.
     if (tl.min(seen, axis=0) < expected) & (errv == 0):
         peer = tl.min(tl.where(seen < expected, offs, WP2), axis=0)
         got = tl.sum(tl.where(offs == peer, seen, 0), axis=0)
-        zero = tl.full([], 0, tl.int64)
-        claimed = tl.atomic_cas(ctrl + ERR_LOCAL_CLAIM, zero, zero + 1, sem="acq_rel", scope="gpu")
-        if claimed == 0:
-            err = region_ptr(tab, REG_ERR, W, rank, tl.int64)  # host-visible record
-            tl.store(err + ERR_OP, op)
-            tl.store(err + ERR_CALL, expected)
-            tl.store(err + ERR_RANK, rank)
-            tl.store(err + ERR_PEER, peer)
-            tl.store(err + ERR_EXPECTED, expected)
-            tl.store(err + ERR_SEEN, got)
-            tl.store(err + ERR_PURPOSE, purpose)
-            tl.atomic_xchg(err + ERR_FLAG, zero + 1, sem="release", scope="sys")
-            tl.atomic_xchg(ctrl + ERR_LOCAL, zero + 1, sem="release", scope="gpu")
+        record_timeout(tab, W, rank, op, expected, peer, expected, got, purpose)
     tl.debug_barrier()
     return ok
+
+
+@triton.jit
+def record_timeout(tab, W, rank, op, call, peer, expected, seen, purpose):
+    """Claim this rank's error record (one compare-and-swap, so the first timeout wins) and write it: op, call
+    number, rank, the peer waited for, what was expected and seen, and the purpose; then raise the host-visible
+    flag and its device mirror, which every later wait polls."""
+    ctrl = region_ptr(tab, REG_CTRL, W, rank, tl.int64)
+    zero = tl.full([], 0, tl.int64)
+    claimed = tl.atomic_cas(ctrl + ERR_LOCAL_CLAIM, zero, zero + 1, sem="acq_rel", scope="gpu")
+    if claimed == 0:
+        err = region_ptr(tab, REG_ERR, W, rank, tl.int64)  # host-visible record
+        tl.store(err + ERR_OP, op)
+        tl.store(err + ERR_CALL, call)
+        tl.store(err + ERR_RANK, rank)
+        tl.store(err + ERR_PEER, peer)
+        tl.store(err + ERR_EXPECTED, expected)
+        tl.store(err + ERR_SEEN, seen)
+        tl.store(err + ERR_PURPOSE, purpose)
+        tl.atomic_xchg(err + ERR_FLAG, zero + 1, sem="release", scope="sys")
+        tl.atomic_xchg(ctrl + ERR_LOCAL, zero + 1, sem="release", scope="gpu")
 
 
 @triton.jit

@@ -84,7 +84,6 @@ from megamoe.comm.signals import (
     wait_flags,
 )
 from megamoe.kernels.fused_parts import (
-    _blocks,
     _locate,
     _pull_block,
     _push_epilogue,
@@ -93,7 +92,7 @@ from megamoe.kernels.fused_parts import (
     wait_counter,
 )
 from megamoe.kernels.gemm_config import interpreting, num_sms, record, tma_ok
-from megamoe.kernels.grouped_gemm import _epilogue, _load_a, _load_b
+from megamoe.kernels.grouped_gemm import _epilogue, _expert_tiles, _load_a, _load_b
 
 
 @triton.jit
@@ -126,7 +125,7 @@ def _fused_fwd_kernel(
     call = current_call(tab, W, rank)
     ok = wait_flags(tab, W, rank, READY, 0, W, call, OP_FUSED, timeout_ns, WP2)
     DT = y_ptr.dtype.element_ty
-    e_idx, starts, cnts, cum, nb = _blocks(offs_ptr, E_l, BM, BLOCK_E)
+    e_idx, starts, cnts, nblk, cum, nb = _expert_tiles(offs_ptr, E_l, 1, BM, 1, BLOCK_E)  # BM-row blocks
     T1 = tl.cdiv(I, BN1)
     T2 = tl.cdiv(H, BN2)
     PS = GB * (PULL_SPLIT + T1 + T2)
@@ -145,7 +144,7 @@ def _fused_fwd_kernel(
                 b = s * GB + sub // PULL_SPLIT
                 part_i = sub % PULL_SPLIT
                 if b < nb:
-                    e, row0, nrows, base = _locate(b, e_idx, starts, cnts, cum, NS, BM)
+                    e, row0, nrows, base = _locate(b, e_idx, starts, cnts, nblk, cum, NS, BM)
                     free = b >= 0
                     if NS > 0:
                         if b >= NS:  # the slot's previous block has been read by all its GEMM1 tiles
@@ -161,7 +160,7 @@ def _fused_fwd_kernel(
                 b = (s - L1) * GB + q % GB
                 j = q // GB
                 if (b >= 0) & (b < nb):
-                    e, row0, nrows, base = _locate(b, e_idx, starts, cnts, cum, NS, BM)
+                    e, row0, nrows, base = _locate(b, e_idx, starts, cnts, nblk, cum, NS, BM)
                     fine = wait_counter(ready + b, PULL_SPLIT, tab, W, rank, call, timeout_ns)
                     if NS > 0:
                         if b >= NS:  # act slot: GEMM2 of the slot's previous block is done
@@ -206,7 +205,7 @@ def _fused_fwd_kernel(
                 b = (s - L1 - L2) * GB + q % GB
                 j = q // GB
                 if (b >= 0) & (b < nb):
-                    e, row0, nrows, base = _locate(b, e_idx, starts, cnts, cum, NS, BM)
+                    e, row0, nrows, base = _locate(b, e_idx, starts, cnts, nblk, cum, NS, BM)
                     fine = wait_counter(g1 + b, T1, tab, W, rank, call, timeout_ns)
                     if fine:
                         fence_proxy_async()

@@ -10,25 +10,16 @@ import triton
 import triton.language as tl
 
 from megamoe.comm.signals import (
-    ERR_CALL,
-    ERR_EXPECTED,
-    ERR_FLAG,
     ERR_LOCAL,
-    ERR_LOCAL_CLAIM,
-    ERR_OP,
-    ERR_PEER,
-    ERR_PURPOSE,
-    ERR_RANK,
-    ERR_SEEN,
     INTERPRET,
     OP_FUSED,
     REG_CTRL,
-    REG_ERR,
     REG_SLOTS,
     REG_TOK,
     REG_W,
     ld_acquire,
     now_ns,
+    record_timeout,
     region_ptr,
 )
 from megamoe.kernels.grouped_gemm import _halves
@@ -66,19 +57,7 @@ def wait_counter(ptr, target, tab, W, rank, call, timeout_ns):
             errv = tl.load(ctrl + ERR_LOCAL, volatile=True)
             elapsed = now_ns() - t0
         if (seen < target) & (errv == 0):
-            zero = tl.full([], 0, tl.int64)
-            claimed = tl.atomic_cas(ctrl + ERR_LOCAL_CLAIM, zero, zero + 1, sem="acq_rel", scope="gpu")
-            if claimed == 0:
-                err = region_ptr(tab, REG_ERR, W, rank, tl.int64)
-                tl.store(err + ERR_OP, OP_FUSED)
-                tl.store(err + ERR_CALL, call)
-                tl.store(err + ERR_RANK, rank)
-                tl.store(err + ERR_PEER, rank)
-                tl.store(err + ERR_EXPECTED, target)
-                tl.store(err + ERR_SEEN, seen)
-                tl.store(err + ERR_PURPOSE, PURPOSE_TILE)
-                tl.atomic_xchg(err + ERR_FLAG, zero + 1, sem="release", scope="sys")
-                tl.atomic_xchg(ctrl + ERR_LOCAL, zero + 1, sem="release", scope="gpu")
+            record_timeout(tab, W, rank, OP_FUSED, call, rank, target, seen, PURPOSE_TILE)
     tl.debug_barrier()
     return seen >= target
 
@@ -91,24 +70,12 @@ def signal_counter(ptr):
 
 
 @triton.jit
-def _blocks(offs_ptr, E_l, BM: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Per-expert vectors: first receive row, rows, blocks, running sum of blocks; and the block total."""
-    e_idx = tl.arange(0, BLOCK_E)
-    emask = e_idx < E_l
-    starts = tl.load(offs_ptr + e_idx, mask=emask, other=0)
-    ends = tl.load(offs_ptr + e_idx + 1, mask=emask, other=0)
-    cnts = tl.maximum(ends - starts, 0)
-    nblk = (cnts + BM - 1) // BM
-    cum = tl.cumsum(nblk, 0)
-    return e_idx, starts, cnts, cum, tl.sum(nblk, axis=0)
-
-
-@triton.jit
-def _locate(b, e_idx, starts, cnts, cum, NS, BM: tl.constexpr):
-    """block b -> (expert, first receive row, valid rows, first buffer row)."""
+def _locate(b, e_idx, starts, cnts, nblk, cum, NS, BM: tl.constexpr):
+    """block b -> (expert, first receive row, valid rows, first buffer row); the per-expert vectors come from
+    grouped_gemm._expert_tiles with N = BLOCK_N = 1 (so its tiles are BM-row blocks)."""
     e = tl.sum((cum <= b).to(tl.int32), axis=0)
     sel = e_idx == e
-    first_blk = tl.sum(tl.where(sel, cum, 0), axis=0) - tl.sum(tl.where(sel, (cnts + BM - 1) // BM, 0), axis=0)
+    first_blk = tl.sum(tl.where(sel, cum, 0), axis=0) - tl.sum(tl.where(sel, nblk, 0), axis=0)
     row0 = tl.sum(tl.where(sel, starts, 0), axis=0) + (b - first_blk) * BM
     nrows = tl.minimum(tl.sum(tl.where(sel, cnts, 0), axis=0) - (b - first_blk) * BM, BM)
     if NS > 0:
