@@ -21,7 +21,7 @@ want() { [[ "$SECTIONS" == *",$1,"* ]]; }
 
 if want 1; then
 echo "== 1. layer bench, 4096 tokens/GPU, eager and CUDA graph"
-ALL="torch,split,split:presum_combine=1,fused,fused:combine=pull,fused:fused_backward=1,fused:ring_blocks=64"
+ALL="torch,split,split:presum_combine=1,fused,fused:combine=push,fused:fused_backward=1,fused:ring_blocks=64"
 for p in qwen3-30b-a3b deepseek-v3; do echo "-- $p"; bench "$p" 4096 "$ALL" main --cuda-graph; done
 fi
 
@@ -33,9 +33,9 @@ fi
 
 if want 3; then
 echo "== 3. mixtral, 512 tokens/GPU, skewed routing, 1 token/GPU (signalling overhead), FP8"
-bench mixtral-8x7b 4096 "torch,split,fused,fused:combine=pull" main
-bench qwen3-30b-a3b 512 "torch,split,fused" small
-bench deepseek-v3 4096 "torch,split,fused,fused:ring_blocks=64" skew --skew 4
+bench mixtral-8x7b 4096 "torch,split,split:presum_combine=1,fused" main
+bench qwen3-30b-a3b 512 "torch,split,fused" small --cuda-graph
+bench deepseek-v3 4096 "torch,split,split:presum_combine=1,fused,fused:ring_blocks=64" skew --skew 4
 bench qwen3-30b-a3b 1 "split,fused" one --cuda-graph
 bench qwen3-30b-a3b 4096 "split,split:fp8=1" fp8
 fi

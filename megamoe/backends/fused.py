@@ -6,8 +6,9 @@ rows received, BM rows of a block.
 forward (one torch.autograd.Function):
     stage x + top-k ids, publish             (comm/signals.stage)
     schedule                                  (comm/schedule.py, 4 small kernels, device-side)
-    megakernel: pull rows -> GEMM1+SwiGLU -> GEMM2 -> push each output row into its owner's slot buffer
-                -> (after every rank's DONE) y[t] = sum_j topk_w[t, j] * slot[t, j]
+    megakernel: pull rows -> GEMM1+SwiGLU -> GEMM2, whose rows stay in this rank's symmetric ``rows`` region
+                -> (after every rank's DONE) each owner pulls its tokens' k rows over NVLink and sums
+                y[t] = sum_j topk_w[t, j] * out_j(t) in j order (``combine="pull"``, the default)
 backward, default (split's kernels, reusing what the forward kept):
     d(topk_w)[t, j] = <dy[t], out_j(t)>       owner-local, from the slot rows the forward saved [T, k, H]
     g_out = pull w * dy to the expert rows    (comm, the combine's backward)
@@ -16,26 +17,29 @@ backward, default (split's kernels, reusing what the forward kept):
     dense buffers); with a smaller ring they were overwritten, so the backward first recomputes them
     (dispatch of x + GEMM1, split's kernels; that cost is what ``megamoe bench`` measures for a ring).
 
-``combine="pull"`` (CPU-tested, not yet timed): GEMM2 keeps its rows in this rank's symmetric ``rows`` region and
-each owner pulls its k rows after DONE (split's gather, inside the kernel) instead of the epilogue pushing them
-(the push measured ~2.2 ms of deepseek's 12 ms kernel on 2x H200, split's separate gather 0.73 ms).
+``combine="push"``: GEMM2's epilogue stores each row straight into its owner's ``slots`` region and owners sum
+locally after DONE. Measured slower than the default pull on 2x H200 (commit 1f57efe, forward qwen3 2.76 vs
+2.36 ms, deepseek 9.84 vs 9.47 ms: the push's small remote stores sit in the GEMM tiles' epilogues) and it costs
+a [T_max, k, H] slot buffer per rank, so it is an option.
 
-backward with ``fused_backward=True`` (dense buffers only; CPU-tested, not yet run on a GPU, hence off):
+backward with ``fused_backward=True`` (dense buffers only; off: on 2x H200, with the push combine that was then
+the default, it measured 1.2 ms slower than the default backward for deepseek, even for qwen3, commit 1f57efe):
     the same megakernel in its BWD mode (kernels/fused_moe.fused_backward): pull w * dy rows, dgrad2 +
-    SwiGLU', dgrad1 pushed into the owners' slots, owners sum dx; then split's deterministic wgrad kernels.
+    SwiGLU', dgrad1 (kept local, or pushed into the owners' slots with ``combine="push"``), owners sum dx;
+    then split's deterministic wgrad kernels.
 
 Options: ``ring_blocks`` (None: dense buffers of R_cap rows, no recompute; an int >= 4: the macrobatch
 ring of that many BM-row blocks, memory independent of routing; ``MoEConfig.ring_rows`` sets the same ring in
-rows, rounded up to whole blocks), ``programs`` (persistent programs of the
-megakernel; default the SM count), ``lookahead`` (pull -> GEMM1 distance in steps), ``pull_split`` (pull
-items per block), ``group_blocks`` (blocks per step whose GEMM tiles run side by side, sharing weight
-tiles in L2),
-``comm_sms`` (programs
-of the staging / backward communication kernels, default every SM), ``timeout_s`` (bound of every device wait).
+rows, rounded up to whole blocks), ``programs`` (persistent programs of the megakernel; default the SM count),
+``lookahead`` (pull -> GEMM1 distance in steps), ``pull_split`` (pull items per block), ``group_blocks``
+(blocks per step whose GEMM tiles run side by side, sharing weight tiles in L2), ``combine`` ("pull" or
+"push"), ``fused_backward``, ``comm_sms`` (programs of the staging / backward communication kernels, default
+every SM), ``timeout_s`` (bound of every device wait).
 
 Capacity: no token is ever dropped: dense buffers hold the worst case (every token of every rank routed
-here); a ring cycles as many times as the routing needs. The symmetric heap adds a [T_max, k, H] slot
-buffer per rank (``CommShape(slots=True)``), reported with the rest by :meth:`FusedBackend.workspace_bytes`.
+here); a ring cycles as many times as the routing needs. With ``combine="push"`` the symmetric heap adds a
+[T_max, k, H] slot buffer per rank (``CommShape(slots=True)``); sizes are reported by
+:meth:`FusedBackend.workspace_bytes`.
 """
 
 from __future__ import annotations
@@ -130,7 +134,7 @@ class FusedBackend:
     def __init__(self, moe, ring_blocks: int | None = None, programs: int | None = None,
                  lookahead: int | None = None, pull_split: int | None = None, group_blocks: int | None = None,
                  comm_sms: int | None = None, timeout_s: float = 60.0, fused_backward: bool = False,
-                 combine: str = "push"):
+                 combine: str = "pull"):
         cfg = moe.config
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"backend 'fused' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
@@ -183,7 +187,8 @@ class FusedBackend:
         self.ring_blocks = ring_blocks
         self.comm_sms = comm_sms
         self.shape = CommShape(world=moe.world, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden,
-                               topk=cfg.top_k, num_experts=cfg.num_experts, dtype=cfg.dtype, slots=True)
+                               topk=cfg.top_k, num_experts=cfg.num_experts, dtype=cfg.dtype,
+                               slots=combine == "push")
         self.heap = get_heap(self.shape, moe.group, moe.device, timeout_s, comm_sms)
 
     def workspace_bytes(self) -> dict:

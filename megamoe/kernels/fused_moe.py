@@ -1,4 +1,4 @@
-"""The MoE forward megakernel: pull dispatch, GEMM1+SwiGLU, GEMM2 and the combine push in one persistent kernel.
+"""The MoE forward megakernel: pull dispatch, GEMM1+SwiGLU, GEMM2 and the combine in one persistent kernel.
 
 Shape legend: W world size, T tokens on this rank, H hidden, I expert intermediate, E_l local experts, k top-k,
 R rows this rank receives (device value offs[E_l]), R_cap its worst case, BM rows of a block (128 on GPUs),
@@ -19,12 +19,13 @@ Work items (one program runs one item at a time; items are taken in order from o
                  xbuf slot of b; ready[b] += 1
     GEMM1(b, j): wait ready[b] == PULL_SPLIT; act[:, j-th BN1 cols] = silu(x @ w13g^T) * (x @ w13u^T)
                  (and h when STORE_H); g1[b] += 1
-    GEMM2(b, j): wait g1[b] == T1; out = act @ w2[e]^T (cols j*BN2..); each row r = (src, t, slot) is stored
-                 straight into rank src's ``slots`` region at [t, slot, cols] (the combine's push); g2[b] += 1
+    GEMM2(b, j): wait g1[b] == T1; out = act @ w2[e]^T (cols j*BN2..); PULL_COMBINE (default): stored at its
+                 receive row in this rank's symmetric ``rows`` region; else (push) each row r = (src, t, slot) is
+                 stored straight into rank src's ``slots`` region at [t, slot, cols]; g2[b] += 1
     then:        the last program to finish publishes DONE; every program waits for DONE from every rank
-                 (all pushes into this rank's slots have landed) and sums its tokens:
-                 y[t] = sum_j topk_w[t, j] * slots[t, j] in j order, fp32 (SAVE: also copies slots out for
-                 the backward's d(topk_w)).
+                 (every rank's GEMM2 rows are final) and sums its tokens: y[t] = sum_j topk_w[t, j] * out_j(t)
+                 in j order, fp32, out_j(t) pulled from its expert rank's ``rows`` over NVLink (push: read
+                 from the local slots); SAVE also copies the rows out for the backward's d(topk_w).
 
 Why this is deadlock-free: an item only waits on items with a smaller index (taken earlier by a program
 that is running, since only running programs take items) or on peers' READY / DONE, and the ring (below)
@@ -47,10 +48,10 @@ slots in j order, so results are bitwise reproducible whatever program takes whi
 Backward (``BWD``, :func:`fused_backward`, dense buffers only): the same items and waits with the roles
 mirrored: PULL brings w * dy rows (dy and the gates staged in the owners' ``tok`` / ``w`` regions) into g_out,
 GEMM1'(b, j) computes dact = g_out @ w2[e] (w2 read as [H, I]) and the SwiGLU backward from the forward's h
-into dh [rows, 2I], GEMM2'(b, j) computes d_recv = dh @ w13[e] (w13 read as [2I, H]) and pushes each row into
-its owner's slot, and every rank sums its tokens' k rows without gates: dx. g_out and dh stay for the weight
-gradients (split's deterministic wgrad kernels run after). CPU-tested (bitwise equal to split's backward
-there); not yet run on a GPU.
+into dh [rows, 2I], GEMM2'(b, j) computes d_recv = dh @ w13[e] (w13 read as [2I, H]) and keeps each row (or
+pushes it into its owner's slot), and every rank sums its tokens' k rows without gates: dx. g_out and dh stay
+for the weight gradients (split's deterministic wgrad kernels run after). Bitwise equal to split's backward on
+CPU ranks; timed on 2x H200 (slower than split's backward kernels, see backends/fused.py).
 
 Visibility: generic-proxy stores (the pull, the SwiGLU epilogue) are released with a CTA barrier and a
 release atomic; the consumer acquires the counter and issues ``fence.proxy.async`` before its TMA loads.
@@ -310,8 +311,9 @@ class FusedConfig:
     pull_split: int = 1      # pull items per block (each moves block rows / pull_split rows)
     group: int = 8           # blocks per step; GEMM items of a step go j-major over them, so the tiles that read one
                              # weight tile run at the same time (L2 reuse, like split's GROUP_M swizzle)
-    combine: str = "push"    # "push": GEMM2 stores rows into the owners' slots; "pull": rows stay in this rank's
-                             # ``rows`` region and owners pull their k rows after DONE (split's gather, in-kernel)
+    combine: str = "pull"    # "pull" (measured faster, less memory): rows stay in this rank's ``rows`` region and
+                             # owners pull their k rows after DONE (split's gather, in-kernel); "push": GEMM2
+                             # stores rows into the owners' ``slots`` region
     ablate: int = 0          # diagnostics only, results are WRONG: bit 1 skips the pull copy, 2 the push, 4 GEMM2
     use_tma: bool | None = None
 
@@ -391,6 +393,13 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
     heap.after_launch()
 
 
+def _check_combine(cfg: FusedConfig, shape) -> None:
+    if cfg.combine not in ("push", "pull"):
+        raise ValueError(f"FusedConfig.combine must be 'push' or 'pull', got {cfg.combine!r}")
+    if cfg.combine == "push" and not shape.slots:
+        raise ValueError("combine='push' needs a heap built with CommShape(slots=True) (the owners' slot buffers)")
+
+
 def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w13: torch.Tensor,
                   w2: torch.Tensor, cfg: FusedConfig, ring_blocks: int = 0, store_h: bool = False,
                   save: bool = False, comm_programs: int | None = None) -> tuple[torch.Tensor, FusedState]:
@@ -401,8 +410,7 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     this rank's (token, slot) pairs [T, k, H] (for d(topk_w)).
     """
     sh = heap.shape
-    if not sh.slots:
-        raise ValueError("fused_forward needs a heap built with CommShape(slots=True)")
+    _check_combine(cfg, sh)
     T = x.shape[0]
     H, k, E_l = sh.hidden, sh.topk, sh.local_experts
     I = w2.shape[2]
@@ -457,10 +465,11 @@ def fused_backward(heap, dy: torch.Tensor, topk_w: torch.Tensor, state: FusedSta
 
     Same item structure as the forward (``BWD``): PULL(b) brings w * dy rows to the expert rank (dy and the
     gates staged in the owners' ``tok`` / ``w`` regions), GEMM1'(b, j) dact = g_out @ w2[e] with the SwiGLU
-    backward epilogue reading h -> dh, GEMM2'(b, j) d_recv = dh @ w13[e] pushed into the owners' slots, and
-    every rank sums its tokens' k rows: dx. g_out and dh stay for the weight gradients (split's wgrad kernels).
+    backward epilogue reading h -> dh, GEMM2'(b, j) d_recv = dh @ w13[e] kept local (pull) or pushed into the
+    owners' slots (push), and every rank sums its tokens' k rows: dx. g_out and dh stay for the weight gradients (split's wgrad kernels).
     """
     sh = heap.shape
+    _check_combine(cfg, sh)
     if state.h is None:
         raise ValueError("fused_backward needs the forward's h (dense buffers, store_h=True)")
     T = dy.shape[0]
