@@ -466,7 +466,8 @@ def fused_backward(heap, dy: torch.Tensor, topk_w: torch.Tensor, state: FusedSta
     Same item structure as the forward (``BWD``): PULL(b) brings w * dy rows to the expert rank (dy and the
     gates staged in the owners' ``tok`` / ``w`` regions), GEMM1'(b, j) dact = g_out @ w2[e] with the SwiGLU
     backward epilogue reading h -> dh, GEMM2'(b, j) d_recv = dh @ w13[e] kept local (pull) or pushed into the
-    owners' slots (push), and every rank sums its tokens' k rows: dx. g_out and dh stay for the weight gradients (split's wgrad kernels).
+    owners' slots (push), and every rank sums its tokens' k rows: dx. g_out and dh stay for the weight
+    gradients (split's wgrad kernels).
     """
     sh = heap.shape
     _check_combine(cfg, sh)
