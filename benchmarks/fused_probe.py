@@ -27,7 +27,8 @@ from megamoe.layer import MoE  # noqa: E402
 
 VARIANTS = [
     ("default", {}, None),
-    ("pullcomb", {"combine": "pull"}, None),
+    ("push", {"combine": "push"}, None),
+    ("group16", {"group": 16}, None),
     ("group1", {"group": 1}, None),
     ("group2", {"group": 2}, None),
     ("group8", {"group": 8}, None),
@@ -35,7 +36,7 @@ VARIANTS = [
     ("g4epi2", {"epi_split2": 2}, None),
     ("g4s4", {"pull_split": 4}, None),
     ("nopull", {"ablate": 1}, None),  # ablations: timing only, results wrong
-    ("nopush", {"ablate": 2}, None),
+    ("nopush", {"ablate": 2}, None),  # skips GEMM2's store (local rows, or the push)
     ("nog2", {"ablate": 6}, None),
     ("nocomm", {"ablate": 3}, None),
     ("ring16", {}, 16),
@@ -92,8 +93,11 @@ def main() -> None:
             t_split = timed(lambda m=split, x=x: m(x))
         if rank == 0:
             print(f"== {name} {args.tokens} tok/rank, W={dist.get_world_size()}: split forward {t_split:.3f} ms")
-        fused = MoE(cfg, backend="fused", device=dev, seed=1, timeout_s=20)
-        base = fused.backend.config
+        # built for the push combine (its heap has the slot buffers), run with the default pull unless a variant
+        # says otherwise
+        fused = MoE(cfg, backend="fused", device=dev, seed=1, timeout_s=20, combine="push")
+        base = fused.backend.config.with_(combine="pull")
+        fused.backend.config = base
         if args.profile:
             with torch.no_grad():
                 fused(x)
