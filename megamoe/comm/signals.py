@@ -346,7 +346,7 @@ def _stage_kernel(
     if last:
         if ntok >= 0:
             meta = region_ptr(tab, REG_META, W, rank, tl.int64)
-            tl.store(meta, ntok.to(tl.int64))
+            tl.store(meta, tl.cast(ntok, tl.int64))  # tl.cast: ntok == 1 arrives as a constexpr int
         if error_set(tab, W, rank) == 0:
             publish(tab, W, rank, READY, prev + 1, WP2)
         tl.store(ctrl + SEQ, prev + 1)

@@ -76,12 +76,10 @@ from megamoe.comm.signals import (
     OP_FUSED,
     READY,
     REG_ROWS,
-    REG_SLOTS,
     arrive_last,
     current_call,
     error_set,
     publish,
-    region_ptr,
     wait_flags,
 )
 from megamoe.kernels.fused_parts import (
@@ -110,6 +108,9 @@ def _fused_fwd_kernel(
     gate_ptr,               # fp32 [T, K] this rank's gates
     y_ptr,                  # [T, H] out
     save_ptr,               # [T, K, H] out (SAVE): un-gated expert outputs of this rank's slots
+    rows_ptr, slots_ptr,    # this rank's own symmetric ``rows`` [R_cap, H] and ``slots`` [T_max, K, H] regions,
+                            # passed as arguments (not read from the table) so the compiler sees their 16-byte
+                            # alignment and stores/loads them 16 bytes at a time
     ctr_ptr,                # int64 [1 + 3 * NB_MAX] zeroed: queue, ready[NB_MAX], g1[NB_MAX], g2[NB_MAX]
     T, H, I, K2, E_l, NB_MAX, NS, L1, L2, timeout_ns,
     K: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
@@ -224,12 +225,11 @@ def _fused_fwd_kernel(
                                 acc = tl.dot(a, bw, acc)
                         if (ABLATE & 2) == 0:
                             if PULL_COMBINE:  # keep the rows here, at their receive rows; owners pull them later
-                                rows_here = region_ptr(tab, REG_ROWS, W, rank, DT)
-                                _epilogue(acc, acc, row0, off_n, row0 + nrows, j, 0, H, rows_here, H, rows_here, H,
+                                _epilogue(acc, acc, row0, off_n, row0 + nrows, j, 0, H, rows_ptr, H, rows_ptr, H,
                                           gate_ptr, gate_ptr, BM, BN2, 0, False, False, EPI_SPLIT2)
                             else:
                                 _push_epilogue(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr,
-                                               row_slot_ptr, H, K, BM, BN2, DT, EPI_SPLIT2)
+                                               row_slot_ptr, H, K, BM, BN2, DT, EPI_SPLIT2, ALIGNED)
                     signal_counter(g2 + b)
                     go = fine
     # every push of this rank has been issued: the last program tells every rank
@@ -239,7 +239,6 @@ def _fused_fwd_kernel(
             publish(tab, W, rank, DONE, call, WP2)
     ok = wait_flags(tab, W, rank, DONE, 0, W, call, OP_FUSED, timeout_ns, WP2)
     if ok:
-        slots = region_ptr(tab, REG_SLOTS, W, rank, DT)
         for t0 in range(pid * ROWS_C, T, P * ROWS_C):
             t = t0 + tl.arange(0, ROWS_C)
             mt = t < T
@@ -253,9 +252,12 @@ def _fused_fwd_kernel(
                         drank = tl.load(dest_rank_ptr + t * K + jk, mask=mt, other=0)
                         drow = tl.load(dest_row_ptr + t * K + jk, mask=mt, other=0)
                         src = tl.load(tab + REG_ROWS * W + drank, mask=mt, other=0).to(tl.pointer_type(DT))
-                        v = tl.load(src[:, None] + drow.to(tl.int64)[:, None] * H + oh[None, :], mask=m2, other=0.0)
+                        rp = src + drow.to(tl.int64) * H
+                        if ALIGNED:
+                            rp = tl.multiple_of(rp, 16)
+                        v = tl.load(rp[:, None] + oh[None, :], mask=m2, other=0.0)
                     else:
-                        v = tl.load(slots + o2, mask=m2, other=0.0)
+                        v = tl.load(slots_ptr + o2, mask=m2, other=0.0)
                     if SAVE:
                         tl.store(save_ptr + o2, v, mask=m2)
                     if BWD:  # dx[t] = sum_j d_recv rows (unweighted)
@@ -379,7 +381,8 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
         heap.tab, heap.world, heap.rank,
         a_desc, a, w1_desc, w1, act_desc, act, w2_desc, w2, h if h is not None else act,
         sched.offs, sched.row_src, sched.row_tok, sched.row_slot, sched.dest_rank, sched.dest_row, gate,
-        y if T > 0 else act, save if save is not None else act, ctr,
+        y if T > 0 else act, save if save is not None else act,
+        heap.rows_buffer(), heap.buffer("slots") if sh.slots else heap.rows_buffer(), ctr,
         T, H, I, k2, E_l, nb_max, ring_blocks, lookahead, cfg.lag, heap.timeout_ns,
         K=k, BM=BM, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
         EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, GB=group, ABLATE=cfg.ablate,

@@ -151,6 +151,8 @@ def _pull_block(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_ptr,
             m = m2
             dp = dp2
         oh_last = ((n_chunks - 1) % n_h) * BLOCK_H + hh
+        # dp recomputed: the loop-carried one has lost its alignment for the compiler (2-byte stores)
+        dp = x_ptr + (base + r_lo + ((n_chunks - 1) // n_h) * ROWS_P + rr).to(tl.int64) * H
         if GATED:
             tl.store(dp[:, None] + oh_last[None, :], (v.to(tl.float32) * g[:, None]).to(DT), mask=m)
         else:
@@ -159,8 +161,10 @@ def _pull_block(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_ptr,
 
 @triton.jit
 def _push_part(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H,
-               K: tl.constexpr, BM: tl.constexpr, NP: tl.constexpr, DT: tl.constexpr):
-    """Store a [BM, NP] slice of GEMM2's output rows into the owners' slots regions."""
+               K: tl.constexpr, BM: tl.constexpr, NP: tl.constexpr, DT: tl.constexpr, ALIGNED: tl.constexpr):
+    """Store a [BM, NP] slice of GEMM2's output rows into the owners' slots regions (ALIGNED: rows start on
+    16-byte boundaries, which the compiler cannot see through a pointer loaded from the table: without the
+    hint every element is a 2-byte store)."""
     rr = tl.arange(0, BM)
     valid = rr < nrows
     src = tl.load(row_src_ptr + row0 + rr, mask=valid, other=0)
@@ -169,32 +173,34 @@ def _push_part(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_sl
     addr = tl.load(tab + REG_SLOTS * W + src, mask=valid, other=0) + (tok * K + slot).to(tl.int64) * H * (
         DT.primitive_bitwidth // 8)
     rn = off_n + tl.arange(0, NP)
-    ptrs = addr.to(tl.pointer_type(DT))[:, None] + rn[None, :]
+    rp = addr.to(tl.pointer_type(DT))
+    if ALIGNED:
+        rp = tl.multiple_of(rp, 16)
+    ptrs = rp[:, None] + rn[None, :]
     tl.store(ptrs, acc.to(DT), mask=valid[:, None] & (rn < H)[None, :])
 
 
 @triton.jit
 def _push_epilogue(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H,
                    K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr,
-                   EPI_SPLIT: tl.constexpr):
+                   EPI_SPLIT: tl.constexpr, ALIGNED: tl.constexpr):
+    rs = row_src_ptr
+    rt = row_tok_ptr
+    rl = row_slot_ptr
     if EPI_SPLIT == 1:
-        _push_part(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, BM, BN, DT)
+        _push_part(acc, off_n, row0, nrows, tab, W, rs, rt, rl, H, K, BM, BN, DT, ALIGNED)
     elif EPI_SPLIT == 2:
         HN: tl.constexpr = BN // 2
         a0, a1 = _halves(acc, BM, BN)
-        _push_part(a0, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, BM, HN, DT)
-        _push_part(a1, off_n + HN, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, BM, HN,
-                   DT)
+        _push_part(a0, off_n, row0, nrows, tab, W, rs, rt, rl, H, K, BM, HN, DT, ALIGNED)
+        _push_part(a1, off_n + HN, row0, nrows, tab, W, rs, rt, rl, H, K, BM, HN, DT, ALIGNED)
     else:
         HN: tl.constexpr = BN // 2
         QN: tl.constexpr = BN // 4
         a0, a1 = _halves(acc, BM, BN)
         a00, a01 = _halves(a0, BM, HN)
         a10, a11 = _halves(a1, BM, HN)
-        _push_part(a00, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, BM, QN, DT)
-        _push_part(a01, off_n + QN, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, BM, QN,
-                   DT)
-        _push_part(a10, off_n + HN, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, BM, QN,
-                   DT)
-        _push_part(a11, off_n + HN + QN, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, BM,
-                   QN, DT)
+        _push_part(a00, off_n, row0, nrows, tab, W, rs, rt, rl, H, K, BM, QN, DT, ALIGNED)
+        _push_part(a01, off_n + QN, row0, nrows, tab, W, rs, rt, rl, H, K, BM, QN, DT, ALIGNED)
+        _push_part(a10, off_n + HN, row0, nrows, tab, W, rs, rt, rl, H, K, BM, QN, DT, ALIGNED)
+        _push_part(a11, off_n + HN + QN, row0, nrows, tab, W, rs, rt, rl, H, K, BM, QN, DT, ALIGNED)
