@@ -27,7 +27,7 @@ from megamoe.layer import MoE  # noqa: E402
 
 VARIANTS = [
     ("default", {}, None),
-    ("push", {"combine": "push"}, None),
+    ("pull", {"combine": "pull"}, None),
     ("group16", {"group": 16}, None),
     ("group1", {"group": 1}, None),
     ("group2", {"group": 2}, None),
@@ -93,11 +93,8 @@ def main() -> None:
             t_split = timed(lambda m=split, x=x: m(x))
         if rank == 0:
             print(f"== {name} {args.tokens} tok/rank, W={dist.get_world_size()}: split forward {t_split:.3f} ms")
-        # built for the push combine (its heap has the slot buffers), run with the default pull unless a variant
-        # says otherwise
-        fused = MoE(cfg, backend="fused", device=dev, seed=1, timeout_s=20, combine="push")
-        base = fused.backend.config.with_(combine="pull")
-        fused.backend.config = base
+        fused = MoE(cfg, backend="fused", device=dev, seed=1, timeout_s=20)  # push combine: its heap serves both
+        base = fused.backend.config
         if args.profile:
             with torch.no_grad():
                 fused(x)

@@ -23,8 +23,8 @@ from megamoe.dist import init_from_env  # noqa: E402
 from megamoe.layer import MoE  # noqa: E402
 
 VARIANTS = [("fused", {}), ("fused:fused_backward=1", {"fused_backward": True}),
-            ("fused:combine=push", {"combine": "push"}),
-            ("fused:combine=push:fused_backward=1", {"combine": "push", "fused_backward": True}),
+            ("fused:combine=pull", {"combine": "pull"}),
+            ("fused:combine=pull:fused_backward=1", {"combine": "pull", "fused_backward": True}),
             ("fused:ring_blocks=16", {"ring_blocks": 16})]
 
 

@@ -21,7 +21,7 @@ want() { [[ "$SECTIONS" == *",$1,"* ]]; }
 
 if want 1; then
 echo "== 1. layer bench, 4096 tokens/GPU, eager and CUDA graph"
-ALL="torch,split,split:presum_combine=1,fused,fused:combine=push,fused:fused_backward=1,fused:ring_blocks=64"
+ALL="torch,split,split:presum_combine=1,fused,fused:combine=pull,fused:fused_backward=1,fused:ring_blocks=64"
 for p in qwen3-30b-a3b deepseek-v3; do echo "-- $p"; bench "$p" 4096 "$ALL" main --cuda-graph; done
 fi
 

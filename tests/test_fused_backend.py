@@ -69,14 +69,14 @@ def _rank(rank: int, world: int) -> tuple[list[dict], list[bool]]:
                 r["case"] = "bwd-megakernel:" + r["case"]
                 results.append(r)
         dets.append(determinism_case(det_case, "fused", dev, fused_backward=True))
-        for c in cases:  # the push combine (GEMM2's epilogue stores rows into the owners' slots), with the
+        for c in cases:  # the owner-pull combine (GEMM2's rows stay local, owners pull them), with the
             # backward megakernel
             if c.name in ("bf16:bf16-ragged", "bf16:fp32-empty-rank"):
-                r = layer_case(c, "fused", dev, combine="push", fused_backward=True)
-                r["case"] = "push-combine:" + r["case"]
+                r = layer_case(c, "fused", dev, combine="pull", fused_backward=True)
+                r["case"] = "pull-combine:" + r["case"]
                 results.append(r)
-        r = layer_case(sk, "fused", dev, combine="push", ring_blocks=4)
-        r["case"] = "push-combine-ring4:" + r["case"]
+        r = layer_case(sk, "fused", dev, combine="pull", ring_blocks=4)
+        r["case"] = "pull-combine-ring4:" + r["case"]
         results.append(r)
     return results, dets
 

@@ -37,8 +37,8 @@ def _rank_cases(rank: int, world: int) -> tuple[list[dict], list[bool]]:
     results = [layer_case(c, "fused", dev) for c in bf16_cases(world) + gpu_cases(world)]
     results += [dict(layer_case(c, "fused", dev, fused_backward=True), case="bwd-megakernel:" + c.name)
                 for c in gpu_cases(world)]
-    results += [dict(layer_case(c, "fused", dev, fused_backward=True, combine="push"),
-                     case="push-combine:" + c.name) for c in gpu_cases(world)]
+    results += [dict(layer_case(c, "fused", dev, fused_backward=True, combine="pull"),
+                     case="pull-combine:" + c.name) for c in gpu_cases(world)]
     sk = _skewed(world)
     mini = 2048 * 8 // BM  # a minibatch: the blocks uniform routing gives a rank
     for ring in (4, mini, 2 * mini, 4 * mini):  # 4 = the smallest ring; 1x, 2x, 4x a minibatch

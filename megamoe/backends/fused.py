@@ -6,9 +6,9 @@ rows received, BM rows of a block.
 forward (one torch.autograd.Function):
     stage x + top-k ids, publish             (comm/signals.stage)
     schedule                                  (comm/schedule.py, 4 small kernels, device-side)
-    megakernel: pull rows -> GEMM1+SwiGLU -> GEMM2, whose rows stay in this rank's symmetric ``rows`` region
-                -> (after every rank's DONE) each owner pulls its tokens' k rows over NVLink and sums
-                y[t] = sum_j topk_w[t, j] * out_j(t) in j order (``combine="pull"``, the default)
+    megakernel: pull rows -> GEMM1+SwiGLU -> GEMM2, whose epilogue stores each row into its owner's slot
+                buffer (``combine="push"``, the default) -> (after every rank's DONE)
+                y[t] = sum_j topk_w[t, j] * slot[t, j] in j order
 backward, default (split's kernels, reusing what the forward kept):
     d(topk_w)[t, j] = <dy[t], out_j(t)>       owner-local, from the slot rows the forward saved [T, k, H]
     g_out = pull w * dy to the expert rows    (comm, the combine's backward)
@@ -17,13 +17,14 @@ backward, default (split's kernels, reusing what the forward kept):
     dense buffers); with a smaller ring they were overwritten, so the backward first recomputes them
     (dispatch of x + GEMM1, split's kernels; that cost is what ``megamoe bench`` measures for a ring).
 
-``combine="push"``: GEMM2's epilogue stores each row straight into its owner's ``slots`` region and owners sum
-locally after DONE. Measured slower than the default pull on 2x H200 (commit 1f57efe, forward qwen3 2.76 vs
-2.36 ms, deepseek 9.84 vs 9.47 ms: the push's small remote stores sit in the GEMM tiles' epilogues) and it costs
-a [T_max, k, H] slot buffer per rank, so it is an option.
+``combine="pull"``: GEMM2 keeps its rows in this rank's symmetric ``rows`` region and each owner pulls its k rows
+after DONE (split's gather, inside the kernel); no [T_max, k, H] slot buffer. On 2x H200 (commit daafc3c, after
+the row accesses were made 16 bytes wide) it measured 5-9% slower than the push (forward qwen3 2.07 vs 1.89 ms
+eager, 1.34 vs 1.27 ms graph; deepseek 8.60 vs 8.14 ms), so it is the option for memory, not the default.
+(Before that fix, at 1f57efe, pull measured faster: both paths stored or loaded rows 2 bytes at a time.)
 
-backward with ``fused_backward=True`` (dense buffers only; off: on 2x H200, with the push combine that was then
-the default, it measured 1.2 ms slower than the default backward for deepseek, even for qwen3, commit 1f57efe):
+backward with ``fused_backward=True`` (dense buffers only; off: on 2x H200 its fwd+bwd measured 0.03-1.2 ms slower
+than the default backward for deepseek and even for qwen3, commits 1f57efe and daafc3c):
     the same megakernel in its BWD mode (kernels/fused_moe.fused_backward): pull w * dy rows, dgrad2 +
     SwiGLU', dgrad1 (kept local, or pushed into the owners' slots with ``combine="push"``), owners sum dx;
     then split's deterministic wgrad kernels.
@@ -134,7 +135,7 @@ class FusedBackend:
     def __init__(self, moe, ring_blocks: int | None = None, programs: int | None = None,
                  lookahead: int | None = None, pull_split: int | None = None, group_blocks: int | None = None,
                  comm_sms: int | None = None, timeout_s: float = 60.0, fused_backward: bool = False,
-                 combine: str = "pull"):
+                 combine: str = "push"):
         cfg = moe.config
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"backend 'fused' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")

@@ -19,13 +19,13 @@ Work items (one program runs one item at a time; items are taken in order from o
                  xbuf slot of b; ready[b] += 1
     GEMM1(b, j): wait ready[b] == PULL_SPLIT; act[:, j-th BN1 cols] = silu(x @ w13g^T) * (x @ w13u^T)
                  (and h when STORE_H); g1[b] += 1
-    GEMM2(b, j): wait g1[b] == T1; out = act @ w2[e]^T (cols j*BN2..); PULL_COMBINE (default): stored at its
-                 receive row in this rank's symmetric ``rows`` region; else (push) each row r = (src, t, slot) is
-                 stored straight into rank src's ``slots`` region at [t, slot, cols]; g2[b] += 1
+    GEMM2(b, j): wait g1[b] == T1; out = act @ w2[e]^T (cols j*BN2..); push (default): each row r = (src, t,
+                 slot) is stored straight into rank src's ``slots`` region at [t, slot, cols]; PULL_COMBINE: stored
+                 at its receive row in this rank's symmetric ``rows`` region; g2[b] += 1
     then:        the last program to finish publishes DONE; every program waits for DONE from every rank
                  (every rank's GEMM2 rows are final) and sums its tokens: y[t] = sum_j topk_w[t, j] * out_j(t)
-                 in j order, fp32, out_j(t) pulled from its expert rank's ``rows`` over NVLink (push: read
-                 from the local slots); SAVE also copies the rows out for the backward's d(topk_w).
+                 in j order, fp32, out_j(t) read from the local slots (push) or pulled from its expert rank's
+                 ``rows`` over NVLink (PULL_COMBINE); SAVE also copies the rows out for the backward's d(topk_w).
 
 Why this is deadlock-free: an item only waits on items with a smaller index (taken earlier by a program
 that is running, since only running programs take items) or on peers' READY / DONE, and the ring (below)
@@ -223,7 +223,9 @@ def _fused_fwd_kernel(
                                     a = a.to(tl.float32)
                                     bw = bw.to(tl.float32)
                                 acc = tl.dot(a, bw, acc)
-                        if (ABLATE & 2) == 0:
+                        # ablate bit 2 skips the store at run time (T < 0 never holds): a compile-time skip let the
+                        # compiler delete GEMM2 itself as dead code, which an earlier ablation mistook for the store
+                        if ((ABLATE & 2) == 0) | (T < 0):
                             if PULL_COMBINE:  # keep the rows here, at their receive rows; owners pull them later
                                 _epilogue(acc, acc, row0, off_n, row0 + nrows, j, 0, H, rows_ptr, H, rows_ptr, H,
                                           gate_ptr, gate_ptr, BM, BN2, 0, False, False, EPI_SPLIT2)
@@ -313,10 +315,11 @@ class FusedConfig:
     pull_split: int = 1      # pull items per block (each moves block rows / pull_split rows)
     group: int = 8           # blocks per step; GEMM items of a step go j-major over them, so the tiles that read one
                              # weight tile run at the same time (L2 reuse, like split's GROUP_M swizzle)
-    combine: str = "pull"    # "pull" (measured faster, less memory): rows stay in this rank's ``rows`` region and
-                             # owners pull their k rows after DONE (split's gather, in-kernel); "push": GEMM2
-                             # stores rows into the owners' ``slots`` region
-    ablate: int = 0          # diagnostics only, results are WRONG: bit 1 skips the pull copy, 2 the push, 4 GEMM2
+    combine: str = "push"    # "push" (measured faster): GEMM2 stores rows into the owners' ``slots`` region;
+                             # "pull" (no slot buffer): rows stay in this rank's ``rows`` region and owners pull
+                             # their k rows after DONE (split's gather, in-kernel)
+    ablate: int = 0          # diagnostics only, results are WRONG: bit 1 skips the pull copy, 2 GEMM2's store (local
+                             # rows or the push; GEMM2 still runs), 4 GEMM2's k-loop
     use_tma: bool | None = None
 
     def with_(self, **kw) -> FusedConfig:
