@@ -9,17 +9,19 @@ specialisation nor its code generation, so it misses two classes of defects that
   compiler can see, and without ``tl.multiple_of`` or passing it as an argument every element is its own
   2-byte access (the fused megakernel's GEMM2 epilogue store cost ~1.9 ms of 7.4 that way, same day).
 
-``compile_for_hopper`` builds the real cubin with Triton's bundled ptxas (no driver needed);
-``access_widths`` counts global loads/stores by width in its PTX and ``ptxas_usage`` reports registers,
-spills and shared memory. ``python -m megamoe.sm90`` compiles the kernels whose defects these were (the stage
-kernel with one token; the fused megakernel at deepseek-v3's shape, forward with either combine and backward)
-and prints a JSON report; tests/test_sm90_compile.py asserts on it. It must run in a process where
+``compile_only`` stands in for the CUDA driver: every launch compiles its kernel for sm_90a (the real cubin,
+with Triton's bundled ptxas) with the launch's own argument specialisation, and launches nothing.
+``access_widths`` counts global loads/stores by width in the PTX and ``ptxas_usage`` reports registers, spills
+and shared memory. ``python -m megamoe.sm90`` runs the split and fused layers (forward + backward, the
+variants in LAYERS, 64 and 1 tokens per rank, full hidden sizes) on 2 gloo ranks under ``compile_only`` and
+prints a JSON report per compiled kernel; tests/test_sm90_compile.py asserts on it. It must run where
 TRITON_INTERPRET is unset (under the interpreter @triton.jit yields functions the compiler cannot take), so
 the test starts it as a subprocess.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -29,35 +31,9 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 HOPPER = GPUTarget("cuda", 90, 32)
-
-
-def compile_for_hopper(fn, types: dict[str, str], constexprs: dict[str, object], divisible: tuple[str, ...] = (),
-                       num_warps: int = 4, num_stages: int = 3):
-    """Compile ``fn`` (a @triton.jit function) for sm_90a.
-
-    types: Triton type string per runtime argument ("*bf16", "i32", "tensordesc<bf16[128, 64]>", ...);
-    constexprs: value per constexpr argument (an int argument the launcher would specialise, e.g. one equal
-    to 1, goes here too); divisible: int arguments known to be multiples of 16 (the launcher's specialisation).
-    Every pointer argument is taken as 16-byte aligned, as the launcher does for torch tensors.
-    """
-    sig, consts, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            sig[name] = "constexpr"
-            consts[(i,)] = constexprs[name]
-            continue
-        if name not in types:
-            raise ValueError(f"no type for argument {name!r} of {fn.__name__}")
-        sig[name] = types[name]
-        if types[name].startswith("*") or name in divisible:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn, sig, consts, attrs)
-    return triton.compile(src, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 def access_widths(compiled) -> dict[str, Counter]:
@@ -85,61 +61,111 @@ def ptxas_usage(compiled) -> dict[str, int]:
             "shared_bytes": int(compiled.metadata.shared)}
 
 
-#: runtime argument types of the fused megakernel as megamoe.kernels.fused_moe._launch passes them on a GPU
-FUSED_TYPES = dict(
-    tab="*i64", W="i32", rank="i32", x_desc="tensordesc<bf16[128, 64]>", x_ptr="*bf16",
-    w13_desc="tensordesc<bf16[1, 128, 64]>", w13_ptr="*bf16", act_desc="tensordesc<bf16[128, 64]>",
-    act_ptr="*bf16", w2_desc="tensordesc<bf16[1, 256, 64]>", w2_ptr="*bf16", h_ptr="*bf16", offs_ptr="*i32",
-    row_src_ptr="*i32", row_tok_ptr="*i32", row_slot_ptr="*i32", dest_rank_ptr="*i32", dest_row_ptr="*i32",
-    gate_ptr="*fp32", y_ptr="*bf16", save_ptr="*bf16", rows_ptr="*bf16", slots_ptr="*bf16", ctr_ptr="*i64",
-    T="i32", H="i32", I="i32", K2="i32", E_l="i32", NB_MAX="i32", NS="i32", L1="i32", L2="i32", timeout_ns="i64",
-)
+class _HopperTarget:
+    """Stands in for Triton's CUDA driver where there is no GPU: the current target is sm_90a."""
+
+    def get_current_target(self):
+        return HOPPER
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
 
 
-def fused_constexprs(mode: str, ablate: int = 0) -> dict[str, object]:
-    """The fused megakernel's constexprs at deepseek-v3's shape (H 7168, E_l 128, k 8) with the GPU config;
-    mode: 'forward-push', 'forward-pull', 'backward-push' or 'backward-pull'."""
-    bwd = mode.startswith("backward")
-    return dict(K=8, BM=128, BN1=128, BN2=256, BK=64, BLOCK_E=128, EPI_SPLIT1=2, EPI_SPLIT2=4, GB=8, ABLATE=ablate,
-                PULL_SPLIT=1, ROWS_P=2, BLOCK_H=2048, ROWS_C=4, BLOCK_HC=1024, USE_TMA=True, DOT_F32=False,
-                STORE_H=not bwd, SAVE=not bwd, ALIGNED=True, WP2=2, BWD=bwd, PULL_COMBINE=mode.endswith("pull"))
+@contextlib.contextmanager
+def compile_only(compiled: dict[str, dict[str, object]]):
+    """Inside the block every Triton launch compiles its kernel for sm_90a with the launch's real argument
+    specialisation (ints equal to 1 as constexprs, 16-byte alignment of each pointer) and launches nothing;
+    ``compiled[kernel name][cache key]`` collects the kernels. Outputs are left unwritten, so only code whose
+    host side never reads device results (megamoe's sync-free backends) runs through unchanged."""
+    from triton.runtime import driver as drv
+    from triton.runtime.jit import JITFunction
+
+    orig_run = JITFunction.run
+    prev = drv._active
+
+    def run(self, *args, grid, warmup, **kwargs):
+        k = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.setdefault(self.fn.__name__, {})[k.hash] = k
+        return k
+
+    drv.set_active(_HopperTarget())
+    JITFunction.run = run
+    try:
+        yield compiled
+    finally:
+        JITFunction.run = orig_run
+        drv._active = prev
 
 
-def report() -> dict[str, dict]:
-    """Compile the checked kernels for sm_90a; per kernel: 'error' (compile failure) or access widths + usage."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise RuntimeError("run with TRITON_INTERPRET unset (python -m megamoe.sm90 in a fresh process)")
-    from megamoe.comm.signals import _stage_kernel
-    from megamoe.kernels.fused_moe import _fused_fwd_kernel
-
-    jobs = {"stage-one-token": (_stage_kernel, dict(
-        tab="*i64", W="i32", rank="i32", act_ptr="*bf16", nrows_ptr="*i32", act_reg="i32", H="i32",
-        small_ptr="*i32", n_small="i32", small_reg="i32", small2_ptr="*i32", n_small2="i32", small2_reg="i32",
-        timeout_ns="i64"), dict(ntok=1, n_act=1, HAS_ACT=True, HAS_SMALL=True, HAS_SMALL2=False, HAS_NROWS=False,
-                                ROWS=4, BLOCK_H=1024, ALIGNED=True, WP2=2), ("H",), 16)}
-    for mode in ("forward-push", "forward-pull", "backward-push", "backward-pull"):
-        jobs[f"fused-{mode}"] = (_fused_fwd_kernel, FUSED_TYPES, fused_constexprs(mode), ("H", "I", "K2"), 8)
-    out = {}
-    for name, (fn, types, consts, div, warps) in jobs.items():
-        try:
-            k = compile_for_hopper(fn, types, consts, divisible=div, num_warps=warps)
-        except Exception as exc:  # noqa: BLE001 - reported, the caller decides
-            out[name] = {"error": f"{type(exc).__name__}: {str(exc)[-400:]}"}
-            continue
-        widths = access_widths(k)
-        out[name] = {"ld": dict(widths["ld"]), "st": dict(widths["st"]), **ptxas_usage(k)}
-    return out
+#: the layers whose kernels :func:`layer_report` compiles: (preset, experts, tokens per rank, backend, options)
+LAYERS = [
+    ("qwen3-30b-a3b", 8, 64, "split", {}),
+    ("qwen3-30b-a3b", 8, 64, "split", {"presum_combine": True, "overlap_backward": False}),
+    ("qwen3-30b-a3b", 8, 64, "split", {"fp8": True}),
+    ("qwen3-30b-a3b", 8, 64, "fused", {}),
+    ("qwen3-30b-a3b", 8, 64, "fused", {"combine": "pull", "fused_backward": True}),
+    ("qwen3-30b-a3b", 8, 64, "fused", {"fused_backward": True}),
+    ("qwen3-30b-a3b", 8, 64, "fused", {"ring_blocks": 8}),
+    ("qwen3-30b-a3b", 8, 1, "split", {}),
+    ("qwen3-30b-a3b", 8, 1, "fused", {}),
+    ("deepseek-v3", 8, 64, "split", {}),
+    ("deepseek-v3", 8, 64, "fused", {}),
+]
 
 
-def run_report_subprocess(timeout_s: float = 600.0) -> dict[str, dict]:
-    """:func:`report` in a fresh interpreter without TRITON_INTERPRET (usable from an interpreted process)."""
+def _summary(k) -> dict:
+    widths = access_widths(k)
+    return {"ld": dict(widths["ld"]), "st": dict(widths["st"]), **ptxas_usage(k)}
+
+
+def _layer_rank(rank: int, world: int) -> dict:
+    import torch
+
+    from megamoe.config import preset
+    from megamoe.layer import MoE
+
+    compiled: dict[str, dict[str, object]] = {}
+    where: dict[str, str] = {}
+    for name, experts, tokens, backend, opts in LAYERS:
+        cfg = preset(name, num_experts=experts, max_tokens_per_rank=max(tokens, 1))
+        label = f"{name}/{tokens}tok/{backend}" + "".join(f":{k}={v}" for k, v in opts.items())
+        before = {n: set(v) for n, v in compiled.items()}
+        with compile_only(compiled):
+            moe = MoE(cfg, backend=backend, device=torch.device("cpu"), seed=0, **opts)
+            x = torch.zeros(tokens, cfg.hidden, dtype=cfg.dtype).requires_grad_()
+            out = moe(x).out
+            out.backward(torch.zeros_like(out))
+        for n, keys in compiled.items():
+            for key in set(keys) - before.get(n, set()):
+                where.setdefault(f"{n}#{key[:8]}", label)
+        del moe
+    if rank != 0:
+        return {}
+    return {f"{n}#{key[:8]}": {"layer": where.get(f"{n}#{key[:8]}", ""), **_summary(k)}
+            for n, ks in compiled.items() for key, k in ks.items()}
+
+
+def layer_report(world: int = 2) -> dict[str, dict]:
+    """Every Triton kernel that the split and fused layers (forward + backward, the LAYERS variants) launch on
+    ``world`` gloo ranks, compiled for sm_90a with its real specialisation: access widths, registers, spills."""
+    from megamoe.dist import spawn
+
+    return spawn(_layer_rank, world, timeout_s=1500)[0]
+
+
+def run_report_subprocess(timeout_s: float = 1500.0) -> dict[str, dict]:
+    """:func:`layer_report` in a fresh interpreter without TRITON_INTERPRET (usable from an interpreted
+    process, e.g. the CPU test suite)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-m", "megamoe.sm90"], capture_output=True, text=True, env=env,
-                         timeout=timeout_s)
+    cmd = [sys.executable, "-m", "megamoe.sm90"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
     if res.returncode != 0:
-        raise RuntimeError(f"python -m megamoe.sm90 failed ({res.returncode}):\n{res.stderr[-3000:]}")
+        raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
-    print(json.dumps(report()))
+    print(json.dumps(layer_report()))
