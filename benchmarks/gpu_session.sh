@@ -47,12 +47,13 @@ timeout 150 torchrun --nproc_per_node "$NGPU" -m megamoe bench-comm --sms 24,32,
 fi
 
 if want 5; then
-echo "== 5. profiles (qwen3, 4096 tokens/GPU) and the fused probe"
+echo "== 5. profiles (qwen3, 4096 tokens/GPU), the fused probe and a deepseek forward timeline"
 for b in split fused; do
   timeout 120 torchrun --nproc_per_node "$NGPU" benchmarks/profile_layer.py --preset qwen3-30b-a3b --tokens 4096 \
     --backend "$b" --out "$OUT" 2>&1 | quiet | tail -14
 done
 timeout 200 torchrun --nproc_per_node "$NGPU" benchmarks/fused_probe.py --profile 2>&1 | quiet | tail -30
+timeout 150 torchrun --nproc_per_node "$NGPU" benchmarks/layer_timeline.py --out "$OUT" 2>&1 | quiet | tail -60
 fi
 
 if want 6; then
