@@ -31,10 +31,9 @@ VARIANTS = [
     ("group16", {"group": 16}, None),
     ("group1", {"group": 1}, None),
     ("group2", {"group": 2}, None),
-    ("group8", {"group": 8}, None),
     ("g8la16", {"group": 8, "lookahead": 16}, None),
-    ("g4epi2", {"epi_split2": 2}, None),
-    ("g4s4", {"pull_split": 4}, None),
+    ("epi2", {"epi_split2": 2}, None),
+    ("split4", {"pull_split": 4}, None),
     ("nopull", {"ablate": 1}, None),  # ablations: timing only, results wrong
     ("nopush", {"ablate": 2}, None),  # skips GEMM2's store (local rows, or the push)
     ("nog2", {"ablate": 6}, None),

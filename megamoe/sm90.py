@@ -39,7 +39,8 @@ HOPPER = GPUTarget("cuda", 90, 32)
 def access_widths(compiled) -> dict[str, Counter]:
     """Global loads and stores in the PTX, by instruction (e.g. 'st.global.v4.b32': 60, 'st.global.b16': 16)."""
     ptx = compiled.asm["ptx"]
-    return {kind: Counter(re.findall(rf"\b{kind}\.global(?:\.[a-z0-9]+)*", ptx)) for kind in ("ld", "st")}
+    pat = r"\b({kind}(?:\.[A-Za-z0-9_:]+)*\.global(?:\.[A-Za-z0-9_:]+)*)"
+    return {kind: Counter(re.findall(pat.format(kind=kind), ptx)) for kind in ("ld", "st")}
 
 
 def ptxas_usage(compiled) -> dict[str, int]:
@@ -68,7 +69,9 @@ class _HopperTarget:
         return HOPPER
 
     def get_current_device(self):
-        return 0
+        # its own key in every JITFunction's per-device cache: sm_90a kernels compiled here are never handed to
+        # a real launch on device 0 afterwards, nor real kernels of device 0 reported as sm_90a
+        return "sm90a"
 
     def get_current_stream(self, device=None):
         return 0
@@ -159,12 +162,23 @@ def layer_report(world: int = 2) -> dict[str, dict]:
 def run_report_subprocess(timeout_s: float = 1500.0) -> dict[str, dict]:
     """:func:`layer_report` in a fresh interpreter without TRITON_INTERPRET (usable from an interpreted
     process, e.g. the CPU test suite)."""
+    import signal
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parent.parent)  # the source tree, whether installed or not
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [sys.executable, "-m", "megamoe.sm90"]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
-    if res.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=root,
+                            start_new_session=True)  # its own process group: a timeout kills the ranks too
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

@@ -151,6 +151,17 @@ def _bad_options(rank, world):
         msgs.append(str(exc))
     b = MoE(preset("tiny", ring_rows=1000), backend="fused").backend  # rows rounded up to whole blocks
     msgs.append((b.ring_blocks, -(-1000 // b.config.block_m)))
+    from megamoe.kernels.fused_moe import fused_forward
+
+    m = MoE(preset("tiny"), backend="fused", combine="pull")  # its heap has no slot buffers
+    x = torch.zeros(2, m.config.hidden, dtype=m.config.dtype)
+    idx = torch.zeros(2, m.config.top_k, dtype=torch.int64)
+    try:  # a push launch on it must be refused before any kernel runs
+        fused_forward(m.backend.heap, x, idx, torch.ones(2, m.config.top_k), m.w13.detach(), m.w2.detach(),
+                      m.backend.config.with_(combine="push"))
+        msgs.append(None)
+    except ValueError as exc:
+        msgs.append(str(exc))
     return msgs
 
 
@@ -165,3 +176,4 @@ def test_fused_rejects_bad_options():
     assert msgs[6] is not None and "bfloat16" in msgs[6]
     assert msgs[7] is not None and "ring_rows" in msgs[7]
     assert msgs[8][0] == msgs[8][1]
+    assert msgs[9] is not None and "slots" in msgs[9]

@@ -26,7 +26,7 @@ eager, 1.34 vs 1.27 ms graph; deepseek 8.60 vs 8.14 ms), so it is the option for
 backward with ``fused_backward=True`` (dense buffers only; off: on 2x H200 its fwd+bwd measured 0.03-1.2 ms slower
 than the default backward for deepseek and even for qwen3, commits 1f57efe and daafc3c):
     the same megakernel in its BWD mode (kernels/fused_moe.fused_backward): pull w * dy rows, dgrad2 +
-    SwiGLU', dgrad1 (kept local, or pushed into the owners' slots with ``combine="push"``), owners sum dx;
+    SwiGLU', dgrad1 (pushed into the owners' slots, or kept local with ``combine="pull"``), owners sum dx;
     then split's deterministic wgrad kernels.
 
 Options: ``ring_blocks`` (None: dense buffers of R_cap rows, no recompute; an int >= 4: the macrobatch

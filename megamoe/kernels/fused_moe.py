@@ -48,10 +48,10 @@ slots in j order, so results are bitwise reproducible whatever program takes whi
 Backward (``BWD``, :func:`fused_backward`, dense buffers only): the same items and waits with the roles
 mirrored: PULL brings w * dy rows (dy and the gates staged in the owners' ``tok`` / ``w`` regions) into g_out,
 GEMM1'(b, j) computes dact = g_out @ w2[e] (w2 read as [H, I]) and the SwiGLU backward from the forward's h
-into dh [rows, 2I], GEMM2'(b, j) computes d_recv = dh @ w13[e] (w13 read as [2I, H]) and keeps each row (or
-pushes it into its owner's slot), and every rank sums its tokens' k rows without gates: dx. g_out and dh stay
-for the weight gradients (split's deterministic wgrad kernels run after). Bitwise equal to split's backward on
-CPU ranks; timed on 2x H200 (slower than split's backward kernels, see backends/fused.py).
+into dh [rows, 2I], GEMM2'(b, j) computes d_recv = dh @ w13[e] (w13 read as [2I, H]) and pushes each row
+into its owner's slot (or, PULL_COMBINE, keeps it), and every rank sums its tokens' k rows without gates: dx.
+g_out and dh stay for the weight gradients (split's deterministic wgrad kernels run after). Bitwise equal to
+split's backward on CPU ranks; timed on 2x H200 (slower than split's backward kernels, see backends/fused.py).
 
 Visibility: generic-proxy stores (the pull, the SwiGLU epilogue) are released with a CTA barrier and a
 release atomic; the consumer acquires the counter and issues ``fence.proxy.async`` before its TMA loads.
@@ -223,9 +223,9 @@ def _fused_fwd_kernel(
                                     a = a.to(tl.float32)
                                     bw = bw.to(tl.float32)
                                 acc = tl.dot(a, bw, acc)
-                        # ablate bit 2 skips the store at run time (T < 0 never holds): a compile-time skip let the
+                        # ablate bit 2 skips the store at run time (never < 0): a compile-time skip let the
                         # compiler delete GEMM2 itself as dead code, which an earlier ablation mistook for the store
-                        if ((ABLATE & 2) == 0) | (T < 0):
+                        if ((ABLATE & 2) == 0) | (timeout_ns < 0):  # timeout_ns: never specialised to 1
                             if PULL_COMBINE:  # keep the rows here, at their receive rows; owners pull them later
                                 _epilogue(acc, acc, row0, off_n, row0 + nrows, j, 0, H, rows_ptr, H, rows_ptr, H,
                                           gate_ptr, gate_ptr, BM, BN2, 0, False, False, EPI_SPLIT2)
