@@ -13,7 +13,7 @@ specialisation nor its code generation, so it misses two classes of defects that
 with Triton's bundled ptxas) with the launch's own argument specialisation, and launches nothing.
 ``access_widths`` counts global loads/stores by width in the PTX and ``ptxas_usage`` reports registers, spills
 and shared memory. ``python -m megamoe.sm90`` runs the split and fused layers (forward + backward, the
-variants in LAYERS, 64 and 1 tokens per rank, full hidden sizes) on 2 gloo ranks under ``compile_only`` and
+variants in LAYERS, 64 and 1 tokens per rank, 1 and 2 ranks, full hidden sizes) on gloo ranks under ``compile_only`` and
 prints a JSON report per compiled kernel; tests/test_sm90_compile.py asserts on it. It must run where
 TRITON_INTERPRET is unset (under the interpreter @triton.jit yields functions the compiler cannot take), so
 the test starts it as a subprocess.
@@ -103,19 +103,26 @@ def compile_only(compiled: dict[str, dict[str, object]]):
         drv._active = prev
 
 
-#: the layers whose kernels :func:`layer_report` compiles: (preset, experts, tokens per rank, backend, options)
+#: the layers whose kernels :func:`layer_report` compiles:
+#: (world, preset, experts, tokens per rank, backend, options). An int argument equal to 1 (one rank, one local
+#: expert, one token) becomes a constexpr, hence the W = 1, E_l = 1 (mixtral dims with 2 experts on 2 ranks)
+#: and 1-token entries.
 LAYERS = [
-    ("qwen3-30b-a3b", 8, 64, "split", {}),
-    ("qwen3-30b-a3b", 8, 64, "split", {"presum_combine": True, "overlap_backward": False}),
-    ("qwen3-30b-a3b", 8, 64, "split", {"fp8": True}),
-    ("qwen3-30b-a3b", 8, 64, "fused", {}),
-    ("qwen3-30b-a3b", 8, 64, "fused", {"combine": "pull", "fused_backward": True}),
-    ("qwen3-30b-a3b", 8, 64, "fused", {"fused_backward": True}),
-    ("qwen3-30b-a3b", 8, 64, "fused", {"ring_blocks": 8}),
-    ("qwen3-30b-a3b", 8, 1, "split", {}),
-    ("qwen3-30b-a3b", 8, 1, "fused", {}),
-    ("deepseek-v3", 8, 64, "split", {}),
-    ("deepseek-v3", 8, 64, "fused", {}),
+    (2, "qwen3-30b-a3b", 8, 64, "split", {}),
+    (2, "qwen3-30b-a3b", 8, 64, "split", {"presum_combine": True, "overlap_backward": False}),
+    (2, "qwen3-30b-a3b", 8, 64, "split", {"fp8": True}),
+    (2, "qwen3-30b-a3b", 8, 64, "fused", {}),
+    (2, "qwen3-30b-a3b", 8, 64, "fused", {"combine": "pull", "fused_backward": True}),
+    (2, "qwen3-30b-a3b", 8, 64, "fused", {"fused_backward": True}),
+    (2, "qwen3-30b-a3b", 8, 64, "fused", {"ring_blocks": 8}),
+    (2, "qwen3-30b-a3b", 8, 1, "split", {}),
+    (2, "qwen3-30b-a3b", 8, 1, "fused", {}),
+    (2, "qwen3-30b-a3b", 8, 1, "fused", {"combine": "pull"}),
+    (2, "deepseek-v3", 8, 64, "split", {}),
+    (2, "mixtral-8x7b", 2, 64, "split", {}),
+    (2, "mixtral-8x7b", 2, 64, "fused", {}),
+    (1, "qwen3-30b-a3b", 8, 64, "split", {}),
+    (1, "qwen3-30b-a3b", 8, 64, "fused", {}),
 ]
 
 
@@ -132,9 +139,11 @@ def _layer_rank(rank: int, world: int) -> dict:
 
     compiled: dict[str, dict[str, object]] = {}
     where: dict[str, str] = {}
-    for name, experts, tokens, backend, opts in LAYERS:
+    for w, name, experts, tokens, backend, opts in LAYERS:
+        if w != world:
+            continue
         cfg = preset(name, num_experts=experts, max_tokens_per_rank=max(tokens, 1))
-        label = f"{name}/{tokens}tok/{backend}" + "".join(f":{k}={v}" for k, v in opts.items())
+        label = f"W{w}/{name}/{tokens}tok/{backend}" + "".join(f":{k}={v}" for k, v in opts.items())
         before = {n: set(v) for n, v in compiled.items()}
         with compile_only(compiled):
             moe = MoE(cfg, backend=backend, device=torch.device("cpu"), seed=0, **opts)
@@ -151,12 +160,15 @@ def _layer_rank(rank: int, world: int) -> dict:
             for n, ks in compiled.items() for key, k in ks.items()}
 
 
-def layer_report(world: int = 2) -> dict[str, dict]:
+def layer_report() -> dict[str, dict]:
     """Every Triton kernel that the split and fused layers (forward + backward, the LAYERS variants) launch on
-    ``world`` gloo ranks, compiled for sm_90a with its real specialisation: access widths, registers, spills."""
+    their gloo ranks, compiled for sm_90a with its real specialisation: access widths, registers, spills."""
     from megamoe.dist import spawn
 
-    return spawn(_layer_rank, world, timeout_s=1500)[0]
+    out: dict[str, dict] = {}
+    for world in sorted({entry[0] for entry in LAYERS}, reverse=True):
+        out.update(spawn(_layer_rank, world, timeout_s=1500)[0])
+    return out
 
 
 def run_report_subprocess(timeout_s: float = 1500.0) -> dict[str, dict]:

@@ -1,8 +1,8 @@
 """Every Triton kernel of the split and fused layers, compiled for Hopper (sm_90a) on the CPU with the
 specialisation its real launch gets (megamoe/sm90.py): what the interpreter cannot see.
 
-- everything compiles, including with one token per rank (the launcher turns an int argument equal to 1 into
-  a constexpr; ``ntok.to(...)`` then failed to compile on the H200);
+- everything compiles, including with one token per rank, one rank and one local expert (the launcher turns an
+  int argument equal to 1 into a constexpr; ``ntok.to(...)`` then failed to compile on the H200);
 - no kernel moves data through global memory 1 or 2 bytes at a time: what a row pointer loaded from the
   heap's table without an alignment hint produced in the fused megakernel (its GEMM2 epilogue and combine);
 - the GEMM-bound kernels do not spill registers (the d(topk_w) kernel spilled 456 bytes per thread).
@@ -38,6 +38,7 @@ def test_every_layer_kernel_compiles_for_hopper(rep):
         assert expected in names, f"{expected} was never launched by the layers under compile_only"
     one_token = [k for k, v in rep.items() if "/1tok/" in v["layer"]]
     assert any(k.startswith("_stage_kernel") for k in one_token), "the one-token stage kernel was not compiled"
+    assert any(v["layer"].startswith("W1/") for v in rep.values()), "nothing compiled for one rank"
 
 
 def test_no_narrow_global_accesses(rep):

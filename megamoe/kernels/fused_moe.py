@@ -94,7 +94,10 @@ from megamoe.kernels.gemm_config import interpreting, num_sms, record, tma_ok
 from megamoe.kernels.grouped_gemm import _epilogue, _expert_tiles, _load_a, _load_b
 
 
-@triton.jit
+# W, E_l, T: an int argument equal to 1 would be specialised to a constexpr, a different compile with no gain
+# that spilled (48 B/thread at W = 1, 4 B at E_l = 1; megamoe/sm90.py); for the same reason the launcher passes
+# WP2 >= 2 (the peer loops mask lanes >= W)
+@triton.jit(do_not_specialize=["W", "E_l", "T"])
 def _fused_fwd_kernel(
     tab, W, rank,
     x_desc, x_ptr,          # xbuf [NROWS, H] bf16 (ring: NS * BM rows; dense: R_cap rows)
@@ -392,7 +395,7 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
         PULL_SPLIT=cfg.pull_split, ROWS_P=max(1, min(BM // cfg.pull_split, cfg.pull_elems // block_h)),
         BLOCK_H=block_h, ROWS_C=max(1, 4096 // block_hc), BLOCK_HC=block_hc, USE_TMA=use_tma,
         DOT_F32=interpreting(), STORE_H=h is not None and not bwd, SAVE=save is not None,
-        ALIGNED=(H * 2) % 16 == 0, WP2=heap.wp2, BWD=bwd, PULL_COMBINE=cfg.combine == "pull",
+        ALIGNED=(H * 2) % 16 == 0, WP2=max(2, heap.wp2), BWD=bwd, PULL_COMBINE=cfg.combine == "pull",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     record("_fused_fwd_kernel", compiled)
