@@ -3,7 +3,8 @@
 # and CUDA-graph), small-batch / skew / 1-token runs, the communication benchmark and a per-kernel profile.
 #   usage (device tool, kind nvidia-h200-x4, -x2 or -x8):  MEGAMOE_COMMIT=<sha> bash benchmarks/gpu_session.sh 1,2
 # One device call runs at most 10 minutes: pass the sections to run (comma list; default 1). Sections are
-# ordered by value and each has its own time limit: 1 (<= 8 min), 2 (<= 10 min), 3 (~8 min), 4+5 (~6 min), 6 (~5 min).
+# ordered by value and each has its own time limit: 1 (<= 8 min), 2, 2b, 2c (<= 10 min each), 3 (~8 min), 4+5
+# (~6 min), 6 (~5 min).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -25,10 +26,28 @@ ALL="torch,split,split:presum_combine=1,fused,fused:combine=pull,fused:fused_bac
 for p in qwen3-30b-a3b deepseek-v3; do echo "-- $p"; bench "$p" 4096 "$ALL" main --cuda-graph; done
 fi
 
+# GPU tests, split in calls that fit 10 minutes (on 2x H200 the fused file's world-2 case, sync-free and graph
+# tests took 280 s with a cold Triton cache): 2 = fused at the largest world + sync-free + graph, 2b = fused at
+# the other worlds, 2c = split (all worlds, sync-free, graph, overlap, FP8)
+gpu_tests() {  # gpu_tests <log name> <timeout s> <pytest node ids...>
+  timeout "$2" python3 -m pytest -q -m gpu "${@:3}" 2>&1 | grep -v "^frame\|^E *frame" > "$OUT/$1.log"
+  grep -E "passed|failed|Error:" "$OUT/$1.log" | tail -5
+}
+F=tests/test_gpu_fused.py
+S=tests/test_gpu_split.py
+WMAX=$(( NGPU < 4 ? NGPU : 4 ))  # the tests' world sizes go up to 4
 if want 2; then
-echo "== 2. GPU tests: split and fused on every rank count, sync-free, graph, FP8"
-timeout 560 python3 -m pytest -q -m gpu tests/test_gpu_split.py tests/test_gpu_fused.py 2>&1 \
-  | grep -v "^frame\|^E *frame" > "$OUT/gpu_layers.log"; grep -E "passed|failed|Error:" "$OUT/gpu_layers.log" | tail -5
+echo "== 2. GPU tests: fused on $WMAX GPUs, sync-free, graph"
+gpu_tests gpu_fused_main 560 "$F::test_fused_on_gpus[$WMAX]" $F::test_fused_sync_free $F::test_fused_graph_capturable
+fi
+if want 2b; then
+echo "== 2b. GPU tests: fused on the other rank counts"
+ids=(); for w in 1 2 3 4; do [ "$w" -lt "$WMAX" ] && ids+=("$F::test_fused_on_gpus[$w]"); done
+[ ${#ids[@]} -gt 0 ] && gpu_tests gpu_fused_worlds 560 "${ids[@]}"
+fi
+if want 2c; then
+echo "== 2c. GPU tests: split"
+gpu_tests gpu_split 560 $S
 fi
 
 if want 3; then
