@@ -163,9 +163,11 @@ def grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, *, out_d
 
 
 # ---------------------------------------------------------------------------------------------- FP8 ops
-def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, K] -> (q [R, K] float8_e4m3fn, s [R, cdiv(K, 128)] fp32), x ~= q * s per 1x128 block."""
-    return _q.quantize_act(x, pow2_scale=pow2_scale)
+def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False,
+                 nrows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] -> (q [R, K] float8_e4m3fn, s [R, cdiv(K, 128)] fp32), x ~= q * s per 1x128 block. nrows: int32
+    device tensor, its first element the rows holding data (the rest are skipped, left unwritten)."""
+    return _q.quantize_act(x, pow2_scale=pow2_scale, nrows=nrows)
 
 
 def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -206,6 +206,11 @@ def _fp8_checks(p, cfg: GemmConfig | None, I: int):
         if pow2:
             assert torch.equal(torch.exp2(torch.log2(ws).round()), ws)
     q, s = X.quantize_act(x)
+    # a device-side row count: rows below it as without it, rows from it on left unwritten
+    qn, sn = X.quantize_act(x, nrows=torch.tensor([n], dtype=torch.int32, device=x.device))
+    assert torch.equal(qn[:n].float(), q[:n].float()) and torch.equal(sn[:n], s[:n])
+    with pytest.raises(ValueError, match="nrows"):
+        X.quantize_act(x, nrows=torch.tensor([n], dtype=torch.int64, device=x.device))
     wq, ws = X.quantize_weight(w13)
     act8, h8 = X.gemm1_swiglu_fp8(q, s, wq, ws, offs, config=cfg)
     xd = X.dequantize_act_ref(q[:n], s[:n])

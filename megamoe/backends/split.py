@@ -34,7 +34,9 @@ accumulation promoted every 128 of K); the layer stays bf16 at its interface, th
     quantize_act(act),   quantize_weight(w2)       -> out    = gemm2_fp8(...)
     quantize_act(g_out), quantize_weight(w2^T)     -> dh     = gemm2_dgrad_swiglu_fp8(..., h)
     quantize_act(dh),    quantize_weight(w13^T)    -> d_recv = gemm1_dgrad_fp8(...)
-The weight gradients stay bf16 (grouped_wgrad on the bf16 recv, act, g_out and dh). Weights are quantised on
+The activation quantisations cover only the rows received (offs[E_l], read on the device), not the worst-case
+buffers' R_cap rows. The weight gradients stay bf16 (grouped_wgrad on the bf16 recv, act, g_out and dh). Weights
+are quantised on
 the device in every call (forward: w13, w2; backward: their transposes) and nothing is cached across calls: a
 cache keyed on the parameters' version counters would be read on the host and would go stale inside a CUDA
 graph replayed after an optimizer step. h and act come out of the FP8 GEMM1 in bf16 and are what backward
@@ -112,8 +114,9 @@ def _expert_forward(recv, w13, w2, offs, fp8: bool):
     if not fp8:
         act, h = gemm1_swiglu(recv, w13, offs, store_h=True)
         return act, h, gemm2(act, w2, offs)
-    act, h = gemm1_swiglu_fp8(*quantize_act(recv), *quantize_weight(w13), offs, store_h=True)
-    return act, h, gemm2_fp8(*quantize_act(act), *quantize_weight(w2), offs)
+    n = offs[-1:]  # rows received: only those are quantised (the buffers hold the worst case)
+    act, h = gemm1_swiglu_fp8(*quantize_act(recv, nrows=n), *quantize_weight(w13), offs, store_h=True)
+    return act, h, gemm2_fp8(*quantize_act(act, nrows=n), *quantize_weight(w2), offs)
 
 
 def _expert_dgrad(g_out, h, recv, w13, w2, offs, fp8: bool):
@@ -122,8 +125,9 @@ def _expert_dgrad(g_out, h, recv, w13, w2, offs, fp8: bool):
     if not fp8:
         dh, _ = gemm2_dgrad_swiglu(g_out, w2, h, offs)
         return dh, gemm1_dgrad(dh, w13, offs, out=torch.zeros_like(recv))
-    dh, _ = gemm2_dgrad_swiglu_fp8(*quantize_act(g_out), *quantize_weight(w2.transpose(1, 2)), h, offs)
-    d_recv = gemm1_dgrad_fp8(*quantize_act(dh), *quantize_weight(w13.transpose(1, 2)), offs,
+    n = offs[-1:]
+    dh, _ = gemm2_dgrad_swiglu_fp8(*quantize_act(g_out, nrows=n), *quantize_weight(w2.transpose(1, 2)), h, offs)
+    d_recv = gemm1_dgrad_fp8(*quantize_act(dh, nrows=n), *quantize_weight(w13.transpose(1, 2)), offs,
                              out=torch.zeros_like(recv))
     return dh, d_recv
 

@@ -53,12 +53,15 @@ def _quant_act_kernel(
     x_ptr,   # x_RK [R, K] bf16/fp32, row stride stride_x
     q_ptr,   # q_RK [R, K] fp8 e4m3, contiguous
     s_ptr,   # s [R, n_kb] fp32
+    nrows_ptr,  # int32 [1] (HAS_NROWS): rows that hold data, read on the device; rows >= it are skipped
     R, K, stride_x, n_kb,
-    BLOCK_R: tl.constexpr, POW2: tl.constexpr, RNE_IN_FP32: tl.constexpr,
+    BLOCK_R: tl.constexpr, POW2: tl.constexpr, RNE_IN_FP32: tl.constexpr, HAS_NROWS: tl.constexpr,
 ):
     """Grid: (cdiv(R, BLOCK_R), n_kb). s[r, kb] = amax(x[r, kb*128 : +128]) / 448; q = x / s."""
     pid_r = tl.program_id(0)
     kb = tl.program_id(1)
+    if HAS_NROWS:
+        R = tl.minimum(R, tl.load(nrows_ptr))
     rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     rk = kb * 128 + tl.arange(0, 128)
     mask = (rr < R)[:, None] & (rk < K)[None, :]
@@ -93,18 +96,28 @@ def _quant_weight_kernel(
     tl.store(s_ptr + (e * n_nb + nb) * n_kb + kb, s)
 
 
-def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, K] (bf16/fp32, unit inner stride) -> (q [R, K] float8_e4m3fn, s [R, cdiv(K, 128)] fp32)."""
+def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False,
+                 nrows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] (bf16/fp32, unit inner stride) -> (q [R, K] float8_e4m3fn, s [R, cdiv(K, 128)] fp32).
+
+    nrows: an int32 tensor on x's device whose first element is the number of rows that hold data (e.g. a
+    schedule's ``offs[E_l:]``); rows from there on are not read, and their q and s are left unwritten (not data).
+    Read on the device, so a worst-case-sized buffer costs only its filled rows and no host sync.
+    """
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"quantize_act: x must be 2-D [R, K] with unit inner stride, got {tuple(x.shape)}")
+    if nrows is not None and (nrows.dtype != torch.int32 or nrows.numel() < 1 or nrows.device != x.device):
+        raise ValueError(f"quantize_act: nrows must be an int32 tensor with >= 1 element on {x.device}, got "
+                         f"{nrows.dtype} [{nrows.numel()}] on {nrows.device}")
     R, K = x.shape
     n_kb = triton.cdiv(K, QBLOCK)
     q = torch.empty((R, K), device=x.device, dtype=torch.float8_e4m3fn)
     s = torch.empty((R, n_kb), device=x.device, dtype=torch.float32)
     if R and K:
         block_r = 32
-        _quant_act_kernel[(triton.cdiv(R, block_r), n_kb)](x, q, s, R, K, x.stride(0), n_kb, BLOCK_R=block_r,
-                                                           POW2=pow2_scale, RNE_IN_FP32=interpreting(), num_warps=4)
+        _quant_act_kernel[(triton.cdiv(R, block_r), n_kb)](
+            x, q, s, nrows if nrows is not None else s, R, K, x.stride(0), n_kb, BLOCK_R=block_r, POW2=pow2_scale,
+            RNE_IN_FP32=interpreting(), HAS_NROWS=nrows is not None, num_warps=4)
     return q, s
 
 
