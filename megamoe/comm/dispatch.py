@@ -373,6 +373,21 @@ def _check_inputs(heap: SymmetricHeap, x: torch.Tensor, topk_idx: torch.Tensor) 
     return T
 
 
+def stage_and_schedule(heap: SymmetricHeap, x: torch.Tensor, topk_idx: torch.Tensor, programs: int,
+                       topk_w: torch.Tensor | None = None):
+    """Stage x [T, H] (skipped when x already is the heap's tokens buffer), the top-k ids (and gates) into the
+    symmetric heap, publish READY, and build the device-side schedule; returns it. The first half of
+    :func:`dispatch`, also the fused megakernel's preamble (inputs checked by the caller)."""
+    T = x.shape[0]
+    tok = heap.tokens_buffer()
+    in_place = T > 0 and x.data_ptr() == tok.data_ptr() and x.stride() == (heap.shape.hidden, 1)
+    w32 = None if topk_w is None else topk_w.to(torch.float32).contiguous().view(torch.int32)
+    S.stage(heap, act=None if in_place else x.contiguous(), act_reg=S.REG_TOK.value,
+            small=topk_idx.to(torch.int32).contiguous(), small_reg=S.REG_IDX.value, ntok=T, programs=programs,
+            small2=w32, small2_reg=S.REG_W.value)
+    return build_schedule(heap)
+
+
 def dispatch(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -394,13 +409,7 @@ def dispatch(
         raise ValueError(f"topk_w must be [T={T}, k={heap.shape.topk}], got {tuple(topk_w.shape)}")
     sh = heap.shape
     P = max(1, int(num_sms or heap.num_sms))
-    tok = heap.tokens_buffer()
-    in_place = T > 0 and x.data_ptr() == tok.data_ptr() and x.stride() == (sh.hidden, 1)
-    idx32 = topk_idx.to(torch.int32).contiguous()
-    w32 = None if topk_w is None else topk_w.to(torch.float32).contiguous().view(torch.int32)
-    S.stage(heap, act=None if in_place else x.contiguous(), act_reg=S.REG_TOK.value, small=idx32,
-            small_reg=S.REG_IDX.value, ntok=T, programs=P, small2=w32, small2_reg=S.REG_W.value)
-    sched = build_schedule(heap)
+    sched = stage_and_schedule(heap, x, topk_idx, P, topk_w)
     if recv is None:
         recv = torch.empty(sh.rows_cap, sh.hidden, dtype=sh.dtype, device=heap.device)
     gate = None if topk_w is None else torch.empty(sh.rows_cap, dtype=torch.float32, device=heap.device)
@@ -425,4 +434,4 @@ def dispatch_backward(grad_recv: torch.Tensor, handle: DispatchHandle, num_sms: 
     return _gather_sum(grad_recv, None, handle, num_sms, out_dtype)
 
 
-__all__ = ["DispatchHandle", "dispatch", "dispatch_backward", "pull_rows", "READY"]
+__all__ = ["DispatchHandle", "dispatch", "dispatch_backward", "pull_rows", "stage_and_schedule", "READY"]

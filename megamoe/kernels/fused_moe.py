@@ -66,10 +66,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.comm import signals as S
 from megamoe.comm.combine import stage_grad
-from megamoe.comm.dispatch import DispatchHandle
-from megamoe.comm.schedule import build_schedule
+from megamoe.comm.dispatch import DispatchHandle, stage_and_schedule
 from megamoe.comm.signals import (
     ARRIVE_WORK,
     DONE,
@@ -435,11 +433,7 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     P, GB, L1 = _plan(cfg, dev, H, I, ring_blocks)
     # 1. stage x and the routing, publish READY; 2. schedule (device-side, no host reads)
     Pc = max(1, int(comm_programs or heap.num_sms))
-    tok = heap.tokens_buffer()
-    in_place = T > 0 and x.data_ptr() == tok.data_ptr() and x.stride() == (H, 1)
-    S.stage(heap, act=None if in_place else x.contiguous(), act_reg=S.REG_TOK.value,
-            small=topk_idx.to(torch.int32).contiguous(), small_reg=S.REG_IDX.value, ntok=T, programs=Pc)
-    sched = build_schedule(heap)
+    sched = stage_and_schedule(heap, x, topk_idx, Pc)
     handle = DispatchHandle(heap=heap, num_tokens=T, schedule=sched, offs=sched.offs, num_sms=Pc)
     # 3. the megakernel
     nrows = ring_blocks * BM if ring_blocks else sh.rows_cap
