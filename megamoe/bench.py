@@ -28,6 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megamoe.backends import parse_backend  # noqa: F401 - re-exported (the CLI and scripts import it from here)
 from megamoe.config import PRESETS, parse_dtype, preset
 from megamoe.dist import init_from_env, spawn, under_torchrun
 from megamoe.perf import ceilings_for, floor_seconds, forward_flops, run_metadata
@@ -193,30 +194,6 @@ def _graph_times(make_moe, xs, dys, args, timer, device, mode: str) -> list[floa
             times.append(dt)
     del graph
     return times
-
-
-def parse_backend(spec: str) -> tuple[str, dict]:
-    """``"split:comm_sms=24:overlap_backward=1"`` -> ("split", {"comm_sms": 24, "overlap_backward": 1}).
-
-    Values parse as true/false, int, float or string; a flag given as 1 or 0 acts as True or False.
-    """
-    name, *opts = spec.split(":")
-    options = {}
-    for opt in opts:
-        key, sep, value = opt.partition("=")
-        if not sep or not key:
-            raise ValueError(f"backend option {opt!r} in {spec!r} is not key=value")
-        if value.lower() in ("true", "false"):
-            options[key] = value.lower() == "true"
-        else:
-            try:
-                options[key] = int(value)
-            except ValueError:
-                try:
-                    options[key] = float(value)
-                except ValueError:
-                    options[key] = value
-    return name, options
 
 
 def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:

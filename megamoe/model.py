@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megamoe.backends import parse_backend
 from megamoe.config import MoEConfig
 from megamoe.layer import MoE
 
@@ -90,7 +91,8 @@ class Block(nn.Module):
         self.norm1 = RMSNorm(D)
         self.attn = Attention(D, cfg.heads)
         self.norm2 = RMSNorm(D)
-        self.moe = MoE(cfg.moe, group=group, backend=backend, device=device, seed=seed)
+        name, options = parse_backend(backend)  # "split:presum_combine=1" -> ("split", {...})
+        self.moe = MoE(cfg.moe, group=group, backend=name, device=device, seed=seed, **options)
 
     def forward(self, x, cos, sin):
         x = x + self.attn(self.norm1(x), cos, sin)

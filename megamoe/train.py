@@ -22,6 +22,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -40,7 +41,8 @@ from megamoe.perf import run_metadata
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megamoe train", description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="*", help="text files to train on (default: the Python stdlib sources)")
-    p.add_argument("--backends", default="torch", help="comma-separated MoE backends, run one after another")
+    p.add_argument("--backends", default="torch", help="comma-separated MoE backends, run one after another; "
+                   "options as in megamoe bench (e.g. torch,split,split:presum_combine=1,fused)")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="expert shapes (default: tiny on CPU, qwen3-30b-a3b on GPU)")
     p.add_argument("--layers", type=int, default=None, help="transformer blocks (default 2 CPU, 4 GPU)")
@@ -146,7 +148,8 @@ def clip_global_norm(replicated: list[torch.Tensor], local: list[torch.Tensor], 
 
 
 def _ckpt_path(out: str, backend: str, rank: int) -> str:
-    return os.path.join(out, f"ckpt-{backend}", f"rank{rank}.pt")
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", backend)  # "split:presum_combine=1" -> split_presum_combine_1
+    return os.path.join(out, f"ckpt-{safe}", f"rank{rank}.pt")
 
 
 def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) -> dict:
@@ -331,7 +334,8 @@ def _finish(report: dict, args) -> None:
     path = os.path.join(args.out, "summary.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
-    lines = [f"{'backend':<8} {'tok/s/GPU':>10} {'step ms':>8} {'fwd':>7} {'bwd':>7} {'opt':>7} {'peak GiB':>9} "
+    bw = max([8] + [len(r["backend"]) for r in report["results"]])
+    lines = [f"{'backend':<{bw}} {'tok/s/GPU':>10} {'step ms':>8} {'fwd':>7} {'bwd':>7} {'opt':>7} {'peak GiB':>9} "
              f"{'final loss':>10}"]
     for r in report["results"]:
         st = r["step_time_s"]
@@ -341,7 +345,7 @@ def _finish(report: dict, args) -> None:
 
         peak = f"{r['peak_memory_bytes'] / 2**30:9.2f}" if r["peak_memory_bytes"] else f"{'n/a':>9}"
         tps = f"{r['tokens_per_s_per_gpu']:10,.0f}" if r["tokens_per_s_per_gpu"] else f"{'n/a':>10}"
-        lines.append(f"{r['backend']:<8} {tps} {ms(st['step']):>8} {ms(st['forward'])} {ms(st['backward'])} "
+        lines.append(f"{r['backend']:<{bw}} {tps} {ms(st['step']):>8} {ms(st['forward'])} {ms(st['backward'])} "
                      f"{ms(st['optimizer'])} {peak} {r['final_loss']:10.4f}")
     print("\n".join(lines))
     print(f"wrote {path}")

@@ -30,6 +30,30 @@ _REGISTRY = {
 }
 
 
+def parse_backend(spec: str) -> tuple[str, dict]:
+    """``"split:comm_sms=24:overlap_backward=1"`` -> ("split", {"comm_sms": 24, "overlap_backward": 1}).
+
+    Values parse as true/false, int, float or string; a flag given as 1 or 0 acts as True or False.
+    """
+    name, *opts = spec.split(":")
+    options = {}
+    for opt in opts:
+        key, sep, value = opt.partition("=")
+        if not sep or not key:
+            raise ValueError(f"backend option {opt!r} in {spec!r} is not key=value")
+        if value.lower() in ("true", "false"):
+            options[key] = value.lower() == "true"
+        else:
+            try:
+                options[key] = int(value)
+            except ValueError:
+                try:
+                    options[key] = float(value)
+                except ValueError:
+                    options[key] = value
+    return name, options
+
+
 class BackendUnavailable(RuntimeError):
     """The backend asked for cannot run here; the message says why. megamoe never falls back silently."""
 

@@ -268,7 +268,7 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_E: tl.constexpr, W_KN: tl.constexpr, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr,
     STORE_H: tl.constexpr, USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, EPI_SPLIT: tl.constexpr,
-    FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     """Grid: (P,) persistent programs. For each tile (e, mi, ni) of the schedule in the module docstring:
         acc = a[offs[e] + mi*BM : +BM, :] @ w[e][ni*BN : +BN, :]^T      (fp32, k-loop over BLOCK_K)
@@ -280,7 +280,13 @@ def _grouped_gemm_kernel(
     pid = tl.program_id(0)
     e_idx, starts, cnts, m_tiles, cum_end, total = _expert_tiles(offs_ptr, E_l, N, BLOCK_M, BLOCK_N, BLOCK_E)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    if FLATTEN:
+    if WARP_SPEC:
+        for tile in tl.range(pid, total, num_progs, flatten=FLATTEN, warp_specialize=True):
+            _gemm_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, k_tiles, a_desc, a_ptr, w_desc, w_ptr,
+                       out_ptr, h_ptr, scale_ptr, dsp_ptr, R, N, K, stride_am, stride_we, stride_wr, stride_om,
+                       stride_hm, N_UP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_KN, EPILOGUE, HAS_SCALE, STORE_H,
+                       USE_TMA, DOT_F32, EPI_SPLIT)
+    elif FLATTEN:
         for tile in tl.range(pid, total, num_progs, flatten=True):
             _gemm_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, k_tiles, a_desc, a_ptr, w_desc, w_ptr,
                        out_ptr, h_ptr, scale_ptr, dsp_ptr, R, N, K, stride_am, stride_we, stride_wr, stride_om,
@@ -352,7 +358,7 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ou
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.group_m,
         BLOCK_E=triton.next_power_of_2(max(E_l, 2)), W_KN=w_kn, EPILOGUE=epilogue,
         HAS_SCALE=scale is not None, STORE_H=store_h, USE_TMA=use_tma, DOT_F32=interpreting(),
-        EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.flatten,
+        EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.flatten, WARP_SPEC=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     record("_grouped_gemm_kernel", k)
