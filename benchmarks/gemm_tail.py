@@ -3,8 +3,9 @@
 With random routing an expert's row count is ~ mean +- sqrt(mean); each expert's last m-block is partly
 padding. At EP = 2 on deepseek-v3 (128 local experts, ~256 rows each) a 128-row tile wastes ~25% of the MMA
 work. This times GEMM1+SwiGLU, GEMM2, dgrad2+SwiGLU and dgrad1 per preset shape (R = 4096 * k rows per rank,
-multinomial group sizes, no alignment) with the default config, the half-tail option (an expert's last block
-of <= 64 rows runs as a 64-row tile) and 64-row configs; checks each output against the default's.
+multinomial group sizes, no alignment) with the default config and 64-row configs; checks each output against
+the default's. (Commit 78f4528 also timed a `half_tail` kernel option, an expert's last block of <= 64 rows run
+as a 64-row tile: slower, removed; results in benchmarks/results/gemm-tail-h200-2026-11-30-78f4528.json.)
 
     python benchmarks/gemm_tail.py [--shapes deepseek-v3:2,qwen3-30b-a3b:2] [--json out.json]
 """
@@ -26,23 +27,21 @@ PRESETS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256
            "mixtral-8x7b": (4096, 14336, 8, 2)}
 
 
-def C(bm, bn, st, wp, sp=1, fl=False, ht=False):  # noqa: N802
-    return GemmConfig(block_m=bm, block_n=bn, block_k=64, num_stages=st, num_warps=wp, epi_split=sp, flatten=fl,
-                      half_tail=ht)
+def C(bm, bn, st, wp, sp=1, fl=False):  # noqa: N802
+    return GemmConfig(block_m=bm, block_n=bn, block_k=64, num_stages=st, num_warps=wp, epi_split=sp, flatten=fl)
 
 
 def configs(op, R, n, k):
     d = default_config(op, R, n, k)
-    out = [("default", d), ("default+half", d.with_(half_tail=True))]
+    out = [("default", d)]
     if op == "gemm1_swiglu":
         out += [("64x128 w4", C(64, 128, 4, 4)), ("64x128 w8 sp2", C(64, 128, 4, 8, 2)),
                 ("64x256 w8 sp2", C(64, 256, 3, 8, 2))]
     elif op in ("gemm2", "dgrad1"):
-        out += [("default+half nofl", d.with_(half_tail=True, flatten=False)),
-                ("64x256 w8 fl", C(64, 256, 4, 8, fl=True)),
+        out += [("default nofl", d.with_(flatten=False)), ("64x256 w8 fl", C(64, 256, 4, 8, fl=True)),
                 ("64x128 w4 fl", C(64, 128, 4, 4, fl=True)), ("64x256 w4", C(64, 256, 3, 4))]
     elif op == "dgrad_swiglu":
-        out += [("default+half sp4", d.with_(half_tail=True, epi_split=4)), ("64x128 w4", C(64, 128, 4, 4)),
+        out += [("default sp4", d.with_(epi_split=4)), ("64x128 w4", C(64, 128, 4, 4)),
                 ("64x128 w8 sp2", C(64, 128, 4, 8, 2))]
     return out
 

@@ -30,8 +30,6 @@ class GemmConfig:
     use_tma: bool | None = None    # None: TMA descriptors when strides/pointers are 16-byte aligned
     epi_split: int = 1             # epilogue in 1, 2 or 4 column slices (fewer live registers)
     flatten: bool = False          # bf16 kernel: tl.range(flatten=True) tile loop (on for GEMM2, measured below)
-    warp_specialize: bool = False  # bf16 kernel: tl.range(warp_specialize=True) tile loop (experimental)
-    half_tail: bool = False        # bf16 kernel: an expert's last m-block with <= block_m / 2 rows runs as a half tile
 
     def __post_init__(self):
         if self.epi_split not in (1, 2, 4) or self.block_n % (8 * self.epi_split):
