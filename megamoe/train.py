@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from megamoe.config import PRESETS, parse_dtype, preset
 from megamoe.data import ByteCorpus
 from megamoe.dist import init_from_env, spawn, under_torchrun
-from megamoe.model import ModelConfig, MoETransformer
+from megamoe.model import ModelConfig, MoETransformer, graph_moe_layers
 from megamoe.perf import run_metadata
 
 
@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "backend needs bf16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timing-skip", type=int, default=None, help="first steps left out of tokens/s")
+    p.add_argument("--graph-moe", action="store_true",
+                   help="capture each MoE layer's forward and backward in CUDA graphs (GPU; backends split and "
+                        "fused; torch runs eager since it reads split sizes on the host)")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -163,6 +166,12 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     moe_cfg = moe_cfg.replace(max_tokens_per_rank=args.batch * args.seq)
     cfg = ModelConfig(moe_cfg, layers=args.layers, heads=args.heads, max_seq=args.seq)
     model = MoETransformer(cfg, group=ep_group, backend=backend, device=device, seed=args.seed)
+    graphed = bool(args.graph_moe) and model.blocks[0].moe.backend_name != "torch"
+    # make_graphed_callables needs autocast's weight-cast cache off (each weight is cast once per forward anyway)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not graphed) if on_gpu
+                else contextlib.nullcontext())
+    if graphed:
+        graph_moe_layers(model, args.batch * args.seq, autocast)
     expert_names = model.expert_parameter_names()
     DDP._set_params_and_buffers_to_ignore_for_model(model, expert_names)
     ddp = DDP(model, device_ids=[device.index] if on_gpu else None, broadcast_buffers=False)
@@ -193,7 +202,6 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
             master.masters_to_model()
         history = state["history"]
         start = state["step"]
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext())
     times = {"forward": [], "backward": [], "optimizer": [], "step": []}
     load_sum = None
     if on_gpu:
@@ -264,6 +272,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     dist.all_reduce(load_sum if load_sum is not None else torch.zeros(1, device=device))
     summary = {
         "backend": backend,
+        "moe_cuda_graph": graphed,
         "steps_run": end - start,
         "tokens_per_step_per_gpu": tokens_per_step,
         "tokens_per_s_per_gpu": tokens_per_step / med["step"] if med["step"] else None,
@@ -377,7 +386,10 @@ def _spawned(rank, world, args, device_type):
 
 
 def main(argv: list[str] | None = None) -> int:
-    raw = build_parser().parse_args(argv)
+    parser = build_parser()
+    raw = parser.parse_args(argv)
+    if raw.graph_moe and (raw.cpu or not torch.cuda.is_available()):
+        parser.error("--graph-moe captures CUDA graphs and needs CUDA GPUs")
     if under_torchrun():
         device = init_from_env("cpu" if raw.cpu else None)
         args = _defaults(raw, device.type == "cuda")
