@@ -4,7 +4,8 @@
 #   usage (device tool, kind nvidia-h200-x4, -x2 or -x8):  MEGAMOE_COMMIT=<sha> bash benchmarks/gpu_session.sh 1,2
 # One device call runs at most 10 minutes: pass the sections to run (comma list; default 1). Sections are
 # ordered by value and each has its own time limit: 1 (<= 8 min), 2, 2b, 2c (<= 10 min each), 3 (~8 min), 4+5
-# (~6 min), 6 (~5 min), t (deepseek forward timeline, ~2 min), 7 (training, torch / split / fused, ~6 min).
+# (~6 min), 6 (~5 min), t (deepseek forward timeline, ~2 min), 7 (training, torch / split / fused, ~6 min), 7g (7 with
+# --graph-moe + the GPU training test).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -84,6 +85,13 @@ if want 7; then
 echo "== 7. megamoe train: 4 layers of qwen3-30b-a3b experts, seq 4096, 200 steps, torch / split / fused"
 timeout 420 torchrun --nproc_per_node "$NGPU" -m megamoe train --backends torch,split:presum_combine=1,fused \
   --steps 200 --quiet --out "$OUT/train" 2>&1 | quiet | tail -8
+fi
+
+if want 7g; then
+echo "== 7g. megamoe train as 7 with the MoE layers in CUDA graphs (--graph-moe; torch stays eager), GPU train test"
+timeout 420 torchrun --nproc_per_node "$NGPU" -m megamoe train --backends torch,split:presum_combine=1,fused \
+  --graph-moe --steps 200 --quiet --out "$OUT/train-graph" 2>&1 | quiet | tail -8
+gpu_tests gpu_train 300 tests/test_gpu_train.py
 fi
 
 if want 6; then
