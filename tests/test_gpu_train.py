@@ -11,8 +11,9 @@ from megamoe.train import main as train_main
 
 pytestmark = pytest.mark.gpu
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
-SMALL = ["--steps", "8", "--layers", "2", "--seq", "256", "--batch", "2", "--heads", "4", "--preset", "qwen3-30b-a3b",
-         "--eval-every", "4", "--timing-skip", "2", "--quiet", "--world", "2"]
+SMALL = ["--steps", "4", "--lr", "3e-4", "--warmup", "2", "--layers", "2", "--seq", "256", "--batch", "2",
+         "--heads", "4", "--preset", "qwen3-30b-a3b", "--eval-every", "4", "--timing-skip", "2", "--quiet",
+         "--world", "2"]
 
 
 @pytest.mark.skipif(NGPU < 2, reason="needs 2 CUDA GPUs")
@@ -25,7 +26,9 @@ def test_graphed_moe_layers_train_like_eager(tmp_path):
     for eager, graph in zip(runs["eager"], runs["graph"], strict=True):
         assert graph["moe_cuda_graph"] and not eager["moe_cuda_graph"]
         # same kernels, same inputs: replaying them from a graph changes nothing but the launches; the first step
-        # agrees exactly, later ones up to the run-to-run spread of the (non-MoE) attention backward
+        # agrees exactly, later ones up to the run-to-run spread of eager training itself (2x H200, 2026-11-30: two
+        # eager runs of the same config differ by up to 1e-3 relative within 6 steps: the attention backward is
+        # not deterministic; over 8 steps with a loss spike the spread reached 2%, hence 4 short steps here)
         lg, le = graph["history"]["loss"], eager["history"]["loss"]
         assert lg[0] == pytest.approx(le[0], rel=1e-6, abs=0), graph["backend"]
         assert lg == pytest.approx(le, rel=2e-3, abs=0), graph["backend"]
