@@ -129,25 +129,73 @@ class MasterWeights:
         torch._foreach_copy_([p for p, _ in self.pairs], [m for _, m in self.pairs])
 
 
-def clip_global_norm(replicated: list[torch.Tensor], local: list[torch.Tensor], max_norm: float, group) -> float:
-    """Clip by the norm over all parameters: replicated grads counted once, each rank's experts added up."""
+def clip_multipliers(replicated: list[torch.Tensor], local: list[torch.Tensor], max_norm: float, world: int,
+                     group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradient multipliers for one step, from the grads as backward left them: replicated grads (already
+    averaged by DDP) counted once; each rank's expert grads summed over the ranks' tokens, so divided by the world
+    size, and their squares added up over the ranks. Returns (global norm, multiplier of the replicated grads,
+    multiplier of the expert grads) as device scalars, i.e. the clip coefficient min(1, max_norm / norm) and that
+    over W. Nothing is scaled here: ScaledAdamW applies the multipliers."""
     dev = (replicated + local)[0].device
 
     def sq(ts):
         grads = [t.grad for t in ts if t.grad is not None]
         if not grads:
             return torch.zeros((), device=dev)
-        return torch.stack([n.float() for n in torch._foreach_norm(grads)]).pow(2).sum()
+        return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).pow(2).sum()
 
     rep = sq(replicated)
     loc = sq(local)
     dist.all_reduce(loc, group=group)
-    norm = (rep + loc).sqrt()
+    norm = (rep + loc / world**2).sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    grads = [t.grad for t in replicated + local if t.grad is not None]
-    if grads:
-        torch._foreach_mul_(grads, coef)
-    return norm
+    return norm, coef, coef / world
+
+
+class ScaledAdamW:
+    """AdamW over parameter sets that each take a gradient multiplier per step (the clip coefficient; for the
+    experts also 1/W). On CUDA the multiplier reaches torch's fused AdamW as its ``grad_scale`` (the kernel divides
+    the grads by it while it updates), so clipping and averaging cost no pass over the gradients; elsewhere a
+    foreach multiply runs first. Weight decay on parameters with 2 or more dims."""
+
+    def __init__(self, param_sets: list[list[torch.Tensor]], lr: float, betas, weight_decay: float, fused: bool):
+        self.fused = fused
+        self.opts = []
+        for params in param_sets:
+            groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                      {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+            groups = [g for g in groups if g["params"]]
+            self.opts.append(torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused) if groups else None)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.opts if o is not None for g in o.param_groups]
+
+    def step(self, multipliers: list[torch.Tensor]) -> None:
+        for opt, mult in zip(self.opts, multipliers, strict=True):
+            if opt is None:
+                continue
+            if self.fused:
+                opt.grad_scale = (1.0 / mult).float()
+            else:
+                grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+                if grads:
+                    torch._foreach_mul_(grads, mult)
+            opt.step()
+            opt.grad_scale = None
+
+    def zero_grad(self) -> None:
+        for o in self.opts:
+            if o is not None:
+                o.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> list:
+        return [o.state_dict() if o is not None else None for o in self.opts]
+
+    def load_state_dict(self, states: list) -> None:
+        for o, st in zip(self.opts, states, strict=True):
+            if o is not None:
+                o.load_state_dict(st)
 
 
 def _ckpt_path(out: str, backend: str, rank: int) -> str:
@@ -181,12 +229,8 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     low_precision = [p for p in model.parameters() if p.dtype != torch.float32]
     master = MasterWeights(low_precision) if low_precision else None
     master_of = {id(p): m for p, m in (master.pairs if master else [])}
-    opt_params = [master_of.get(id(p), p) for p in model.parameters()]
-    decay = [p for p in opt_params if p.dim() >= 2]
-    no_decay = [p for p in opt_params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
-                            fused=on_gpu)
+    opt = ScaledAdamW([[master_of.get(id(p), p) for p in replicated], [master_of.get(id(p), p) for p in experts]],
+                      lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=on_gpu)
 
     history = {"step": [], "loss": [], "aux": [], "lr": [], "grad_norm": [], "eval": []}
     start = 0
@@ -222,19 +266,12 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
             loss = ce + aux
         marks.mark()
         loss.backward()
-        for p in experts:
-            if p.grad is not None:
-                p.grad.div_(W)
         marks.mark()
+        gnorm, mult_rep, mult_exp = clip_multipliers(replicated, experts, args.clip, W)  # on the model's grads
         if master:
             master.grads_to_masters()
-            params_rep = [master_of.get(id(p), p) for p in replicated]
-            params_loc = [master_of.get(id(p), p) for p in experts]
-        else:
-            params_rep, params_loc = replicated, experts
-        gnorm = clip_global_norm(params_rep, params_loc, args.clip, None)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.step([mult_rep, mult_exp])
+        opt.zero_grad()
         model.zero_grad(set_to_none=True)
         if master:
             master.masters_to_model()
