@@ -4,8 +4,8 @@
 #   usage (device tool, kind nvidia-h200-x4, -x2 or -x8):  MEGAMOE_COMMIT=<sha> bash benchmarks/gpu_session.sh 1,2
 # One device call runs at most 10 minutes: pass the sections to run (comma list; default 1). Sections are
 # ordered by value and each has its own time limit: 1 (<= 8 min), 2, 2b, 2c (<= 10 min each), 3 (~8 min), 4+5
-# (~6 min), 6 (~5 min), t (deepseek forward timeline, ~2 min), 7 (training, torch / split / fused, ~6 min), 7g (7 with
-# --graph-moe + the GPU training test).
+# (~6 min), 6 (~5 min), t (deepseek forward timeline, ~2 min), 7 (training, torch / split / fused, ~2 min cold),
+# 7g (7 with --graph-moe, ~2 min), 7t (GPU training tests, ~1 min).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -73,12 +73,12 @@ for b in split fused; do
     --backend "$b" --out "$OUT" 2>&1 | quiet | tail -14
 done
 timeout 200 torchrun --nproc_per_node "$NGPU" benchmarks/fused_probe.py --profile 2>&1 | quiet | tail -30
-timeout 150 torchrun --nproc_per_node "$NGPU" benchmarks/layer_timeline.py --out "$OUT" 2>&1 | quiet | tail -60
 fi
 
 if want t; then
 echo "== t. forward timeline of deepseek-v3 (split + presum, fused): kernel starts, gaps, launch lag"
-timeout 200 torchrun --nproc_per_node "$NGPU" benchmarks/layer_timeline.py --out "$OUT" 2>&1 | quiet | tail -70
+timeout 200 torchrun --nproc_per_node "$NGPU" benchmarks/layer_timeline.py --out "$OUT" 2>&1 | quiet \
+  | tee "$OUT/timeline.txt" | tail -40
 fi
 
 if want 7; then
@@ -88,14 +88,19 @@ timeout 420 torchrun --nproc_per_node "$NGPU" -m megamoe train --backends torch,
 fi
 
 if want 7g; then
-echo "== 7g. megamoe train as 7 with the MoE layers in CUDA graphs (--graph-moe; torch stays eager), GPU train test"
+echo "== 7g. megamoe train as 7 with the MoE layers in CUDA graphs (--graph-moe; torch stays eager)"
 timeout 420 torchrun --nproc_per_node "$NGPU" -m megamoe train --backends torch,split:presum_combine=1,fused \
   --graph-moe --steps 200 --quiet --out "$OUT/train-graph" 2>&1 | quiet | tail -8
-gpu_tests gpu_train 300 tests/test_gpu_train.py
+fi
+
+if want 7t; then
+echo "== 7t. GPU training tests (graphed MoE layers train like eager; fused AdamW grad_scale)"
+gpu_tests gpu_train 300 tests/test_gpu_train.py tests/test_train.py
 fi
 
 if want 6; then
 echo "== 6. the rest of the GPU tests"
 timeout 300 python3 -m pytest -q -m gpu tests --ignore tests/test_gpu_split.py --ignore tests/test_gpu_fused.py \
+  --ignore tests/test_gpu_train.py --deselect "tests/test_train.py::test_scaled_adamw_fused_grad_scale_matches_scaling_the_grads[cuda]" \
   2>&1 | grep -v "^frame\|^E *frame" > "$OUT/gpu_rest.log"; grep -E "passed|failed" "$OUT/gpu_rest.log" | tail -3
 fi

@@ -25,7 +25,7 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megamoe.bench import parse_backend  # noqa: E402
+from megamoe.backends import parse_backend  # noqa: E402
 from megamoe.config import preset  # noqa: E402
 from megamoe.dist import init_from_env  # noqa: E402
 from megamoe.layer import MoE  # noqa: E402

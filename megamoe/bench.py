@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megamoe.backends import parse_backend  # noqa: F401 - re-exported (the CLI and scripts import it from here)
+from megamoe.backends import parse_backend  # also imported from here by older scripts
 from megamoe.config import PRESETS, parse_dtype, preset
 from megamoe.dist import init_from_env, spawn, under_torchrun
 from megamoe.perf import ceilings_for, floor_seconds, forward_flops, run_metadata

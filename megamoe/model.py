@@ -153,7 +153,13 @@ def graph_moe_layers(model: MoETransformer, tokens: int, autocast) -> None:
     removes the host launch cost that eager training pays per layer). Needs a backend without host
     synchronisation (split, fused) and a fixed token count ``tokens`` per call; ``autocast`` is the context the
     training step runs under (its cache must be off). Call before wrapping the model in DDP; every rank at once
-    (the warm-up runs the layers' communication)."""
+    (the warm-up runs the layers' communication).
+
+    Caveats of make_graphed_callables that hold here: the layers' outputs and the parameter gradients they hand
+    to autograd live in the graphs' static buffers and are overwritten by the next replay, so consume them within
+    the step (``megamoe train`` copies the gradients to its float32 masters and clears them before the next
+    forward; accumulating gradients over several micro-batches this way would be wrong). Host-side layer state
+    changed after capture (e.g. ``router.set_logit_offset``) is not seen by the graphs."""
     moes = tuple(blk.moe for blk in model.blocks)
     for m in moes:
         if m.backend_name == "torch":
@@ -166,4 +172,3 @@ def graph_moe_layers(model: MoETransformer, tokens: int, autocast) -> None:
                      .requires_grad_(),) for m in moes)
     with autocast:
         torch.cuda.make_graphed_callables(moes, samples, num_warmup_iters=3, allow_unused_input=True)
-

@@ -12,13 +12,15 @@ global mean loss, like the DDP-averaged ones.
 With ``--backends torch,split`` the same run (same seed, same data) is repeated per backend in one process
 group and the summary compares them. Outputs in ``--out``: ``summary.json`` (tokens/s/GPU, step time
 breakdown, peak memory, losses, per-expert load, commit, GPU) and ``loss.png``; checkpoints in
-``--out/ckpt-<backend>`` (one file per rank) when ``--ckpt-every`` is set, resumed with ``--resume``.
+``--out/ckpt-<backend>`` (one file per rank; characters other than letters, digits, ``_.-`` in the backend
+spec become ``_``: ``ckpt-split_presum_combine_1``) when ``--ckpt-every`` is set, resumed with ``--resume``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -193,6 +195,9 @@ class ScaledAdamW:
         return [o.state_dict() if o is not None else None for o in self.opts]
 
     def load_state_dict(self, states: list) -> None:
+        if not isinstance(states, list) or len(states) != len(self.opts):
+            raise ValueError("optimizer state in the checkpoint is not ScaledAdamW's (a list with one AdamW state per "
+                             "parameter set): written by an older megamoe train; start the run afresh")
         for o, st in zip(self.opts, states, strict=True):
             if o is not None:
                 o.load_state_dict(st)
@@ -320,7 +325,12 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
         "expert_load": load_sum.sum(0).tolist() if load_sum is not None else None,
         "final_loss": history["loss"][-1] if history["loss"] else None,
     }
-    del ddp, model, opt
+    del ddp, model, opt, master
+    # make_graphed_callables leaves reference cycles (module.forward closes over the module): collect them so that
+    # one backend's graphs and memory pool are gone before the next backend's run and its peak-memory figure
+    gc.collect()
+    if on_gpu:
+        torch.cuda.empty_cache()
     from megamoe.backends.split import close_heaps
 
     close_heaps()  # the split backend's symmetric heaps belong to ep_group
@@ -366,7 +376,12 @@ def evaluate(ddp, corpus, args, device, autocast, rank, W) -> float:
 
 def run_rank(args, device: torch.device) -> dict | None:
     corpus = ByteCorpus(args.files or None)
-    results = [train_backend(b, args, device, corpus) for b in args.backends.split(",")]
+    results = []
+    for b in args.backends.split(","):
+        results.append(train_backend(b, args, device, corpus))
+        gc.collect()  # what the finished run's locals held (graphs, their pool) goes before the next run
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if dist.get_rank() != 0:
         return None
     return {"meta": run_metadata(device, dist.get_world_size()),

@@ -31,31 +31,8 @@ def test_graphed_moe_layers_train_like_eager(tmp_path):
         # not deterministic; over 8 steps with a loss spike the spread reached 2%, hence 4 short steps here)
         lg, le = graph["history"]["loss"], eager["history"]["loss"]
         assert lg[0] == pytest.approx(le[0], rel=1e-6, abs=0), graph["backend"]
+        # the first step's gradient norm (replicated and expert grads) checks the graphed backward directly
+        assert graph["history"]["grad_norm"][0] == pytest.approx(eager["history"]["grad_norm"][0], rel=1e-3)
         assert lg == pytest.approx(le, rel=2e-3, abs=0), graph["backend"]
         assert [e for _, e in graph["history"]["eval"]] == pytest.approx([e for _, e in eager["history"]["eval"]],
                                                                          rel=2e-3)
-
-
-@pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
-def test_scaled_adamw_fused_grad_scale_matches_scaling_the_grads():
-    # the GPU path hands the clip / 1/W multipliers to torch's fused AdamW as grad_scale; it must equal scaling the
-    # grads first (what the CPU path does)
-    from megamoe.train import ScaledAdamW
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    shapes = [[(64, 32), (32,)], [(4, 16, 8)]]
-    a_sets = [[torch.randn(s, device="cuda", generator=gen).requires_grad_() for s in grp] for grp in shapes]
-    b_sets = [[p.detach().clone().requires_grad_() for p in grp] for grp in a_sets]
-    fused = ScaledAdamW(a_sets, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    plain = ScaledAdamW(b_sets, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=False)
-    for step in range(3):
-        mults = [torch.tensor(0.3 + 0.1 * step, device="cuda"), torch.tensor(0.15, device="cuda")]
-        for ga, gb in zip(a_sets, b_sets, strict=True):
-            for pa, pb in zip(ga, gb, strict=True):
-                pa.grad = torch.randn(pa.shape, device="cuda", generator=gen)
-                pb.grad = pa.grad.clone()
-        fused.step(mults)
-        plain.step(mults)
-    for ga, gb in zip(a_sets, b_sets, strict=True):
-        for pa, pb in zip(ga, gb, strict=True):
-            torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)

@@ -51,3 +51,75 @@ def test_train_backends_agree(tmp_path):
     for res in (split_res, fused_res):
         assert len(res["history"]["loss"]) == 4
         assert res["history"]["loss"] == pytest.approx(torch_res["history"]["loss"], rel=1e-2), res["backend"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_scaled_adamw_fused_grad_scale_matches_scaling_the_grads(device):
+    # on CUDA megamoe train hands the clip / 1/W multipliers to torch's fused AdamW as grad_scale; it must equal
+    # scaling the grads first (the non-fused path)
+    import torch
+
+    from megamoe.train import ScaledAdamW
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gen = torch.Generator(device=device).manual_seed(0)
+    shapes = [[(64, 32), (32,)], [(4, 16, 8)]]
+    a_sets = [[torch.randn(s, device=device, generator=gen).requires_grad_() for s in grp] for grp in shapes]
+    b_sets = [[p.detach().clone().requires_grad_() for p in grp] for grp in a_sets]
+    fused = ScaledAdamW(a_sets, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    plain = ScaledAdamW(b_sets, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=False)
+    for step in range(3):
+        mults = [torch.tensor(0.3 + 0.1 * step, device=device), torch.tensor(0.15, device=device)]
+        for ga, gb in zip(a_sets, b_sets, strict=True):
+            for pa, pb in zip(ga, gb, strict=True):
+                pa.grad = torch.randn(pa.shape, device=device, generator=gen)
+                pb.grad = pa.grad.clone()
+        fused.step(mults)
+        plain.step(mults)
+    for ga, gb in zip(a_sets, b_sets, strict=True):
+        for pa, pb in zip(ga, gb, strict=True):
+            torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="older megamoe train"):
+        fused.load_state_dict({"state": {}, "param_groups": []})
+
+
+def _clip_rank(rank: int, world: int) -> list[float]:
+    import torch
+
+    from megamoe.train import clip_multipliers
+
+    gen = torch.Generator().manual_seed(100 + rank)  # expert grads differ per rank, replicated ones do not
+    rep = [torch.zeros(5, 3, requires_grad=True), torch.zeros(7, requires_grad=True)]
+    loc = [torch.zeros(4, 6, requires_grad=True)]
+    for i, p in enumerate(rep):
+        p.grad = torch.full(p.shape, 0.5 + i)
+    for p in loc:
+        p.grad = torch.randn(p.shape, generator=gen) * 3
+    out = []
+    for max_norm in (1.0, 1e6):  # clipping and not
+        norm, m_rep, m_loc = clip_multipliers(rep, loc, max_norm, world)
+        out += [float(norm), float(m_rep), float(m_loc)]
+    return out
+
+
+def test_clip_multipliers_match_dividing_expert_grads_first():
+    # the old recipe: expert grads / W, then the norm over replicated grads (once) and every rank's expert grads
+    import torch
+
+    from megamoe.dist import spawn
+
+    W = 2
+    got = spawn(_clip_rank, W, timeout_s=120)
+    rep_sq = 5 * 3 * 0.5**2 + 7 * 1.5**2
+    loc_sq = 0.0
+    for r in range(W):
+        g = torch.randn(4, 6, generator=torch.Generator().manual_seed(100 + r)) * 3
+        loc_sq += float((g / W).double().square().sum())
+    norm = (rep_sq + loc_sq) ** 0.5
+    for res in got:
+        assert res[0] == pytest.approx(norm, rel=1e-5) and res[3] == pytest.approx(norm, rel=1e-5)
+        coef = min(1.0, 1.0 / (norm + 1e-6))
+        assert res[1] == pytest.approx(coef, rel=1e-5) and res[2] == pytest.approx(coef / W, rel=1e-5)
+        assert res[4] == pytest.approx(1.0) and res[5] == pytest.approx(1.0 / W)
+
