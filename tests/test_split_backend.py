@@ -1,4 +1,4 @@
-"""Backend ``split`` (megamoe kernels, no host sync) on 1, 2 and 4 gloo CPU ranks under the Triton
+"""Backend ``split`` (megamoe kernels, no host sync) on 1, 2, 3, 4 and 8 gloo CPU ranks under the Triton
 interpreter, against the float64 reference on the global batch; bitwise determinism; clear errors."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ if not torch.cuda.is_available():  # on a GPU machine `pytest -m gpu tests` impo
 # the interpreter is slow: every edge case on 2 ranks, a subset on 1 and 4 (CI runs on 2 cores)
 SUBSET = {1: ("bf16:bf16-ragged", "bf16:fp64-one-expert-k1"),
           3: ("bf16:bf16-ragged", "bf16:fp32-empty-rank"),
-          4: ("bf16:bf16-ragged", "bf16:fp32-empty-rank", "bf16:fp32-starved-expert")}
+          4: ("bf16:bf16-ragged", "bf16:fp32-empty-rank", "bf16:fp32-starved-expert"),
+          8: ("bf16:bf16-ragged",)}  # EP = 8 (DeepEP's intranode config) before an 8-GPU machine is lent
 
 
 # the pre-summing combine (comm/presum.py) on a few edge cases
@@ -52,7 +53,7 @@ def check(results, world):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test; GPUs run tests/test_gpu_split.py")
-@pytest.mark.parametrize("world", [1, 2, 3, 4])  # 1: itself as the only peer; 3: not a power of two
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])  # 1: itself as the only peer; 3: not a power of two; 8: E_l = 1
 def test_split_matches_reference_cpu(world):
     check(spawn(_rank, world, timeout_s=900), world)
 
