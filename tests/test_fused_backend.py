@@ -1,4 +1,4 @@
-"""Backend ``fused`` (the forward megakernel) on 1, 2 and 4 gloo CPU ranks under the Triton interpreter,
+"""Backend ``fused`` (the forward megakernel) on 1, 2, 3, 4 and 8 gloo CPU ranks under the Triton interpreter,
 against the float64 reference on the global batch: dense buffers and macrobatch rings that must cycle
 (skewed routing, rings of 1x, 2x and 4x a minibatch and the smallest ring), bitwise determinism, bounded
 waits, clear errors."""
