@@ -5,7 +5,7 @@
 # One device call runs at most 10 minutes: pass the sections to run (comma list; default 1). Sections are
 # ordered by value and each has its own time limit: 1 (<= 8 min), 2, 2b, 2c (<= 10 min each), 3 (~8 min), 4+5
 # (~6 min), 6 (~5 min), t (deepseek forward timeline, ~2 min), 7 (training, torch / split / fused, ~2 min cold),
-# 7g (7 with --graph-moe, ~2 min), 7t (GPU training tests, ~1 min).
+# 7g (7 with --graph-moe, ~2 min), 7t (GPU training tests, ~1 min), 8 (experimental Gluon FP8 GEMM, ~5 min).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -98,9 +98,15 @@ echo "== 7t. GPU training tests (graphed MoE layers train like eager; fused Adam
 gpu_tests gpu_train 300 tests/test_gpu_train.py tests/test_train.py
 fi
 
+if want 8; then
+echo "== 8. EXPERIMENTAL Gluon FP8 grouped GEMM: GPU tests, then timed against our Triton FP8 and bf16 (one GPU)"
+gpu_tests gpu_gluon_fp8 240 tests/test_gpu_gluon_fp8.py
+CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/gluon_fp8_bench.py --json "$OUT/gluon_fp8.json" 2>&1 | tail -40
+fi
+
 if want 6; then
 echo "== 6. the rest of the GPU tests"
 timeout 300 python3 -m pytest -q -m gpu tests --ignore tests/test_gpu_split.py --ignore tests/test_gpu_fused.py \
-  --ignore tests/test_gpu_train.py --deselect "tests/test_train.py::test_scaled_adamw_fused_grad_scale_matches_scaling_the_grads[cuda]" \
+  --ignore tests/test_gpu_train.py --ignore tests/test_gpu_gluon_fp8.py --deselect "tests/test_train.py::test_scaled_adamw_fused_grad_scale_matches_scaling_the_grads[cuda]" \
   2>&1 | grep -v "^frame\|^E *frame" > "$OUT/gpu_rest.log"; grep -E "passed|failed" "$OUT/gpu_rest.log" | tail -3
 fi

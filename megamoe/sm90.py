@@ -14,7 +14,8 @@ with Triton's bundled ptxas) with the launch's own argument specialisation, and 
 ``access_widths`` counts global loads/stores by width in the PTX and ``ptxas_usage`` reports registers, spills
 and shared memory. ``python -m megamoe.sm90`` runs the split and fused layers (forward + backward, the
 variants in LAYERS, 64 and 1 tokens per rank, 1 and 2 ranks, full hidden sizes) on gloo ranks under ``compile_only`` and
-prints a JSON report per compiled kernel; tests/test_sm90_compile.py asserts on it. It must run where
+prints a JSON report per compiled kernel (plus the experimental Gluon FP8 GEMM); tests/test_sm90_compile.py
+asserts on it. It must run where
 TRITON_INTERPRET is unset (under the interpreter @triton.jit yields functions the compiler cannot take), so
 the test starts it as a subprocess.
 """
@@ -128,7 +129,29 @@ LAYERS = [
 
 def _summary(k) -> dict:
     widths = access_widths(k)
-    return {"ld": dict(widths["ld"]), "st": dict(widths["st"]), **ptxas_usage(k)}
+    waits = Counter(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", k.asm["ptx"]))
+    return {"ld": dict(widths["ld"]), "st": dict(widths["st"]), "wgmma_wait_groups": dict(waits), **ptxas_usage(k)}
+
+
+def _gluon_fp8(compiled: dict, where: dict) -> None:
+    """Compile the experimental Gluon FP8 grouped GEMM (megamoe/kernels/gluon_fp8.py) at deepseek-v3's GEMM2
+    shape (K = 2048, N = 7168) on 8 experts, for every config its tests use."""
+    import torch
+
+    from megamoe.kernels.gluon_fp8 import grouped_gemm_fp8_gluon
+
+    E, R, N, K = 8, 1024, 7168, 2048
+    aq = torch.zeros(R, K, dtype=torch.float8_e4m3fn)
+    wq = torch.zeros(E, N, K, dtype=torch.float8_e4m3fn)
+    a_s, w_s = torch.ones(R, K // 128), torch.ones(E, N // 128, K // 128)
+    offs = torch.arange(0, E + 1, dtype=torch.int32) * (R // E)
+    for block_m, stages in ((128, 4), (128, 3), (64, 4)):
+        before = set(compiled.get("_gluon_fp8_grouped_kernel", {}))
+        with compile_only(compiled):
+            grouped_gemm_fp8_gluon(aq, a_s, wq, w_s, offs, scale=torch.ones(R), block_m=block_m, stages=stages,
+                                   num_sms=132)
+        for key in set(compiled.get("_gluon_fp8_grouped_kernel", {})) - before:
+            where[f"_gluon_fp8_grouped_kernel#{key[:8]}"] = f"gluon-fp8/bm{block_m}/stages{stages}"
 
 
 def _layer_rank(rank: int, world: int) -> dict:
@@ -156,6 +179,8 @@ def _layer_rank(rank: int, world: int) -> dict:
         del moe
     if rank != 0:
         return {}
+    if world == max(entry[0] for entry in LAYERS):
+        _gluon_fp8(compiled, where)
     return {f"{n}#{key[:8]}": {"layer": where.get(f"{n}#{key[:8]}", ""), **_summary(k)}
             for n, ks in compiled.items() for key, k in ks.items()}
 

@@ -17,7 +17,7 @@ import pytest
 from megamoe.sm90 import run_report_subprocess
 
 NO_SPILLS = ("_fused_fwd_kernel", "_grouped_gemm_kernel", "_grouped_gemm_fp8_kernel", "_grouped_wgrad_kernel",
-             "_dgate_kernel")
+             "_dgate_kernel", "_gluon_fp8_grouped_kernel")
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +53,13 @@ def test_gemm_kernels_do_not_spill(rep):
     spills = {k: v["spill_store_bytes"] for k, v in rep.items() if k.split("#")[0] in NO_SPILLS
               and v["spill_store_bytes"]}
     assert not spills, f"register spills (bytes stored per thread): {spills}"
+
+
+def test_gluon_fp8_keeps_a_wgmma_in_flight(rep):
+    # the point of the experimental Gluon FP8 GEMM: step k's promotion runs while step k+1's wgmma is in flight
+    # (wait_group 1 in the k-loop), where the Triton FP8 kernel waits for every wgmma (wait_group 0 only)
+    gluon = {k: v for k, v in rep.items() if k.startswith("_gluon_fp8_grouped_kernel")}
+    assert len(gluon) == 3, f"expected 3 configs of the Gluon FP8 kernel compiled, got {sorted(gluon)}"
+    for k, v in gluon.items():
+        assert "1" in v["wgmma_wait_groups"], f"{k} ({v['layer']}): no wgmma.wait_group 1 {v['wgmma_wait_groups']}"
+
