@@ -61,7 +61,9 @@ def _gluon_fp8_grouped_kernel(
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     store_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
 
-    # the schedule of grouped_gemm.py: per-expert tile counts and their running sum, read on the device
+    # the schedule of grouped_gemm.py (_expert_tiles / _locate_tile, restated here with Gluon layouts: a Triton
+    # @jit helper cannot be called from a Gluon kernel; keep the two in step): per-expert tile counts and their
+    # running sum, read on the device
     e_idx = gl.arange(0, BLOCK_E, layout=sched)
     emask = e_idx < E_l
     starts = gl.load(offs_ptr + e_idx, mask=emask, other=0)
