@@ -45,7 +45,8 @@ def access_widths(compiled) -> dict[str, Counter]:
 
 
 def ptxas_usage(compiled) -> dict[str, int]:
-    """Registers per thread, spill bytes and shared memory of the kernel, from the bundled ptxas -v."""
+    """Registers per thread, spill bytes, shared memory and wgmma-serialisation warnings of the kernel, from the
+    bundled ptxas -v."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -58,6 +59,9 @@ def ptxas_usage(compiled) -> dict[str, int]:
     spill_st = re.search(r"(\d+) bytes spill stores", text)
     spill_ld = re.search(r"(\d+) bytes spill loads", text)
     return {"registers": int(regs.group(1)) if regs else -1,
+            # ptxas C7510-C7519: "wgmma.mma_async instructions are serialized due to ..." (it then waits after every
+            # wgmma, whatever wait_group the PTX asks for)
+            "wgmma_serialized": sorted(set(re.findall(r"\((C751\d)\)", text))),
             "spill_store_bytes": int(spill_st.group(1)) if spill_st else 0,
             "spill_load_bytes": int(spill_ld.group(1)) if spill_ld else 0,
             "shared_bytes": int(compiled.metadata.shared)}

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test; GPUs run test_gpu_fused.py")
 
-# the interpreter is slow: every edge case on 2 ranks, a subset on 1 and 4 (CI runs on 2 cores)
+# the interpreter is slow: every edge case on 2 ranks, a subset on 1, 3, 4 and 8 (CI runs on 2 cores)
 SUBSET = {1: ("bf16:bf16-ragged", "bf16:fp64-one-expert-k1"),
           3: ("bf16:bf16-ragged",),
           4: ("bf16:bf16-ragged", "bf16:fp32-empty-rank", "bf16:fp32-starved-expert"),
@@ -46,7 +46,7 @@ def _rank(rank: int, world: int) -> tuple[list[dict], list[bool]]:
     results = [layer_case(c, "fused", dev) for c in cases]
     det_case = LayerCase("det", dtype="bf16", tokens=tuple(17 + r for r in range(world)),
                          overrides={"num_experts": tiny_experts(world)})
-    dets = [determinism_case(det_case, "fused", dev)]
+    dets = [determinism_case(det_case, "fused", dev)] if world != 8 else []  # 8 ranks: time on 2 CI cores
     if world == 2:
         sk = skewed_case(world)
         # a minibatch: the blocks uniform routing gives one rank (T * k rows of 32); rings of 1x, 2x, 4x it

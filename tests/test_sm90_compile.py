@@ -5,7 +5,8 @@ specialisation its real launch gets (megamoe/sm90.py): what the interpreter cann
   int argument equal to 1 into a constexpr; ``ntok.to(...)`` then failed to compile on the H200);
 - no kernel moves data through global memory 1 or 2 bytes at a time: what a row pointer loaded from the
   heap's table without an alignment hint produced in the fused megakernel (its GEMM2 epilogue and combine);
-- the GEMM-bound kernels do not spill registers (the d(topk_w) kernel spilled 456 bytes per thread).
+- the GEMM-bound kernels do not spill registers (the d(topk_w) kernel spilled 456 bytes per thread);
+- ptxas serialises no kernel's wgmmas (warning C751x), and the experimental Gluon FP8 GEMM keeps one in flight.
 Runs the layers under megamoe.sm90.compile_only on 2 gloo ranks in a subprocess without TRITON_INTERPRET
 (about 1-2 minutes with a cold Triton cache).
 """
@@ -55,11 +56,19 @@ def test_gemm_kernels_do_not_spill(rep):
     assert not spills, f"register spills (bytes stored per thread): {spills}"
 
 
+def test_no_kernel_serialises_its_wgmmas(rep):
+    # ptxas warning C751x: wgmmas serialised (a wait after every one, whatever the PTX's wait_group says); the first
+    # version of the Gluon FP8 kernel had it (C7514: an in-flight product carried across the loop's back edge) while
+    # its PTX looked pipelined
+    serial = {k: (v["layer"], v["wgmma_serialized"]) for k, v in rep.items() if v["wgmma_serialized"]}
+    assert not serial, f"ptxas serialised the wgmmas of: {serial}"
+
+
 def test_gluon_fp8_keeps_a_wgmma_in_flight(rep):
-    # the point of the experimental Gluon FP8 GEMM: step k's promotion runs while step k+1's wgmma is in flight
-    # (wait_group 1 in the k-loop), where the Triton FP8 kernel waits for every wgmma (wait_group 0 only)
+    # the point of the experimental Gluon FP8 GEMM: a promotion runs while the next wgmma is in flight (wait_group 1
+    # in the k-loop, not serialised by ptxas), where the Triton FP8 kernel waits for every wgmma (wait_group 0 only)
     gluon = {k: v for k, v in rep.items() if k.startswith("_gluon_fp8_grouped_kernel")}
     assert len(gluon) == 3, f"expected 3 configs of the Gluon FP8 kernel compiled, got {sorted(gluon)}"
     for k, v in gluon.items():
         assert "1" in v["wgmma_wait_groups"], f"{k} ({v['layer']}): no wgmma.wait_group 1 {v['wgmma_wait_groups']}"
-
+        assert not v["wgmma_serialized"], f"{k} ({v['layer']}): ptxas serialised its wgmmas"

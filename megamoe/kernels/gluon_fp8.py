@@ -4,11 +4,13 @@ overlapped with the next k-step's wgmma. Compiled for sm_90a on the CPU (megamoe
 Why: our Triton FP8 kernel (grouped_gemm_fp8.py) runs at our bf16 rate, because the promotion
 ``acc += (a_k @ b_k) * s_a * s_b`` consumes each k-step's wgmma result at once, and Triton 3.6's pipeliner then
 waits for every wgmma (``wgmma.wait_group 0`` in its PTX: the tensor cores idle during the scaling FMAs). Gluon
-exposes the waits: here step k's product P_k is issued asynchronously into a fresh register accumulator, then
-``warpgroup_mma_wait(num_outstanding=1)`` waits only for P_(k-1), which is scaled and added to ``acc`` while P_k
-runs on the tensor cores. Three fp32 [128, 128] tiles live per program (acc, P_(k-1), P_k): 192 registers per
-thread with 8 warps. Loads: a STAGES-deep ring of TMA tiles with one mbarrier per stage; a stage is refilled
-once the wgmmas of every warpgroup that read it have completed (the same wait, then a CTA barrier).
+exposes the waits: here k-steps go in pairs; both products P_a and P_b are issued asynchronously into fresh
+register tiles, ``warpgroup_mma_wait(num_outstanding=1)`` waits for P_a only, which is scaled and added to
+``acc`` while P_b runs on the tensor cores; then P_b is waited for and added (that half of the promotions does
+not overlap). Three fp32 [128, 128] tiles live per program (acc, P_a, P_b): 192 registers per thread with 8
+warps. Loads: a STAGES-deep ring of TMA tiles with one mbarrier per stage; a stage is refilled once the wgmmas of
+every warpgroup that read it have completed (the wait, then a CTA barrier). Next step, if this pays: two
+consumer warpgroups on different tiles (ping-pong) and per-stage "empty" barriers instead of CTA barriers.
 
 Operands and schedule as in grouped_gemm_fp8.py (EPI_NONE only, with the optional per-row scale):
     aq [R, K] e4m3, a_s [R, cdiv(K, 128)] fp32; wq [E_l, N, K] e4m3, w_s [E_l, cdiv(N, 128), cdiv(K, 128)] fp32;
@@ -27,7 +29,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -101,7 +102,7 @@ def _gluon_fp8_grouped_kernel(
         off_n = ni * BLOCK_N
         wrow = e * N + off_n
 
-        for s in gl.static_range(STAGES - 1):  # prologue: the first STAGES - 1 k-steps in flight
+        for s in gl.static_range(STAGES):  # prologue: the first STAGES k-steps in flight
             if s < k_tiles:
                 st = (it + s) % STAGES
                 mbarrier.expect(bars.index(st), nbytes)
@@ -114,29 +115,47 @@ def _gluon_fp8_grouped_kernel(
         ws_tile = ws_ptr + e.to(gl.int64) * stride_wse + (off_n // 128) * stride_wsn
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
         zero = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
-        p_prev = warpgroup_mma_init(zero)  # the in-flight product of the previous k-step (none yet: zeros)
-        s_prev = gl.zeros((BLOCK_M,), dtype=gl.float32, layout=rows_l)
-        for ki in range(k_tiles):
-            st = (it + ki) % STAGES
-            mbarrier.wait(bars.index(st), ((it + ki) // STAGES) & 1)
-            p = warpgroup_mma(a_smem.index(st), b_smem.index(st).permute((1, 0)), zero, use_acc=False,
-                              is_async=True)
-            # P_(k-1) is done once at most one wgmma (P_k) is outstanding; scale it while P_k runs
-            done = warpgroup_mma_wait(num_outstanding=1, deps=(p_prev,))
-            acc = acc + done * s_prev[:, None]
-            # its stage is free once every warpgroup got here (each waits for its own wgmmas only): refill it with
-            # k-step ki + STAGES - 1
+        # k-steps in pairs: both products issued, the first promoted while the second runs. (A product carried
+        # in flight across the loop's back edge makes ptxas serialise every wgmma, warning C7514: the one-step
+        # lag of the first version of this kernel compiled to wait-after-every-wgmma.)
+        for kk in range(k_tiles // 2):
+            ka = 2 * kk
+            sc_a = gl.load(as_row + ka, mask=mmask, other=0.0) * gl.load(ws_tile + ka)
+            sc_b = gl.load(as_row + ka + 1, mask=mmask, other=0.0) * gl.load(ws_tile + ka + 1)
+            sta = (it + ka) % STAGES
+            mbarrier.wait(bars.index(sta), ((it + ka) // STAGES) & 1)
+            pa = warpgroup_mma(a_smem.index(sta), b_smem.index(sta).permute((1, 0)), zero, use_acc=False,
+                               is_async=True)
+            stb = (it + ka + 1) % STAGES
+            mbarrier.wait(bars.index(stb), ((it + ka + 1) // STAGES) & 1)
+            pb = warpgroup_mma(a_smem.index(stb), b_smem.index(stb).permute((1, 0)), zero, use_acc=False,
+                               is_async=True)
+            done = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))  # P_a done, P_b still running
+            acc = acc + done * sc_a[:, None]
+            # P_a's stage is free once every warpgroup got here (each waits for its own wgmmas only)
             gl.thread_barrier()
-            nk = ki + STAGES - 1
-            if nk < k_tiles:
-                st2 = (it + nk) % STAGES
-                mbarrier.expect(bars.index(st2), nbytes)
-                tma.async_copy_global_to_shared(a_desc, [off_m, nk * BLOCK_K], bars.index(st2), a_smem.index(st2))
-                tma.async_copy_global_to_shared(w_desc, [wrow, nk * BLOCK_K], bars.index(st2), b_smem.index(st2))
-            s_prev = gl.load(as_row + ki, mask=mmask, other=0.0) * gl.load(ws_tile + ki)
-            p_prev = p
-        done = warpgroup_mma_wait(num_outstanding=0, deps=(p_prev,))
-        acc = acc + done * s_prev[:, None]
+            if ka + STAGES < k_tiles:
+                mbarrier.expect(bars.index(sta), nbytes)
+                tma.async_copy_global_to_shared(a_desc, [off_m, (ka + STAGES) * BLOCK_K], bars.index(sta),
+                                                a_smem.index(sta))
+                tma.async_copy_global_to_shared(w_desc, [wrow, (ka + STAGES) * BLOCK_K], bars.index(sta),
+                                                b_smem.index(sta))
+            done = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
+            acc = acc + done * sc_b[:, None]
+            gl.thread_barrier()
+            if ka + 1 + STAGES < k_tiles:
+                mbarrier.expect(bars.index(stb), nbytes)
+                tma.async_copy_global_to_shared(a_desc, [off_m, (ka + 1 + STAGES) * BLOCK_K], bars.index(stb),
+                                                a_smem.index(stb))
+                tma.async_copy_global_to_shared(w_desc, [wrow, (ka + 1 + STAGES) * BLOCK_K], bars.index(stb),
+                                                b_smem.index(stb))
+        if k_tiles % 2 == 1:  # an odd last k-step, synchronously
+            kl = k_tiles - 1
+            stl = (it + kl) % STAGES
+            mbarrier.wait(bars.index(stl), ((it + kl) // STAGES) & 1)
+            last = warpgroup_mma(a_smem.index(stl), b_smem.index(stl).permute((1, 0)), zero, use_acc=False)
+            acc = acc + last * (gl.load(as_row + kl, mask=mmask, other=0.0) * gl.load(ws_tile + kl))[:, None]
+            gl.thread_barrier()
         it += k_tiles
 
         if HAS_SCALE:
@@ -163,11 +182,14 @@ def grouped_gemm_fp8_gluon(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor
     BN = 128
     if N % BN or K % 16:
         raise ValueError(f"grouped_gemm_fp8_gluon: N must be a multiple of {BN} and K of 16, got N={N}, K={K}")
-    if block_m not in (64, 128) or num_warps not in (4, 8) or stages < 2:
-        raise ValueError("grouped_gemm_fp8_gluon: block_m 64 or 128, num_warps 4 or 8, stages >= 2")
-    if out is None:
-        out = torch.empty(R, N, dtype=torch.bfloat16, device=aq.device)
-    if R == 0 or E_l == 0:
+    if (block_m, num_warps) not in ((128, 8), (64, 8), (64, 4)) or stages < 2:
+        raise ValueError("grouped_gemm_fp8_gluon: (block_m, num_warps) one of (128, 8), (64, 8), (64, 4) (128 rows on "
+                         f"4 warps spill) and stages >= 2; got {block_m}, {num_warps}, {stages}")
+    from megamoe.experts import _check_scale, _out  # lazy: megamoe.experts imports the kernels
+
+    _check_scale(scale, R, "grouped_gemm_fp8_gluon")
+    out = _out(out, (R, N), aq)
+    if R == 0 or E_l == 0 or N == 0:
         return out
     warps_m = min(num_warps, block_m // 16)
     instr_n = BN // (num_warps // warps_m)
