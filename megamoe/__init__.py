@@ -49,6 +49,7 @@ _LAZY = {
     "preset": "megamoe.config",
     "MoE": "megamoe.layer",
     "MoEOutput": "megamoe.layer",
+    "capture_moe_layers": "megamoe.layer",
     "Router": "megamoe.router",
     "RouterOutput": "megamoe.router",
     "available_backends": "megamoe.backends",

@@ -24,7 +24,7 @@ from torch import nn
 
 from megamoe.backends import parse_backend
 from megamoe.config import MoEConfig
-from megamoe.layer import MoE
+from megamoe.layer import MoE, capture_moe_layers
 
 VOCAB = 256
 
@@ -147,28 +147,6 @@ class MoETransformer(nn.Module):
         return self.head(self.norm(x)), aux, torch.stack(loads)
 
 
-def graph_moe_layers(model: MoETransformer, tokens: int, autocast) -> None:
-    """Capture every MoE layer's forward and backward in CUDA graphs (torch.cuda.make_graphed_callables, one
-    memory pool for all layers; a replay is one launch instead of the layer's ~25 kernels and torch ops, which
-    removes the host launch cost that eager training pays per layer). Needs a backend without host
-    synchronisation (split, fused) and a fixed token count ``tokens`` per call; ``autocast`` is the context the
-    training step runs under (its cache must be off). Call before wrapping the model in DDP; every rank at once
-    (the warm-up runs the layers' communication).
-
-    Caveats of make_graphed_callables that hold here: the layers' outputs and the parameter gradients they hand
-    to autograd live in the graphs' static buffers and are overwritten by the next replay, so consume them within
-    the step (``megamoe train`` copies the gradients to its float32 masters and clears them before the next
-    forward; accumulating gradients over several micro-batches this way would be wrong). Host-side layer state
-    changed after capture (e.g. ``router.set_logit_offset``) is not seen by the graphs."""
-    moes = tuple(blk.moe for blk in model.blocks)
-    for m in moes:
-        if m.backend_name == "torch":
-            raise ValueError("backend 'torch' cannot run in a CUDA graph (it reads split sizes on the host); "
-                             "use split or fused")
-        if m.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need CUDA devices, the MoE layers are on {m.device}")
-    gen = torch.Generator(device=moes[0].device).manual_seed(1234)
-    samples = tuple((torch.randn(tokens, m.config.hidden, device=m.device, dtype=m.w13.dtype, generator=gen)
-                     .requires_grad_(),) for m in moes)
-    with autocast:
-        torch.cuda.make_graphed_callables(moes, samples, num_warmup_iters=3, allow_unused_input=True)
+def graph_moe_layers(model: MoETransformer, tokens: int, autocast=None) -> None:
+    """:func:`megamoe.layer.capture_moe_layers` over the model's MoE layers (see there)."""
+    capture_moe_layers([blk.moe for blk in model.blocks], tokens, autocast)

@@ -123,3 +123,19 @@ def test_clip_multipliers_match_dividing_expert_grads_first():
         assert res[1] == pytest.approx(coef, rel=1e-5) and res[2] == pytest.approx(coef / W, rel=1e-5)
         assert res[4] == pytest.approx(1.0) and res[5] == pytest.approx(1.0 / W)
 
+
+
+def test_capture_moe_layers_validates_its_input():
+    import torch
+
+    from megamoe import MoE, capture_moe_layers, preset
+
+    moe = MoE(preset("tiny"), backend="torch", device="cpu")
+    with pytest.raises(ValueError, match="cannot run in a CUDA graph"):
+        capture_moe_layers([moe], 8)
+    with pytest.raises(ValueError, match="positive int"):
+        capture_moe_layers([moe], 0)
+    with pytest.raises(TypeError, match="megamoe.MoE"):
+        capture_moe_layers([torch.nn.Linear(2, 2)], 8)
+    with pytest.raises(ValueError, match="no layers"):
+        capture_moe_layers([], 8)
