@@ -24,7 +24,7 @@ from torch import nn
 
 from megamoe.backends import parse_backend
 from megamoe.config import MoEConfig
-from megamoe.layer import MoE, capture_moe_layers
+from megamoe.layer import MoE
 
 VOCAB = 256
 
@@ -145,8 +145,3 @@ class MoETransformer(nn.Module):
             aux = aux + a.float()
             loads.append(load)
         return self.head(self.norm(x)), aux, torch.stack(loads)
-
-
-def graph_moe_layers(model: MoETransformer, tokens: int, autocast=None) -> None:
-    """:func:`megamoe.layer.capture_moe_layers` over the model's MoE layers (see there)."""
-    capture_moe_layers([blk.moe for blk in model.blocks], tokens, autocast)

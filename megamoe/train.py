@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from megamoe.config import PRESETS, parse_dtype, preset
 from megamoe.data import ByteCorpus
 from megamoe.dist import init_from_env, spawn, under_torchrun
-from megamoe.model import ModelConfig, MoETransformer, graph_moe_layers
+from megamoe.layer import capture_moe_layers
+from megamoe.model import ModelConfig, MoETransformer
 from megamoe.perf import run_metadata
 
 
@@ -224,7 +225,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not graphed) if on_gpu
                 else contextlib.nullcontext())
     if graphed:
-        graph_moe_layers(model, args.batch * args.seq, autocast)
+        capture_moe_layers([blk.moe for blk in model.blocks], args.batch * args.seq, autocast)
     expert_names = model.expert_parameter_names()
     DDP._set_params_and_buffers_to_ignore_for_model(model, expert_names)
     ddp = DDP(model, device_ids=[device.index] if on_gpu else None, broadcast_buffers=False)
