@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 
 import torch
 import triton
 
 import megamoe.experts as X
 from megamoe.kernels.gemm_config import GemmConfig, default_config, pin_config
+from megamoe.perf import run_metadata
 
 PRESETS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8),
            "mixtral-8x7b": (4096, 14336, 8, 2)}
@@ -106,9 +106,8 @@ def main() -> None:
         torch.cuda.empty_cache()
         if args.json:  # after every shape, so a crash keeps what was measured
             with open(args.json, "w") as f:
-                json.dump({"commit": os.environ.get("MEGAMOE_COMMIT", "unknown"),
-                           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                           "triton": triton.__version__, "tokens": args.tokens, "rows": rows}, f, indent=1)
+                json.dump({"meta": run_metadata(torch.device("cuda"), 1), "tokens": args.tokens, "rows": rows}, f,
+                          indent=1)
 
 
 if __name__ == "__main__":

@@ -157,9 +157,9 @@ def clip_multipliers(replicated: list[torch.Tensor], local: list[torch.Tensor], 
 
 class ScaledAdamW:
     """AdamW over parameter sets that each take a gradient multiplier per step (the clip coefficient; for the
-    experts also 1/W). On CUDA the multiplier reaches torch's fused AdamW as its ``grad_scale`` (the kernel divides
-    the grads by it while it updates), so clipping and averaging cost no pass over the gradients; elsewhere a
-    foreach multiply runs first. Weight decay on parameters with 2 or more dims."""
+    experts also 1/W). On CUDA the multiplier reaches torch's fused AdamW as its ``grad_scale`` (its kernel divides
+    the grads by it, and writes them back, inside the update), so clipping and averaging need no separate pass
+    over the gradients; elsewhere a foreach multiply runs first. Weight decay on parameters with 2 or more dims."""
 
     def __init__(self, param_sets: list[list[torch.Tensor]], lr: float, betas, weight_decay: float, fused: bool):
         self.fused = fused
