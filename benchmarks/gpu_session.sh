@@ -94,8 +94,8 @@ timeout 420 torchrun --nproc_per_node "$NGPU" -m megamoe train --backends torch,
 fi
 
 if want 7t; then
-echo "== 7t. GPU training tests (graphed MoE layers train like eager; fused AdamW grad_scale)"
-gpu_tests gpu_train 300 tests/test_gpu_train.py tests/test_train.py
+echo "== 7t. GPU training tests (graphed MoE layers train like eager; MasterAdamW on CUDA)"
+gpu_tests gpu_train 300 tests/test_gpu_train.py tests/test_train.py tests/test_optim.py
 fi
 
 if want 8; then
@@ -110,6 +110,6 @@ fi
 if want 6; then
 echo "== 6. the rest of the GPU tests"
 timeout 300 python3 -m pytest -q -m gpu tests --ignore tests/test_gpu_split.py --ignore tests/test_gpu_fused.py \
-  --ignore tests/test_gpu_train.py --ignore tests/test_gpu_gluon_fp8.py --deselect "tests/test_train.py::test_scaled_adamw_fused_grad_scale_matches_scaling_the_grads[cuda]" \
+  --ignore tests/test_gpu_train.py --ignore tests/test_gpu_gluon_fp8.py --ignore tests/test_optim.py \
   2>&1 | grep -v "^frame\|^E *frame" > "$OUT/gpu_rest.log"; grep -E "passed|failed" "$OUT/gpu_rest.log" | tail -3
 fi

@@ -7,7 +7,9 @@ averaged by torch DistributedDataParallel (the experts are excluded from DDP: ea
 
 Loss: the mean next-byte cross-entropy of the rank's tokens + the MoE load-balancing losses. Expert
 gradients collect every rank's tokens, so they are divided by the world size to be the gradient of the
-global mean loss, like the DDP-averaged ones.
+global mean loss, like the DDP-averaged ones. The optimizer is megamoe.optim.MasterAdamW (AdamW with float32
+masters for the bf16 parameters, one fused pass per parameter on the GPU); clipping and the 1/W of the expert
+grads reach it as per-set multipliers on the device, so the step has no host sync and no extra pass over grads.
 
 With ``--backends torch,split`` the same run (same seed, same data) is repeated per backend in one process
 group and the summary compares them. Outputs in ``--out``: ``summary.json`` (tokens/s/GPU, step time
@@ -38,6 +40,7 @@ from megamoe.data import ByteCorpus
 from megamoe.dist import init_from_env, spawn, under_torchrun
 from megamoe.layer import capture_moe_layers
 from megamoe.model import ModelConfig, MoETransformer
+from megamoe.optim import MasterAdamW
 from megamoe.perf import run_metadata
 
 
@@ -102,43 +105,13 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-class MasterWeights:
-    """float32 master copies of low-precision parameters: the optimizer steps the copies, the model's
-    bf16 parameters are refreshed from them after every step."""
-
-    def __init__(self, params: list[torch.nn.Parameter]):
-        self.pairs = [(p, p.detach().float().clone().requires_grad_()) for p in params]
-
-    def masters(self) -> list[torch.Tensor]:
-        return [m for _, m in self.pairs]
-
-    def grads_to_masters(self) -> None:
-        """Master grads = model grads (upcast, one foreach copy); the model's grads are released."""
-        have = []
-        for p, m in self.pairs:
-            if p.grad is None:
-                m.grad = None
-            else:
-                if m.grad is None:
-                    m.grad = torch.empty_like(m)
-                have.append((m.grad, p.grad))
-        if have:
-            torch._foreach_copy_([d for d, _ in have], [s for _, s in have])
-        for p, _ in self.pairs:
-            p.grad = None
-
-    @torch.no_grad()
-    def masters_to_model(self) -> None:
-        torch._foreach_copy_([p for p, _ in self.pairs], [m for _, m in self.pairs])
-
-
 def clip_multipliers(replicated: list[torch.Tensor], local: list[torch.Tensor], max_norm: float, world: int,
                      group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradient multipliers for one step, from the grads as backward left them: replicated grads (already
     averaged by DDP) counted once; each rank's expert grads summed over the ranks' tokens, so divided by the world
     size, and their squares added up over the ranks. Returns (global norm, multiplier of the replicated grads,
     multiplier of the expert grads) as device scalars, i.e. the clip coefficient min(1, max_norm / norm) and that
-    over W. Nothing is scaled here: ScaledAdamW applies the multipliers."""
+    over W. Nothing is scaled here: MasterAdamW.step applies the multipliers."""
     dev = (replicated + local)[0].device
 
     def sq(ts):
@@ -153,55 +126,6 @@ def clip_multipliers(replicated: list[torch.Tensor], local: list[torch.Tensor], 
     norm = (rep + loc / world**2).sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     return norm, coef, coef / world
-
-
-class ScaledAdamW:
-    """AdamW over parameter sets that each take a gradient multiplier per step (the clip coefficient; for the
-    experts also 1/W). On CUDA the multiplier reaches torch's fused AdamW as its ``grad_scale`` (its kernel divides
-    the grads by it, and writes them back, inside the update), so clipping and averaging need no separate pass
-    over the gradients; elsewhere a foreach multiply runs first. Weight decay on parameters with 2 or more dims."""
-
-    def __init__(self, param_sets: list[list[torch.Tensor]], lr: float, betas, weight_decay: float, fused: bool):
-        self.fused = fused
-        self.opts = []
-        for params in param_sets:
-            groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                      {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-            groups = [g for g in groups if g["params"]]
-            self.opts.append(torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused) if groups else None)
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return [g for o in self.opts if o is not None for g in o.param_groups]
-
-    def step(self, multipliers: list[torch.Tensor]) -> None:
-        for opt, mult in zip(self.opts, multipliers, strict=True):
-            if opt is None:
-                continue
-            if self.fused:
-                opt.grad_scale = (1.0 / mult).float()
-            else:
-                grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
-                if grads:
-                    torch._foreach_mul_(grads, mult)
-            opt.step()
-            opt.grad_scale = None
-
-    def zero_grad(self) -> None:
-        for o in self.opts:
-            if o is not None:
-                o.zero_grad(set_to_none=True)
-
-    def state_dict(self) -> list:
-        return [o.state_dict() if o is not None else None for o in self.opts]
-
-    def load_state_dict(self, states: list) -> None:
-        if not isinstance(states, list) or len(states) != len(self.opts):
-            raise ValueError("optimizer state in the checkpoint is not ScaledAdamW's (a list with one AdamW state per "
-                             "parameter set): written by an older megamoe train; start the run afresh")
-        for o, st in zip(self.opts, states, strict=True):
-            if o is not None:
-                o.load_state_dict(st)
 
 
 def _ckpt_path(out: str, backend: str, rank: int) -> str:
@@ -232,11 +156,8 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     experts = model.expert_parameters()
     expert_ids = {id(p) for p in experts}
     replicated = [p for p in model.parameters() if id(p) not in expert_ids]
-    low_precision = [p for p in model.parameters() if p.dtype != torch.float32]
-    master = MasterWeights(low_precision) if low_precision else None
-    master_of = {id(p): m for p, m in (master.pairs if master else [])}
-    opt = ScaledAdamW([[master_of.get(id(p), p) for p in replicated], [master_of.get(id(p), p) for p in experts]],
-                      lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=on_gpu)
+    # bf16 parameters get float32 masters inside the optimizer (one fused pass per parameter on the GPU)
+    opt = MasterAdamW([replicated, experts], lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
 
     history = {"step": [], "loss": [], "aux": [], "lr": [], "grad_norm": [], "eval": []}
     start = 0
@@ -244,12 +165,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     if args.resume and os.path.exists(ckpt):
         state = torch.load(ckpt, map_location=device, weights_only=False)
         model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        if master:
-            with torch.no_grad():
-                for (_, m), saved in zip(master.pairs, state["master"], strict=True):
-                    m.copy_(saved)
-            master.masters_to_model()
+        opt.load_state_dict(state["opt"])  # also sets the bf16 parameters from the float32 masters
         history = state["history"]
         start = state["step"]
     times = {"forward": [], "backward": [], "optimizer": [], "step": []}
@@ -262,8 +178,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     tokens_per_step = args.batch * args.seq
     for step in range(start, end):
         lr = lr_at(step, args)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        opt.lr = lr
         data = corpus.batch("train", args.batch, args.seq, args.seed, step, rank).to(device)
         marks = _Marks(device)
         with autocast:
@@ -273,14 +188,9 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
         marks.mark()
         loss.backward()
         marks.mark()
-        gnorm, mult_rep, mult_exp = clip_multipliers(replicated, experts, args.clip, W)  # on the model's grads
-        if master:
-            master.grads_to_masters()
-        opt.step([mult_rep, mult_exp])
+        gnorm, mult_rep, mult_exp = clip_multipliers(replicated, experts, args.clip, W)
+        opt.step([mult_rep, mult_exp])  # the multipliers scale the grads as the update reads them
         opt.zero_grad()
-        model.zero_grad(set_to_none=True)
-        if master:
-            master.masters_to_model()
         marks.mark()
         load_sum = load.detach().clone() if load_sum is None else load_sum + load.detach()
         stats = torch.stack([ce.detach().float(), aux.detach().float()])
@@ -309,7 +219,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
         if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
             os.makedirs(os.path.dirname(ckpt), exist_ok=True)
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1,
-                        "history": history, "master": master.masters() if master else None}, ckpt)
+                        "history": history}, ckpt)
     wall = time.perf_counter() - t_run
     med = {k: (statistics.median(v) if v else None) for k, v in times.items()}
     dist.all_reduce(load_sum if load_sum is not None else torch.zeros(1, device=device))
@@ -326,7 +236,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
         "expert_load": load_sum.sum(0).tolist() if load_sum is not None else None,
         "final_loss": history["loss"][-1] if history["loss"] else None,
     }
-    del ddp, model, opt, master
+    del ddp, model, opt
     # make_graphed_callables leaves reference cycles (module.forward closes over the module): collect them so that
     # one backend's graphs and memory pool are gone before the next backend's run and its peak-memory figure
     gc.collect()

@@ -53,37 +53,6 @@ def test_train_backends_agree(tmp_path):
         assert res["history"]["loss"] == pytest.approx(torch_res["history"]["loss"], rel=1e-2), res["backend"]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_scaled_adamw_fused_grad_scale_matches_scaling_the_grads(device):
-    # on CUDA megamoe train hands the clip / 1/W multipliers to torch's fused AdamW as grad_scale; it must equal
-    # scaling the grads first (the non-fused path)
-    import torch
-
-    from megamoe.train import ScaledAdamW
-
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    gen = torch.Generator(device=device).manual_seed(0)
-    shapes = [[(64, 32), (32,)], [(4, 16, 8)]]
-    a_sets = [[torch.randn(s, device=device, generator=gen).requires_grad_() for s in grp] for grp in shapes]
-    b_sets = [[p.detach().clone().requires_grad_() for p in grp] for grp in a_sets]
-    fused = ScaledAdamW(a_sets, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    plain = ScaledAdamW(b_sets, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=False)
-    for step in range(3):
-        mults = [torch.tensor(0.3 + 0.1 * step, device=device), torch.tensor(0.15, device=device)]
-        for ga, gb in zip(a_sets, b_sets, strict=True):
-            for pa, pb in zip(ga, gb, strict=True):
-                pa.grad = torch.randn(pa.shape, device=device, generator=gen)
-                pb.grad = pa.grad.clone()
-        fused.step(mults)
-        plain.step(mults)
-    for ga, gb in zip(a_sets, b_sets, strict=True):
-        for pa, pb in zip(ga, gb, strict=True):
-            torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="older megamoe train"):
-        fused.load_state_dict({"state": {}, "param_groups": []})
-
-
 def _clip_rank(rank: int, world: int) -> list[float]:
     import torch
 

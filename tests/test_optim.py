@@ -1,0 +1,146 @@
+"""megamoe.optim.MasterAdamW against torch.optim.AdamW: float32 parameters, bf16 parameters with float32 masters,
+gradient multipliers, the Triton kernel (interpreter on CPU, CUDA with ``-m gpu``) vs the torch-ops path, state
+save/restore and input checks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from megamoe.optim import MasterAdamW  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+IMPLS = [("cpu", "torch"), ("cpu", "triton"),
+         pytest.param("cuda", None, marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")])]
+HP = dict(lr=3e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+SHAPES = [[(64, 33), (33,)], [(3, 16, 8), (5,)]]  # two sets; odd sizes leave partial kernel blocks
+
+
+def _params(device, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=gen).to(device, dtype).requires_grad_() for s in grp] for grp in SHAPES]
+
+
+def _grads(sets, step, dtype):
+    gen = torch.Generator().manual_seed(1000 + step)
+    return [[torch.randn(p.shape, generator=gen).to(p.device, dtype) for p in grp] for grp in sets]
+
+
+def _torch_adamw(sets):
+    """torch's AdamW with our grouping: weight decay on parameters of 2 or more dims."""
+    flat = [p for grp in sets for p in grp]
+    groups = [{"params": [p for p in flat if p.dim() >= 2], "weight_decay": HP["weight_decay"]},
+              {"params": [p for p in flat if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=HP["lr"], betas=HP["betas"], eps=HP["eps"])
+
+
+@pytest.mark.parametrize("device,impl", IMPLS)
+def test_float32_params_follow_torch_adamw_with_multipliers(device, impl):
+    ours, ref = _params(device, torch.float32), _params(device, torch.float32)
+    opt = MasterAdamW(ours, impl=impl, **HP)
+    topt = _torch_adamw(ref)
+    for step in range(4):
+        mults = [torch.tensor(0.5 + 0.1 * step, device=device), torch.tensor(0.25, device=device)]
+        for grp_o, grp_r, grads, mult in zip(ours, ref, _grads(ours, step, torch.float32), mults, strict=True):
+            for po, pr, g in zip(grp_o, grp_r, grads, strict=True):
+                po.grad = g.clone()
+                pr.grad = g * mult  # what the multiplier stands for: clip and 1/W applied to the grads first
+        opt.lr = HP["lr"] * (1 + step)  # a schedule: lr is read at every step
+        for grp in topt.param_groups:
+            grp["lr"] = opt.lr
+        opt.step(mults)
+        topt.step()
+        for grp_o, grads in zip(ours, _grads(ours, step, torch.float32), strict=True):
+            for po, g in zip(grp_o, grads, strict=True):
+                assert torch.equal(po.grad, g), "step must leave the grads as they were"
+    for po, pr in zip(sum(ours, []), sum(ref, []), strict=True):
+        torch.testing.assert_close(po, pr, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device,impl", IMPLS)
+def test_bf16_params_step_float32_masters(device, impl):
+    ours = _params(device, torch.bfloat16)
+    ref = [[p.detach().float().requires_grad_() for p in grp] for grp in ours]  # torch AdamW on float32 copies
+    opt = MasterAdamW(ours, impl=impl, **HP)
+    topt = _torch_adamw(ref)
+    for step in range(3):
+        for grp_o, grp_r, grads in zip(ours, ref, _grads(ours, step, torch.bfloat16), strict=True):
+            for po, pr, g in zip(grp_o, grp_r, grads, strict=True):
+                po.grad, pr.grad = g, g.float()
+        opt.step()
+        topt.step()
+    for po, pr, m in zip(sum(ours, []), sum(ref, []), opt.masters(), strict=True):
+        assert po.dtype == torch.bfloat16 and m.dtype == torch.float32
+        torch.testing.assert_close(m, pr, rtol=1e-5, atol=1e-6)
+        assert torch.equal(po, m.to(torch.bfloat16)), "the bf16 parameter is its master rounded to nearest"
+
+
+def test_triton_kernel_equals_torch_ops_path():
+    # the CPU path (torch ops) and the kernel (interpreter here, CUDA in the gpu test above) compute one update
+    runs = {}
+    for impl in ("torch", "triton"):
+        sets = _params("cpu", torch.bfloat16, seed=3)
+        opt = MasterAdamW(sets, impl=impl, **HP)
+        for step in range(3):
+            for grp, grads in zip(sets, _grads(sets, step, torch.bfloat16), strict=True):
+                for p, g in zip(grp, grads, strict=True):
+                    p.grad = g
+            opt.step([torch.tensor(0.7), None])
+        runs[impl] = opt.masters()
+    for a, b in zip(runs["torch"], runs["triton"], strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_state_dict_resumes_the_same_trajectory_and_skips_params_without_grad(impl):
+    def run(sets, opt, steps):
+        for step in steps:
+            for grp, grads in zip(sets, _grads(sets, step, torch.bfloat16), strict=True):
+                for i, (p, g) in enumerate(zip(grp, grads, strict=True)):
+                    p.grad = None if (i == 1 and step % 2) else g  # the 1-D params miss every other step
+            opt.step()
+            opt.zero_grad()
+
+    full = _params("cpu", torch.bfloat16, seed=5)
+    opt = MasterAdamW(full, impl=impl, **HP)
+    run(full, opt, range(5))
+    part = _params("cpu", torch.bfloat16, seed=5)
+    opt1 = MasterAdamW(part, impl=impl, **HP)
+    run(part, opt1, range(3))
+    state = opt1.state_dict()
+    fresh = _params("cpu", torch.bfloat16, seed=99)  # other values: load_state_dict must set them from the masters
+    opt2 = MasterAdamW(fresh, impl=impl, **HP)
+    opt2.load_state_dict(state)
+    assert [s.step for s in opt2.sets[0]] == [3, 2]  # steps 0 and 2 of the 1-D parameter
+    run(fresh, opt2, range(3, 5))
+    for a, b in zip(sum(full, []), sum(fresh, []), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(opt.masters(), opt2.masters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_checks_inputs_and_refuses_other_state():
+    p = torch.zeros(4, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="impl"):
+        MasterAdamW([[p]], lr=1e-3, impl="cuda")
+    with pytest.raises(ValueError, match="twice"):
+        MasterAdamW([[p], [p]], lr=1e-3)
+    with pytest.raises(ValueError, match="contiguous"):
+        MasterAdamW([[torch.zeros(4, 4).t().requires_grad_()]], lr=1e-3)
+    with pytest.raises(ValueError, match="float32, bfloat16"):
+        MasterAdamW([[torch.zeros(4, dtype=torch.float64, requires_grad=True)]], lr=1e-3)
+    with pytest.raises(ValueError, match="betas"):
+        MasterAdamW([[p]], lr=1e-3, betas=(1.0, 0.9))
+    opt = MasterAdamW([[p]], lr=1e-3)
+    with pytest.raises(ValueError, match="multipliers"):
+        opt.step([None, None])
+    with pytest.raises(ValueError, match="older megamoe train"):
+        opt.load_state_dict([{"state": {}, "param_groups": []}])  # the previous train checkpoints' format
+    other = MasterAdamW([[torch.zeros(4, 5, requires_grad=True)]], lr=1e-3)
+    with pytest.raises(ValueError, match="shape"):
+        opt.load_state_dict(other.state_dict())
