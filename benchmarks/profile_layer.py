@@ -16,6 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from megamoe.backends import parse_backend
 from megamoe.config import preset
 from megamoe.dist import init_from_env
 from megamoe.layer import MoE
@@ -25,14 +26,15 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--backend", default="split")
+    p.add_argument("--backend", default="split", help="backend spec with options, e.g. split:presum_combine=1")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", default="out/profile")
     args = p.parse_args()
     dev = init_from_env()
     rank = dist.get_rank()
     cfg = preset(args.preset, max_tokens_per_rank=args.tokens)
-    moe = MoE(cfg, backend=args.backend, device=dev)
+    name, options = parse_backend(args.backend)  # e.g. split:presum_combine=1
+    moe = MoE(cfg, backend=name, device=dev, **options)
     x = torch.randn(args.tokens, cfg.hidden, device=dev, dtype=cfg.dtype).requires_grad_()
     dy = torch.randn_like(x)
     for _ in range(3):
@@ -53,7 +55,8 @@ def main() -> None:
             torch.cuda.synchronize()
             marks.append((ev[0].elapsed_time(ev[1]), ev[1].elapsed_time(ev[2])))
     os.makedirs(args.out, exist_ok=True)
-    prof.export_chrome_trace(os.path.join(args.out, f"trace-{args.backend}-rank{rank}.json"))
+    tag = args.backend.replace(":", "_").replace("=", "")
+    prof.export_chrome_trace(os.path.join(args.out, f"trace-{tag}-rank{rank}.json"))
     if rank == 0:
         fwd = sum(m[0] for m in marks) / len(marks)
         bwd = sum(m[1] for m in marks) / len(marks)

@@ -12,9 +12,12 @@ Weights: w13 [E_l, 2I, H] (rows 0..I-1 gate, I..2I-1 up), w2 [E_l, H, I].
     out = s[r] * (act @ w2[e]^T)     [n, H]      s: optional per-row gate scale, fp32 [R]
 
 Launchers (each takes ``config=`` to pin a GemmConfig; default: gemm_config.default_config per shape):
-    grouped_gemm, gemm1_swiglu, gemm2, gemm2_dgrad_swiglu, gemm1_dgrad, grouped_wgrad      (bf16)
+    grouped_gemm, gemm1_swiglu, gemm2, gemm2_dgrad_swiglu, gemm1_dgrad, grouped_wgrad      (bf16, Triton)
     quantize_act, quantize_weight, grouped_gemm_fp8, gemm1_swiglu_fp8, gemm2_fp8,
     gemm2_dgrad_swiglu_fp8, gemm1_dgrad_fp8                                             (FP8 e4m3)
+The FP8 GEMMs run the Gluon kernel (kernels/gluon_fp8.py) where it can run (Hopper, its shape limits) and the
+Triton kernel (kernels/grouped_gemm_fp8.py) elsewhere; GemmConfig.kernel forces either (kernels.grouped_gemm_fp8
+.fp8_kernel says which one a launch gets). Without a config (and none pinned) each gets its own kernel's heuristic.
 Twins (``*_ref``): pure torch, CPU or GPU, any float dtype incl. float64; padding rows of their outputs are 0.
 Autograd: ``ExpertsFn.apply(x, offs, w13, w2, scale)`` / ``experts_mlp(...)``.
 """
@@ -25,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from megamoe.kernels import fp8_quant as _q
-from megamoe.kernels.gemm_config import GemmConfig, default_config, pin_config
+from megamoe.kernels.gemm_config import GemmConfig, default_config, pin_config, pinned_config
 from megamoe.kernels.grouped_gemm import (
     EPI_DSWIGLU,
     EPI_NONE,
@@ -34,7 +37,7 @@ from megamoe.kernels.grouped_gemm import (
     launch_grouped_gemm,
 )
 from megamoe.kernels.grouped_gemm_bwd import launch_grouped_wgrad
-from megamoe.kernels.grouped_gemm_fp8 import check_fp8, launch_grouped_gemm_fp8
+from megamoe.kernels.grouped_gemm_fp8 import check_fp8, gluon_unavailable, launch_grouped_gemm_fp8
 
 __all__ = [
     "GemmConfig", "default_config", "pin_config",
@@ -44,6 +47,7 @@ __all__ = [
     "ExpertsFn", "experts_mlp",
     "grouped_gemm_ref", "gemm1_swiglu_ref", "gemm2_ref", "gemm2_dgrad_swiglu_ref", "gemm1_dgrad_ref",
     "grouped_wgrad_ref", "experts_mlp_ref", "grouped_gemm_fp8_ref", "gemm1_swiglu_fp8_ref",
+    "gemm2_dgrad_swiglu_fp8_ref",
     "quantize_act_ref", "quantize_weight_ref", "dequantize_act_ref", "dequantize_weight_ref",
 ]
 
@@ -175,14 +179,33 @@ def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False) -> tuple[torch
     return _q.quantize_weight(w, pow2_scale=pow2_scale)
 
 
-def grouped_gemm_fp8(aq, a_s, wq, w_s, offs, *, scale=None, out=None, config=None) -> torch.Tensor:
-    """out [R, N] bf16 = s[r] * dequant(aq) @ dequant(wq[e])^T; wq [E_l, N, K] (transpose weights for dgrad)."""
-    check_fp8(aq, a_s, wq, w_s, offs, "grouped_gemm_fp8")
-    _check_scale(scale, aq.shape[0], "grouped_gemm_fp8")
+def _fp8_config(op: str, config: GemmConfig | None, aq: torch.Tensor, wq: torch.Tensor, *, n: int, epilogue: int,
+                n_up: int = 0) -> GemmConfig:
+    """config if given, else the config pinned for op, else the heuristic of the kernel that will run: Gluon's
+    where Gluon can run with its heuristic config (kernel set to "gluon"), else Triton's (kernel "triton")."""
+    cfg = config or pinned_config(op)
+    if cfg is not None:
+        return cfg
+    R, K = aq.shape
+    gluon = default_config(op, R, n, K, kernel="gluon")
+    if gluon_unavailable(gluon, aq, wq, n=n, epilogue=epilogue, n_up=n_up) is None:
+        return gluon
+    return default_config(op, R, n, K, kernel="triton")
+
+
+def _gemm_fp8(op, name, aq, a_s, wq, w_s, offs, scale, out, config) -> torch.Tensor:
+    """The plain FP8 GEMM of grouped_gemm_fp8, gemm2_fp8 and gemm1_dgrad_fp8 (op: its config name)."""
+    check_fp8(aq, a_s, wq, w_s, offs, name)
+    _check_scale(scale, aq.shape[0], name)
     out = _out(out, (aq.shape[0], wq.shape[1]), aq)
-    cfg = config or default_config("grouped_gemm_fp8", aq.shape[0], wq.shape[1], aq.shape[1])
+    cfg = _fp8_config(op, config, aq, wq, n=wq.shape[1], epilogue=EPI_NONE)
     launch_grouped_gemm_fp8(aq, a_s, wq, w_s, offs, out, cfg, n=wq.shape[1], epilogue=EPI_NONE, scale=scale)
     return out
+
+
+def grouped_gemm_fp8(aq, a_s, wq, w_s, offs, *, scale=None, out=None, config=None) -> torch.Tensor:
+    """out [R, N] bf16 = s[r] * dequant(aq) @ dequant(wq[e])^T; wq [E_l, N, K] (transpose weights for dgrad)."""
+    return _gemm_fp8("grouped_gemm_fp8", "grouped_gemm_fp8", aq, a_s, wq, w_s, offs, scale, out, config)
 
 
 def gemm1_swiglu_fp8(xq, x_s, w13q, w13_s, offs, *, store_h=True, config=None):
@@ -191,7 +214,7 @@ def gemm1_swiglu_fp8(xq, x_s, w13q, w13_s, offs, *, store_h=True, config=None):
     R, I = xq.shape[0], w13q.shape[1] // 2
     act = torch.empty((R, I), device=xq.device, dtype=torch.bfloat16)
     h = torch.empty((R, 2 * I), device=xq.device, dtype=torch.bfloat16) if store_h else None
-    cfg = config or default_config("gemm1_swiglu_fp8", R, I, xq.shape[1])
+    cfg = _fp8_config("gemm1_swiglu_fp8", config, xq, w13q, n=I, epilogue=EPI_SWIGLU, n_up=I)
     launch_grouped_gemm_fp8(xq, x_s, w13q, w13_s, offs, act, cfg, n=I, epilogue=EPI_SWIGLU, h=h,
                             store_h=store_h, n_up=I)
     return act, h
@@ -199,8 +222,7 @@ def gemm1_swiglu_fp8(xq, x_s, w13q, w13_s, offs, *, store_h=True, config=None):
 
 def gemm2_fp8(aq, a_s, w2q, w2_s, offs, *, scale=None, config=None) -> torch.Tensor:
     """FP8 GEMM2: out [R, H] bf16 = s[r] * act @ w2[e]^T."""
-    return grouped_gemm_fp8(aq, a_s, w2q, w2_s, offs, scale=scale,
-                            config=config or default_config("gemm2_fp8", aq.shape[0], w2q.shape[1], aq.shape[1]))
+    return _gemm_fp8("gemm2_fp8", "gemm2_fp8", aq, a_s, w2q, w2_s, offs, scale, None, config)
 
 
 def gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, config=None):
@@ -210,7 +232,7 @@ def gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, confi
     if tuple(h.shape) != (R, 2 * I) or h.dtype != torch.bfloat16 or not h.is_contiguous():
         raise ValueError(f"gemm2_dgrad_swiglu_fp8: h must be contiguous bf16 [R, 2I] = {(R, 2 * I)}")
     _check_scale(scale, R, "gemm2_dgrad_swiglu_fp8")
-    cfg = config or default_config("dgrad_swiglu_fp8", R, I, dyq.shape[1])
+    cfg = _fp8_config("dgrad_swiglu_fp8", config, dyq, w2tq, n=I, epilogue=EPI_DSWIGLU)
     dh = torch.empty((R, 2 * I), device=dyq.device, dtype=torch.bfloat16)
     dsp = None
     if scale is not None:
@@ -222,9 +244,7 @@ def gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, confi
 
 def gemm1_dgrad_fp8(dhq, dh_s, w13tq, w13t_s, offs, *, out=None, config=None) -> torch.Tensor:
     """FP8 dgrad of GEMM1: dx [R, H] = dh @ w13[e]; w13t = quantize_weight(w13.transpose(1, 2)) [E_l, H, 2I]."""
-    return grouped_gemm_fp8(dhq, dh_s, w13tq, w13t_s, offs, out=out,
-                            config=config or default_config("dgrad1_fp8", dhq.shape[0], w13tq.shape[1],
-                                                            dhq.shape[1]))
+    return _gemm_fp8("dgrad1_fp8", "gemm1_dgrad_fp8", dhq, dh_s, w13tq, w13t_s, offs, None, out, config)
 
 
 # ---------------------------------------------------------------------------------------------- autograd
@@ -339,6 +359,14 @@ def gemm1_swiglu_fp8_ref(xq, x_s, w13q, w13_s, offs, *, dtype=torch.float64):
     """(act, h) twin of gemm1_swiglu_fp8."""
     return gemm1_swiglu_ref(_q.dequantize_act_ref(xq, x_s, dtype), _q.dequantize_weight_ref(w13q, w13_s, dtype),
                             offs)
+
+
+def gemm2_dgrad_swiglu_fp8_ref(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, dtype=torch.float64):
+    """(dh, ds) twin of gemm2_dgrad_swiglu_fp8 (w2tq [E_l, I, H] the quantised transposed w2; ds None without
+    scale), in ``dtype`` from the dequantised operands and h."""
+    w2 = _q.dequantize_weight_ref(w2tq, w2t_s, dtype).transpose(1, 2)
+    return gemm2_dgrad_swiglu_ref(_q.dequantize_act_ref(dyq, dy_s, dtype), w2, h, offs,
+                                  scale=scale.to(dtype) if scale is not None else None)
 
 
 quantize_act_ref = _q.quantize_act_ref

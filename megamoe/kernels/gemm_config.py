@@ -1,9 +1,12 @@
 """Launch configs of the grouped GEMM kernels: a named frozen dataclass, heuristic defaults, pinning.
 
 A config holds only what changes code generation or the launch: block sizes, the L2 swizzle height,
-pipeline depth, warps, the number of persistent programs and whether loads use TMA descriptors.
-``default_config(op, ...)`` picks one per shape; ``pin_config(op, cfg)`` (a context manager) or the
-``config=`` argument of every launcher in megamoe.experts overrides it, which is how tests force each path.
+pipeline depth, warps, the number of persistent programs, whether loads use TMA descriptors and, for the FP8
+ops, which kernel runs (``kernel``: "gluon" = kernels/gluon_fp8.py, "triton" = kernels/grouped_gemm_fp8.py,
+None = Gluon where it can run: a CUDA device of compute capability 9.x, not under the interpreter, its shape and
+config limits met; else Triton). ``default_config(op, ...)`` picks one per shape (FP8: per kernel); ``pin_config(op,
+cfg)`` (a context manager) or the ``config=`` argument of every launcher in megamoe.experts overrides it, which is
+how tests force each path.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ import torch
 from megamoe import _interp
 
 
+#: values of GemmConfig.kernel
+KERNELS = (None, "gluon", "triton")
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     block_m: int = 128
@@ -30,11 +37,14 @@ class GemmConfig:
     use_tma: bool | None = None    # None: TMA descriptors when strides/pointers are 16-byte aligned
     epi_split: int = 1             # epilogue in 1, 2 or 4 column slices (fewer live registers)
     flatten: bool = False          # bf16 kernel: tl.range(flatten=True) tile loop (on for GEMM2, measured below)
+    kernel: str | None = None      # FP8 ops: "gluon", "triton", or None (Gluon where it can run); bf16: not "gluon"
 
     def __post_init__(self):
         if self.epi_split not in (1, 2, 4) or self.block_n % (8 * self.epi_split):
             raise ValueError(f"epi_split must be 1, 2 or 4 and divide block_n into >= 8 columns, got "
                              f"epi_split={self.epi_split}, block_n={self.block_n}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
 
     def with_(self, **kw) -> GemmConfig:
         return replace(self, **kw)
@@ -63,20 +73,36 @@ def pin_config(op: str, cfg: GemmConfig) -> Iterator[None]:
             _PINNED[op] = old
 
 
-def default_config(op: str, rows: int, n: int, k: int) -> GemmConfig:
-    """Heuristic per shape (rows = buffer capacity R, n output columns, k reduction length).
+def pinned_config(op: str) -> GemmConfig | None:
+    """The config pinned for ``op`` by an enclosing pin_config block, else None."""
+    return _PINNED.get(op)
+
+
+def default_config(op: str, rows: int, n: int, k: int, *, kernel: str | None = None) -> GemmConfig:
+    """Heuristic per shape (rows = buffer capacity R, n output columns, k reduction length); the pinned config
+    of ``op`` if there is one. ``kernel`` (FP8 ops): the heuristic of that kernel, returned with ``kernel`` set
+    (None: the Triton kernel's heuristic, kernel None).
 
     From two config sweeps on H200 over every preset's shapes (2026-11-29, docs/perf-notes.md): bf16 128 x 256
     output tiles for the plain GEMMs, 128 x (2 x 128) for SwiGLU (gate and up accumulators side by side) with
-    the epilogue in two column slices, BLOCK_K 64, 8 warps, 3-4 stages. FP8: BLOCK_K 128 (one scale per
-    k-step), 128 x 128 plain / 128 x (2 x 64) SwiGLU (wider tiles spill: the per-k-step scaled result and the
-    accumulator are both live), 5 stages. Under the interpreter: small tiles so the CPU tests stay fast.
+    the epilogue in two column slices, BLOCK_K 64, 8 warps, 3-4 stages. FP8 (Triton kernel): BLOCK_K 128 (one
+    scale per k-step), 128 x 128 plain / 128 x (2 x 64) SwiGLU (wider tiles spill: the per-k-step scaled result
+    and the accumulator are both live), 5 stages. FP8 (Gluon kernel, one H200, 2026-11-30): 128 x 128 tiles, 4
+    stages, 8 warps was fastest on every plain-GEMM shape (3 stages and 64-row tiles slower); SwiGLU 128 x (2 x 64),
+    the same registers (not yet timed). Under the interpreter: small tiles so the CPU tests stay fast.
     """
     if op in _PINNED:
         return _PINNED[op]
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel is not None and not op.endswith("fp8"):
+        raise ValueError(f"{op}: a kernel choice applies to the FP8 ops only, got kernel={kernel!r}")
     if interpreting():
         return GemmConfig(block_m=32, block_n=32, block_k=32 if "fp8" not in op else 128, group_m=2,
-                          num_stages=1, num_warps=4)
+                          num_stages=1, num_warps=4, kernel=kernel)
+    if kernel == "gluon":
+        return GemmConfig(block_m=128, block_n=64 if op == "gemm1_swiglu_fp8" else 128, block_k=128, num_stages=4,
+                          num_warps=8, kernel="gluon")
     if op == "wgrad":
         return GemmConfig(block_m=128, block_n=256, block_k=64, num_stages=4, num_warps=8)
     if op == "gemm1_swiglu":
@@ -84,9 +110,9 @@ def default_config(op: str, rows: int, n: int, k: int) -> GemmConfig:
     if op == "dgrad_swiglu":
         return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8, epi_split=2)
     if op in ("gemm1_swiglu_fp8", "dgrad_swiglu_fp8"):
-        return GemmConfig(block_m=128, block_n=64, block_k=128, num_stages=5, num_warps=8)
+        return GemmConfig(block_m=128, block_n=64, block_k=128, num_stages=5, num_warps=8, kernel=kernel)
     if op.endswith("fp8"):
-        return GemmConfig(block_m=128, block_n=128, block_k=128, num_stages=5, num_warps=8)
+        return GemmConfig(block_m=128, block_n=128, block_k=128, num_stages=5, num_warps=8, kernel=kernel)
     if op == "gemm2":  # flattened tile loop: 1.16x on deepseek-v3, 1.04x on mixtral at 4096 tokens (H200, 2026-11-30);
         # it made GEMM1+SwiGLU 1.2-1.4x slower, and dgrad1 (same kernel) has not been timed with it
         return GemmConfig(block_m=128, block_n=256 if n >= 256 else 128, block_k=64, num_stages=3, num_warps=8,

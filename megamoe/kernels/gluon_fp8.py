@@ -1,22 +1,47 @@
-"""EXPERIMENTAL (not wired into any layer): FP8 block-scaled grouped GEMM in Gluon with the per-128-K promotion
-overlapped with the next k-step's wgmma. Compiled for sm_90a on the CPU (megamoe.sm90) only; not yet run on a GPU.
+"""FP8 block-scaled grouped GEMM in Gluon with the per-128-K promotion overlapped with the next k-step's wgmma: the
+kernel behind the FP8 ops of megamoe.experts on Hopper (grouped_gemm_fp8.launch_grouped_gemm_fp8 picks it where
+it can run, see ``gluon_limits``; the Triton kernel of grouped_gemm_fp8.py elsewhere and under the interpreter).
 
-Why: our Triton FP8 kernel (grouped_gemm_fp8.py) runs at our bf16 rate, because the promotion
-``acc += (a_k @ b_k) * s_a * s_b`` consumes each k-step's wgmma result at once, and Triton 3.6's pipeliner then
-waits for every wgmma (``wgmma.wait_group 0`` in its PTX: the tensor cores idle during the scaling FMAs). Gluon
-exposes the waits: here k-steps go in pairs; both products P_a and P_b are issued asynchronously into fresh
-register tiles, ``warpgroup_mma_wait(num_outstanding=1)`` waits for P_a only, which is scaled and added to
-``acc`` while P_b runs on the tensor cores; then P_b is waited for and added (that half of the promotions does
-not overlap). Three fp32 [128, 128] tiles live per program (acc, P_a, P_b): 192 registers per thread with 8
-warps. Loads: a STAGES-deep ring of TMA tiles with one mbarrier per stage; a stage is refilled once the wgmmas of
-every warpgroup that read it have completed (the wait, then a CTA barrier). Next step, if this pays: two
-consumer warpgroups on different tiles (ping-pong) and per-stage "empty" barriers instead of CTA barriers.
+Shape legend: R received rows, K reduction, N output columns, N_w weight rows per expert (N, or 2I for SwiGLU),
+E_l local experts, KB = cdiv(K, 128); offs int32 [E_l + 1] on the device, rows >= offs[E_l] padding.
+    aq [R, K] e4m3, a_s [R, KB] fp32 (1x128 blocks); wq [E_l, N_w, K] e4m3, w_s [E_l, cdiv(N_w, 128), KB] fp32.
+Per tile (e, rows m, columns n of width BLOCK_N):
+    acc = sum_kb (aq[m, kb] @ wq[e][n, kb]^T) * a_s[m, kb] * w_s[e][n // 128, kb]        (fp32)
+and the epilogues of grouped_gemm._epi_part, with the same outputs, dtypes and rounding points:
+    EPI_NONE     out [R, N] = acc (* scale[r])                                    (GEMM2, dgrad of GEMM1)
+    EPI_SWIGLU   acc2 = the same with wq rows N_UP + n (up); out [R, N] = silu(acc) * acc2 (GEMM1 + SwiGLU),
+                 with STORE_H also h[:, n] = acc, h[:, N + n] = acc2 (bf16)
+    EPI_DSWIGLU  acc = dact = dy @ w2; g, u read from h [R, 2N]; da = acc (* scale[r]);
+                 out [R, 2N]: out[:, n] = da * u * silu'(g), out[:, N + n] = da * silu(g); with a scale also
+                 dsp[ni, r] = sum over the tile's columns of acc * silu(g) * u  (dsp [cdiv(N, BLOCK_N), R] fp32)
+Limits (``gluon_limits``; the launcher raises ValueError naming the one that fails): BLOCK_K 128; (BLOCK_M,
+warps) one of (128, 8), (64, 8), (64, 4); BLOCK_N 64 or 128 (inside one 128-row weight-scale block), and
+(2 with SwiGLU, else 1) * BLOCK_M * BLOCK_N fp32 accumulator values <= 64 registers per thread; N (and N_UP) a
+multiple of BLOCK_N: the weight descriptor is the 2-D view [E_l * N_w, K], so a tile must not cross into the next
+expert; K > 0 and a multiple of 16 (TMA strides); STAGES >= 2 and the ring plus the epilogue's layout conversion in
+227 KB of shared memory.
 
-Operands and schedule as in grouped_gemm_fp8.py (EPI_NONE only, with the optional per-row scale):
-    aq [R, K] e4m3, a_s [R, cdiv(K, 128)] fp32; wq [E_l, N, K] e4m3, w_s [E_l, cdiv(N, 128), cdiv(K, 128)] fp32;
-    out[rows of e] = (sum_kb (aq[:, kb] @ wq[e][:, kb]^T) * a_s[:, kb] * w_s[e][n // 128, kb]) (* scale[r]).
-Limits of this version (ValueError at the entry): N a multiple of BLOCK_N = 128 (the weight descriptor is a 2-D
-view [E_l * N, K], so a tile must not cross into the next expert), K a multiple of 16 (TMA strides).
+Why (2026-11-30): the Triton FP8 kernel runs at our bf16 rate, because the promotion ``acc += (a_k @ b_k) * s``
+consumes each k-step's wgmma result at once and Triton 3.6's pipeliner then waits for every wgmma (``wgmma.wait_group
+0``: the tensor cores idle during the scaling FMAs). Gluon exposes the waits: k-steps go in pairs; both products P_a
+and P_b are issued asynchronously into fresh register tiles, ``warpgroup_mma_wait`` waits for P_a only, which is
+scaled and added to ``acc`` while P_b runs on the tensor cores; then P_b is waited for and added (that half of the
+promotions does not overlap). Three fp32 [BLOCK_M, BLOCK_N] tiles live per program (acc, P_a, P_b): 192 registers
+per thread at 128 x 128 on 8 warps. SwiGLU: gate and up are two [BLOCK_M, 64] tiles each (acc/acc2, four products
+in flight, two wgmmas of N = 64 per k-step), the same 128 columns of work and registers as the plain 128 x 128 tile,
+and a single FMA per element per promotion (a 128-wide gate|up wgmma would need a per-column scale). Loads: a
+STAGES-deep ring of TMA tiles (a, w; SwiGLU: a, gate, up) with one mbarrier per stage; a stage is refilled once the
+wgmmas of every warpgroup that read it have completed (the wait, then a CTA barrier). Epilogues: through shared
+memory into a layout with 8 consecutive columns per thread (16-byte loads and stores); EPI_DSWIGLU converts the
+fp32 acc once and computes there (h read with 16-byte loads).
+
+Measured (one H200, 2026-11-30, bc1a88e, benchmarks/results/gluon-fp8-h200-2026-11-30-bc1a88e): plain epilogue,
+128 x 128 tiles, 4 stages, 8 warps: 741-945 TFLOP/s on the deepseek-v3 / qwen3 / mixtral GEMM1 and GEMM2 shapes,
+1.11-1.55x our bf16 Triton GEMMs and 1.25-1.51x the Triton FP8 kernel; 3 stages and 64-row tiles slower everywhere;
+rel. difference from the Triton FP8 kernel 1.5-2.2e-5 (bf16 rounding of the same fp32 sums). The SwiGLU and
+SwiGLU-backward epilogues (added 2026-11-30) compile for sm_90a without spills or serialised wgmmas (megamoe.sm90);
+not yet timed. Next step: two consumer warpgroups on different tiles (ping-pong) with per-stage "empty" barriers
+instead of CTA barriers.
 """
 
 from __future__ import annotations
@@ -33,8 +58,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from megamoe.kernels.gemm_config import num_sms as device_sms
+from megamoe.kernels.gemm_config import GemmConfig, grid_size, record
+from megamoe.kernels.grouped_gemm import EPI_DSWIGLU, EPI_NONE, EPI_SWIGLU
 from megamoe.kernels.grouped_gemm_fp8 import check_fp8
+
+SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
+WARP_SHAPES = ((128, 8), (64, 8), (64, 4))  # (BLOCK_M, warps); 128 rows on 4 warps spill
 
 
 @gluon.jit
@@ -43,24 +72,86 @@ def _add(a, b):
 
 
 @gluon.jit
+def _load_stage(a_desc, w_desc, bar, a_buf, b_buf, b2_buf, off_m, wrow, wrow2, off_k, nbytes: gl.constexpr,
+                TWO_B: gl.constexpr):
+    """One ring stage: the a tile and the w tile (TWO_B: also the up tile at wrow2) into shared memory, on bar."""
+    mbarrier.expect(bar, nbytes)
+    tma.async_copy_global_to_shared(a_desc, [off_m, off_k], bar, a_buf)
+    tma.async_copy_global_to_shared(w_desc, [wrow, off_k], bar, b_buf)
+    if TWO_B:
+        tma.async_copy_global_to_shared(w_desc, [wrow2, off_k], bar, b2_buf)
+
+
+@gluon.jit
+def _epi_swiglu(g, u, off_m, off_n, row_end, N, out_ptr, stride_om, h_ptr, stride_hm,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STORE_H: gl.constexpr, store_l: gl.constexpr):
+    """act = silu(g) * u in fp32 (g, u in the MMA layout), stored as bf16; STORE_H: h[:, n] = g, h[:, N + n] = u."""
+    act = g / (1.0 + gl.exp(-g)) * u
+    srm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_l))
+    srn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_l))
+    mask = (srm < row_end)[:, None] & (srn < N)[None, :]
+    if STORE_H:
+        hptrs = h_ptr + srm.to(gl.int64)[:, None] * stride_hm + srn[None, :]
+        gl.store(hptrs, gl.convert_layout(g.to(gl.bfloat16), store_l), mask=mask)
+        gl.store(hptrs + N, gl.convert_layout(u.to(gl.bfloat16), store_l), mask=mask)
+    optrs = out_ptr + srm.to(gl.int64)[:, None] * stride_om + srn[None, :]
+    gl.store(optrs, gl.convert_layout(act.to(gl.bfloat16), store_l), mask=mask)
+
+
+@gluon.jit
+def _epi_dswiglu(acc, off_m, off_n, ni, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm, scale_ptr, dsp_ptr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SCALE: gl.constexpr, store_l: gl.constexpr):
+    """SwiGLU backward (grouped_gemm._epi_part, EPILOGUE 2): acc = dact converted once to the store layout, g and u
+    read from h there; dg -> out[:, n], du -> out[:, N + n] (bf16); HAS_SCALE: dsp[ni, r] = row sums of
+    dact * silu(g) * u, and da = dact * s[r]."""
+    dact = gl.convert_layout(acc, store_l)
+    srm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_l))
+    srn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_l))
+    rmask = srm < row_end
+    mask = rmask[:, None] & (srn < N)[None, :]
+    hptrs = h_ptr + srm.to(gl.int64)[:, None] * stride_hm + srn[None, :]
+    g = gl.load(hptrs, mask=mask, other=0.0).to(gl.float32)
+    u = gl.load(hptrs + N, mask=mask, other=0.0).to(gl.float32)
+    sig = 1.0 / (1.0 + gl.exp(-g))
+    silu = g * sig
+    da = dact
+    if HAS_SCALE:
+        part = gl.sum(dact * silu * u, axis=1)
+        gl.store(dsp_ptr + ni.to(gl.int64) * R + srm, part, mask=rmask)
+        s = gl.load(scale_ptr + srm, mask=rmask, other=0.0)
+        da = dact * s[:, None]
+    optrs = out_ptr + srm.to(gl.int64)[:, None] * stride_om + srn[None, :]
+    dg = da * u * (sig * (1.0 + g * (1.0 - sig)))
+    gl.store(optrs, dg.to(gl.bfloat16), mask=mask)
+    du = da * silu
+    gl.store(optrs + N, du.to(gl.bfloat16), mask=mask)
+
+
+@gluon.jit
 def _gluon_fp8_grouped_kernel(
-    a_desc, w_desc,     # TMA descriptors: aq [R, K] block [BLOCK_M, 128]; wq as [E_l * N, K] block [BLOCK_N, 128]
-    as_ptr, ws_ptr,     # a_s [R, KB] fp32 (row stride stride_asm), w_s [E_l, NB, KB] fp32 contiguous
-    out_ptr,            # out [R, N] bf16, row stride stride_om
+    a_desc, w_desc,     # TMA descriptors: aq [R, K] block [BLOCK_M, 128]; wq as [E_l * N_W, K] block [BLOCK_N, 128]
+    as_ptr, ws_ptr,     # a_s [R, KB] fp32 (row stride stride_asm), w_s [E_l, cdiv(N_W, 128), KB] fp32 contiguous
+    out_ptr,            # out [R, N] bf16 (EPI_DSWIGLU: [R, 2N]), row stride stride_om
+    h_ptr,              # h [R, 2N] bf16, row stride stride_hm: written (EPI_SWIGLU, STORE_H) or read (EPI_DSWIGLU)
     scale_ptr,          # [R] fp32 (HAS_SCALE)
+    dsp_ptr,            # dsp [cdiv(N, BLOCK_N), R] fp32: gate-gradient partials (EPI_DSWIGLU, HAS_SCALE)
     offs_ptr,           # [E_l + 1] int32
     R, N, K, E_l, num_progs,
-    stride_asm, stride_wse, stride_wsn, stride_om,
+    stride_asm, stride_wse, stride_wsn, stride_om, stride_hm,
+    N_W, N_UP,          # rows of wq per expert; first row of the up projection (EPI_SWIGLU)
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
-    STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, WARPS_M: gl.constexpr, INSTR_N: gl.constexpr,
-    num_warps: gl.constexpr,
+    STAGES: gl.constexpr, EPILOGUE: gl.constexpr, HAS_SCALE: gl.constexpr, STORE_H: gl.constexpr,
+    WARPS_M: gl.constexpr, INSTR_N: gl.constexpr, num_warps: gl.constexpr,
 ):
+    """Grid: (P,) persistent programs; tile (e, mi, ni) as in grouped_gemm.py's schedule; per tile the k-loop of the
+    module docstring (pairs of k-steps, the first promoted while the second's wgmma runs), then the epilogue."""
     BLOCK_K: gl.constexpr = 128
+    SWIGLU: gl.constexpr = EPILOGUE == 1
     sched: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS_M, num_warps // WARPS_M],
                                                   instr_shape=[16, INSTR_N, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
-    store_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    store_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [num_warps, 1], [1, 0])
 
     # the schedule of grouped_gemm.py (_expert_tiles / _locate_tile, restated here with Gluon layouts: a Triton
     # @jit helper cannot be called from a Gluon kernel; keep the two in step): per-expert tile counts and their
@@ -79,10 +170,15 @@ def _gluon_fp8_grouped_kernel(
 
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    if SWIGLU:  # the up tiles
+        b2_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
+    else:
+        b2_smem = b_smem  # unused
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(bars.index(s), count=1)
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
 
     it = 0  # k-steps issued by this program so far: stage = it % STAGES, barrier phase = (it // STAGES) & 1
     for tile in range(gl.program_id(0), total, num_progs):
@@ -100,14 +196,17 @@ def _gluon_fp8_grouped_kernel(
         ni = (local % width) // gsz
         off_m = row0 + mi * BLOCK_M
         off_n = ni * BLOCK_N
-        wrow = e * N + off_n
+        if SWIGLU:
+            wrow = e * N_W + off_n
+        else:
+            wrow = e * N + off_n
+        wrow2 = wrow + N_UP
 
         for s in gl.static_range(STAGES):  # prologue: the first STAGES k-steps in flight
             if s < k_tiles:
                 st = (it + s) % STAGES
-                mbarrier.expect(bars.index(st), nbytes)
-                tma.async_copy_global_to_shared(a_desc, [off_m, s * BLOCK_K], bars.index(st), a_smem.index(st))
-                tma.async_copy_global_to_shared(w_desc, [wrow, s * BLOCK_K], bars.index(st), b_smem.index(st))
+                _load_stage(a_desc, w_desc, bars.index(st), a_smem.index(st), b_smem.index(st), b2_smem.index(st),
+                            off_m, wrow, wrow2, s * BLOCK_K, nbytes, SWIGLU)
 
         rm = off_m + gl.arange(0, BLOCK_M, layout=rows_l)
         mmask = rm < row_end
@@ -115,95 +214,177 @@ def _gluon_fp8_grouped_kernel(
         ws_tile = ws_ptr + e.to(gl.int64) * stride_wse + (off_n // 128) * stride_wsn
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
         zero = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
+        if SWIGLU:
+            ws2_tile = ws_ptr + e.to(gl.int64) * stride_wse + ((N_UP + off_n) // 128) * stride_wsn
+            acc2 = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
         # k-steps in pairs: both products issued, the first promoted while the second runs. (A product carried
         # in flight across the loop's back edge makes ptxas serialise every wgmma, warning C7514: the one-step
         # lag of the first version of this kernel compiled to wait-after-every-wgmma.)
         for kk in range(k_tiles // 2):
             ka = 2 * kk
-            sc_a = gl.load(as_row + ka, mask=mmask, other=0.0) * gl.load(ws_tile + ka)
-            sc_b = gl.load(as_row + ka + 1, mask=mmask, other=0.0) * gl.load(ws_tile + ka + 1)
+            if SWIGLU:  # P_b's scales are loaded after P_a's promotion (fewer live registers while 6 tiles are)
+                sa_a = gl.load(as_row + ka, mask=mmask, other=0.0)
+                sc_a = sa_a * gl.load(ws_tile + ka)
+                sc2_a = sa_a * gl.load(ws2_tile + ka)
+            else:
+                sc_a = gl.load(as_row + ka, mask=mmask, other=0.0) * gl.load(ws_tile + ka)
+                sc_b = gl.load(as_row + ka + 1, mask=mmask, other=0.0) * gl.load(ws_tile + ka + 1)
             sta = (it + ka) % STAGES
             mbarrier.wait(bars.index(sta), ((it + ka) // STAGES) & 1)
             pa = warpgroup_mma(a_smem.index(sta), b_smem.index(sta).permute((1, 0)), zero, use_acc=False,
                                is_async=True)
+            if SWIGLU:
+                pa2 = warpgroup_mma(a_smem.index(sta), b2_smem.index(sta).permute((1, 0)), zero, use_acc=False,
+                                    is_async=True)
             stb = (it + ka + 1) % STAGES
             mbarrier.wait(bars.index(stb), ((it + ka + 1) // STAGES) & 1)
             pb = warpgroup_mma(a_smem.index(stb), b_smem.index(stb).permute((1, 0)), zero, use_acc=False,
                                is_async=True)
-            done = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))  # P_a done, P_b still running
-            acc = acc + done * sc_a[:, None]
+            if SWIGLU:
+                pb2 = warpgroup_mma(a_smem.index(stb), b2_smem.index(stb).permute((1, 0)), zero, use_acc=False,
+                                    is_async=True)
+                done, done2 = warpgroup_mma_wait(num_outstanding=2, deps=(pa, pa2))  # P_a done, P_b running
+                acc = acc + done * sc_a[:, None]
+                acc2 = acc2 + done2 * sc2_a[:, None]
+                sa_b = gl.load(as_row + ka + 1, mask=mmask, other=0.0)
+                sc_b = sa_b * gl.load(ws_tile + ka + 1)
+                sc2_b = sa_b * gl.load(ws2_tile + ka + 1)
+            else:
+                done = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))  # P_a done, P_b still running
+                acc = acc + done * sc_a[:, None]
             # P_a's stage is free once every warpgroup got here (each waits for its own wgmmas only)
             gl.thread_barrier()
             if ka + STAGES < k_tiles:
-                mbarrier.expect(bars.index(sta), nbytes)
-                tma.async_copy_global_to_shared(a_desc, [off_m, (ka + STAGES) * BLOCK_K], bars.index(sta),
-                                                a_smem.index(sta))
-                tma.async_copy_global_to_shared(w_desc, [wrow, (ka + STAGES) * BLOCK_K], bars.index(sta),
-                                                b_smem.index(sta))
-            done = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
-            acc = acc + done * sc_b[:, None]
+                _load_stage(a_desc, w_desc, bars.index(sta), a_smem.index(sta), b_smem.index(sta),
+                            b2_smem.index(sta), off_m, wrow, wrow2, (ka + STAGES) * BLOCK_K, nbytes, SWIGLU)
+            if SWIGLU:
+                done, done2 = warpgroup_mma_wait(num_outstanding=0, deps=(pb, pb2))
+                acc = acc + done * sc_b[:, None]
+                acc2 = acc2 + done2 * sc2_b[:, None]
+            else:
+                done = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
+                acc = acc + done * sc_b[:, None]
             gl.thread_barrier()
             if ka + 1 + STAGES < k_tiles:
-                mbarrier.expect(bars.index(stb), nbytes)
-                tma.async_copy_global_to_shared(a_desc, [off_m, (ka + 1 + STAGES) * BLOCK_K], bars.index(stb),
-                                                a_smem.index(stb))
-                tma.async_copy_global_to_shared(w_desc, [wrow, (ka + 1 + STAGES) * BLOCK_K], bars.index(stb),
-                                                b_smem.index(stb))
-        if k_tiles % 2 == 1:  # an odd last k-step, synchronously
+                _load_stage(a_desc, w_desc, bars.index(stb), a_smem.index(stb), b_smem.index(stb),
+                            b2_smem.index(stb), off_m, wrow, wrow2, (ka + 1 + STAGES) * BLOCK_K, nbytes, SWIGLU)
+        if k_tiles % 2 == 1:  # an odd last k-step, on its own
             kl = k_tiles - 1
             stl = (it + kl) % STAGES
             mbarrier.wait(bars.index(stl), ((it + kl) // STAGES) & 1)
-            last = warpgroup_mma(a_smem.index(stl), b_smem.index(stl).permute((1, 0)), zero, use_acc=False)
-            acc = acc + last * (gl.load(as_row + kl, mask=mmask, other=0.0) * gl.load(ws_tile + kl))[:, None]
+            if SWIGLU:
+                sa_l = gl.load(as_row + kl, mask=mmask, other=0.0)
+                pl = warpgroup_mma(a_smem.index(stl), b_smem.index(stl).permute((1, 0)), zero, use_acc=False,
+                                   is_async=True)
+                pl2 = warpgroup_mma(a_smem.index(stl), b2_smem.index(stl).permute((1, 0)), zero, use_acc=False,
+                                    is_async=True)
+                last, last2 = warpgroup_mma_wait(num_outstanding=0, deps=(pl, pl2))
+                acc = acc + last * (sa_l * gl.load(ws_tile + kl))[:, None]
+                acc2 = acc2 + last2 * (sa_l * gl.load(ws2_tile + kl))[:, None]
+            else:
+                last = warpgroup_mma(a_smem.index(stl), b_smem.index(stl).permute((1, 0)), zero, use_acc=False)
+                acc = acc + last * (gl.load(as_row + kl, mask=mmask, other=0.0) * gl.load(ws_tile + kl))[:, None]
             gl.thread_barrier()
         it += k_tiles
 
-        if HAS_SCALE:
-            acc = acc * gl.load(scale_ptr + rm, mask=mmask, other=0.0)[:, None]
-        # through shared memory into a layout with 8 consecutive columns per thread: 16-byte stores
-        res = gl.convert_layout(acc.to(gl.bfloat16), store_l)
-        srm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_l))
-        srn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_l))
-        optrs = out_ptr + srm.to(gl.int64)[:, None] * stride_om + srn[None, :]
-        gl.store(optrs, res, mask=(srm < row_end)[:, None] & (srn < N)[None, :])
+        if EPILOGUE == 0:
+            if HAS_SCALE:
+                acc = acc * gl.load(scale_ptr + rm, mask=mmask, other=0.0)[:, None]
+            # through shared memory into a layout with 8 consecutive columns per thread: 16-byte stores
+            res = gl.convert_layout(acc.to(gl.bfloat16), store_l)
+            srm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_l))
+            srn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_l))
+            optrs = out_ptr + srm.to(gl.int64)[:, None] * stride_om + srn[None, :]
+            gl.store(optrs, res, mask=(srm < row_end)[:, None] & (srn < N)[None, :])
+        elif EPILOGUE == 1:
+            _epi_swiglu(acc, acc2, off_m, off_n, row_end, N, out_ptr, stride_om, h_ptr, stride_hm,
+                        BLOCK_M, BLOCK_N, STORE_H, store_l)
+        else:
+            _epi_dswiglu(acc, off_m, off_n, ni, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm, scale_ptr,
+                         dsp_ptr, BLOCK_M, BLOCK_N, HAS_SCALE, store_l)
 
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
 
+def gluon_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, n_up: int = 0) -> str | None:
+    """Why the Gluon kernel cannot run this launch (config and shapes only; device checks are the caller's), or
+    None. n output columns (EPI_DSWIGLU: the width of h's halves), k reduction, n_w weight rows per expert."""
+    bm, bn, warps, stages = cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages
+    two = epilogue == EPI_SWIGLU
+    if cfg.block_k != 128:
+        return f"block_k must be 128 (one scale per k-step), got {cfg.block_k}"
+    if (bm, warps) not in WARP_SHAPES:
+        return f"(block_m, num_warps) must be one of {WARP_SHAPES}, got ({bm}, {warps})"
+    if bn not in (64, 128):
+        return f"block_n must be 64 or 128 (a tile inside one 128-row weight-scale block), got {bn}"
+    if (2 if two else 1) * bm * bn > 64 * 32 * warps:
+        return (f"block_m * block_n{' * 2 (gate and up)' if two else ''} = {(2 if two else 1) * bm * bn} fp32 "
+                f"accumulator values exceed 64 registers per thread on {warps} warps (three such sets live: spills)")
+    if stages < 2:
+        return f"num_stages must be >= 2, got {stages}"
+    smem = stages * 128 * (bm + (2 if two else 1) * bn) + bm * bn * (4 if epilogue == EPI_DSWIGLU else 2)
+    if smem + 1024 > SMEM_LIMIT:
+        return f"{stages} stages need ~{smem + 1024} bytes of shared memory, more than {SMEM_LIMIT}"
+    if k <= 0 or k % 16:
+        return f"K must be a positive multiple of 16 (TMA strides), got K = {k}"
+    if n % bn or (two and (n_up % bn or n_up + n > n_w)) or (not two and n != n_w):
+        return (f"N must be a multiple of {bn} (block_n; SwiGLU: the up offset too, and the up rows inside the "
+                f"expert's weights) so that a weight tile stays inside its expert; got N = {n}, up offset {n_up}, "
+                f"{n_w} weight rows per expert")
+    return None
+
+
+def launch_gluon_fp8(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w_s: torch.Tensor, offs: torch.Tensor,
+                     out: torch.Tensor, cfg: GemmConfig, *, n: int, epilogue: int, h: torch.Tensor | None = None,
+                     scale: torch.Tensor | None = None, dsp: torch.Tensor | None = None, store_h: bool = False,
+                     n_up: int = 0) -> None:
+    """Launch _gluon_fp8_grouped_kernel with the arguments of grouped_gemm_fp8.launch_grouped_gemm_fp8 (operands
+    validated by the caller); ValueError naming the limit (``gluon_limits``) that fails."""
+    R, K = aq.shape
+    E_l, N_w, _ = wq.shape
+    why = gluon_limits(cfg, n=n, k=K, n_w=N_w, epilogue=epilogue, n_up=n_up)
+    if why is not None:
+        raise ValueError(f"grouped_gemm_fp8 (Gluon kernel): {why}")
+    if R == 0 or E_l == 0 or n == 0:
+        return
+    bm, bn, warps = cfg.block_m, cfg.block_n, cfg.num_warps
+    warps_m = min(warps, bm // 16)
+    instr_n = bn // (warps // warps_m)
+    a_layout = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
+    w_layout = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
+    a_desc = TensorDescriptor(aq, list(aq.shape), list(aq.stride()), [bm, 128], a_layout)
+    w2d = wq.view(E_l * N_w, K)
+    w_desc = TensorDescriptor(w2d, list(w2d.shape), list(w2d.stride()), [bn, 128], w_layout)
+    grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * (n // bn), aq.device)
+    dummy = out
+    k = _gluon_fp8_grouped_kernel[(grid,)](
+        a_desc, w_desc, a_s, w_s, out, h if h is not None else dummy, scale if scale is not None else dummy,
+        dsp if dsp is not None else dummy, offs,
+        R, n, K, E_l, grid, a_s.stride(0), w_s.stride(0), w_s.stride(1), out.stride(0),
+        h.stride(0) if h is not None else 0, N_w, n_up,
+        BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(max(E_l, 2)), STAGES=cfg.num_stages,
+        EPILOGUE=epilogue, HAS_SCALE=scale is not None, STORE_H=store_h, WARPS_M=warps_m, INSTR_N=instr_n,
+        num_warps=warps,
+    )
+    record("_gluon_fp8_grouped_kernel", k)
+
+
 def grouped_gemm_fp8_gluon(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w_s: torch.Tensor,
                            offs: torch.Tensor, *, scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                           block_m: int = 128, stages: int = 4, num_warps: int = 8,
+                           block_m: int = 128, block_n: int = 128, stages: int = 4, num_warps: int = 8,
                            num_sms: int | None = None) -> torch.Tensor:
-    """out [R, N] bf16 = the FP8 grouped GEMM above (EXPERIMENTAL, see the module docstring)."""
+    """out [R, N] bf16 = the plain FP8 grouped GEMM (EPI_NONE, optional row scale) on the Gluon kernel, whatever the
+    device (benchmarks and tests; megamoe.experts.grouped_gemm_fp8 picks the kernel itself)."""
     check_fp8(aq, a_s, wq, w_s, offs, "grouped_gemm_fp8_gluon")
-    R, K = aq.shape
-    E_l, N, _ = wq.shape
-    BN = 128
-    if N % BN or K % 16:
-        raise ValueError(f"grouped_gemm_fp8_gluon: N must be a multiple of {BN} and K of 16, got N={N}, K={K}")
-    if (block_m, num_warps) not in ((128, 8), (64, 8), (64, 4)) or stages < 2:
-        raise ValueError("grouped_gemm_fp8_gluon: (block_m, num_warps) one of (128, 8), (64, 8), (64, 4) (128 rows on "
-                         f"4 warps spill) and stages >= 2; got {block_m}, {num_warps}, {stages}")
     from megamoe.experts import _check_scale, _out  # lazy: megamoe.experts imports the kernels
 
-    _check_scale(scale, R, "grouped_gemm_fp8_gluon")
-    out = _out(out, (R, N), aq)
-    if R == 0 or E_l == 0 or N == 0:
-        return out
-    warps_m = min(num_warps, block_m // 16)
-    instr_n = BN // (num_warps // warps_m)
-    a_layout = gl.NVMMASharedLayout.get_default_for([block_m, 128], gl.float8e4nv)
-    w_layout = gl.NVMMASharedLayout.get_default_for([BN, 128], gl.float8e4nv)
-    a_desc = TensorDescriptor(aq, list(aq.shape), list(aq.stride()), [block_m, 128], a_layout)
-    w2d = wq.view(E_l * N, K)
-    w_desc = TensorDescriptor(w2d, list(w2d.shape), list(w2d.stride()), [BN, 128], w_layout)
-
-    grid = min(num_sms if num_sms is not None else device_sms(aq.device), (triton.cdiv(R, block_m) + E_l) * (N // BN))
-    _gluon_fp8_grouped_kernel[(grid,)](
-        a_desc, w_desc, a_s, w_s, out, scale if scale is not None else out, offs,
-        R, N, K, E_l, grid, a_s.stride(0), w_s.stride(0), w_s.stride(1), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=BN, GROUP_M=8, BLOCK_E=triton.next_power_of_2(max(E_l, 2)), STAGES=stages,
-        HAS_SCALE=scale is not None, WARPS_M=warps_m, INSTR_N=instr_n, num_warps=num_warps,
-    )
+    _check_scale(scale, aq.shape[0], "grouped_gemm_fp8_gluon")
+    out = _out(out, (aq.shape[0], wq.shape[1]), aq)
+    cfg = GemmConfig(block_m=block_m, block_n=block_n, block_k=128, num_stages=stages, num_warps=num_warps,
+                     num_sms=num_sms, kernel="gluon")
+    launch_gluon_fp8(aq, a_s, wq, w_s, offs, out, cfg, n=wq.shape[1], epilogue=EPI_NONE, scale=scale)
     return out
+
+
+__all__ = ["gluon_limits", "launch_gluon_fp8", "grouped_gemm_fp8_gluon"]

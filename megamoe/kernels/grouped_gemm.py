@@ -330,6 +330,8 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ou
     R, K = a.shape
     E_l = w.shape[0]
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
+    if cfg.kernel == "gluon":
+        raise ValueError("grouped_gemm: kernel='gluon' applies to the FP8 ops only (the bf16 GEMMs are Triton)")
     use_tma = _resolve_tma(cfg, [a, w], "grouped_gemm")
     if R == 0 or n == 0 or E_l == 0:
         return

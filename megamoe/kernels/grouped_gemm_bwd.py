@@ -92,6 +92,8 @@ def launch_grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, o
     N = y.shape[1]
     E_l = out.shape[0]
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
+    if cfg.kernel == "gluon":
+        raise ValueError("grouped_wgrad: kernel='gluon' applies to the FP8 ops only (the bf16 GEMMs are Triton)")
     ok = tma_ok([x, y])
     if cfg.use_tma and not ok:
         raise ValueError("grouped_wgrad: config pins use_tma=True, but TMA needs 16-byte aligned row strides "
