@@ -20,6 +20,7 @@ from megamoe.backends import parse_backend
 from megamoe.config import preset
 from megamoe.dist import init_from_env
 from megamoe.layer import MoE
+from megamoe.perf import kernel_table
 
 
 def main() -> None:
@@ -62,17 +63,7 @@ def main() -> None:
         bwd = sum(m[1] for m in marks) / len(marks)
         print(f"{args.backend} {args.preset} {args.tokens} tok/rank: forward {fwd:.3f} ms, backward {bwd:.3f} ms "
               f"(wall, mean of {args.iters})")
-        from torch.autograd import DeviceType
-
-        rows = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]  # kernels, not the ops
-        rows.sort(key=lambda e: -e.device_time_total)
-        total = 0.0
-        print(f"{'kernel':<60} {'calls/iter':>10} {'ms/iter':>9}")
-        for e in rows[:25]:
-            ms = e.device_time_total / 1e3 / args.iters
-            total += ms
-            print(f"{e.key[:60]:<60} {e.count / args.iters:10.1f} {ms:9.3f}")
-        print(f"{'sum of the kernels above':<60} {'':>10} {total:9.3f}")
+        print(kernel_table(prof, args.iters))
     dist.destroy_process_group()
 
 

@@ -107,3 +107,22 @@ def run_metadata(device: torch.device, world: int) -> dict:
         meta["gpu"] = None
         meta["cpu"] = platform.processor() or platform.machine()
     return meta
+
+
+def kernel_table(prof, iters: int, top: int = 25) -> str:
+    """The GPU kernels of a finished torch.profiler run, by device time per iteration (``iters`` iterations
+    profiled), longest first, with their sum: where a step's device time goes."""
+    from torch.autograd import DeviceType
+
+    rows = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]  # kernels, not the ops
+    rows.sort(key=lambda e: -e.device_time_total)
+    lines = [f"{'kernel':<60} {'calls/iter':>10} {'ms/iter':>9}"]
+    total = 0.0
+    for e in rows[:top]:
+        ms = e.device_time_total / 1e3 / iters
+        total += ms
+        lines.append(f"{e.key[:60]:<60} {e.count / iters:10.1f} {ms:9.3f}")
+    rest = sum(e.device_time_total for e in rows[top:]) / 1e3 / iters
+    lines.append(f"{f'the other {max(0, len(rows) - top)} kernels':<60} {'':>10} {rest:9.3f}")
+    lines.append(f"{'sum of all kernels':<60} {'':>10} {total + rest:9.3f}")
+    return "\n".join(lines)

@@ -41,7 +41,7 @@ from megamoe.dist import init_from_env, spawn, under_torchrun
 from megamoe.layer import capture_moe_layers
 from megamoe.model import ModelConfig, MoETransformer
 from megamoe.optim import MasterAdamW
-from megamoe.perf import run_metadata
+from megamoe.perf import kernel_table, run_metadata
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graph-moe", action="store_true",
                    help="capture each MoE layer's forward and backward in CUDA graphs (GPU; backends split and "
                         "fused; torch runs eager since it reads split sizes on the host)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile N steps after the timing warm-up (torch.profiler) and write the GPU kernels' time per "
+                        "step to --out/profile-<backend>.txt (rank 0); those steps are left out of tokens/s")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -128,9 +131,12 @@ def clip_multipliers(replicated: list[torch.Tensor], local: list[torch.Tensor], 
     return norm, coef, coef / world
 
 
+def _safe(backend: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", backend)  # "split:presum_combine=1" -> split_presum_combine_1
+
+
 def _ckpt_path(out: str, backend: str, rank: int) -> str:
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", backend)  # "split:presum_combine=1" -> split_presum_combine_1
-    return os.path.join(out, f"ckpt-{safe}", f"rank{rank}.pt")
+    return os.path.join(out, f"ckpt-{_safe(backend)}", f"rank{rank}.pt")
 
 
 def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) -> dict:
@@ -176,7 +182,14 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     t_run = time.perf_counter()
     end = min(args.steps, args.stop_at) if args.stop_at else args.steps
     tokens_per_step = args.batch * args.seq
+    prof_from = start + args.timing_skip if args.profile > 0 else -1
+    prof = None
     for step in range(start, end):
+        if step == prof_from:
+            from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+            prof = profile(activities=acts)
+            prof.__enter__()
         lr = lr_at(step, args)
         opt.lr = lr
         data = corpus.batch("train", args.batch, args.seq, args.seed, step, rank).to(device)
@@ -197,7 +210,17 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
         dist.all_reduce(stats)
         stats = (stats / W).tolist()
         fwd, bwd, optim = marks.elapsed()
-        if step - start >= args.timing_skip:
+        if prof is not None and step == prof_from + args.profile - 1:
+            prof.__exit__(None, None, None)
+            if rank == 0:
+                os.makedirs(args.out, exist_ok=True)
+                path = os.path.join(args.out, f"profile-{_safe(backend)}.txt")
+                with open(path, "w") as f:
+                    f.write(f"{backend}: steps {prof_from}-{step}, ms per step\n{kernel_table(prof, args.profile)}\n")
+                if show:
+                    print(f"wrote {path}")
+            prof = None
+        elif step - start >= args.timing_skip and not (0 <= step - prof_from < args.profile):
             for key, v in zip(("forward", "backward", "optimizer"), (fwd, bwd, optim), strict=True):
                 times[key].append(v)
             times["step"].append(fwd + bwd + optim)

@@ -20,7 +20,8 @@ def _summary(out) -> dict:
 
 def test_train_loss_falls_and_resume_reproduces(tmp_path):
     full = tmp_path / "full"
-    assert train_main(SMALL + ["--out", str(full)]) == 0
+    assert train_main(SMALL + ["--out", str(full), "--profile", "2"]) == 0  # profiling must not change the run
+    assert "sum of all kernels" in (full / "profile-torch.txt").read_text()
     report = _summary(full)
     (res,) = report["results"]
     losses = res["history"]["loss"]
