@@ -94,12 +94,17 @@ class Block(nn.Module):
         name, options = parse_backend(backend)  # "split:presum_combine=1" -> ("split", {...})
         self.moe = MoE(cfg.moe, group=group, backend=name, device=device, seed=seed, **options)
 
-    def forward(self, x, cos, sin):
+    def dense(self, x, cos, sin):
+        """The block up to the MoE layer: (residual stream after attention, the MoE layer's input [B*S, D]).
+        `megamoe train --compile` replaces it by its torch.compile'd version (the MoE layer stays outside)."""
         x = x + self.attn(self.norm1(x), cos, sin)
         B, S, D = x.shape
-        h = self.norm2(x).reshape(B * S, D).to(self.moe.w13.dtype).contiguous()
+        return x, self.norm2(x).reshape(B * S, D).to(self.moe.w13.dtype).contiguous()
+
+    def forward(self, x, cos, sin):
+        x, h = self.dense(x, cos, sin)
         out = self.moe(h)
-        return x + out.out.view(B, S, D).to(x.dtype), out.aux_loss, out.tokens_per_expert
+        return x + out.out.view(x.shape).to(x.dtype), out.aux_loss, out.tokens_per_expert
 
 
 class MoETransformer(nn.Module):

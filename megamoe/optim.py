@@ -33,6 +33,7 @@ __all__ = ["MasterAdamW"]
 
 FORMAT = "megamoe.optim.MasterAdamW/1"
 _BLOCK = 4096
+_WARPS = 8
 
 
 @triton.jit
@@ -92,6 +93,7 @@ class MasterAdamW:
             raise ValueError(f"MasterAdamW: need 0 <= betas < 1, eps > 0, lr >= 0, weight_decay >= 0; got "
                              f"betas={betas}, eps={eps}, lr={lr}, weight_decay={weight_decay}")
         self.lr, self.betas, self.eps, self.impl = lr, betas, eps, impl
+        self.block, self.num_warps = _BLOCK, _WARPS  # the kernel's elements per program and warps (tuning)
         seen: set[int] = set()
         self.sets: list[list[_Slot]] = []
         for params in param_sets:
@@ -141,11 +143,12 @@ class MasterAdamW:
                     if n == 0:
                         continue
                     has_master = s.master is not s.param
-                    _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
+                    _adamw_kernel[(triton.cdiv(n, self.block),)](
                         s.param, g.contiguous(), s.master if has_master else s.param, s.exp_avg, s.exp_avg_sq,
                         mult if mult is not None else s.exp_avg, n,
                         self.lr, decay, b1, b2, step_size, 1.0 / math.sqrt(bc2), self.eps,
-                        HAS_MASTER=has_master, HAS_MULT=mult is not None, BLOCK=_BLOCK, num_warps=8)
+                        HAS_MASTER=has_master, HAS_MULT=mult is not None, BLOCK=self.block,
+                        num_warps=self.num_warps)
                 else:
                     gf = g.float() if mult is None else g.float() * mult
                     s.master.mul_(decay)

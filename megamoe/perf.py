@@ -114,7 +114,10 @@ def kernel_table(prof, iters: int, top: int = 25) -> str:
     profiled), longest first, with their sum: where a step's device time goes."""
     from torch.autograd import DeviceType
 
-    rows = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]  # kernels, not the ops
+    # kernels and copies only: not the ops, nor user annotations on the GPU timeline (DDP's forward range and
+    # nccl:all_reduce would count their kernels twice)
+    rows = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA
+            and not getattr(e, "is_user_annotation", False) and not e.key.startswith(("nccl:", "DistributedData"))]
     rows.sort(key=lambda e: -e.device_time_total)
     lines = [f"{'kernel':<60} {'calls/iter':>10} {'ms/iter':>9}"]
     total = 0.0

@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graph-moe", action="store_true",
                    help="capture each MoE layer's forward and backward in CUDA graphs (GPU; backends split and "
                         "fused; torch runs eager since it reads split sizes on the host)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each block's attention half (norm, attention, residual, norm: Block.dense) in "
+                        "every backend; the MoE layers stay as they are")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="profile N steps after the timing warm-up (torch.profiler) and write the GPU kernels' time per "
                         "step to --out/profile-<backend>.txt (rank 0); those steps are left out of tokens/s")
@@ -154,6 +157,9 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     # make_graphed_callables needs autocast's weight-cast cache off (each weight is cast once per forward anyway)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not graphed) if on_gpu
                 else contextlib.nullcontext())
+    if args.compile:
+        for blk in model.blocks:
+            blk.dense = torch.compile(blk.dense)
     if graphed:
         capture_moe_layers([blk.moe for blk in model.blocks], args.batch * args.seq, autocast)
     expert_names = model.expert_parameter_names()
@@ -182,7 +188,12 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     t_run = time.perf_counter()
     end = min(args.steps, args.stop_at) if args.stop_at else args.steps
     tokens_per_step = args.batch * args.seq
-    prof_from = start + args.timing_skip if args.profile > 0 else -1
+    prof_from = -1
+    if args.profile > 0:  # the first window of --profile steps after the warm-up without an evaluation in it
+        prof_from = start + args.timing_skip
+        while prof_from + args.profile < end and any((s + 1) % args.eval_every == 0 or s + 1 == args.steps
+                                                      for s in range(prof_from, prof_from + args.profile)):
+            prof_from += 1
     prof = None
     for step in range(start, end):
         if step == prof_from:
@@ -249,6 +260,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     summary = {
         "backend": backend,
         "moe_cuda_graph": graphed,
+        "compiled_dense": bool(args.compile),
         "steps_run": end - start,
         "tokens_per_step_per_gpu": tokens_per_step,
         "tokens_per_s_per_gpu": tokens_per_step / med["step"] if med["step"] else None,
