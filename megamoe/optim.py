@@ -32,8 +32,8 @@ _interp.apply()  # under TRITON_INTERPRET=1: bf16 stores round to nearest, as on
 __all__ = ["MasterAdamW"]
 
 FORMAT = "megamoe.optim.MasterAdamW/1"
-_BLOCK = 4096
-_WARPS = 8
+_BLOCK = 1024  # with 4 warps: 8.08 ms for 1.21 G bf16 parameters on one H200 (4.19 TB/s), 4096 / 8 warps 8.24 ms
+_WARPS = 4
 
 
 @triton.jit
