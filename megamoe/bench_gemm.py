@@ -44,14 +44,18 @@ def _candidates(op: str):
 
     table = {
         "gemm1": [C(128, 128, 64, 3, 8, 2), C(128, 128, 64, 4, 8, 4), C(128, 128, 64, 3, 8, 2, True),
-                  C(128, 128, 64, 4, 8, 4, True), C(128, 64, 64, 4, 8), C(64, 128, 64, 4, 4, 2)],
-        "dgrad2": [C(128, 128, 64, 3, 8, 4), C(128, 128, 64, 4, 8, 2), C(128, 128, 64, 4, 8, 4), C(128, 64, 64, 4, 8)],
+                  C(128, 128, 64, 4, 8, 4, True), C(128, 64, 64, 4, 8), C(64, 128, 64, 4, 4, 2),
+                  C(128, 128, 64, 5, 8, 4)],
+        "dgrad2": [C(128, 128, 64, 3, 8, 4), C(128, 128, 64, 4, 8, 2), C(128, 128, 64, 4, 8, 4), C(128, 64, 64, 4, 8),
+                   C(128, 256, 64, 3, 8, 4), C(128, 128, 64, 5, 8, 2), C(128, 128, 64, 4, 8, 2, True)],
         "gemm2": [C(128, 256, 64, 3, 8), C(128, 256, 64, 3, 8, 2), C(128, 256, 64, 3, 8, 1, True),
                   C(128, 256, 64, 3, 8, 2, True), C(128, 128, 64, 4, 8, 1, True), C(128, 256, 64, 4, 8, 2, True)],
+        # FP8: kernel None runs Gluon where the config is within its limits (gluon_fp8.gluon_limits), else Triton;
+        # the Triton kernel's default pinned for the comparison
         "gemm1_fp8": [C(128, 64, 128, 4, 8), C(128, 128, 128, 3, 8, 2), C(128, 64, 128, 5, 8),
-                      C(128, 128, 128, 4, 8, 4)],
+                      C(128, 128, 128, 4, 8, 4), C(128, 64, 128, 5, 8).with_(kernel="triton")],
         "gemm2_fp8": [C(128, 128, 128, 4, 8), C(128, 128, 128, 5, 8), C(128, 128, 128, 3, 8, 2),
-                      C(128, 256, 128, 3, 8, 4)],
+                      C(128, 256, 128, 3, 8, 4), C(128, 128, 128, 5, 8).with_(kernel="triton")],
         "wgrad1": [C(128, 256, 64, 3, 8), C(128, 256, 64, 4, 8), C(128, 128, 64, 4, 8), C(256, 128, 64, 3, 8),
                    C(128, 256, 32, 5, 8), C(128, 128, 128, 3, 8), C(128, 128, 64, 5, 4)],
     }
@@ -91,13 +95,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def _regs(kernel_name: str) -> dict:
+FP8_KERNELS = ("_gluon_fp8_grouped_kernel", "_grouped_gemm_fp8_kernel")  # the FP8 ops run one or the other
+
+
+def _regs(kernel_name: str | tuple[str, ...]) -> dict:
+    """Registers, spills and shared memory of the kernel that the last call launched (of kernel_name, or the
+    first of the names that was launched; LAST_COMPILED is cleared of them before the call)."""
     from megamoe.kernels.gemm_config import LAST_COMPILED
 
-    k = LAST_COMPILED.get(kernel_name)
-    if k is None:
+    names = (kernel_name,) if isinstance(kernel_name, str) else kernel_name
+    name = next((n for n in names if n in LAST_COMPILED), None)
+    if name is None:
         return {}
-    out = {}
+    k = LAST_COMPILED[name]
+    out = {"kernel": name}
     for attr in ("n_regs", "n_spills"):
         try:
             out[attr] = int(getattr(k, attr))
@@ -112,10 +123,14 @@ def _regs(kernel_name: str) -> dict:
 
 def _time_ours(name, make_call, cands, kernel_name, rep_ms, sweep):
     """Time one of our ops over its candidate configs (only the default unless sweep); returns the rows."""
+    from megamoe.kernels.gemm_config import LAST_COMPILED
+
     results = []
     for cfg in (cands if sweep else [None]):
         try:
             fn = make_call(cfg)
+            for n in ((kernel_name,) if isinstance(kernel_name, str) else kernel_name):
+                LAST_COMPILED.pop(n, None)
             fn()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -158,7 +173,7 @@ def run_shape(preset: str, tokens: int, ep: int, args) -> list[dict]:
         row = dict(base, op=op, dtype=dtype, flops=flops, bytes=nbytes, floor_ms=floor,
                    ours_ms=best["ms"] if best else None,
                    ours_tflops=flops / best["ms"] / 1e9 if best else None,
-                   ours_config=best["config"] if best else None,
+                   ours_config=best["config"] if best else None, ours_kernel=best.get("kernel") if best else None,
                    n_regs=best.get("n_regs") if best else None, n_spills=best.get("n_spills") if best else None,
                    torch_ms=torch_ms, torch_tflops=flops / torch_ms / 1e9 if torch_ms else None,
                    torch_error=torch_err, candidates=ours, **(extra or {}))
@@ -215,7 +230,7 @@ def run_shape(preset: str, tokens: int, ep: int, args) -> list[dict]:
         except Exception as exc:  # noqa: BLE001
             err = f"{type(exc).__name__}: {str(exc)[:200]}"
         ours = _time_ours("gemm1_fp8", lambda c: (lambda: X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs, config=c)),
-                          _candidates("gemm1_fp8"), "_grouped_gemm_fp8_kernel", args.rep, args.sweep)
+                          _candidates("gemm1_fp8"), FP8_KERNELS, args.rep, args.sweep)
         add("gemm1_swiglu", "fp8", fl1, by1 // 2, ours, t, err, extra)
         del a8, h8
         o8 = X.gemm2_fp8(aq, as_, w2q, w2s, offs, scale=s)
@@ -231,7 +246,7 @@ def run_shape(preset: str, tokens: int, ep: int, args) -> list[dict]:
         except Exception as exc:  # noqa: BLE001
             err = f"{type(exc).__name__}: {str(exc)[:200]}"
         ours = _time_ours("gemm2_fp8", lambda c: (lambda: X.gemm2_fp8(aq, as_, w2q, w2s, offs, scale=s, config=c)),
-                          _candidates("gemm2_fp8"), "_grouped_gemm_fp8_kernel", args.rep, args.sweep)
+                          _candidates("gemm2_fp8"), FP8_KERNELS, args.rep, args.sweep)
         add("gemm2", "fp8", fl2, by2 // 2, ours, t, err, extra)
         del xq, w13q, aq, w2q, o8
 

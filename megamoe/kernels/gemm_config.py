@@ -20,7 +20,6 @@ import torch
 
 from megamoe import _interp
 
-
 #: values of GemmConfig.kernel
 KERNELS = (None, "gluon", "triton")
 
@@ -103,9 +102,15 @@ def default_config(op: str, rows: int, n: int, k: int, *, kernel: str | None = N
     if kernel == "gluon":
         return GemmConfig(block_m=128, block_n=64 if op == "gemm1_swiglu_fp8" else 128, block_k=128, num_stages=4,
                           num_warps=8, kernel="gluon")
+    # third sweep (one H200, 2026-11-30, every preset at EP = 2 and 4, 4096 tokens; bench-gemm --sweep --sweep-bwd,
+    # JSON gemm-sweep-h200-2026-11-30-ep{2,4}.json): wgrad BLOCK_K 32 x 5 stages beat 64 x 4 on 14 of 16 shapes
+    # (-3 to -10%; +2-3% on mixtral at EP = 4); GEMM2 4 stages + 2 epilogue slices beat 3 + 1 on all 8 (-1 to -11%);
+    # GEMM1+SwiGLU 4 stages + 4 slices -3 to -13% where N is a multiple of 128 (gpt-oss, N = 2880: +15% at EP = 4)
     if op == "wgrad":
-        return GemmConfig(block_m=128, block_n=256, block_k=64, num_stages=4, num_warps=8)
+        return GemmConfig(block_m=128, block_n=256, block_k=32, num_stages=5, num_warps=8)
     if op == "gemm1_swiglu":
+        if n % 128 == 0:
+            return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8, epi_split=4)
         return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=8, epi_split=2)
     if op == "dgrad_swiglu":
         return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8, epi_split=2)
@@ -114,9 +119,12 @@ def default_config(op: str, rows: int, n: int, k: int, *, kernel: str | None = N
     if op.endswith("fp8"):
         return GemmConfig(block_m=128, block_n=128, block_k=128, num_stages=5, num_warps=8, kernel=kernel)
     if op == "gemm2":  # flattened tile loop: 1.16x on deepseek-v3, 1.04x on mixtral at 4096 tokens (H200, 2026-11-30);
-        # it made GEMM1+SwiGLU 1.2-1.4x slower, and dgrad1 (same kernel) has not been timed with it
-        return GemmConfig(block_m=128, block_n=256 if n >= 256 else 128, block_k=64, num_stages=3, num_warps=8,
-                          flatten=True)
+        # it made GEMM1+SwiGLU 1.2-1.4x slower; dgrad1 (same kernel) with it, third sweep: -4-8% on qwen3 and
+        # deepseek at EP = 2, +8-20% on mixtral and gpt-oss, so dgrad1 keeps the plain loop
+        if n >= 256:
+            return GemmConfig(block_m=128, block_n=256, block_k=64, num_stages=4, num_warps=8, flatten=True,
+                              epi_split=2)
+        return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=8, flatten=True)
     return GemmConfig(block_m=128, block_n=256 if n >= 256 else 128, block_k=64, num_stages=3, num_warps=8)
 
 
