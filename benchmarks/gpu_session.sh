@@ -5,7 +5,7 @@
 # One device call runs at most 10 minutes: pass the sections to run (comma list; default 1). Sections are
 # ordered by value and each has its own time limit: 1 (<= 8 min), 2, 2b, 2c (<= 10 min each), 3 (~8 min), 4+5
 # (~6 min), 6 (~5 min), t (deepseek forward timeline, ~2 min), 7 (training, torch / split / fused, ~2 min cold),
-# 7g (7 with --graph-moe, ~2 min), 7t (GPU training tests, ~1 min), 8 (experimental Gluon FP8 GEMM, ~5 min).
+# 7g (7 with --graph-moe, ~2 min), 7t (GPU training tests, ~1 min), 8 (Gluon FP8 GEMM, every epilogue, ~5 min).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -99,7 +99,7 @@ gpu_tests gpu_train 300 tests/test_gpu_train.py tests/test_train.py tests/test_o
 fi
 
 if want 8; then
-echo "== 8. EXPERIMENTAL Gluon FP8 grouped GEMM: GPU tests, then timed against our Triton FP8 and bf16 (one GPU)"
+echo "== 8. Gluon FP8 grouped GEMM (plain, SwiGLU, SwiGLU backward): GPU tests, then timed against our Triton FP8 and bf16 (one GPU)"
 gpu_tests gpu_gluon_fp8 240 tests/test_gpu_gluon_fp8.py
 if grep -q " passed" "$OUT/gpu_gluon_fp8.log" && ! grep -qE "[0-9]+ (failed|error)|Timeout" "$OUT/gpu_gluon_fp8.log"; then
   CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/gluon_fp8_bench.py --json "$OUT/gluon_fp8.json" 2>&1 \

@@ -208,12 +208,14 @@ def grouped_gemm_fp8(aq, a_s, wq, w_s, offs, *, scale=None, out=None, config=Non
     return _gemm_fp8("grouped_gemm_fp8", "grouped_gemm_fp8", aq, a_s, wq, w_s, offs, scale, out, config)
 
 
-def gemm1_swiglu_fp8(xq, x_s, w13q, w13_s, offs, *, store_h=True, config=None):
-    """FP8 GEMM1 + SwiGLU: (act [R, I] bf16, h [R, 2I] bf16 or None)."""
+def gemm1_swiglu_fp8(xq, x_s, w13q, w13_s, offs, *, store_h=True, out=None, h_out=None, config=None):
+    """FP8 GEMM1 + SwiGLU: (act [R, I] bf16, h [R, 2I] bf16 or None); out / h_out: preallocated act / h."""
     check_fp8(xq, x_s, w13q, w13_s, offs, "gemm1_swiglu_fp8")
+    if w13q.shape[1] % 2:
+        raise ValueError(f"gemm1_swiglu_fp8: w13 must be [E_l, 2I, H], got {tuple(w13q.shape)}")
     R, I = xq.shape[0], w13q.shape[1] // 2
-    act = torch.empty((R, I), device=xq.device, dtype=torch.bfloat16)
-    h = torch.empty((R, 2 * I), device=xq.device, dtype=torch.bfloat16) if store_h else None
+    act = _out(out, (R, I), xq)
+    h = _out(h_out, (R, 2 * I), xq) if store_h else None
     cfg = _fp8_config("gemm1_swiglu_fp8", config, xq, w13q, n=I, epilogue=EPI_SWIGLU, n_up=I)
     launch_grouped_gemm_fp8(xq, x_s, w13q, w13_s, offs, act, cfg, n=I, epilogue=EPI_SWIGLU, h=h,
                             store_h=store_h, n_up=I)
@@ -225,15 +227,16 @@ def gemm2_fp8(aq, a_s, w2q, w2_s, offs, *, scale=None, config=None) -> torch.Ten
     return _gemm_fp8("gemm2_fp8", "gemm2_fp8", aq, a_s, w2q, w2_s, offs, scale, None, config)
 
 
-def gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, config=None):
-    """FP8 dgrad of GEMM2 through SwiGLU; w2t = quantize_weight(w2.transpose(1, 2)) [E_l, I, H]."""
+def gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, out=None, config=None):
+    """FP8 dgrad of GEMM2 through SwiGLU: (dh [R, 2I] bf16, ds [R] fp32 or None, as gemm2_dgrad_swiglu); w2t =
+    quantize_weight(w2.transpose(1, 2)) [E_l, I, H]; out: preallocated dh."""
     check_fp8(dyq, dy_s, w2tq, w2t_s, offs, "gemm2_dgrad_swiglu_fp8")
     R, I = dyq.shape[0], w2tq.shape[1]
     if tuple(h.shape) != (R, 2 * I) or h.dtype != torch.bfloat16 or not h.is_contiguous():
         raise ValueError(f"gemm2_dgrad_swiglu_fp8: h must be contiguous bf16 [R, 2I] = {(R, 2 * I)}")
     _check_scale(scale, R, "gemm2_dgrad_swiglu_fp8")
     cfg = _fp8_config("dgrad_swiglu_fp8", config, dyq, w2tq, n=I, epilogue=EPI_DSWIGLU)
-    dh = torch.empty((R, 2 * I), device=dyq.device, dtype=torch.bfloat16)
+    dh = _out(out, (R, 2 * I), dyq)
     dsp = None
     if scale is not None:
         dsp = torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dyq.device, dtype=torch.float32)

@@ -14,8 +14,8 @@ with Triton's bundled ptxas) with the launch's own argument specialisation, and 
 ``access_widths`` counts global loads/stores by width in the PTX and ``ptxas_usage`` reports registers, spills
 and shared memory. ``python -m megamoe.sm90`` runs the split and fused layers (forward + backward, the
 variants in LAYERS, 64 and 1 tokens per rank, 1 and 2 ranks, full hidden sizes) on gloo ranks under ``compile_only`` and
-prints a JSON report per compiled kernel (plus the experimental Gluon FP8 GEMM); tests/test_sm90_compile.py
-asserts on it. It must run where
+prints a JSON report per compiled kernel (plus the Gluon FP8 GEMM's variants, GLUON_VARIANTS: the layers on CPU
+tensors take the Triton FP8 kernel); tests/test_sm90_compile.py asserts on it. It must run where
 TRITON_INTERPRET is unset (under the interpreter @triton.jit yields functions the compiler cannot take), so
 the test starts it as a subprocess.
 """
@@ -44,9 +44,25 @@ def access_widths(compiled) -> dict[str, Counter]:
     return {kind: Counter(re.findall(pat.format(kind=kind), ptx)) for kind in ("ld", "st")}
 
 
+def ffma_under_wgmma(sass: str) -> int:
+    """FFMA instructions that the SASS issues while the warp still has a wgmma in flight: after a
+    ``WARPGROUP.DEPBAR.LE gsb0, N`` with N > 0 (wgmma.wait_group N) and before the next wait for 0. ptxas moves a
+    wait above any independent instruction of its basic block, so PTX order alone does not show the overlap of an
+    FP8 kernel's promotions with the tensor cores (the Gluon FP8 kernel's plain loop: wait_group 1 in the PTX,
+    0 FFMAs under a wgmma in the SASS)."""
+    count, open_ = 0, False
+    for m in re.finditer(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)|\bFFMA\b", sass):
+        if m.group(1) is not None:
+            open_ = int(m.group(1), 16) > 0
+        elif open_:
+            count += 1
+    return count
+
+
 def ptxas_usage(compiled) -> dict[str, int]:
     """Registers per thread, spill bytes, shared memory and wgmma-serialisation warnings of the kernel, from the
-    bundled ptxas -v."""
+    bundled ptxas -v; and from its SASS (bundled cuobjdump) the FFMAs issued under an in-flight wgmma."""
+    from triton import knobs
     from triton.backends.nvidia.compiler import get_ptxas
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -54,6 +70,12 @@ def ptxas_usage(compiled) -> dict[str, int]:
         ptx.write_text(compiled.asm["ptx"])
         res = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp) / "k.o")],
                              capture_output=True, text=True, check=True)
+        try:
+            sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", str(Path(tmp) / "k.o")],
+                                  capture_output=True, text=True, check=True).stdout
+            overlapped = ffma_under_wgmma(sass)
+        except Exception:  # noqa: BLE001 - a triton install without its bundled cuobjdump
+            overlapped = -1
     text = res.stdout + res.stderr
     regs = re.search(r"Used (\d+) registers", text)
     spill_st = re.search(r"(\d+) bytes spill stores", text)
@@ -64,7 +86,8 @@ def ptxas_usage(compiled) -> dict[str, int]:
             "wgmma_serialized": sorted(set(re.findall(r"\((C751\d)\)", text))),
             "spill_store_bytes": int(spill_st.group(1)) if spill_st else 0,
             "spill_load_bytes": int(spill_ld.group(1)) if spill_ld else 0,
-            "shared_bytes": int(compiled.metadata.shared)}
+            "shared_bytes": int(compiled.metadata.shared),
+            "ffma_under_wgmma": overlapped}
 
 
 class _HopperTarget:
@@ -137,25 +160,55 @@ def _summary(k) -> dict:
     return {"ld": dict(widths["ld"]), "st": dict(widths["st"]), "wgmma_wait_groups": dict(waits), **ptxas_usage(k)}
 
 
+#: the Gluon FP8 kernel's variants that :func:`_gluon_fp8` compiles: (label, epilogue, (block_m, block_n, stages,
+#: warps), flag = scale (EPI_NONE, EPI_DSWIGLU) or store_h (EPI_SWIGLU), edge = one row and one expert (R = 1 and
+#: E_l = 1 arrive as constexprs)). The configs are the ones tests/test_gpu_gluon_fp8.py runs; the first of each
+#: epilogue is its default (gemm_config.default_config(..., kernel="gluon")).
+GLUON_VARIANTS = [
+    ("none/bm128/s4", 0, (128, 128, 4, 8), True, False),
+    ("none/bm128/s3", 0, (128, 128, 3, 8), True, False),
+    ("none/bm64/s4", 0, (64, 128, 4, 8), True, False),
+    ("swiglu/bm128", 1, (128, 64, 4, 8), False, False),
+    ("swiglu/bm128/h", 1, (128, 64, 4, 8), True, False),
+    ("swiglu/bm64w4/h", 1, (64, 64, 3, 4), True, False),
+    ("swiglu/bm128/h/1row", 1, (128, 64, 4, 8), True, True),
+    ("dswiglu/bm128", 2, (128, 128, 4, 8), False, False),
+    ("dswiglu/bm128/scale", 2, (128, 128, 4, 8), True, False),
+    ("dswiglu/bm64/scale", 2, (64, 128, 4, 8), True, False),
+    ("dswiglu/bm64w4/scale", 2, (64, 64, 3, 4), True, False),
+    ("dswiglu/bm128/scale/1row", 2, (128, 128, 4, 8), True, True),
+]
+
+
 def _gluon_fp8(compiled: dict, where: dict) -> None:
-    """Compile the experimental Gluon FP8 grouped GEMM (megamoe/kernels/gluon_fp8.py) at deepseek-v3's GEMM2
-    shape (K = 2048, N = 7168) on 8 experts, for every config its tests use."""
+    """Compile the Gluon FP8 grouped GEMM (megamoe/kernels/gluon_fp8.py) for every entry of GLUON_VARIANTS at
+    deepseek-v3's shapes on 8 experts (plain: GEMM2, K = I = 2048, N = H = 7168; SwiGLU: GEMM1, K = H, I = 2048;
+    SwiGLU backward: K = H, N = I), the edge entries with one row and one expert."""
     import torch
 
-    from megamoe.kernels.gluon_fp8 import grouped_gemm_fp8_gluon
+    from megamoe.kernels.gemm_config import GemmConfig
+    from megamoe.kernels.gluon_fp8 import launch_gluon_fp8
 
-    E, R, N, K = 8, 1024, 7168, 2048
-    aq = torch.zeros(R, K, dtype=torch.float8_e4m3fn)
-    wq = torch.zeros(E, N, K, dtype=torch.float8_e4m3fn)
-    a_s, w_s = torch.ones(R, K // 128), torch.ones(E, N // 128, K // 128)
-    offs = torch.arange(0, E + 1, dtype=torch.int32) * (R // E)
-    for block_m, stages in ((128, 4), (128, 3), (64, 4)):
+    H, I = 7168, 2048
+    f8, bf = torch.float8_e4m3fn, torch.bfloat16
+    for label, epi, (bm, bn, stages, warps), flag, edge in GLUON_VARIANTS:
+        E, R = (1, 1) if edge else (8, 1024)
+        N, K, N_w = {0: (H, I, H), 1: (I, H, 2 * I), 2: (I, H, I)}[epi]
+        aq, wq = torch.zeros(R, K, dtype=f8), torch.zeros(E, N_w, K, dtype=f8)
+        a_s, w_s = torch.ones(R, K // 128), torch.ones(E, N_w // 128, K // 128)
+        offs = torch.arange(0, E + 1, dtype=torch.int32) * (R // E)
+        cfg = GemmConfig(block_m=bm, block_n=bn, block_k=128, num_stages=stages, num_warps=warps, num_sms=132,
+                         kernel="gluon")
+        out = torch.empty(R, 2 * N if epi == 2 else N, dtype=bf)
+        h = torch.empty(R, 2 * I, dtype=bf) if (epi == 2 or (epi == 1 and flag)) else None
+        scale = torch.ones(R) if flag and epi != 1 else None
+        dsp = torch.zeros(N // bn, R) if scale is not None and epi == 2 else None
         before = set(compiled.get("_gluon_fp8_grouped_kernel", {}))
         with compile_only(compiled):
-            grouped_gemm_fp8_gluon(aq, a_s, wq, w_s, offs, scale=torch.ones(R), block_m=block_m, stages=stages,
-                                   num_sms=132)
+            launch_gluon_fp8(aq, a_s, wq, w_s, offs, out, cfg, n=N, epilogue=epi, h=h, scale=scale, dsp=dsp,
+                             store_h=epi == 1 and flag, n_up=I if epi == 1 else 0)
         for key in set(compiled.get("_gluon_fp8_grouped_kernel", {})) - before:
-            where[f"_gluon_fp8_grouped_kernel#{key[:8]}"] = f"gluon-fp8/bm{block_m}/stages{stages}"
+            where[f"_gluon_fp8_grouped_kernel#{key[:8]}"] = f"gluon-fp8/{label}"
 
 
 def _layer_rank(rank: int, world: int) -> dict:

@@ -212,7 +212,11 @@ def _fp8_checks(p, cfg: GemmConfig | None, I: int):
     with pytest.raises(ValueError, match="nrows"):
         X.quantize_act(x, nrows=torch.tensor([n], dtype=torch.int64, device=x.device))
     wq, ws = X.quantize_weight(w13)
-    act8, h8 = X.gemm1_swiglu_fp8(q, s, wq, ws, offs, config=cfg)
+    act8, h8 = poisoned((p["R"], I)), poisoned((p["R"], 2 * I))
+    got = X.gemm1_swiglu_fp8(q, s, wq, ws, offs, out=act8, h_out=h8, config=cfg)
+    assert got[0] is act8 and got[1] is h8
+    check_padding_untouched(act8, n)
+    check_padding_untouched(h8, n)
     xd = X.dequantize_act_ref(q[:n], s[:n])
     ract_q, rh_q = X.gemm1_swiglu_ref(torch.cat([xd, xd.new_zeros(p["R"] - n, xd.shape[1])]),
                                       X.dequantize_weight_ref(wq, ws), offs)
@@ -234,8 +238,14 @@ def _fp8_checks(p, cfg: GemmConfig | None, I: int):
         assert rel(act8[:n], ract8) < 1e-2
     dyq, dys = X.quantize_act(p["dy"])
     w2tq, w2ts = X.quantize_weight(w2.transpose(1, 2))
-    dh8, ds8 = X.gemm2_dgrad_swiglu_fp8(dyq, dys, w2tq, w2ts, h16, offs, scale=p["s"], config=cfg)
+    dh8 = poisoned((p["R"], 2 * I))
+    dh8_, ds8 = X.gemm2_dgrad_swiglu_fp8(dyq, dys, w2tq, w2ts, h16, offs, scale=p["s"], out=dh8, config=cfg)
+    assert dh8_ is dh8
+    check_padding_untouched(dh8, n)
     dh16, ds16 = X.gemm2_dgrad_swiglu(p["dy"], w2, h16, offs, scale=p["s"])
+    if n:  # against the float64 twin on the same quantised operands
+        rdh8, rds8 = X.gemm2_dgrad_swiglu_fp8_ref(dyq, dys, w2tq, w2ts, h16, offs, scale=p["s"])
+        assert rel(dh8[:n], rdh8[:n]) < 1e-2 and rel(ds8[:n], rds8[:n]) < 5e-3
     dhq, dhs = X.quantize_act(dh16)
     w13tq, w13ts = X.quantize_weight(w13.transpose(1, 2))
     dx8 = X.gemm1_dgrad_fp8(dhq, dhs, w13tq, w13ts, offs, config=cfg)
@@ -293,3 +303,32 @@ def test_pin_config_forces_the_config():
         X.gemm1_swiglu(p["x"], p["w13"], p["offs"])
     with pytest.raises(ValueError, match="epi_split"):
         GemmConfig(block_n=32, epi_split=8)
+
+
+def test_fp8_kernel_choice_on_cpu():
+    # the Gluon kernel needs CUDA, sm_90 and no interpreter: the FP8 ops take the Triton kernel here, forcing Gluon
+    # raises with the reason; a kernel choice is FP8-only and validated
+    from megamoe.kernels.grouped_gemm import EPI_NONE
+    from megamoe.kernels.grouped_gemm_fp8 import fp8_kernel, gluon_unavailable
+
+    p = make_problem([3, 4], 1, H=256, I=128)
+    q, s = X.quantize_act(p["x"])
+    wq, ws = X.quantize_weight(p["w2"].transpose(1, 2).contiguous())  # [E_l, I, H]: a plain GEMM, N = 128, K = 256
+    gluon = GemmConfig(block_m=128, block_n=128, block_k=128, num_stages=4, num_warps=8, kernel="gluon")
+    why = gluon_unavailable(gluon, q, wq, n=wq.shape[1], epilogue=EPI_NONE)
+    assert why is not None and ("interpreter" in why or "CUDA" in why or "capability" in why), why
+    assert fp8_kernel(gluon.with_(kernel=None), q, wq, n=wq.shape[1], epilogue=EPI_NONE) == "triton"
+    with pytest.raises(ValueError, match="kernel='gluon'"):
+        X.grouped_gemm_fp8(q, s, wq, ws, p["offs"], config=gluon)
+    with pytest.raises(ValueError, match="kernel='gluon'"), X.pin_config("gemm2_fp8", gluon):
+        X.gemm2_fp8(q, s, wq, ws, p["offs"])
+    out = X.grouped_gemm_fp8(q, s, wq, ws, p["offs"], config=CPU_CFG.with_(block_k=128, kernel="triton"))
+    ref = X.grouped_gemm_fp8_ref(q[:p["n"]], s[:p["n"]], wq, ws, p["offs"])
+    assert rel(out[:p["n"]], ref) < 1e-2
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        GemmConfig(kernel="cutlass")
+    with pytest.raises(ValueError, match="FP8 ops only"):
+        X.gemm2(p["x"][:, :128].contiguous(), p["w2"], p["offs"], config=CPU_CFG.with_(kernel="gluon"))
+    with pytest.raises(ValueError, match="FP8 ops only"):
+        X.default_config("gemm2", 8, 128, 128, kernel="gluon")
+    assert X.default_config("gemm2_fp8", 8, 128, 128, kernel="triton").kernel == "triton"

@@ -1,47 +1,66 @@
-"""FP8 block-scaled grouped GEMM in Gluon with the per-128-K promotion overlapped with the next k-step's wgmma: the
-kernel behind the FP8 ops of megamoe.experts on Hopper (grouped_gemm_fp8.launch_grouped_gemm_fp8 picks it where
-it can run, see ``gluon_limits``; the Triton kernel of grouped_gemm_fp8.py elsewhere and under the interpreter).
+"""FP8 block-scaled grouped GEMM in Gluon with the per-128-K promotion overlapped with the next wgmma: the kernel
+behind the FP8 ops of megamoe.experts on Hopper (grouped_gemm_fp8.launch_grouped_gemm_fp8 runs it where it can,
+see ``gluon_limits`` and grouped_gemm_fp8.fp8_kernel; the Triton kernel of grouped_gemm_fp8.py elsewhere and under
+the interpreter, which cannot run Gluon).
 
 Shape legend: R received rows, K reduction, N output columns, N_w weight rows per expert (N, or 2I for SwiGLU),
 E_l local experts, KB = cdiv(K, 128); offs int32 [E_l + 1] on the device, rows >= offs[E_l] padding.
     aq [R, K] e4m3, a_s [R, KB] fp32 (1x128 blocks); wq [E_l, N_w, K] e4m3, w_s [E_l, cdiv(N_w, 128), KB] fp32.
-Per tile (e, rows m, columns n of width BLOCK_N):
-    acc = sum_kb (aq[m, kb] @ wq[e][n, kb]^T) * a_s[m, kb] * w_s[e][n // 128, kb]        (fp32)
+Grid: (P,) persistent programs over the tiles (e, mi, ni) of grouped_gemm.py's schedule; per tile
+    acc = sum_kb (aq[m, kb] @ wq[e][n, kb]^T) * (a_s[m, kb] * w_s[e][n // 128, kb])        (fp32; n of one tile
+                                                                       lie in one 128-row scale block)
 and the epilogues of grouped_gemm._epi_part, with the same outputs, dtypes and rounding points:
     EPI_NONE     out [R, N] = acc (* scale[r])                                    (GEMM2, dgrad of GEMM1)
-    EPI_SWIGLU   acc2 = the same with wq rows N_UP + n (up); out [R, N] = silu(acc) * acc2 (GEMM1 + SwiGLU),
-                 with STORE_H also h[:, n] = acc, h[:, N + n] = acc2 (bf16)
+    EPI_SWIGLU   acc2 = the same with wq rows N_UP + n (up); out [R, N] = silu(acc) * acc2 (GEMM1 + SwiGLU);
+                 STORE_H also h[:, n] = acc, h[:, N + n] = acc2 (bf16). BLOCK_N columns of gate and of up per tile.
     EPI_DSWIGLU  acc = dact = dy @ w2; g, u read from h [R, 2N]; da = acc (* scale[r]);
                  out [R, 2N]: out[:, n] = da * u * silu'(g), out[:, N + n] = da * silu(g); with a scale also
                  dsp[ni, r] = sum over the tile's columns of acc * silu(g) * u  (dsp [cdiv(N, BLOCK_N), R] fp32)
-Limits (``gluon_limits``; the launcher raises ValueError naming the one that fails): BLOCK_K 128; (BLOCK_M,
-warps) one of (128, 8), (64, 8), (64, 4); BLOCK_N 64 or 128 (inside one 128-row weight-scale block), and
-(2 with SwiGLU, else 1) * BLOCK_M * BLOCK_N fp32 accumulator values <= 64 registers per thread; N (and N_UP) a
-multiple of BLOCK_N: the weight descriptor is the 2-D view [E_l * N_w, K], so a tile must not cross into the next
-expert; K > 0 and a multiple of 16 (TMA strides); STAGES >= 2 and the ring plus the epilogue's layout conversion in
-227 KB of shared memory.
+Example (SwiGLU, I = 2048, BLOCK_N = 64): the tile ni = 5 of expert e reads w13 rows e * 4096 + 320..383 (gate,
+scale block 2) and e * 4096 + 2368..2431 (up, scale block 18) and writes act[:, 320:384], h[:, 320:384] and
+h[:, 2368:2432].
+Limits (``gluon_limits``; forcing the kernel where one fails raises ValueError naming it): BLOCK_K 128; (BLOCK_M,
+warps) one of (128, 8), (64, 8), (64, 4); BLOCK_N 64 or 128; (2 with SwiGLU, else 1) * BLOCK_M * BLOCK_N fp32
+accumulator values <= 64 registers per thread; N (SwiGLU: and N_UP) a multiple of BLOCK_N: the weight descriptor
+is the 2-D view [E_l * N_w, K], so a tile must not cross into the next expert; K > 0 and a multiple of 16 (TMA
+strides); STAGES >= 2 and the ring plus the epilogue's staging in 227 KB of shared memory.
 
 Why (2026-11-30): the Triton FP8 kernel runs at our bf16 rate, because the promotion ``acc += (a_k @ b_k) * s``
 consumes each k-step's wgmma result at once and Triton 3.6's pipeliner then waits for every wgmma (``wgmma.wait_group
 0``: the tensor cores idle during the scaling FMAs). Gluon exposes the waits: k-steps go in pairs; both products P_a
 and P_b are issued asynchronously into fresh register tiles, ``warpgroup_mma_wait`` waits for P_a only, which is
-scaled and added to ``acc`` while P_b runs on the tensor cores; then P_b is waited for and added (that half of the
-promotions does not overlap). Three fp32 [BLOCK_M, BLOCK_N] tiles live per program (acc, P_a, P_b): 192 registers
-per thread at 128 x 128 on 8 warps. SwiGLU: gate and up are two [BLOCK_M, 64] tiles each (acc/acc2, four products
-in flight, two wgmmas of N = 64 per k-step), the same 128 columns of work and registers as the plain 128 x 128 tile,
-and a single FMA per element per promotion (a 128-wide gate|up wgmma would need a per-column scale). Loads: a
-STAGES-deep ring of TMA tiles (a, w; SwiGLU: a, gate, up) with one mbarrier per stage; a stage is refilled once the
-wgmmas of every warpgroup that read it have completed (the wait, then a CTA barrier). Epilogues: through shared
-memory into a layout with 8 consecutive columns per thread (16-byte loads and stores); EPI_DSWIGLU converts the
-fp32 acc once and computes there (h read with 16-byte loads).
+meant to be scaled and added to ``acc`` while P_b runs on the tensor cores; then P_b is waited for and added. Three
+fp32 [BLOCK_M, BLOCK_N] tiles live per program (acc, P_a, P_b): 192 registers per thread at 128 x 128 on 8 warps.
+Loads: a STAGES-deep ring of TMA tiles with one mbarrier per stage; a stage is refilled once the wgmmas of every
+warpgroup that read it have completed (the wait, then a CTA barrier).
+What the SASS does (cuobjdump of the sm_90a cubin, megamoe.sm90.ffma_under_wgmma): ptxas moves a wgmma wait above
+any independent instruction of its basic block, and LLVM sinks P_a's promotion FMAs past the CTA barrier into the
+block of the last wait. So EPI_NONE (the loop measured below, kept unchanged) runs both promotions after
+``wait_group 0``: no promotion overlaps a wgmma; its gain over Triton is two k-steps' wgmmas back to back. The new
+epilogues pin their promotions: the accumulators pass through a no-op wait (which LLVM cannot sink past) before the
+refill's conditional, a block boundary that ptxas does not move the next wait across. EPI_DSWIGLU, the same loop,
+then runs P_a's promotion under P_b (1 of 2 per pair; 64 FFMAs at 128 x 128 on 8 warps, EPI_NONE 0).
+SwiGLU (2026-11-30): gate and up tiles of BLOCK_N = 64 (acc, acc2), two wgmmas of N = 64 per k-step, four products
+in flight: the same 128 columns of work, registers and ring bytes per stage as the plain 128 x 128 tile, and one
+FMA per element per promotion (one 128-wide gate|up wgmma would need a per-column scale). Waits: for P_a's gate and
+up, then P_b's gate; the three are promoted while P_b's up runs (the pinned block ends before its wait): 3 of 4
+promotions under a wgmma (96 FFMAs per pair of k-steps at 128 x (64 + 64) on 8 warps).
+Registers: the a-scale offsets are 32-bit from a 64-bit tile base (SwiGLU) and the schedule vectors live in shared
+memory (SwiGLU and its backward; EPI_NONE keeps its code): 0 spills at every shape compiled (megamoe.sm90, and 7
+preset/edge shapes incl. R = 1, E_l = 1), where 64-bit row pointers and register-held schedule vectors spilled 4-44
+bytes (EPI_NONE spills 4-8 bytes at E_l = 1, R = 1000: the schedule, reloaded once per tile). Epilogues: NONE and
+SWIGLU through shared memory (convert_layout) into a layout with 8 consecutive columns per thread, 16-byte stores;
+DSWIGLU parks the fp32 tile in shared memory as column slices of 32 (split in registers, no data movement) and runs
+a loop over them, one slice's values live at a time, h read with 16-byte loads (the whole 128 x 128 tile in
+registers spilled 392 bytes per thread, two register halves 104, four unrolled slices up to 44).
 
 Measured (one H200, 2026-11-30, bc1a88e, benchmarks/results/gluon-fp8-h200-2026-11-30-bc1a88e): plain epilogue,
 128 x 128 tiles, 4 stages, 8 warps: 741-945 TFLOP/s on the deepseek-v3 / qwen3 / mixtral GEMM1 and GEMM2 shapes,
 1.11-1.55x our bf16 Triton GEMMs and 1.25-1.51x the Triton FP8 kernel; 3 stages and 64-row tiles slower everywhere;
 rel. difference from the Triton FP8 kernel 1.5-2.2e-5 (bf16 rounding of the same fp32 sums). The SwiGLU and
-SwiGLU-backward epilogues (added 2026-11-30) compile for sm_90a without spills or serialised wgmmas (megamoe.sm90);
-not yet timed. Next step: two consumer warpgroups on different tiles (ping-pong) with per-stage "empty" barriers
-instead of CTA barriers.
+SwiGLU-backward epilogues compile for sm_90a without spills or serialised wgmmas; not yet run on a GPU. Next steps:
+pin EPI_NONE's promotion as EPI_DSWIGLU does (``PIN`` in the kernel) if the GPU confirms it pays; two consumer
+warpgroups on different tiles (ping-pong) with per-stage "empty" barriers instead of CTA barriers.
 """
 
 from __future__ import annotations
@@ -72,6 +91,25 @@ def _add(a, b):
 
 
 @gluon.jit
+def _locate(tile, e_idx, starts, cnts, m_tiles, cum_end, tiles_n, GROUP_M: gl.constexpr):
+    """tile index -> (expert, its first row, its row end, m-block, n-block): grouped_gemm._locate_tile restated with
+    Gluon layouts (a Triton @jit helper cannot be called from a Gluon kernel; keep the two in step)."""
+    e = gl.sum((cum_end <= tile).to(gl.int32), axis=0)
+    sel = e_idx == e
+    mt = gl.sum(gl.where(sel, m_tiles, 0), axis=0)
+    t0 = gl.sum(gl.where(sel, cum_end, 0), axis=0) - mt * tiles_n
+    row0 = gl.sum(gl.where(sel, starts, 0), axis=0)
+    row_end = row0 + gl.sum(gl.where(sel, cnts, 0), axis=0)
+    local = tile - t0
+    width = GROUP_M * tiles_n
+    first_m = (local // width) * GROUP_M
+    gsz = gl.minimum(mt - first_m, GROUP_M)
+    mi = first_m + (local % width) % gsz
+    ni = (local % width) // gsz
+    return e, row0, row_end, mi, ni
+
+
+@gluon.jit
 def _load_stage(a_desc, w_desc, bar, a_buf, b_buf, b2_buf, off_m, wrow, wrow2, off_k, nbytes: gl.constexpr,
                 TWO_B: gl.constexpr):
     """One ring stage: the a tile and the w tile (TWO_B: also the up tile at wrow2) into shared memory, on bar."""
@@ -99,14 +137,13 @@ def _epi_swiglu(g, u, off_m, off_n, row_end, N, out_ptr, stride_om, h_ptr, strid
 
 
 @gluon.jit
-def _epi_dswiglu(acc, off_m, off_n, ni, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm, scale_ptr, dsp_ptr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SCALE: gl.constexpr, store_l: gl.constexpr):
-    """SwiGLU backward (grouped_gemm._epi_part, EPILOGUE 2): acc = dact converted once to the store layout, g and u
-    read from h there; dg -> out[:, n], du -> out[:, N + n] (bf16); HAS_SCALE: dsp[ni, r] = row sums of
-    dact * silu(g) * u, and da = dact * s[r]."""
-    dact = gl.convert_layout(acc, store_l)
+def _epi_dswiglu_part(dact, off_m, off_n, row_end, N, out_ptr, stride_om, h_ptr, stride_hm, scale_ptr,
+                      BLOCK_M: gl.constexpr, NP: gl.constexpr, HAS_SCALE: gl.constexpr, store_l: gl.constexpr):
+    """SwiGLU backward on a [BLOCK_M, NP] column slice (grouped_gemm._epi_part, EPILOGUE 2), dact = acc in store_l
+    (8 consecutive columns per thread): g, u read from h (16-byte loads); dg -> out[:, n], du -> out[:, N + n]
+    (bf16). Returns the row sums of dact * silu(g) * u (HAS_SCALE; else 0); with HAS_SCALE da = dact * s[r]."""
     srm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_l))
-    srn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_l))
+    srn = off_n + gl.arange(0, NP, layout=gl.SliceLayout(0, store_l))
     rmask = srm < row_end
     mask = rmask[:, None] & (srn < N)[None, :]
     hptrs = h_ptr + srm.to(gl.int64)[:, None] * stride_hm + srn[None, :]
@@ -115,9 +152,9 @@ def _epi_dswiglu(acc, off_m, off_n, ni, row_end, R, N, out_ptr, stride_om, h_ptr
     sig = 1.0 / (1.0 + gl.exp(-g))
     silu = g * sig
     da = dact
+    part = gl.zeros([BLOCK_M], dtype=gl.float32, layout=gl.SliceLayout(1, store_l))
     if HAS_SCALE:
         part = gl.sum(dact * silu * u, axis=1)
-        gl.store(dsp_ptr + ni.to(gl.int64) * R + srm, part, mask=rmask)
         s = gl.load(scale_ptr + srm, mask=rmask, other=0.0)
         da = dact * s[:, None]
     optrs = out_ptr + srm.to(gl.int64)[:, None] * stride_om + srn[None, :]
@@ -125,6 +162,49 @@ def _epi_dswiglu(acc, off_m, off_n, ni, row_end, R, N, out_ptr, stride_om, h_ptr
     gl.store(optrs, dg.to(gl.bfloat16), mask=mask)
     du = da * silu
     gl.store(optrs + N, du.to(gl.bfloat16), mask=mask)
+    return part
+
+
+@gluon.jit
+def _halves(x, BLOCK_M: gl.constexpr, NP: gl.constexpr):
+    """[BLOCK_M, NP] -> (cols 0..NP/2-1, cols NP/2..NP-1); in the wgmma layout with one warp along N the split bit is
+    a register bit, so this moves no data."""
+    x = gl.permute(gl.reshape(x, [BLOCK_M, 2, NP // 2]), (0, 2, 1))
+    return gl.split(x)
+
+
+@gluon.jit
+def _epi_dswiglu(acc, epi_smem, off_m, off_n, ni, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm, scale_ptr,
+                 dsp_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SLICES: gl.constexpr,
+                 HAS_SCALE: gl.constexpr, num_warps: gl.constexpr):
+    """The SwiGLU backward epilogue of one tile: acc (fp32) split in registers into SLICES column slices, parked in
+    shared memory (epi_smem [SLICES, BLOCK_M, NP]), then processed one slice per iteration of a loop (see the
+    module docstring for what spilled otherwise); HAS_SCALE: dsp[ni, r] = the row sums over the tile's columns."""
+    NP: gl.constexpr = BLOCK_N // SLICES
+    store_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (NP // 8), NP // 8], [num_warps, 1], [1, 0])
+    if SLICES == 4:
+        h0, h1 = _halves(acc, BLOCK_M, BLOCK_N)
+        q0, q1 = _halves(h0, BLOCK_M, BLOCK_N // 2)
+        q2, q3 = _halves(h1, BLOCK_M, BLOCK_N // 2)
+        epi_smem.index(0).store(q0)
+        epi_smem.index(1).store(q1)
+        epi_smem.index(2).store(q2)
+        epi_smem.index(3).store(q3)
+    elif SLICES == 2:
+        h0, h1 = _halves(acc, BLOCK_M, BLOCK_N)
+        epi_smem.index(0).store(h0)
+        epi_smem.index(1).store(h1)
+    else:
+        epi_smem.index(0).store(acc)
+    gl.thread_barrier()  # written by every warp; rewritten only after the next tile's k-loop (CTA barriers)
+    part = gl.zeros([BLOCK_M], dtype=gl.float32, layout=gl.SliceLayout(1, store_l))
+    for c in range(SLICES):  # a loop, not unrolled: one slice's values live at a time
+        dact = epi_smem.index(c).load(store_l)
+        part += _epi_dswiglu_part(dact, off_m, off_n + c * NP, row_end, N, out_ptr, stride_om, h_ptr, stride_hm,
+                                  scale_ptr, BLOCK_M, NP, HAS_SCALE, store_l)
+    if HAS_SCALE:
+        srm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_l))
+        gl.store(dsp_ptr + ni.to(gl.int64) * R + srm, part, mask=srm < row_end)
 
 
 @gluon.jit
@@ -147,15 +227,17 @@ def _gluon_fp8_grouped_kernel(
     module docstring (pairs of k-steps, the first promoted while the second's wgmma runs), then the epilogue."""
     BLOCK_K: gl.constexpr = 128
     SWIGLU: gl.constexpr = EPILOGUE == 1
+    # EPI_NONE keeps the k-loop that was measured (ptxas runs both of its promotions after the last wait, see the
+    # module docstring); the SwiGLU backward, the same loop otherwise, pins P_a's promotion ahead of that wait
+    PIN: gl.constexpr = EPILOGUE == 2
     sched: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS_M, num_warps // WARPS_M],
                                                   instr_shape=[16, INSTR_N, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     store_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [num_warps, 1], [1, 0])
 
-    # the schedule of grouped_gemm.py (_expert_tiles / _locate_tile, restated here with Gluon layouts: a Triton
-    # @jit helper cannot be called from a Gluon kernel; keep the two in step): per-expert tile counts and their
-    # running sum, read on the device
+    # the schedule of grouped_gemm.py (_expert_tiles, restated with Gluon layouts; keep the two in step): per-expert
+    # tile counts and their running sum, read on the device
     e_idx = gl.arange(0, BLOCK_E, layout=sched)
     emask = e_idx < E_l
     starts = gl.load(offs_ptr + e_idx, mask=emask, other=0)
@@ -176,24 +258,36 @@ def _gluon_fp8_grouped_kernel(
     else:
         b2_smem = b_smem  # unused
         nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
+    # SwiGLU backward: the fp32 tile parked in shared memory as column slices of 32 (register-only split: with one
+    # warp along N), else whole
+    EPI_SLICES: gl.constexpr = BLOCK_N // 32 if WARPS_M == num_warps else 1
+    if EPILOGUE == 2:
+        epi_smem = gl.allocate_shared_memory(gl.float32, [EPI_SLICES, BLOCK_M, BLOCK_N // EPI_SLICES],
+                                             gl.SwizzledSharedLayout(4, 1, 8, order=[1, 0]))
+    else:
+        epi_smem = a_smem  # unused
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(bars.index(s), count=1)
 
+    if EPILOGUE != 0:  # the schedule vectors parked in shared memory and reloaded per tile: four registers fewer
+        # across the tile loop (with them the SwiGLU variants spilled 4-44 bytes at some shapes; EPI_NONE keeps its
+        # measured code, which spills 4-8 bytes at E_l = 1, R = 1000)
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        starts_smem = gl.allocate_shared_memory(gl.int32, [BLOCK_E], flat, starts)
+        cnts_smem = gl.allocate_shared_memory(gl.int32, [BLOCK_E], flat, cnts)
+        cum_smem = gl.allocate_shared_memory(gl.int32, [BLOCK_E], flat, cum_end)
+        gl.thread_barrier()
+
     it = 0  # k-steps issued by this program so far: stage = it % STAGES, barrier phase = (it // STAGES) & 1
     for tile in range(gl.program_id(0), total, num_progs):
-        e = gl.sum((cum_end <= tile).to(gl.int32), axis=0)
-        sel = e_idx == e
-        mt = gl.sum(gl.where(sel, m_tiles, 0), axis=0)
-        t0 = gl.sum(gl.where(sel, cum_end, 0), axis=0) - mt * tiles_n
-        row0 = gl.sum(gl.where(sel, starts, 0), axis=0)
-        row_end = row0 + gl.sum(gl.where(sel, cnts, 0), axis=0)
-        local = tile - t0
-        width = GROUP_M * tiles_n
-        first_m = (local // width) * GROUP_M
-        gsz = gl.minimum(mt - first_m, GROUP_M)
-        mi = first_m + (local % width) % gsz
-        ni = (local % width) // gsz
+        if EPILOGUE != 0:
+            cnts_t = cnts_smem.load(sched)
+            e, row0, row_end, mi, ni = _locate(tile, e_idx, starts_smem.load(sched), cnts_t,
+                                               (cnts_t + BLOCK_M - 1) // BLOCK_M, cum_smem.load(sched), tiles_n,
+                                               GROUP_M)
+        else:
+            e, row0, row_end, mi, ni = _locate(tile, e_idx, starts, cnts, m_tiles, cum_end, tiles_n, GROUP_M)
         off_m = row0 + mi * BLOCK_M
         off_n = ni * BLOCK_N
         if SWIGLU:
@@ -210,77 +304,100 @@ def _gluon_fp8_grouped_kernel(
 
         rm = off_m + gl.arange(0, BLOCK_M, layout=rows_l)
         mmask = rm < row_end
-        as_row = as_ptr + rm.to(gl.int64) * stride_asm
+        if SWIGLU:  # a 64-bit tile base and 32-bit in-tile offsets (fewer registers than 64-bit row pointers)
+            as_tile = as_ptr + off_m.to(gl.int64) * stride_asm
+            as_off = gl.arange(0, BLOCK_M, layout=rows_l) * stride_asm
+        else:
+            as_row = as_ptr + rm.to(gl.int64) * stride_asm
         ws_tile = ws_ptr + e.to(gl.int64) * stride_wse + (off_n // 128) * stride_wsn
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
         zero = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
         if SWIGLU:
-            ws2_tile = ws_ptr + e.to(gl.int64) * stride_wse + ((N_UP + off_n) // 128) * stride_wsn
+            d2 = ((N_UP + off_n) // 128 - off_n // 128) * stride_wsn  # the up tile's scales: ws_tile + d2
             acc2 = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
         # k-steps in pairs: both products issued, the first promoted while the second runs. (A product carried
         # in flight across the loop's back edge makes ptxas serialise every wgmma, warning C7514: the one-step
         # lag of the first version of this kernel compiled to wait-after-every-wgmma.)
         for kk in range(k_tiles // 2):
             ka = 2 * kk
-            if SWIGLU:  # P_b's scales are loaded after P_a's promotion (fewer live registers while 6 tiles are)
-                sa_a = gl.load(as_row + ka, mask=mmask, other=0.0)
+            if SWIGLU:
+                sa_a = gl.load(as_tile + (as_off + ka), mask=mmask, other=0.0)
+                sa_b = gl.load(as_tile + (as_off + ka + 1), mask=mmask, other=0.0)
                 sc_a = sa_a * gl.load(ws_tile + ka)
-                sc2_a = sa_a * gl.load(ws2_tile + ka)
+                sc_b = sa_b * gl.load(ws_tile + ka + 1)
+                sc2_a = sa_a * gl.load(ws_tile + (d2 + ka))
+                sc2_b = sa_b * gl.load(ws_tile + (d2 + ka + 1))
+                sta = (it + ka) % STAGES
+                mbarrier.wait(bars.index(sta), ((it + ka) // STAGES) & 1)
+                pa = warpgroup_mma(a_smem.index(sta), b_smem.index(sta).permute((1, 0)), zero, use_acc=False,
+                                   is_async=True)
+                pa2 = warpgroup_mma(a_smem.index(sta), b2_smem.index(sta).permute((1, 0)), zero, use_acc=False,
+                                    is_async=True)
+                stb = (it + ka + 1) % STAGES
+                mbarrier.wait(bars.index(stb), ((it + ka + 1) // STAGES) & 1)
+                pb = warpgroup_mma(a_smem.index(stb), b_smem.index(stb).permute((1, 0)), zero, use_acc=False,
+                                   is_async=True)
+                pb2 = warpgroup_mma(a_smem.index(stb), b2_smem.index(stb).permute((1, 0)), zero, use_acc=False,
+                                    is_async=True)
+                # P_a's gate and up, then P_b's gate promoted while P_b's up runs (3 of 4 promotions overlap a
+                # wgmma). ptxas moves a wait above any independent instruction of its basic block, so the wait for
+                # P_b's up sits behind the conditional refill (a block boundary), and the accumulators pass through
+                # a no-op wait before it (else LLVM sinks the FMAs past the boundary, as in EPI_NONE's SASS).
+                done, done2 = warpgroup_mma_wait(num_outstanding=2, deps=(pa, pa2))
+                acc = acc + done * sc_a[:, None]
+                acc2 = acc2 + done2 * sc2_a[:, None]
+                done = warpgroup_mma_wait(num_outstanding=1, deps=(pb,))
+                acc = acc + done * sc_b[:, None]
+                acc, acc2 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, acc2))
+                gl.thread_barrier()  # P_a's stage is free once every warpgroup got here
+                if ka + STAGES < k_tiles:
+                    _load_stage(a_desc, w_desc, bars.index(sta), a_smem.index(sta), b_smem.index(sta),
+                                b2_smem.index(sta), off_m, wrow, wrow2, (ka + STAGES) * BLOCK_K, nbytes, True)
+                done2 = warpgroup_mma_wait(num_outstanding=0, deps=(pb2,))
+                acc2 = acc2 + done2 * sc2_b[:, None]
+                gl.thread_barrier()
+                if ka + 1 + STAGES < k_tiles:
+                    _load_stage(a_desc, w_desc, bars.index(stb), a_smem.index(stb), b_smem.index(stb),
+                                b2_smem.index(stb), off_m, wrow, wrow2, (ka + 1 + STAGES) * BLOCK_K, nbytes, True)
             else:
                 sc_a = gl.load(as_row + ka, mask=mmask, other=0.0) * gl.load(ws_tile + ka)
                 sc_b = gl.load(as_row + ka + 1, mask=mmask, other=0.0) * gl.load(ws_tile + ka + 1)
-            sta = (it + ka) % STAGES
-            mbarrier.wait(bars.index(sta), ((it + ka) // STAGES) & 1)
-            pa = warpgroup_mma(a_smem.index(sta), b_smem.index(sta).permute((1, 0)), zero, use_acc=False,
-                               is_async=True)
-            if SWIGLU:
-                pa2 = warpgroup_mma(a_smem.index(sta), b2_smem.index(sta).permute((1, 0)), zero, use_acc=False,
-                                    is_async=True)
-            stb = (it + ka + 1) % STAGES
-            mbarrier.wait(bars.index(stb), ((it + ka + 1) // STAGES) & 1)
-            pb = warpgroup_mma(a_smem.index(stb), b_smem.index(stb).permute((1, 0)), zero, use_acc=False,
-                               is_async=True)
-            if SWIGLU:
-                pb2 = warpgroup_mma(a_smem.index(stb), b2_smem.index(stb).permute((1, 0)), zero, use_acc=False,
-                                    is_async=True)
-                done, done2 = warpgroup_mma_wait(num_outstanding=2, deps=(pa, pa2))  # P_a done, P_b running
-                acc = acc + done * sc_a[:, None]
-                acc2 = acc2 + done2 * sc2_a[:, None]
-                sa_b = gl.load(as_row + ka + 1, mask=mmask, other=0.0)
-                sc_b = sa_b * gl.load(ws_tile + ka + 1)
-                sc2_b = sa_b * gl.load(ws2_tile + ka + 1)
-            else:
+                sta = (it + ka) % STAGES
+                mbarrier.wait(bars.index(sta), ((it + ka) // STAGES) & 1)
+                pa = warpgroup_mma(a_smem.index(sta), b_smem.index(sta).permute((1, 0)), zero, use_acc=False,
+                                   is_async=True)
+                stb = (it + ka + 1) % STAGES
+                mbarrier.wait(bars.index(stb), ((it + ka + 1) // STAGES) & 1)
+                pb = warpgroup_mma(a_smem.index(stb), b_smem.index(stb).permute((1, 0)), zero, use_acc=False,
+                                   is_async=True)
                 done = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))  # P_a done, P_b still running
                 acc = acc + done * sc_a[:, None]
-            # P_a's stage is free once every warpgroup got here (each waits for its own wgmmas only)
-            gl.thread_barrier()
-            if ka + STAGES < k_tiles:
-                _load_stage(a_desc, w_desc, bars.index(sta), a_smem.index(sta), b_smem.index(sta),
-                            b2_smem.index(sta), off_m, wrow, wrow2, (ka + STAGES) * BLOCK_K, nbytes, SWIGLU)
-            if SWIGLU:
-                done, done2 = warpgroup_mma_wait(num_outstanding=0, deps=(pb, pb2))
-                acc = acc + done * sc_b[:, None]
-                acc2 = acc2 + done2 * sc2_b[:, None]
-            else:
+                if PIN:  # keeps P_a's promotion ahead of the refill's block boundary: overlapped with P_b in SASS
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                # P_a's stage is free once every warpgroup got here (each waits for its own wgmmas only)
+                gl.thread_barrier()
+                if ka + STAGES < k_tiles:
+                    _load_stage(a_desc, w_desc, bars.index(sta), a_smem.index(sta), b_smem.index(sta),
+                                b2_smem.index(sta), off_m, wrow, wrow2, (ka + STAGES) * BLOCK_K, nbytes, False)
                 done = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
                 acc = acc + done * sc_b[:, None]
-            gl.thread_barrier()
-            if ka + 1 + STAGES < k_tiles:
-                _load_stage(a_desc, w_desc, bars.index(stb), a_smem.index(stb), b_smem.index(stb),
-                            b2_smem.index(stb), off_m, wrow, wrow2, (ka + 1 + STAGES) * BLOCK_K, nbytes, SWIGLU)
+                gl.thread_barrier()
+                if ka + 1 + STAGES < k_tiles:
+                    _load_stage(a_desc, w_desc, bars.index(stb), a_smem.index(stb), b_smem.index(stb),
+                                b2_smem.index(stb), off_m, wrow, wrow2, (ka + 1 + STAGES) * BLOCK_K, nbytes, False)
         if k_tiles % 2 == 1:  # an odd last k-step, on its own
             kl = k_tiles - 1
             stl = (it + kl) % STAGES
             mbarrier.wait(bars.index(stl), ((it + kl) // STAGES) & 1)
             if SWIGLU:
-                sa_l = gl.load(as_row + kl, mask=mmask, other=0.0)
+                sa_l = gl.load(as_tile + (as_off + kl), mask=mmask, other=0.0)
                 pl = warpgroup_mma(a_smem.index(stl), b_smem.index(stl).permute((1, 0)), zero, use_acc=False,
                                    is_async=True)
                 pl2 = warpgroup_mma(a_smem.index(stl), b2_smem.index(stl).permute((1, 0)), zero, use_acc=False,
                                     is_async=True)
                 last, last2 = warpgroup_mma_wait(num_outstanding=0, deps=(pl, pl2))
                 acc = acc + last * (sa_l * gl.load(ws_tile + kl))[:, None]
-                acc2 = acc2 + last2 * (sa_l * gl.load(ws2_tile + kl))[:, None]
+                acc2 = acc2 + last2 * (sa_l * gl.load(ws_tile + (d2 + kl)))[:, None]
             else:
                 last = warpgroup_mma(a_smem.index(stl), b_smem.index(stl).permute((1, 0)), zero, use_acc=False)
                 acc = acc + last * (gl.load(as_row + kl, mask=mmask, other=0.0) * gl.load(ws_tile + kl))[:, None]
@@ -300,8 +417,8 @@ def _gluon_fp8_grouped_kernel(
             _epi_swiglu(acc, acc2, off_m, off_n, row_end, N, out_ptr, stride_om, h_ptr, stride_hm,
                         BLOCK_M, BLOCK_N, STORE_H, store_l)
         else:
-            _epi_dswiglu(acc, off_m, off_n, ni, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm, scale_ptr,
-                         dsp_ptr, BLOCK_M, BLOCK_N, HAS_SCALE, store_l)
+            _epi_dswiglu(acc, epi_smem, off_m, off_n, ni, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
+                         scale_ptr, dsp_ptr, BLOCK_M, BLOCK_N, EPI_SLICES, HAS_SCALE, num_warps)
 
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
@@ -323,9 +440,10 @@ def gluon_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, n_
                 f"accumulator values exceed 64 registers per thread on {warps} warps (three such sets live: spills)")
     if stages < 2:
         return f"num_stages must be >= 2, got {stages}"
-    smem = stages * 128 * (bm + (2 if two else 1) * bn) + bm * bn * (4 if epilogue == EPI_DSWIGLU else 2)
-    if smem + 1024 > SMEM_LIMIT:
-        return f"{stages} stages need ~{smem + 1024} bytes of shared memory, more than {SMEM_LIMIT}"
+    # the ring, plus the epilogue's staging (fp32 tile; else the bf16 layout conversion), schedule and barriers
+    smem = stages * 128 * (bm + (2 if two else 1) * bn) + bm * bn * (4 if epilogue == EPI_DSWIGLU else 2) + 4096
+    if smem > SMEM_LIMIT:
+        return f"{stages} stages need ~{smem} bytes of shared memory, more than {SMEM_LIMIT}"
     if k <= 0 or k % 16:
         return f"K must be a positive multiple of 16 (TMA strides), got K = {k}"
     if n % bn or (two and (n_up % bn or n_up + n > n_w)) or (not two and n != n_w):
