@@ -174,9 +174,11 @@ def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False,
     return _q.quantize_act(x, pow2_scale=pow2_scale, nrows=nrows)
 
 
-def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [E_l, N, K] -> (q float8_e4m3fn, s [E_l, cdiv(N, 128), cdiv(K, 128)] fp32) per 128x128 block."""
-    return _q.quantize_weight(w, pow2_scale=pow2_scale)
+def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False,
+                    transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E_l, N, K] -> (q float8_e4m3fn, s [E_l, cdiv(N, 128), cdiv(K, 128)] fp32) per 128x128 block;
+    ``transpose``: of w.transpose(1, 2), without a transposed copy (a transposed view gets the same path)."""
+    return _q.quantize_weight(w, pow2_scale=pow2_scale, transpose=transpose)
 
 
 def _fp8_config(op: str, config: GemmConfig | None, aq: torch.Tensor, wq: torch.Tensor, *, n: int, epilogue: int,

@@ -332,3 +332,22 @@ def test_fp8_kernel_choice_on_cpu():
     with pytest.raises(ValueError, match="FP8 ops only"):
         X.default_config("gemm2", 8, 128, 128, kernel="gluon")
     assert X.default_config("gemm2_fp8", 8, 128, 128, kernel="triton").kernel == "triton"
+
+
+@pytest.mark.parametrize("shape", [(2, 256, 384), (1, 200, 130)], ids=["blocks", "partial-blocks"])
+def test_quantize_weight_transposed_without_a_copy(shape):
+    # the dgrad GEMMs' weights: quantising w.transpose(1, 2) (flag or view) equals quantising a transposed copy
+    # bitwise, and the twin; partial 128-blocks on both axes included
+    gen = torch.Generator().manual_seed(7)
+    w = (torch.randn(shape, generator=gen) * 3).to(DEV, torch.bfloat16)
+    wt = w.transpose(1, 2).contiguous()
+    ref_q, ref_s = X.quantize_weight(wt)
+    for q, s in (X.quantize_weight(w, transpose=True), X.quantize_weight(w.transpose(1, 2))):
+        assert q.shape == wt.shape and s.shape == ref_s.shape
+        assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+    tq, ts = X.quantize_weight_ref(wt.cpu())
+    assert torch.equal(ref_q.cpu().view(torch.uint8), tq.view(torch.uint8)) and torch.equal(ref_s.cpu(), ts)
+    # a transposed view asked for its transpose is the base tensor quantised as it is
+    q2, s2 = X.quantize_weight(w.transpose(1, 2), transpose=True)
+    q3, s3 = X.quantize_weight(w)
+    assert torch.equal(q2.view(torch.uint8), q3.view(torch.uint8)) and torch.equal(s2, s3)

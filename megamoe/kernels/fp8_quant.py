@@ -79,9 +79,11 @@ def _quant_weight_kernel(
     q_ptr,   # q [E_l, N, K] fp8 e4m3
     s_ptr,   # s [E_l, n_nb, n_kb] fp32
     N, K, n_nb, n_kb,
-    POW2: tl.constexpr, RNE_IN_FP32: tl.constexpr,
+    POW2: tl.constexpr, RNE_IN_FP32: tl.constexpr, TRANSPOSE: tl.constexpr,
 ):
-    """Grid: (E_l, n_nb, n_kb). One 128x128 block: s = amax / 448, q = w / s."""
+    """Grid: (E_l, n_nb, n_kb). One 128x128 block: s = amax / 448, q = w / s. TRANSPOSE: q is [E_l, K, N] and s
+    [E_l, n_kb, n_nb], i.e. the quantisation of w.transpose(1, 2) (a 128x128 block of the transpose is the
+    transpose of a block, with the same amax, so this equals quantising a transposed copy, without the copy)."""
     e = tl.program_id(0)
     nb = tl.program_id(1)
     kb = tl.program_id(2)
@@ -91,9 +93,14 @@ def _quant_weight_kernel(
     off = e.to(tl.int64) * N * K + rn.to(tl.int64)[:, None] * K + rk[None, :]
     w = tl.load(w_ptr + off, mask=mask, other=0.0).to(tl.float32)
     s = _scale_of(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
-    q = tl.clamp(tl.div_rn(w, s), -448.0, 448.0)
-    tl.store(q_ptr + off, _to_e4m3(q, RNE_IN_FP32), mask=mask)
-    tl.store(s_ptr + (e * n_nb + nb) * n_kb + kb, s)
+    q = _to_e4m3(tl.clamp(tl.div_rn(w, s), -448.0, 448.0), RNE_IN_FP32)
+    if TRANSPOSE:
+        off_t = e.to(tl.int64) * N * K + rk.to(tl.int64)[None, :] * N + rn[:, None]
+        tl.store(q_ptr + off_t, q, mask=mask)
+        tl.store(s_ptr + (e * n_kb + kb) * n_nb + nb, s)
+    else:
+        tl.store(q_ptr + off, q, mask=mask)
+        tl.store(s_ptr + (e * n_nb + nb) * n_kb + kb, s)
 
 
 def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False,
@@ -121,18 +128,31 @@ def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False,
     return q, s
 
 
-def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [E_l, N, K] -> (q float8_e4m3fn [E_l, N, K], s [E_l, cdiv(N, 128), cdiv(K, 128)] fp32)."""
+def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False,
+                    transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E_l, N, K] -> (q float8_e4m3fn [E_l, N, K], s [E_l, cdiv(N, 128), cdiv(K, 128)] fp32).
+
+    transpose: quantise w.transpose(1, 2) instead: (q [E_l, K, N], s [E_l, cdiv(K, 128), cdiv(N, 128)]), read
+    from w as it is (no transposed bf16 copy: the dgrad GEMMs' weights, measured 2026-11-30 as the largest cost of
+    the FP8 layer when the copy was made with .contiguous()). A transposed view is accepted either way and is
+    quantised with its transpose folded into the kernel's indexing when that avoids a copy.
+    """
     if w.dim() != 3:
         raise ValueError(f"quantize_weight: w must be 3-D [E_l, N, K], got {tuple(w.shape)}")
+    if not w.is_contiguous() and w.transpose(1, 2).is_contiguous():  # a transposed view: quantise its base
+        w, transpose = w.transpose(1, 2), not transpose
     w = w.contiguous()
     E_l, N, K = w.shape
     n_nb, n_kb = triton.cdiv(N, QBLOCK), triton.cdiv(K, QBLOCK)
-    q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
-    s = torch.empty((E_l, n_nb, n_kb), device=w.device, dtype=torch.float32)
+    if transpose:
+        q = torch.empty((E_l, K, N), device=w.device, dtype=torch.float8_e4m3fn)
+        s = torch.empty((E_l, n_kb, n_nb), device=w.device, dtype=torch.float32)
+    else:
+        q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
+        s = torch.empty((E_l, n_nb, n_kb), device=w.device, dtype=torch.float32)
     if E_l and N and K:
         _quant_weight_kernel[(E_l, n_nb, n_kb)](w, q, s, N, K, n_nb, n_kb, POW2=pow2_scale,
-                                                RNE_IN_FP32=interpreting(), num_warps=8)
+                                                RNE_IN_FP32=interpreting(), TRANSPOSE=transpose, num_warps=8)
     return q, s
 
 
