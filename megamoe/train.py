@@ -194,6 +194,11 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
         while prof_from + args.profile < end and any((s + 1) % args.eval_every == 0 or s + 1 == args.steps
                                                       for s in range(prof_from, prof_from + args.profile)):
             prof_from += 1
+        if prof_from + args.profile > end:  # the run ends before a whole window: profile nothing (said, not hidden)
+            if rank == 0:
+                print(f"--profile {args.profile}: the run has no {args.profile} steps after the {args.timing_skip} "
+                      f"warm-up steps; nothing profiled", file=sys.stderr)
+            prof_from = -1
     prof = None
     for step in range(start, end):
         if step == prof_from:

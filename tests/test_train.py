@@ -33,7 +33,8 @@ def test_train_loss_falls_and_resume_reproduces(tmp_path):
 
     # stop at step 15 with a checkpoint, then resume to 30: the same losses as the uninterrupted run
     part = tmp_path / "part"
-    assert train_main(SMALL + ["--out", str(part), "--ckpt-every", "15", "--stop-at", "15"]) == 0
+    assert train_main(SMALL + ["--out", str(part), "--ckpt-every", "15", "--stop-at", "15", "--profile", "20"]) == 0
+    assert not (part / "profile-torch.txt").exists()  # no whole window of 20 steps before step 15: none profiled
     assert (part / "ckpt-torch" / "rank0.pt").exists() and (part / "ckpt-torch" / "rank1.pt").exists()
     assert train_main(SMALL + ["--out", str(part), "--resume"]) == 0
     resumed = _summary(part)["results"][0]["history"]
