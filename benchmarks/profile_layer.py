@@ -20,7 +20,7 @@ from megamoe.backends import parse_backend
 from megamoe.config import preset
 from megamoe.dist import init_from_env
 from megamoe.layer import MoE
-from megamoe.perf import kernel_table
+from megamoe.perf import kernel_table, safe_name
 
 
 def main() -> None:
@@ -56,8 +56,7 @@ def main() -> None:
             torch.cuda.synchronize()
             marks.append((ev[0].elapsed_time(ev[1]), ev[1].elapsed_time(ev[2])))
     os.makedirs(args.out, exist_ok=True)
-    tag = args.backend.replace(":", "_").replace("=", "")
-    prof.export_chrome_trace(os.path.join(args.out, f"trace-{tag}-rank{rank}.json"))
+    prof.export_chrome_trace(os.path.join(args.out, f"trace-{safe_name(args.backend)}-rank{rank}.json"))
     if rank == 0:
         fwd = sum(m[0] for m in marks) / len(marks)
         bwd = sum(m[1] for m in marks) / len(marks)

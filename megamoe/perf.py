@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import re
 import subprocess
 from dataclasses import asdict, dataclass
 
@@ -107,6 +108,11 @@ def run_metadata(device: torch.device, world: int) -> dict:
         meta["gpu"] = None
         meta["cpu"] = platform.processor() or platform.machine()
     return meta
+
+
+def safe_name(spec: str) -> str:
+    """A backend spec as a file-name part: "split:presum_combine=1" -> "split_presum_combine_1"."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", spec)
 
 
 def kernel_table(prof, iters: int, top: int = 25) -> str:

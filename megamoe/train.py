@@ -26,7 +26,6 @@ import gc
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -41,7 +40,7 @@ from megamoe.dist import init_from_env, spawn, under_torchrun
 from megamoe.layer import capture_moe_layers
 from megamoe.model import ModelConfig, MoETransformer
 from megamoe.optim import MasterAdamW
-from megamoe.perf import kernel_table, run_metadata
+from megamoe.perf import kernel_table, run_metadata, safe_name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,12 +133,24 @@ def clip_multipliers(replicated: list[torch.Tensor], local: list[torch.Tensor], 
     return norm, coef, coef / world
 
 
-def _safe(backend: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", backend)  # "split:presum_combine=1" -> split_presum_combine_1
+def _evaluates_after(step: int, args) -> bool:
+    return (step + 1) % args.eval_every == 0 or step + 1 == args.steps
+
+
+def profile_window(start: int, end: int, args) -> int | None:
+    """First step of the window of ``args.profile`` steps that ``--profile`` traces: the first after the timing
+    warm-up that ends by ``end`` with no evaluation inside it (an evaluation after the window's last step runs
+    after the profiler stopped); None if the run has no such window."""
+    w = start + args.timing_skip
+    while w + args.profile <= end:
+        if not any(_evaluates_after(s, args) for s in range(w, w + args.profile - 1)):
+            return w
+        w += 1
+    return None
 
 
 def _ckpt_path(out: str, backend: str, rank: int) -> str:
-    return os.path.join(out, f"ckpt-{_safe(backend)}", f"rank{rank}.pt")
+    return os.path.join(out, f"ckpt-{safe_name(backend)}", f"rank{rank}.pt")
 
 
 def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) -> dict:
@@ -188,17 +199,10 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     t_run = time.perf_counter()
     end = min(args.steps, args.stop_at) if args.stop_at else args.steps
     tokens_per_step = args.batch * args.seq
-    prof_from = -1
-    if args.profile > 0:  # the first window of --profile steps after the warm-up without an evaluation in it
-        prof_from = start + args.timing_skip
-        while prof_from + args.profile < end and any((s + 1) % args.eval_every == 0 or s + 1 == args.steps
-                                                      for s in range(prof_from, prof_from + args.profile)):
-            prof_from += 1
-        if prof_from + args.profile > end:  # the run ends before a whole window: profile nothing (said, not hidden)
-            if rank == 0:
-                print(f"--profile {args.profile}: the run has no {args.profile} steps after the {args.timing_skip} "
-                      f"warm-up steps; nothing profiled", file=sys.stderr)
-            prof_from = -1
+    prof_from = profile_window(start, end, args) if args.profile > 0 else None
+    if args.profile > 0 and prof_from is None and rank == 0:  # said, not hidden
+        print(f"--profile {args.profile}: no {args.profile} steps without an evaluation between the warm-up "
+              f"({args.timing_skip} steps) and the run's end; nothing profiled", file=sys.stderr)
     prof = None
     for step in range(start, end):
         if step == prof_from:
@@ -230,13 +234,13 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
             prof.__exit__(None, None, None)
             if rank == 0:
                 os.makedirs(args.out, exist_ok=True)
-                path = os.path.join(args.out, f"profile-{_safe(backend)}.txt")
+                path = os.path.join(args.out, f"profile-{safe_name(backend)}.txt")
                 with open(path, "w") as f:
                     f.write(f"{backend}: steps {prof_from}-{step}, ms per step\n{kernel_table(prof, args.profile)}\n")
                 if show:
                     print(f"wrote {path}")
             prof = None
-        elif step - start >= args.timing_skip and not (0 <= step - prof_from < args.profile):
+        elif step - start >= args.timing_skip and not (prof_from is not None and 0 <= step - prof_from < args.profile):
             for key, v in zip(("forward", "backward", "optimizer"), (fwd, bwd, optim), strict=True):
                 times[key].append(v)
             times["step"].append(fwd + bwd + optim)
@@ -245,7 +249,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
         history["aux"].append(stats[1])
         history["lr"].append(lr)
         history["grad_norm"].append(float(gnorm))
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+        if _evaluates_after(step, args):
             history["eval"].append((step, evaluate(ddp, corpus, args, device, autocast, rank, W)))
         if show:
             tps = tokens_per_step / statistics.median(times["step"]) if times["step"] else float("nan")

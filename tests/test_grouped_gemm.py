@@ -305,6 +305,7 @@ def test_pin_config_forces_the_config():
         GemmConfig(block_n=32, epi_split=8)
 
 
+@cpu_only
 def test_fp8_kernel_choice_on_cpu():
     # the Gluon kernel needs CUDA, sm_90 and no interpreter: the FP8 ops take the Triton kernel here, forcing Gluon
     # raises with the reason; a kernel choice is FP8-only and validated

@@ -35,6 +35,7 @@ def test_train_loss_falls_and_resume_reproduces(tmp_path):
     part = tmp_path / "part"
     assert train_main(SMALL + ["--out", str(part), "--ckpt-every", "15", "--stop-at", "15", "--profile", "20"]) == 0
     assert not (part / "profile-torch.txt").exists()  # no whole window of 20 steps before step 15: none profiled
+    assert _summary(part)["results"][0]["tokens_per_s_per_gpu"] is not None  # and every step after warm-up timed
     assert (part / "ckpt-torch" / "rank0.pt").exists() and (part / "ckpt-torch" / "rank1.pt").exists()
     assert train_main(SMALL + ["--out", str(part), "--resume"]) == 0
     resumed = _summary(part)["results"][0]["history"]
@@ -53,6 +54,24 @@ def test_train_backends_agree(tmp_path):
     for res in (split_res, fused_res):
         assert len(res["history"]["loss"]) == 4
         assert res["history"]["loss"] == pytest.approx(torch_res["history"]["loss"], rel=1e-2), res["backend"]
+
+
+def test_profile_window_skips_evaluations():
+    from argparse import Namespace
+
+    from megamoe.train import profile_window
+
+    a = Namespace(profile=10, timing_skip=2, eval_every=10, steps=40)
+    assert profile_window(0, 40, a) == 10  # steps 10-19: the evaluation after step 19 runs after the window
+    assert profile_window(0, 25, a) == 10
+    assert profile_window(0, 19, a) is None  # no whole window before the end
+    a.profile, a.eval_every = 12, 10  # every window of 12 steps holds an evaluation
+    assert profile_window(0, 40, a) is None
+    a.profile, a.timing_skip = 3, 5
+    assert profile_window(0, 40, a) == 5 and profile_window(7, 40, a) == 12  # after a resume at step 7
+    # the run's last step always evaluates: a window may end on it but not run past it
+    assert profile_window(0, 6, Namespace(profile=4, timing_skip=2, eval_every=100, steps=6)) == 2
+    assert profile_window(0, 6, Namespace(profile=4, timing_skip=2, eval_every=100, steps=5)) is None
 
 
 def _clip_rank(rank: int, world: int) -> list[float]:
