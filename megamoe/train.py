@@ -75,9 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graph-moe", action="store_true",
                    help="capture each MoE layer's forward and backward in CUDA graphs (GPU; backends split and "
                         "fused; torch runs eager since it reads split sizes on the host)")
-    p.add_argument("--compile", action="store_true",
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="torch.compile each block's attention half (norm, attention, residual, norm: Block.dense) in "
-                        "every backend; the MoE layers stay as they are")
+                        "every backend, with torch.compile's BACKEND (default inductor; 'eager' only traces, for "
+                        "checking); the MoE layers stay as they are")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="profile N steps after the timing warm-up (torch.profiler) and write the GPU kernels' time per "
                         "step to --out/profile-<backend>.txt (rank 0); those steps are left out of tokens/s")
@@ -170,7 +171,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
                 else contextlib.nullcontext())
     if args.compile:
         for blk in model.blocks:
-            blk.dense = torch.compile(blk.dense)
+            blk.dense = torch.compile(blk.dense, backend=args.compile)
     if graphed:
         capture_moe_layers([blk.moe for blk in model.blocks], args.batch * args.seq, autocast)
     expert_names = model.expert_parameter_names()
@@ -269,7 +270,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     summary = {
         "backend": backend,
         "moe_cuda_graph": graphed,
-        "compiled_dense": bool(args.compile),
+        "compiled_dense": args.compile,  # torch.compile backend of the dense parts, or None
         "steps_run": end - start,
         "tokens_per_step_per_gpu": tokens_per_step,
         "tokens_per_s_per_gpu": tokens_per_step / med["step"] if med["step"] else None,

@@ -43,6 +43,18 @@ def test_train_loss_falls_and_resume_reproduces(tmp_path):
     assert resumed["loss"] == pytest.approx(losses, rel=1e-6, abs=0)
 
 
+def test_train_compiled_dense_parts_train_alike(tmp_path):
+    # --compile wiring (Block.dense under DDP, gloo ranks) with torch.compile's "eager" backend, which traces with
+    # Dynamo but needs no C++ compiler: the same losses as the uncompiled run (inductor runs on the GPU machine)
+    runs = {}
+    for tag, extra in (("plain", []), ("compiled", ["--compile", "eager"])):
+        out = tmp_path / tag
+        assert train_main(SMALL[:1] + ["4"] + SMALL[2:] + ["--out", str(out)] + extra) == 0
+        runs[tag] = _summary(out)["results"][0]
+    assert runs["compiled"]["compiled_dense"] == "eager" and runs["plain"]["compiled_dense"] is None
+    assert runs["compiled"]["history"]["loss"] == pytest.approx(runs["plain"]["history"]["loss"], rel=1e-5)
+
+
 @pytest.mark.skipif("split" not in available_backends("cpu"), reason="backend 'split' is not built yet")
 def test_train_backends_agree(tmp_path):
     # bf16 MoE layers (split needs them; fp32 master weights), same seed and data: the first losses agree to
