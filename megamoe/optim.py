@@ -5,8 +5,9 @@ plus float32 Adam moments for the update. Done with torch's own pieces (upcast t
 the masters, fused AdamW on the masters, which with ``grad_scale`` also writes the scaled grads back, then copy the
 masters down into the bf16 parameters) an update moves ~46 bytes per parameter through HBM; on the GPU one Triton
 kernel per parameter reads the bf16 grad, master, exp_avg and exp_avg_sq and writes master, exp_avg, exp_avg_sq
-and the bf16 parameter: 28 bytes. With 1.2 G expert parameters per GPU (4 layers of qwen3-30b-a3b on 2 GPUs) that
-is the difference between ~18 ms and ~9 ms a step (docs/perf-notes.md).
+and the bf16 parameter: 28 bytes. Measured (2026-11-30, H200): 8.08 ms for the 1.21 G expert parameters per GPU
+of `megamoe train`'s model at EP = 2 (4.19 TB/s; torch's recipe 15.6 ms, benchmarks/adamw_bench.py), and the
+training step's optimizer phase 18.1 -> 10.1 ms (docs/perf-notes.md).
 
 The update is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments, ``eps`` outside the square
 root), with two additions: an optional gradient multiplier per parameter set, a device scalar (the clip
