@@ -57,7 +57,11 @@ def _candidates(op: str):
         "gemm2_fp8": [C(128, 128, 128, 4, 8), C(128, 128, 128, 5, 8), C(128, 128, 128, 3, 8, 2),
                       C(128, 256, 128, 3, 8, 4), C(128, 128, 128, 5, 8).with_(kernel="triton")],
         "wgrad1": [C(128, 256, 64, 3, 8), C(128, 256, 64, 4, 8), C(128, 128, 64, 4, 8), C(256, 128, 64, 3, 8),
-                   C(128, 256, 32, 5, 8), C(128, 128, 128, 3, 8), C(128, 128, 64, 5, 4)],
+                   C(128, 256, 32, 5, 8), C(128, 128, 128, 3, 8), C(128, 128, 64, 5, 4),
+                   # 128 x 128 x 32 tiles fit two CTAs per SM (96 registers, 48-64 KB of shared memory for sm_90a):
+                   # one CTA's tile store can overlap the other's k-loop (the wgrad is epilogue-bound at 256 rows per
+                   # expert); not yet timed
+                   C(128, 128, 32, 4, 8), C(128, 128, 32, 3, 8)],
     }
     table["dgrad1"] = table["gemm2"]
     table["wgrad2"] = table["wgrad1"]
