@@ -12,8 +12,6 @@ as a 64-row tile: slower, removed; results in benchmarks/results/gemm-tail-h200-
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 
 import torch
@@ -21,7 +19,7 @@ import triton
 
 import megamoe.experts as X
 from megamoe.kernels.gemm_config import GemmConfig, default_config, pin_config
-from megamoe.perf import run_metadata
+from megamoe.perf import run_shapes
 
 PRESETS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8),
            "mixtral-8x7b": (4096, 14336, 8, 2)}
@@ -94,20 +92,7 @@ def run_shape(name: str, ep: int, tokens: int, rows: list) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="deepseek-v3:2,qwen3-30b-a3b:2,deepseek-v3:4,mixtral-8x7b:2")
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    rows: list[dict] = []
-    for spec in args.shapes.split(","):
-        name, ep = spec.split(":")
-        run_shape(name, int(ep), args.tokens, rows)
-        torch.cuda.empty_cache()
-        if args.json:  # after every shape, so a crash keeps what was measured
-            with open(args.json, "w") as f:
-                json.dump({"meta": run_metadata(torch.device("cuda"), 1), "tokens": args.tokens, "rows": rows}, f,
-                          indent=1)
+    run_shapes(run_shape, "deepseek-v3:2,qwen3-30b-a3b:2,deepseek-v3:4,mixtral-8x7b:2")
 
 
 if __name__ == "__main__":

@@ -110,6 +110,29 @@ def run_metadata(device: torch.device, world: int) -> dict:
     return meta
 
 
+def run_shapes(run_shape, default_shapes: str) -> None:
+    """The command line of the per-shape GEMM benchmark scripts (benchmarks/gemm_tail.py, gluon_fp8_bench.py):
+    ``--shapes preset:ep,...``, ``--tokens``, ``--json``; calls ``run_shape(preset, ep, tokens, rows)`` for each shape
+    on one GPU and rewrites the JSON after every shape, so a crash keeps what was measured."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=default_shapes)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows: list[dict] = []
+    for spec in args.shapes.split(","):
+        name, ep = spec.split(":")
+        run_shape(name, int(ep), args.tokens, rows)
+        torch.cuda.empty_cache()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"meta": run_metadata(torch.device("cuda"), 1), "tokens": args.tokens, "rows": rows}, f,
+                          indent=1)
+
+
 def safe_name(spec: str) -> str:
     """A backend spec as a file-name part: "split:presum_combine=1" -> "split_presum_combine_1"."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", spec)
