@@ -38,18 +38,29 @@ HBM = 4.3e12
 def _candidates(op: str):
     from megamoe.kernels.gemm_config import GemmConfig
 
-    def C(bm, bn, bk, st, wp, sp=1, fl=False):  # noqa: N802
+    def C(bm, bn, bk, st, wp, sp=1, fl=False, pp=1):  # noqa: N802
         return GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_stages=st, num_warps=wp, epi_split=sp,
-                          flatten=fl)
+                          flatten=fl, programs_per_sm=pp)
 
+    # pp=2: two persistent CTAs per SM (one's epilogue under the other's k-loop); each such config fits two CTAs
+    # in registers and shared memory for sm_90a (compiled on CPU with megamoe.sm90.compile_only, 2026-11-30:
+    # GEMM2/dgrad1 128x128x64 s3 flatten 118 regs 112 KB; dgrad2+SwiGLU 64x128x64 s4 w4 180 regs 96 KB;
+    # GEMM1+SwiGLU 64x128x64 s2 w4 235 regs 80 KB, 64x128x32 s3 w4 epi4 178 regs 60 KB)
     table = {
         "gemm1": [C(128, 128, 64, 3, 8, 2), C(128, 128, 64, 4, 8, 4), C(128, 128, 64, 3, 8, 2, True),
                   C(128, 128, 64, 4, 8, 4, True), C(128, 64, 64, 4, 8), C(64, 128, 64, 4, 4, 2),
-                  C(128, 128, 64, 5, 8, 4)],
+                  C(128, 128, 64, 5, 8, 4),
+                  C(64, 128, 64, 2, 4, 2, pp=2), C(64, 128, 32, 4, 4, 2, pp=2), C(64, 128, 32, 3, 4, 4, pp=2),
+                  C(64, 64, 64, 4, 4, 1, pp=2)],
         "dgrad2": [C(128, 128, 64, 3, 8, 4), C(128, 128, 64, 4, 8, 2), C(128, 128, 64, 4, 8, 4), C(128, 64, 64, 4, 8),
-                   C(128, 256, 64, 3, 8, 4), C(128, 128, 64, 5, 8, 2), C(128, 128, 64, 4, 8, 2, True)],
+                   C(128, 256, 64, 3, 8, 4), C(128, 128, 64, 5, 8, 2), C(128, 128, 64, 4, 8, 2, True),
+                   C(64, 128, 64, 4, 4, 2, pp=2), C(64, 128, 64, 4, 4, 4, pp=2), C(64, 128, 32, 4, 4, 2, pp=2),
+                   C(64, 64, 64, 4, 4, 1, pp=2)],
         "gemm2": [C(128, 256, 64, 3, 8), C(128, 256, 64, 3, 8, 2), C(128, 256, 64, 3, 8, 1, True),
-                  C(128, 256, 64, 3, 8, 2, True), C(128, 128, 64, 4, 8, 1, True), C(128, 256, 64, 4, 8, 2, True)],
+                  C(128, 256, 64, 3, 8, 2, True), C(128, 128, 64, 4, 8, 1, True), C(128, 256, 64, 4, 8, 2, True),
+                  C(128, 128, 64, 3, 8, 2, True, pp=2), C(128, 128, 64, 3, 8, 2, pp=2),
+                  C(64, 128, 64, 4, 4, 2, True, pp=2), C(128, 128, 32, 4, 8, 2, True, pp=2),
+                  C(64, 256, 64, 2, 4, 4, pp=2)],
         # FP8: kernel None runs Gluon where the config is within its limits (gluon_fp8.gluon_limits), else Triton;
         # the Triton kernel's default pinned for the comparison
         "gemm1_fp8": [C(128, 64, 128, 4, 8), C(128, 128, 128, 3, 8, 2), C(128, 64, 128, 5, 8),
@@ -60,8 +71,8 @@ def _candidates(op: str):
                    C(128, 256, 32, 5, 8), C(128, 128, 128, 3, 8), C(128, 128, 64, 5, 4),
                    # 128 x 128 x 32 tiles fit two CTAs per SM (96 registers, 48-64 KB of shared memory for sm_90a):
                    # one CTA's tile store can overlap the other's k-loop (the wgrad is epilogue-bound at 256 rows per
-                   # expert); not yet timed
-                   C(128, 128, 32, 4, 8), C(128, 128, 32, 3, 8)],
+                   # expert); 256 x 128 x 32 (168 registers, 96-120 KB) reads each operand fewer times from L2
+                   C(128, 128, 32, 4, 8), C(128, 128, 32, 3, 8), C(256, 128, 32, 4, 8), C(256, 128, 32, 5, 8)],
     }
     table["dgrad1"] = table["gemm2"]
     table["wgrad2"] = table["wgrad1"]
@@ -289,7 +300,7 @@ def print_table(rows: list[dict]) -> None:
         ratio = r["torch_ms"] / r["ours_ms"] if r.get("torch_ms") and r.get("ours_ms") else None
         c = r.get("ours_config") or {}
         cfg = f"{c.get('block_m')}x{c.get('block_n')}x{c.get('block_k')}s{c.get('num_stages')}w{c.get('num_warps')}" \
-            if c else "default"
+            f"e{c.get('epi_split')}{'f' if c.get('flatten') else ''}p{c.get('programs_per_sm')}" if c else "default"
         print(f"{r['preset']:14} {r['tokens_per_gpu']:>5} {r['op']:14} {r['dtype']:4} {_fmt(r['ours_ms'], '8.3f')} "
               f"{_fmt(r['ours_tflops'], '6.0f')} {_fmt(r['torch_ms'], '8.3f')} {_fmt(r['torch_tflops'], '6.0f')} "
               f"{_fmt(ratio, '5.2f')} {_fmt(r['floor_ms'], '6.3f')} {_fmt(r.get('n_regs'), '4d')} "

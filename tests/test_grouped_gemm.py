@@ -128,7 +128,9 @@ def test_bf16_ops_interpreter(sizes, pad, use_tma, epi_split, flatten):
     if epi_split > 1 and sizes != CPU_CASES[0].values[0]:
         pytest.skip("the epilogue split is covered on the mixed-size case")
     p = make_problem(sizes, pad, H=40, I=24)
-    _forward_backward(p, CPU_CFG.with_(use_tma=use_tma, epi_split=epi_split, flatten=flatten), I=24)
+    # the split-epilogue case also runs two persistent programs per SM (a grid of 8 here instead of 4)
+    _forward_backward(p, CPU_CFG.with_(use_tma=use_tma, epi_split=epi_split, flatten=flatten,
+                                       programs_per_sm=2 if epi_split == 2 else 1), I=24)
 
 
 @cpu_only
@@ -275,7 +277,7 @@ GPU_CASES = [
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("variant", ["default", "pointers", "tma-flatten"])
+@pytest.mark.parametrize("variant", ["default", "pointers", "tma-flatten", "two-per-sm"])
 @pytest.mark.parametrize("sizes,pad", GPU_CASES)
 def test_bf16_ops_gpu(sizes, pad, variant):
     H, I = 1040, 776  # not multiples of the 64/128/256 blocks, but 16-byte aligned (TMA allowed)
@@ -284,7 +286,9 @@ def test_bf16_ops_gpu(sizes, pad, variant):
            "pointers": GemmConfig(block_m=64, block_n=64, block_k=64, num_stages=3, num_warps=4, use_tma=False,
                                   epi_split=2),
            "tma-flatten": GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=8,
-                                     epi_split=2, flatten=True)}[variant]
+                                     epi_split=2, flatten=True),
+           "two-per-sm": GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4, epi_split=2,
+                                    programs_per_sm=2)}[variant]
     _forward_backward(p, cfg, I=I)
 
 
@@ -303,6 +307,8 @@ def test_pin_config_forces_the_config():
         X.gemm1_swiglu(p["x"], p["w13"], p["offs"])
     with pytest.raises(ValueError, match="epi_split"):
         GemmConfig(block_n=32, epi_split=8)
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        GemmConfig(programs_per_sm=0)
 
 
 @cpu_only

@@ -32,13 +32,18 @@ class GemmConfig:
     group_m: int = 8
     num_stages: int = 3
     num_warps: int = 8
-    num_sms: int | None = None     # persistent programs; None: the device's SM count (4 under the interpreter)
+    num_sms: int | None = None     # persistent programs; None: programs_per_sm x the device's SM count (4 on CPU)
     use_tma: bool | None = None    # None: TMA descriptors when strides/pointers are 16-byte aligned
     epi_split: int = 1             # epilogue in 1, 2 or 4 column slices (fewer live registers)
     flatten: bool = False          # bf16 kernel: tl.range(flatten=True) tile loop (on for GEMM2, measured below)
     kernel: str | None = None      # FP8 ops: "gluon", "triton", or None (Gluon where it can run); bf16: not "gluon"
+    programs_per_sm: int = 1       # persistent kernels, num_sms None: 2 = two CTAs share each SM, so one's epilogue
+    #                                runs under the other's k-loop (the config must fit two CTAs' registers and
+    #                                shared memory, else the second waits: no error, just no overlap)
 
     def __post_init__(self):
+        if self.programs_per_sm < 1:
+            raise ValueError(f"programs_per_sm must be >= 1, got {self.programs_per_sm}")
         if self.epi_split not in (1, 2, 4) or self.block_n % (8 * self.epi_split):
             raise ValueError(f"epi_split must be 1, 2 or 4 and divide block_n into >= 8 columns, got "
                              f"epi_split={self.epi_split}, block_n={self.block_n}")
@@ -152,7 +157,7 @@ def num_sms(device: torch.device) -> int:
 
 
 def grid_size(cfg: GemmConfig, max_tiles: int, device: torch.device) -> int:
-    p = cfg.num_sms if cfg.num_sms is not None else num_sms(device)
+    p = cfg.num_sms if cfg.num_sms is not None else num_sms(device) * cfg.programs_per_sm
     return max(0, min(p, max_tiles))
 
 
