@@ -67,12 +67,13 @@ def _candidates(op: str):
                       C(128, 128, 128, 4, 8, 4), C(128, 64, 128, 5, 8).with_(kernel="triton")],
         "gemm2_fp8": [C(128, 128, 128, 4, 8), C(128, 128, 128, 5, 8), C(128, 128, 128, 3, 8, 2),
                       C(128, 256, 128, 3, 8, 4), C(128, 128, 128, 5, 8).with_(kernel="triton")],
-        "wgrad1": [C(128, 256, 64, 3, 8), C(128, 256, 64, 4, 8), C(128, 128, 64, 4, 8), C(256, 128, 64, 3, 8),
-                   C(128, 256, 32, 5, 8), C(128, 128, 128, 3, 8), C(128, 128, 64, 5, 4),
-                   # 128 x 128 x 32 tiles fit two CTAs per SM (96 registers, 48-64 KB of shared memory for sm_90a):
-                   # one CTA's tile store can overlap the other's k-loop (the wgrad is epilogue-bound at 256 rows per
-                   # expert); 256 x 128 x 32 (168 registers, 96-120 KB) reads each operand fewer times from L2
-                   C(128, 128, 32, 4, 8), C(128, 128, 32, 3, 8), C(256, 128, 32, 4, 8), C(256, 128, 32, 5, 8)],
+        # wgrad (persistent since 2026-11-30; pp=8 is close to the former one-program-per-tile grid): flatten=True
+        # pipelines the TMA store of a tile under the next tile's loads (a separate store buffer: 128x256x32 s5
+        # 188 KB, 128x128x32 s4 98 KB, which still fits two CTAs per SM)
+        "wgrad1": [C(128, 256, 32, 5, 8, pp=8), C(128, 256, 32, 5, 8), C(128, 256, 32, 5, 8, fl=True),
+                   C(128, 256, 32, 4, 8, fl=True), C(128, 128, 32, 4, 8, pp=2), C(128, 128, 32, 4, 8, fl=True, pp=2),
+                   C(128, 128, 32, 4, 8, pp=8), C(256, 128, 32, 5, 8, fl=True), C(128, 256, 64, 3, 8, fl=True),
+                   C(128, 128, 32, 4, 8, fl=True)],
     }
     table["dgrad1"] = table["gemm2"]
     table["wgrad2"] = table["wgrad1"]

@@ -113,7 +113,7 @@ def default_config(op: str, rows: int, n: int, k: int, *, kernel: str | None = N
     # (-3 to -10%; +2-3% on mixtral at EP = 4); GEMM2 4 stages + 2 epilogue slices beat 3 + 1 on all 8 (-1 to -11%);
     # GEMM1+SwiGLU 4 stages + 4 slices -3 to -13% where N is a multiple of 128 (gpt-oss, N = 2880: +15% at EP = 4)
     if op == "wgrad":
-        return GemmConfig(block_m=128, block_n=256, block_k=32, num_stages=5, num_warps=8)
+        return GemmConfig(block_m=128, block_n=256, block_k=32, num_stages=5, num_warps=8, programs_per_sm=8)
     if op == "gemm1_swiglu":
         if n % 128 == 0:
             return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8, epi_split=4)

@@ -6,8 +6,12 @@ Shape legend: R received rows, E_l local experts, M and N the two column counts 
 wgrad computes, for every local expert e, ``c[e] = x[rows_e]^T @ y[rows_e]`` ([M, N], reduction over the
 expert's rows). Used for dW2 = (s * dy)^T @ act ([H, I]) and dW13 = dh^T @ x ([2I, H]).
 
-Determinism: each program owns one (e, m-block, n-block) output tile and reduces over the expert's rows in
-a fixed order, no atomics, so two runs are bitwise equal. An expert with no rows gets a zero tile.
+Persistent (since 2026-11-30): min(programs_per_sm x #SMs, tiles) programs walk the output tiles (the grid
+used to be one program per tile); ``num_sms`` caps them, so the split backend's overlapped backward can leave
+SMs to its communication kernels.
+
+Determinism: each tile is owned by one program, which reduces over the expert's rows in a fixed order, no
+atomics, so two runs are bitwise equal (whatever the grid). An expert with no rows gets a zero tile.
 
 dgrad kernels are the forward kernel of grouped_gemm.py with w read K-major (``W_KN``): dgrad of GEMM2
 runs the SwiGLU backward in its epilogue (``EPI_DSWIGLU``), dgrad of GEMM1 is plain.
@@ -20,30 +24,23 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.kernels.gemm_config import GemmConfig, interpreting, record, tma_ok
+from megamoe.kernels.gemm_config import GemmConfig, grid_size, interpreting, record, tma_ok
 
 
 @triton.jit
-def _grouped_wgrad_kernel(
-    x_desc, x_ptr,      # x_RM [R, M] bf16 contiguous
-    y_desc, y_ptr,      # y_RN [R, N] bf16 contiguous
-    c_ptr,              # c [E_l, M, N] (fp32 or bf16) contiguous
-    offs_ptr,           # offs [E_l + 1] int32
-    M, N,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_TMA: tl.constexpr, DOT_F32: tl.constexpr,
-):
-    """Grid: (E_l * cdiv(M, BM) * cdiv(N, BN),). Program -> (e, mi, ni) (GROUP_M swizzle inside e):
+def _wgrad_tile(tile, x_desc, x_ptr, y_desc, y_ptr, c_desc, c_ptr, offs_ptr, M, N,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                USE_TMA: tl.constexpr, DOT_F32: tl.constexpr):
+    """One output tile: tile -> (e, mi, ni) (GROUP_M swizzle inside e), then
         acc = sum over row chunks r of offs[e]..offs[e+1] (BLOCK_K rows each, in order) of x[r]^T @ y[r]
     Full chunks ride TMA; the last partial chunk is loaded, then rows >= offs[e+1] are zeroed in both
-    operands (padding may hold NaN: 0 * NaN would leak).
-    """
-    pid = tl.program_id(0)
+    operands (padding may hold NaN: 0 * NaN would leak). With TMA the tile is stored by a bulk copy through
+    shared memory (the 3-D descriptor [E_l, M, N] clips at the expert's edges), else by masked pointers."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_e = tiles_m * tiles_n
-    e = pid // per_e
-    local = pid % per_e
+    e = tile // per_e
+    local = tile % per_e
     width = GROUP_M * tiles_n
     first_m = (local // width) * GROUP_M
     gsz = tl.minimum(tiles_m - first_m, GROUP_M)
@@ -82,8 +79,37 @@ def _grouped_wgrad_kernel(
             x = x.to(tl.float32)
             y = y.to(tl.float32)
         acc = tl.dot(x.T, y, acc)
-    c_ptrs = c_ptr + e.to(tl.int64) * M * N + rm.to(tl.int64)[:, None] * N + rn[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+    if USE_TMA:
+        c_desc.store([e, off_m, off_n], acc.to(c_desc.dtype).reshape(1, BLOCK_M, BLOCK_N))
+    else:
+        c_ptrs = c_ptr + e.to(tl.int64) * M * N + rm.to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _grouped_wgrad_kernel(
+    x_desc, x_ptr,      # x_RM [R, M] bf16 contiguous
+    y_desc, y_ptr,      # y_RN [R, N] bf16 contiguous
+    c_desc, c_ptr,      # c [E_l, M, N] (fp32 or bf16) contiguous
+    offs_ptr,           # offs [E_l + 1] int32
+    M, N, total, num_progs,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    """Grid: (P,) persistent programs over the E_l * cdiv(M, BM) * cdiv(N, BN) output tiles, tile = pid,
+    pid + P, ... (see _wgrad_tile). With FLATTEN the tile loop is tl.range(..., flatten=True), so the
+    compiler may fuse it with the row loop and start the next tile's loads under this tile's store."""
+    pid = tl.program_id(0)
+    if FLATTEN:
+        for tile in tl.range(pid, total, num_progs, flatten=True):
+            _wgrad_tile(tile, x_desc, x_ptr, y_desc, y_ptr, c_desc, c_ptr, offs_ptr, M, N, BLOCK_M, BLOCK_N, BLOCK_K,
+                        GROUP_M, USE_TMA, DOT_F32)
+    else:
+        tile = pid
+        while tile < total:
+            _wgrad_tile(tile, x_desc, x_ptr, y_desc, y_ptr, c_desc, c_ptr, offs_ptr, M, N, BLOCK_M, BLOCK_N, BLOCK_K,
+                        GROUP_M, USE_TMA, DOT_F32)
+            tile += num_progs
 
 
 def launch_grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
@@ -94,10 +120,11 @@ def launch_grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, o
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     if cfg.kernel == "gluon":
         raise ValueError("grouped_wgrad: kernel='gluon' applies to the FP8 ops only (the bf16 GEMMs are Triton)")
-    ok = tma_ok([x, y])
+    ok = tma_ok([x, y, out])
     if cfg.use_tma and not ok:
         raise ValueError("grouped_wgrad: config pins use_tma=True, but TMA needs 16-byte aligned row strides "
-                         f"(bf16: column counts multiple of 8); got x {tuple(x.shape)}, y {tuple(y.shape)}")
+                         f"(bf16: column counts multiple of 8); got x {tuple(x.shape)}, y {tuple(y.shape)}, out "
+                         f"{tuple(out.shape)} {out.dtype}")
     use_tma = ok if cfg.use_tma is None else bool(cfg.use_tma)
     if R == 0:
         out.zero_()
@@ -105,14 +132,16 @@ def launch_grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, o
     if use_tma:
         x_desc = TensorDescriptor.from_tensor(x, [BK, BM])
         y_desc = TensorDescriptor.from_tensor(y, [BK, BN])
+        c_desc = TensorDescriptor.from_tensor(out, [1, BM, BN])
     else:
-        x_desc = y_desc = None
-    grid = E_l * triton.cdiv(M, BM) * triton.cdiv(N, BN)
+        x_desc = y_desc = c_desc = None
+    total = E_l * triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    grid = grid_size(cfg, total, x.device)
     if grid == 0:
         return
     k = _grouped_wgrad_kernel[(grid,)](
-        x_desc, x, y_desc, y, out, offs, M, N,
+        x_desc, x, y_desc, y, c_desc, out, offs, M, N, total, grid,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.group_m, USE_TMA=use_tma, DOT_F32=interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FLATTEN=cfg.flatten, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     record("_grouped_wgrad_kernel", k)
