@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.graph import increment_version
 
 from megamoe import _interp
 
@@ -150,6 +151,10 @@ class MasterAdamW:
                         decay, b1, b2, step_size, 1.0 / math.sqrt(bc2), self.eps,
                         HAS_MASTER=has_master, HAS_MULT=mult is not None, BLOCK=self.block,
                         num_warps=self.num_warps)
+                    # the kernel wrote the parameter in place behind autograd's back: bump its version as an
+                    # in-place torch op would, so autograd refuses a graph that saved the old value and caches
+                    # keyed on versions see the change
+                    increment_version(s.param)
                 else:
                     gf = g.float() if mult is None else g.float() * mult
                     s.master.mul_(decay)

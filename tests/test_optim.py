@@ -77,6 +77,7 @@ def test_bf16_params_step_float32_masters(device, impl):
         opt.step()
         topt.step()
     for po, pr, m in zip(sum(ours, []), sum(ref, []), opt.masters(), strict=True):
+        assert po._version >= 3, "every step must bump the parameter's version (it is written in place)"
         assert po.dtype == torch.bfloat16 and m.dtype == torch.float32
         torch.testing.assert_close(m, pr, rtol=1e-5, atol=1e-6)
         assert torch.equal(po, m.to(torch.bfloat16)), "the bf16 parameter is its master rounded to nearest"
