@@ -13,7 +13,7 @@ Weights: w13 [E_l, 2I, H] (rows 0..I-1 gate, I..2I-1 up), w2 [E_l, H, I].
 
 Launchers (each takes ``config=`` to pin a GemmConfig; default: gemm_config.default_config per shape):
     grouped_gemm, gemm1_swiglu, gemm2, gemm2_dgrad_swiglu, gemm1_dgrad, grouped_wgrad      (bf16, Triton)
-    quantize_act, quantize_weight, grouped_gemm_fp8, gemm1_swiglu_fp8, gemm2_fp8,
+    quantize_act, quantize_weight, quantize_weight_both, grouped_gemm_fp8, gemm1_swiglu_fp8, gemm2_fp8,
     gemm2_dgrad_swiglu_fp8, gemm1_dgrad_fp8                                             (FP8 e4m3)
 The FP8 GEMMs run the Gluon kernel (kernels/gluon_fp8.py) where it can run (Hopper, its shape limits) and the
 Triton kernel (kernels/grouped_gemm_fp8.py) elsewhere; GemmConfig.kernel forces either (kernels.grouped_gemm_fp8
@@ -42,7 +42,7 @@ from megamoe.kernels.grouped_gemm_fp8 import check_fp8, gluon_unavailable, launc
 __all__ = [
     "GemmConfig", "default_config", "pin_config",
     "grouped_gemm", "gemm1_swiglu", "gemm2", "gemm2_dgrad_swiglu", "gemm1_dgrad", "grouped_wgrad",
-    "quantize_act", "quantize_weight", "grouped_gemm_fp8", "gemm1_swiglu_fp8", "gemm2_fp8",
+    "quantize_act", "quantize_weight", "quantize_weight_both", "grouped_gemm_fp8", "gemm1_swiglu_fp8", "gemm2_fp8",
     "gemm2_dgrad_swiglu_fp8", "gemm1_dgrad_fp8",
     "ExpertsFn", "experts_mlp",
     "grouped_gemm_ref", "gemm1_swiglu_ref", "gemm2_ref", "gemm2_dgrad_swiglu_ref", "gemm1_dgrad_ref",
@@ -179,6 +179,12 @@ def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False,
     """w [E_l, N, K] -> (q float8_e4m3fn, s [E_l, cdiv(N, 128), cdiv(K, 128)] fp32) per 128x128 block;
     ``transpose``: of w.transpose(1, 2), without a transposed copy (a transposed view gets the same path)."""
     return _q.quantize_weight(w, pow2_scale=pow2_scale, transpose=transpose)
+
+
+def quantize_weight_both(w: torch.Tensor, *, pow2_scale: bool = False) -> tuple[torch.Tensor, ...]:
+    """w [E_l, N, K] contiguous -> (q, s, qt, st): quantize_weight(w) and quantize_weight(w, transpose=True),
+    bitwise, from one read of w (the forward GEMM's weight and the dgrad's)."""
+    return _q.quantize_weight_both(w, pow2_scale=pow2_scale)
 
 
 def _fp8_config(op: str, config: GemmConfig | None, aq: torch.Tensor, wq: torch.Tensor, *, n: int, epilogue: int,

@@ -358,3 +358,9 @@ def test_quantize_weight_transposed_without_a_copy(shape):
     q2, s2 = X.quantize_weight(w.transpose(1, 2), transpose=True)
     q3, s3 = X.quantize_weight(w)
     assert torch.equal(q2.view(torch.uint8), q3.view(torch.uint8)) and torch.equal(s2, s3)
+    # both orientations from one pass (the split layer's FP8 weight cache): bitwise the two calls above
+    bq, bs, bqt, bst = X.quantize_weight_both(w)
+    assert torch.equal(bq.view(torch.uint8), q3.view(torch.uint8)) and torch.equal(bs, s3)
+    assert torch.equal(bqt.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(bst, ref_s)
+    with pytest.raises(ValueError, match="contiguous"):
+        X.quantize_weight_both(w.transpose(1, 2))

@@ -144,6 +144,58 @@ def test_split_fp8_matches_reference_cpu(world):
     check_fp8(spawn(_rank_fp8, world, timeout_s=900))
 
 
+def _rank_fp8_cache(rank: int, world: int) -> dict:
+    """The FP8 weight cache against quantising every call, on the same weights and inputs: bitwise equal outputs
+    and gradients; a hit while the weights are unchanged, requantised after an in-place update (which bumps the
+    version counter), and after invalidate_fp8_weights() for a write through .data (which does not)."""
+    from megamoe import MoE
+
+    dev = torch.device("cpu")
+    cfg = LayerCase("cache", dtype="bf16", tokens=(11,), overrides={"num_experts": 4}).config()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(11, cfg.hidden, generator=gen).to(cfg.dtype)
+    g = torch.randn(11, cfg.hidden, generator=gen).to(cfg.dtype)
+    cached = MoE(cfg, backend="split", device=dev, seed=3, fp8=True)
+    fresh = MoE(cfg, backend="split", device=dev, seed=3, fp8=True, fp8_weight_cache=False)
+
+    def run(moe):
+        xi = x.clone().requires_grad_()
+        out = moe(xi).out
+        grads = torch.autograd.grad((out.float() * g.float()).sum(), (xi, moe.router.weight, moe.w13, moe.w2))
+        return [out.detach(), *grads]
+
+    def same(a, b):
+        return all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+
+    r = {}
+    a = run(cached)
+    first = cached.backend._fp8_cache["w13"][1][0]
+    r["hit"] = same(a, run(cached)) and cached.backend._fp8_cache["w13"][1][0] is first
+    r["equal_fresh"] = same(a, run(fresh))
+    ws = cached.backend.workspace_bytes()
+    r["bytes"] = ws["fp8_weights"] == sum(t.numel() * t.element_size() for name in ("w13", "w2")
+                                          for t in cached.backend._fp8_cache[name][1])
+    r["no_bytes_uncached"] = "fp8_weights" not in fresh.backend.workspace_bytes()
+    with torch.no_grad():
+        for m in (cached, fresh):
+            m.w13.mul_(1.5)
+            m.w2.add_(0.01)
+    b = run(cached)
+    r["requantised"] = cached.backend._fp8_cache["w13"][1][0] is not first and not same(a, b)
+    r["equal_after_update"] = same(b, run(fresh))
+    for m in (cached, fresh):
+        m.w2.data.mul_(2.0)  # not seen by the version counter
+    cached.backend.invalidate_fp8_weights()
+    r["equal_after_invalidate"] = same(run(cached), run(fresh))
+    return r
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test; GPUs run tests/test_gpu_split.py")
+def test_split_fp8_weight_cache_cpu():
+    (r,) = spawn(_rank_fp8_cache, 1, timeout_s=600)
+    assert all(r.values()), r
+
+
 def _bad_fp8_flag(rank, world):
     from megamoe import MoE, preset
 

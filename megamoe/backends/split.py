@@ -30,25 +30,26 @@ Supported: bf16 layers; other dtypes raise ``ValueError`` at construction.
 FP8 (option ``fp8``, off by default): both forward GEMMs and both dgrad GEMMs run on float8_e4m3fn operands
 with the DeepSeek-V3 block scales of megamoe.experts (1x128 per row for activations, 128x128 for weights, fp32
 accumulation promoted every 128 of K); the layer stays bf16 at its interface, the weights bf16 masters:
-    quantize_act(recv),  quantize_weight(w13)      -> act, h = gemm1_swiglu_fp8(...)
-    quantize_act(act),   quantize_weight(w2)       -> out    = gemm2_fp8(...)
-    quantize_act(g_out), quantize_weight(w2^T)     -> dh     = gemm2_dgrad_swiglu_fp8(..., h)
-    quantize_act(dh),    quantize_weight(w13^T)    -> d_recv = gemm1_dgrad_fp8(...)
+    q(w13), q(w13^T), q(w2), q(w2^T) = quantize_weight_both(w13), quantize_weight_both(w2)   (fp8_weights)
+    quantize_act(recv),  q(w13)    -> act, h = gemm1_swiglu_fp8(...)
+    quantize_act(act),   q(w2)     -> out    = gemm2_fp8(...)
+    quantize_act(g_out), q(w2^T)   -> dh     = gemm2_dgrad_swiglu_fp8(..., h)
+    quantize_act(dh),    q(w13^T)  -> d_recv = gemm1_dgrad_fp8(...)
 The activation quantisations cover only the rows received (offs[E_l], read on the device), not the worst-case
-buffers' R_cap rows. The weight gradients stay bf16 (grouped_wgrad on the bf16 recv, act, g_out and dh). Weights
-are quantised on
-the device in every call (forward: w13, w2; backward: their transposes) and nothing is cached across calls: a
-cache keyed on the parameters' version counters would be read on the host and would go stale inside a CUDA
-graph replayed after an optimizer step. h and act come out of the FP8 GEMM1 in bf16 and are what backward
-uses. The FP8 kernels take any H and I (a partial 128-block gets its own scale; the layer is tested at H / I =
-96 / 64, 100 / 40 and 160 / 144), so the only added constraint is the device: on CUDA, FP8 tensor cores
-(compute capability >= 8.9), checked at construction. Accuracy (CPU, 2026-11-30; docs/perf-notes.md, split):
-relative error vs the float64 reference out 0.062-0.073, dx 0.061-0.076, dW13 0.052-0.061, dW2 0.051-0.057,
-router 0.037-0.109 (bf16 path: < 1e-2); cosine vs the bf16 layer 0.9965-0.9988. That is the e4m3 rounding
-(~0.037 per GEMM, act compounds two) through three GEMM stages, not more: the issue's "< 5e-2, cosine
->= 0.999" holds for h, GEMM2 and dgrad1 alone (act: 0.054), not for the whole layer. Cost, not yet timed on
-GPUs: the activation quantisations read all R_cap rows of their buffers (group sizes are on the device), and
-the backward copies w2 and w13 transposed (bf16) before quantising them.
+buffers' R_cap rows. The weight gradients stay bf16 (grouped_wgrad on the bf16 recv, act, g_out and dh). The
+quantised weights are cached across calls until a parameter's version counter changes (option
+``fp8_weight_cache``, default on: 2 bytes per weight element kept on the device), so an optimizer step costs one
+quantisation pass per weight and calls between updates none; inside a CUDA graph capture they are quantised in the
+graph (one pass per weight per call), since the host-side check cannot run at replay. Measured before the cache
+(2x H200, 2026-11-30, docs/perf-notes.md): the per-call weight quantisation made the FP8 layer slower than bf16
+(deepseek-v3 13.5 vs 6.9 ms forward). h and act come out of the FP8 GEMM1 in bf16 and are what backward uses.
+The FP8 kernels take any H and I (a partial 128-block gets its own scale; the layer is tested at H / I = 96 / 64,
+100 / 40 and 160 / 144), so the only added constraint is the device: on CUDA, FP8 tensor cores (compute
+capability >= 8.9), checked at construction. Accuracy (CPU, 2026-11-30; docs/perf-notes.md, split): relative
+error vs the float64 reference out 0.062-0.073, dx 0.061-0.076, dW13 0.052-0.061, dW2 0.051-0.057, router
+0.037-0.109 (bf16 path: < 1e-2); cosine vs the bf16 layer 0.9965-0.9988. That is the e4m3 rounding (~0.037 per
+GEMM, act compounds two) through three GEMM stages, not more: the issue's "< 5e-2, cosine >= 0.999" holds for h,
+GEMM2 and dgrad1 alone (act: 0.054), not for the whole layer.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ from megamoe.experts import (
     gemm2_fp8,
     grouped_wgrad,
     quantize_act,
-    quantize_weight,
+    quantize_weight_both,
 )
 from megamoe.kernels.gemm_config import default_config
 from megamoe.kernels.gemm_config import num_sms as device_sms
@@ -109,35 +110,37 @@ def _wgrads(g_out, act, dh, recv, offs, w13, w2, sms: int | None):
     return dw13, dw2
 
 
-def _expert_forward(recv, w13, w2, offs, fp8: bool):
-    """(act [R, I], h [R, 2I], out [R, H]), bf16; with ``fp8`` both GEMMs on e4m3 block-scaled operands."""
-    if not fp8:
+def _expert_forward(recv, w13, w2, offs, wq):
+    """(act [R, I], h [R, 2I], out [R, H]), bf16; with ``wq`` (the FP8 weights, see SplitBackend.fp8_weights)
+    both GEMMs on e4m3 block-scaled operands."""
+    if wq is None:
         act, h = gemm1_swiglu(recv, w13, offs, store_h=True)
         return act, h, gemm2(act, w2, offs)
+    q13, s13, _, _, q2, s2, _, _ = wq
     n = offs[-1:]  # rows received: only those are quantised (the buffers hold the worst case)
-    act, h = gemm1_swiglu_fp8(*quantize_act(recv, nrows=n), *quantize_weight(w13), offs, store_h=True)
-    return act, h, gemm2_fp8(*quantize_act(act, nrows=n), *quantize_weight(w2), offs)
+    act, h = gemm1_swiglu_fp8(*quantize_act(recv, nrows=n), q13, s13, offs, store_h=True)
+    return act, h, gemm2_fp8(*quantize_act(act, nrows=n), q2, s2, offs)
 
 
-def _expert_dgrad(g_out, h, recv, w13, w2, offs, fp8: bool):
-    """(dh [R, 2I], d_recv [R, H]) bf16, d_recv's padding rows zero; with ``fp8`` on e4m3 operands (the
-    weights quantised transposed: the FP8 kernel wants both operands K-major)."""
-    if not fp8:
+def _expert_dgrad(g_out, h, recv, w13, w2, offs, wq):
+    """(dh [R, 2I], d_recv [R, H]) bf16, d_recv's padding rows zero; with ``wq`` on e4m3 operands (the
+    transposed weights: the FP8 kernel wants both operands K-major)."""
+    if wq is None:
         dh, _ = gemm2_dgrad_swiglu(g_out, w2, h, offs)
         return dh, gemm1_dgrad(dh, w13, offs, out=torch.zeros_like(recv))
+    _, _, q13t, s13t, _, _, q2t, s2t = wq
     n = offs[-1:]
-    dh, _ = gemm2_dgrad_swiglu_fp8(*quantize_act(g_out, nrows=n), *quantize_weight(w2.transpose(1, 2)), h, offs)
-    d_recv = gemm1_dgrad_fp8(*quantize_act(dh, nrows=n), *quantize_weight(w13.transpose(1, 2)), offs,
-                             out=torch.zeros_like(recv))
+    dh, _ = gemm2_dgrad_swiglu_fp8(*quantize_act(g_out, nrows=n), q2t, s2t, h, offs)
+    d_recv = gemm1_dgrad_fp8(*quantize_act(dh, nrows=n), q13t, s13t, offs, out=torch.zeros_like(recv))
     return dh, d_recv
 
 
 class _SplitMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_w, w13, w2, topk_idx, heap, num_sms, overlap, presum, fp8):
+    def forward(ctx, x, topk_w, w13, w2, topk_idx, heap, num_sms, overlap, presum, wq):
         recv, handle = dispatch(x, topk_idx, heap, num_sms=num_sms, topk_w=topk_w if presum else None)
         offs = handle.offs
-        act, h, out = _expert_forward(recv, w13, w2, offs, fp8)
+        act, h, out = _expert_forward(recv, w13, w2, offs, wq)
         if presum:  # expert ranks pre-sum each token's rows with the gates dispatch brought
             y = combine(out, None, handle, num_sms=num_sms, out_dtype=x.dtype, presum=True)
         else:
@@ -147,7 +150,7 @@ class _SplitMoE(torch.autograd.Function):
         ctx.num_sms = num_sms
         ctx.overlap = overlap
         ctx.presum = presum
-        ctx.fp8 = fp8
+        ctx.wq = wq  # the FP8 weights of this call (a tuple, not saved tensors: no grads flow to them)
         return y
 
     @staticmethod
@@ -156,7 +159,7 @@ class _SplitMoE(torch.autograd.Function):
         handle, num_sms = ctx.handle, ctx.num_sms
         offs = handle.offs
         g_out, d_topk_w = combine_backward(dy.contiguous(), out, topk_w, handle, num_sms=num_sms)
-        dh, d_recv = _expert_dgrad(g_out, h, recv, w13, w2, offs, ctx.fp8)
+        dh, d_recv = _expert_dgrad(g_out, h, recv, w13, w2, offs, ctx.wq)
         if ctx.overlap and d_recv.is_cuda:
             # dx goes home on a side stream (num_sms programs) while the weight gradients take the other SMs
             main = torch.cuda.current_stream(d_recv.device)
@@ -171,6 +174,7 @@ class _SplitMoE(torch.autograd.Function):
         else:
             dx = dispatch_backward(d_recv, handle, num_sms=num_sms, out_dtype=dy.dtype, presum=ctx.presum)
             dw13, dw2 = _wgrads(g_out, act, dh, recv, offs, w13, w2, None)
+        ctx.wq = None
         return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None, None, None, None
 
 
@@ -192,9 +196,10 @@ class SplitBackend:
     ``presum_combine`` (expert ranks pre-sum each token's rows so the owner pulls one row per rank, in
     combine and in dispatch's backward: comm/presum.py; off by default until measured),
     ``fp8`` (GEMM1+SwiGLU, GEMM2 and both dgrad GEMMs on FP8 e4m3 with 1x128 activation / 128x128 weight
-    scales, quantised per call from the bf16 weights; wgrad stays bf16; off by default: relative error vs
-    float64 0.05-0.11 against the bf16 path's < 1e-2, see the module docstring; needs compute capability
-    >= 8.9 on CUDA),
+    scales; wgrad stays bf16; off by default: relative error vs float64 0.05-0.11 against the bf16 path's
+    < 1e-2, see the module docstring; needs compute capability >= 8.9 on CUDA), ``fp8_weight_cache`` (with
+    ``fp8``, default True: keep the quantised weights across calls until the parameters change, see
+    :meth:`fp8_weights`; False: quantise them in every call, which saves their 2 bytes per weight element),
     ``timeout_s`` (bound of every device-side wait, default 60)."""
 
     name = "split"
@@ -207,7 +212,7 @@ class SplitBackend:
         return None
 
     def __init__(self, moe, comm_sms: int | None = None, timeout_s: float = 60.0, overlap_backward: bool = False,
-                 presum_combine: bool = False, fp8: bool = False):
+                 presum_combine: bool = False, fp8: bool = False, fp8_weight_cache: bool = True):
         cfg = moe.config
         if comm_sms is None:  # the interpreter runs programs one by one: fewer is faster there
             # on GPUs: every SM when nothing runs beside the communication kernels (the pull at 132 programs
@@ -221,8 +226,9 @@ class SplitBackend:
                              "(a one-rank group is fine)")
         if comm_sms < 1:
             raise ValueError(f"comm_sms must be >= 1, got {comm_sms}")
-        if fp8 not in (True, False, 0, 1):
-            raise ValueError(f"backend 'split': fp8 must be a flag (True/False or 1/0), got {fp8!r}")
+        for name, flag in (("fp8", fp8), ("fp8_weight_cache", fp8_weight_cache)):
+            if flag not in (True, False, 0, 1):
+                raise ValueError(f"backend 'split': {name} must be a flag (True/False or 1/0), got {flag!r}")
         if fp8 and moe.device.type == "cuda" and torch.cuda.get_device_capability(moe.device) < (8, 9):
             raise ValueError(f"backend 'split' with fp8=1 needs FP8 tensor cores (compute capability >= 8.9, "
                              f"e.g. H100/H200/L40); {torch.cuda.get_device_name(moe.device)} has "
@@ -232,17 +238,56 @@ class SplitBackend:
         self.overlap_backward = overlap_backward
         self.presum_combine = presum_combine
         self.fp8 = bool(fp8)
+        self.fp8_weight_cache = bool(fp8_weight_cache)
+        self._fp8_cache: dict[str, tuple] = {}
         self.shape = CommShape(world=moe.world, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden,
                                topk=cfg.top_k, num_experts=cfg.num_experts, dtype=cfg.dtype)
         self.heap = get_heap(self.shape, moe.group, moe.device, timeout_s, comm_sms)
 
     def workspace_bytes(self) -> dict:
-        """Symmetric heap bytes (shared by layers of this shape) and per-call device workspace bytes."""
-        return {"symmetric": heap_bytes(self.shape), "per_call": workspace_bytes(self.shape)}
+        """Symmetric heap bytes (shared by layers of this shape), per-call device workspace bytes and, with
+        ``fp8`` and ``fp8_weight_cache``, the bytes of the cached FP8 weights (both orientations and scales)."""
+        out = {"symmetric": heap_bytes(self.shape), "per_call": workspace_bytes(self.shape)}
+        if self.fp8 and self.fp8_weight_cache:
+            # per weight: q and q^T (1 byte per element each) and their 128x128 block scales (fp32)
+            out["fp8_weights"] = sum(2 * w.numel() + 2 * 4 * w.shape[0] * -(-w.shape[1] // 128) * -(-w.shape[2] // 128)
+                                     for w in (self.moe.w13, self.moe.w2))
+        return out
+
+    def fp8_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q13, s13, q13t, s13t, q2, s2, q2t, s2t): w13 and w2 quantised in both orientations (forward GEMM and
+        dgrad), one pass per weight (experts.quantize_weight_both).
+
+        With ``fp8_weight_cache`` they are kept across calls and requantised only when a parameter changes: the
+        cache key is (version counter, storage pointer, shape), and in-place updates bump the version (torch's
+        optimizers, ``copy_``/``load_state_dict``, megamoe.optim.MasterAdamW), so a training step quantises
+        each weight once, and evaluation or repeated calls not at all. Writes through ``param.data`` do not bump
+        the version: after such a write call :meth:`invalidate_fp8_weights`. While a CUDA graph is being captured
+        the weights are quantised inside the graph, in every replay, since a host-side check cannot run at
+        replay time (so a graphed step pays one quantisation pass per weight, the cache does not apply)."""
+        fresh = not self.fp8_weight_cache or (w13.is_cuda and torch.cuda.is_current_stream_capturing())
+        if fresh:
+            return (*quantize_weight_both(w13), *quantize_weight_both(w2))
+        out = []
+        for name, w in (("w13", w13), ("w2", w2)):
+            key = (w._version, w.data_ptr(), tuple(w.shape), w.dtype, w.device)
+            hit = self._fp8_cache.get(name)
+            if hit is None or hit[0] != key:
+                self._fp8_cache.pop(name, None)  # free the stale copy first (a backward still holding it keeps it)
+                hit = (key, quantize_weight_both(w))
+                self._fp8_cache[name] = hit
+            out.extend(hit[1])
+        return tuple(out)
+
+    def invalidate_fp8_weights(self) -> None:
+        """Drop the cached FP8 weights: the next call quantises the current ones (needed only after writes the
+        version counter does not see, e.g. through ``param.data``)."""
+        self._fp8_cache.clear()
 
     def __call__(self, x, topk_idx, topk_w, w13, w2):
         if x.shape[0] > self.shape.max_tokens:
             raise ValueError(f"{x.shape[0]} tokens exceed the layer's max_tokens_per_rank "
                              f"({self.shape.max_tokens}); build the MoEConfig with a larger one")
+        wq = self.fp8_weights(w13, w2) if self.fp8 else None
         return _SplitMoE.apply(x, topk_w, w13, w2, topk_idx, self.heap, self.comm_sms, self.overlap_backward,
-                               self.presum_combine, self.fp8)
+                               self.presum_combine, wq)

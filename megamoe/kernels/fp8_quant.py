@@ -76,14 +76,17 @@ def _quant_act_kernel(
 @triton.jit
 def _quant_weight_kernel(
     w_ptr,   # w [E_l, N, K] bf16/fp32 contiguous
-    q_ptr,   # q [E_l, N, K] fp8 e4m3
-    s_ptr,   # s [E_l, n_nb, n_kb] fp32
+    q_ptr,   # q [E_l, N, K] fp8 e4m3 (TRANSPOSE: [E_l, K, N])
+    s_ptr,   # s [E_l, n_nb, n_kb] fp32 (TRANSPOSE: [E_l, n_kb, n_nb])
+    qt_ptr,  # BOTH: q of the transpose [E_l, K, N] fp8 e4m3
+    st_ptr,  # BOTH: its scales [E_l, n_kb, n_nb] fp32
     N, K, n_nb, n_kb,
-    POW2: tl.constexpr, RNE_IN_FP32: tl.constexpr, TRANSPOSE: tl.constexpr,
+    POW2: tl.constexpr, RNE_IN_FP32: tl.constexpr, TRANSPOSE: tl.constexpr, BOTH: tl.constexpr,
 ):
     """Grid: (E_l, n_nb, n_kb). One 128x128 block: s = amax / 448, q = w / s. TRANSPOSE: q is [E_l, K, N] and s
     [E_l, n_kb, n_nb], i.e. the quantisation of w.transpose(1, 2) (a 128x128 block of the transpose is the
-    transpose of a block, with the same amax, so this equals quantising a transposed copy, without the copy)."""
+    transpose of a block, with the same amax, so this equals quantising a transposed copy, without the copy).
+    BOTH: the plain orientation into q, s and the transposed one into qt, st, from one read of the block."""
     e = tl.program_id(0)
     nb = tl.program_id(1)
     kb = tl.program_id(2)
@@ -94,13 +97,16 @@ def _quant_weight_kernel(
     w = tl.load(w_ptr + off, mask=mask, other=0.0).to(tl.float32)
     s = _scale_of(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
     q = _to_e4m3(tl.clamp(tl.div_rn(w, s), -448.0, 448.0), RNE_IN_FP32)
+    off_t = e.to(tl.int64) * N * K + rk.to(tl.int64)[None, :] * N + rn[:, None]
     if TRANSPOSE:
-        off_t = e.to(tl.int64) * N * K + rk.to(tl.int64)[None, :] * N + rn[:, None]
         tl.store(q_ptr + off_t, q, mask=mask)
         tl.store(s_ptr + (e * n_kb + kb) * n_nb + nb, s)
     else:
         tl.store(q_ptr + off, q, mask=mask)
         tl.store(s_ptr + (e * n_nb + nb) * n_kb + kb, s)
+        if BOTH:
+            tl.store(qt_ptr + off_t, q, mask=mask)
+            tl.store(st_ptr + (e * n_kb + kb) * n_nb + nb, s)
 
 
 def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False,
@@ -151,9 +157,30 @@ def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False,
         q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
         s = torch.empty((E_l, n_nb, n_kb), device=w.device, dtype=torch.float32)
     if E_l and N and K:
-        _quant_weight_kernel[(E_l, n_nb, n_kb)](w, q, s, N, K, n_nb, n_kb, POW2=pow2_scale,
-                                                RNE_IN_FP32=interpreting(), TRANSPOSE=transpose, num_warps=8)
+        _quant_weight_kernel[(E_l, n_nb, n_kb)](w, q, s, q, s, N, K, n_nb, n_kb, POW2=pow2_scale,
+                                                RNE_IN_FP32=interpreting(), TRANSPOSE=transpose, BOTH=False,
+                                                num_warps=8)
     return q, s
+
+
+def quantize_weight_both(w: torch.Tensor, *, pow2_scale: bool = False) -> tuple[torch.Tensor, ...]:
+    """w [E_l, N, K] (contiguous) -> (q [E_l, N, K], s [E_l, cdiv(N, 128), cdiv(K, 128)], qt [E_l, K, N],
+    st [E_l, cdiv(K, 128), cdiv(N, 128)]): ``quantize_weight(w)`` and ``quantize_weight(w, transpose=True)``
+    (bitwise the same values) from one read of w: what a layer needs for its forward GEMM and its dgrad."""
+    if w.dim() != 3 or not w.is_contiguous():
+        raise ValueError(f"quantize_weight_both: w must be a contiguous 3-D [E_l, N, K] tensor, got "
+                         f"{tuple(w.shape)} with strides {w.stride()}")
+    E_l, N, K = w.shape
+    n_nb, n_kb = triton.cdiv(N, QBLOCK), triton.cdiv(K, QBLOCK)
+    q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
+    s = torch.empty((E_l, n_nb, n_kb), device=w.device, dtype=torch.float32)
+    qt = torch.empty((E_l, K, N), device=w.device, dtype=torch.float8_e4m3fn)
+    st = torch.empty((E_l, n_kb, n_nb), device=w.device, dtype=torch.float32)
+    if E_l and N and K:
+        _quant_weight_kernel[(E_l, n_nb, n_kb)](w, q, s, qt, st, N, K, n_nb, n_kb, POW2=pow2_scale,
+                                                RNE_IN_FP32=interpreting(), TRANSPOSE=False, BOTH=True,
+                                                num_warps=8)
+    return q, s, qt, st
 
 
 # ---------------------------------------------------------------------------------------------- twins
