@@ -15,7 +15,8 @@ with Triton's bundled ptxas) with the launch's own argument specialisation, and 
 and shared memory. ``python -m megamoe.sm90`` runs the split and fused layers (forward + backward, the
 variants in LAYERS, 64 and 1 tokens per rank, 1 and 2 ranks, full hidden sizes) on gloo ranks under ``compile_only`` and
 prints a JSON report per compiled kernel (plus the Gluon FP8 GEMM's variants, GLUON_VARIANTS: the layers on CPU
-tensors take the Triton FP8 kernel); tests/test_sm90_compile.py asserts on it. It must run where
+tensors take the Triton FP8 kernel, and the Gluon bf16 GEMM's, BF16_VARIANTS); tests/test_sm90_compile.py asserts
+on it. It must run where
 TRITON_INTERPRET is unset (under the interpreter @triton.jit yields functions the compiler cannot take), so
 the test starts it as a subprocess.
 """
@@ -211,6 +212,70 @@ def _gluon_fp8(compiled: dict, where: dict) -> None:
             where[f"_gluon_fp8_grouped_kernel#{key[:8]}"] = f"gluon-fp8/{label}"
 
 
+#: the Gluon bf16 kernel's variants that :func:`_gluon_bf16` compiles: (label, epilogue, (block_m, block_n, block_k,
+#: stages, warps), flag = scale (EPI_NONE, EPI_DSWIGLU) or store_h (EPI_SWIGLU), w_kn, edge = one row and one expert).
+#: The configs are the ones tests/test_gpu_gluon_bf16.py and benchmarks/gluon_bf16_bench.py run.
+BF16_VARIANTS = [
+    ("none/nk/bm128n128/s4/scale", 0, (128, 128, 64, 4, 8), True, False, False),
+    ("none/nk/bm128n256/s3/scale", 0, (128, 256, 64, 3, 8), True, False, False),
+    ("none/nk/bm128n256/s4", 0, (128, 256, 64, 4, 8), False, False, False),
+    ("none/nk/bm64w4/s4", 0, (64, 128, 64, 4, 4), True, False, False),
+    ("none/kn/bm128n128/s4", 0, (128, 128, 64, 4, 8), False, True, False),
+    ("none/kn/bm128n256/s3", 0, (128, 256, 64, 3, 8), False, True, False),
+    ("none/kn/bm128n256/s3/1row", 0, (128, 256, 64, 3, 8), False, True, True),
+    ("none/nk/bm128n128/bk128/s3/scale", 0, (128, 128, 128, 3, 8), True, False, False),
+    ("swiglu/bm128n128/s4/h", 1, (128, 128, 64, 4, 8), True, False, False),
+    ("swiglu/bm128n128/s3", 1, (128, 128, 64, 3, 8), False, False, False),
+    ("swiglu/bm128n64/s4/h", 1, (128, 64, 64, 4, 8), True, False, False),
+    ("swiglu/bm64w4/s4/h", 1, (64, 64, 64, 4, 4), True, False, False),
+    ("swiglu/bm128n128/s4/h/1row", 1, (128, 128, 64, 4, 8), True, False, True),
+    ("dswiglu/kn/bm128n128/s4/scale", 2, (128, 128, 64, 4, 8), True, True, False),
+    ("dswiglu/kn/bm128n128/s4", 2, (128, 128, 64, 4, 8), False, True, False),
+    ("dswiglu/kn/bm128n128/s3/scale", 2, (128, 128, 64, 3, 8), True, True, False),
+    ("dswiglu/kn/bm128n64/s4/scale", 2, (128, 64, 64, 4, 8), True, True, False),
+    ("dswiglu/kn/bm64w4/s4/scale", 2, (64, 64, 64, 4, 4), True, True, False),
+    ("dswiglu/kn/bm128n128/s4/scale/1row", 2, (128, 128, 64, 4, 8), True, True, True),
+]
+
+
+def _gluon_bf16(compiled: dict, where: dict) -> None:
+    """Compile the Gluon bf16 grouped GEMM (megamoe/kernels/gluon_bf16.py) for every entry of BF16_VARIANTS at
+    deepseek-v3's shapes on 8 experts (plain nk: GEMM2, K = I = 2048, N = H = 7168; plain kn: dgrad1, K = 2I,
+    N = H; SwiGLU: GEMM1, K = H, I = 2048; SwiGLU backward kn: dgrad2, K = H, N = I), the edge entries with one row
+    and one expert."""
+    import torch
+
+    from megamoe.kernels.gemm_config import GemmConfig
+    from megamoe.kernels.gluon_bf16 import launch_gluon_bf16
+
+    H, I = 7168, 2048
+    bf = torch.bfloat16
+    for label, epi, (bm, bn, bk, stages, warps), flag, kn, edge in BF16_VARIANTS:
+        E, R = (1, 1) if edge else (8, 1024)
+        if epi == 0:
+            N, K = (H, 2 * I) if kn else (H, I)
+        else:
+            N, K = I, H
+        if epi == 1:
+            w = torch.zeros(E, 2 * I, H, dtype=bf)
+        else:
+            w = torch.zeros(E, K, N, dtype=bf) if kn else torch.zeros(E, N, K, dtype=bf)
+        a = torch.zeros(R, K, dtype=bf)
+        offs = torch.arange(0, E + 1, dtype=torch.int32) * (R // E)
+        cfg = GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_stages=stages, num_warps=warps, num_sms=132,
+                         kernel="gluon")
+        out = torch.empty(R, 2 * N if epi == 2 else N, dtype=bf)
+        h = torch.empty(R, 2 * I, dtype=bf) if (epi == 2 or (epi == 1 and flag)) else None
+        scale = torch.ones(R) if flag and epi != 1 else None
+        dsp = torch.zeros((N + bn - 1) // bn, R) if scale is not None and epi == 2 else None
+        before = set(compiled.get("_gluon_bf16_grouped_kernel", {}))
+        with compile_only(compiled):
+            launch_gluon_bf16(a, w, offs, out, cfg, n=N, w_kn=kn, epilogue=epi, h=h, scale=scale, dsp=dsp,
+                              store_h=epi == 1 and flag, n_up=I if epi == 1 else 0)
+        for key in set(compiled.get("_gluon_bf16_grouped_kernel", {})) - before:
+            where[f"_gluon_bf16_grouped_kernel#{key[:8]}"] = f"gluon-bf16/{label}"
+
+
 def _layer_rank(rank: int, world: int) -> dict:
     import torch
 
@@ -238,6 +303,7 @@ def _layer_rank(rank: int, world: int) -> dict:
         return {}
     if world == max(entry[0] for entry in LAYERS):
         _gluon_fp8(compiled, where)
+        _gluon_bf16(compiled, where)
     return {f"{n}#{key[:8]}": {"layer": where.get(f"{n}#{key[:8]}", ""), **_summary(k)}
             for n, ks in compiled.items() for key, k in ks.items()}
 

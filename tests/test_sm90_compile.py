@@ -8,7 +8,9 @@ specialisation its real launch gets (megamoe/sm90.py): what the interpreter cann
 - the GEMM-bound kernels do not spill registers (the d(topk_w) kernel spilled 456 bytes per thread);
 - ptxas serialises no kernel's wgmmas (warning C751x), and every variant of the Gluon FP8 GEMM (plain, SwiGLU,
   SwiGLU backward) keeps one in flight, does not spill, and (SwiGLU and its backward) promotes under a running
-  wgmma in the SASS.
+  wgmma in the SASS;
+- every variant of the Gluon bf16 GEMM (megamoe.sm90.BF16_VARIANTS) compiles without spills, keeps one wgmma
+  group in flight (SwiGLU: the gate and up groups of one k-step) and reads h (SwiGLU backward) from shared memory.
 Runs the layers under megamoe.sm90.compile_only on 2 gloo ranks in a subprocess without TRITON_INTERPRET
 (about 2.5 minutes on 2 cores with a cold Triton cache, 2026-11-30).
 """
@@ -20,7 +22,7 @@ import pytest
 from megamoe.sm90 import run_report_subprocess
 
 NO_SPILLS = ("_fused_fwd_kernel", "_grouped_gemm_kernel", "_grouped_gemm_fp8_kernel", "_grouped_wgrad_kernel",
-             "_dgate_kernel", "_gluon_fp8_grouped_kernel")
+             "_dgate_kernel", "_gluon_fp8_grouped_kernel", "_gluon_bf16_grouped_kernel")
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +91,25 @@ def test_gluon_fp8_keeps_a_wgmma_in_flight(rep):
             assert v["ffma_under_wgmma"] >= 3 * tile, f"{label}: {v['ffma_under_wgmma']} FFMAs under a wgmma"
         elif epi == 2:
             assert v["ffma_under_wgmma"] >= tile, f"{label}: {v['ffma_under_wgmma']} FFMAs under a wgmma"
+
+
+def test_gluon_bf16_variants(rep):
+    # the Gluon bf16 GEMM: chained async wgmmas with wait_group 1 in the k-loop (SwiGLU: 2, the gate and up groups
+    # of the k-step just issued), not serialised by ptxas, no spills, 16-byte epilogue stores; the SwiGLU backward
+    # reads h by TMA into shared memory (no vector global loads: only the schedule and the scale are loaded)
+    from megamoe.sm90 import BF16_VARIANTS
+
+    gluon = {v["layer"]: v for k, v in rep.items() if k.startswith("_gluon_bf16_grouped_kernel")}
+    variants = {f"gluon-bf16/{label}": epi for label, epi, *_ in BF16_VARIANTS}
+    assert set(gluon) == set(variants), f"Gluon bf16 variants compiled: {sorted(gluon)}, expected {sorted(variants)}"
+    for label, v in gluon.items():
+        epi = variants[label]
+        want = "2" if epi == 1 else "1"
+        assert want in v["wgmma_wait_groups"], f"{label}: no wgmma.wait_group {want} {v['wgmma_wait_groups']}"
+        assert not v["wgmma_serialized"], f"{label}: ptxas serialised its wgmmas"
+        assert v["spill_store_bytes"] == 0, f"{label}: spills {v['spill_store_bytes']} bytes per thread"
+        assert v["shared_bytes"] <= 232448, f"{label}: {v['shared_bytes']} bytes of shared memory"
+        assert set(v["st"]) <= {"st.global.v4.b32", "st.global.b32"}, f"{label}: stores {v['st']}"
+        assert v["st"].get("st.global.v4.b32", 0) > 0, f"{label}: no 16-byte stores {v['st']}"
+        if epi == 2:
+            assert set(v["ld"]) <= {"ld.global.b32"}, f"{label}: h read from global memory? {v['ld']}"

@@ -177,9 +177,11 @@ def quantize_weight_both(w: torch.Tensor, *, pow2_scale: bool = False) -> tuple[
     qt = torch.empty((E_l, K, N), device=w.device, dtype=torch.float8_e4m3fn)
     st = torch.empty((E_l, n_kb, n_nb), device=w.device, dtype=torch.float32)
     if E_l and N and K:
+        # 16 warps: 91 registers (8 warps: 174, one CTA of 8 warps per SM; the single-orientation kernel at 8 warps
+        # has 95 and fits two): the same 16 warps per SM in flight (sm_90a, compiled on CPU, 2026-11-30)
         _quant_weight_kernel[(E_l, n_nb, n_kb)](w, q, s, qt, st, N, K, n_nb, n_kb, POW2=pow2_scale,
                                                 RNE_IN_FP32=interpreting(), TRANSPOSE=False, BOTH=True,
-                                                num_warps=8)
+                                                num_warps=16)
     return q, s, qt, st
 
 

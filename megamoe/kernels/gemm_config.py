@@ -36,7 +36,9 @@ class GemmConfig:
     use_tma: bool | None = None    # None: TMA descriptors when strides/pointers are 16-byte aligned
     epi_split: int = 1             # epilogue in 1, 2 or 4 column slices (fewer live registers)
     flatten: bool = False          # bf16 kernel: tl.range(flatten=True) tile loop (on for GEMM2, measured below)
-    kernel: str | None = None      # FP8 ops: "gluon", "triton", or None (Gluon where it can run); bf16: not "gluon"
+    kernel: str | None = None      # FP8 ops: "gluon", "triton", or None (Gluon where it can run); bf16 ops: None or
+    #                                "triton" = the Triton kernel, "gluon" = kernels/gluon_bf16.py (only when asked
+    #                                for; ValueError where it cannot run: CPU, interpreter, not sm_90, its limits)
     programs_per_sm: int = 1       # persistent kernels, num_sms None: 2 = two CTAs share each SM, so one's epilogue
     #                                runs under the other's k-loop (the config must fit two CTAs' registers and
     #                                shared memory, else the second waits: no error, just no overlap)

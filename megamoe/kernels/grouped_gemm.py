@@ -322,16 +322,46 @@ def _resolve_tma(cfg: GemmConfig, tensors: list[torch.Tensor], name: str) -> boo
     return bool(cfg.use_tma)
 
 
+def gluon_bf16_unavailable(cfg: GemmConfig, a: torch.Tensor, w: torch.Tensor, *, n: int, w_kn: bool, epilogue: int,
+                           h: torch.Tensor | None = None, n_up: int = 0) -> str | None:
+    """Why the Gluon bf16 kernel (kernels/gluon_bf16.py) cannot run this launch, or None: CUDA tensors on a device of
+    compute capability 9.x, no interpreter, TMA-able operands, and its config and shape limits (gluon_bf16_limits).
+    No device sync: the capability comes from torch's cached device properties."""
+    if interpreting():
+        return "the interpreter (TRITON_INTERPRET=1) cannot run Gluon kernels"
+    if a.device.type != "cuda":
+        return f"the operands are on {a.device}, not a CUDA device (Gluon kernels need an sm_90a GPU)"
+    cc = torch.cuda.get_device_capability(a.device)
+    if cc[0] != 9:
+        return f"it needs compute capability 9.x (sm_90a wgmma), {a.device} has {cc[0]}.{cc[1]}"
+    if cfg.use_tma is False:
+        return "it loads through TMA and the config pins use_tma=False"
+    if not tma_ok([a, w] + ([h] if h is not None and epilogue == EPI_DSWIGLU else [])):
+        return "TMA needs 16-byte aligned base pointers and row strides (bf16: inner dims multiples of 8)"
+    from megamoe.kernels.gluon_bf16 import gluon_bf16_limits  # lazy: Gluon only where it can run
+
+    return gluon_bf16_limits(cfg, n=n, k=a.shape[1], n_w=w.shape[2] if w_kn else w.shape[1], epilogue=epilogue,
+                             w_kn=w_kn, n_up=n_up)
+
+
 def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, cfg: GemmConfig,
                         *, n: int, w_kn: bool, epilogue: int, h: torch.Tensor | None = None,
                         scale: torch.Tensor | None = None, dsp: torch.Tensor | None = None,
                         store_h: bool = False, n_up: int = 0) -> None:
-    """Launch _grouped_gemm_kernel (inputs already validated by the caller in megamoe.experts)."""
+    """Launch _grouped_gemm_kernel (inputs already validated by the caller in megamoe.experts); cfg.kernel = "gluon":
+    the Gluon bf16 kernel instead (ValueError naming the reason where it cannot run)."""
     R, K = a.shape
     E_l = w.shape[0]
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
-    if cfg.kernel == "gluon":
-        raise ValueError("grouped_gemm: kernel='gluon' applies to the FP8 ops only (the bf16 GEMMs are Triton)")
+    if cfg.kernel == "gluon":  # the Gluon bf16 kernel (kernels/gluon_bf16.py), only where asked for
+        why = gluon_bf16_unavailable(cfg, a, w, n=n, w_kn=w_kn, epilogue=epilogue, h=h, n_up=n_up)
+        if why is not None:
+            raise ValueError(f"grouped_gemm: the config pins kernel='gluon', but {why}")
+        from megamoe.kernels.gluon_bf16 import launch_gluon_bf16
+
+        launch_gluon_bf16(a, w, offs, out, cfg, n=n, w_kn=w_kn, epilogue=epilogue, h=h, scale=scale, dsp=dsp,
+                          store_h=store_h, n_up=n_up)
+        return
     use_tma = _resolve_tma(cfg, [a, w], "grouped_gemm")
     if R == 0 or n == 0 or E_l == 0:
         return
@@ -360,4 +390,4 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ou
     record("_grouped_gemm_kernel", k)
 
 
-__all__ = ["EPI_NONE", "EPI_SWIGLU", "EPI_DSWIGLU", "launch_grouped_gemm", "check_grouped"]
+__all__ = ["EPI_NONE", "EPI_SWIGLU", "EPI_DSWIGLU", "launch_grouped_gemm", "check_grouped", "gluon_bf16_unavailable"]
