@@ -141,7 +141,7 @@ def _reference_error(moe, x: torch.Tensor, y: torch.Tensor) -> float:
         x_all = gather(x.double())
         idx_all = gather(r.topk_idx)
         w_all = gather(r.topk_w.double())
-        y_part = experts_ref(x_all, idx_all, w_all, moe.w13.double(), moe.w2.double(), moe.expert_offset)
+        y_part = experts_ref(x_all, idx_all, w_all, moe.w13, moe.w2, moe.expert_offset)  # float64 per expert
         dist.all_reduce(y_part)
         lo = sum(Ts[: moe.rank])
         ref = y_part[lo: lo + x.shape[0]]

@@ -43,7 +43,8 @@ def experts_ref(
 
     x [T, H]; topk_idx [T, k] global expert ids; topk_w [T, k]; w13 [E_sub, 2I, H]; w2 [E_sub, H, I] holding
     experts ``expert_offset .. expert_offset + E_sub - 1``. Slots routed elsewhere contribute nothing.
-    Returns y [T, H] in x's dtype, accumulated in ``compute_dtype(x.dtype)``.
+    Returns y [T, H] in x's dtype, accumulated in ``compute_dtype(x.dtype)``. Weights of another dtype are cast to
+    x's one expert at a time (a float64 check of a deepseek-v3-sized layer needs no float64 copy of all weights).
     """
     T, H = x.shape
     cdt = compute_dtype(x.dtype)
@@ -55,7 +56,7 @@ def experts_ref(
         if tok.numel() == 0:
             continue
         gate = (topk_w.to(cdt) * hit.to(cdt)).sum(dim=1)[tok]  # [n]
-        out = expert_mlp(x[tok], w13[e_local], w2[e_local])
+        out = expert_mlp(x[tok], w13[e_local].to(x.dtype), w2[e_local].to(x.dtype))
         y = y.index_add(0, tok, out.to(cdt) * gate[:, None])
     return y.to(x.dtype)
 
