@@ -193,9 +193,9 @@ def _side_stream(device: torch.device):
 
 class SplitBackend:
     """See the module docstring. Options: ``comm_sms`` (programs of the communication kernels; default every
-    SM on GPUs, 32 with ``overlap_backward``, 2 under the interpreter), ``overlap_backward`` (send dx home on
-    a side stream with ``comm_sms`` programs while the weight-gradient GEMMs run on the other SMs; off by
-    default: 2x H200 2026-11-30 with presum_combine, fwd+bwd 4.55 vs 4.73 ms qwen3 in a CUDA graph),
+    SM on GPUs, 2 under the interpreter), ``overlap_backward`` (send dx home on a side stream with ``comm_sms``
+    programs while the weight-gradient GEMMs run, sharing the SMs; off by default: 2x H200 2026-11-30 with
+    presum_combine, qwen3 in a CUDA graph, fwd+bwd 2.885 vs 2.968 ms, one run),
     ``presum_combine`` (expert ranks pre-sum each token's rows so the owner pulls one row per rank, in
     combine and in dispatch's backward: comm/presum.py; off by default until measured),
     ``fp8`` (GEMM1+SwiGLU, GEMM2 and both dgrad GEMMs on FP8 e4m3 with 1x128 activation / 128x128 weight
@@ -218,10 +218,10 @@ class SplitBackend:
                  presum_combine: bool = False, fp8: bool = False, fp8_weight_cache: bool = True):
         cfg = moe.config
         if comm_sms is None:  # the interpreter runs programs one by one: fewer is faster there
-            # on GPUs: every SM when nothing runs beside the communication kernels (the pull at 132 programs
-            # took 0.53-0.65x its time at 32, 2x H200, 2026-11-30), 32 when dx overlaps the weight gradients
-            comm_sms = (2 if os.environ.get("TRITON_INTERPRET") == "1"
-                        else 32 if overlap_backward else device_sms(moe.device))
+            # on GPUs: every SM (the pull at 132 programs took 0.53-0.65x its time at 32, 2x H200, 2026-11-30),
+            # also with overlap_backward: at 32 its forward and backward were 1.24x / 1.38x slower than without the
+            # option (qwen3, EP 2, graph), at 132 1.00x / 0.97x (the weight gradients share the SMs)
+            comm_sms = 2 if os.environ.get("TRITON_INTERPRET") == "1" else device_sms(moe.device)
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"backend 'split' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
         if not dist.is_initialized():
