@@ -5,7 +5,8 @@
 # One device call runs at most 10 minutes: pass the sections to run (comma list; default 1). Sections are
 # ordered by value and each has its own time limit: 1 (<= 8 min), 2, 2b, 2c (<= 10 min each), 3 (~8 min), 4+5
 # (~6 min), 6 (~5 min), t (deepseek forward timeline, ~2 min), 7 (training, torch / split / fused, ~2 min cold),
-# 7g (7 with --graph-moe, ~2 min), 7t (GPU training tests, ~1 min), 8 (Gluon FP8 GEMM, every epilogue, ~5 min).
+# 7g (7 with --graph-moe --compile, ~2 min), 7t (GPU training tests, ~1 min), 8 (Gluon FP8 GEMM, every epilogue, ~5 min),
+# 9 (Gluon bf16 GEMM tests and bench, ~4 min).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -57,7 +58,9 @@ bench mixtral-8x7b 4096 "torch,split,split:presum_combine=1,fused" main
 bench qwen3-30b-a3b 512 "torch,split,fused" small --cuda-graph
 bench deepseek-v3 4096 "torch,split,split:presum_combine=1,fused,fused:ring_blocks=64" skew --skew 4
 bench qwen3-30b-a3b 1 "split,fused" one --cuda-graph
-bench qwen3-30b-a3b 4096 "split,split:fp8=1" fp8
+bench qwen3-30b-a3b 4096 "split:presum_combine=1,split:presum_combine=1:fp8=1,split:presum_combine=1:fp8=1:fp8_weight_cache=0" fp8 --cuda-graph
+# deepseek FP8 one variant per process (its cached FP8 weights are 11.3 GB per rank at EP 2)
+bench deepseek-v3 4096 "split:presum_combine=1:fp8=1" fp8cache --cuda-graph
 fi
 
 if want 4; then
@@ -88,9 +91,9 @@ timeout 420 torchrun --nproc_per_node "$NGPU" -m megamoe train --backends torch,
 fi
 
 if want 7g; then
-echo "== 7g. megamoe train as 7 with the MoE layers in CUDA graphs (--graph-moe; torch stays eager)"
+echo "== 7g. megamoe train as 7 with the MoE layers in CUDA graphs (--graph-moe; torch stays eager) and the dense parts compiled"
 timeout 420 torchrun --nproc_per_node "$NGPU" -m megamoe train --backends torch,split:presum_combine=1,fused \
-  --graph-moe --steps 200 --quiet --out "$OUT/train-graph" 2>&1 | quiet | tail -8
+  --graph-moe --compile --steps 200 --quiet --out "$OUT/train-graph" 2>&1 | quiet | tail -8
 fi
 
 if want 7t; then
@@ -107,9 +110,17 @@ if grep -q " passed" "$OUT/gpu_gluon_fp8.log" && ! grep -qE "[0-9]+ (failed|erro
 else echo "Gluon FP8 tests did not all pass: no benchmark (see gpu_gluon_fp8.log)"; fi
 fi
 
+if want 9; then
+echo "== 9. Gluon bf16 grouped GEMM (opt-in kernel): GPU tests on GPU 0 while the bench runs on the last GPU"
+(CUDA_VISIBLE_DEVICES=0 gpu_tests gpu_gluon_bf16 240 tests/test_gpu_gluon_bf16.py -x) &
+CUDA_VISIBLE_DEVICES=$((NGPU - 1)) timeout 240 python3 benchmarks/gluon_bf16_bench.py --json "$OUT/gluon_bf16.json" \
+  > "$OUT/gluon_bf16.txt" 2>&1; wait; tail -34 "$OUT/gluon_bf16.txt"
+fi
+
 if want 6; then
 echo "== 6. the rest of the GPU tests"
 timeout 300 python3 -m pytest -q -m gpu tests --ignore tests/test_gpu_split.py --ignore tests/test_gpu_fused.py \
-  --ignore tests/test_gpu_train.py --ignore tests/test_gpu_gluon_fp8.py --ignore tests/test_optim.py \
+  --ignore tests/test_gpu_train.py --ignore tests/test_gpu_gluon_fp8.py --ignore tests/test_gpu_gluon_bf16.py \
+  --ignore tests/test_optim.py \
   2>&1 | grep -v "^frame\|^E *frame" > "$OUT/gpu_rest.log"; grep -E "passed|failed" "$OUT/gpu_rest.log" | tail -3
 fi
