@@ -276,6 +276,25 @@ def _gluon_bf16(compiled: dict, where: dict) -> None:
             where[f"_gluon_bf16_grouped_kernel#{key[:8]}"] = f"gluon-bf16/{label}"
 
 
+def _wgrad_outputs(compiled: dict, where: dict) -> None:
+    """The public grouped_wgrad with its default config and both output dtypes (bf16: what the layers use; float32:
+    the op's default), at deepseek-v3's dW13 width: the float32 output's TMA staging tile once overflowed shared
+    memory, which a launch on the GPU reports and compile_only does not (the report's shared bytes show it)."""
+    import torch
+
+    from megamoe.experts import grouped_wgrad
+
+    x = torch.zeros(512, 4096, dtype=torch.bfloat16)
+    y = torch.zeros(512, 7168, dtype=torch.bfloat16)
+    offs = torch.tensor([0, 200, 512], dtype=torch.int32)
+    for dt in (torch.bfloat16, torch.float32):
+        before = set(compiled.get("_grouped_wgrad_kernel", {}))
+        with compile_only(compiled):
+            grouped_wgrad(x, y, offs, out_dtype=dt)
+        for key in set(compiled.get("_grouped_wgrad_kernel", {})) - before:
+            where[f"_grouped_wgrad_kernel#{key[:8]}"] = f"wgrad/default/{str(dt).replace('torch.', '')}"
+
+
 def _layer_rank(rank: int, world: int) -> dict:
     import torch
 
@@ -304,6 +323,7 @@ def _layer_rank(rank: int, world: int) -> dict:
     if world == max(entry[0] for entry in LAYERS):
         _gluon_fp8(compiled, where)
         _gluon_bf16(compiled, where)
+        _wgrad_outputs(compiled, where)
     return {f"{n}#{key[:8]}": {"layer": where.get(f"{n}#{key[:8]}", ""), **_summary(k)}
             for n, ks in compiled.items() for key, k in ks.items()}
 

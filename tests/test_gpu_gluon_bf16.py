@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gemm_cases import problem as _problem
+from gemm_cases import rel as _rel
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 gpu = pytest.mark.gpu
@@ -41,18 +43,6 @@ def _cfg(block_m=128, block_n=128, block_k=64, stages=4, warps=8, num_sms=None):
 
 CFGS = {"bm128": dict(), "bm128-3progs": dict(num_sms=3), "bm64w4": dict(block_m=64, block_n=64, warps=4),
         "bn64": dict(block_n=64), "s2": dict(stages=2)}
-
-
-def _problem(sizes):
-    E_l, used = len(sizes), sum(sizes)
-    offs = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    return E_l, used, used + 9, offs  # 9 padding rows after the last group
-
-
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got, ref = got.double(), ref.double()
-    assert bool(torch.isfinite(got).all()), "non-finite values in the output"
-    return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def _check(got, ref, tri, offs, used, what):

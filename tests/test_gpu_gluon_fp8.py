@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gemm_cases import problem as _problem
+from gemm_cases import rel as _rel
 
 pytestmark = pytest.mark.gpu
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -87,18 +89,6 @@ TRITON_TOL = 3e-4  # bf16 outputs vs the Triton FP8 kernel: the fp32 sums agree 
 EPI_CASES = [([0, 1, 127, 129, 2000, 0, 513, 64], 1040, 256),
              ([3000], 1920, 384),
              ([300, 77], 256, 128)]
-
-
-def _problem(sizes):
-    E_l, used = len(sizes), sum(sizes)
-    offs = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    return E_l, used, used + 9, offs  # 9 padding rows after the last group
-
-
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got, ref = got.double(), ref.double()
-    assert bool(torch.isfinite(got).all()), "non-finite values in the output"
-    return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def _per_expert(got, ref, offs, tol, what):

@@ -68,7 +68,7 @@ def test_split_graph_capturable():
 
 
 def _overlap_equal(rank: int, world: int) -> bool:
-    """overlap_backward (dx on a side stream, wgrad on the remaining SMs) gives bitwise the same gradients."""
+    """overlap_backward (dx on a side stream while the wgrads run) gives bitwise the same gradients."""
     from megamoe import MoE, preset
 
     dev = torch.device("cuda", rank)

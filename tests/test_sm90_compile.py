@@ -54,6 +54,14 @@ def test_no_narrow_global_accesses(rep):
     assert not narrow, f"1- or 2-byte global accesses (a row pointer without an alignment hint?): {narrow}"
 
 
+def test_shared_memory_fits_hopper(rep):
+    # 227 KB per CTA on sm_90; compile_only launches nothing, so the GPU's "out of resource: shared memory" would
+    # otherwise first show on the device (the default wgrad with a float32 output did, 2026-11-30)
+    assert any(v["layer"].startswith("wgrad/default/float32") for v in rep.values()), "float32 wgrad not compiled"
+    over = {k: (v["layer"], v["shared_bytes"]) for k, v in rep.items() if v["shared_bytes"] > 232448}
+    assert not over, f"kernels needing more shared memory than a Hopper SM gives one CTA: {over}"
+
+
 def test_gemm_kernels_do_not_spill(rep):
     spills = {k: v["spill_store_bytes"] for k, v in rep.items() if k.split("#")[0] in NO_SPILLS
               and v["spill_store_bytes"]}

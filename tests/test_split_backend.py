@@ -147,7 +147,8 @@ def test_split_fp8_matches_reference_cpu(world):
 def _rank_fp8_cache(rank: int, world: int) -> dict:
     """The FP8 weight cache against quantising every call, on the same weights and inputs: bitwise equal outputs
     and gradients; a hit while the weights are unchanged, requantised after an in-place update (which bumps the
-    version counter), and after invalidate_fp8_weights() for a write through .data (which does not)."""
+    version counter), and after invalidate_fp8_weights() for a write through .data (which does not); the uncached
+    no_grad forward (one orientation) and a second backward over a retained graph give the same values."""
     from megamoe import MoE
 
     dev = torch.device("cpu")
@@ -176,6 +177,13 @@ def _rank_fp8_cache(rank: int, world: int) -> dict:
     r["bytes"] = ws["fp8_weights"] == sum(t.numel() * t.element_size() for name in ("w13", "w2")
                                           for t in cached.backend._fp8_cache[name][1])
     r["no_bytes_uncached"] = "fp8_weights" not in fresh.backend.workspace_bytes()
+    with torch.no_grad():  # uncached and without autograd: the forward orientation only, the same output
+        r["no_grad_fresh"] = torch.equal(fresh(x).out, a[0])
+    xi = x.clone().requires_grad_()
+    out = cached(xi).out
+    loss = (out.float() * g.float()).sum()
+    once = torch.autograd.grad(loss, (xi, cached.w13), retain_graph=True)
+    r["retain_graph"] = same(once, torch.autograd.grad(loss, (xi, cached.w13)))  # a second backward, same FP8
     with torch.no_grad():
         for m in (cached, fresh):
             m.w13.mul_(1.5)

@@ -13,9 +13,8 @@ backward:
     dh              = gemm2_dgrad_swiglu(g_out, w2, h, offs)
     d_recv          = gemm1_dgrad(dh, w13, offs)
     dx              = dispatch_backward(d_recv, handle)       owner pulls and sums its k gradient rows
-    dW2 = g_out^T act;  dW13 = dh^T recv                      (overlap_backward: these two on the SMs the
-                                                               communication programs leave free, while dx
-                                                               travels on a side stream)
+    dW2 = g_out^T act;  dW13 = dh^T recv                      (overlap_backward: these two while dx travels
+                                                               on a side stream, the kernels sharing the SMs)
 
 Every size the host needs (T, R_cap) is known before the call; group sizes live on the device, so the step
 never waits for the GPU (``torch.cuda.set_sync_debug_mode("error")`` passes) and can be graph-captured.
@@ -73,9 +72,9 @@ from megamoe.experts import (
     gemm2_fp8,
     grouped_wgrad,
     quantize_act,
+    quantize_weight,
     quantize_weight_both,
 )
-from megamoe.kernels.gemm_config import default_config
 from megamoe.kernels.gemm_config import num_sms as device_sms
 
 #: one heap per (process group, shape), shared by the layers of a model
@@ -99,14 +98,10 @@ def close_heaps() -> None:
     _HEAPS.clear()
 
 
-def _wgrads(g_out, act, dh, recv, offs, w13, w2, sms: int | None):
-    """dW2 = g_out^T act and dW13 = dh^T recv per expert; ``sms`` caps the persistent programs (None: all)."""
-    def cfg(x, y):
-        c = default_config("wgrad", x.shape[0], y.shape[1], x.shape[1])
-        return c if sms is None else c.with_(num_sms=sms)
-
-    dw2 = grouped_wgrad(g_out, act, offs, out_dtype=w2.dtype, config=cfg(g_out, act))
-    dw13 = grouped_wgrad(dh, recv, offs, out_dtype=w13.dtype, config=cfg(dh, recv))
+def _wgrads(g_out, act, dh, recv, offs, w13, w2):
+    """dW2 = g_out^T act and dW13 = dh^T recv per expert (default configs: every SM)."""
+    dw2 = grouped_wgrad(g_out, act, offs, out_dtype=w2.dtype)
+    dw13 = grouped_wgrad(dh, recv, offs, out_dtype=w13.dtype)
     return dw13, dw2
 
 
@@ -129,6 +124,9 @@ def _expert_dgrad(g_out, h, recv, w13, w2, offs, wq):
         dh, _ = gemm2_dgrad_swiglu(g_out, w2, h, offs)
         return dh, gemm1_dgrad(dh, w13, offs, out=torch.zeros_like(recv))
     _, _, q13t, s13t, _, _, q2t, s2t = wq
+    if q13t is None:  # quantised for the forward only (fp8_weights under no_grad)
+        q13t, s13t = quantize_weight(w13, transpose=True)
+        q2t, s2t = quantize_weight(w2, transpose=True)
     n = offs[-1:]
     dh, _ = gemm2_dgrad_swiglu_fp8(*quantize_act(g_out, nrows=n), q2t, s2t, h, offs)
     d_recv = gemm1_dgrad_fp8(*quantize_act(dh, nrows=n), q13t, s13t, offs, out=torch.zeros_like(recv))
@@ -161,24 +159,30 @@ class _SplitMoE(torch.autograd.Function):
         g_out, d_topk_w = combine_backward(dy.contiguous(), out, topk_w, handle, num_sms=num_sms)
         dh, d_recv = _expert_dgrad(g_out, h, recv, w13, w2, offs, ctx.wq)
         if ctx.overlap and d_recv.is_cuda:
-            # dx goes home on a side stream (num_sms programs) while the weight gradients take the other SMs
+            # dx goes home on a side stream (num_sms programs) while the weight gradients run
             main = torch.cuda.current_stream(d_recv.device)
             side = _side_stream(d_recv.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 dx = dispatch_backward(d_recv, handle, num_sms=num_sms, out_dtype=dy.dtype, presum=ctx.presum)
             d_recv.record_stream(side)
-            # the weight gradients on every SM: capping their (persistent, since 1309b6f) programs to the SMs the
-            # communication leaves made the step 1.39x slower (qwen3 EP 2, graph, 2026-11-30); uncapped, the
-            # communication kernel's small CTAs share SMs with them
-            dw13, dw2 = _wgrads(g_out, act, dh, recv, offs, w13, w2, None)
+            # the weight gradients on every SM, sharing them with the communication kernel's CTAs (capping them to
+            # the SMs it leaves, as before e562a52, gained nothing: the 1.38x slowdown measured with the option on
+            # 2026-11-30 came from its 32 communication programs, docs/perf-notes.md)
+            dw13, dw2 = _wgrads(g_out, act, dh, recv, offs, w13, w2)
             main.wait_stream(side)
             dx.record_stream(main)
         else:
             dx = dispatch_backward(d_recv, handle, num_sms=num_sms, out_dtype=dy.dtype, presum=ctx.presum)
-            dw13, dw2 = _wgrads(g_out, act, dh, recv, offs, w13, w2, None)
-        ctx.wq = None
+            dw13, dw2 = _wgrads(g_out, act, dh, recv, offs, w13, w2)
         return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None, None, None, None
+
+
+def _capturing_on(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph (checked on that device, which need not
+    be the current one)."""
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 _SIDE_STREAMS: dict = {}
@@ -202,7 +206,8 @@ class SplitBackend:
     scales; wgrad stays bf16; off by default: relative error vs float64 0.05-0.11 against the bf16 path's
     < 1e-2, see the module docstring; needs compute capability >= 8.9 on CUDA), ``fp8_weight_cache`` (with
     ``fp8``, default True: keep the quantised weights across calls until the parameters change, see
-    :meth:`fp8_weights`; False: quantise them in every call, which saves their 2 bytes per weight element),
+    :meth:`fp8_weights`; False: quantise them in every call, both orientations in the forward, held until the
+    backward: the same 2 bytes per weight element during a step, none between calls),
     ``timeout_s`` (bound of every device-side wait, default 60)."""
 
     name = "split"
@@ -257,20 +262,29 @@ class SplitBackend:
                                      for w in (self.moe.w13, self.moe.w2))
         return out
 
-    def fp8_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def fp8_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """(q13, s13, q13t, s13t, q2, s2, q2t, s2t): w13 and w2 quantised in both orientations (forward GEMM and
         dgrad), one pass per weight (experts.quantize_weight_both).
 
         With ``fp8_weight_cache`` they are kept across calls and requantised only when a parameter changes: the
-        cache key is (version counter, storage pointer, shape), and in-place updates bump the version (torch's
-        optimizers, ``copy_``/``load_state_dict``, megamoe.optim.MasterAdamW), so a training step quantises
-        each weight once, and evaluation or repeated calls not at all. Writes through ``param.data`` do not bump
-        the version: after such a write call :meth:`invalidate_fp8_weights`. While a CUDA graph is being captured
-        the weights are quantised inside the graph, in every replay, since a host-side check cannot run at
-        replay time (so a graphed step pays one quantisation pass per weight, the cache does not apply)."""
-        fresh = not self.fp8_weight_cache or (w13.is_cuda and torch.cuda.is_current_stream_capturing())
-        if fresh:
-            return (*quantize_weight_both(w13), *quantize_weight_both(w2))
+        cache key is (version counter, storage pointer, shape, dtype, device), and in-place torch ops bump the
+        version (torch's optimizers, ``copy_``/``load_state_dict``, megamoe.optim.MasterAdamW), so a training step
+        quantises each weight once, and evaluation or repeated calls not at all. Writes the version counter does
+        not see leave the cache stale: through ``param.data``, collectives writing into the parameter
+        (``dist.broadcast``, ``all_reduce``), custom kernels that do not bump it, an optimizer step replayed from
+        a CUDA graph; after those call :meth:`invalidate_fp8_weights`. The cache holds one pair per layer (the
+        layer's own w13 and w2). Quantised fresh, without the cache: inference-mode tensors (no version
+        counter), and everything while a CUDA graph is being captured on the weights' device (a host-side check
+        cannot run at replay, so a graphed step pays one quantisation pass per weight; the cache is dropped then,
+        since the graph never reads it). Without autograd (no_grad, or inputs that need no gradient) and no
+        cache, only the forward orientation is quantised (q13t, s13t, q2t, s2t None)."""
+        capturing = w13.is_cuda and _capturing_on(w13.device)
+        if capturing:
+            self._fp8_cache.clear()
+        if not self.fp8_weight_cache or capturing or w13.is_inference() or w2.is_inference():
+            if torch.is_grad_enabled():
+                return (*quantize_weight_both(w13), *quantize_weight_both(w2))
+            return (*quantize_weight(w13), None, None, *quantize_weight(w2), None, None)
         out = []
         for name, w in (("w13", w13), ("w2", w2)):
             key = (w._version, w.data_ptr(), tuple(w.shape), w.dtype, w.device)

@@ -44,8 +44,9 @@ class GemmConfig:
     #                                shared memory, else the second waits: no error, just no overlap)
 
     def __post_init__(self):
-        if self.programs_per_sm < 1:
-            raise ValueError(f"programs_per_sm must be >= 1, got {self.programs_per_sm}")
+        if not isinstance(self.programs_per_sm, int) or isinstance(self.programs_per_sm, bool) \
+                or self.programs_per_sm < 1:
+            raise ValueError(f"programs_per_sm must be an int >= 1, got {self.programs_per_sm!r}")
         if self.epi_split not in (1, 2, 4) or self.block_n % (8 * self.epi_split):
             raise ValueError(f"epi_split must be 1, 2 or 4 and divide block_n into >= 8 columns, got "
                              f"epi_split={self.epi_split}, block_n={self.block_n}")
@@ -103,7 +104,8 @@ def default_config(op: str, rows: int, n: int, k: int, *, kernel: str | None = N
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel is not None and not op.endswith("fp8"):
-        raise ValueError(f"{op}: a kernel choice applies to the FP8 ops only, got kernel={kernel!r}")
+        raise ValueError(f"{op}: default_config picks a kernel for the FP8 ops only, got kernel={kernel!r} (the "
+                         "Gluon bf16 kernel is opt-in: pass GemmConfig(kernel='gluon', ...) as the op's config)")
     if interpreting():
         return GemmConfig(block_m=32, block_n=32, block_k=32 if "fp8" not in op else 128, group_m=2,
                           num_stages=1, num_warps=4, kernel=kernel)

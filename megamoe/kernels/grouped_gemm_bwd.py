@@ -7,8 +7,9 @@ wgrad computes, for every local expert e, ``c[e] = x[rows_e]^T @ y[rows_e]`` ([M
 expert's rows). Used for dW2 = (s * dy)^T @ act ([H, I]) and dW13 = dh^T @ x ([2I, H]).
 
 Persistent (since 2026-11-30): min(programs_per_sm x #SMs, tiles) programs walk the output tiles (the grid
-used to be one program per tile); ``num_sms`` caps them, so the split backend's overlapped backward can leave
-SMs to its communication kernels.
+used to be one program per tile; ``num_sms`` caps them). With TMA the tile is stored by a bulk copy from shared
+memory, pipelined under the next tile's loads when the tile loop is flattened (the default), where its staging
+buffer fits beside the operand ring (``_store_fits``; else masked pointer stores).
 
 Determinism: each tile is owned by one program, which reduces over the expert's rows in a fixed order, no
 atomics, so two runs are bitwise equal (whatever the grid). An expert with no rows gets a zero tile.
@@ -30,11 +31,11 @@ from megamoe.kernels.gemm_config import GemmConfig, grid_size, interpreting, rec
 @triton.jit
 def _wgrad_tile(tile, x_desc, x_ptr, y_desc, y_ptr, c_desc, c_ptr, offs_ptr, M, N,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                USE_TMA: tl.constexpr, DOT_F32: tl.constexpr):
+                USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, STORE_TMA: tl.constexpr):
     """One output tile: tile -> (e, mi, ni) (GROUP_M swizzle inside e), then
         acc = sum over row chunks r of offs[e]..offs[e+1] (BLOCK_K rows each, in order) of x[r]^T @ y[r]
     Full chunks ride TMA; the last partial chunk is loaded, then rows >= offs[e+1] are zeroed in both
-    operands (padding may hold NaN: 0 * NaN would leak). With TMA the tile is stored by a bulk copy through
+    operands (padding may hold NaN: 0 * NaN would leak). STORE_TMA: the tile is stored by a bulk copy through
     shared memory (the 3-D descriptor [E_l, M, N] clips at the expert's edges), else by masked pointers."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -79,7 +80,7 @@ def _wgrad_tile(tile, x_desc, x_ptr, y_desc, y_ptr, c_desc, c_ptr, offs_ptr, M, 
             x = x.to(tl.float32)
             y = y.to(tl.float32)
         acc = tl.dot(x.T, y, acc)
-    if USE_TMA:
+    if STORE_TMA:
         c_desc.store([e, off_m, off_n], acc.to(c_desc.dtype).reshape(1, BLOCK_M, BLOCK_N))
     else:
         c_ptrs = c_ptr + e.to(tl.int64) * M * N + rm.to(tl.int64)[:, None] * N + rn[None, :]
@@ -94,7 +95,7 @@ def _grouped_wgrad_kernel(
     offs_ptr,           # offs [E_l + 1] int32
     M, N, total, num_progs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, FLATTEN: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, FLATTEN: tl.constexpr, STORE_TMA: tl.constexpr,
 ):
     """Grid: (P,) persistent programs over the E_l * cdiv(M, BM) * cdiv(N, BN) output tiles, tile = pid,
     pid + P, ... (see _wgrad_tile). With FLATTEN the tile loop is tl.range(..., flatten=True), so the
@@ -103,13 +104,27 @@ def _grouped_wgrad_kernel(
     if FLATTEN:
         for tile in tl.range(pid, total, num_progs, flatten=True):
             _wgrad_tile(tile, x_desc, x_ptr, y_desc, y_ptr, c_desc, c_ptr, offs_ptr, M, N, BLOCK_M, BLOCK_N, BLOCK_K,
-                        GROUP_M, USE_TMA, DOT_F32)
+                        GROUP_M, USE_TMA, DOT_F32, STORE_TMA)
     else:
         tile = pid
         while tile < total:
             _wgrad_tile(tile, x_desc, x_ptr, y_desc, y_ptr, c_desc, c_ptr, offs_ptr, M, N, BLOCK_M, BLOCK_N, BLOCK_K,
-                        GROUP_M, USE_TMA, DOT_F32)
+                        GROUP_M, USE_TMA, DOT_F32, STORE_TMA)
             tile += num_progs
+
+
+#: shared memory per CTA on sm_90 (227 KB), less a margin for the barriers and the compiler's scratch
+_SMEM_LIMIT = 232448 - 4096
+
+
+def _store_fits(cfg: GemmConfig, out_bytes: int) -> bool:
+    """Whether the TMA store's staging tile fits beside the operand ring. With the flattened loop the compiler gives
+    the store its own buffer (pipelined under the next tile); otherwise it reuses the ring's memory. For sm_90a
+    (compiled on CPU, 2026-11-30): 128x256x32, 5 stages, flatten: 188,456 bytes with a bf16 output and 253,992 with
+    a float32 one (over the limit: the float32 output takes the pointer store)."""
+    ring = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * 2
+    staging = cfg.block_m * cfg.block_n * out_bytes if cfg.flatten else 0
+    return ring + staging <= _SMEM_LIMIT
 
 
 def launch_grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
@@ -119,22 +134,23 @@ def launch_grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, o
     E_l = out.shape[0]
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     if cfg.kernel == "gluon":
-        raise ValueError("grouped_wgrad: kernel='gluon' applies to the FP8 ops only (the bf16 GEMMs are Triton)")
-    ok = tma_ok([x, y, out])
+        raise ValueError("grouped_wgrad: there is no Gluon weight-gradient kernel (kernel='gluon' applies to the FP8 "
+                         "ops and, opt-in, to the bf16 forward and dgrad GEMMs)")
+    ok = tma_ok([x, y])
     if cfg.use_tma and not ok:
         raise ValueError("grouped_wgrad: config pins use_tma=True, but TMA needs 16-byte aligned row strides "
-                         f"(bf16: column counts multiple of 8); got x {tuple(x.shape)}, y {tuple(y.shape)}, out "
-                         f"{tuple(out.shape)} {out.dtype}")
+                         f"(bf16: column counts multiple of 8); got x {tuple(x.shape)}, y {tuple(y.shape)}")
     use_tma = ok if cfg.use_tma is None else bool(cfg.use_tma)
+    store_tma = use_tma and tma_ok([out]) and _store_fits(cfg, out.element_size())
     if R == 0:
         out.zero_()
         return
     if use_tma:
         x_desc = TensorDescriptor.from_tensor(x, [BK, BM])
         y_desc = TensorDescriptor.from_tensor(y, [BK, BN])
-        c_desc = TensorDescriptor.from_tensor(out, [1, BM, BN])
     else:
-        x_desc = y_desc = c_desc = None
+        x_desc = y_desc = None
+    c_desc = TensorDescriptor.from_tensor(out, [1, BM, BN]) if store_tma else None
     total = E_l * triton.cdiv(M, BM) * triton.cdiv(N, BN)
     grid = grid_size(cfg, total, x.device)
     if grid == 0:
@@ -142,6 +158,6 @@ def launch_grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, o
     k = _grouped_wgrad_kernel[(grid,)](
         x_desc, x, y_desc, y, c_desc, out, offs, M, N, total, grid,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.group_m, USE_TMA=use_tma, DOT_F32=interpreting(),
-        FLATTEN=cfg.flatten, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FLATTEN=cfg.flatten, STORE_TMA=store_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     record("_grouped_wgrad_kernel", k)
