@@ -115,3 +115,46 @@ def test_split_fp8_on_gpus():
     results = spawn(_rank_fp8, NGPU, device="cuda", timeout_s=900)
     assert all(sync_free for _, _, sync_free in results)
     check_fp8([(rank_results, det) for rank_results, det, _ in results])
+
+
+def _rank_fp8_graph_update(rank: int, world: int) -> dict:
+    """A forward captured in a CUDA graph quantises the FP8 weights inside the graph: after an in-place weight
+    update a replay must equal an eager call of the updated layer (no stale cached weights), bitwise."""
+    from megamoe import MoE, preset
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    cfg = preset("qwen3-30b-a3b", num_experts=qwen3_experts(world), max_tokens_per_rank=256)
+    gen = torch.Generator(device=dev).manual_seed(11 + rank)
+    x = torch.randn(256, cfg.hidden, device=dev, dtype=cfg.dtype, generator=gen)
+    moe = MoE(cfg, backend="split", device=dev, seed=4, fp8=True)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(2):  # warm-up on the capture stream (fills the cache, which the capture then drops)
+            moe(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            y = moe(x).out
+    side.synchronize()
+    r = {"cache_dropped": not moe.backend._fp8_cache}
+    graph.replay()
+    before = y.clone()
+    with torch.no_grad():
+        moe.w13.mul_(1.5)
+        moe.w2.add_(0.01)
+    graph.replay()
+    with torch.no_grad():
+        eager = moe(x).out  # the cache path, requantised for the new version
+    torch.cuda.synchronize()
+    r["changed"] = not torch.equal(before, y)
+    r["replay_equals_eager"] = torch.equal(y, eager)
+    return r
+
+
+@pytest.mark.skipif(NGPU == 0, reason="needs CUDA GPUs")
+def test_split_fp8_graph_sees_weight_updates():
+    if torch.cuda.get_device_capability(0) < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability >= 8.9")
+    for r in spawn(_rank_fp8_graph_update, NGPU, device="cuda", timeout_s=600):
+        assert all(r.values()), r
