@@ -110,13 +110,13 @@ class _FusedMoE(torch.autograd.Function):
         if b.fused_backward and not b.ring_blocks:  # the backward megakernel, then split's wgrad kernels
             dx, g_out, dh = fused_backward(b.heap, dy, topk_w, _state(ctx, recv, act, h), w13, w2, b.config,
                                            comm_programs=b.comm_sms)
-            dw13, dw2 = _wgrads(g_out, act, dh, recv, offs, w13, w2, None)
+            dw13, dw2 = _wgrads(g_out, act, dh, recv, offs, w13, w2)
             return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None
         g_out = _pull_scaled_dy(dy, topk_w, handle, b.comm_sms)
         dh, _ = gemm2_dgrad_swiglu(g_out, w2, h, offs)
         d_recv = gemm1_dgrad(dh, w13, offs, out=torch.zeros_like(recv))
         dx = dispatch_backward(d_recv, handle, num_sms=b.comm_sms, out_dtype=dy.dtype)
-        dw13, dw2 = _wgrads(g_out, act, dh, recv, offs, w13, w2, None)
+        dw13, dw2 = _wgrads(g_out, act, dh, recv, offs, w13, w2)
         return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None
 
 
