@@ -87,6 +87,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.kernels.gemm_config import GemmConfig, grid_size, record
+from megamoe.kernels.gluon_fp8 import _add, _locate  # the schedule helpers (tile -> expert, rows, blocks)
 from megamoe.kernels.grouped_gemm import EPI_DSWIGLU, EPI_NONE, EPI_SWIGLU
 
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
@@ -95,38 +96,14 @@ EPI_COLS = 64  # columns per epilogue slice (and per h chunk: one 128-byte TMA b
 
 
 @gluon.jit
-def _add(a, b):
-    return a + b
-
-
-@gluon.jit
-def _locate(tile, e_idx, starts, cnts, cum_end, tiles_n, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr):
-    """tile index -> (expert, its first row, its row end, m-block, n-block): grouped_gemm._locate_tile restated with
-    Gluon layouts (keep the three copies, here, gluon_fp8.py and grouped_gemm.py, in step)."""
-    m_tiles = (cnts + BLOCK_M - 1) // BLOCK_M
-    e = gl.sum((cum_end <= tile).to(gl.int32), axis=0)
-    sel = e_idx == e
-    mt = gl.sum(gl.where(sel, m_tiles, 0), axis=0)
-    t0 = gl.sum(gl.where(sel, cum_end, 0), axis=0) - mt * tiles_n
-    row0 = gl.sum(gl.where(sel, starts, 0), axis=0)
-    row_end = row0 + gl.sum(gl.where(sel, cnts, 0), axis=0)
-    local = tile - t0
-    width = GROUP_M * tiles_n
-    first_m = (local // width) * GROUP_M
-    gsz = gl.minimum(mt - first_m, GROUP_M)
-    mi = first_m + (local % width) % gsz
-    ni = (local % width) // gsz
-    return e, row0, row_end, mi, ni
-
-
-@gluon.jit
 def _coords(tile, e_idx, starts_smem, cnts_smem, cum_smem, tiles_n, N, K, N_W,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, W_KN: gl.constexpr,
             sched: gl.constexpr):
     """The tile's first row and the origin of its weight tiles in the 2-D weight view: nk [E_l * N_W, K]: (row
     e * N_W + n0, column 0); kn [E_l * K, N_W]: (row e * K, column n0). Also (e, row_end, ni) for the epilogue."""
-    e, row0, row_end, mi, ni = _locate(tile, e_idx, starts_smem.load(sched), cnts_smem.load(sched),
-                                       cum_smem.load(sched), tiles_n, BLOCK_M, GROUP_M)
+    cnts = cnts_smem.load(sched)
+    e, row0, row_end, mi, ni = _locate(tile, e_idx, starts_smem.load(sched), cnts, (cnts + BLOCK_M - 1) // BLOCK_M,
+                                       cum_smem.load(sched), tiles_n, GROUP_M)
     off_n = ni * BLOCK_N
     if W_KN:
         wr = e * K

@@ -94,7 +94,8 @@ def _add(a, b):
 @gluon.jit
 def _locate(tile, e_idx, starts, cnts, m_tiles, cum_end, tiles_n, GROUP_M: gl.constexpr):
     """tile index -> (expert, its first row, its row end, m-block, n-block): grouped_gemm._locate_tile restated with
-    Gluon layouts (a Triton @jit helper cannot be called from a Gluon kernel; keep the two in step)."""
+    Gluon layouts (a Triton @jit helper cannot be called from a Gluon kernel; keep the two in step). Also used by
+    gluon_bf16.py."""
     e = gl.sum((cum_end <= tile).to(gl.int32), axis=0)
     sel = e_idx == e
     mt = gl.sum(gl.where(sel, m_tiles, 0), axis=0)
