@@ -168,6 +168,22 @@ def grid_size(cfg: GemmConfig, max_tiles: int, device: torch.device) -> int:
     return max(0, min(p, max_tiles))
 
 
+def gluon_device_reason(t: torch.Tensor, cfg: GemmConfig) -> str | None:
+    """Why a Gluon kernel (sm_90a wgmma, TMA loads) cannot run on ``t``'s device with ``cfg``, or None: the
+    interpreter, a non-CUDA device, compute capability other than 9.x, or a config pinning use_tma=False. No device
+    sync: the capability comes from torch's cached device properties."""
+    if interpreting():
+        return "the interpreter (TRITON_INTERPRET=1) cannot run Gluon kernels"
+    if t.device.type != "cuda":
+        return f"the operands are on {t.device}, not a CUDA device (Gluon kernels need an sm_90a GPU)"
+    cc = torch.cuda.get_device_capability(t.device)
+    if cc[0] != 9:
+        return f"it needs compute capability 9.x (sm_90a wgmma), {t.device} has {cc[0]}.{cc[1]}"
+    if cfg.use_tma is False:
+        return "it loads through TMA and the config pins use_tma=False"
+    return None
+
+
 def tma_ok(tensors: list[torch.Tensor]) -> bool:
     """TMA descriptors need a 16-byte aligned base, unit inner stride and 16-byte aligned outer strides."""
     for t in tensors:

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.kernels.gemm_config import GemmConfig, grid_size, interpreting, record, tma_ok
+from megamoe.kernels.gemm_config import GemmConfig, gluon_device_reason, grid_size, interpreting, record, tma_ok
 
 EPI_NONE = 0
 EPI_SWIGLU = 1
@@ -327,15 +327,9 @@ def gluon_bf16_unavailable(cfg: GemmConfig, a: torch.Tensor, w: torch.Tensor, *,
     """Why the Gluon bf16 kernel (kernels/gluon_bf16.py) cannot run this launch, or None: CUDA tensors on a device of
     compute capability 9.x, no interpreter, TMA-able operands, and its config and shape limits (gluon_bf16_limits).
     No device sync: the capability comes from torch's cached device properties."""
-    if interpreting():
-        return "the interpreter (TRITON_INTERPRET=1) cannot run Gluon kernels"
-    if a.device.type != "cuda":
-        return f"the operands are on {a.device}, not a CUDA device (Gluon kernels need an sm_90a GPU)"
-    cc = torch.cuda.get_device_capability(a.device)
-    if cc[0] != 9:
-        return f"it needs compute capability 9.x (sm_90a wgmma), {a.device} has {cc[0]}.{cc[1]}"
-    if cfg.use_tma is False:
-        return "it loads through TMA and the config pins use_tma=False"
+    why = gluon_device_reason(a, cfg)
+    if why is not None:
+        return why
     if not tma_ok([a, w] + ([h] if h is not None and epilogue == EPI_DSWIGLU else [])):
         return "TMA needs 16-byte aligned base pointers and row strides (bf16: inner dims multiples of 8)"
     from megamoe.kernels.gluon_bf16 import gluon_bf16_limits  # lazy: Gluon only where it can run

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.kernels.gemm_config import GemmConfig, grid_size, interpreting, record, tma_ok
+from megamoe.kernels.gemm_config import GemmConfig, gluon_device_reason, grid_size, interpreting, record, tma_ok
 from megamoe.kernels.grouped_gemm import _epilogue, _expert_tiles, _load_a, _load_b, _locate_tile
 
 
@@ -121,15 +121,9 @@ def gluon_unavailable(cfg: GemmConfig, aq: torch.Tensor, wq: torch.Tensor, *, n:
     """Why the Gluon kernel cannot run this launch (whatever cfg.kernel says), or None: it needs CUDA tensors on a
     device of compute capability 9.x, no interpreter, TMA-able operands, and its config and shape limits
     (gluon_fp8.gluon_limits). No device sync: the capability comes from torch's cached device properties."""
-    if interpreting():
-        return "the interpreter (TRITON_INTERPRET=1) cannot run Gluon kernels"
-    if aq.device.type != "cuda":
-        return f"the operands are on {aq.device}, not a CUDA device"
-    cc = torch.cuda.get_device_capability(aq.device)
-    if cc[0] != 9:
-        return f"it needs compute capability 9.x (sm_90a wgmma), {aq.device} has {cc[0]}.{cc[1]}"
-    if cfg.use_tma is False:
-        return "it loads through TMA and the config pins use_tma=False"
+    why = gluon_device_reason(aq, cfg)
+    if why is not None:
+        return why
     if not tma_ok([aq, wq]):
         return "TMA needs 16-byte aligned base pointers and row strides (fp8: K a multiple of 16)"
     from megamoe.kernels.gluon_fp8 import gluon_limits  # lazy: Gluon is only imported where it can run
