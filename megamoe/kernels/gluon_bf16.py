@@ -87,7 +87,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.kernels.gemm_config import GemmConfig, grid_size, record
-from megamoe.kernels.gluon_fp8 import _add, _locate  # the schedule helpers (tile -> expert, rows, blocks)
+from megamoe.kernels.gluon_fp8 import _add, _halves, _locate  # schedule and register-split helpers
 from megamoe.kernels.grouped_gemm import EPI_DSWIGLU, EPI_NONE, EPI_SWIGLU
 
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
@@ -128,14 +128,6 @@ def _load_stage(a_desc, w_desc, bar, a_buf, b_buf, b2_buf, off_m, wr, wc, off_k,
         tma.async_copy_global_to_shared(w_desc, [wr, off_k], bar, b_buf)
         if TWO_B:
             tma.async_copy_global_to_shared(w_desc, [wr + N_UP, off_k], bar, b2_buf)
-
-
-@gluon.jit
-def _halves(x, BLOCK_M: gl.constexpr, NP: gl.constexpr):
-    """[BLOCK_M, NP] -> (cols 0..NP/2-1, cols NP/2..NP-1); in the wgmma layout with one warp along N the split bit is
-    a register bit, so this moves no data."""
-    x = gl.permute(gl.reshape(x, [BLOCK_M, 2, NP // 2]), (0, 2, 1))
-    return gl.split(x)
 
 
 @gluon.jit
