@@ -276,8 +276,8 @@ class SplitBackend:
         layer's own w13 and w2). Quantised fresh, without the cache: inference-mode tensors (no version
         counter), and everything while a CUDA graph is being captured on the weights' device (a host-side check
         cannot run at replay, so a graphed step pays one quantisation pass per weight; the cache is dropped then,
-        since the graph never reads it). Without autograd (no_grad, or inputs that need no gradient) and no
-        cache, only the forward orientation is quantised (q13t, s13t, q2t, s2t None)."""
+        since the graph never reads it). Quantised fresh with autograd off (torch.no_grad or inference mode), only
+        the forward orientation is made (q13t, s13t, q2t, s2t None)."""
         capturing = w13.is_cuda and _capturing_on(w13.device)
         if capturing:
             self._fp8_cache.clear()

@@ -98,8 +98,9 @@ def _grouped_wgrad_kernel(
     USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, FLATTEN: tl.constexpr, STORE_TMA: tl.constexpr,
 ):
     """Grid: (P,) persistent programs over the E_l * cdiv(M, BM) * cdiv(N, BN) output tiles, tile = pid,
-    pid + P, ... (see _wgrad_tile). With FLATTEN the tile loop is tl.range(..., flatten=True), so the
-    compiler may fuse it with the row loop and start the next tile's loads under this tile's store."""
+    pid + P, ... (see _wgrad_tile). With FLATTEN the tile loop is tl.range(..., flatten=True): Triton 3.6 does
+    not fuse it with the row loop (whose trip count varies per expert), but it then gives the TMA store its own
+    buffer and waits for a store only before the next one, so the store drains under the next tile's loads."""
     pid = tl.program_id(0)
     if FLATTEN:
         for tile in tl.range(pid, total, num_progs, flatten=True):
