@@ -3,7 +3,7 @@
     python benchmarks/sweep_table.py results.json [more.json ...]
 
 One block per (preset, tokens, ep, op): every timed candidate's ms, TFLOP/s and config (BMxBNxBK, stages,
-warps, epilogue slices, f = flattened tile loop, h = half_tail, programs per SM); the fastest is marked with *.
+warps, epilogue slices, f = flattened tile loop, programs per SM); the fastest is marked with *.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 
 def short(c: dict) -> str:
     return (f"{c['block_m']}x{c['block_n']}x{c['block_k']}s{c['num_stages']}w{c['num_warps']}e{c.get('epi_split', 1)}"
-            f"{'f' if c.get('flatten') else ''}{'h' if c.get('half_tail') else ''}p{c.get('programs_per_sm', 1)}")
+            f"{'f' if c.get('flatten') else ''}p{c.get('programs_per_sm', 1)}")
 
 
 def main(paths: list[str]) -> int:

@@ -175,18 +175,6 @@ def run_shape(preset: str, tokens: int, ep: int, args) -> list[dict]:
     w2 = (torch.randn(E_l, H, I, device=dev) / math.sqrt(I)).to(torch.bfloat16)
     s = torch.rand(R, device=dev) + 0.5
     rows = []
-
-    def cands(op: str, name: str, n: int, k: int) -> list:
-        """The sweep's candidates of a bf16 row-tiled op; --sweep-tail: its default, without flatten where it has
-        it, and with half_tail (an expert's last tile of <= block_m / 2 rows as a half-height tile)."""
-        if not args.sweep_tail:
-            return _candidates(op)
-        from megamoe.kernels.gemm_config import default_config
-
-        d = default_config(name, R, n, k)
-        plain = d.with_(flatten=False, half_tail=False)
-        return [d] + ([plain] if d.flatten or d.half_tail else []) + [plain.with_(half_tail=True)]
-
     base = {"preset": preset, "tokens_per_gpu": tokens, "ep": ep, "R": R, "H": H, "I": I, "E_l": E_l,
             "group_min": min(sizes), "group_max": max(sizes)}
     fl1 = 2.0 * R * H * 2 * I
@@ -221,8 +209,7 @@ def run_shape(preset: str, tokens: int, ep: int, args) -> list[dict]:
     except Exception as exc:  # noqa: BLE001
         err = f"{type(exc).__name__}: {str(exc)[:200]}"
     ours = _time_ours("gemm1", lambda c: (lambda: X.gemm1_swiglu(x, w13, offs, out=act, h_out=h, config=c)),
-                      cands("gemm1", "gemm1_swiglu", I, H), "_grouped_gemm_kernel", args.rep,
-                      args.sweep or args.sweep_tail)
+                      _candidates("gemm1"), "_grouped_gemm_kernel", args.rep, args.sweep)
     add("gemm1_swiglu", "bf16", fl1, by1, ours, t1, err, extra1)
 
     out = X.gemm2(act, w2, offs, scale=s)
@@ -236,8 +223,7 @@ def run_shape(preset: str, tokens: int, ep: int, args) -> list[dict]:
     except Exception as exc:  # noqa: BLE001
         err = f"{type(exc).__name__}: {str(exc)[:200]}"
     ours = _time_ours("gemm2", lambda c: (lambda: X.gemm2(act, w2, offs, scale=s, out=out, config=c)),
-                      cands("gemm2", "gemm2", H, I), "_grouped_gemm_kernel", args.rep,
-                      args.sweep or args.sweep_tail)
+                      _candidates("gemm2"), "_grouped_gemm_kernel", args.rep, args.sweep)
     add("gemm2", "bf16", fl2, by2, ours, t2, err, extra2)
 
     # ---------------------------------------------------------------- fp8 forward
@@ -286,13 +272,11 @@ def run_shape(preset: str, tokens: int, ep: int, args) -> list[dict]:
         dh, _ = X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s)
         ours = _time_ours("dgrad2", lambda c: (lambda: X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s, out=dh,
                                                                             config=c)),
-                          cands("dgrad2", "dgrad_swiglu", I, H), "_grouped_gemm_kernel", args.rep,
-                          (args.sweep and args.sweep_bwd) or args.sweep_tail)
+                          _candidates("dgrad2"), "_grouped_gemm_kernel", args.rep, args.sweep and args.sweep_bwd)
         add("dgrad2_swiglu", "bf16", fl2, 2 * (R * H + E_l * H * I + 3 * R * 2 * I), ours)
         dx = torch.empty_like(x)
         ours = _time_ours("dgrad1", lambda c: (lambda: X.gemm1_dgrad(dh, w13, offs, out=dx, config=c)),
-                          cands("dgrad1", "dgrad1", H, 2 * I), "_grouped_gemm_kernel", args.rep,
-                          (args.sweep and args.sweep_bwd) or args.sweep_tail)
+                          _candidates("dgrad1"), "_grouped_gemm_kernel", args.rep, args.sweep and args.sweep_bwd)
         add("dgrad1", "bf16", fl1, 2 * (R * 2 * I + E_l * 2 * I * H + R * H), ours)
         ours = _time_ours("wgrad1", lambda c: (lambda: X.grouped_wgrad(dh, x, offs, out_dtype=torch.bfloat16,
                                                                        config=c)),
@@ -317,8 +301,7 @@ def print_table(rows: list[dict]) -> None:
         ratio = r["torch_ms"] / r["ours_ms"] if r.get("torch_ms") and r.get("ours_ms") else None
         c = r.get("ours_config") or {}
         cfg = f"{c.get('block_m')}x{c.get('block_n')}x{c.get('block_k')}s{c.get('num_stages')}w{c.get('num_warps')}" \
-            f"e{c.get('epi_split')}{'f' if c.get('flatten') else ''}{'h' if c.get('half_tail') else ''}" \
-            f"p{c.get('programs_per_sm')}" if c else "default"
+            f"e{c.get('epi_split')}{'f' if c.get('flatten') else ''}p{c.get('programs_per_sm')}" if c else "default"
         print(f"{r['preset']:14} {r['tokens_per_gpu']:>5} {r['op']:14} {r['dtype']:4} {_fmt(r['ours_ms'], '8.3f')} "
               f"{_fmt(r['ours_tflops'], '6.0f')} {_fmt(r['torch_ms'], '8.3f')} {_fmt(r['torch_tflops'], '6.0f')} "
               f"{_fmt(ratio, '5.2f')} {_fmt(r['floor_ms'], '6.3f')} {_fmt(r.get('n_regs'), '4d')} "
@@ -336,8 +319,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sweep", action="store_true", help="time every candidate config, report the best")
     ap.add_argument("--sweep-bwd", action="store_true", help="with --sweep, also sweep the backward kernels")
-    ap.add_argument("--sweep-tail", action="store_true",
-                    help="time the bf16 forward and dgrad GEMMs' defaults against half_tail (and without flatten)")
     ap.add_argument("--no-fp8", action="store_true")
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse HEAD)")

@@ -107,34 +107,29 @@ def _forward_backward(p, cfg: GemmConfig, I: int, tol: float = 1e-2):
         assert rel(dx[:n], X.gemm1_dgrad_ref(dh.double(), w13_64, offs)[:n]) < tol
     dh_clean = torch.where(torch.arange(p["R"], device=DEV)[:, None] < n, dh, 0).double()
     x_clean = torch.nan_to_num(x64, nan=0.0)
-    wcfg = None if cfg is None else cfg.with_(half_tail=False)  # the wgrad has no row tiles (ValueError)
     for xa, ya, xr, yr in ((dh, p["x"], dh_clean, x_clean), (act, dh[:, :I].contiguous(), act.double(),
                                                             dh_clean[:, :I])):
-        dw = X.grouped_wgrad(xa, ya, offs, config=wcfg)
+        dw = X.grouped_wgrad(xa, ya, offs, config=cfg)
         rdw = X.grouped_wgrad_ref(torch.nan_to_num(xr), torch.nan_to_num(yr), offs)
         empty = (offs[1:] - offs[:-1]).cpu() == 0
         assert (dw[empty.to(DEV)] == 0).all(), "an empty expert's weight gradient must be zero"
         if n:
             assert rel(dw, rdw) < tol
-        again = X.grouped_wgrad(xa, ya, offs, config=wcfg)
+        again = X.grouped_wgrad(xa, ya, offs, config=cfg)
         assert torch.equal(dw, again), "wgrad is not bitwise deterministic"
 
 
 @cpu_only
-@pytest.mark.parametrize("use_tma,epi_split,flatten,half_tail",
-                         [(False, 1, False, False), (True, 1, True, False), (True, 2, False, False),
-                          (False, 4, True, False), (True, 2, False, True), (False, 1, False, True)],
-                         ids=["pointers", "tma-flatten", "tma-split2", "pointers-split4-flatten", "tma-split2-halftail",
-                              "pointers-halftail"])
+@pytest.mark.parametrize("use_tma,epi_split,flatten", [(False, 1, False), (True, 1, True), (True, 2, False),
+                                                       (False, 4, True)],
+                         ids=["pointers", "tma-flatten", "tma-split2", "pointers-split4-flatten"])
 @pytest.mark.parametrize("sizes,pad", CPU_CASES)
-def test_bf16_ops_interpreter(sizes, pad, use_tma, epi_split, flatten, half_tail):
+def test_bf16_ops_interpreter(sizes, pad, use_tma, epi_split, flatten):
     if epi_split > 1 and sizes != CPU_CASES[0].values[0]:
         pytest.skip("the epilogue split is covered on the mixed-size case")
     p = make_problem(sizes, pad, H=40, I=24)
-    # the split-epilogue case also runs two persistent programs per SM (a grid of 8 here instead of 4); half_tail:
-    # 32-row tiles, an expert's last tile with <= 16 rows runs as a 16-row tile (sizes 1, 129 = 4 x 32 + 1 and
-    # 70 = 2 x 32 + 6 take it, 127 = 3 x 32 + 31 does not)
-    _forward_backward(p, CPU_CFG.with_(use_tma=use_tma, epi_split=epi_split, flatten=flatten, half_tail=half_tail,
+    # the split-epilogue case also runs two persistent programs per SM (a grid of 8 here instead of 4)
+    _forward_backward(p, CPU_CFG.with_(use_tma=use_tma, epi_split=epi_split, flatten=flatten,
                                        programs_per_sm=2 if epi_split == 2 else 1), I=24)
 
 
@@ -166,8 +161,6 @@ def test_validation_errors():
         X.grouped_gemm_fp8(p["x"], s, wq, ws, p["offs"])
     with pytest.raises(ValueError, match="block_k must be 128"):
         X.grouped_gemm_fp8(q, s, wq, ws, p["offs"], config=GemmConfig(block_k=64))
-    with pytest.raises(ValueError, match="half_tail"):
-        X.grouped_gemm_fp8(q, s, wq, ws, p["offs"], config=GemmConfig(block_k=128, half_tail=True))
 
 
 def test_experts_fn_autograd_and_determinism():
@@ -284,8 +277,7 @@ GPU_CASES = [
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("variant", ["default", "pointers", "tma-flatten", "two-per-sm", "half-tail",
-                                     "half-tail-pointers"])
+@pytest.mark.parametrize("variant", ["default", "pointers", "tma-flatten", "two-per-sm"])
 @pytest.mark.parametrize("sizes,pad", GPU_CASES)
 def test_bf16_ops_gpu(sizes, pad, variant):
     H, I = 1040, 776  # not multiples of the 64/128/256 blocks, but 16-byte aligned (TMA allowed)
@@ -296,13 +288,7 @@ def test_bf16_ops_gpu(sizes, pad, variant):
            "tma-flatten": GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=8,
                                      epi_split=2, flatten=True),
            "two-per-sm": GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4, epi_split=2,
-                                    programs_per_sm=2),
-           # last tiles of <= 64 rows as 64-row tiles: sizes 1, 64, 129, 513 and 4099 = 32 x 128 + 3 take it,
-           # 127 and 2000 = 15 x 128 + 80 do not
-           "half-tail": GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8, epi_split=2,
-                                   half_tail=True),
-           "half-tail-pointers": GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=3, num_warps=4,
-                                            use_tma=False, half_tail=True)}[variant]
+                                    programs_per_sm=2)}[variant]
     _forward_backward(p, cfg, I=I)
 
 
@@ -323,11 +309,6 @@ def test_pin_config_forces_the_config():
         GemmConfig(block_n=32, epi_split=8)
     with pytest.raises(ValueError, match="programs_per_sm"):
         GemmConfig(programs_per_sm=0)
-    for bad in ({"flatten": True}, {"kernel": "gluon"}, {"block_m": 16}, {"block_m": 48}):
-        with pytest.raises(ValueError, match="half_tail"):
-            GemmConfig(half_tail=True, **bad)
-    with pytest.raises(ValueError, match="half_tail"):
-        X.grouped_wgrad(p["x"], p["x"], p["offs"], config=GemmConfig(block_m=32, half_tail=True))
 
 
 @cpu_only

@@ -39,9 +39,6 @@ class GemmConfig:
     kernel: str | None = None      # FP8 ops: "gluon", "triton", or None (Gluon where it can run); bf16 ops: None or
     #                                "triton" = the Triton kernel, "gluon" = kernels/gluon_bf16.py (only when asked
     #                                for; ValueError where it cannot run: CPU, interpreter, not sm_90, its limits)
-    half_tail: bool = False        # bf16 Triton kernel: an expert's last m-tile with at most block_m / 2 rows runs a
-    #                                block_m / 2-row k-loop (half the tensor-core work of a padded tile); not with
-    #                                flatten (two k-loops in the tile loop: the compiler cannot flatten it)
     programs_per_sm: int = 1       # persistent kernels, num_sms None: 2 = two CTAs share each SM, so one's epilogue
     #                                runs under the other's k-loop (the config must fit two CTAs' registers and
     #                                shared memory, else the second waits: no error, just no overlap)
@@ -55,10 +52,6 @@ class GemmConfig:
                              f"epi_split={self.epi_split}, block_n={self.block_n}")
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
-        if self.half_tail and (self.kernel == "gluon" or self.flatten or self.block_m < 32 or self.block_m % 32):
-            raise ValueError(f"half_tail needs the Triton kernel, flatten=False and block_m a multiple of 32 (half-"
-                             f"tiles of >= 16 rows), got kernel={self.kernel!r}, flatten={self.flatten}, "
-                             f"block_m={self.block_m}")
 
     def with_(self, **kw) -> GemmConfig:
         return replace(self, **kw)

@@ -221,13 +221,17 @@ def _load_b(w_desc, w_ptr, e, off_n, off_k, N_lim, K, stride_we, stride_wr,
 
 
 @triton.jit
-def _tile_mma(e, off_m, off_n, ni, row_end, k_tiles,
-              a_desc, a_ptr, w_desc, w_ptr, out_ptr, h_ptr, scale_ptr, dsp_ptr,
-              R, N, K, stride_am, stride_we, stride_wr, stride_om, stride_hm, N_UP,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              W_KN: tl.constexpr, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, STORE_H: tl.constexpr,
-              USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, EPI_SPLIT: tl.constexpr):
-    """The k-loop and epilogue of one [BLOCK_M, BLOCK_N] output tile at rows off_m.., columns off_n.."""
+def _gemm_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, k_tiles,
+               a_desc, a_ptr, w_desc, w_ptr, out_ptr, h_ptr, scale_ptr, dsp_ptr,
+               R, N, K, stride_am, stride_we, stride_wr, stride_om, stride_hm, N_UP,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+               W_KN: tl.constexpr, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, STORE_H: tl.constexpr,
+               USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, EPI_SPLIT: tl.constexpr):
+    """One output tile: locate it, run the k-loop, write the epilogue (inlined by the compiler)."""
+    e, row0, n_rows, mi, ni = _locate_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, N, BLOCK_N, GROUP_M)
+    off_m = row0 + mi * BLOCK_M
+    off_n = ni * BLOCK_N
+    row_end = row0 + n_rows
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for ki in range(k_tiles):
@@ -250,38 +254,8 @@ def _tile_mma(e, off_m, off_n, ni, row_end, k_tiles,
 
 
 @triton.jit
-def _gemm_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, k_tiles,
-               a_desc, a_half_desc, a_ptr, w_desc, w_ptr, out_ptr, h_ptr, scale_ptr, dsp_ptr,
-               R, N, K, stride_am, stride_we, stride_wr, stride_om, stride_hm, N_UP,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-               W_KN: tl.constexpr, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, STORE_H: tl.constexpr,
-               USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, EPI_SPLIT: tl.constexpr, HALF_TAIL: tl.constexpr):
-    """One output tile: locate it, run the k-loop, write the epilogue (inlined by the compiler). HALF_TAIL: an
-    expert's last m-tile holding at most BLOCK_M / 2 rows runs a BLOCK_M / 2-row k-loop (a_half_desc) instead."""
-    e, row0, n_rows, mi, ni = _locate_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, N, BLOCK_N, GROUP_M)
-    off_m = row0 + mi * BLOCK_M
-    off_n = ni * BLOCK_N
-    row_end = row0 + n_rows
-    if HALF_TAIL:
-        HM: tl.constexpr = BLOCK_M // 2
-        if row_end - off_m <= HM:
-            _tile_mma(e, off_m, off_n, ni, row_end, k_tiles, a_half_desc, a_ptr, w_desc, w_ptr, out_ptr, h_ptr,
-                      scale_ptr, dsp_ptr, R, N, K, stride_am, stride_we, stride_wr, stride_om, stride_hm, N_UP,
-                      HM, BLOCK_N, BLOCK_K, W_KN, EPILOGUE, HAS_SCALE, STORE_H, USE_TMA, DOT_F32, EPI_SPLIT)
-        else:
-            _tile_mma(e, off_m, off_n, ni, row_end, k_tiles, a_desc, a_ptr, w_desc, w_ptr, out_ptr, h_ptr,
-                      scale_ptr, dsp_ptr, R, N, K, stride_am, stride_we, stride_wr, stride_om, stride_hm, N_UP,
-                      BLOCK_M, BLOCK_N, BLOCK_K, W_KN, EPILOGUE, HAS_SCALE, STORE_H, USE_TMA, DOT_F32, EPI_SPLIT)
-    else:
-        _tile_mma(e, off_m, off_n, ni, row_end, k_tiles, a_desc, a_ptr, w_desc, w_ptr, out_ptr, h_ptr,
-                  scale_ptr, dsp_ptr, R, N, K, stride_am, stride_we, stride_wr, stride_om, stride_hm, N_UP,
-                  BLOCK_M, BLOCK_N, BLOCK_K, W_KN, EPILOGUE, HAS_SCALE, STORE_H, USE_TMA, DOT_F32, EPI_SPLIT)
-
-
-@triton.jit
 def _grouped_gemm_kernel(
-    a_desc, a_half_desc, a_ptr,  # a_RK [R, K] bf16, row stride stride_am (descriptors of BLOCK_M- and
-    #                              BLOCK_M/2-row boxes when USE_TMA, the second only with HALF_TAIL; else pointer)
+    a_desc, a_ptr,      # a_RK [R, K] bf16, row stride stride_am (descriptor when USE_TMA, else pointer)
     w_desc, w_ptr,      # w [E_l, N_w, K] (W_KN=False) or [E_l, K, N] (W_KN=True) bf16, contiguous
     out_ptr,            # out [R, N] (EPI_DSWIGLU: [R, 2N]) bf16, row stride stride_om
     h_ptr,              # h [R, 2N] bf16: written (EPI_SWIGLU, STORE_H) or read (EPI_DSWIGLU)
@@ -294,7 +268,7 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_E: tl.constexpr, W_KN: tl.constexpr, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr,
     STORE_H: tl.constexpr, USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, EPI_SPLIT: tl.constexpr,
-    FLATTEN: tl.constexpr, HALF_TAIL: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     """Grid: (P,) persistent programs. For each tile (e, mi, ni) of the schedule in the module docstring:
         acc = a[offs[e] + mi*BM : +BM, :] @ w[e][ni*BN : +BN, :]^T      (fp32, k-loop over BLOCK_K)
@@ -308,17 +282,17 @@ def _grouped_gemm_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     if FLATTEN:
         for tile in tl.range(pid, total, num_progs, flatten=True):
-            _gemm_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, k_tiles, a_desc, a_half_desc, a_ptr,
-                       w_desc, w_ptr, out_ptr, h_ptr, scale_ptr, dsp_ptr, R, N, K, stride_am, stride_we, stride_wr,
-                       stride_om, stride_hm, N_UP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_KN, EPILOGUE, HAS_SCALE,
-                       STORE_H, USE_TMA, DOT_F32, EPI_SPLIT, HALF_TAIL)
+            _gemm_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, k_tiles, a_desc, a_ptr, w_desc, w_ptr,
+                       out_ptr, h_ptr, scale_ptr, dsp_ptr, R, N, K, stride_am, stride_we, stride_wr, stride_om,
+                       stride_hm, N_UP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_KN, EPILOGUE, HAS_SCALE, STORE_H,
+                       USE_TMA, DOT_F32, EPI_SPLIT)
     else:
         tile = pid
         while tile < total:
-            _gemm_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, k_tiles, a_desc, a_half_desc, a_ptr,
-                       w_desc, w_ptr, out_ptr, h_ptr, scale_ptr, dsp_ptr, R, N, K, stride_am, stride_we, stride_wr,
-                       stride_om, stride_hm, N_UP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_KN, EPILOGUE, HAS_SCALE,
-                       STORE_H, USE_TMA, DOT_F32, EPI_SPLIT, HALF_TAIL)
+            _gemm_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, k_tiles, a_desc, a_ptr, w_desc, w_ptr,
+                       out_ptr, h_ptr, scale_ptr, dsp_ptr, R, N, K, stride_am, stride_we, stride_wr, stride_om,
+                       stride_hm, N_UP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_KN, EPILOGUE, HAS_SCALE, STORE_H,
+                       USE_TMA, DOT_F32, EPI_SPLIT)
             tile += num_progs
 
 
@@ -387,17 +361,16 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ou
         return
     if use_tma:
         a_desc = TensorDescriptor.from_tensor(a, [BM, BK])
-        a_half_desc = TensorDescriptor.from_tensor(a, [BM // 2, BK]) if cfg.half_tail else a_desc
         w_desc = TensorDescriptor.from_tensor(w, [1, BK, BN] if w_kn else [1, BN, BK])
     else:
-        a_desc = a_half_desc = w_desc = None
+        a_desc = w_desc = None
     tiles_n = triton.cdiv(n, BN)
     grid = grid_size(cfg, (triton.cdiv(R, BM) + E_l) * tiles_n, a.device)
     if grid == 0:
         return
     dummy = out
     k = _grouped_gemm_kernel[(grid,)](
-        a_desc, a_half_desc, a, w_desc, w, out, h if h is not None else dummy,
+        a_desc, a, w_desc, w, out, h if h is not None else dummy,
         scale if scale is not None else dummy, dsp if dsp is not None else dummy, offs,
         R, n, K, E_l, grid,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0), h.stride(0) if h is not None else 0,
@@ -405,7 +378,7 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ou
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.group_m,
         BLOCK_E=triton.next_power_of_2(max(E_l, 2)), W_KN=w_kn, EPILOGUE=epilogue,
         HAS_SCALE=scale is not None, STORE_H=store_h, USE_TMA=use_tma, DOT_F32=interpreting(),
-        EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.flatten, HALF_TAIL=cfg.half_tail,
+        EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.flatten,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     record("_grouped_gemm_kernel", k)

@@ -137,9 +137,6 @@ def launch_grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, o
     if cfg.kernel == "gluon":
         raise ValueError("grouped_wgrad: there is no Gluon weight-gradient kernel (kernel='gluon' applies to the FP8 "
                          "ops and, opt-in, to the bf16 forward and dgrad GEMMs)")
-    if cfg.half_tail:
-        raise ValueError("grouped_wgrad: half_tail applies to the GEMMs over grouped rows (forward and dgrad); the "
-                         "weight gradient reduces over the rows, it has no row tiles to halve")
     ok = tma_ok([x, y])
     if cfg.use_tma and not ok:
         raise ValueError("grouped_wgrad: config pins use_tma=True, but TMA needs 16-byte aligned row strides "

@@ -154,8 +154,6 @@ def launch_grouped_gemm_fp8(aq, a_s, wq, w_s, offs, out, cfg: GemmConfig, *, n: 
     if cfg.block_k != 128:
         raise ValueError(f"grouped_gemm_fp8: block_k must be 128 (one 1x128/128x128 scale per k-step), "
                          f"got {cfg.block_k}")
-    if cfg.half_tail:
-        raise ValueError("grouped_gemm_fp8: half_tail is implemented in the bf16 Triton kernel only")
     if fp8_kernel(cfg, aq, wq, n=n, epilogue=epilogue, n_up=n_up) == "gluon":
         from megamoe.kernels.gluon_fp8 import launch_gluon_fp8
 
