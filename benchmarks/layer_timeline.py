@@ -1,8 +1,8 @@
-"""Timeline of one layer forward per backend: each kernel's start and end on the device, the gaps between
-them, and when the host launched it (torch.profiler trace, one device call).
+"""Timeline of one layer forward (and with --backward its backward) per backend: each kernel's start and end on
+the device, the gaps between them, and when the host launched it (torch.profiler trace, one device call).
 
     torchrun --nproc_per_node N benchmarks/layer_timeline.py [--preset deepseek-v3] [--tokens 4096]
-             [--backends split:presum_combine=1,fused] [--out DIR]
+             [--backends split:presum_combine=1,fused] [--backward] [--out DIR]
 
 Why: on 2x H200 (2026-11-30, docs/perf-notes.md) the fused forward took 2.1 ms more than its kernels' device
 time, split 0.8 ms more; kernel sums (fused_probe.py --profile) cannot say whether that is the device idling
@@ -65,6 +65,7 @@ def main() -> None:
     p.add_argument("--backends", default="split:presum_combine=1,fused")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--out", default=os.environ.get("OUT", "out/timeline"))
+    p.add_argument("--backward", action="store_true", help="also time the backward (gradients set to None first)")
     args = p.parse_args()
     dev = init_from_env()
     rank = dist.get_rank()
@@ -72,45 +73,69 @@ def main() -> None:
     cfg = preset(args.preset, max_tokens_per_rank=args.tokens)
     gen = torch.Generator(device=dev).manual_seed(rank)
     x = torch.randn(args.tokens, cfg.hidden, device=dev, dtype=cfg.dtype, generator=gen)
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile
 
     for spec in args.backends.split(","):
         name, opts = parse_backend(spec)
         moe = MoE(cfg, backend=name, device=dev, seed=1, **opts)
-        with torch.no_grad():
+        xin = x.detach().requires_grad_(args.backward)
+        dy = torch.randn_like(x)
+
+        with torch.set_grad_enabled(args.backward):
             for _ in range(3):
-                moe(x)
+                _step(moe, xin, dy, args.backward)
             torch.cuda.synchronize()
             dist.barrier()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(args.iters):
-                    torch.cuda.synchronize()
-                    dist.barrier()
-                    with record_function("layer_forward"):
-                        moe(x)
+                    _step(moe, xin, dy, args.backward)
                 torch.cuda.synchronize()
         path = os.path.join(args.out, f"trace-{spec.replace(':', '_').replace('=', '')}-rank{rank}.json")
         prof.export_chrome_trace(path)
-        if rank == 0:
-            rows = timeline(path, "layer_forward")
-            if not rows:
-                print(f"== {spec}: no device events found")
-                continue
-            base = rows[0]["start"]
-            print(f"== {spec} ({args.preset}, {args.tokens} tokens/rank): last forward, rank 0, us")
-            print(f"{'kernel':60s} {'start':>8s} {'dur':>8s} {'gap':>7s} {'after launch':>12s}")
-            prev_end = base
-            for r in rows:
-                gap = r["start"] - prev_end
-                lag = "" if r["launched"] is None else f"{r['start'] - r['launched']:12.1f}"
-                print(f"{r['name']:60s} {r['start'] - base:8.1f} {r['end'] - r['start']:8.1f} {gap:7.1f} {lag}")
-                prev_end = max(prev_end, r["end"])
-            busy = sum(r["end"] - r["start"] for r in rows)
-            print(f"span {prev_end - base:.1f} us, kernels {busy:.1f} us, idle {prev_end - base - busy:.1f} us")
+        for phase in ("forward", "backward") if args.backward else ("forward",):
+            if rank == 0:
+                _print_phase(path, spec, phase, args)
         del moe
         torch.cuda.empty_cache()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _step(moe, xin, dy, backward: bool) -> None:
+    """One forward (and backward) inside named ranges, ranks aligned before each; gradients set to None first, as a
+    training step does (else the backward's accumulation into old gradients counts as the layer's time)."""
+    from torch.profiler import record_function
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    with record_function("layer_forward"):
+        out = moe(xin).out
+    if backward:
+        xin.grad = None
+        for prm in moe.parameters():
+            prm.grad = None
+        torch.cuda.synchronize()
+        dist.barrier()
+        with record_function("layer_backward"):
+            out.backward(dy)
+
+
+def _print_phase(path: str, spec: str, phase: str, args) -> None:
+    rows = timeline(path, f"layer_{phase}")
+    if not rows:
+        print(f"== {spec}: no device events found")
+        return
+    base = rows[0]["start"]
+    print(f"== {spec} ({args.preset}, {args.tokens} tokens/rank): last {phase}, rank 0, us")
+    print(f"{'kernel':60s} {'start':>8s} {'dur':>8s} {'gap':>7s} {'after launch':>12s}")
+    prev_end = base
+    for r in rows:
+        gap = r["start"] - prev_end
+        lag = "" if r["launched"] is None else f"{r['start'] - r['launched']:12.1f}"
+        print(f"{r['name']:60s} {r['start'] - base:8.1f} {r['end'] - r['start']:8.1f} {gap:7.1f} {lag}")
+        prev_end = max(prev_end, r["end"])
+    busy = sum(r["end"] - r["start"] for r in rows)
+    print(f"span {prev_end - base:.1f} us, kernels {busy:.1f} us, idle {prev_end - base - busy:.1f} us")
 
 
 if __name__ == "__main__":
