@@ -41,6 +41,9 @@ def blocks_on_rank(counts: list[int], rank: int, world: int, bm: int = BM_INTERP
 
 
 def _rank(rank: int, world: int) -> tuple[list[dict], list[bool]]:
+    import megamoe.backends.split as split_backend
+
+    split_backend.POISON_PADDING = True  # d_recv's padding rows NaN (the backward on split's kernels)
     dev = torch.device("cpu")
     cases = [c for c in bf16_cases(world) if world not in SUBSET or c.name in SUBSET[world]]
     results = [layer_case(c, "fused", dev) for c in cases]

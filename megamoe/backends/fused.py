@@ -50,7 +50,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megamoe.backends.split import _side_stream, _wgrads, get_heap  # noqa: F401 - shared heap cache
+from megamoe.backends.split import _side_stream, _wgrads, dgrad_buffer, get_heap  # noqa: F401 - shared heap cache
 from megamoe.comm.combine import stage_grad
 from megamoe.comm.dispatch import dispatch, dispatch_backward, pull_rows
 from megamoe.comm.heap import CommShape, heap_bytes
@@ -114,7 +114,7 @@ class _FusedMoE(torch.autograd.Function):
             return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None
         g_out = _pull_scaled_dy(dy, topk_w, handle, b.comm_sms)
         dh, _ = gemm2_dgrad_swiglu(g_out, w2, h, offs)
-        d_recv = gemm1_dgrad(dh, w13, offs, out=torch.zeros_like(recv))
+        d_recv = gemm1_dgrad(dh, w13, offs, out=dgrad_buffer(recv))
         dx = dispatch_backward(d_recv, handle, num_sms=b.comm_sms, out_dtype=dy.dtype)
         dw13, dw2 = _wgrads(g_out, act, dh, recv, offs, w13, w2)
         return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None
