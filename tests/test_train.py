@@ -55,6 +55,25 @@ def test_train_compiled_dense_parts_train_alike(tmp_path):
     assert runs["compiled"]["history"]["loss"] == pytest.approx(runs["plain"]["history"]["loss"], rel=1e-5)
 
 
+def test_train_bf16_adam_moments(tmp_path):
+    # --adam-moments bf16 reaches the optimizer (bf16 moments in the checkpoint), is recorded, and trains like the
+    # float32 moments: the first step is identical (zero moments), the next ones within bf16 rounding
+    runs = {}
+    for m in ("fp32", "bf16"):
+        out = tmp_path / m
+        assert train_main(SMALL[:1] + ["4"] + SMALL[2:] + ["--out", str(out), "--adam-moments", m,
+                                                           "--ckpt-every", "4"]) == 0
+        runs[m] = _summary(out)
+        assert runs[m]["config"]["adam_moments"] == m
+    import torch
+
+    state = torch.load(tmp_path / "bf16" / "ckpt-torch" / "rank0.pt", weights_only=False)["opt"]
+    moments = [slot[key] for slots in state["sets"] for slot in slots for key in ("exp_avg", "exp_avg_sq")]
+    assert moments and all(t.dtype == torch.bfloat16 for t in moments)
+    fp32, bf16 = (runs[m]["results"][0]["history"]["loss"] for m in ("fp32", "bf16"))
+    assert bf16[0] == fp32[0] and bf16 == pytest.approx(fp32, rel=1e-2)
+
+
 @pytest.mark.skipif("split" not in available_backends("cpu"), reason="backend 'split' is not built yet")
 def test_train_backends_agree(tmp_path):
     # bf16 MoE layers (split needs them; fp32 master weights), same seed and data: the first losses agree to
