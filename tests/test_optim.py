@@ -192,11 +192,13 @@ def test_bf16_moments_rounding_is_unbiased(device, impl):
     # beta2 = 0.999: after a large first gradient, v decays by 0.1% per step under small gradients, less than half a
     # bf16 ulp (2^-9); rounded to nearest it would stay frozen at its first value. Stochastic rounding keeps the
     # mean on the float32 trajectory.
-    n, steps = 4096, 300
+    n, steps = 4096, 200
     p32 = torch.zeros(n, device=device, requires_grad=True)
     p16 = torch.zeros(n, device=device, requires_grad=True)
     hp = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
-    o32 = MasterAdamW([[p32]], impl=impl, **hp)
+    # the float32 trajectory from torch ops (equal to the kernel's within 2e-6, test above): the interpreter runs
+    # only the bf16 one
+    o32 = MasterAdamW([[p32]], impl="torch" if device == "cpu" else impl, **hp)
     o16 = MasterAdamW([[p16]], impl=impl, moments_dtype=torch.bfloat16, **hp)
     for step in range(steps):
         g = torch.full((n,), 1.0 if step == 0 else 0.01, device=device)
@@ -205,5 +207,6 @@ def test_bf16_moments_rounding_is_unbiased(device, impl):
         o16.step()
     v32, v16 = o32.sets[0][0].exp_avg_sq, o16.sets[0][0].exp_avg_sq.float()
     first = 1e-3  # (1 - beta2) * 1^2 after step 0
-    assert float(v32.mean()) < 0.8 * first, "the float32 trajectory must have moved (else the test shows nothing)"
+    # 0.999^200 = 0.82: v32 ~ 0.84e-3, so a frozen v (1e-3) would be 19% off
+    assert float(v32.mean()) < 0.85 * first, "the float32 trajectory must have moved (else the test shows nothing)"
     assert abs(float(v16.mean()) / float(v32.mean()) - 1) < 0.01
