@@ -17,3 +17,13 @@ def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     got, ref = got.double(), ref.double()
     assert bool(torch.isfinite(got).all()), "non-finite values in the output"
     return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def per_expert(got: torch.Tensor, ref: torch.Tensor, offs: torch.Tensor, tol: float, what: str) -> None:
+    """rel(got, ref) < tol on every non-empty group: one wrong small group would vanish in the global norm."""
+    bounds = offs.tolist()
+    for e in range(len(bounds) - 1):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            err = rel(got[lo:hi], ref[lo:hi])
+            assert err < tol, f"{what}, expert {e} (rows {lo}:{hi}): {err:.2e}"
