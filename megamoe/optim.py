@@ -51,7 +51,7 @@ def _bf16_stochastic(x, r):
     return tl.where(x == x, rounded, x).to(tl.bfloat16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a new seed every step: no recompile when it happens to be 1 or 16k
 def _adamw_kernel(p_ptr, g_ptr, x_ptr, m_ptr, v_ptr, mult_ptr, n,
                   decay, beta1, beta2, step_size, inv_sqrt_bc2, eps, seed,
                   HAS_MASTER: tl.constexpr, HAS_MULT: tl.constexpr, MOM_BF16: tl.constexpr, BLOCK: tl.constexpr):
