@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", help="layer dtype (bf16, fp32, ...)")
     p.add_argument("--backends", default=None,
                    help="comma-separated backends (default: every backend available here); options after a "
-                        "colon, e.g. split:comm_sms=24:overlap_backward=1")
+                        "colon, e.g. split:comm_sms=24:overlap_backward=1; router=torch|triton|auto (any "
+                        "backend) picks the router's implementation (megamoe.router, default auto)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default: 20 GPU, 5 CPU)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default: 5 GPU, 1 CPU)")
     p.add_argument("--world", type=int, default=None,
@@ -230,7 +231,9 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
     rows_per_rank = None
     for spec in backends:
         name, options = parse_backend(spec)
+        router_impl = str(options.pop("router", "auto"))
         moe = MoE(cfg, backend=name, device=device, seed=args.seed, **options)
+        moe.router.impl = router_impl
         if offset is not None:
             moe.router.set_logit_offset(offset)
         if rows_per_rank is None:
@@ -265,8 +268,9 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
         if args.cuda_graph and getattr(moe.backend, "graph_capturable", False):
             graphed = {"backend": spec, "timing": "cuda-graph", "rel_err": entry.get("rel_err")}
 
-            def make_moe(name=name, options=options):
+            def make_moe(name=name, options=options, router_impl=router_impl):
                 m = MoE(cfg, backend=name, device=device, seed=args.seed, **options)
+                m.router.impl = router_impl
                 if offset is not None:
                     m.router.set_logit_offset(offset)
                 return m

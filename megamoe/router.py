@@ -20,6 +20,12 @@ dtype anyway.
 Load-balancing loss (Switch Transformer form, per rank's batch): aux = coef * E * sum_e f_e * P_e, with
 f_e = (tokens routed to e) / (T k) and P_e = mean over tokens of the router probability of e (softmax: p;
 sigmoid: s normalised over experts). It is 0 for an empty batch.
+
+Implementations (``impl``): ``"torch"`` runs the steps after the logit GEMM as torch ops (~15 small kernels);
+``"triton"`` runs them as two Triton kernels forward and one backward (megamoe/kernels/router_topk.py: the same
+choices and, up to float rounding of exp / sigmoid and summation order, the same gates, loss and gradients; ties
+between equal scores go to the lowest expert id, where torch.topk's choice is unspecified). ``"auto"`` (default)
+takes Triton on CUDA in float32 and torch otherwise (CPU, float64 references).
 """
 
 from __future__ import annotations
@@ -77,28 +83,56 @@ def _logits(x: torch.Tensor, weight: torch.Tensor, cdt: torch.dtype) -> torch.Te
     return F.linear(x.to(cdt), weight.to(cdt))
 
 
+IMPLS = ("auto", "torch", "triton")
+
+
 def route(
     x: torch.Tensor,
     weight: torch.Tensor,
     config: MoEConfig,
     bias: torch.Tensor | None = None,
     logit_offset: torch.Tensor | None = None,
+    impl: str = "auto",
 ) -> RouterOutput:
     """Functional router: ``x`` [T, H], ``weight`` [E, H] -> :class:`RouterOutput`.
 
-    ``logit_offset`` [E] is added to the logits (benchmarks use it to skew the routing).
+    ``logit_offset`` [E] is added to the logits (benchmarks use it to skew the routing). ``impl``: see the module
+    docstring ("triton" needs float32 compute, i.e. not float64 input; on CPU it runs under TRITON_INTERPRET=1).
     """
+    if impl not in IMPLS:
+        raise ValueError(f"router impl must be one of {IMPLS}, got {impl!r}")
     with torch.autocast(x.device.type, enabled=False):  # float32 routing inside bf16 autocast regions too
-        return _route(x, weight, config, bias, logit_offset)
+        return _route(x, weight, config, bias, logit_offset, impl)
 
 
-def _route(x, weight, config, bias, logit_offset) -> RouterOutput:
+def _use_triton(impl: str, x: torch.Tensor, cdt: torch.dtype) -> bool:
+    if impl == "torch":
+        return False
+    if impl == "triton":
+        if cdt != torch.float32:
+            raise ValueError("router impl 'triton' computes in float32; float64 input needs impl 'torch' or 'auto'")
+        if not x.is_cuda:
+            from megamoe.kernels.gemm_config import interpreting
+
+            if not interpreting():
+                raise ValueError("router impl 'triton' on CPU needs TRITON_INTERPRET=1 (the Triton interpreter)")
+        return True
+    return x.is_cuda and cdt == torch.float32
+
+
+def _route(x, weight, config, bias, logit_offset, impl) -> RouterOutput:
     cdt = compute_dtype(x.dtype)
     T = x.shape[0]
     E, k = config.num_experts, config.top_k
     logits = _logits(x, weight, cdt)
     if logit_offset is not None:
         logits = logits + logit_offset.to(cdt)
+    if T > 0 and _use_triton(impl, x, cdt):
+        from megamoe.kernels.router_topk import RouteTopk
+
+        idx, gates, aux, counts = RouteTopk.apply(
+            logits, bias, k, config.router == "sigmoid", config.norm_topk, config.route_scale, config.aux_loss_coef)
+        return RouterOutput(idx, gates, aux, counts)
     if config.router == "softmax":
         probs = torch.softmax(logits, dim=-1)
         gates, idx = torch.topk(probs, k, dim=-1)
@@ -127,6 +161,8 @@ class Router(nn.Module):
     """The replicated router of an MoE layer: ``weight`` [E, H] (trained), ``bias`` [E] (sigmoid only).
 
     ``logit_offset`` [E] is a non-persistent buffer of zeros; benchmarks set it to skew the routing.
+    ``impl`` ("auto", "torch", "triton"): how the steps after the logit GEMM run (module docstring); an attribute,
+    so it can be switched on a built layer (``moe.router.impl = "torch"``).
     """
 
     def __init__(self, config: MoEConfig, device: torch.device | str | None = None,
@@ -143,6 +179,7 @@ class Router(nn.Module):
             "logit_offset", torch.zeros(config.num_experts, device=device, dtype=torch.float32), persistent=False
         )
         self._offset_set = False
+        self.impl = "auto"
         self.reset_parameters()
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -154,7 +191,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
         offset = self.logit_offset if self._offset_set else None
-        return route(x, self.weight, self.config, self.bias, offset)
+        return route(x, self.weight, self.config, self.bias, offset, self.impl)
 
     def set_logit_offset(self, offset: torch.Tensor | None) -> None:
         """Add ``offset`` [E] to every logit from now on (None: remove it)."""

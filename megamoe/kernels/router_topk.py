@@ -1,0 +1,240 @@
+"""The router after its logit GEMM as two Triton kernels forward and one backward (megamoe.router, ``impl="triton"``).
+
+Shape legend: T tokens, E experts, k top-k, P = cdiv(T, BLOCK_T) programs.
+
+Forward, from float32 logits [T, E]:
+  ``_route_fwd_kernel`` (one program per BLOCK_T tokens, each token's E logits in registers): softmax (or sigmoid
+  and the biased choice), top-k by k rounds of arg-max (ties to the lowest expert id, NaN counted as +inf as
+  torch.topk does), the gates (normalised, scaled), and per program the number of picks of each expert and the
+  column sums of the load-balancing loss's density (softmax: p; sigmoid: s / sum(s)), written to [P, E] partials.
+  ``_route_finish_kernel`` (one program): sums the partials in program order (no atomics: bitwise reproducible),
+  writes tokens_per_expert (int64) and the auxiliary loss.
+Backward: ``_route_bwd_kernel`` recomputes p (or s) from the saved logits and writes d(logits) from d(gates) and
+d(aux) in one pass.
+
+This replaces ~15 small torch kernels (softmax, top-k with its sort, gather, normalisation, scatter_add, mean,
+the loss) whose launches and gaps made up ~0.1 ms of qwen3-30b-a3b's layer forward at 4096 tokens (2x H200
+timeline, docs/perf-notes.md). The math is the torch path's (router.py), up to float rounding of exp / sigmoid
+and summation order; tests compare the two.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scores(l, cmask2, SIGMOID: tl.constexpr):
+    """Per token: (value picked as gate, density for the aux loss). Padding columns hold l = -inf."""
+    if SIGMOID:
+        s = 1.0 / (1.0 + tl.exp(-l))
+        s = tl.where(cmask2, s, 0.0)
+        z = tl.sum(s, 1)
+        return s, s / z[:, None]
+    mx = tl.max(l, 1)
+    ex = tl.exp(l - mx[:, None])
+    ex = tl.where(cmask2, ex, 0.0)
+    p = ex / tl.sum(ex, 1)[:, None]
+    return p, p
+
+
+@triton.jit
+def _route_fwd_kernel(
+    logits_ptr,  # float32 [T, E] contiguous
+    bias_ptr,    # float32 [E] (HAS_BIAS)
+    idx_ptr,     # int64 [T, K] out
+    gates_ptr,   # float32 [T, K] out
+    cnt_part_ptr,  # int32 [P, E] out: picks of each expert by this program's tokens
+    den_part_ptr,  # float32 [P, E] out: column sums of the density over this program's tokens
+    T, E, scale,
+    K: tl.constexpr, KP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    rmask = rows < T
+    cmask = cols < E
+    m2 = rmask[:, None] & cmask[None, :]
+    cmask2 = (rows >= 0)[:, None] & cmask[None, :]
+    l = tl.load(logits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], mask=m2, other=0.0)
+    l = tl.where(cmask2, l, -float("inf"))
+    val, den = _scores(l, cmask2, SIGMOID)
+    choice = val
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
+    choice = tl.where(choice != choice, float("inf"), choice)  # NaN ranks above everything, as in torch.topk
+    kcols = tl.arange(0, KP)
+    avail = cmask2
+    picked = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
+    g2 = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
+    i2 = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
+    for j in tl.static_range(K):
+        c = tl.where(avail, choice, -float("inf"))
+        m = tl.max(c, 1)
+        j_idx = tl.min(tl.where(avail & (c == m[:, None]), cols[None, :], BLOCK_E), 1)
+        hit = cols[None, :] == j_idx[:, None]
+        g = tl.sum(tl.where(hit, val, 0.0), 1)
+        g2 = tl.where(kcols[None, :] == j, g[:, None], g2)
+        i2 = tl.where(kcols[None, :] == j, j_idx[:, None], i2)
+        avail = avail & (~hit)
+        picked += hit.to(tl.int32)
+    if NORM:
+        g2 = g2 / tl.sum(g2, 1)[:, None]
+    g2 = g2 * scale
+    kmask = rmask[:, None] & (kcols[None, :] < K)
+    out_off = rows[:, None].to(tl.int64) * K + kcols[None, :]
+    tl.store(idx_ptr + out_off, i2.to(tl.int64), mask=kmask)
+    tl.store(gates_ptr + out_off, g2, mask=kmask)
+    picked = tl.where(rmask[:, None], picked, 0)
+    den = tl.where(m2, den, 0.0)
+    tl.store(cnt_part_ptr + pid * E + cols, tl.sum(picked, 0), mask=cmask)
+    tl.store(den_part_ptr + pid * E + cols, tl.sum(den, 0), mask=cmask)
+
+
+@triton.jit
+def _route_finish_kernel(
+    cnt_part_ptr, den_part_ptr,  # [P, E] partials of the forward kernel
+    counts_ptr,  # int64 [E] out: tokens_per_expert
+    aux_ptr,     # float32 [1] out: coef * E * sum_e counts_e / (T K) * den_e / T
+    P, E, inv_tk, inv_t, coef_e,
+    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    cols = tl.arange(0, BLOCK_E)
+    cmask = cols < E
+    cnt = tl.zeros([BLOCK_E], dtype=tl.int64)
+    den = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        prow = p0 + tl.arange(0, BLOCK_P)
+        msk = (prow < P)[:, None] & cmask[None, :]
+        off = prow[:, None] * E + cols[None, :]
+        cnt += tl.sum(tl.load(cnt_part_ptr + off, mask=msk, other=0).to(tl.int64), 0)
+        den += tl.sum(tl.load(den_part_ptr + off, mask=msk, other=0.0), 0)
+    tl.store(counts_ptr + cols, cnt, mask=cmask)
+    frac = cnt.to(tl.float32) * inv_tk
+    aux = coef_e * tl.sum(tl.where(cmask, frac * (den * inv_t), 0.0), 0)
+    tl.store(aux_ptr + tl.arange(0, 1), tl.full([1], 0.0, tl.float32) + aux)
+
+
+@triton.jit
+def _route_bwd_kernel(
+    logits_ptr,  # float32 [T, E]
+    idx_ptr,     # int64 [T, K]
+    dgates_ptr,  # float32 [T, K] (HAS_DG)
+    counts_ptr,  # int64 [E]
+    daux_ptr,    # float32 [1] (HAS_DAUX)
+    dlogits_ptr,  # float32 [T, E] out
+    T, E, scale, inv_tk, inv_t, coef_e,
+    K: tl.constexpr, KP: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr,
+    HAS_DG: tl.constexpr, HAS_DAUX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    rmask = rows < T
+    cmask = cols < E
+    m2 = rmask[:, None] & cmask[None, :]
+    cmask2 = (rows >= 0)[:, None] & cmask[None, :]
+    l = tl.load(logits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], mask=m2, other=0.0)
+    l = tl.where(cmask2, l, -float("inf"))
+    val, den = _scores(l, cmask2, SIGMOID)
+    # d(value) from the gates: g_j = val[idx_j]; w_j = scale * g_j / S (NORM, S = sum_j g_j) or scale * g_j
+    dval = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    if HAS_DG:
+        kcols = tl.arange(0, KP)
+        kmask = rmask[:, None] & (kcols[None, :] < K)
+        off = rows[:, None].to(tl.int64) * K + kcols[None, :]
+        i2 = tl.load(idx_ptr + off, mask=kmask, other=-1).to(tl.int32)
+        dw2 = tl.load(dgates_ptr + off, mask=kmask, other=0.0) * scale
+        g2 = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
+        for j in tl.static_range(K):
+            ij = tl.sum(tl.where(kcols[None, :] == j, i2, 0), 1)
+            g = tl.sum(tl.where(cols[None, :] == ij[:, None], val, 0.0), 1)
+            g2 = tl.where(kcols[None, :] == j, g[:, None], g2)
+        if NORM:
+            s = tl.where(rmask, tl.sum(g2, 1), 1.0)  # rows past T hold no gates
+            dot = tl.sum(dw2 * g2, 1)
+            dw2 = dw2 / s[:, None] - (dot / (s * s))[:, None]
+        for j in tl.static_range(K):
+            ij = tl.sum(tl.where(kcols[None, :] == j, i2, 0), 1)
+            dj = tl.sum(tl.where(kcols[None, :] == j, dw2, 0.0), 1)
+            dval += tl.where(cols[None, :] == ij[:, None], dj[:, None], 0.0)
+    # d(density) from the aux loss: coef * E * f_e / T per token, f_e = counts_e / (T K)
+    dden = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    if HAS_DAUX:
+        daux = tl.sum(tl.load(daux_ptr + tl.arange(0, 1)), 0)
+        f = tl.load(counts_ptr + cols, mask=cmask, other=0).to(tl.float32) * inv_tk
+        dden += (daux * coef_e * inv_t * f)[None, :]
+        dden = tl.where(cmask2, dden, 0.0)
+    if SIGMOID:
+        # den = s / Z, Z = sum_e s: d s = dval + (dden - sum(dden * den)) / Z; d l = d s * s * (1 - s)
+        z = tl.sum(val, 1)
+        ds = dval + (dden - tl.sum(dden * den, 1)[:, None]) / z[:, None]
+        dl = ds * val * (1.0 - val)
+    else:
+        dp = dval + dden
+        dl = val * (dp - tl.sum(val * dp, 1)[:, None])
+    tl.store(dlogits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], dl, mask=m2)
+
+
+def _blocks(E: int, K: int) -> tuple[int, int, int, int]:
+    block_e = triton.next_power_of_2(E)
+    kp = triton.next_power_of_2(K)
+    block_t = max(1, min(64, 4096 // block_e))  # ~4k float32 per tile: E = 128 -> 32 tokens, E = 256 -> 16
+    num_warps = 4 if block_e * block_t <= 4096 else 8
+    return block_t, block_e, kp, num_warps
+
+
+class RouteTopk(torch.autograd.Function):
+    """(logits [T, E] float32, bias [E] or None) -> (topk_idx int64 [T, k], gates float32 [T, k], aux 0-d,
+    tokens_per_expert int64 [E]); gradients flow to the logits from the gates and the aux loss. T > 0."""
+
+    @staticmethod
+    def forward(ctx, logits, bias, k: int, sigmoid: bool, norm: bool, scale: float, coef: float):
+        logits = logits.contiguous()
+        T, E = logits.shape
+        dev = logits.device
+        block_t, block_e, kp, warps = _blocks(E, k)
+        P = triton.cdiv(T, block_t)
+        idx = torch.empty(T, k, dtype=torch.int64, device=dev)
+        gates = torch.empty(T, k, dtype=torch.float32, device=dev)
+        cnt_part = torch.empty(P, E, dtype=torch.int32, device=dev)
+        den_part = torch.empty(P, E, dtype=torch.float32, device=dev)
+        has_bias = bias is not None
+        b = bias.detach().to(torch.float32).contiguous() if has_bias else gates
+        _route_fwd_kernel[(P,)](
+            logits, b, idx, gates, cnt_part, den_part, T, E, float(scale),
+            K=k, KP=kp, SIGMOID=sigmoid, HAS_BIAS=has_bias, NORM=norm, BLOCK_T=block_t, BLOCK_E=block_e,
+            num_warps=warps,
+        )
+        counts = torch.empty(E, dtype=torch.int64, device=dev)
+        aux = torch.empty(1, dtype=torch.float32, device=dev)
+        coef_e = float(coef) * E
+        _route_finish_kernel[(1,)](
+            cnt_part, den_part, counts, aux, P, E, 1.0 / (T * k), 1.0 / T, coef_e,
+            BLOCK_P=max(1, min(64, 8192 // block_e)), BLOCK_E=block_e, num_warps=4,
+        )
+        ctx.save_for_backward(logits, idx, counts)
+        ctx.cfg = (k, sigmoid, norm, float(scale), coef_e)
+        ctx.mark_non_differentiable(idx, counts)
+        return idx, gates, aux.view(()), counts
+
+    @staticmethod
+    def backward(ctx, d_idx, d_gates, d_aux, d_counts):
+        logits, idx, counts = ctx.saved_tensors
+        k, sigmoid, norm, scale, coef_e = ctx.cfg
+        T, E = logits.shape
+        block_t, block_e, kp, warps = _blocks(E, k)
+        dlogits = torch.empty_like(logits)
+        has_dg = d_gates is not None
+        has_daux = d_aux is not None and coef_e != 0.0
+        dg = d_gates.to(torch.float32).contiguous() if has_dg else logits
+        da = d_aux.to(torch.float32).reshape(1) if has_daux else logits
+        _route_bwd_kernel[(triton.cdiv(T, block_t),)](
+            logits, idx, dg, counts, da, dlogits, T, E, scale, 1.0 / (T * k), 1.0 / T, coef_e,
+            K=k, KP=kp, SIGMOID=sigmoid, NORM=norm, HAS_DG=has_dg, HAS_DAUX=has_daux,
+            BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps,
+        )
+        return dlogits, None, None, None, None, None, None
