@@ -6,7 +6,7 @@
 # ordered by value and each has its own time limit: 1 (<= 8 min), 2, 2b, 2c (<= 10 min each), 3 (~8 min), 4+5
 # (~6 min), 6 (~5 min), t (deepseek forward timeline, ~2 min), 7 (training, torch / split / fused, ~2 min cold),
 # 7g (7 with --graph-moe --compile, ~2 min), 7t (GPU training tests, ~1 min), 8 (Gluon FP8 GEMM, every epilogue, ~5 min),
-# 9 (Gluon bf16 GEMM tests and bench, ~4 min).
+# 9 (Gluon bf16 GEMM tests and bench, ~4 min), r (router tests on CUDA + layer A/B of the router impls, ~5 min).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -115,6 +115,13 @@ echo "== 9. Gluon bf16 grouped GEMM (opt-in kernel): GPU tests on GPU 0 while th
 (CUDA_VISIBLE_DEVICES=0 gpu_tests gpu_gluon_bf16 240 tests/test_gpu_gluon_bf16.py -x) &
 CUDA_VISIBLE_DEVICES=$((NGPU - 1)) timeout 240 python3 benchmarks/gluon_bf16_bench.py --json "$OUT/gluon_bf16.json" \
   > "$OUT/gluon_bf16.txt" 2>&1; wait; tail -34 "$OUT/gluon_bf16.txt"
+fi
+
+if want r; then
+echo "== r. router: Triton kernels vs torch ops (GPU tests; qwen3 and deepseek layers, same run)"
+gpu_tests gpu_router 200 tests/test_router.py tests/test_gpu_layer.py -k router
+R="torch:router=torch,torch,split:presum_combine=1:router=torch,split:presum_combine=1"
+for p in qwen3-30b-a3b deepseek-v3; do echo "-- $p"; bench "$p" 4096 "$R" router --cuda-graph; done
 fi
 
 if want 6; then
