@@ -34,6 +34,9 @@ VARIANTS = [
     ("g8la16", {"group": 8, "lookahead": 16}, None),
     ("epi2", {"epi_split2": 2}, None),
     ("split4", {"pull_split": 4}, None),
+    ("stages4", {"num_stages": 4}, None),  # split's GEMM1 runs 4 stages; the megakernel's default is 3
+    ("s4g16", {"num_stages": 4, "group": 16}, None),
+    ("bk128s2", {"block_k": 128, "num_stages": 2}, None),
     ("nopull", {"ablate": 1}, None),  # ablations: timing only, results wrong
     ("nopush", {"ablate": 2}, None),  # skips GEMM2's store (local rows, or the push)
     ("nog2", {"ablate": 6}, None),
