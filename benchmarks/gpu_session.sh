@@ -120,6 +120,7 @@ fi
 if want r; then
 echo "== r. router: Triton kernels vs torch ops (GPU tests; qwen3 and deepseek layers, same run)"
 gpu_tests gpu_router 200 tests/test_router.py tests/test_gpu_layer.py -k router
+CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/router_bench.py --json "$OUT/router.json" 2>&1 | grep -v arn
 R="torch:router=torch,torch,split:presum_combine=1:router=torch,split:presum_combine=1"
 for p in qwen3-30b-a3b deepseek-v3; do echo "-- $p"; bench "$p" 4096 "$R" router --cuda-graph; done
 fi

@@ -1,14 +1,15 @@
 """The router after its logit GEMM as two Triton kernels forward and one backward (megamoe.router, ``impl="triton"``).
 
-Shape legend: T tokens, E experts, k top-k, P = cdiv(T, BLOCK_T) programs.
+Shape legend: T tokens, E experts, k top-k.
 
 Forward, from float32 logits [T, E]:
-  ``_route_fwd_kernel`` (one program per BLOCK_T tokens, each token's E logits in registers): softmax (or sigmoid
-  and the biased choice), top-k by k rounds of arg-max (ties to the lowest expert id, NaN counted as +inf as
-  torch.topk does), the gates (normalised, scaled), and per program the number of picks of each expert and the
-  column sums of the load-balancing loss's density (softmax: p; sigmoid: s / sum(s)), written to [P, E] partials.
-  ``_route_finish_kernel`` (one program): sums the partials in program order (no atomics: bitwise reproducible),
-  writes tokens_per_expert (int64) and the auxiliary loss.
+  ``_route_fwd_kernel`` (one program per CHUNKS x BLOCK_T tokens, each token's E logits in registers): softmax
+  (or sigmoid and the biased choice), top-k by k rounds of arg-max (ties to the lowest expert id, NaN counted as
+  +inf as torch.topk does), the gates (normalised, scaled); each program adds its tokens' picks per expert and
+  the column sums of the load-balancing loss's density (softmax: p; sigmoid: s / sum(s)) into two int64 [E]
+  vectors with integer atomics, the density in fixed point (units of 2^-32): integer sums do not depend on the
+  order of the additions, so the results are bitwise reproducible (float atomics would not be).
+  ``_route_finish_kernel`` (one program): the auxiliary loss from the two vectors.
 Backward: ``_route_bwd_kernel`` recomputes p (or s) from the saved logits and writes d(logits) from d(gates) and
 d(aux) in one pass.
 
@@ -46,74 +47,69 @@ def _route_fwd_kernel(
     bias_ptr,    # float32 [E] (HAS_BIAS)
     idx_ptr,     # int64 [T, K] out
     gates_ptr,   # float32 [T, K] out
-    cnt_part_ptr,  # int32 [P, E] out: picks of each expert by this program's tokens
-    den_part_ptr,  # float32 [P, E] out: column sums of the density over this program's tokens
+    counts_ptr,  # int64 [E], zeroed: picks of each expert (integer atomics: order-free, reproducible)
+    denfx_ptr,   # int64 [E], zeroed: column sums of the density in fixed point (DEN_ONE = 1.0), same reason
     T, E, scale,
     K: tl.constexpr, KP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHUNKS: tl.constexpr, DEN_ONE: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
-    rmask = rows < T
     cmask = cols < E
-    m2 = rmask[:, None] & cmask[None, :]
-    cmask2 = (rows >= 0)[:, None] & cmask[None, :]
-    l = tl.load(logits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], mask=m2, other=0.0)
-    l = tl.where(cmask2, l, -float("inf"))
-    val, den = _scores(l, cmask2, SIGMOID)
-    choice = val
-    if HAS_BIAS:
-        choice = choice + tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
-    choice = tl.where(choice != choice, float("inf"), choice)  # NaN ranks above everything, as in torch.topk
     kcols = tl.arange(0, KP)
-    avail = cmask2
-    picked = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
-    g2 = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
-    i2 = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
-    for j in tl.static_range(K):
-        c = tl.where(avail, choice, -float("inf"))
-        m = tl.max(c, 1)
-        j_idx = tl.min(tl.where(avail & (c == m[:, None]), cols[None, :], BLOCK_E), 1)
-        hit = cols[None, :] == j_idx[:, None]
-        g = tl.sum(tl.where(hit, val, 0.0), 1)
-        g2 = tl.where(kcols[None, :] == j, g[:, None], g2)
-        i2 = tl.where(kcols[None, :] == j, j_idx[:, None], i2)
-        avail = avail & (~hit)
-        picked += hit.to(tl.int32)
-    if NORM:
-        g2 = g2 / tl.sum(g2, 1)[:, None]
-    g2 = g2 * scale
-    kmask = rmask[:, None] & (kcols[None, :] < K)
-    out_off = rows[:, None].to(tl.int64) * K + kcols[None, :]
-    tl.store(idx_ptr + out_off, i2.to(tl.int64), mask=kmask)
-    tl.store(gates_ptr + out_off, g2, mask=kmask)
-    picked = tl.where(rmask[:, None], picked, 0)
-    den = tl.where(m2, den, 0.0)
-    tl.store(cnt_part_ptr + pid * E + cols, tl.sum(picked, 0), mask=cmask)
-    tl.store(den_part_ptr + pid * E + cols, tl.sum(den, 0), mask=cmask)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=cmask, other=0.0)
+    cnt_acc = tl.zeros([BLOCK_E], dtype=tl.int32)
+    den_acc = tl.zeros([BLOCK_E], dtype=tl.int64)
+    for c in range(CHUNKS):
+        rows = (pid * CHUNKS + c) * BLOCK_T + tl.arange(0, BLOCK_T)
+        rmask = rows < T
+        m2 = rmask[:, None] & cmask[None, :]
+        cmask2 = (rows >= 0)[:, None] & cmask[None, :]
+        l = tl.load(logits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], mask=m2, other=0.0)
+        l = tl.where(cmask2, l, -float("inf"))
+        val, den = _scores(l, cmask2, SIGMOID)
+        choice = val
+        if HAS_BIAS:
+            choice = choice + bias[None, :]
+        choice = tl.where(choice != choice, float("inf"), choice)  # NaN ranks above everything, as in torch.topk
+        avail = cmask2
+        g2 = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
+        i2 = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
+        for j in tl.static_range(K):
+            cj = tl.where(avail, choice, -float("inf"))
+            m = tl.max(cj, 1)
+            j_idx = tl.min(tl.where(avail & (cj == m[:, None]), cols[None, :], BLOCK_E), 1)
+            hit = cols[None, :] == j_idx[:, None]
+            g = tl.sum(tl.where(hit, val, 0.0), 1)
+            g2 = tl.where(kcols[None, :] == j, g[:, None], g2)
+            i2 = tl.where(kcols[None, :] == j, j_idx[:, None], i2)
+            avail = avail & (~hit)
+        if NORM:
+            g2 = g2 / tl.sum(g2, 1)[:, None]
+        g2 = g2 * scale
+        kmask = rmask[:, None] & (kcols[None, :] < K)
+        out_off = rows[:, None].to(tl.int64) * K + kcols[None, :]
+        tl.store(idx_ptr + out_off, i2.to(tl.int64), mask=kmask)
+        tl.store(gates_ptr + out_off, g2, mask=kmask)
+        picked = m2 & (~avail)  # the K experts taken from each valid token
+        cnt_acc += tl.sum(picked.to(tl.int32), 0)
+        den_acc += tl.sum(tl.where(m2, den * DEN_ONE, 0.0).to(tl.int64), 0)
+    tl.atomic_add(counts_ptr + cols, cnt_acc.to(tl.int64), mask=cmask)
+    tl.atomic_add(denfx_ptr + cols, den_acc, mask=cmask)
 
 
 @triton.jit
 def _route_finish_kernel(
-    cnt_part_ptr, den_part_ptr,  # [P, E] partials of the forward kernel
-    counts_ptr,  # int64 [E] out: tokens_per_expert
+    counts_ptr, denfx_ptr,  # int64 [E]: the forward kernel's sums
     aux_ptr,     # float32 [1] out: coef * E * sum_e counts_e / (T K) * den_e / T
-    P, E, inv_tk, inv_t, coef_e,
-    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+    E, inv_tk, inv_t, coef_e,
+    BLOCK_E: tl.constexpr, DEN_ONE: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_E)
     cmask = cols < E
-    cnt = tl.zeros([BLOCK_E], dtype=tl.int64)
-    den = tl.zeros([BLOCK_E], dtype=tl.float32)
-    for p0 in range(0, P, BLOCK_P):
-        prow = p0 + tl.arange(0, BLOCK_P)
-        msk = (prow < P)[:, None] & cmask[None, :]
-        off = prow[:, None] * E + cols[None, :]
-        cnt += tl.sum(tl.load(cnt_part_ptr + off, mask=msk, other=0).to(tl.int64), 0)
-        den += tl.sum(tl.load(den_part_ptr + off, mask=msk, other=0.0), 0)
-    tl.store(counts_ptr + cols, cnt, mask=cmask)
-    frac = cnt.to(tl.float32) * inv_tk
+    frac = tl.load(counts_ptr + cols, mask=cmask, other=0).to(tl.float32) * inv_tk
+    den = tl.load(denfx_ptr + cols, mask=cmask, other=0).to(tl.float32) * (1.0 / DEN_ONE)
     aux = coef_e * tl.sum(tl.where(cmask, frac * (den * inv_t), 0.0), 0)
     tl.store(aux_ptr + tl.arange(0, 1), tl.full([1], 0.0, tl.float32) + aux)
 
@@ -179,12 +175,19 @@ def _route_bwd_kernel(
     tl.store(dlogits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], dl, mask=m2)
 
 
+#: fixed-point unit of the density sums: 2^32 (a token's density is <= 1; T * 2^32 fits int64 for T < 2^31), so
+#: the loss's column sums are exact integers whatever order the programs add them in
+DEN_ONE = 4294967296.0
+
+
 def _blocks(E: int, K: int) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_E, KP, CHUNKS): ~4 values per thread of each [BLOCK_T, BLOCK_E] array at 4 warps (a first
+    version with 32 tokens per program held 32, spilled at 255 registers and took 28 us on qwen3's 4096 tokens,
+    2x H200), CHUNKS tiles per program."""
     block_e = triton.next_power_of_2(E)
     kp = triton.next_power_of_2(K)
-    block_t = max(1, min(64, 4096 // block_e))  # ~4k float32 per tile: E = 128 -> 32 tokens, E = 256 -> 16
-    num_warps = 4 if block_e * block_t <= 4096 else 8
-    return block_t, block_e, kp, num_warps
+    block_t = max(1, 512 // block_e)  # E = 128: 4 tokens, E = 256: 2
+    return block_t, block_e, kp, 4
 
 
 class RouteTopk(torch.autograd.Function):
@@ -196,26 +199,22 @@ class RouteTopk(torch.autograd.Function):
         logits = logits.contiguous()
         T, E = logits.shape
         dev = logits.device
-        block_t, block_e, kp, warps = _blocks(E, k)
-        P = triton.cdiv(T, block_t)
+        block_t, block_e, kp, chunks = _blocks(E, k)
         idx = torch.empty(T, k, dtype=torch.int64, device=dev)
         gates = torch.empty(T, k, dtype=torch.float32, device=dev)
-        cnt_part = torch.empty(P, E, dtype=torch.int32, device=dev)
-        den_part = torch.empty(P, E, dtype=torch.float32, device=dev)
+        sums = torch.zeros(2, E, dtype=torch.int64, device=dev)  # counts, density in fixed point
+        counts, denfx = sums[0], sums[1]
         has_bias = bias is not None
         b = bias.detach().to(torch.float32).contiguous() if has_bias else gates
-        _route_fwd_kernel[(P,)](
-            logits, b, idx, gates, cnt_part, den_part, T, E, float(scale),
+        _route_fwd_kernel[(triton.cdiv(T, block_t * chunks),)](
+            logits, b, idx, gates, counts, denfx, T, E, float(scale),
             K=k, KP=kp, SIGMOID=sigmoid, HAS_BIAS=has_bias, NORM=norm, BLOCK_T=block_t, BLOCK_E=block_e,
-            num_warps=warps,
+            CHUNKS=chunks, DEN_ONE=DEN_ONE, num_warps=4,
         )
-        counts = torch.empty(E, dtype=torch.int64, device=dev)
         aux = torch.empty(1, dtype=torch.float32, device=dev)
         coef_e = float(coef) * E
-        _route_finish_kernel[(1,)](
-            cnt_part, den_part, counts, aux, P, E, 1.0 / (T * k), 1.0 / T, coef_e,
-            BLOCK_P=max(1, min(64, 8192 // block_e)), BLOCK_E=block_e, num_warps=4,
-        )
+        _route_finish_kernel[(1,)](counts, denfx, aux, E, 1.0 / (T * k), 1.0 / T, coef_e, BLOCK_E=block_e,
+                                   DEN_ONE=DEN_ONE, num_warps=4)
         ctx.save_for_backward(logits, idx, counts)
         ctx.cfg = (k, sigmoid, norm, float(scale), coef_e)
         ctx.mark_non_differentiable(idx, counts)
@@ -226,7 +225,7 @@ class RouteTopk(torch.autograd.Function):
         logits, idx, counts = ctx.saved_tensors
         k, sigmoid, norm, scale, coef_e = ctx.cfg
         T, E = logits.shape
-        block_t, block_e, kp, warps = _blocks(E, k)
+        block_t, block_e, kp, _ = _blocks(E, k)
         dlogits = torch.empty_like(logits)
         has_dg = d_gates is not None
         has_daux = d_aux is not None and coef_e != 0.0
@@ -235,6 +234,6 @@ class RouteTopk(torch.autograd.Function):
         _route_bwd_kernel[(triton.cdiv(T, block_t),)](
             logits, idx, dg, counts, da, dlogits, T, E, scale, 1.0 / (T * k), 1.0 / T, coef_e,
             K=k, KP=kp, SIGMOID=sigmoid, NORM=norm, HAS_DG=has_dg, HAS_DAUX=has_daux,
-            BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps,
+            BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4,
         )
         return dlogits, None, None, None, None, None, None

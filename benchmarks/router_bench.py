@@ -1,0 +1,80 @@
+"""Device time of the router (megamoe.router.route) per implementation, forward and forward + backward.
+
+    python benchmarks/router_bench.py [--tokens 4096] [--json out.json]     (one GPU)
+
+Eager timings of route() measure the host's launches, not the GPU, so this sums the device time of every kernel
+(torch.profiler) per iteration and counts the kernels: in a CUDA graph (how training runs the layer) each
+kernel adds ~1-2 us of gap on top of its device time. The logit GEMM is included (the same in both impls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from megamoe.config import preset
+from megamoe.perf import run_metadata
+from megamoe.router import route
+
+
+def device_time(fn, iters: int = 20) -> tuple[float, float]:
+    """(us of kernel time per iteration, kernels per iteration)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    evs = [e for e in p.key_averages() if e.device_time_total > 0]
+    return (sum(e.device_time_total for e in evs) / iters, sum(e.count for e in evs) / iters)
+
+
+def measure(cfg, x, w, bias, dg, impl: str) -> tuple[float, float, float, float]:
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    one = torch.ones((), device=x.device)
+
+    def fwd():
+        with torch.no_grad():
+            route(x, w, cfg, bias, impl=impl)
+
+    def fwd_bwd():
+        r = route(xr, wr, cfg, bias, impl=impl)
+        torch.autograd.backward([r.topk_w, r.aux_loss], [dg, one])
+        xr.grad = wr.grad = None
+
+    return (*device_time(fwd), *device_time(fwd_bwd))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--presets", default="qwen3-30b-a3b,deepseek-v3,mixtral-8x7b")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    rows = []
+    for name in args.presets.split(","):
+        cfg = preset(name)
+        g = torch.Generator(device=dev).manual_seed(0)
+        x = torch.randn(args.tokens, cfg.hidden, device=dev, generator=g, dtype=torch.bfloat16)
+        w = (torch.randn(cfg.num_experts, cfg.hidden, device=dev, generator=g) * cfg.hidden ** -0.5).to(torch.bfloat16)
+        bias = torch.zeros(cfg.num_experts, device=dev) if cfg.router == "sigmoid" else None
+        dg = torch.randn(args.tokens, cfg.top_k, device=dev, generator=g)
+        for impl in ("torch", "triton"):
+            f_us, f_n, fb_us, fb_n = measure(cfg, x, w, bias, dg, impl)
+            rows.append({"preset": name, "impl": impl, "tokens": args.tokens, "fwd_us": f_us, "fwd_kernels": f_n,
+                         "fwd_bwd_us": fb_us, "fwd_bwd_kernels": fb_n})
+            print(f"{name:15s} {impl:6s} forward {f_us:7.1f} us ({f_n:4.1f} kernels)   "
+                  f"forward+backward {fb_us:7.1f} us ({fb_n:4.1f} kernels)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": run_metadata(dev, 1), "what": __doc__.strip().split("\n")[0], "results": rows}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
