@@ -20,8 +20,8 @@ from megamoe.perf import run_metadata
 from megamoe.router import route
 
 
-def device_time(fn, iters: int = 20) -> tuple[float, float]:
-    """(us of kernel time per iteration, kernels per iteration)."""
+def device_time(fn, iters: int = 20) -> tuple[float, float, dict]:
+    """(us of kernel time per iteration, kernels per iteration, {kernel: us per iteration})."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -30,10 +30,11 @@ def device_time(fn, iters: int = 20) -> tuple[float, float]:
             fn()
         torch.cuda.synchronize()
     evs = [e for e in p.key_averages() if e.device_time_total > 0]
-    return (sum(e.device_time_total for e in evs) / iters, sum(e.count for e in evs) / iters)
+    per = {e.key[:40]: round(e.device_time_total / iters, 2) for e in evs}
+    return (sum(e.device_time_total for e in evs) / iters, sum(e.count for e in evs) / iters, per)
 
 
-def measure(cfg, x, w, bias, dg, impl: str) -> tuple[float, float, float, float]:
+def measure(cfg, x, w, bias, dg, impl: str) -> tuple:
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     one = torch.ones((), device=x.device)
 
@@ -65,11 +66,13 @@ def main() -> None:
         bias = torch.zeros(cfg.num_experts, device=dev) if cfg.router == "sigmoid" else None
         dg = torch.randn(args.tokens, cfg.top_k, device=dev, generator=g)
         for impl in ("torch", "triton"):
-            f_us, f_n, fb_us, fb_n = measure(cfg, x, w, bias, dg, impl)
+            f_us, f_n, f_per, fb_us, fb_n, fb_per = measure(cfg, x, w, bias, dg, impl)
             rows.append({"preset": name, "impl": impl, "tokens": args.tokens, "fwd_us": f_us, "fwd_kernels": f_n,
-                         "fwd_bwd_us": fb_us, "fwd_bwd_kernels": fb_n})
+                         "fwd_bwd_us": fb_us, "fwd_bwd_kernels": fb_n, "fwd_bwd_per_kernel_us": fb_per})
             print(f"{name:15s} {impl:6s} forward {f_us:7.1f} us ({f_n:4.1f} kernels)   "
                   f"forward+backward {fb_us:7.1f} us ({fb_n:4.1f} kernels)", flush=True)
+            if impl == "triton":
+                print("    " + ", ".join(f"{k} {v}" for k, v in sorted(fb_per.items(), key=lambda kv: -kv[1])))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": run_metadata(dev, 1), "what": __doc__.strip().split("\n")[0], "results": rows}, f,

@@ -53,6 +53,7 @@ def _route_fwd_kernel(
     K: tl.constexpr, KP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHUNKS: tl.constexpr, DEN_ONE: tl.constexpr,
 ):
+    GATE_IS_CHOICE: tl.constexpr = not SIGMOID and not HAS_BIAS
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     cmask = cols < E
@@ -73,18 +74,27 @@ def _route_fwd_kernel(
         if HAS_BIAS:
             choice = choice + bias[None, :]
         choice = tl.where(choice != choice, float("inf"), choice)  # NaN ranks above everything, as in torch.topk
-        avail = cmask2
+        # one int64 key per score: its float bits made monotonic, above the reversed expert id, so that one max
+        # gives the largest score and, among equal scores, the lowest id; taken experts get the sentinel
+        bits = choice.to(tl.int32, bitcast=True)
+        mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        key = (mono.to(tl.int64) << 32) + (BLOCK_E - 1 - cols)[None, :].to(tl.int64)
+        gone = tl.full([BLOCK_T, BLOCK_E], -2147483648, tl.int64) << 32  # below the key of -inf
+        key = tl.where(cmask2, key, gone)
         g2 = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
         i2 = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
         for j in tl.static_range(K):
-            cj = tl.where(avail, choice, -float("inf"))
-            m = tl.max(cj, 1)
-            j_idx = tl.min(tl.where(avail & (cj == m[:, None]), cols[None, :], BLOCK_E), 1)
+            top = tl.max(key, 1)
+            j_idx = (BLOCK_E - 1) - (top & 0xFFFFFFFF).to(tl.int32)
             hit = cols[None, :] == j_idx[:, None]
-            g = tl.sum(tl.where(hit, val, 0.0), 1)
+            if GATE_IS_CHOICE:  # the gate is the score just ranked: read it back from the key
+                tb = (top >> 32).to(tl.int32)
+                g = (tb ^ ((tb >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+            else:
+                g = tl.sum(tl.where(hit, val, 0.0), 1)
             g2 = tl.where(kcols[None, :] == j, g[:, None], g2)
             i2 = tl.where(kcols[None, :] == j, j_idx[:, None], i2)
-            avail = avail & (~hit)
+            key = tl.where(hit, gone, key)
         if NORM:
             g2 = g2 / tl.sum(g2, 1)[:, None]
         g2 = g2 * scale
@@ -92,7 +102,7 @@ def _route_fwd_kernel(
         out_off = rows[:, None].to(tl.int64) * K + kcols[None, :]
         tl.store(idx_ptr + out_off, i2.to(tl.int64), mask=kmask)
         tl.store(gates_ptr + out_off, g2, mask=kmask)
-        picked = m2 & (~avail)  # the K experts taken from each valid token
+        picked = m2 & (key == gone)  # the K experts taken from each valid token
         cnt_acc += tl.sum(picked.to(tl.int32), 0)
         den_acc += tl.sum(tl.where(m2, den * DEN_ONE, 0.0).to(tl.int64), 0)
     tl.atomic_add(counts_ptr + cols, cnt_acc.to(tl.int64), mask=cmask)
@@ -181,13 +191,14 @@ DEN_ONE = 4294967296.0
 
 
 def _blocks(E: int, K: int) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_E, KP, CHUNKS): ~4 values per thread of each [BLOCK_T, BLOCK_E] array at 4 warps (a first
-    version with 32 tokens per program held 32, spilled at 255 registers and took 28 us on qwen3's 4096 tokens,
-    2x H200), CHUNKS tiles per program."""
+    """(BLOCK_T, BLOCK_E, KP, CHUNKS): ~16 values per thread of each [BLOCK_T, BLOCK_E] array; the forward runs one
+    warp per program, so that a token's scores sit in one warp and the top-k's reductions are warp shuffles (with
+    4 warps and 256 experts Triton splits a token over 2 warps: shared memory and a barrier per reduction).
+    History, 2x H200, qwen3 4096 tokens: 32 tokens per program at 4 warps spilled (255 registers), ~28 us."""
     block_e = triton.next_power_of_2(E)
     kp = triton.next_power_of_2(K)
     block_t = max(1, 512 // block_e)  # E = 128: 4 tokens, E = 256: 2
-    return block_t, block_e, kp, 4
+    return block_t, block_e, kp, 2
 
 
 class RouteTopk(torch.autograd.Function):
@@ -209,7 +220,7 @@ class RouteTopk(torch.autograd.Function):
         _route_fwd_kernel[(triton.cdiv(T, block_t * chunks),)](
             logits, b, idx, gates, counts, denfx, T, E, float(scale),
             K=k, KP=kp, SIGMOID=sigmoid, HAS_BIAS=has_bias, NORM=norm, BLOCK_T=block_t, BLOCK_E=block_e,
-            CHUNKS=chunks, DEN_ONE=DEN_ONE, num_warps=4,
+            CHUNKS=chunks, DEN_ONE=DEN_ONE, num_warps=1,
         )
         aux = torch.empty(1, dtype=torch.float32, device=dev)
         coef_e = float(coef) * E
