@@ -166,6 +166,11 @@ def _bad_options(rank, world):
         msgs.append(None)
     except ValueError as exc:
         msgs.append(str(exc))
+    try:
+        MoE(preset("tiny"), backend="fused", stages=5)
+        msgs.append(None)
+    except ValueError as exc:
+        msgs.append(str(exc))
     return msgs
 
 
@@ -181,3 +186,4 @@ def test_fused_rejects_bad_options():
     assert msgs[7] is not None and "ring_rows" in msgs[7]
     assert msgs[8][0] == msgs[8][1]
     assert msgs[9] is not None and "slots" in msgs[9]
+    assert msgs[10] is not None and "stages" in msgs[10]

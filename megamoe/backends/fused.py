@@ -34,8 +34,9 @@ ring of that many BM-row blocks, memory independent of routing; ``MoEConfig.ring
 rows, rounded up to whole blocks), ``programs`` (persistent programs of the megakernel; default the SM count),
 ``lookahead`` (pull -> GEMM1 distance in steps), ``pull_split`` (pull items per block), ``group_blocks``
 (blocks per step whose GEMM tiles run side by side, sharing weight tiles in L2), ``combine`` ("pull" or
-"push"), ``fused_backward``, ``comm_sms`` (programs of the staging / backward communication kernels, default
-every SM), ``timeout_s`` (bound of every device wait).
+"push"), ``fused_backward``, ``stages`` (pipeline depth of the GEMM k-loops, 1-4, default 4), ``comm_sms``
+(programs of the staging / backward communication kernels, default every SM), ``timeout_s`` (bound of every
+device wait).
 
 Capacity: no token is ever dropped: dense buffers hold the worst case (every token of every rank routed
 here); a ring cycles as many times as the routing needs. With ``combine="push"`` the symmetric heap adds a
@@ -135,7 +136,7 @@ class FusedBackend:
     def __init__(self, moe, ring_blocks: int | None = None, programs: int | None = None,
                  lookahead: int | None = None, pull_split: int | None = None, group_blocks: int | None = None,
                  comm_sms: int | None = None, timeout_s: float = 60.0, fused_backward: bool = False,
-                 combine: str = "push"):
+                 combine: str = "push", stages: int | None = None):
         cfg = moe.config
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"backend 'fused' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
@@ -155,6 +156,10 @@ class FusedBackend:
             if lookahead < 1:
                 raise ValueError(f"lookahead must be >= 1, got {lookahead}")
             self.config = self.config.with_(lookahead=int(lookahead))
+        if stages is not None:  # pipeline depth of the megakernel's GEMM k-loops
+            if not 1 <= int(stages) <= 4:
+                raise ValueError(f"stages must be 1..4 (4 fills the shared memory at the default tiles), got {stages}")
+            self.config = self.config.with_(num_stages=int(stages))
         if group_blocks is not None:
             if group_blocks < 1:
                 raise ValueError(f"group_blocks must be >= 1, got {group_blocks}")
