@@ -191,14 +191,16 @@ DEN_ONE = 4294967296.0
 
 
 def _blocks(E: int, K: int) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_E, KP, CHUNKS): ~16 values per thread of each [BLOCK_T, BLOCK_E] array; the forward runs one
-    warp per program, so that a token's scores sit in one warp and the top-k's reductions are warp shuffles (with
-    4 warps and 256 experts Triton splits a token over 2 warps: shared memory and a barrier per reduction).
-    History, 2x H200, qwen3 4096 tokens: 32 tokens per program at 4 warps spilled (255 registers), ~28 us."""
+    """(BLOCK_T, BLOCK_E, KP, CHUNKS) at 4 warps: ~4 values per thread of each [BLOCK_T, BLOCK_E] array, one tile
+    per program, so that thousands of warps are in flight: the kernel is a chain of dependent reductions per token,
+    and its time is that chain's latency unless many tokens run side by side. Measured on an H200, 4096 tokens,
+    forward kernel alone (router_bench.py): 32 tokens per program at 4 warps spilled (255 registers), ~28 us on
+    qwen3; 4 tokens x 4 chunks at 4 warps ~15 us on qwen3 (E = 128) and ~35 on deepseek (E = 256); one warp per
+    program with 2 chunks of 4 tokens (a token's scores in one warp) 32.6 / 66.5 us: too few warps in flight."""
     block_e = triton.next_power_of_2(E)
     kp = triton.next_power_of_2(K)
     block_t = max(1, 512 // block_e)  # E = 128: 4 tokens, E = 256: 2
-    return block_t, block_e, kp, 2
+    return block_t, block_e, kp, 1
 
 
 class RouteTopk(torch.autograd.Function):
@@ -220,7 +222,7 @@ class RouteTopk(torch.autograd.Function):
         _route_fwd_kernel[(triton.cdiv(T, block_t * chunks),)](
             logits, b, idx, gates, counts, denfx, T, E, float(scale),
             K=k, KP=kp, SIGMOID=sigmoid, HAS_BIAS=has_bias, NORM=norm, BLOCK_T=block_t, BLOCK_E=block_e,
-            CHUNKS=chunks, DEN_ONE=DEN_ONE, num_warps=1,
+            CHUNKS=chunks, DEN_ONE=DEN_ONE, num_warps=4,
         )
         aux = torch.empty(1, dtype=torch.float32, device=dev)
         coef_e = float(coef) * E
