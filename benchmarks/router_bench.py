@@ -50,11 +50,45 @@ def measure(cfg, x, w, bias, dg, impl: str) -> tuple:
     return (*device_time(fwd), *device_time(fwd_bwd))
 
 
+SWEEP = [(bt, ch, w) for bt in (2, 4, 8, 16, 32) for ch in (1, 4) for w in (4, 8) if bt * ch <= 64]
+
+
+def sweep(cfg, x, w, bias, dev) -> list[dict]:
+    """Every forward-kernel config of SWEEP: checked against the torch path (same experts and counts, gates and
+    loss within float rounding), then timed (the forward kernel alone, profiler)."""
+    from megamoe.kernels import router_topk
+
+    with torch.no_grad():
+        ref = route(x, w, cfg, bias, impl="torch")
+    rows = []
+    for bt, ch, wp in SWEEP:
+        router_topk.PIN = (bt, ch, wp)
+        try:
+            with torch.no_grad():
+                r = route(x, w, cfg, bias, impl="triton")
+            ok = (torch.equal(r.topk_idx, ref.topk_idx) and torch.equal(r.tokens_per_expert, ref.tokens_per_expert)
+                  and torch.allclose(r.topk_w, ref.topk_w, rtol=2e-6, atol=1e-7)
+                  and torch.allclose(r.aux_loss, ref.aux_loss, rtol=1e-5, atol=1e-9))
+
+            def fwd():
+                with torch.no_grad():
+                    route(x, w, cfg, bias, impl="triton")
+
+            per = device_time(fwd)[2]
+            us = sum(v for k, v in per.items() if k.startswith("_route_fwd"))
+        finally:
+            router_topk.PIN = None
+        rows.append({"block_t": bt, "chunks": ch, "warps": wp, "correct": bool(ok), "fwd_kernel_us": us})
+        print(f"    BLOCK_T {bt:3d} CHUNKS {ch} warps {wp}: {us:7.2f} us  {'ok' if ok else 'WRONG'}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--presets", default="qwen3-30b-a3b,deepseek-v3,mixtral-8x7b")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true", help="also time the forward kernel's configs (SWEEP)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     rows = []
@@ -73,6 +107,8 @@ def main() -> None:
                   f"forward+backward {fb_us:7.1f} us ({fb_n:4.1f} kernels)", flush=True)
             if impl == "triton":
                 print("    " + ", ".join(f"{k} {v}" for k, v in sorted(fb_per.items(), key=lambda kv: -kv[1])))
+                if args.sweep:
+                    rows[-1]["sweep"] = sweep(cfg, x, w, bias, dev)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": run_metadata(dev, 1), "what": __doc__.strip().split("\n")[0], "results": rows}, f,

@@ -190,6 +190,11 @@ def _route_bwd_kernel(
 DEN_ONE = 4294967296.0
 
 
+#: (BLOCK_T, CHUNKS, num_warps) of the forward kernel for every E, or None for :func:`_blocks`' choice: a pin for
+#: benchmarks/router_bench.py's sweep (it checks every pinned config against the torch path before timing it)
+PIN: tuple[int, int, int] | None = None
+
+
 def _blocks(E: int, K: int) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_E, KP, CHUNKS) at 4 warps: ~4 values per thread of each [BLOCK_T, BLOCK_E] array, one tile
     per program, so that thousands of warps are in flight: the kernel is a chain of dependent reductions per token,
@@ -213,6 +218,9 @@ class RouteTopk(torch.autograd.Function):
         T, E = logits.shape
         dev = logits.device
         block_t, block_e, kp, chunks = _blocks(E, k)
+        warps = 4
+        if PIN is not None:
+            block_t, chunks, warps = PIN
         idx = torch.empty(T, k, dtype=torch.int64, device=dev)
         gates = torch.empty(T, k, dtype=torch.float32, device=dev)
         sums = torch.zeros(2, E, dtype=torch.int64, device=dev)  # counts, density in fixed point
@@ -222,7 +230,7 @@ class RouteTopk(torch.autograd.Function):
         _route_fwd_kernel[(triton.cdiv(T, block_t * chunks),)](
             logits, b, idx, gates, counts, denfx, T, E, float(scale),
             K=k, KP=kp, SIGMOID=sigmoid, HAS_BIAS=has_bias, NORM=norm, BLOCK_T=block_t, BLOCK_E=block_e,
-            CHUNKS=chunks, DEN_ONE=DEN_ONE, num_warps=4,
+            CHUNKS=chunks, DEN_ONE=DEN_ONE, num_warps=warps,
         )
         aux = torch.empty(1, dtype=torch.float32, device=dev)
         coef_e = float(coef) * E
