@@ -48,7 +48,7 @@ def _route_fwd_kernel(
     idx_ptr,     # int64 [T, K] out
     gates_ptr,   # float32 [T, K] out
     counts_ptr,  # int64 [E], zeroed: picks of each expert (integer atomics: order-free, reproducible)
-    denfx_ptr,   # int64 [E], zeroed: column sums of the density in fixed point (DEN_ONE = 1.0), same reason
+    denfx_ptr,   # int64 [E], zeroed: column sums of the density in fixed point (units of 1 / DEN_ONE), same reason
     T, E, scale,
     K: tl.constexpr, KP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHUNKS: tl.constexpr, DEN_ONE: tl.constexpr,
@@ -216,6 +216,8 @@ class RouteTopk(torch.autograd.Function):
     def forward(ctx, logits, bias, k: int, sigmoid: bool, norm: bool, scale: float, coef: float):
         logits = logits.contiguous()
         T, E = logits.shape
+        if T >= 2**31:  # the fixed-point density sums (T * 2^32) and the kernels' int32 row numbers
+            raise ValueError(f"the Triton router takes fewer than 2^31 tokens per call, got {T}; use impl='torch'")
         dev = logits.device
         block_t, block_e, kp, chunks = _blocks(E, k)
         warps = 4
