@@ -27,18 +27,25 @@ import triton.language as tl
 
 
 @triton.jit
-def _scores(l, cmask2, SIGMOID: tl.constexpr):
-    """Per token: (value picked as gate, density for the aux loss). Padding columns hold l = -inf."""
+def _load_scores(logits_ptr, rows, cols, T, E, SIGMOID: tl.constexpr):
+    """Tokens ``rows`` of the logits -> (rmask, m2 (valid token and expert), cmask2 (valid expert), value picked as
+    gate, density for the aux loss). Padding columns hold l = -inf, i.e. p = s = 0."""
+    rmask = rows < T
+    cmask = cols < E
+    m2 = rmask[:, None] & cmask[None, :]
+    cmask2 = (rows >= 0)[:, None] & cmask[None, :]
+    l = tl.load(logits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], mask=m2, other=0.0)
+    l = tl.where(cmask2, l, -float("inf"))
     if SIGMOID:
         s = 1.0 / (1.0 + tl.exp(-l))
         s = tl.where(cmask2, s, 0.0)
         z = tl.sum(s, 1)
-        return s, s / z[:, None]
+        return rmask, m2, cmask2, s, s / z[:, None]
     mx = tl.max(l, 1)
     ex = tl.exp(l - mx[:, None])
     ex = tl.where(cmask2, ex, 0.0)
     p = ex / tl.sum(ex, 1)[:, None]
-    return p, p
+    return rmask, m2, cmask2, p, p
 
 
 @triton.jit
@@ -64,12 +71,7 @@ def _route_fwd_kernel(
     den_acc = tl.zeros([BLOCK_E], dtype=tl.int64)
     for c in range(CHUNKS):
         rows = (pid * CHUNKS + c) * BLOCK_T + tl.arange(0, BLOCK_T)
-        rmask = rows < T
-        m2 = rmask[:, None] & cmask[None, :]
-        cmask2 = (rows >= 0)[:, None] & cmask[None, :]
-        l = tl.load(logits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], mask=m2, other=0.0)
-        l = tl.where(cmask2, l, -float("inf"))
-        val, den = _scores(l, cmask2, SIGMOID)
+        rmask, m2, cmask2, val, den = _load_scores(logits_ptr, rows, cols, T, E, SIGMOID)
         choice = val
         if HAS_BIAS:
             choice = choice + bias[None, :]
@@ -139,13 +141,8 @@ def _route_bwd_kernel(
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
-    rmask = rows < T
     cmask = cols < E
-    m2 = rmask[:, None] & cmask[None, :]
-    cmask2 = (rows >= 0)[:, None] & cmask[None, :]
-    l = tl.load(logits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], mask=m2, other=0.0)
-    l = tl.where(cmask2, l, -float("inf"))
-    val, den = _scores(l, cmask2, SIGMOID)
+    rmask, m2, cmask2, val, den = _load_scores(logits_ptr, rows, cols, T, E, SIGMOID)
     # d(value) from the gates: g_j = val[idx_j]; w_j = scale * g_j / S (NORM, S = sum_j g_j) or scale * g_j
     dval = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
     if HAS_DG:
