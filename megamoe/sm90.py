@@ -295,6 +295,37 @@ def _wgrad_outputs(compiled: dict, where: dict) -> None:
             where[f"_grouped_wgrad_kernel#{key[:8]}"] = f"wgrad/default/{str(dt).replace('torch.', '')}"
 
 
+#: the router kernels' cases (megamoe/kernels/router_topk.py) that :func:`_router` compiles: (label, E, k, sigmoid,
+#: with a bias, tokens); the layers run on CPU tensors and so take the torch router. One token: T = 1 arrives as a
+#: constexpr.
+ROUTER_CASES = [
+    ("qwen3", 128, 8, False, False, 4096),
+    ("deepseek", 256, 8, True, True, 4096),
+    ("mixtral", 8, 2, False, False, 4096),
+    ("gpt-oss/1tok", 128, 4, False, False, 1),
+]
+
+
+def _router(compiled: dict, where: dict) -> None:
+    """The router's forward and backward kernels at every preset's (E, k, router) (the first Triton router spilled at
+    255 registers and ran 2x slower than it does now, 2x H200, 2026-11-30)."""
+    import torch
+
+    from megamoe.kernels.router_topk import RouteTopk
+
+    for label, E, k, sigmoid, bias, T in ROUTER_CASES:
+        names = ("_route_fwd_kernel", "_route_finish_kernel", "_route_bwd_kernel")
+        before = {n: set(compiled.get(n, {})) for n in names}
+        with compile_only(compiled):
+            logits = torch.zeros(T, E, requires_grad=True)
+            idx, gates, aux, counts = RouteTopk.apply(logits, torch.zeros(E) if bias else None, k, sigmoid, True,
+                                                      2.5 if sigmoid else 1.0, 0.01)
+            (gates.sum() + aux).backward()
+        for n, keys in before.items():
+            for key in set(compiled.get(n, {})) - keys:
+                where[f"{n}#{key[:8]}"] = f"router/{label}"
+
+
 def _layer_rank(rank: int, world: int) -> dict:
     import torch
 
@@ -324,6 +355,7 @@ def _layer_rank(rank: int, world: int) -> dict:
         _gluon_fp8(compiled, where)
         _gluon_bf16(compiled, where)
         _wgrad_outputs(compiled, where)
+        _router(compiled, where)
     return {f"{n}#{key[:8]}": {"layer": where.get(f"{n}#{key[:8]}", ""), **_summary(k)}
             for n, ks in compiled.items() for key, k in ks.items()}
 

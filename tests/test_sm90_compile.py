@@ -5,7 +5,8 @@ specialisation its real launch gets (megamoe/sm90.py): what the interpreter cann
   int argument equal to 1 into a constexpr; ``ntok.to(...)`` then failed to compile on the H200);
 - no kernel moves data through global memory 1 or 2 bytes at a time: what a row pointer loaded from the
   heap's table without an alignment hint produced in the fused megakernel (its GEMM2 epilogue and combine);
-- the GEMM-bound kernels do not spill registers (the d(topk_w) kernel spilled 456 bytes per thread);
+- the GEMM-bound kernels and the router's do not spill registers (the d(topk_w) kernel spilled 456 bytes per
+  thread; the first Triton router 36-84, and ran 2x slower);
 - ptxas serialises no kernel's wgmmas (warning C751x), and every variant of the Gluon FP8 GEMM (plain, SwiGLU,
   SwiGLU backward) keeps one in flight, does not spill, and (SwiGLU and its backward) promotes under a running
   wgmma in the SASS;
@@ -22,7 +23,8 @@ import pytest
 from megamoe.sm90 import run_report_subprocess
 
 NO_SPILLS = ("_fused_fwd_kernel", "_grouped_gemm_kernel", "_grouped_gemm_fp8_kernel", "_grouped_wgrad_kernel",
-             "_dgate_kernel", "_gluon_fp8_grouped_kernel", "_gluon_bf16_grouped_kernel")
+             "_dgate_kernel", "_gluon_fp8_grouped_kernel", "_gluon_bf16_grouped_kernel", "_route_fwd_kernel",
+             "_route_bwd_kernel")
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +68,10 @@ def test_gemm_kernels_do_not_spill(rep):
     spills = {k: v["spill_store_bytes"] for k, v in rep.items() if k.split("#")[0] in NO_SPILLS
               and v["spill_store_bytes"]}
     assert not spills, f"register spills (bytes stored per thread): {spills}"
+    from megamoe.sm90 import ROUTER_CASES
+
+    router = {v["layer"] for k, v in rep.items() if k.startswith("_route_")}
+    assert router == {f"router/{c[0]}" for c in ROUTER_CASES}, f"router kernels compiled for: {sorted(router)}"
 
 
 def test_no_kernel_serialises_its_wgmmas(rep):
