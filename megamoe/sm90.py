@@ -308,7 +308,7 @@ ROUTER_CASES = [
 
 def _router(compiled: dict, where: dict) -> None:
     """The router's forward and backward kernels at every preset's (E, k, router) (the first Triton router spilled at
-    255 registers and ran 2x slower than it does now, 2x H200, 2026-11-30)."""
+    255 registers and took 28 us on qwen3 against 15 now, one H200, 2026-11-30)."""
     import torch
 
     from megamoe.kernels.router_topk import RouteTopk

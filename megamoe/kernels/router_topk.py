@@ -196,9 +196,10 @@ def _blocks(E: int, K: int) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_E, KP, CHUNKS) at 4 warps: ~4 values per thread of each [BLOCK_T, BLOCK_E] array, one tile
     per program, so that thousands of warps are in flight: the kernel is a chain of dependent reductions per token,
     and its time is that chain's latency unless many tokens run side by side. Measured on an H200, 4096 tokens,
-    forward kernel alone (router_bench.py): 32 tokens per program at 4 warps spilled (255 registers), ~28 us on
-    qwen3; 4 tokens x 4 chunks at 4 warps ~15 us on qwen3 (E = 128) and ~35 on deepseek (E = 256); one warp per
-    program with 2 chunks of 4 tokens (a token's scores in one warp) 32.6 / 66.5 us: too few warps in flight."""
+    forward kernel alone, qwen3 (E = 128) / deepseek (E = 256): 32 / 16 tokens per program spilled (255
+    registers), 28 / 37 us; 4 / 2 tokens x 4 chunks per program, three reductions per pick, ~15 / ~35 us; one warp
+    per program (a token's scores in one warp) 32.6 / 66.5 us: too few warps in flight; this choice (1 chunk, one
+    int64-key max per pick) 15.3 / 64.2 us (benchmarks/router_bench.py --sweep times the alternatives)."""
     block_e = triton.next_power_of_2(E)
     kp = triton.next_power_of_2(K)
     block_t = max(1, 512 // block_e)  # E = 128: 4 tokens, E = 256: 2
