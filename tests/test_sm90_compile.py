@@ -6,7 +6,7 @@ specialisation its real launch gets (megamoe/sm90.py): what the interpreter cann
 - no kernel moves data through global memory 1 or 2 bytes at a time: what a row pointer loaded from the
   heap's table without an alignment hint produced in the fused megakernel (its GEMM2 epilogue and combine);
 - the GEMM-bound kernels and the router's do not spill registers (the d(topk_w) kernel spilled 456 bytes per
-  thread; the first Triton router 36-84, and took 28 us on qwen3 against 15 now);
+  thread; the first Triton router 36-84, and took 28 us on qwen3 against 11 now);
 - ptxas serialises no kernel's wgmmas (warning C751x), and every variant of the Gluon FP8 GEMM (plain, SwiGLU,
   SwiGLU backward) keeps one in flight, does not spill, and (SwiGLU and its backward) promotes under a running
   wgmma in the SASS;

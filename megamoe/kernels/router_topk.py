@@ -192,18 +192,32 @@ DEN_ONE = 4294967296.0
 PIN: tuple[int, int, int] | None = None
 
 
-def _blocks(E: int, K: int) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_E, KP, CHUNKS) at 4 warps: ~4 values per thread of each [BLOCK_T, BLOCK_E] array, one tile
-    per program, so that thousands of warps are in flight: the kernel is a chain of dependent reductions per token,
-    and its time is that chain's latency unless many tokens run side by side. Measured on an H200, 4096 tokens,
-    forward kernel alone, qwen3 (E = 128) / deepseek (E = 256): 32 / 16 tokens per program spilled (255
-    registers), 28 / 37 us; 4 / 2 tokens x 4 chunks per program, three reductions per pick, ~15 / ~35 us; one warp
-    per program (a token's scores in one warp) 32.6 / 66.5 us: too few warps in flight; this choice (1 chunk, one
-    int64-key max per pick) 15.3 / 64.2 us (benchmarks/router_bench.py --sweep times the alternatives)."""
+def _blocks(E: int, K: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_T, BLOCK_E, KP, CHUNKS, num_warps) of the forward kernel: one [BLOCK_T, BLOCK_E] tile per program,
+    so that thousands of warps are in flight (the kernel is a chain of dependent reductions per token, and its
+    time is that chain's latency unless many tokens run side by side), but enough tokens per program that the
+    per-program work (loads of the bias, the atomics of the counts) is shared. Chosen from
+    ``benchmarks/router_bench.py --sweep`` (H200, 4096 tokens, forward kernel alone, 18 configs per preset, each
+    checked against the torch path; JSON ``router-sweep-h200-2026-12-01-febee43.json``): 8 tokens per program,
+    4 warps at E = 128 (qwen3 11.2 us; 4 tokens 15.0, 2 tokens 24.8), 8 warps at E = 256 (deepseek 28.1 us;
+    the previous rule's 2 tokens at 4 warps 65.2), 32 tokens at E <= 32 (mixtral, E = 8: 2.9-3.0 us; 64 tokens
+    3.5). Four chunks per program were slower at every E. First versions: 32 / 16 tokens per program spilled
+    (255 registers), 28 / 37 us; one warp per program 32.6 / 66.5 us."""
     block_e = triton.next_power_of_2(E)
     kp = triton.next_power_of_2(K)
-    block_t = max(1, 512 // block_e)  # E = 128: 4 tokens, E = 256: 2
-    return block_t, block_e, kp, 1
+    if block_e <= 32:
+        block_t = 32
+    elif block_e <= 256:
+        block_t = 8
+    else:  # not swept: keep the tile at 2048 values (16 per thread at 4 warps, 8 at 8)
+        block_t = max(1, 2048 // block_e)
+    warps = 8 if block_e >= 256 else 4
+    return block_t, block_e, kp, 1, warps
+
+
+def _bwd_block_t(block_e: int) -> int:
+    """Tokens per program of the backward kernel (4 warps; not swept): ~4 values per thread."""
+    return max(1, 512 // block_e)
 
 
 class RouteTopk(torch.autograd.Function):
@@ -217,8 +231,7 @@ class RouteTopk(torch.autograd.Function):
         if T >= 2**31:  # the fixed-point density sums (T * 2^32) and the kernels' int32 row numbers
             raise ValueError(f"the Triton router takes fewer than 2^31 tokens per call, got {T}; use impl='torch'")
         dev = logits.device
-        block_t, block_e, kp, chunks = _blocks(E, k)
-        warps = 4
+        block_t, block_e, kp, chunks, warps = _blocks(E, k)
         if PIN is not None:
             block_t, chunks, warps = PIN
         idx = torch.empty(T, k, dtype=torch.int64, device=dev)
@@ -246,7 +259,8 @@ class RouteTopk(torch.autograd.Function):
         logits, idx, counts = ctx.saved_tensors
         k, sigmoid, norm, scale, coef_e = ctx.cfg
         T, E = logits.shape
-        block_t, block_e, kp, _ = _blocks(E, k)
+        _, block_e, kp, _, _ = _blocks(E, k)
+        block_t = _bwd_block_t(block_e)
         dlogits = torch.empty_like(logits)
         has_dg = d_gates is not None
         has_daux = d_aux is not None and coef_e != 0.0
