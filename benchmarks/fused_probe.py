@@ -1,11 +1,16 @@
 """Compile report, correctness against `split` and forward time of megakernel config variants (one device call).
 
     torchrun --nproc_per_node N benchmarks/fused_probe.py [--presets qwen3-30b-a3b,deepseek-v3] [--tokens 4096]
+        [--variants a,b] [--profile] [--timeline [--out DIR]]
 
 For each preset: the split layer's forward output is the reference (same seed, same weights); each variant of
 the fused backend's FusedConfig (and ring size) runs the forward, prints its relative difference to split,
 its median forward time (CUDA events, 10 iterations, max over ranks) and the kernel's registers / spills /
 shared memory. A variant that fails to compile prints the error and the run goes on.
+
+--timeline: each variant also runs once with FusedConfig.timeline (per item: program, kind, block and
+%globaltimer stamps) and rank 0 prints where the kernel's program time went per item kind (claim, wait, loop,
+epilogue), the programs' busy share and the phases' spans; the raw records go to DIR/timeline-<preset>-<variant>.pt.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from megamoe.layer import MoE  # noqa: E402
 
 VARIANTS = [
     ("default", {}, None),
+    ("gpuscope", {"counter_scope": "gpu"}, None),
     ("pull", {"combine": "pull"}, None),
     ("group16", {"group": 16}, None),
     ("group1", {"group": 1}, None),
@@ -34,7 +40,7 @@ VARIANTS = [
     ("g8la16", {"group": 8, "lookahead": 16}, None),
     ("epi2", {"epi_split2": 2}, None),
     ("split4", {"pull_split": 4}, None),
-    ("stages4", {"num_stages": 4}, None),  # split's GEMM1 runs 4 stages; the megakernel's default is 3
+    ("stages3", {"num_stages": 3}, None),  # the default before 2026-11-30 (4 since: split's GEMM1 runs 4)
     ("s4g16", {"num_stages": 4, "group": 16}, None),
     ("bk128s2", {"block_k": 128, "num_stages": 2}, None),
     ("nopull", {"ablate": 1}, None),  # ablations: timing only, results wrong
@@ -59,6 +65,36 @@ def profile(fn, iters=3) -> list[tuple[str, float]]:
     return sorted(rows, key=lambda r: -r[1])[:8]
 
 
+def timeline_report(info: dict) -> str:
+    """Where the megakernel's program time went, from fused_moe.LAST_TIMELINE (us; one rank)."""
+    it = info["items"].cpu()
+    it = it[it[:, 7] > 0]
+    t0 = int(it[:, 3].min())
+    span = (int(it[:, 7].max()) - t0) / 1e3
+    P = info["programs"]
+    busy = (it[:, 7] - it[:, 3]).sum().item() / 1e3
+    lines = [f"   items {len(it)}, programs {P}, item span {span:.1f} us, programs busy {busy / (P * span):.1%} "
+             f"of P x span (the rest: before the first claim and after the last item)"]
+    lines.append(f"   {'kind':6s} {'n':>6s} {'claim':>7s} {'wait':>7s} {'loop':>8s} {'epilog':>7s} {'total':>8s} "
+                 f"{'sum ms':>7s} {'first':>8s} {'last end':>8s}   (mean us per item; first / last end from item 0)")
+    for k, name in enumerate(("PULL", "GEMM1", "GEMM2", "none")):
+        r = it[it[:, 1] == k]
+        if len(r) == 0:
+            continue
+        d = (r[:, 4:8] - r[:, 3:7]).double() / 1e3
+        m = d.mean(0).tolist()
+        tot = (r[:, 7] - r[:, 3]).double() / 1e3
+        lines.append(f"   {name:6s} {len(r):6d} {m[0]:7.2f} {m[1]:7.2f} {m[2]:8.2f} {m[3]:7.2f} {tot.mean():8.2f} "
+                     f"{tot.sum() / 1e3:7.3f} {(r[:, 3].min() - t0) / 1e3:8.1f} {(r[:, 7].max() - t0) / 1e3:8.1f}")
+    g = it[it[:, 1] > 0]
+    g = g[g[:, 1] < 3]
+    if len(g):
+        w = (g[:, 5] - g[:, 4]).double() / 1e3
+        lines.append(f"   GEMM waits > 2 us: {(w > 2).sum().item()} of {len(g)} (their mean {w[w > 2].mean():.1f} us)"
+                     if (w > 2).any() else f"   GEMM waits > 2 us: none of {len(g)}")
+    return "\n".join(lines)
+
+
 def timed(fn, iters=10):
     ts = []
     for _ in range(iters):
@@ -81,6 +117,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--variants", default="")
     p.add_argument("--profile", action="store_true", help="per-kernel device times of split and fused (default)")
+    p.add_argument("--timeline", action="store_true", help="per-item phase times of every variant (rank 0)")
+    p.add_argument("--out", default=".", help="directory for the --timeline records")
     args = p.parse_args()
     dev = init_from_env()
     rank = dist.get_rank()
@@ -124,6 +162,19 @@ def main() -> None:
                         kt = dict(profile(lambda m=fused, x=x: m(x))).get("_fused_fwd_kernel", float("nan"))
                     kt = f" kernel {kt:.3f} ms"
                 line = f"{vname:10s} fwd {t:8.3f} ms{kt}  vs split {err:.2e}  {rep}"
+                if args.timeline:
+                    from megamoe.kernels import fused_moe
+
+                    fused.backend.config = fused.backend.config.with_(timeline=True)
+                    with torch.no_grad():
+                        yt = fused(x).out.float()
+                        torch.cuda.synchronize()
+                    same = bool(torch.equal(yt, y))
+                    info = dict(fused_moe.LAST_TIMELINE)
+                    if rank == 0:
+                        torch.save({k: (v.cpu() if torch.is_tensor(v) else v) for k, v in info.items()},
+                                   os.path.join(args.out, f"timeline-{name}-{vname}.pt"))
+                        line += f"\n   timeline run: output {'equal' if same else 'DIFFERS'}\n" + timeline_report(info)
             except Exception as exc:  # noqa: BLE001 - report and go on to the next variant
                 line = f"{vname:10s} FAILED: {type(exc).__name__}: {str(exc)[:300]}"
                 barrier(fused.backend.heap)  # the failed call never published DONE: close it on every rank

@@ -64,6 +64,9 @@ def _rank(rank: int, world: int) -> tuple[list[dict], list[bool]]:
         r = layer_case(cases[1], "fused", dev, pull_split=2, lookahead=1)  # two pull items per block
         r["case"] = "pull_split2:" + r["case"]
         results.append(r)
+        r = layer_case(cases[1], "fused", dev, counter_scope="gpu")  # ld.acquire.gpu on the tile counters
+        r["case"] = "counter-scope-gpu:" + r["case"]
+        results.append(r)
         r = layer_case(sk, "fused", dev, group_blocks=2, ring_blocks=8)  # 2 blocks per step, cycling ring
         r["case"] = "group2-ring8:" + r["case"]
         results.append(r)
@@ -132,6 +135,42 @@ def test_fused_absent_rank_raises():
     assert took < 1.5 + 10, took
 
 
+def _timeline(rank: int, world: int):
+    """FusedConfig.timeline: the forward's output is unchanged and the item records account for every block."""
+    import triton
+
+    from megamoe import MoE, preset
+    from megamoe.kernels import fused_moe
+
+    moe = MoE(preset("tiny", max_tokens_per_rank=24), backend="fused", seed=3)
+    x = torch.randn(20 + 3 * rank, moe.config.hidden, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    with torch.no_grad():
+        ref = moe(x).out
+        cfg = moe.backend.config
+        moe.backend.config = cfg.with_(timeline=True)
+        out = moe(x).out
+    info = dict(fused_moe.LAST_TIMELINE)
+    items = info["items"]
+    taken = items[items[:, 7] > 0]
+    kinds = {k: taken[taken[:, 1] == k] for k in range(4)}
+    nb = int(kinds[0][:, 2].max().item()) + 1 if len(kinds[0]) else 0
+    H, I = moe.config.hidden, moe.config.intermediate
+    per_block = (cfg.pull_split, triton.cdiv(I, cfg.bn1), triton.cdiv(H, cfg.bn2))
+    counts_ok = all(sorted(kinds[k][:, 2].tolist()) == sorted(list(range(nb)) * per_block[k]) for k in range(3))
+    stamps = taken[:, 3:8]
+    monotone = bool((stamps[:, 1:] >= stamps[:, :-1]).all())
+    pids_ok = bool(((taken[:, 0] >= 0) & (taken[:, 0] < info["programs"])).all())
+    return torch.equal(ref, out), nb, counts_ok, monotone, pids_ok
+
+
+@CPU_ONLY
+def test_fused_timeline_cpu():
+    for equal, nb, counts_ok, monotone, pids_ok in spawn(_timeline, 2, timeout_s=600):
+        assert equal, "the timeline records changed the forward's output"
+        assert nb > 0 and counts_ok, "every block must have its pull, GEMM1 and GEMM2 items recorded"
+        assert monotone and pids_ok
+
+
 def _bad_options(rank, world):
     from megamoe import MoE, preset
 
@@ -166,11 +205,12 @@ def _bad_options(rank, world):
         msgs.append(None)
     except ValueError as exc:
         msgs.append(str(exc))
-    try:
-        MoE(preset("tiny"), backend="fused", stages=5)
-        msgs.append(None)
-    except ValueError as exc:
-        msgs.append(str(exc))
+    for kw in ({"stages": 5}, {"counter_scope": "cta"}):
+        try:
+            MoE(preset("tiny"), backend="fused", **kw)
+            msgs.append(None)
+        except ValueError as exc:
+            msgs.append(str(exc))
     return msgs
 
 
@@ -187,3 +227,4 @@ def test_fused_rejects_bad_options():
     assert msgs[8][0] == msgs[8][1]
     assert msgs[9] is not None and "slots" in msgs[9]
     assert msgs[10] is not None and "stages" in msgs[10]
+    assert msgs[11] is not None and "counter_scope" in msgs[11]

@@ -34,7 +34,8 @@ ring of that many BM-row blocks, memory independent of routing; ``MoEConfig.ring
 rows, rounded up to whole blocks), ``programs`` (persistent programs of the megakernel; default the SM count),
 ``lookahead`` (pull -> GEMM1 distance in steps), ``pull_split`` (pull items per block), ``group_blocks``
 (blocks per step whose GEMM tiles run side by side, sharing weight tiles in L2), ``combine`` ("pull" or
-"push"), ``fused_backward``, ``stages`` (pipeline depth of the GEMM k-loops, 1-4, default 4), ``comm_sms``
+"push"), ``fused_backward``, ``stages`` (pipeline depth of the GEMM k-loops, 1-4, default 4), ``counter_scope``
+("sys" or "gpu": the scope of the megakernel's tile-counter acquire loads, default "sys"), ``comm_sms``
 (programs of the staging / backward communication kernels, default every SM), ``timeout_s`` (bound of every
 device wait).
 
@@ -136,7 +137,7 @@ class FusedBackend:
     def __init__(self, moe, ring_blocks: int | None = None, programs: int | None = None,
                  lookahead: int | None = None, pull_split: int | None = None, group_blocks: int | None = None,
                  comm_sms: int | None = None, timeout_s: float = 60.0, fused_backward: bool = False,
-                 combine: str = "push", stages: int | None = None):
+                 combine: str = "push", stages: int | None = None, counter_scope: str | None = None):
         cfg = moe.config
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"backend 'fused' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
@@ -160,6 +161,10 @@ class FusedBackend:
             if not 1 <= int(stages) <= 4:
                 raise ValueError(f"stages must be 1..4 (4 fills the shared memory at the default tiles), got {stages}")
             self.config = self.config.with_(num_stages=int(stages))
+        if counter_scope is not None:  # scope of the tile-counter acquires ("sys" or "gpu")
+            if counter_scope not in ("sys", "gpu"):
+                raise ValueError(f"counter_scope must be 'sys' or 'gpu', got {counter_scope!r}")
+            self.config = self.config.with_(counter_scope=counter_scope)
         if group_blocks is not None:
             if group_blocks < 1:
                 raise ValueError(f"group_blocks must be >= 1, got {group_blocks}")

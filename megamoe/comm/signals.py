@@ -112,6 +112,11 @@ if INTERPRET:
         """Acquire load of int64 ``ptr`` (interpreter: a volatile load; programs run one by one)."""
         return tl.load(ptr, volatile=True)
 
+    @triton.jit
+    def ld_acquire_gpu(ptr):
+        """Acquire load at GPU scope (interpreter: a volatile load)."""
+        return tl.load(ptr, volatile=True)
+
 else:
 
     @triton.jit
@@ -126,6 +131,13 @@ else:
         """``ld.acquire.sys`` of int64 ``ptr`` (a block of pointers; every lane must be valid)."""
         return tl.inline_asm_elementwise(
             "ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64, is_pure=False, pack=1
+        )
+
+    @triton.jit
+    def ld_acquire_gpu(ptr):
+        """``ld.acquire.gpu`` of int64 ``ptr``: enough for a counter that only this GPU's programs write."""
+        return tl.inline_asm_elementwise(
+            "ld.acquire.gpu.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64, is_pure=False, pack=1
         )
 
 

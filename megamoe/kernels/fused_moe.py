@@ -77,6 +77,7 @@ from megamoe.comm.signals import (
     arrive_last,
     current_call,
     error_set,
+    now_ns,
     publish,
     wait_flags,
 )
@@ -113,6 +114,7 @@ def _fused_fwd_kernel(
                             # passed as arguments (not read from the table) so the compiler sees their 16-byte
                             # alignment and stores/loads them 16 bytes at a time
     ctr_ptr,                # int64 [1 + 3 * NB_MAX] zeroed: queue, ready[NB_MAX], g1[NB_MAX], g2[NB_MAX]
+    tl_ptr,                 # int64 [items, 8] (TIMELINE): per item pid, kind, block, then %globaltimer stamps
     T, H, I, K2, E_l, NB_MAX, NS, L1, L2, timeout_ns,
     K: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     BLOCK_E: tl.constexpr, EPI_SPLIT1: tl.constexpr, EPI_SPLIT2: tl.constexpr,
@@ -120,6 +122,7 @@ def _fused_fwd_kernel(
     BLOCK_H: tl.constexpr, ROWS_C: tl.constexpr, BLOCK_HC: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, STORE_H: tl.constexpr, SAVE: tl.constexpr,
     ALIGNED: tl.constexpr, WP2: tl.constexpr, BWD: tl.constexpr, PULL_COMBINE: tl.constexpr,
+    TIMELINE: tl.constexpr, ACQ_GPU: tl.constexpr,
 ):
     """grid (P,): see the module docstring. BWD: the backward pass through the same item structure (x -> g_out
     pulled with gates, act -> dh, w13 -> w2 and w2 -> w13 read transposed, y -> dx summed without gates)."""
@@ -138,24 +141,39 @@ def _fused_fwd_kernel(
     g2 = g1 + NB_MAX
     go = ok
     while go:
+        if TIMELINE:
+            t_claim = now_ns()
         item = tl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
         s = (item // PS).to(tl.int32)
         sub = (item % PS).to(tl.int32)
         go = s < n_steps
         if go:
+            if TIMELINE:
+                t_got = now_ns()
+                t_wait = t_got   # stamps: wait (+ fence) done, k-loop (pull: copy) done
+                t_loop = t_got
+                kind = tl.full((), 3, tl.int32)  # 0 PULL, 1 GEMM1, 2 GEMM2, 3 no block (warm-up / drain steps)
+                b_tl = tl.full((), -1, tl.int32)
             if sub < GB * PULL_SPLIT:  # PULL(b, part) for the GB blocks of step s
                 b = s * GB + sub // PULL_SPLIT
                 part_i = sub % PULL_SPLIT
                 if b < nb:
+                    if TIMELINE:
+                        kind = tl.full((), 0, tl.int32)
+                        b_tl = b
                     e, row0, nrows, base = _locate(b, e_idx, starts, cnts, nblk, cum, NS, BM)
                     free = b >= 0
                     if NS > 0:
                         if b >= NS:  # the slot's previous block has been read by all its GEMM1 tiles
-                            free = wait_counter(g1 + b - NS, T1, tab, W, rank, call, timeout_ns)
+                            free = wait_counter(g1 + b - NS, T1, tab, W, rank, call, timeout_ns, ACQ_GPU)
+                    if TIMELINE:
+                        t_wait = now_ns()
                     if free & ((ABLATE & 1) == 0):
                         part = BM // PULL_SPLIT
                         _pull_block(tab, W, row0, nrows, base, part_i * part, part_i * part + part, row_src_ptr,
                                     row_tok_ptr, row_slot_ptr, x_ptr, H, K, ROWS_P, BLOCK_H, ALIGNED, BWD)
+                    if TIMELINE:
+                        t_loop = now_ns()
                     signal_counter(ready + b)
                     go = free
             elif sub < GB * (PULL_SPLIT + T1):  # GEMM1(b, j) for the blocks of step s - L1, j-major
@@ -163,13 +181,18 @@ def _fused_fwd_kernel(
                 b = (s - L1) * GB + q % GB
                 j = q // GB
                 if (b >= 0) & (b < nb):
+                    if TIMELINE:
+                        kind = tl.full((), 1, tl.int32)
+                        b_tl = b
                     e, row0, nrows, base = _locate(b, e_idx, starts, cnts, nblk, cum, NS, BM)
-                    fine = wait_counter(ready + b, PULL_SPLIT, tab, W, rank, call, timeout_ns)
+                    fine = wait_counter(ready + b, PULL_SPLIT, tab, W, rank, call, timeout_ns, ACQ_GPU)
                     if NS > 0:
                         if b >= NS:  # act slot: GEMM2 of the slot's previous block is done
-                            fine = fine & wait_counter(g2 + b - NS, T2, tab, W, rank, call, timeout_ns)
+                            fine = fine & wait_counter(g2 + b - NS, T2, tab, W, rank, call, timeout_ns, ACQ_GPU)
                     if fine:
                         fence_proxy_async()
+                        if TIMELINE:
+                            t_wait = now_ns()
                         off_n = j * BN1
                         acc = tl.zeros((BM, BN1), dtype=tl.float32)
                         if BWD:  # dact = g_out @ w2[e] (w2 [E_l, H, I] read as [K = H, N = I]); dh via SwiGLU'
@@ -182,6 +205,8 @@ def _fused_fwd_kernel(
                                     a = a.to(tl.float32)
                                     bw = bw.to(tl.float32)
                                 acc = tl.dot(a, bw, acc)
+                            if TIMELINE:
+                                t_loop = now_ns()
                             _epilogue(acc, acc, base, off_n, base + nrows, j, 0, I, act_ptr, 2 * I, h_ptr, 2 * I,
                                       gate_ptr, gate_ptr, BM, BN1, 2, False, False, EPI_SPLIT1)
                         else:
@@ -199,6 +224,8 @@ def _fused_fwd_kernel(
                                     bu = bu.to(tl.float32)
                                 acc = tl.dot(a, bg, acc)
                                 acc2 = tl.dot(a, bu, acc2)
+                            if TIMELINE:
+                                t_loop = now_ns()
                             _epilogue(acc, acc2, base, off_n, base + nrows, j, 0, I, act_ptr, I, h_ptr, 2 * I,
                                       gate_ptr, gate_ptr, BM, BN1, 1, False, STORE_H, EPI_SPLIT1)
                     signal_counter(g1 + b)
@@ -208,10 +235,15 @@ def _fused_fwd_kernel(
                 b = (s - L1 - L2) * GB + q % GB
                 j = q // GB
                 if (b >= 0) & (b < nb):
+                    if TIMELINE:
+                        kind = tl.full((), 2, tl.int32)
+                        b_tl = b
                     e, row0, nrows, base = _locate(b, e_idx, starts, cnts, nblk, cum, NS, BM)
-                    fine = wait_counter(g1 + b, T1, tab, W, rank, call, timeout_ns)
+                    fine = wait_counter(g1 + b, T1, tab, W, rank, call, timeout_ns, ACQ_GPU)
                     if fine:
                         fence_proxy_async()
+                        if TIMELINE:
+                            t_wait = now_ns()
                         off_n = j * BN2
                         acc = tl.zeros((BM, BN2), dtype=tl.float32)
                         if (ABLATE & 4) == 0:
@@ -224,6 +256,8 @@ def _fused_fwd_kernel(
                                     a = a.to(tl.float32)
                                     bw = bw.to(tl.float32)
                                 acc = tl.dot(a, bw, acc)
+                        if TIMELINE:
+                            t_loop = now_ns()
                         # ablate bit 2 skips the store at run time (never < 0): a compile-time skip let the
                         # compiler delete GEMM2 itself as dead code, which an earlier ablation mistook for the store
                         if ((ABLATE & 2) == 0) | (timeout_ns < 0):  # timeout_ns: never specialised to 1
@@ -235,6 +269,17 @@ def _fused_fwd_kernel(
                                                row_slot_ptr, H, K, BM, BN2, DT, EPI_SPLIT2, ALIGNED)
                     signal_counter(g2 + b)
                     go = fine
+            if TIMELINE:
+                t_end = now_ns()
+                rec = tl_ptr + item * 8
+                tl.store(rec, pid.to(tl.int64))
+                tl.store(rec + 1, kind.to(tl.int64))
+                tl.store(rec + 2, b_tl.to(tl.int64))
+                tl.store(rec + 3, t_claim)
+                tl.store(rec + 4, t_got)
+                tl.store(rec + 5, t_wait)
+                tl.store(rec + 6, t_loop)
+                tl.store(rec + 7, t_end)
     # every push of this rank has been issued: the last program tells every rank
     last = arrive_last(tab, W, rank, ARRIVE_WORK, P)
     if last:
@@ -322,9 +367,19 @@ class FusedConfig:
     ablate: int = 0          # diagnostics only, results are WRONG: bit 1 skips the pull copy, 2 GEMM2's store (local
                              # rows or the push; GEMM2 still runs), 4 GEMM2's k-loop
     use_tma: bool | None = None
+    counter_scope: str = "sys"  # scope of the tile-counter acquire loads: "sys" (ld.acquire.sys, as the cross-rank
+                                # flags) or "gpu" (enough: only this GPU's programs write them)
+    timeline: bool = False   # diagnostics: every item's program, kind, block and %globaltimer stamps (claim, claimed,
+                             # wait done, loop done, end) into LAST_TIMELINE (benchmarks/fused_probe.py --timeline)
 
     def with_(self, **kw) -> FusedConfig:
         return replace(self, **kw)
+
+
+#: the last launch's item records when FusedConfig.timeline: {"items": int64 [n, 8] (pid, kind 0 PULL / 1 GEMM1 /
+#: 2 GEMM2 / 3 no block, block, then ns stamps: before the claim, claimed, wait done, loop done, end; rows of items
+#: never taken stay 0), "programs": P, "group": G, "lookahead": L1, "bwd": bool}
+LAST_TIMELINE: dict = {}
 
 
 def default_fused_config(device: torch.device) -> FusedConfig:
@@ -380,13 +435,23 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
         a_desc = act_desc = w1_desc = w2_desc = None
     block_h = min(triton.next_power_of_2(H), 2048)
     block_hc = min(triton.next_power_of_2(H), 1024)
+    if cfg.counter_scope not in ("sys", "gpu"):
+        raise ValueError(f"FusedConfig.counter_scope must be 'sys' or 'gpu', got {cfg.counter_scope!r}")
     ctr = torch.zeros(1 + 3 * nb_max, dtype=torch.int64, device=heap.device)
+    if cfg.timeline:  # every item index the kernel can take: steps <= cdiv(nb_max, G) + L1 + lag
+        per_step = group * (cfg.pull_split + triton.cdiv(I, cfg.bn1) + triton.cdiv(H, cfg.bn2))
+        n_items = (triton.cdiv(nb_max, group) + lookahead + cfg.lag) * per_step
+        tl_buf = torch.zeros(n_items, 8, dtype=torch.int64, device=heap.device)
+        LAST_TIMELINE.clear()
+        LAST_TIMELINE.update(items=tl_buf, programs=P, group=group, lookahead=lookahead, bwd=bwd)
+    else:
+        tl_buf = ctr
     compiled = _fused_fwd_kernel[(P,)](
         heap.tab, heap.world, heap.rank,
         a_desc, a, w1_desc, w1, act_desc, act, w2_desc, w2, h if h is not None else act,
         sched.offs, sched.row_src, sched.row_tok, sched.row_slot, sched.dest_rank, sched.dest_row, gate,
         y if T > 0 else act, save if save is not None else act,
-        heap.rows_buffer(), heap.buffer("slots") if sh.slots else heap.rows_buffer(), ctr,
+        heap.rows_buffer(), heap.buffer("slots") if sh.slots else heap.rows_buffer(), ctr, tl_buf,
         T, H, I, k2, E_l, nb_max, ring_blocks, lookahead, cfg.lag, heap.timeout_ns,
         K=k, BM=BM, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
         EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, GB=group, ABLATE=cfg.ablate,
@@ -394,6 +459,7 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
         BLOCK_H=block_h, ROWS_C=max(1, 4096 // block_hc), BLOCK_HC=block_hc, USE_TMA=use_tma,
         DOT_F32=interpreting(), STORE_H=h is not None and not bwd, SAVE=save is not None,
         ALIGNED=(H * 2) % 16 == 0, WP2=max(2, heap.wp2), BWD=bwd, PULL_COMBINE=cfg.combine == "pull",
+        TIMELINE=cfg.timeline, ACQ_GPU=cfg.counter_scope == "gpu",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     record("_fused_fwd_kernel", compiled)

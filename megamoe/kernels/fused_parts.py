@@ -18,6 +18,7 @@ from megamoe.comm.signals import (
     REG_TOK,
     REG_W,
     ld_acquire,
+    ld_acquire_gpu,
     now_ns,
     record_timeout,
     region_ptr,
@@ -43,17 +44,27 @@ else:
 
 
 @triton.jit
-def wait_counter(ptr, target, tab, W, rank, call, timeout_ns):
+def _ld_counter(ptr, GPU_SCOPE: tl.constexpr):
+    if GPU_SCOPE:
+        v = ld_acquire_gpu(ptr)
+    else:
+        v = ld_acquire(ptr)
+    return v
+
+
+@triton.jit
+def wait_counter(ptr, target, tab, W, rank, call, timeout_ns, GPU_SCOPE: tl.constexpr = False):
     """Wait until the local int64 counter ``*ptr >= target``; bounded like signals.wait_flags (records op
-    'fused', purpose TILE, peer = this rank, on a timeout). Returns True when reached."""
+    'fused', purpose TILE, peer = this rank, on a timeout). Returns True when reached. The counters are written
+    by this GPU's programs only, so GPU_SCOPE (``ld.acquire.gpu``) suffices; False keeps ``ld.acquire.sys``."""
     ctrl = region_ptr(tab, REG_CTRL, W, rank, tl.int64)
-    seen = ld_acquire(ptr)
+    seen = _ld_counter(ptr, GPU_SCOPE)
     errv = tl.load(ctrl + ERR_LOCAL, volatile=True)
     if (seen < target) & (errv == 0):
         t0 = now_ns()
         elapsed = now_ns() - t0
         while (seen < target) & (errv == 0) & (elapsed <= timeout_ns):
-            seen = ld_acquire(ptr)
+            seen = _ld_counter(ptr, GPU_SCOPE)
             errv = tl.load(ctrl + ERR_LOCAL, volatile=True)
             elapsed = now_ns() - t0
         if (seen < target) & (errv == 0):
