@@ -33,6 +33,12 @@ from megamoe.layer import MoE  # noqa: E402
 VARIANTS = [
     ("default", {}, None),
     ("gpuscope", {"counter_scope": "gpu"}, None),
+    ("la6", {"lookahead": 6}, None),
+    ("lag2", {"lag": 2}, None),
+    ("la6lag2", {"lookahead": 6, "lag": 2}, None),
+    ("split2", {"pull_split": 2}, None),
+    ("split2la6", {"pull_split": 2, "lookahead": 6}, None),
+    ("pe32k", {"pull_elems": 32768}, None),
     ("pull", {"combine": "pull"}, None),
     ("group16", {"group": 16}, None),
     ("group1", {"group": 1}, None),
