@@ -205,7 +205,7 @@ def _bad_options(rank, world):
         msgs.append(None)
     except ValueError as exc:
         msgs.append(str(exc))
-    for kw in ({"stages": 5}, {"counter_scope": "cta"}):
+    for kw in ({"stages": 5}, {"counter_scope": "cta"}, {"lag": 0}, {"lag": 2, "ring_blocks": 4}):
         try:
             MoE(preset("tiny"), backend="fused", **kw)
             msgs.append(None)
@@ -228,3 +228,5 @@ def test_fused_rejects_bad_options():
     assert msgs[9] is not None and "slots" in msgs[9]
     assert msgs[10] is not None and "stages" in msgs[10]
     assert msgs[11] is not None and "counter_scope" in msgs[11]
+    assert msgs[12] is not None and "lag" in msgs[12]
+    assert msgs[13] is not None and "ring_blocks must be >= 5" in msgs[13]

@@ -29,15 +29,15 @@ than the default backward for deepseek and even for qwen3, commits 1f57efe and d
     SwiGLU', dgrad1 (pushed into the owners' slots, or kept local with ``combine="pull"``), owners sum dx;
     then split's deterministic wgrad kernels.
 
-Options: ``ring_blocks`` (None: dense buffers of R_cap rows, no recompute; an int >= 4: the macrobatch
-ring of that many BM-row blocks, memory independent of routing; ``MoEConfig.ring_rows`` sets the same ring in
-rows, rounded up to whole blocks), ``programs`` (persistent programs of the megakernel; default the SM count),
-``lookahead`` (pull -> GEMM1 distance in steps), ``pull_split`` (pull items per block), ``group_blocks``
-(blocks per step whose GEMM tiles run side by side, sharing weight tiles in L2), ``combine`` ("pull" or
-"push"), ``fused_backward``, ``stages`` (pipeline depth of the GEMM k-loops, 1-4, default 4), ``counter_scope``
-("sys" or "gpu": the scope of the megakernel's tile-counter acquire loads, default "sys"), ``comm_sms``
-(programs of the staging / backward communication kernels, default every SM), ``timeout_s`` (bound of every
-device wait).
+Options: ``ring_blocks`` (None: dense buffers of R_cap rows, no recompute; an int >= 4: the macrobatch ring of that
+many BM-row blocks, memory independent of routing; ``MoEConfig.ring_rows`` sets the same ring in rows, rounded up
+to whole blocks), ``programs`` (persistent programs of the megakernel; default the SM count), ``lookahead`` (pull
+-> GEMM1 distance in steps; default max(8, programs / items per step + 1), capped by a ring), ``lag`` (GEMM1 ->
+GEMM2 distance in steps; default 3, 1 with a ring), ``pull_split`` (pull items per block), ``group_blocks`` (blocks
+per step whose GEMM tiles run side by side, sharing weight tiles in L2), ``combine`` ("pull" or "push"),
+``fused_backward``, ``stages`` (pipeline depth of the GEMM k-loops, 1-4, default 4), ``counter_scope`` ("sys" or
+"gpu": the scope of the megakernel's tile-counter acquire loads, default "sys"), ``comm_sms`` (programs of the
+staging / backward communication kernels, default every SM), ``timeout_s`` (bound of every device wait).
 
 Capacity: no token is ever dropped: dense buffers hold the worst case (every token of every rank routed
 here); a ring cycles as many times as the routing needs. With ``combine="push"`` the symmetric heap adds a
@@ -64,6 +64,7 @@ from megamoe.kernels.fused_moe import (
     dgate,
     fused_backward,
     fused_forward,
+    plan_lag,
 )
 from megamoe.kernels.gemm_config import num_sms as device_sms
 
@@ -137,7 +138,8 @@ class FusedBackend:
     def __init__(self, moe, ring_blocks: int | None = None, programs: int | None = None,
                  lookahead: int | None = None, pull_split: int | None = None, group_blocks: int | None = None,
                  comm_sms: int | None = None, timeout_s: float = 60.0, fused_backward: bool = False,
-                 combine: str = "push", stages: int | None = None, counter_scope: str | None = None):
+                 combine: str = "push", stages: int | None = None, counter_scope: str | None = None,
+                 lag: int | None = None):
         cfg = moe.config
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"backend 'fused' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
@@ -157,6 +159,10 @@ class FusedBackend:
             if lookahead < 1:
                 raise ValueError(f"lookahead must be >= 1, got {lookahead}")
             self.config = self.config.with_(lookahead=int(lookahead))
+        if lag is not None:
+            if lag < 1:
+                raise ValueError(f"lag must be >= 1, got {lag}")
+            self.config = self.config.with_(lag=int(lag))
         if stages is not None:  # pipeline depth of the megakernel's GEMM k-loops
             if not 1 <= int(stages) <= 4:
                 raise ValueError(f"stages must be 1..4 (4 fills the shared memory at the default tiles), got {stages}")
@@ -183,8 +189,9 @@ class FusedBackend:
             ring_blocks = from_cfg
         if ring_blocks is not None:
             ring_blocks = int(ring_blocks)
-            if ring_blocks < self.config.lag + 3:
-                raise ValueError(f"ring_blocks must be >= {self.config.lag + 3} (lag + 3), got {ring_blocks}")
+            need = plan_lag(self.config, ring_blocks) + 3
+            if ring_blocks < need:
+                raise ValueError(f"ring_blocks must be >= {need} (lag + 3), got {ring_blocks}")
         if combine not in ("push", "pull"):
             raise ValueError(f"combine must be 'push' or 'pull', got {combine!r}")
         self.config = self.config.with_(combine=combine)

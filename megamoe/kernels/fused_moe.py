@@ -343,7 +343,10 @@ class FusedConfig:
 
     block_m: rows of a block (BM); bn1: GEMM1 columns per tile (gate and up each); bn2: GEMM2 columns per
     tile; programs: persistent programs (None: the device's SM count; 1 under the interpreter);
-    lookahead: L1 in steps (None: programs in flight / items per step + 1); lag: L2.
+    lookahead: L1 in steps (None: dense buffers max(programs in flight / items per step + 1, 8), a ring the
+    same capped by the ring); lag: L2 in steps (None: 3 with dense buffers, 1 with a ring). The dense defaults
+    are from per-item timelines on 2x H200 (2026-12-01, docs/perf-notes.md): at L1 = 3, L2 = 1 qwen3's GEMM
+    items waited on pulls (NVLink row gathers, ~40-50 us per 128-row block) and on their blocks' GEMM1 tiles.
     """
 
     block_m: int = 128
@@ -356,7 +359,7 @@ class FusedConfig:
     epi_split2: int = 4
     programs: int | None = None
     lookahead: int | None = None
-    lag: int = 1
+    lag: int | None = None
     pull_elems: int = 16384  # ROWS_P x BLOCK_H of one pull step
     pull_split: int = 1      # pull items per block (each moves block rows / pull_split rows)
     group: int = 8           # blocks per step; GEMM items of a step go j-major over them, so the tiles that read one
@@ -400,23 +403,28 @@ class FusedState:
     saved: torch.Tensor | None   # [T, k, H] un-gated expert outputs of this rank's slots (save)
 
 
-def _plan(cfg: FusedConfig, device: torch.device, H: int, I: int, ring_blocks: int) -> tuple[int, int, int]:
-    """(programs, blocks per step G, lookahead L1) for a launch; with a ring, G and L1 shrink so that every
-    wait is on an earlier item (PULL(b) on GEMM1(b - NS), GEMM1(b) on GEMM2(b - NS): NS // G > L1 + L2)."""
+def plan_lag(cfg: FusedConfig, ring_blocks: int) -> int:
+    """L2 (GEMM1 -> GEMM2 distance in steps) of a launch: the config's, else 3 dense / 1 with a ring."""
+    return cfg.lag if cfg.lag is not None else (1 if ring_blocks else 3)
+
+
+def _plan(cfg: FusedConfig, device: torch.device, H: int, I: int, ring_blocks: int) -> tuple[int, int, int, int]:
+    """(programs, blocks per step G, lookahead L1, lag L2) for a launch; with a ring, G and L1 shrink so that
+    every wait is on an earlier item (PULL(b) on GEMM1(b - NS), GEMM1(b) on GEMM2(b - NS): NS // G > L1 + L2)."""
     P = cfg.programs if cfg.programs is not None else num_sms(device)
-    G, L2 = cfg.group, cfg.lag
+    G, L2 = cfg.group, plan_lag(cfg, ring_blocks)
     steps_items = G * (cfg.pull_split + triton.cdiv(I, cfg.bn1) + triton.cdiv(H, cfg.bn2))
-    L1 = cfg.lookahead if cfg.lookahead is not None else triton.cdiv(P, steps_items) + 1
+    L1 = cfg.lookahead if cfg.lookahead is not None else max(triton.cdiv(P, steps_items) + 1, 8)
     if ring_blocks:
         G = max(1, min(G, ring_blocks // (L2 + 3)))
         if ring_blocks < G * (L2 + 3):
             raise ValueError(f"ring of {ring_blocks} blocks is too small: needs >= lag + 3 = {L2 + 3} blocks")
         L1 = max(1, min(L1, ring_blocks // G - L2 - 2))
-    return P, G, L1
+    return P, G, L1, L2
 
 
 def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y, save, T: int, I: int, k2: int,
-            nb_max: int, ring_blocks: int, group: int, lookahead: int, bwd: bool) -> None:
+            nb_max: int, ring_blocks: int, group: int, lookahead: int, lag: int, bwd: bool) -> None:
     """Launch :func:`_fused_fwd_kernel` on P programs. Forward: a = received rows [NROWS, H], w1 = w13, act =
     act [NROWS, I], w2 = w2 (both weights read [N, K]). Backward (``bwd``): a = g_out, w1 = w2 and w2 = w13 read
     transposed ([K, N]), act = dh [NROWS, 2I], h read; k2 is GEMM2's reduction length (I, or 2I backward)."""
@@ -440,10 +448,10 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
     ctr = torch.zeros(1 + 3 * nb_max, dtype=torch.int64, device=heap.device)
     if cfg.timeline:  # every item index the kernel can take: steps <= cdiv(nb_max, G) + L1 + lag
         per_step = group * (cfg.pull_split + triton.cdiv(I, cfg.bn1) + triton.cdiv(H, cfg.bn2))
-        n_items = (triton.cdiv(nb_max, group) + lookahead + cfg.lag) * per_step
+        n_items = (triton.cdiv(nb_max, group) + lookahead + lag) * per_step
         tl_buf = torch.zeros(n_items, 8, dtype=torch.int64, device=heap.device)
         LAST_TIMELINE.clear()
-        LAST_TIMELINE.update(items=tl_buf, programs=P, group=group, lookahead=lookahead, bwd=bwd)
+        LAST_TIMELINE.update(items=tl_buf, programs=P, group=group, lookahead=lookahead, lag=lag, bwd=bwd)
     else:
         tl_buf = ctr
     compiled = _fused_fwd_kernel[(P,)](
@@ -452,7 +460,7 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
         sched.offs, sched.row_src, sched.row_tok, sched.row_slot, sched.dest_rank, sched.dest_row, gate,
         y if T > 0 else act, save if save is not None else act,
         heap.rows_buffer(), heap.buffer("slots") if sh.slots else heap.rows_buffer(), ctr, tl_buf,
-        T, H, I, k2, E_l, nb_max, ring_blocks, lookahead, cfg.lag, heap.timeout_ns,
+        T, H, I, k2, E_l, nb_max, ring_blocks, lookahead, lag, heap.timeout_ns,
         K=k, BM=BM, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
         EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, GB=group, ABLATE=cfg.ablate,
         PULL_SPLIT=cfg.pull_split, ROWS_P=max(1, min(BM // cfg.pull_split, cfg.pull_elems // block_h)),
@@ -496,7 +504,7 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
         raise ValueError(f"topk_idx and topk_w must be [T={T}, k={k}]")
     BM = cfg.block_m
     dev = heap.device
-    P, GB, L1 = _plan(cfg, dev, H, I, ring_blocks)
+    P, GB, L1, L2 = _plan(cfg, dev, H, I, ring_blocks)
     # 1. stage x and the routing, publish READY; 2. schedule (device-side, no host reads)
     Pc = max(1, int(comm_programs or heap.num_sms))
     sched = stage_and_schedule(heap, x, topk_idx, Pc)
@@ -511,7 +519,7 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     saved = torch.empty(T, k, H, dtype=x.dtype, device=dev) if save else None
     gate = topk_w.to(torch.float32).contiguous()
     _launch(heap, cfg, sched, P, a=xbuf, w1=w13, act=act, w2=w2, h=h, gate=gate, y=y, save=saved, T=T, I=I,
-            k2=I, nb_max=nb_max, ring_blocks=ring_blocks, group=GB, lookahead=L1, bwd=False)
+            k2=I, nb_max=nb_max, ring_blocks=ring_blocks, group=GB, lookahead=L1, lag=L2, bwd=False)
     return y, FusedState(handle=handle, xbuf=xbuf, act=act, h=h, saved=saved)
 
 
@@ -548,7 +556,7 @@ def fused_backward(heap, dy: torch.Tensor, topk_w: torch.Tensor, state: FusedSta
     sched = state.handle.schedule
     BM = cfg.block_m
     dev = heap.device
-    P, GB, L1 = _plan(cfg, dev, H, I, 0)
+    P, GB, L1, L2 = _plan(cfg, dev, H, I, 0)
     stage_grad(heap, dy, topk_w, max(1, int(comm_programs or heap.num_sms)))
     nrows = sh.rows_cap
     nb_max = triton.cdiv(nrows, BM) + E_l + GB
@@ -556,5 +564,5 @@ def fused_backward(heap, dy: torch.Tensor, topk_w: torch.Tensor, state: FusedSta
     dh = torch.empty(nrows, 2 * I, dtype=dy.dtype, device=dev)
     dx = torch.empty(T, H, dtype=dy.dtype, device=dev)
     _launch(heap, cfg, sched, P, a=g_out, w1=w2, act=dh, w2=w13, h=state.h, gate=topk_w, y=dx, save=None, T=T,
-            I=I, k2=2 * I, nb_max=nb_max, ring_blocks=0, group=GB, lookahead=L1, bwd=True)
+            I=I, k2=2 * I, nb_max=nb_max, ring_blocks=0, group=GB, lookahead=L1, lag=L2, bwd=True)
     return dx, g_out, dh
