@@ -122,8 +122,11 @@ def gemm2(act: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, *, scale: tor
 
 def gemm2_dgrad_swiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, offs: torch.Tensor, *,
                        scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                       config: GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """dh [R, 2I] = d(silu(g) * u) for dact = s[r] * dy @ w2[e]; with scale also ds [R] = <dy, act @ w2^T>."""
+                       config: GemmConfig | None = None,
+                       acts_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dh [R, 2I] = d(silu(g) * u) for dact = s[r] * dy @ w2[e]; with scale also ds [R] = <dy, act @ w2^T>;
+    with acts_out ([R, I] bf16, contiguous) also acts_out = s[r] * silu(g) * u recomputed from h (the operand
+    of dW2 = dy^T @ acts when dy is pulled without its gate)."""
     check_grouped(dy, w2, offs, w2.shape[1], "gemm2_dgrad_swiglu")
     _check_bf16("gemm2_dgrad_swiglu", dy, w2, h)
     R, I = dy.shape[0], w2.shape[2]
@@ -135,7 +138,12 @@ def gemm2_dgrad_swiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, offs
     dsp = None
     if scale is not None:
         dsp = torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dy.device, dtype=torch.float32)
-    launch_grouped_gemm(dy, w2, offs, dh, cfg, n=I, w_kn=True, epilogue=EPI_DSWIGLU, h=h, scale=scale, dsp=dsp)
+    if acts_out is not None and (tuple(acts_out.shape) != (R, I) or acts_out.dtype != dy.dtype
+                                 or not acts_out.is_contiguous()):
+        raise ValueError(f"gemm2_dgrad_swiglu: acts_out must be contiguous [R, I] = {(R, I)} {dy.dtype}, got "
+                         f"{tuple(acts_out.shape)} {acts_out.dtype}")
+    launch_grouped_gemm(dy, w2, offs, dh, cfg, n=I, w_kn=True, epilogue=EPI_DSWIGLU, h=h, scale=scale, dsp=dsp,
+                        acts=acts_out)
     return dh, (dsp.sum(0) if dsp is not None else None)
 
 

@@ -101,6 +101,15 @@ def _forward_backward(p, cfg: GemmConfig, I: int, tol: float = 1e-2):
     if n:
         assert rel(dh[:n], rdh[:n]) < tol
         assert rel(ds[:n], rds[:n]) < tol
+    # the same with the gated activation written too (the bf16 backward's dW2 operand): dh and ds unchanged
+    acts = poisoned((p["R"], I))
+    dh2, ds2 = X.gemm2_dgrad_swiglu(p["dy"], p["w2"], h, offs, scale=p["s"], config=cfg, acts_out=acts)
+    assert torch.equal(dh2[:n], dh[:n]) and torch.equal(ds2, ds)
+    check_padding_untouched(acts, n)
+    if n:
+        g64, u64 = h[:n, :I].double(), h[:n, I:].double()
+        racts = s64[:n, None] * g64 * torch.sigmoid(g64) * u64
+        assert rel(acts[:n], racts) < tol
     dx = X.gemm1_dgrad(dh, p["w13"], offs, out=poisoned(tuple(p["x"].shape)), config=cfg)
     check_padding_untouched(dx, n)
     if n:
@@ -151,6 +160,11 @@ def test_validation_errors():
     with pytest.raises(ValueError, match="scale"):
         X.gemm2(torch.zeros(p["R"], 16, device=DEV, dtype=torch.bfloat16), p["w2"], p["offs"],
                 scale=p["s"].double())
+    h = torch.zeros(p["R"], 32, device=DEV, dtype=torch.bfloat16)
+    dy = torch.zeros(p["R"], 32, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="acts_out"):  # [R, I] bf16 contiguous
+        X.gemm2_dgrad_swiglu(dy, p["w2"], h, p["offs"], acts_out=torch.zeros(p["R"], 8, device=DEV,
+                                                                             dtype=torch.bfloat16))
     q, s = X.quantize_act(p["x"])
     wq, ws = X.quantize_weight(p["w2"].transpose(1, 2))
     with pytest.raises(ValueError, match="1x128"):

@@ -36,6 +36,9 @@ def _rank(rank: int, world: int) -> tuple[list[dict], bool]:
     if world == 2:
         results += [dict(layer_case(c, "split", dev, presum_combine=True), case="presum:" + c.name)
                     for c in bf16_cases(world) if c.name in PRESUM]
+        # the earlier bf16 backward (d(topk_w) from the saved expert outputs in combine_backward's pull)
+        results += [dict(layer_case(c, "split", dev, gate_grad="pull"), case="gate-pull:" + c.name)
+                    for c in bf16_cases(world) if c.name in ("bf16:bf16-ragged", "bf16:fp32-empty-rank")]
     det_case = LayerCase("det", dtype="bf16", tokens=tuple(17 + r for r in range(world)),
                          overrides={"num_experts": tiny_experts(world)})
     det = determinism_case(det_case, "split", dev) if world != 8 else True  # 8 ranks: time on 2 CI cores
@@ -223,6 +226,21 @@ def _bad_fp8_flag(rank, world):
 def test_split_fp8_rejects_bad_flag():
     (msg,) = spawn(_bad_fp8_flag, 1)
     assert msg is not None and "fp8" in msg
+
+
+def _bad_gate_grad(rank, world):
+    from megamoe import MoE, preset
+
+    try:
+        MoE(preset("tiny"), backend="split", gate_grad="owner")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_split_rejects_bad_gate_grad():
+    (msg,) = spawn(_bad_gate_grad, 1)
+    assert msg is not None and "gate_grad" in msg
 
 
 def _bad_dtype(rank, world):

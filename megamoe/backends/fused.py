@@ -9,10 +9,13 @@ forward (one torch.autograd.Function):
     megakernel: pull rows -> GEMM1+SwiGLU -> GEMM2, whose epilogue stores each row into its owner's slot
                 buffer (``combine="push"``, the default) -> (after every rank's DONE)
                 y[t] = sum_j topk_w[t, j] * slot[t, j] in j order
-backward, default (split's kernels, reusing what the forward kept):
-    d(topk_w)[t, j] = <dy[t], out_j(t)>       owner-local, from the slot rows the forward saved [T, k, H]
-    g_out = pull w * dy to the expert rows    (comm, the combine's backward)
-    dh = dgrad2+SwiGLU, d_recv = dgrad1, dx = dispatch backward (owner gathers), dW2, dW13 (deterministic)
+backward, default (split's bf16 backward, backends/split.bf16_dgrad, reusing what the forward kept):
+    dy rows + gates pulled to the expert rows (comm.combine.pull_grad)
+    dh = dgrad2+SwiGLU, whose epilogue also gives d(topk_w)[t, j] = <dy[t], act_j @ w2^T> per row (sent to the
+    owners' dw slots) and the gated activation for dW2; d_recv = dgrad1, dx = dispatch backward (owner
+    gathers), dW2, dW13 (deterministic). Until 2026-12-01 the forward saved its tokens' slot rows [T, k, H]
+    for d(topk_w) (a copy in the kernel's tail and a separate kernel in the backward); now only the backward
+    megakernel does.
     The forward's receive rows, h and act are reused when the ring held every block (``ring_blocks=None``,
     dense buffers); with a smaller ring they were overwritten, so the backward first recomputes them
     (dispatch of x + GEMM1, split's kernels; that cost is what ``megamoe bench`` measures for a ring).
@@ -52,11 +55,10 @@ import os
 import torch
 import torch.distributed as dist
 
-from megamoe.backends.split import _side_stream, _wgrads, dgrad_buffer, get_heap  # noqa: F401 - shared heap cache
-from megamoe.comm.combine import stage_grad
-from megamoe.comm.dispatch import dispatch, dispatch_backward, pull_rows
+from megamoe.backends.split import _side_stream, _wgrads, bf16_dgrad, get_heap  # noqa: F401 - shared heap cache
+from megamoe.comm.dispatch import dispatch, dispatch_backward
 from megamoe.comm.heap import CommShape, heap_bytes
-from megamoe.experts import gemm1_dgrad, gemm1_swiglu, gemm2_dgrad_swiglu
+from megamoe.experts import gemm1_swiglu
 from megamoe.kernels.fused_moe import (
     FusedConfig,
     FusedState,
@@ -69,16 +71,6 @@ from megamoe.kernels.fused_moe import (
 from megamoe.kernels.gemm_config import num_sms as device_sms
 
 
-def _pull_scaled_dy(dy: torch.Tensor, topk_w: torch.Tensor, handle, num_sms: int) -> torch.Tensor:
-    """g_out [R_cap, H]: g_out[r] = topk_w_s[t, j] * dy_s[t] for received row r = (s, t, j)."""
-    heap = handle.heap
-    sh = heap.shape
-    stage_grad(heap, dy, topk_w, num_sms)
-    rows = torch.empty(sh.rows_cap, sh.hidden, dtype=sh.dtype, device=heap.device)
-    pull_rows(heap, handle.schedule, rows, num_sms, scale_only=True)
-    return rows
-
-
 def _state(ctx, recv, act, h) -> FusedState:
     return FusedState(handle=ctx.handle, xbuf=recv, act=act, h=h, saved=None)
 
@@ -87,11 +79,12 @@ class _FusedMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_w, w13, w2, topk_idx, backend, train):
         ring = backend.ring_blocks or 0
+        mega = backend.fused_backward and not ring  # the backward megakernel needs the slots' rows and act
         y, st = fused_forward(backend.heap, x, topk_idx, topk_w, w13, w2, backend.config, ring_blocks=ring,
-                              store_h=train and not ring, save=train, comm_programs=backend.comm_sms)
+                              store_h=train and not ring, save=train and mega, comm_programs=backend.comm_sms)
         if train:
             ctx.save_for_backward(x, topk_idx, topk_w, w13, w2, st.saved,
-                                  *(() if ring else (st.xbuf, st.act, st.h)))
+                                  *(() if ring else (st.xbuf, st.act if mega else None, st.h)))
             ctx.handle = st.handle
             ctx.backend = backend
         return y
@@ -104,22 +97,22 @@ class _FusedMoE(torch.autograd.Function):
         dy = dy.contiguous()
         if b.ring_blocks:  # the ring overwrote the forward's rows: recompute them (dispatch + GEMM1)
             recv, handle = dispatch(x, topk_idx, b.heap, num_sms=b.comm_sms)
-            act, h = gemm1_swiglu(recv, w13, handle.offs, store_h=True)
+            _, h = gemm1_swiglu(recv, w13, handle.offs, store_h=True)
         else:
             recv, act, h = saved[6:]
             handle = ctx.handle
         offs = handle.offs
-        d_topk_w = dgate(dy, slots)
         if b.fused_backward and not b.ring_blocks:  # the backward megakernel, then split's wgrad kernels
+            d_topk_w = dgate(dy, slots)
             dx, g_out, dh = fused_backward(b.heap, dy, topk_w, _state(ctx, recv, act, h), w13, w2, b.config,
                                            comm_programs=b.comm_sms)
             dw13, dw2 = _wgrads(g_out, act, dh, recv, offs, w13, w2)
             return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None
-        g_out = _pull_scaled_dy(dy, topk_w, handle, b.comm_sms)
-        dh, _ = gemm2_dgrad_swiglu(g_out, w2, h, offs)
-        d_recv = gemm1_dgrad(dh, w13, offs, out=dgrad_buffer(recv))
+        # split's bf16 backward: dy pulled unscaled with its gates, d(topk_w) and the gated activation from the
+        # dgrad GEMM's epilogue (no saved expert outputs, no d(topk_w) kernel)
+        dy_rows, acts, dh, d_recv, d_topk_w = bf16_dgrad(dy, topk_w, handle, h, recv, w13, w2, b.comm_sms)
         dx = dispatch_backward(d_recv, handle, num_sms=b.comm_sms, out_dtype=dy.dtype)
-        dw13, dw2 = _wgrads(g_out, act, dh, recv, offs, w13, w2)
+        dw13, dw2 = _wgrads(dy_rows, acts, dh, recv, offs, w13, w2)
         return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None
 
 
@@ -216,7 +209,7 @@ class FusedBackend:
         inter = self.moe.config.intermediate
         per_row = (sh.hidden + inter + (0 if self.ring_blocks else 2 * inter)) * 2
         return {"symmetric": heap_bytes(self.shape), "per_call": rows * per_row,
-                "saved_slots": sh.max_tokens * sh.topk * sh.hidden * 2}
+                "saved_slots": sh.max_tokens * sh.topk * sh.hidden * 2 if self.fused_backward else 0}
 
     def __call__(self, x, topk_idx, topk_w, w13, w2):
         if x.shape[0] > self.shape.max_tokens:

@@ -8,13 +8,17 @@ forward (one torch.autograd.Function):
     act, h          = gemm1_swiglu(recv, w13, offs)          Triton grouped GEMM, SwiGLU epilogue
     out_RH          = gemm2(act, w2, offs)                    Triton grouped GEMM
     y_TH            = combine(out, topk_w, handle)            owner pulls its k rows, sums with gates in fp32
-backward:
-    g_out, d_topk_w = combine_backward(dy, out, topk_w, handle)   g_out[r] = w * dy (pulled to expert ranks)
-    dh              = gemm2_dgrad_swiglu(g_out, w2, h, offs)
+backward (bf16, :func:`bf16_dgrad`; saved from the forward: recv, h, topk_w only):
+    dy_R, gate_R    = pull_grad(dy, topk_w, handle)           dy rows pulled unscaled with each row's gate
+    dh, ds, acts    = gemm2_dgrad_swiglu(dy_R, w2, h, offs, scale=gate)   epilogue: dact = gate * dy @ w2[e],
+                                                               ds[r] = <dy, act @ w2^T>, acts = gate * act
+    d_topk_w        = send_gate_grad(ds, handle)              each row's ds into its owner's dw slot
     d_recv          = gemm1_dgrad(dh, w13, offs)
     dx              = dispatch_backward(d_recv, handle)       owner pulls and sums its k gradient rows
-    dW2 = g_out^T act;  dW13 = dh^T recv                      (overlap_backward: these two while dx travels
+    dW2 = dy_R^T acts;  dW13 = dh^T recv                      (overlap_backward: these two while dx travels
                                                                on a side stream, the kernels sharing the SMs)
+backward (FP8): g_out, d_topk_w = combine_backward(dy, out, topk_w, handle) (g_out[r] = w * dy, d(topk_w)
+    from the forward's saved expert outputs), then the FP8 dgrads of g_out, dW2 = g_out^T act.
 
 Every size the host needs (T, R_cap) is known before the call; group sizes live on the device, so the step
 never waits for the GPU (``torch.cuda.set_sync_debug_mode("error")`` passes) and can be graph-captured.
@@ -58,7 +62,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megamoe.comm.combine import combine, combine_backward
+from megamoe.comm.combine import combine, combine_backward, pull_grad, send_gate_grad
 from megamoe.comm.dispatch import dispatch, dispatch_backward
 from megamoe.comm.heap import CommShape, SymmetricHeap, heap_bytes, workspace_bytes
 from megamoe.experts import (
@@ -146,9 +150,27 @@ def _expert_dgrad(g_out, h, recv, w13, w2, offs, wq):
     return dh, d_recv
 
 
+def bf16_dgrad(dy, topk_w, handle, h, recv, w13, w2, num_sms):
+    """The bf16 backward up to dx's send (shared with the fused backend): pull dy rows unscaled with their gates
+    (comm.combine.pull_grad), then one dgrad GEMM through SwiGLU whose epilogue applies the gate, gives each row's
+    d(topk_w) = <dy, act @ w2^T> (fp32 accumulator) and writes the gated activation acts = gate * silu(g) * u;
+    send d(topk_w) home; dgrad GEMM1. Returns (dy_rows [R_cap, H], acts [R_cap, I], dh [R_cap, 2I], d_recv
+    [R_cap, H], d_topk_w [T, k] fp32); dW2 = dy_rows^T acts, dW13 = dh^T recv.
+
+    Replaces combine_backward for bf16 (2026-12-01): that pull read the forward's expert outputs [R_cap, H] (kept
+    alive from the forward) to form <dy, out> and could not use the pipelined pull loop."""
+    offs = handle.offs
+    dy_rows, gate = pull_grad(dy, topk_w, handle, num_sms=num_sms)
+    acts = torch.empty(dy_rows.shape[0], w2.shape[2], dtype=dy_rows.dtype, device=dy_rows.device)
+    dh, ds = gemm2_dgrad_swiglu(dy_rows, w2, h, offs, scale=gate, acts_out=acts)
+    d_topk_w = send_gate_grad(ds, handle, num_sms=num_sms)
+    d_recv = gemm1_dgrad(dh, w13, offs, out=dgrad_buffer(recv))
+    return dy_rows, acts, dh, d_recv, d_topk_w
+
+
 class _SplitMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_w, w13, w2, topk_idx, heap, num_sms, overlap, presum, wq):
+    def forward(ctx, x, topk_w, w13, w2, topk_idx, heap, num_sms, overlap, presum, wq, pull_gate_grad=False):
         recv, handle = dispatch(x, topk_idx, heap, num_sms=num_sms, topk_w=topk_w if presum else None)
         offs = handle.offs
         act, h, out = _expert_forward(recv, w13, w2, offs, wq)
@@ -156,7 +178,12 @@ class _SplitMoE(torch.autograd.Function):
             y = combine(out, None, handle, num_sms=num_sms, out_dtype=x.dtype, presum=True)
         else:
             y = combine(out, topk_w, handle, num_sms=num_sms, out_dtype=x.dtype)
-        ctx.save_for_backward(recv, h, act, out, topk_w, w13, w2)
+        ctx.epilogue_gate_grad = wq is None and not pull_gate_grad
+        if ctx.epilogue_gate_grad:  # the bf16 backward (pull_grad) needs neither the expert outputs nor act:
+            # dW2's operand and d(topk_w) come from the dgrad GEMM's epilogue (bf16_dgrad)
+            ctx.save_for_backward(recv, h, None, None, topk_w, w13, w2)
+        else:
+            ctx.save_for_backward(recv, h, act, out, topk_w, w13, w2)
         ctx.handle = handle
         ctx.num_sms = num_sms
         ctx.overlap = overlap
@@ -169,8 +196,13 @@ class _SplitMoE(torch.autograd.Function):
         recv, h, act, out, topk_w, w13, w2 = ctx.saved_tensors
         handle, num_sms = ctx.handle, ctx.num_sms
         offs = handle.offs
-        g_out, d_topk_w = combine_backward(dy.contiguous(), out, topk_w, handle, num_sms=num_sms)
-        dh, d_recv = _expert_dgrad(g_out, h, recv, w13, w2, offs, ctx.wq)
+        if ctx.epilogue_gate_grad:
+            # g_out here is dy pulled without its gate and act the gated activation: dW2 = g_out^T act either way
+            g_out, act, dh, d_recv, d_topk_w = bf16_dgrad(dy.contiguous(), topk_w, handle, h, recv, w13, w2,
+                                                          num_sms)
+        else:
+            g_out, d_topk_w = combine_backward(dy.contiguous(), out, topk_w, handle, num_sms=num_sms)
+            dh, d_recv = _expert_dgrad(g_out, h, recv, w13, w2, offs, ctx.wq)
         if ctx.overlap and d_recv.is_cuda:
             # dx goes home on a side stream (num_sms programs) while the weight gradients run
             main = torch.cuda.current_stream(d_recv.device)
@@ -188,7 +220,7 @@ class _SplitMoE(torch.autograd.Function):
         else:
             dx = dispatch_backward(d_recv, handle, num_sms=num_sms, out_dtype=dy.dtype, presum=ctx.presum)
             dw13, dw2 = _wgrads(g_out, act, dh, recv, offs, w13, w2)
-        return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None, None, None, None
+        return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None, None, None, None, None
 
 
 def _capturing_on(device: torch.device) -> bool:
@@ -221,6 +253,9 @@ class SplitBackend:
     ``fp8``, default True: keep the quantised weights across calls until the parameters change, see
     :meth:`fp8_weights`; False: quantise them in every call, both orientations in the forward, held until the
     backward: the same 2 bytes per weight element during a step, none between calls),
+    ``gate_grad`` ("epilogue", the default since 2026-12-01: d(topk_w) and dW2's operand from the dgrad GEMM's
+    epilogue, see :func:`bf16_dgrad`; "pull": the earlier bf16 backward, combine_backward's pull computing
+    <dy, out> from the forward's saved expert outputs; FP8 always takes "pull"),
     ``timeout_s`` (bound of every device-side wait, default 60)."""
 
     name = "split"
@@ -233,7 +268,8 @@ class SplitBackend:
         return None
 
     def __init__(self, moe, comm_sms: int | None = None, timeout_s: float = 60.0, overlap_backward: bool = False,
-                 presum_combine: bool = False, fp8: bool = False, fp8_weight_cache: bool = True):
+                 presum_combine: bool = False, fp8: bool = False, fp8_weight_cache: bool = True,
+                 gate_grad: str = "epilogue"):
         cfg = moe.config
         if comm_sms is None:  # the interpreter runs programs one by one: fewer is faster there
             # on GPUs: every SM (the pull at 132 programs took 0.53-0.65x its time at 32, 2x H200, 2026-11-30),
@@ -254,6 +290,9 @@ class SplitBackend:
             raise ValueError(f"backend 'split' with fp8=1 needs FP8 tensor cores (compute capability >= 8.9, "
                              f"e.g. H100/H200/L40); {torch.cuda.get_device_name(moe.device)} has "
                              f"{torch.cuda.get_device_capability(moe.device)}")
+        if gate_grad not in ("epilogue", "pull"):
+            raise ValueError(f"backend 'split': gate_grad must be 'epilogue' or 'pull', got {gate_grad!r}")
+        self.gate_grad = gate_grad
         self.moe = moe
         self.comm_sms = comm_sms
         self.overlap_backward = overlap_backward
@@ -320,4 +359,4 @@ class SplitBackend:
                              f"({self.shape.max_tokens}); build the MoEConfig with a larger one")
         wq = self.fp8_weights(w13, w2) if self.fp8 else None
         return _SplitMoE.apply(x, topk_w, w13, w2, topk_idx, self.heap, self.comm_sms, self.overlap_backward,
-                               self.presum_combine, wq)
+                               self.presum_combine, wq, self.gate_grad == "pull")

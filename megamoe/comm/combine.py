@@ -28,6 +28,12 @@ Backward twins:
   ranks pull dy rows (dy staged into ``tok``, gates into ``w``) once per (source, token), write
   grad_out[r] = w * dy and d(topk_w)[t, j] = <dy_t, out_j> (fp32) into the owner's ``dw`` slot (single
   writer per slot); the owner waits for every rank's DONE and copies ``dw`` out.
+- :func:`pull_grad` + :func:`send_gate_grad` (the bf16 backward of split and fused since 2026-12-01): the
+  expert ranks pull dy rows unscaled with each row's gate (the pipelined pull), the dgrad GEMM's epilogue
+  computes d(topk_w) per received row (<dy, act @ w2^T>, fp32, from the fp32 accumulator) and the gated
+  activation for dW2, and :func:`send_gate_grad` stores each row's value into its owner's ``dw`` slot and raises
+  DW_DONE; the owner copies ``dw`` out. Against combine_backward it reads no expert outputs (no ``out``
+  [R_cap, H] kept from the forward) and its pull is the pipelined one.
 - dispatch_backward (dispatch.py) = this module's gather-sum without gates.
 """
 
@@ -43,7 +49,9 @@ from .signals import (
     _TL_DTYPES,
     ARRIVE_WORK,
     DONE,
+    DW_DONE,
     READY,
+    REG_DW,
     arrive_last,
     current_call,
     error_set,
@@ -226,4 +234,78 @@ def combine_backward(dy: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor, 
     return grad_out, grad_w
 
 
-__all__ = ["combine", "combine_backward", "stage_grad", "DONE"]
+@triton.jit
+def _send_dw_kernel(tab, W, rank, offs_ptr, E_l, row_src_ptr, row_tok_ptr, row_slot_ptr, ds_ptr,
+                    K: tl.constexpr, BLOCK: tl.constexpr, WP2: tl.constexpr):
+    """grid (P,): for every received row r < offs[E_l]: dw_{src(r)}[tok(r) * K + slot(r)] = ds[r] (one fp32
+    store into the owner's heap, one writer per slot); the last program raises DW_DONE = call on every rank.
+
+    No wait first: the owners' ``dw`` regions are free, since every rank staged this call (READY, waited for
+    by the pull before this kernel) after its previous finish had read them."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    call = current_call(tab, W, rank)
+    n = tl.load(offs_ptr + E_l)
+    r0 = pid * BLOCK
+    while r0 < n:
+        r = r0 + tl.arange(0, BLOCK)
+        m = r < n
+        src = tl.load(row_src_ptr + r, mask=m, other=0)
+        tok = tl.load(row_tok_ptr + r, mask=m, other=0)
+        slot = tl.load(row_slot_ptr + r, mask=m, other=0)
+        dwp = tl.load(tab + REG_DW * W + src, mask=m, other=0).to(tl.pointer_type(tl.float32))
+        tl.store(dwp + tok * K + slot, tl.load(ds_ptr + r, mask=m, other=0.0), mask=m)
+        r0 += P * BLOCK
+    last = arrive_last(tab, W, rank, ARRIVE_WORK, P)
+    if last:
+        if error_set(tab, W, rank) == 0:
+            publish(tab, W, rank, DW_DONE, call, WP2)
+
+
+def pull_grad(dy: torch.Tensor, topk_w: torch.Tensor, handle: DispatchHandle,
+              num_sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Open a backward call and pull dy to the expert ranks: returns (dy_rows [R_cap, H] heap dtype, gate
+    [R_cap] fp32) with dy_rows[r] = dy_s[t] (unscaled) and gate[r] = topk_w_s[t, j] for every received row
+    r = (s, t, j) (rows >= R unwritten). The caller computes d(topk_w) per row and sends it home with
+    :func:`send_gate_grad` (which closes the call)."""
+    heap = handle.heap
+    sh = heap.shape
+    T = handle.num_tokens
+    P = max(1, int(num_sms or handle.num_sms))
+    if tuple(dy.shape) != (T, sh.hidden) or dy.dtype != sh.dtype:
+        raise ValueError(f"dy must be [T={T}, H={sh.hidden}] {sh.dtype}, got {tuple(dy.shape)} {dy.dtype}")
+    if tuple(topk_w.shape) != (T, sh.topk):
+        raise ValueError(f"topk_w must be [T={T}, k={sh.topk}], got {tuple(topk_w.shape)}")
+    stage_grad(heap, dy, topk_w, P)
+    rows = torch.empty(sh.rows_cap, sh.hidden, dtype=sh.dtype, device=heap.device)
+    gate = torch.empty(sh.rows_cap, dtype=torch.float32, device=heap.device)
+    pull_rows(heap, handle.schedule, rows, P, gate=gate)
+    return rows, gate
+
+
+def send_gate_grad(ds: torch.Tensor, handle: DispatchHandle, num_sms: int | None = None) -> torch.Tensor:
+    """d(topk_w) [T, k] fp32 of this rank's tokens, from ds [>= R] fp32 (row r's value on its expert rank, for
+    every rank's received rows): each expert rank stores its rows' values into their owners' ``dw`` regions,
+    then every owner waits for all ranks' DW_DONE and copies its values out. After :func:`pull_grad` of the same
+    call, every rank in the same order."""
+    heap = handle.heap
+    sh = heap.shape
+    sched = handle.schedule
+    T = handle.num_tokens
+    P = max(1, int(num_sms or handle.num_sms))
+    if ds.dtype != torch.float32 or ds.dim() != 1 or not ds.is_contiguous():
+        raise ValueError(f"ds must be a contiguous 1-D float32 tensor, got {tuple(ds.shape)} {ds.dtype}")
+    E_l = sh.local_experts
+    block = 1024
+    _send_dw_kernel[(max(1, min(P, triton.cdiv(sh.rows_cap, block))),)](
+        heap.tab, heap.world, heap.rank, sched.offs, E_l, sched.row_src, sched.row_tok, sched.row_slot, ds,
+        K=sh.topk, BLOCK=block, WP2=heap.wp2,
+    )
+    heap.after_launch()
+    grad_w = torch.empty(T, sh.topk, dtype=torch.float32, device=heap.device)
+    S.finish(heap, S.REG_DW.value, grad_w if T > 0 else heap.tab.new_empty(1).view(torch.float32), T * sh.topk, P,
+             purpose=DW_DONE.value)
+    return grad_w
+
+
+__all__ = ["combine", "combine_backward", "stage_grad", "pull_grad", "send_gate_grad", "DONE"]

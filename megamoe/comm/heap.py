@@ -9,7 +9,7 @@ One :class:`SymmetricHeap` per process group. Its size is known before anything 
 
 | region | shape, dtype | written by | read by |
 |---|---|---|---|
-| flags | [2, W] int64 | rank s writes column s (READY, DONE call numbers) | owner polls |
+| flags | [3, W] int64 | rank s writes column s (READY, DONE, DW_DONE call numbers) | owner polls |
 | ctrl  | [8] int64 | owner (call counter, arrival counters) | owner |
 | meta  | [8] int64 | owner (meta[0] = tokens this call) | peers |
 | idx   | [T_max, k] int32 | owner (top-k expert ids) | peers (schedule) |
@@ -91,7 +91,7 @@ class CommShape:
 def _regions(shape: CommShape) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     W, T, H, k = shape.world, shape.max_tokens, shape.hidden, shape.topk
     return [
-        ("flags", (2, W), torch.int64),
+        ("flags", (3, W), torch.int64),
         ("ctrl", (8,), torch.int64),
         ("meta", (8,), torch.int64),
         ("idx", (T, k), torch.int32),

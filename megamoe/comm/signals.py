@@ -44,6 +44,7 @@ import triton.language as tl
 # flag rows
 READY = tl.constexpr(0)
 DONE = tl.constexpr(1)
+DW_DONE = tl.constexpr(2)  # every gate gradient of this call has been written into the owners' ``dw`` regions
 # ctrl slots (int64, local only)
 SEQ = tl.constexpr(0)
 ARRIVE_STAGE = tl.constexpr(1)
@@ -89,7 +90,7 @@ OP_COMBINE_BWD = tl.constexpr(5)
 OP_FINISH = tl.constexpr(6)
 OP_BARRIER = tl.constexpr(7)
 OP_FUSED = tl.constexpr(8)
-PURPOSES = {0: "READY", 1: "DONE", 2: "TILE"}  # TILE: a local tile counter of the fused kernel
+PURPOSES = {0: "READY", 1: "DONE", 2: "DW_DONE", 3: "TILE"}  # TILE: a local tile counter of the fused kernel
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -245,15 +246,17 @@ def _barrier_kernel(tab, W, rank, timeout_ns, WP2: tl.constexpr):
 
 
 @triton.jit
-def _finish_kernel(tab, W, rank, src_reg, dst_ptr, n, timeout_ns, BLOCK: tl.constexpr, WP2: tl.constexpr):
-    """grid (P,): wait DONE>=seq from every peer, then copy region ``src_reg`` [n] (fp32) into dst [n].
+def _finish_kernel(tab, W, rank, src_reg, dst_ptr, n, timeout_ns, BLOCK: tl.constexpr, WP2: tl.constexpr,
+                   PURPOSE: tl.constexpr):
+    """grid (P,): wait flag PURPOSE (DONE or DW_DONE) >= seq from every peer, then copy region ``src_reg`` [n]
+    (fp32) into dst [n].
 
     Used where peers *write* into this rank's heap (combine backward's d(topk_w)).
     """
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     s = current_call(tab, W, rank)
-    ok = wait_flags(tab, W, rank, DONE, 0, W, s, OP_FINISH, timeout_ns, WP2)
+    ok = wait_flags(tab, W, rank, PURPOSE, 0, W, s, OP_FINISH, timeout_ns, WP2)
     if ok:
         src = region_ptr(tab, src_reg, W, rank, tl.float32)
         start = pid * BLOCK
@@ -271,9 +274,12 @@ def barrier(heap) -> None:
     heap.after_launch()
 
 
-def finish(heap, src_reg: int, dst, n: int, programs: int) -> None:
+def finish(heap, src_reg: int, dst, n: int, programs: int, purpose: int = 1) -> None:
+    """dst[:n] = this rank's region ``src_reg`` once every peer has raised flag ``purpose`` (DONE = 1: the pull
+    that wrote it ended; DW_DONE = 2: the gate-gradient send) for the current call."""
     _finish_kernel[(max(1, min(programs, triton.cdiv(max(n, 1), 1024))),)](
-        heap.tab, heap.world, heap.rank, src_reg, dst, n, heap.timeout_ns, BLOCK=1024, WP2=heap.wp2
+        heap.tab, heap.world, heap.rank, src_reg, dst, n, heap.timeout_ns, BLOCK=1024, WP2=heap.wp2,
+        PURPOSE=purpose,
     )
     heap.after_launch()
 

@@ -208,7 +208,8 @@ def _fused_fwd_kernel(
                             if TIMELINE:
                                 t_loop = now_ns()
                             _epilogue(acc, acc, base, off_n, base + nrows, j, 0, I, act_ptr, 2 * I, h_ptr, 2 * I,
-                                      gate_ptr, gate_ptr, BM, BN1, 2, False, False, EPI_SPLIT1)
+                                      gate_ptr, gate_ptr, gate_ptr, BM, BN1, 2, False, False,
+                                      EPI_SPLIT1)
                         else:
                             acc2 = tl.zeros((BM, BN1), dtype=tl.float32)
                             for ki in range(tl.cdiv(H, BK)):
@@ -227,7 +228,7 @@ def _fused_fwd_kernel(
                             if TIMELINE:
                                 t_loop = now_ns()
                             _epilogue(acc, acc2, base, off_n, base + nrows, j, 0, I, act_ptr, I, h_ptr, 2 * I,
-                                      gate_ptr, gate_ptr, BM, BN1, 1, False, STORE_H, EPI_SPLIT1)
+                                      gate_ptr, gate_ptr, gate_ptr, BM, BN1, 1, False, STORE_H, EPI_SPLIT1)
                     signal_counter(g1 + b)
                     go = fine
             else:  # GEMM2(b, j) for the blocks of step s - L1 - L2, j-major
@@ -263,7 +264,7 @@ def _fused_fwd_kernel(
                         if ((ABLATE & 2) == 0) | (timeout_ns < 0):  # timeout_ns: never specialised to 1
                             if PULL_COMBINE:  # keep the rows here, at their receive rows; owners pull them later
                                 _epilogue(acc, acc, row0, off_n, row0 + nrows, j, 0, H, rows_ptr, H, rows_ptr, H,
-                                          gate_ptr, gate_ptr, BM, BN2, 0, False, False, EPI_SPLIT2)
+                                          gate_ptr, gate_ptr, gate_ptr, BM, BN2, 0, False, False, EPI_SPLIT2)
                             else:
                                 _push_epilogue(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr,
                                                row_slot_ptr, H, K, BM, BN2, DT, EPI_SPLIT2, ALIGNED)

@@ -25,7 +25,7 @@ from megamoe.comm.signals import (
 )
 from megamoe.kernels.grouped_gemm import _halves
 
-PURPOSE_TILE = tl.constexpr(2)
+PURPOSE_TILE = tl.constexpr(3)
 
 if INTERPRET:
 

@@ -83,7 +83,7 @@ def _locate_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, N, BLOCK_N: tl.con
 
 @triton.jit
 def _epi_part(acc, acc2, off_m, off_n, row_end, R, N,
-              out_ptr, stride_om, h_ptr, stride_hm, scale_ptr,
+              out_ptr, stride_om, h_ptr, stride_hm, scale_ptr, acts_ptr,
               BLOCK_M: tl.constexpr, NP: tl.constexpr,
               EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, STORE_H: tl.constexpr):
     """Write a [BLOCK_M, NP] column slice of the output tile; rows >= row_end and cols >= N are dropped.
@@ -91,7 +91,8 @@ def _epi_part(acc, acc2, off_m, off_n, row_end, R, N,
     EPI_NONE:    out = acc (* s[r])
     EPI_SWIGLU:  acc = g, acc2 = u; h[:, n] = g, h[:, N + n] = u (STORE_H); out = silu(g) * u
     EPI_DSWIGLU: acc = dact (unscaled, = dy @ w2); g, u read from h; da = s[r] * dact;
-                 out[:, n] = da * u * silu'(g), out[:, N + n] = da * silu(g)
+                 out[:, n] = da * u * silu'(g), out[:, N + n] = da * silu(g); STORE_H here: also
+                 acts[:, n] = s[r] * silu(g) * u ([R, N], the gated activation that dW2 = dy^T @ acts needs)
     Returns the row sums of dact * silu(g) * u (EPI_DSWIGLU with HAS_SCALE: the gate's gradient), else 0.
     Pointers are a 64-bit tile base plus 32-bit in-tile offsets, to keep registers down.
     """
@@ -130,6 +131,12 @@ def _epi_part(acc, acc2, off_m, off_n, row_end, R, N,
             part = tl.sum(acc * silu * u, axis=1)
             s = tl.load(scale_ptr + rm, mask=mmask, other=0.0)
             da = acc * s[:, None]
+        if STORE_H:
+            act_s = silu * u
+            if HAS_SCALE:
+                act_s = act_s * s[:, None]
+            tl.store(acts_ptr + off_m.to(tl.int64) * N + (lm[:, None] * N + rn[None, :]),
+                     act_s.to(acts_ptr.dtype.element_ty), mask=mask)
         dg = da * u * (sig * (1.0 + g * (1.0 - sig)))
         tl.store(o_base + o_offs, dg.to(out_ptr.dtype.element_ty), mask=mask)
         du = da * silu
@@ -146,22 +153,22 @@ def _halves(x, BLOCK_M: tl.constexpr, NP: tl.constexpr):
 
 @triton.jit
 def _epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N,
-              out_ptr, stride_om, h_ptr, stride_hm, scale_ptr, dsp_ptr,
+              out_ptr, stride_om, h_ptr, stride_hm, scale_ptr, dsp_ptr, acts_ptr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, STORE_H: tl.constexpr, EPI_SPLIT: tl.constexpr):
     """Write one [BLOCK_M, BLOCK_N] output tile in EPI_SPLIT column slices (1, 2 or 4; fewer live registers),
     see _epi_part; EPI_DSWIGLU with HAS_SCALE also writes dsp[ni, r] = sum over the tile's columns."""
     if EPI_SPLIT == 1:
         part = _epi_part(acc, acc2, off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                         scale_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H)
+                         scale_ptr, acts_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H)
     elif EPI_SPLIT == 2:
         HN: tl.constexpr = BLOCK_N // 2
         a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
         b0, b1 = _halves(acc2, BLOCK_M, BLOCK_N)
         part = _epi_part(a0, b0, off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                         scale_ptr, BLOCK_M, HN, EPILOGUE, HAS_SCALE, STORE_H)
+                         scale_ptr, acts_ptr, BLOCK_M, HN, EPILOGUE, HAS_SCALE, STORE_H)
         part += _epi_part(a1, b1, off_m, off_n + HN, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                          scale_ptr, BLOCK_M, HN, EPILOGUE, HAS_SCALE, STORE_H)
+                          scale_ptr, acts_ptr, BLOCK_M, HN, EPILOGUE, HAS_SCALE, STORE_H)
     else:
         HN: tl.constexpr = BLOCK_N // 2
         QN: tl.constexpr = BLOCK_N // 4
@@ -170,15 +177,15 @@ def _epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N,
         a00, a01 = _halves(a0, BLOCK_M, HN)
         b00, b01 = _halves(b0, BLOCK_M, HN)
         part = _epi_part(a00, b00, off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                         scale_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H)
+                         scale_ptr, acts_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H)
         part += _epi_part(a01, b01, off_m, off_n + QN, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                          scale_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H)
+                          scale_ptr, acts_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H)
         a10, a11 = _halves(a1, BLOCK_M, HN)
         b10, b11 = _halves(b1, BLOCK_M, HN)
         part += _epi_part(a10, b10, off_m, off_n + HN, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                          scale_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H)
+                          scale_ptr, acts_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H)
         part += _epi_part(a11, b11, off_m, off_n + HN + QN, row_end, R, N, out_ptr, stride_om, h_ptr,
-                          stride_hm, scale_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H)
+                          stride_hm, scale_ptr, acts_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H)
     if EPILOGUE == 2:
         if HAS_SCALE:
             rm = off_m + tl.arange(0, BLOCK_M)
@@ -222,7 +229,7 @@ def _load_b(w_desc, w_ptr, e, off_n, off_k, N_lim, K, stride_we, stride_wr,
 
 @triton.jit
 def _gemm_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, k_tiles,
-               a_desc, a_ptr, w_desc, w_ptr, out_ptr, h_ptr, scale_ptr, dsp_ptr,
+               a_desc, a_ptr, w_desc, w_ptr, out_ptr, h_ptr, scale_ptr, dsp_ptr, acts_ptr,
                R, N, K, stride_am, stride_we, stride_wr, stride_om, stride_hm, N_UP,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                W_KN: tl.constexpr, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, STORE_H: tl.constexpr,
@@ -250,7 +257,7 @@ def _gemm_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, k_tiles,
                 b2 = b2.to(tl.float32)
             acc2 = tl.dot(a, b2, acc2)
     _epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-              scale_ptr, dsp_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H, EPI_SPLIT)
+              scale_ptr, dsp_ptr, acts_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H, EPI_SPLIT)
 
 
 @triton.jit
@@ -261,6 +268,7 @@ def _grouped_gemm_kernel(
     h_ptr,              # h [R, 2N] bf16: written (EPI_SWIGLU, STORE_H) or read (EPI_DSWIGLU)
     scale_ptr,          # scale_R [R] fp32 (HAS_SCALE)
     dsp_ptr,            # dsp [cdiv(N, BLOCK_N), R] fp32: gate-gradient partials (EPI_DSWIGLU, HAS_SCALE)
+    acts_ptr,           # acts [R, N] bf16 (EPI_DSWIGLU with STORE_H): s[r] * silu(g) * u
     offs_ptr,           # offs [E_l + 1] int32
     R, N, K, E_l, num_progs,
     stride_am, stride_we, stride_wr, stride_om, stride_hm,
@@ -283,16 +291,16 @@ def _grouped_gemm_kernel(
     if FLATTEN:
         for tile in tl.range(pid, total, num_progs, flatten=True):
             _gemm_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, k_tiles, a_desc, a_ptr, w_desc, w_ptr,
-                       out_ptr, h_ptr, scale_ptr, dsp_ptr, R, N, K, stride_am, stride_we, stride_wr, stride_om,
-                       stride_hm, N_UP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_KN, EPILOGUE, HAS_SCALE, STORE_H,
-                       USE_TMA, DOT_F32, EPI_SPLIT)
+                       out_ptr, h_ptr, scale_ptr, dsp_ptr, acts_ptr, R, N, K, stride_am, stride_we, stride_wr,
+                       stride_om, stride_hm, N_UP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_KN, EPILOGUE, HAS_SCALE,
+                       STORE_H, USE_TMA, DOT_F32, EPI_SPLIT)
     else:
         tile = pid
         while tile < total:
             _gemm_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, k_tiles, a_desc, a_ptr, w_desc, w_ptr,
-                       out_ptr, h_ptr, scale_ptr, dsp_ptr, R, N, K, stride_am, stride_we, stride_wr, stride_om,
-                       stride_hm, N_UP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_KN, EPILOGUE, HAS_SCALE, STORE_H,
-                       USE_TMA, DOT_F32, EPI_SPLIT)
+                       out_ptr, h_ptr, scale_ptr, dsp_ptr, acts_ptr, R, N, K, stride_am, stride_we, stride_wr,
+                       stride_om, stride_hm, N_UP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_KN, EPILOGUE, HAS_SCALE,
+                       STORE_H, USE_TMA, DOT_F32, EPI_SPLIT)
             tile += num_progs
 
 
@@ -341,14 +349,19 @@ def gluon_bf16_unavailable(cfg: GemmConfig, a: torch.Tensor, w: torch.Tensor, *,
 def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, cfg: GemmConfig,
                         *, n: int, w_kn: bool, epilogue: int, h: torch.Tensor | None = None,
                         scale: torch.Tensor | None = None, dsp: torch.Tensor | None = None,
-                        store_h: bool = False, n_up: int = 0) -> None:
+                        store_h: bool = False, n_up: int = 0, acts: torch.Tensor | None = None) -> None:
     """Launch _grouped_gemm_kernel (inputs already validated by the caller in megamoe.experts); cfg.kernel = "gluon":
-    the Gluon bf16 kernel instead (ValueError naming the reason where it cannot run)."""
+    the Gluon bf16 kernel instead (ValueError naming the reason where it cannot run). acts (EPI_DSWIGLU only):
+    [R, n] output of the gated activation s[r] * silu(g) * u, for the backward's dW2."""
     R, K = a.shape
     E_l = w.shape[0]
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
+    if acts is not None and epilogue != EPI_DSWIGLU:
+        raise ValueError("grouped_gemm: acts is an output of the SwiGLU-backward epilogue only")
     if cfg.kernel == "gluon":  # the Gluon bf16 kernel (kernels/gluon_bf16.py), only where asked for
         why = gluon_bf16_unavailable(cfg, a, w, n=n, w_kn=w_kn, epilogue=epilogue, h=h, n_up=n_up)
+        if why is None and acts is not None:
+            why = "its SwiGLU-backward epilogue does not write the gated activation (acts)"
         if why is not None:
             raise ValueError(f"grouped_gemm: the config pins kernel='gluon', but {why}")
         from megamoe.kernels.gluon_bf16 import launch_gluon_bf16
@@ -371,13 +384,14 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ou
     dummy = out
     k = _grouped_gemm_kernel[(grid,)](
         a_desc, a, w_desc, w, out, h if h is not None else dummy,
-        scale if scale is not None else dummy, dsp if dsp is not None else dummy, offs,
+        scale if scale is not None else dummy, dsp if dsp is not None else dummy,
+        acts if acts is not None else dummy, offs,
         R, n, K, E_l, grid,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0), h.stride(0) if h is not None else 0,
         n_up,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.group_m,
         BLOCK_E=triton.next_power_of_2(max(E_l, 2)), W_KN=w_kn, EPILOGUE=epilogue,
-        HAS_SCALE=scale is not None, STORE_H=store_h, USE_TMA=use_tma, DOT_F32=interpreting(),
+        HAS_SCALE=scale is not None, STORE_H=store_h or acts is not None, USE_TMA=use_tma, DOT_F32=interpreting(),
         EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.flatten,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

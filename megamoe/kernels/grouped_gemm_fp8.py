@@ -28,7 +28,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.kernels.gemm_config import GemmConfig, gluon_device_reason, grid_size, interpreting, record, tma_ok
-from megamoe.kernels.grouped_gemm import _epilogue, _expert_tiles, _load_a, _load_b, _locate_tile
+from megamoe.kernels.grouped_gemm import EPI_DSWIGLU, _epilogue, _expert_tiles, _load_a, _load_b, _locate_tile
 
 
 @triton.jit
@@ -87,7 +87,7 @@ def _grouped_gemm_fp8_kernel(
                     b2 = b2.to(tl.float32)
                 acc2 += tl.dot(a, b2) * sa[:, None] * sb2[None, :]
         _epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                  scale_ptr, dsp_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H, EPI_SPLIT)
+                  scale_ptr, dsp_ptr, out_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H, EPI_SPLIT)
         tile += num_progs
 
 
@@ -154,6 +154,8 @@ def launch_grouped_gemm_fp8(aq, a_s, wq, w_s, offs, out, cfg: GemmConfig, *, n: 
     if cfg.block_k != 128:
         raise ValueError(f"grouped_gemm_fp8: block_k must be 128 (one 1x128/128x128 scale per k-step), "
                          f"got {cfg.block_k}")
+    if store_h and epilogue == EPI_DSWIGLU:  # the shared bf16 epilogue reads STORE_H there as "write acts"
+        raise ValueError("grouped_gemm_fp8: store_h is for the SwiGLU forward epilogue")
     if fp8_kernel(cfg, aq, wq, n=n, epilogue=epilogue, n_up=n_up) == "gluon":
         from megamoe.kernels.gluon_fp8 import launch_gluon_fp8
 
