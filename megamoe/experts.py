@@ -135,6 +135,10 @@ def gemm2_dgrad_swiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, offs
     _check_scale(scale, R, "gemm2_dgrad_swiglu")
     dh = _out(out, (R, 2 * I), dy)
     cfg = config or default_config("dgrad_swiglu", R, I, dy.shape[1])
+    if acts_out is not None and config is None and pinned_config("dgrad_swiglu") is None and cfg.kernel != "gluon":
+        # the extra output's values: at the default's 2 epilogue slices 255 registers and a 4-byte spill, at 4
+        # slices 232 and none (sm_90a, megamoe/sm90.py, 2026-12-01)
+        cfg = cfg.with_(epi_split=4)
     dsp = None
     if scale is not None:
         dsp = torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dy.device, dtype=torch.float32)

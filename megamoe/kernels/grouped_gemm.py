@@ -128,15 +128,19 @@ def _epi_part(acc, acc2, off_m, off_n, row_end, R, N,
         silu = g * sig
         da = acc
         if HAS_SCALE:
-            part = tl.sum(acc * silu * u, axis=1)
-            s = tl.load(scale_ptr + rm, mask=mmask, other=0.0)
+            if STORE_H:  # the gated activation first, so that its values die before dg / du (registers)
+                s = tl.load(scale_ptr + rm, mask=mmask, other=0.0)
+                su = silu * u
+                tl.store(acts_ptr + off_m.to(tl.int64) * N + (lm[:, None] * N + rn[None, :]),
+                         (su * s[:, None]).to(acts_ptr.dtype.element_ty), mask=mask)
+                part = tl.sum(acc * su, axis=1)
+            else:  # this order: 236 registers, no spills (sm_90a, the default config)
+                part = tl.sum(acc * silu * u, axis=1)
+                s = tl.load(scale_ptr + rm, mask=mmask, other=0.0)
             da = acc * s[:, None]
-        if STORE_H:
-            act_s = silu * u
-            if HAS_SCALE:
-                act_s = act_s * s[:, None]
+        elif STORE_H:
             tl.store(acts_ptr + off_m.to(tl.int64) * N + (lm[:, None] * N + rn[None, :]),
-                     act_s.to(acts_ptr.dtype.element_ty), mask=mask)
+                     (silu * u).to(acts_ptr.dtype.element_ty), mask=mask)
         dg = da * u * (sig * (1.0 + g * (1.0 - sig)))
         tl.store(o_base + o_offs, dg.to(out_ptr.dtype.element_ty), mask=mask)
         du = da * silu
