@@ -135,10 +135,9 @@ def gemm2_dgrad_swiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, offs
     _check_scale(scale, R, "gemm2_dgrad_swiglu")
     dh = _out(out, (R, 2 * I), dy)
     cfg = config or default_config("dgrad_swiglu", R, I, dy.shape[1])
-    if acts_out is not None and config is None and pinned_config("dgrad_swiglu") is None and cfg.kernel != "gluon":
-        # the extra output's values: at the default's 2 epilogue slices 255 registers and a 4-byte spill, at 4
-        # slices 232 and none (sm_90a, megamoe/sm90.py, 2026-12-01)
-        cfg = cfg.with_(epi_split=4)
+    # with acts_out the default config's 2 epilogue slices hold 255 registers and spill 2-4 bytes per thread; timed
+    # on one H200 (benchmarks/dgrad_acts_bench.py, caa900b) that is as fast as without acts_out (qwen3 0.561 vs 0.565
+    # ms, deepseek 3.557 vs 3.561), while 4 slices (no spill) took 0.624 / 3.704 ms: the default stays
     dsp = None
     if scale is not None:
         dsp = torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dy.device, dtype=torch.float32)

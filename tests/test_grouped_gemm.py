@@ -104,9 +104,11 @@ def _forward_backward(p, cfg: GemmConfig, I: int, tol: float = 1e-2):
     # the same with the gated activation written too (the bf16 backward's dW2 operand): dh and ds unchanged
     acts = poisoned((p["R"], I))
     dh2, ds2 = X.gemm2_dgrad_swiglu(p["dy"], p["w2"], h, offs, scale=p["s"], config=cfg, acts_out=acts)
-    assert torch.equal(dh2[:n], dh[:n]) and torch.equal(ds2, ds)
     check_padding_untouched(acts, n)
-    if n:
+    assert (ds2[n:] == 0).all()
+    if n:  # ds is summed in another order with acts (register use), so compared with the reference, not bitwise
+        assert rel(dh2[:n], rdh[:n]) < tol
+        assert rel(ds2[:n], rds[:n]) < tol
         g64, u64 = h[:n, :I].double(), h[:n, I:].double()
         racts = s64[:n, None] * g64 * torch.sigmoid(g64) * u64
         assert rel(acts[:n], racts) < tol

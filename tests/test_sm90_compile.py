@@ -5,8 +5,8 @@ specialisation its real launch gets (megamoe/sm90.py): what the interpreter cann
   int argument equal to 1 into a constexpr; ``ntok.to(...)`` then failed to compile on the H200);
 - no kernel moves data through global memory 1 or 2 bytes at a time: what a row pointer loaded from the
   heap's table without an alignment hint produced in the fused megakernel (its GEMM2 epilogue and combine);
-- the GEMM-bound kernels and the router's do not spill registers (the d(topk_w) kernel spilled 456 bytes per
-  thread; the first Triton router 36-84, and took 28 us on qwen3 against 11 now);
+- the GEMM-bound kernels and the router's do not spill registers beyond MAX_SPILL bytes per thread (the d(topk_w)
+  kernel spilled 456 bytes per thread; the first Triton router 36-84, and took 28 us on qwen3 against 11 now);
 - ptxas serialises no kernel's wgmmas (warning C751x), and every variant of the Gluon FP8 GEMM (plain, SwiGLU,
   SwiGLU backward) keeps one in flight, does not spill, and (SwiGLU and its backward) promotes under a running
   wgmma in the SASS;
@@ -64,9 +64,16 @@ def test_shared_memory_fits_hopper(rep):
     assert not over, f"kernels needing more shared memory than a Hopper SM gives one CTA: {over}"
 
 
+#: bytes per thread a GEMM-bound kernel may spill: the dgrad2+SwiGLU epilogue that also writes the gated activation
+#: (the bf16 backward's acts_out) spills 2-4 bytes at its default 2 epilogue slices and timed as fast as without the
+#: output (one H200, 2026-12-01: qwen3 0.561 vs 0.565 ms, deepseek 3.557 vs 3.561), while 4 slices, without the
+#: spill, were 4-10% slower. The spills this test caught before were 36-456 bytes.
+MAX_SPILL = 8
+
+
 def test_gemm_kernels_do_not_spill(rep):
     spills = {k: v["spill_store_bytes"] for k, v in rep.items() if k.split("#")[0] in NO_SPILLS
-              and v["spill_store_bytes"]}
+              and v["spill_store_bytes"] > MAX_SPILL}
     assert not spills, f"register spills (bytes stored per thread): {spills}"
     from megamoe.sm90 import ROUTER_CASES
 
