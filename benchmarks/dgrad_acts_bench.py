@@ -10,14 +10,13 @@ op's default, and 4) against the same call without ``acts_out``; do_bench median
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import triton
 
 from megamoe import experts as X
 from megamoe.kernels.gemm_config import LAST_COMPILED, default_config
-from megamoe.perf import run_metadata
+from megamoe.perf import write_results
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 64), "deepseek-v3": (7168, 2048, 128)}  # H, I, local experts at EP 2
 
@@ -56,10 +55,7 @@ def main() -> None:
                          "regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None)})
             print(f"{name:14s} {label:16s} {ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s  dh/ds equal {same}  "
                   f"regs {rows[-1]['regs']} spills {rows[-1]['spills']}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": run_metadata(dev, 1), "what": __doc__.strip().split("\n")[0], "results": rows}, f,
-                      indent=1)
+    write_results(args.json, dev, __doc__, rows)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,12 @@ kernel adds ~1-2 us of gap on top of its device time. The logit GEMM is included
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from megamoe.config import preset
-from megamoe.perf import run_metadata
+from megamoe.perf import write_results
 from megamoe.router import route
 
 
@@ -109,10 +108,7 @@ def main() -> None:
                 print("    " + ", ".join(f"{k} {v}" for k, v in sorted(fb_per.items(), key=lambda kv: -kv[1])))
                 if args.sweep:
                     rows[-1]["sweep"] = sweep(cfg, x, w, bias, dev)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": run_metadata(dev, 1), "what": __doc__.strip().split("\n")[0], "results": rows}, f,
-                      indent=1)
+    write_results(args.json, dev, __doc__, rows)
 
 
 if __name__ == "__main__":

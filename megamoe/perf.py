@@ -110,6 +110,17 @@ def run_metadata(device: torch.device, world: int) -> dict:
     return meta
 
 
+def write_results(path: str | None, device: torch.device, what: str, rows: list) -> None:
+    """A one-GPU benchmark script's JSON: {"meta": run_metadata, "what": its first docstring line, "results"}
+    (nothing when path is None)."""
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump({"meta": run_metadata(device, 1), "what": what.strip().split("\n")[0], "results": rows}, f,
+                      indent=1)
+
+
 def run_shapes(run_shape, default_shapes: str) -> None:
     """The command line of the per-shape GEMM benchmark scripts (benchmarks/gemm_tail.py, gluon_fp8_bench.py):
     ``--shapes preset:ep,...``, ``--tokens``, ``--json``; calls ``run_shape(preset, ep, tokens, rows)`` for each shape

@@ -213,46 +213,27 @@ def test_split_fp8_weight_cache_cpu():
     assert all(r.values()), r
 
 
-def _bad_fp8_flag(rank, world):
+def _ctor_error(rank, world, cfg_kw: dict, kw: dict):
+    """The ValueError message of building a split layer of preset("tiny", **cfg_kw) with options kw, or None."""
     from megamoe import MoE, preset
 
     try:
-        MoE(preset("tiny"), backend="split", fp8=2)
+        MoE(preset("tiny", **cfg_kw), backend="split", **kw)
     except ValueError as exc:
         return str(exc)
     return None
 
 
 def test_split_fp8_rejects_bad_flag():
-    (msg,) = spawn(_bad_fp8_flag, 1)
+    (msg,) = spawn(_ctor_error, 1, {}, {"fp8": 2})
     assert msg is not None and "fp8" in msg
 
 
-def _bad_gate_grad(rank, world):
-    from megamoe import MoE, preset
-
-    try:
-        MoE(preset("tiny"), backend="split", gate_grad="owner")
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
 def test_split_rejects_bad_gate_grad():
-    (msg,) = spawn(_bad_gate_grad, 1)
+    (msg,) = spawn(_ctor_error, 1, {}, {"gate_grad": "owner"})
     assert msg is not None and "gate_grad" in msg
 
 
-def _bad_dtype(rank, world):
-    from megamoe import MoE, preset
-
-    try:
-        MoE(preset("tiny", dtype=torch.float32), backend="split")
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
 def test_split_rejects_non_bf16():
-    (msg,) = spawn(_bad_dtype, 1)
+    (msg,) = spawn(_ctor_error, 1, {"dtype": torch.float32}, {})
     assert msg is not None and "bfloat16" in msg

@@ -205,6 +205,18 @@ def stage_grad(heap, dy: torch.Tensor, topk_w: torch.Tensor, programs: int) -> N
             ntok=-1, programs=programs)
 
 
+def _grad_call(dy: torch.Tensor, topk_w: torch.Tensor, handle: DispatchHandle, num_sms: int | None):
+    """(heap, its shape, T, programs) of a backward call, after checking dy [T, H] (heap dtype) and topk_w [T, k]."""
+    heap = handle.heap
+    sh = heap.shape
+    T = handle.num_tokens
+    if tuple(dy.shape) != (T, sh.hidden) or dy.dtype != sh.dtype:
+        raise ValueError(f"dy must be [T={T}, H={sh.hidden}] {sh.dtype}, got {tuple(dy.shape)} {dy.dtype}")
+    if tuple(topk_w.shape) != (T, sh.topk):
+        raise ValueError(f"topk_w must be [T={T}, k={sh.topk}], got {tuple(topk_w.shape)}")
+    return heap, sh, T, max(1, int(num_sms or handle.num_sms))
+
+
 def combine_backward(dy: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor, handle: DispatchHandle,
                      num_sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`combine`: returns (grad_out [R_cap, H] heap dtype, grad_w [T, k] fp32).
@@ -213,14 +225,7 @@ def combine_backward(dy: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor, 
     over H). dy: [T, H] heap dtype (pulled by the expert ranks, once per (source, token)); out: the expert
     outputs given to combine (read locally).
     """
-    heap = handle.heap
-    sh = heap.shape
-    T = handle.num_tokens
-    P = max(1, int(num_sms or handle.num_sms))
-    if tuple(dy.shape) != (T, sh.hidden) or dy.dtype != sh.dtype:
-        raise ValueError(f"dy must be [T={T}, H={sh.hidden}] {sh.dtype}, got {tuple(dy.shape)} {dy.dtype}")
-    if tuple(topk_w.shape) != (T, sh.topk):
-        raise ValueError(f"topk_w must be [T={T}, k={sh.topk}], got {tuple(topk_w.shape)}")
+    heap, sh, T, P = _grad_call(dy, topk_w, handle, num_sms)
     if out.shape[0] < sh.rows_cap:
         full = torch.empty(sh.rows_cap, sh.hidden, dtype=sh.dtype, device=heap.device)
         full[: out.shape[0]] = out
@@ -268,14 +273,7 @@ def pull_grad(dy: torch.Tensor, topk_w: torch.Tensor, handle: DispatchHandle,
     [R_cap] fp32) with dy_rows[r] = dy_s[t] (unscaled) and gate[r] = topk_w_s[t, j] for every received row
     r = (s, t, j) (rows >= R unwritten). The caller computes d(topk_w) per row and sends it home with
     :func:`send_gate_grad` (which closes the call)."""
-    heap = handle.heap
-    sh = heap.shape
-    T = handle.num_tokens
-    P = max(1, int(num_sms or handle.num_sms))
-    if tuple(dy.shape) != (T, sh.hidden) or dy.dtype != sh.dtype:
-        raise ValueError(f"dy must be [T={T}, H={sh.hidden}] {sh.dtype}, got {tuple(dy.shape)} {dy.dtype}")
-    if tuple(topk_w.shape) != (T, sh.topk):
-        raise ValueError(f"topk_w must be [T={T}, k={sh.topk}], got {tuple(topk_w.shape)}")
+    heap, sh, T, P = _grad_call(dy, topk_w, handle, num_sms)
     stage_grad(heap, dy, topk_w, P)
     rows = torch.empty(sh.rows_cap, sh.hidden, dtype=sh.dtype, device=heap.device)
     gate = torch.empty(sh.rows_cap, dtype=torch.float32, device=heap.device)
