@@ -16,7 +16,7 @@ backward, default (split's bf16 backward, backends/split.bf16_dgrad, reusing wha
     gathers), dW2, dW13 (deterministic). Until 2026-12-01 the forward saved its tokens' slot rows [T, k, H]
     for d(topk_w) (a copy in the kernel's tail and a separate kernel in the backward); now only the backward
     megakernel does.
-    The forward's receive rows, h and act are reused when the ring held every block (``ring_blocks=None``,
+    The forward's receive rows and h are reused when the ring held every block (``ring_blocks=None``,
     dense buffers); with a smaller ring they were overwritten, so the backward first recomputes them
     (dispatch of x + GEMM1, split's kernels; that cost is what ``megamoe bench`` measures for a ring).
 

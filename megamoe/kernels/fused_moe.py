@@ -382,7 +382,7 @@ class FusedConfig:
 
 #: the last launch's item records when FusedConfig.timeline: {"items": int64 [n, 8] (pid, kind 0 PULL / 1 GEMM1 /
 #: 2 GEMM2 / 3 no block, block, then ns stamps: before the claim, claimed, wait done, loop done, end; rows of items
-#: never taken stay 0), "programs": P, "group": G, "lookahead": L1, "bwd": bool}
+#: never taken stay 0), "programs": P, "group": G, "lookahead": L1, "lag": L2, "bwd": bool}
 LAST_TIMELINE: dict = {}
 
 
