@@ -291,8 +291,9 @@ def send_gate_grad(ds: torch.Tensor, handle: DispatchHandle, num_sms: int | None
     sched = handle.schedule
     T = handle.num_tokens
     P = max(1, int(num_sms or handle.num_sms))
-    if ds.dtype != torch.float32 or ds.dim() != 1 or not ds.is_contiguous():
-        raise ValueError(f"ds must be a contiguous 1-D float32 tensor, got {tuple(ds.shape)} {ds.dtype}")
+    if ds.dtype != torch.float32 or ds.dim() != 1 or not ds.is_contiguous() or ds.shape[0] < sh.rows_cap:
+        raise ValueError(f"ds must be a contiguous 1-D float32 tensor of >= R_cap = {sh.rows_cap} values (one per "
+                         f"receive row), got {tuple(ds.shape)} {ds.dtype}")
     E_l = sh.local_experts
     block = 1024
     _send_dw_kernel[(max(1, min(P, triton.cdiv(sh.rows_cap, block))),)](
