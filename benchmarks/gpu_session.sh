@@ -6,7 +6,8 @@
 # ordered by value and each has its own time limit: 1 (<= 8 min), 2, 2b, 2c (<= 10 min each), 3 (~8 min), 4+5
 # (~6 min), 6 (~5 min), t (deepseek forward timeline, ~2 min), 7 (training, torch / split / fused, ~2 min cold),
 # 7g (7 with --graph-moe --compile, ~2 min), 7t (GPU training tests, ~1 min), 8 (Gluon FP8 GEMM, every epilogue, ~5 min),
-# 9 (Gluon bf16 GEMM tests and bench, ~4 min), r (router tests on CUDA + layer A/B of the router impls, ~5 min).
+# 9 (Gluon bf16 GEMM tests and bench, ~4 min), r (router tests on CUDA + layer A/B of the router impls, ~5 min),
+# g (layer A/B of the 2026-12-01 backward and fused defaults, ~4 min), p (fused per-item timeline, ~2 min).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -123,6 +124,19 @@ gpu_tests gpu_router 200 tests/test_router.py tests/test_gpu_layer.py -k router
 CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/router_bench.py --json "$OUT/router.json" 2>&1 | grep -v arn
 R="torch:router=torch,torch,split:presum_combine=1:router=torch,split:presum_combine=1"
 for p in qwen3-30b-a3b deepseek-v3; do echo "-- $p"; bench "$p" 4096 "$R" router --cuda-graph; done
+fi
+
+if want g; then
+echo "== g. 2026-12-01 changes: bf16 backward (d(topk_w) from the dgrad epilogue) vs gate_grad=pull, fused lookahead/lag"
+B="torch,split:presum_combine=1,split:presum_combine=1:gate_grad=pull,fused,fused:lookahead=3:lag=1"
+for p in qwen3-30b-a3b deepseek-v3; do echo "-- $p"; bench "$p" 4096 "$B" gategrad --cuda-graph; done
+fi
+
+if want p; then
+echo "== p. megakernel per-item timeline (forward, no autograd; phases per item kind, rank 0)"
+mkdir -p /tmp/tl
+timeout 200 torchrun --nproc_per_node "$NGPU" benchmarks/fused_probe.py --timeline --out /tmp/tl \
+  --variants default,la6lag2 2>&1 | quiet | grep -v "kind  " | tee "$OUT/probe-timeline.txt" | tail -30
 fi
 
 if want 6; then

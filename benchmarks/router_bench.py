@@ -82,12 +82,45 @@ def sweep(cfg, x, w, bias, dev) -> list[dict]:
     return rows
 
 
+SWEEP_BWD = [(bt, w) for bt in (1, 2, 4, 8, 16) for w in (4, 8)]
+
+
+def sweep_bwd(cfg, x, w, bias, dg) -> list[dict]:
+    """Every backward-kernel config of SWEEP_BWD: d(logits) checked against the torch path's (via dx and dw of the
+    router's logit GEMM, which only see d(logits)), then timed (the backward kernel alone, profiler)."""
+    from megamoe.kernels import router_topk
+
+    one = torch.ones((), device=x.device)
+
+    def grads(impl):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        r = route(xr, wr, cfg, bias, impl=impl)
+        torch.autograd.backward([r.topk_w, r.aux_loss], [dg, one])
+        return xr.grad.float(), wr.grad.float()
+
+    ref = grads("torch")
+    rows = []
+    for bt, wp in SWEEP_BWD:
+        router_topk.PIN_BWD = (bt, wp)
+        try:
+            got = grads("triton")
+            ok = all(((a - b).norm() / b.norm().clamp_min(1e-30)).item() < 1e-2 for a, b in zip(got, ref, strict=True))
+            per = device_time(lambda: grads("triton"))[2]
+            us = sum(v for k, v in per.items() if k.startswith("_route_bwd"))
+        finally:
+            router_topk.PIN_BWD = None
+        rows.append({"block_t": bt, "warps": wp, "correct": bool(ok), "bwd_kernel_us": us})
+        print(f"    backward BLOCK_T {bt:3d} warps {wp}: {us:7.2f} us  {'ok' if ok else 'WRONG'}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--presets", default="qwen3-30b-a3b,deepseek-v3,mixtral-8x7b")
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep", action="store_true", help="also time the forward kernel's configs (SWEEP)")
+    ap.add_argument("--sweep-bwd", action="store_true", help="also time the backward kernel's configs (SWEEP_BWD)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     rows = []
@@ -108,6 +141,8 @@ def main() -> None:
                 print("    " + ", ".join(f"{k} {v}" for k, v in sorted(fb_per.items(), key=lambda kv: -kv[1])))
                 if args.sweep:
                     rows[-1]["sweep"] = sweep(cfg, x, w, bias, dev)
+                if args.sweep_bwd:
+                    rows[-1]["sweep_bwd"] = sweep_bwd(cfg, x, w, bias, dg)
     write_results(args.json, dev, __doc__, rows)
 
 

@@ -87,6 +87,24 @@ def test_triton_router_reproducible_and_ties(device):
     assert r.tokens_per_expert.tolist() == [40, 40, 40] + [0] * 9
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_router_pinned_tiles_agree(device):
+    """The sweep's pins (benchmarks/router_bench.py): other forward / backward tiles give the same routing and
+    gradients (the forward bitwise; the backward computes each token alone, so bitwise too)."""
+    from megamoe.kernels import router_topk
+
+    cfg = preset("tiny", dtype=torch.float32).replace(num_experts=20, top_k=3, router="sigmoid")
+    x, w, b, _ = _inputs(20, 37, 64, device)
+    base = _run(cfg, x, w, b, "triton")
+    try:
+        router_topk.PIN, router_topk.PIN_BWD = (2, 4, 4), (8, 8)
+        pinned = _run(cfg, x, w, b, "triton")
+    finally:
+        router_topk.PIN = router_topk.PIN_BWD = None
+    assert torch.equal(base[0].topk_idx, pinned[0].topk_idx) and torch.equal(base[0].topk_w, pinned[0].topk_w)
+    assert torch.equal(base[1], pinned[1]) and torch.equal(base[2], pinned[2])
+
+
 def test_router_impl_choice_and_errors():
     cfg = preset("tiny", dtype=torch.float32)
     x, w, _, _ = _inputs(cfg.num_experts, 6, cfg.hidden, "cpu")

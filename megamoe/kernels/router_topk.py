@@ -190,6 +190,8 @@ DEN_ONE = 4294967296.0
 #: (BLOCK_T, CHUNKS, num_warps) of the forward kernel for every E, or None for :func:`_blocks`' choice: a pin for
 #: benchmarks/router_bench.py's sweep (it checks every pinned config against the torch path before timing it)
 PIN: tuple[int, int, int] | None = None
+#: (BLOCK_T, num_warps) of the backward kernel, or None for :func:`_bwd_block_t` at 4 warps (the sweep's pin)
+PIN_BWD: tuple[int, int] | None = None
 
 
 def _blocks(E: int, K: int) -> tuple[int, int, int, int, int]:
@@ -260,7 +262,7 @@ class RouteTopk(torch.autograd.Function):
         k, sigmoid, norm, scale, coef_e = ctx.cfg
         T, E = logits.shape
         _, block_e, kp, _, _ = _blocks(E, k)
-        block_t = _bwd_block_t(block_e)
+        block_t, warps = (_bwd_block_t(block_e), 4) if PIN_BWD is None else PIN_BWD
         dlogits = torch.empty_like(logits)
         has_dg = d_gates is not None
         has_daux = d_aux is not None and coef_e != 0.0
@@ -269,6 +271,6 @@ class RouteTopk(torch.autograd.Function):
         _route_bwd_kernel[(triton.cdiv(T, block_t),)](
             logits, idx, dg, counts, da, dlogits, T, E, scale, 1.0 / (T * k), 1.0 / T, coef_e,
             K=k, KP=kp, SIGMOID=sigmoid, NORM=norm, HAS_DG=has_dg, HAS_DAUX=has_daux,
-            BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4,
+            BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps,
         )
         return dlogits, None, None, None, None, None, None
