@@ -33,6 +33,7 @@ from megamoe.layer import MoE  # noqa: E402
 VARIANTS = [
     ("default", {}, None),
     ("gpuscope", {"counter_scope": "gpu"}, None),
+    ("prologue", {"prologue": True}, None),  # the first L1 steps' blocks pulled in finer parts
     ("la6", {"lookahead": 6}, None),
     ("lag2", {"lag": 2}, None),
     ("la6lag2", {"lookahead": 6, "lag": 2}, None),

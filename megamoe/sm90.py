@@ -144,6 +144,7 @@ LAYERS = [
     (2, "qwen3-30b-a3b", 8, 64, "fused", {"combine": "pull", "fused_backward": True}),
     (2, "qwen3-30b-a3b", 8, 64, "fused", {"fused_backward": True}),
     (2, "qwen3-30b-a3b", 8, 64, "fused", {"ring_blocks": 8}),
+    (2, "qwen3-30b-a3b", 8, 64, "fused", {"prologue": True}),
     (2, "qwen3-30b-a3b", 8, 1, "split", {}),
     (2, "qwen3-30b-a3b", 8, 1, "fused", {}),
     (2, "qwen3-30b-a3b", 8, 1, "fused", {"combine": "pull"}),

@@ -67,6 +67,11 @@ def _rank(rank: int, world: int) -> tuple[list[dict], list[bool]]:
         r = layer_case(cases[1], "fused", dev, counter_scope="gpu")  # ld.acquire.gpu on the tile counters
         r["case"] = "counter-scope-gpu:" + r["case"]
         results.append(r)
+        for kw in ({}, {"ring_blocks": 8, "group_blocks": 2}):  # the first steps' blocks pulled in finer parts
+            r = layer_case(sk, "fused", dev, prologue=True, **kw)
+            r["case"] = f"prologue{kw.get('ring_blocks', '')}:" + r["case"]
+            results.append(r)
+        dets.append(determinism_case(sk, "fused", dev, prologue=True))
         r = layer_case(sk, "fused", dev, group_blocks=2, ring_blocks=8)  # 2 blocks per step, cycling ring
         r["case"] = "group2-ring8:" + r["case"]
         results.append(r)
@@ -205,7 +210,7 @@ def _bad_options(rank, world):
         msgs.append(None)
     except ValueError as exc:
         msgs.append(str(exc))
-    for kw in ({"stages": 5}, {"counter_scope": "cta"}, {"lag": 0}, {"lag": 2, "ring_blocks": 4}):
+    for kw in ({"stages": 5}, {"counter_scope": "cta"}, {"lag": 0}, {"lag": 2, "ring_blocks": 4}, {"prologue": 2}):
         try:
             MoE(preset("tiny"), backend="fused", **kw)
             msgs.append(None)
@@ -230,3 +235,4 @@ def test_fused_rejects_bad_options():
     assert msgs[11] is not None and "counter_scope" in msgs[11]
     assert msgs[12] is not None and "lag" in msgs[12]
     assert msgs[13] is not None and "ring_blocks must be >= 5" in msgs[13]
+    assert msgs[14] is not None and "prologue" in msgs[14]

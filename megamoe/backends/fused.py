@@ -39,7 +39,8 @@ to whole blocks), ``programs`` (persistent programs of the megakernel; default t
 GEMM2 distance in steps; default 3, 1 with a ring), ``pull_split`` (pull items per block), ``group_blocks`` (blocks
 per step whose GEMM tiles run side by side, sharing weight tiles in L2), ``combine`` ("pull" or "push"),
 ``fused_backward``, ``stages`` (pipeline depth of the GEMM k-loops, 1-4, default 4), ``counter_scope`` ("sys" or
-"gpu": the scope of the megakernel's tile-counter acquire loads, default "sys"), ``comm_sms`` (programs of the
+"gpu": the scope of the megakernel's tile-counter acquire loads, default "sys"), ``prologue`` (the first
+lookahead steps pull their blocks in finer parts; off, not timed yet), ``comm_sms`` (programs of the
 staging / backward communication kernels, default every SM), ``timeout_s`` (bound of every device wait).
 
 Capacity: no token is ever dropped: dense buffers hold the worst case (every token of every rank routed
@@ -132,7 +133,7 @@ class FusedBackend:
                  lookahead: int | None = None, pull_split: int | None = None, group_blocks: int | None = None,
                  comm_sms: int | None = None, timeout_s: float = 60.0, fused_backward: bool = False,
                  combine: str = "push", stages: int | None = None, counter_scope: str | None = None,
-                 lag: int | None = None):
+                 lag: int | None = None, prologue: bool = False):
         cfg = moe.config
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"backend 'fused' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
@@ -152,6 +153,9 @@ class FusedBackend:
             if lookahead < 1:
                 raise ValueError(f"lookahead must be >= 1, got {lookahead}")
             self.config = self.config.with_(lookahead=int(lookahead))
+        if prologue not in (True, False, 0, 1):
+            raise ValueError(f"prologue must be a flag (True/False or 1/0), got {prologue!r}")
+        self.config = self.config.with_(prologue=bool(prologue))
         if lag is not None:
             if lag < 1:
                 raise ValueError(f"lag must be >= 1, got {lag}")

@@ -40,7 +40,10 @@ backward can reuse them.
 
 Communication programs vs compute programs: there is no static split. Every program takes the next item,
 PULL or GEMM, so the share of SMs moving rows follows the work (about one pull per 1 + T1 + T2 items);
-the lookahead L1 (pull to GEMM1, in steps) is the knob, default from the programs in flight.
+the lookahead L1 (pull to GEMM1, in steps) is the knob (default: at least 8 steps, from per-item timelines).
+With ``prologue`` the first L1 steps, whose GEMM items have no blocks yet, use all their items as pull parts
+(PS / G parts per block instead of PULL_SPLIT), so at the start every program pulls and GEMM1 of step 0 waits for
+a fraction of one block's pull; GEMM1 of those blocks waits for that many parts.
 
 Determinism: every output element is computed by one tile in a fixed k order and every y row sums its k
 slots in j order, so results are bitwise reproducible whatever program takes which item.
@@ -122,7 +125,7 @@ def _fused_fwd_kernel(
     BLOCK_H: tl.constexpr, ROWS_C: tl.constexpr, BLOCK_HC: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, STORE_H: tl.constexpr, SAVE: tl.constexpr,
     ALIGNED: tl.constexpr, WP2: tl.constexpr, BWD: tl.constexpr, PULL_COMBINE: tl.constexpr,
-    TIMELINE: tl.constexpr, ACQ_GPU: tl.constexpr,
+    TIMELINE: tl.constexpr, ACQ_GPU: tl.constexpr, PROLOGUE: tl.constexpr,
 ):
     """grid (P,): see the module docstring. BWD: the backward pass through the same item structure (x -> g_out
     pulled with gates, act -> dh, w13 -> w2 and w2 -> w13 read transposed, y -> dx summed without gates)."""
@@ -154,9 +157,18 @@ def _fused_fwd_kernel(
                 t_loop = t_got
                 kind = tl.full((), 3, tl.int32)  # 0 PULL, 1 GEMM1, 2 GEMM2, 3 no block (warm-up / drain steps)
                 b_tl = tl.full((), -1, tl.int32)
-            if sub < GB * PULL_SPLIT:  # PULL(b, part) for the GB blocks of step s
+            if PROLOGUE:  # steps s < L1 have no GEMM items: every item of theirs is a pull part (PS / GB per block)
+                pro = s < L1
+                is_pull = (sub < GB * PULL_SPLIT) | pro
+                b = tl.where(pro, s * GB + sub % GB, s * GB + sub // PULL_SPLIT)
+                part_i = tl.where(pro, sub // GB, sub % PULL_SPLIT)
+                nparts = tl.where(pro, PS // GB, PULL_SPLIT)
+            else:
+                is_pull = sub < GB * PULL_SPLIT
                 b = s * GB + sub // PULL_SPLIT
                 part_i = sub % PULL_SPLIT
+                nparts = PULL_SPLIT
+            if is_pull:  # PULL(b, part) for the GB blocks of step s
                 if b < nb:
                     if TIMELINE:
                         kind = tl.full((), 0, tl.int32)
@@ -169,7 +181,7 @@ def _fused_fwd_kernel(
                     if TIMELINE:
                         t_wait = now_ns()
                     if free & ((ABLATE & 1) == 0):
-                        part = BM // PULL_SPLIT
+                        part = (BM + nparts - 1) // nparts
                         _pull_block(tab, W, row0, nrows, base, part_i * part, part_i * part + part, row_src_ptr,
                                     row_tok_ptr, row_slot_ptr, x_ptr, H, K, ROWS_P, BLOCK_H, ALIGNED, BWD)
                     if TIMELINE:
@@ -185,7 +197,11 @@ def _fused_fwd_kernel(
                         kind = tl.full((), 1, tl.int32)
                         b_tl = b
                     e, row0, nrows, base = _locate(b, e_idx, starts, cnts, nblk, cum, NS, BM)
-                    fine = wait_counter(ready + b, PULL_SPLIT, tab, W, rank, call, timeout_ns, ACQ_GPU)
+                    if PROLOGUE:  # the first L1 steps' blocks were pulled in PS / GB parts
+                        fine = wait_counter(ready + b, tl.where(b < L1 * GB, PS // GB, PULL_SPLIT), tab, W, rank,
+                                            call, timeout_ns, ACQ_GPU)
+                    else:
+                        fine = wait_counter(ready + b, PULL_SPLIT, tab, W, rank, call, timeout_ns, ACQ_GPU)
                     if NS > 0:
                         if b >= NS:  # act slot: GEMM2 of the slot's previous block is done
                             fine = fine & wait_counter(g2 + b - NS, T2, tab, W, rank, call, timeout_ns, ACQ_GPU)
@@ -373,6 +389,9 @@ class FusedConfig:
     use_tma: bool | None = None
     counter_scope: str = "sys"  # scope of the tile-counter acquire loads: "sys" (ld.acquire.sys, as the cross-rank
                                 # flags) or "gpu" (enough: only this GPU's programs write them)
+    prologue: bool = False   # the first L1 steps (which have no GEMM items) pull their blocks in (items per step /
+                             # G) parts, so every program helps and GEMM1 starts after a fraction of a pull (not timed
+                             # yet: the 2026-12-01 timeline showed deepseek's programs waiting ~100 us at the start)
     timeline: bool = False   # diagnostics: every item's program, kind, block and %globaltimer stamps (claim, claimed,
                              # wait done, loop done, end) into LAST_TIMELINE (benchmarks/fused_probe.py --timeline)
 
@@ -468,7 +487,7 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
         BLOCK_H=block_h, ROWS_C=max(1, 4096 // block_hc), BLOCK_HC=block_hc, USE_TMA=use_tma,
         DOT_F32=interpreting(), STORE_H=h is not None and not bwd, SAVE=save is not None,
         ALIGNED=(H * 2) % 16 == 0, WP2=max(2, heap.wp2), BWD=bwd, PULL_COMBINE=cfg.combine == "pull",
-        TIMELINE=cfg.timeline, ACQ_GPU=cfg.counter_scope == "gpu",
+        TIMELINE=cfg.timeline, ACQ_GPU=cfg.counter_scope == "gpu", PROLOGUE=cfg.prologue,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     record("_fused_fwd_kernel", compiled)
