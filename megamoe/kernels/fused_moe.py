@@ -88,6 +88,7 @@ from megamoe.kernels.fused_parts import (
     _locate,
     _pull_block,
     _push_epilogue,
+    _push_rows,
     fence_proxy_async,
     signal_counter,
     wait_counter,
@@ -261,6 +262,9 @@ def _fused_fwd_kernel(
                         fence_proxy_async()
                         if TIMELINE:
                             t_wait = now_ns()
+                        if not PULL_COMBINE:  # the rows' owner addresses, loaded under the k-loop
+                            rp, rvalid = _push_rows(row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H,
+                                                    K, BM, DT, ALIGNED)
                         off_n = j * BN2
                         acc = tl.zeros((BM, BN2), dtype=tl.float32)
                         if (ABLATE & 4) == 0:
@@ -282,8 +286,7 @@ def _fused_fwd_kernel(
                                 _epilogue(acc, acc, row0, off_n, row0 + nrows, j, 0, H, rows_ptr, H, rows_ptr, H,
                                           gate_ptr, gate_ptr, gate_ptr, BM, BN2, 0, False, False, EPI_SPLIT2)
                             else:
-                                _push_epilogue(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr,
-                                               row_slot_ptr, H, K, BM, BN2, DT, EPI_SPLIT2, ALIGNED)
+                                _push_epilogue(acc, off_n, rp, rvalid, H, BM, BN2, DT, EPI_SPLIT2)
                     signal_counter(g2 + b)
                     go = fine
             if TIMELINE:

@@ -171,11 +171,13 @@ def _pull_block(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_ptr,
 
 
 @triton.jit
-def _push_part(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H,
-               K: tl.constexpr, BM: tl.constexpr, NP: tl.constexpr, DT: tl.constexpr, ALIGNED: tl.constexpr):
-    """Store a [BM, NP] slice of GEMM2's output rows into the owners' slots regions (ALIGNED: rows start on
-    16-byte boundaries, which the compiler cannot see through a pointer loaded from the table: without the
-    hint every element is a 2-byte store)."""
+def _push_rows(row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K: tl.constexpr, BM: tl.constexpr,
+               DT: tl.constexpr, ALIGNED: tl.constexpr):
+    """(row pointers [BM], valid [BM]): where each of the block's rows goes, its owner's ``slots[tok, slot]`` row
+    (ALIGNED: rows start on 16-byte boundaries, which the compiler cannot see through a pointer loaded from the
+    table: without the hint every element is a 2-byte store). Two dependent loads per row (the schedule, then
+    the owner's address): computed once per item, before the k-loop, so their latency hides under it (until
+    2026-12-01 every one of the epilogue's column slices loaded them again after the previous slice's stores)."""
     rr = tl.arange(0, BM)
     valid = rr < nrows
     src = tl.load(row_src_ptr + row0 + rr, mask=valid, other=0)
@@ -183,35 +185,37 @@ def _push_part(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_sl
     slot = tl.load(row_slot_ptr + row0 + rr, mask=valid, other=0)
     addr = tl.load(tab + REG_SLOTS * W + src, mask=valid, other=0) + (tok * K + slot).to(tl.int64) * H * (
         DT.primitive_bitwidth // 8)
-    rn = off_n + tl.arange(0, NP)
     rp = addr.to(tl.pointer_type(DT))
     if ALIGNED:
         rp = tl.multiple_of(rp, 16)
+    return rp, valid
+
+
+@triton.jit
+def _push_part(acc, off_n, rp, valid, H, NP: tl.constexpr, DT: tl.constexpr):
+    """Store a [BM, NP] slice of GEMM2's output rows at the rows' owner addresses ``rp`` (see _push_rows)."""
+    rn = off_n + tl.arange(0, NP)
     ptrs = rp[:, None] + rn[None, :]
     tl.store(ptrs, acc.to(DT), mask=valid[:, None] & (rn < H)[None, :])
 
 
 @triton.jit
-def _push_epilogue(acc, off_n, row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H,
-                   K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr,
-                   EPI_SPLIT: tl.constexpr, ALIGNED: tl.constexpr):
-    rs = row_src_ptr
-    rt = row_tok_ptr
-    rl = row_slot_ptr
+def _push_epilogue(acc, off_n, rp, valid, H, BM: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr,
+                   EPI_SPLIT: tl.constexpr):
     if EPI_SPLIT == 1:
-        _push_part(acc, off_n, row0, nrows, tab, W, rs, rt, rl, H, K, BM, BN, DT, ALIGNED)
+        _push_part(acc, off_n, rp, valid, H, BN, DT)
     elif EPI_SPLIT == 2:
         HN: tl.constexpr = BN // 2
         a0, a1 = _halves(acc, BM, BN)
-        _push_part(a0, off_n, row0, nrows, tab, W, rs, rt, rl, H, K, BM, HN, DT, ALIGNED)
-        _push_part(a1, off_n + HN, row0, nrows, tab, W, rs, rt, rl, H, K, BM, HN, DT, ALIGNED)
+        _push_part(a0, off_n, rp, valid, H, HN, DT)
+        _push_part(a1, off_n + HN, rp, valid, H, HN, DT)
     else:
         HN: tl.constexpr = BN // 2
         QN: tl.constexpr = BN // 4
         a0, a1 = _halves(acc, BM, BN)
         a00, a01 = _halves(a0, BM, HN)
         a10, a11 = _halves(a1, BM, HN)
-        _push_part(a00, off_n, row0, nrows, tab, W, rs, rt, rl, H, K, BM, QN, DT, ALIGNED)
-        _push_part(a01, off_n + QN, row0, nrows, tab, W, rs, rt, rl, H, K, BM, QN, DT, ALIGNED)
-        _push_part(a10, off_n + HN, row0, nrows, tab, W, rs, rt, rl, H, K, BM, QN, DT, ALIGNED)
-        _push_part(a11, off_n + HN + QN, row0, nrows, tab, W, rs, rt, rl, H, K, BM, QN, DT, ALIGNED)
+        _push_part(a00, off_n, rp, valid, H, QN, DT)
+        _push_part(a01, off_n + QN, rp, valid, H, QN, DT)
+        _push_part(a10, off_n + HN, rp, valid, H, QN, DT)
+        _push_part(a11, off_n + HN + QN, rp, valid, H, QN, DT)
