@@ -100,6 +100,15 @@ def timeline_report(info: dict) -> str:
         tot = (r[:, 7] - r[:, 3]).double() / 1e3
         lines.append(f"   {name:6s} {len(r):6d} {m[0]:7.2f} {m[1]:7.2f} {m[2]:8.2f} {m[3]:7.2f} {tot.mean():8.2f} "
                      f"{tot.sum() / 1e3:7.3f} {(r[:, 3].min() - t0) / 1e3:8.1f} {(r[:, 7].max() - t0) / 1e3:8.1f}")
+    pp = info.get("per_program")
+    if pp is not None:
+        pp = pp.cpu().double()
+        e0 = pp[:, 0].min()
+        d = (pp[:, 1:5] - pp[:, 0:4]) / 1e3
+        lines.append(f"   per program (mean / max us): READY wait {d[:, 0].mean():.1f} / {d[:, 0].max():.1f}, "
+                     f"items {d[:, 1].mean():.1f}, DONE wait {d[:, 2].mean():.1f} / {d[:, 2].max():.1f}, "
+                     f"slot sum {d[:, 3].mean():.1f} / {d[:, 3].max():.1f}; kernel entry to last end "
+                     f"{(pp[:, 4].max() - e0) / 1e3:.1f} us, entries spread over {(pp[:, 0].max() - e0) / 1e3:.1f} us")
     g = it[it[:, 1] > 0]
     g = g[g[:, 1] < 3]
     if len(g):

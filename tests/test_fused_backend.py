@@ -165,6 +165,8 @@ def _timeline(rank: int, world: int):
     stamps = taken[:, 3:8]
     monotone = bool((stamps[:, 1:] >= stamps[:, :-1]).all())
     pids_ok = bool(((taken[:, 0] >= 0) & (taken[:, 0] < info["programs"])).all())
+    pp = info["per_program"]  # entry, READY seen, items done, DONE seen, end: in order, around the items
+    monotone = monotone and bool((pp[:, 1:5] >= pp[:, 0:4]).all()) and bool(pp[:, 2].max() >= taken[:, 7].max())
     return torch.equal(ref, out), nb, counts_ok, monotone, pids_ok
 
 

@@ -119,6 +119,7 @@ def _fused_fwd_kernel(
                             # alignment and stores/loads them 16 bytes at a time
     ctr_ptr,                # int64 [1 + 3 * NB_MAX] zeroed: queue, ready[NB_MAX], g1[NB_MAX], g2[NB_MAX]
     tl_ptr,                 # int64 [items, 8] (TIMELINE): per item pid, kind, block, then %globaltimer stamps
+    tlp_ptr,                # int64 [P, 8] (TIMELINE): per program entry, READY seen, items done, DONE seen, end
     T, H, I, K2, E_l, NB_MAX, NS, L1, L2, timeout_ns,
     K: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     BLOCK_E: tl.constexpr, EPI_SPLIT1: tl.constexpr, EPI_SPLIT2: tl.constexpr,
@@ -132,8 +133,12 @@ def _fused_fwd_kernel(
     pulled with gates, act -> dh, w13 -> w2 and w2 -> w13 read transposed, y -> dx summed without gates)."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
+    if TIMELINE:
+        t_entry = now_ns()
     call = current_call(tab, W, rank)
     ok = wait_flags(tab, W, rank, READY, 0, W, call, OP_FUSED, timeout_ns, WP2)
+    if TIMELINE:
+        t_ready = now_ns()
     DT = y_ptr.dtype.element_ty
     e_idx, starts, cnts, nblk, cum, nb = _expert_tiles(offs_ptr, E_l, 1, BM, 1, BLOCK_E)  # BM-row blocks
     T1 = tl.cdiv(I, BN1)
@@ -301,11 +306,15 @@ def _fused_fwd_kernel(
                 tl.store(rec + 6, t_loop)
                 tl.store(rec + 7, t_end)
     # every push of this rank has been issued: the last program tells every rank
+    if TIMELINE:
+        t_items = now_ns()
     last = arrive_last(tab, W, rank, ARRIVE_WORK, P)
     if last:
         if error_set(tab, W, rank) == 0:
             publish(tab, W, rank, DONE, call, WP2)
     ok = wait_flags(tab, W, rank, DONE, 0, W, call, OP_FUSED, timeout_ns, WP2)
+    if TIMELINE:
+        t_done = now_ns()
     if ok:
         for t0 in range(pid * ROWS_C, T, P * ROWS_C):
             t = t0 + tl.arange(0, ROWS_C)
@@ -334,6 +343,14 @@ def _fused_fwd_kernel(
                         wj = tl.load(gate_ptr + t * K + jk, mask=mt, other=0.0)
                         acc += wj[:, None] * v.to(tl.float32)
                 tl.store(y_ptr + t.to(tl.int64)[:, None] * H + oh[None, :], acc.to(DT), mask=m2)
+    if TIMELINE:
+        t_fin = now_ns()
+        prec = tlp_ptr + pid * 8
+        tl.store(prec, t_entry)
+        tl.store(prec + 1, t_ready)
+        tl.store(prec + 2, t_items)
+        tl.store(prec + 3, t_done)
+        tl.store(prec + 4, t_fin)
 
 
 @triton.jit
@@ -404,7 +421,8 @@ class FusedConfig:
 
 #: the last launch's item records when FusedConfig.timeline: {"items": int64 [n, 8] (pid, kind 0 PULL / 1 GEMM1 /
 #: 2 GEMM2 / 3 no block, block, then ns stamps: before the claim, claimed, wait done, loop done, end; rows of items
-#: never taken stay 0), "programs": P, "group": G, "lookahead": L1, "lag": L2, "bwd": bool}
+#: never taken stay 0), "per_program": int64 [P, 8] (ns stamps: entry, READY of every rank seen, items done, DONE of
+#: every rank seen, end), "programs": P, "group": G, "lookahead": L1, "lag": L2, "bwd": bool}
 LAST_TIMELINE: dict = {}
 
 
@@ -473,16 +491,18 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
         per_step = group * (cfg.pull_split + triton.cdiv(I, cfg.bn1) + triton.cdiv(H, cfg.bn2))
         n_items = (triton.cdiv(nb_max, group) + lookahead + lag) * per_step
         tl_buf = torch.zeros(n_items, 8, dtype=torch.int64, device=heap.device)
+        tlp_buf = torch.zeros(P, 8, dtype=torch.int64, device=heap.device)
         LAST_TIMELINE.clear()
-        LAST_TIMELINE.update(items=tl_buf, programs=P, group=group, lookahead=lookahead, lag=lag, bwd=bwd)
+        LAST_TIMELINE.update(items=tl_buf, per_program=tlp_buf, programs=P, group=group, lookahead=lookahead,
+                             lag=lag, bwd=bwd)
     else:
-        tl_buf = ctr
+        tl_buf = tlp_buf = ctr
     compiled = _fused_fwd_kernel[(P,)](
         heap.tab, heap.world, heap.rank,
         a_desc, a, w1_desc, w1, act_desc, act, w2_desc, w2, h if h is not None else act,
         sched.offs, sched.row_src, sched.row_tok, sched.row_slot, sched.dest_rank, sched.dest_row, gate,
         y if T > 0 else act, save if save is not None else act,
-        heap.rows_buffer(), heap.buffer("slots") if sh.slots else heap.rows_buffer(), ctr, tl_buf,
+        heap.rows_buffer(), heap.buffer("slots") if sh.slots else heap.rows_buffer(), ctr, tl_buf, tlp_buf,
         T, H, I, k2, E_l, nb_max, ring_blocks, lookahead, lag, heap.timeout_ns,
         K=k, BM=BM, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
         EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, GB=group, ABLATE=cfg.ablate,
