@@ -34,6 +34,8 @@ VARIANTS = [
     ("default", {}, None),
     ("gpuscope", {"counter_scope": "gpu"}, None),
     ("prologue", {"prologue": True}, None),  # the first L1 steps' blocks pulled in finer parts
+    ("pullpf", {"pull_prefetch": True}, None),  # pull items load every row's address up front
+    ("pf+pro", {"pull_prefetch": True, "prologue": True}, None),
     ("la6", {"lookahead": 6}, None),
     ("lag2", {"lag": 2}, None),
     ("la6lag2", {"lookahead": 6, "lag": 2}, None),

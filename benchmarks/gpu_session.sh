@@ -136,7 +136,7 @@ if want p; then
 echo "== p. megakernel per-item timeline (forward, no autograd; phases per item kind, rank 0)"
 mkdir -p /tmp/tl
 timeout 200 torchrun --nproc_per_node "$NGPU" benchmarks/fused_probe.py --timeline --out /tmp/tl \
-  --variants default,prologue,la6lag2 2>&1 | quiet | grep -v "kind  " | tee "$OUT/probe-timeline.txt" | tail -30
+  --variants default,prologue,pullpf,pf+pro 2>&1 | quiet | grep -v "kind  " | tee "$OUT/probe-timeline.txt" | tail -30
 fi
 
 if want 6; then

@@ -72,6 +72,13 @@ def _rank(rank: int, world: int) -> tuple[list[dict], list[bool]]:
             r["case"] = f"prologue{kw.get('ring_blocks', '')}:" + r["case"]
             results.append(r)
         dets.append(determinism_case(sk, "fused", dev, prologue=True))
+        for kw in ({}, {"ring_blocks": 8, "group_blocks": 2, "prologue": True}):  # row addresses loaded up front
+            r = layer_case(sk, "fused", dev, pull_prefetch=True, **kw)
+            r["case"] = f"pull-prefetch{kw.get('ring_blocks', '')}:" + r["case"]
+            results.append(r)
+        r = layer_case(cases[1], "fused", dev, pull_prefetch=True, fused_backward=True)  # the gated pull
+        r["case"] = "pull-prefetch-bwd:" + r["case"]
+        results.append(r)
         r = layer_case(sk, "fused", dev, group_blocks=2, ring_blocks=8)  # 2 blocks per step, cycling ring
         r["case"] = "group2-ring8:" + r["case"]
         results.append(r)
@@ -178,6 +185,30 @@ def test_fused_timeline_cpu():
         assert monotone and pids_ok
 
 
+def _pull_variants(rank: int, world: int):
+    """The pull with every row address loaded up front (pull_prefetch) copies the same rows as the default pull,
+    also with several row groups per block (small pull_elems: 2 rows per chunk) and gated (the backward
+    megakernel's pull of w * dy): forward output and input gradient bitwise equal."""
+    from megamoe import MoE, preset
+
+    x = torch.randn(21 + 2 * rank, 40, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(7 + rank)).to(torch.bfloat16)
+    outs = []
+    for pf in (False, True):
+        moe = MoE(preset("tiny", hidden=40, max_tokens_per_rank=24), backend="fused", seed=3, fused_backward=True)
+        moe.backend.config = moe.backend.config.with_(pull_elems=128, pull_prefetch=pf)  # 2 rows per chunk
+        xi = x.clone().requires_grad_()
+        y = moe(xi).out
+        y.backward(dy)
+        outs.append((y.detach(), xi.grad))
+    return all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+
+
+@CPU_ONLY
+def test_fused_pull_prefetch_copies_the_same_rows():
+    assert all(spawn(_pull_variants, 2, timeout_s=600))
+
+
 def _bad_options(rank, world):
     from megamoe import MoE, preset
 
@@ -212,7 +243,8 @@ def _bad_options(rank, world):
         msgs.append(None)
     except ValueError as exc:
         msgs.append(str(exc))
-    for kw in ({"stages": 5}, {"counter_scope": "cta"}, {"lag": 0}, {"lag": 2, "ring_blocks": 4}, {"prologue": 2}):
+    for kw in ({"stages": 5}, {"counter_scope": "cta"}, {"lag": 0}, {"lag": 2, "ring_blocks": 4}, {"prologue": 2},
+               {"pull_prefetch": "yes"}):
         try:
             MoE(preset("tiny"), backend="fused", **kw)
             msgs.append(None)
@@ -238,3 +270,4 @@ def test_fused_rejects_bad_options():
     assert msgs[12] is not None and "lag" in msgs[12]
     assert msgs[13] is not None and "ring_blocks must be >= 5" in msgs[13]
     assert msgs[14] is not None and "prologue" in msgs[14]
+    assert msgs[15] is not None and "pull_prefetch" in msgs[15]

@@ -40,7 +40,8 @@ GEMM2 distance in steps; default 3, 1 with a ring), ``pull_split`` (pull items p
 per step whose GEMM tiles run side by side, sharing weight tiles in L2), ``combine`` ("pull" or "push"),
 ``fused_backward``, ``stages`` (pipeline depth of the GEMM k-loops, 1-4, default 4), ``counter_scope`` ("sys" or
 "gpu": the scope of the megakernel's tile-counter acquire loads, default "sys"), ``prologue`` (the first
-lookahead steps pull their blocks in finer parts; off, not timed yet), ``comm_sms`` (programs of the
+lookahead steps pull their blocks in finer parts; off, not timed yet), ``pull_prefetch`` (pull items load
+every row's source address before the copy loop; off, not timed yet), ``comm_sms`` (programs of the
 staging / backward communication kernels, default every SM), ``timeout_s`` (bound of every device wait).
 
 Capacity: no token is ever dropped: dense buffers hold the worst case (every token of every rank routed
@@ -133,7 +134,7 @@ class FusedBackend:
                  lookahead: int | None = None, pull_split: int | None = None, group_blocks: int | None = None,
                  comm_sms: int | None = None, timeout_s: float = 60.0, fused_backward: bool = False,
                  combine: str = "push", stages: int | None = None, counter_scope: str | None = None,
-                 lag: int | None = None, prologue: bool = False):
+                 lag: int | None = None, prologue: bool = False, pull_prefetch: bool = False):
         cfg = moe.config
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"backend 'fused' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
@@ -153,9 +154,10 @@ class FusedBackend:
             if lookahead < 1:
                 raise ValueError(f"lookahead must be >= 1, got {lookahead}")
             self.config = self.config.with_(lookahead=int(lookahead))
-        if prologue not in (True, False, 0, 1):
-            raise ValueError(f"prologue must be a flag (True/False or 1/0), got {prologue!r}")
-        self.config = self.config.with_(prologue=bool(prologue))
+        for name, flag in (("prologue", prologue), ("pull_prefetch", pull_prefetch)):
+            if flag not in (True, False, 0, 1):
+                raise ValueError(f"{name} must be a flag (True/False or 1/0), got {flag!r}")
+        self.config = self.config.with_(prologue=bool(prologue), pull_prefetch=bool(pull_prefetch))
         if lag is not None:
             if lag < 1:
                 raise ValueError(f"lag must be >= 1, got {lag}")

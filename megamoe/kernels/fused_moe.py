@@ -87,6 +87,7 @@ from megamoe.comm.signals import (
 from megamoe.kernels.fused_parts import (
     _locate,
     _pull_block,
+    _pull_block_pf,
     _push_epilogue,
     _push_rows,
     fence_proxy_async,
@@ -127,7 +128,7 @@ def _fused_fwd_kernel(
     BLOCK_H: tl.constexpr, ROWS_C: tl.constexpr, BLOCK_HC: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, STORE_H: tl.constexpr, SAVE: tl.constexpr,
     ALIGNED: tl.constexpr, WP2: tl.constexpr, BWD: tl.constexpr, PULL_COMBINE: tl.constexpr,
-    TIMELINE: tl.constexpr, ACQ_GPU: tl.constexpr, PROLOGUE: tl.constexpr,
+    TIMELINE: tl.constexpr, ACQ_GPU: tl.constexpr, PROLOGUE: tl.constexpr, PULL_PF: tl.constexpr,
 ):
     """grid (P,): see the module docstring. BWD: the backward pass through the same item structure (x -> g_out
     pulled with gates, act -> dh, w13 -> w2 and w2 -> w13 read transposed, y -> dx summed without gates)."""
@@ -188,8 +189,14 @@ def _fused_fwd_kernel(
                         t_wait = now_ns()
                     if free & ((ABLATE & 1) == 0):
                         part = (BM + nparts - 1) // nparts
-                        _pull_block(tab, W, row0, nrows, base, part_i * part, part_i * part + part, row_src_ptr,
-                                    row_tok_ptr, row_slot_ptr, x_ptr, H, K, ROWS_P, BLOCK_H, ALIGNED, BWD)
+                        if PULL_PF:
+                            _pull_block_pf(tab, W, row0, nrows, base, part_i * part, part_i * part + part,
+                                           row_src_ptr, row_tok_ptr, row_slot_ptr, x_ptr, H, K, BM, ROWS_P, BLOCK_H,
+                                           ALIGNED, BWD)
+                        else:
+                            _pull_block(tab, W, row0, nrows, base, part_i * part, part_i * part + part,
+                                        row_src_ptr, row_tok_ptr, row_slot_ptr, x_ptr, H, K, ROWS_P, BLOCK_H,
+                                        ALIGNED, BWD)
                     if TIMELINE:
                         t_loop = now_ns()
                     signal_counter(ready + b)
@@ -409,6 +416,9 @@ class FusedConfig:
     use_tma: bool | None = None
     counter_scope: str = "sys"  # scope of the tile-counter acquire loads: "sys" (ld.acquire.sys, as the cross-rank
                                 # flags) or "gpu" (enough: only this GPU's programs write them)
+    pull_prefetch: bool = False  # pull items load every row's source address up front (_pull_block_pf), so the
+                                 # chunk loop waits only for NVLink reads (not timed yet: the timeline had one
+                                 # 128-row pull at 38-52 us on qwen3, 122 us on deepseek, ~2-3 us per chunk)
     prologue: bool = False   # the first L1 steps (which have no GEMM items) pull their blocks in (items per step /
                              # G) parts, so every program helps and GEMM1 starts after a fraction of a pull (not timed
                              # yet: the 2026-12-01 timeline showed deepseek's programs waiting ~100 us at the start)
@@ -511,6 +521,7 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
         DOT_F32=interpreting(), STORE_H=h is not None and not bwd, SAVE=save is not None,
         ALIGNED=(H * 2) % 16 == 0, WP2=max(2, heap.wp2), BWD=bwd, PULL_COMBINE=cfg.combine == "pull",
         TIMELINE=cfg.timeline, ACQ_GPU=cfg.counter_scope == "gpu", PROLOGUE=cfg.prologue,
+        PULL_PF=cfg.pull_prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     record("_fused_fwd_kernel", compiled)
