@@ -177,6 +177,22 @@ def _pick(mat, i, NR: tl.constexpr):
 
 
 @triton.jit
+def _pf_store(x_ptr, base, r_lo, u, n_h, v, m, gate, H, NR: tl.constexpr, ROWS_P: tl.constexpr,
+              BLOCK_H: tl.constexpr, GATED: tl.constexpr):
+    """Store chunk u (rows r_lo + (u // n_h) * ROWS_P + [0, ROWS_P), columns of H-chunk u % n_h) of the pull:
+    v, or v times the rows' gates (GATED, fp32, rounded once)."""
+    rr = tl.arange(0, ROWS_P)
+    ri = u // n_h
+    oh = (u % n_h) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dp = x_ptr + (base + r_lo + ri * ROWS_P + rr).to(tl.int64) * H
+    if GATED:
+        g = _pick(gate, ri, NR)
+        tl.store(dp[:, None] + oh[None, :], (v.to(tl.float32) * g[:, None]).to(x_ptr.dtype.element_ty), mask=m)
+    else:
+        tl.store(dp[:, None] + oh[None, :], v, mask=m)
+
+
+@triton.jit
 def _pull_block_pf(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_ptr, row_slot_ptr, x_ptr, H,
                    K: tl.constexpr, BM: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_H: tl.constexpr,
                    ALIGNED: tl.constexpr, GATED: tl.constexpr):
@@ -195,6 +211,8 @@ def _pull_block_pf(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_p
     if GATED:
         gate = tl.reshape(_row_gate(tab, W, row0, r_lo + ra, va, row_src_ptr, row_tok_ptr, row_slot_ptr, K),
                           (NR, ROWS_P))
+    else:
+        gate = addr  # unused
     rr = tl.arange(0, ROWS_P)
     hh = tl.arange(0, BLOCK_H)
     n_h = tl.cdiv(H, BLOCK_H)
@@ -214,24 +232,10 @@ def _pull_block_pf(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_p
             oh = (c % n_h) * BLOCK_H + hh
             m2 = ((r_lo + ri * ROWS_P + rr) < r_end)[:, None] & (oh < H)[None, :]
             v2 = tl.load(sp2[:, None] + oh[None, :], mask=m2)
-            rp = (c - 1) // n_h
-            oh_prev = ((c - 1) % n_h) * BLOCK_H + hh
-            dp = x_ptr + (base + r_lo + rp * ROWS_P + rr).to(tl.int64) * H
-            if GATED:
-                g = _pick(gate, rp, NR)
-                tl.store(dp[:, None] + oh_prev[None, :], (v.to(tl.float32) * g[:, None]).to(DT), mask=m)
-            else:
-                tl.store(dp[:, None] + oh_prev[None, :], v, mask=m)
+            _pf_store(x_ptr, base, r_lo, c - 1, n_h, v, m, gate, H, NR, ROWS_P, BLOCK_H, GATED)
             v = v2
             m = m2
-        rp = (n_chunks - 1) // n_h
-        oh_last = ((n_chunks - 1) % n_h) * BLOCK_H + hh
-        dp = x_ptr + (base + r_lo + rp * ROWS_P + rr).to(tl.int64) * H
-        if GATED:
-            g = _pick(gate, rp, NR)
-            tl.store(dp[:, None] + oh_last[None, :], (v.to(tl.float32) * g[:, None]).to(DT), mask=m)
-        else:
-            tl.store(dp[:, None] + oh_last[None, :], v, mask=m)
+        _pf_store(x_ptr, base, r_lo, n_chunks - 1, n_h, v, m, gate, H, NR, ROWS_P, BLOCK_H, GATED)
 
 
 @triton.jit
