@@ -71,11 +71,11 @@ def _rank(rank: int, world: int) -> tuple[list[dict], list[bool]]:
             r = layer_case(sk, "fused", dev, prologue=True, **kw)
             r["case"] = f"prologue{kw.get('ring_blocks', '')}:" + r["case"]
             results.append(r)
-        dets.append(determinism_case(sk, "fused", dev, prologue=True))
-        for kw in ({}, {"ring_blocks": 8, "group_blocks": 2, "prologue": True}):  # row addresses loaded up front
-            r = layer_case(sk, "fused", dev, pull_prefetch=True, **kw)
-            r["case"] = f"pull-prefetch{kw.get('ring_blocks', '')}:" + r["case"]
-            results.append(r)
+        # row addresses loaded up front, with the prologue and a cycling ring (bitwise vs the default pull:
+        # test_fused_pull_prefetch_copies_the_same_rows)
+        r = layer_case(sk, "fused", dev, pull_prefetch=True, prologue=True, ring_blocks=8, group_blocks=2)
+        r["case"] = "pull-prefetch-prologue-ring8:" + r["case"]
+        results.append(r)
         r = layer_case(cases[1], "fused", dev, pull_prefetch=True, fused_backward=True)  # the gated pull
         r["case"] = "pull-prefetch-bwd:" + r["case"]
         results.append(r)
