@@ -1,0 +1,93 @@
+"""Time the warp-specialised Gluon FP8 grouped GEMM (megamoe/kernels/gluon_fp8_ws.py) next to the single-stream
+Gluon FP8 kernel (gluon_fp8.py, its default config), our bf16 grouped GEMM and torch._scaled_grouped_mm (row-wise
+scales: a cheaper recipe, for reference), on the plain ops of every preset: GEMM2 [R, I] x [E_l, H, I]^T and GEMM1
+without SwiGLU [R, H] x [E_l, 2I, H]^T; R = tokens * k rows, multinomial group sizes (multiples of 16 rows, so that
+torch's kernel accepts them). Checks every warp-specialised output against the single-stream kernel's.
+
+    python benchmarks/gluon_fp8_ws_bench.py [--shapes deepseek-v3:4,mixtral-8x7b:4] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+import megamoe.experts as X
+from megamoe.kernels.gluon_fp8 import grouped_gemm_fp8_gluon
+from megamoe.kernels.gluon_fp8_ws import grouped_gemm_fp8_ws
+from megamoe.perf import run_shapes
+
+PRESETS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8),
+           "mixtral-8x7b": (4096, 14336, 8, 2), "gpt-oss-120b": (2880, 2880, 128, 4)}
+WS = [(128, 5, 232), (128, 6, 232), (128, 4, 232), (64, 8, 232)]  # (block_n, stages, consumer registers)
+
+
+def bench(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def run_op(spec: str, op: str, N: int, K: int, offs: torch.Tensor, R: int, rows: list) -> None:
+    E_l = offs.numel() - 1
+    a = torch.randn(R, K, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(E_l, N, K, device="cuda") / math.sqrt(K)).to(torch.bfloat16)
+    aq, a_s = X.quantize_act(a)
+    wq, w_s = X.quantize_weight(w)
+    flops = 2.0 * R * N * K
+    base = {"shape": spec, "op": op, "R": R, "N": N, "K": K, "E_l": E_l}
+    t_bf16 = bench(lambda: X.grouped_gemm(a, w, offs))
+    ref = grouped_gemm_fp8_gluon(aq, a_s, wq, w_s, offs)
+    t_single = bench(lambda: grouped_gemm_fp8_gluon(aq, a_s, wq, w_s, offs))
+    new = [dict(base, kernel="bf16", ms=t_bf16), dict(base, kernel="gluon-fp8", ms=t_single)]
+    try:  # torch's row-wise FP8 grouped GEMM (offsets of group ends, w as [E, K, N] column-major)
+        a8 = a.to(torch.float8_e4m3fn)
+        w8 = w.to(torch.float8_e4m3fn).transpose(1, 2)
+        sa = torch.ones(R, device="cuda")
+        sw = torch.ones(E_l, N, device="cuda")
+        ends = offs[1:].contiguous()
+        t = bench(lambda: torch._scaled_grouped_mm(a8, w8, sa, sw, offs=ends, out_dtype=torch.bfloat16))
+        new.append(dict(base, kernel="torch-rowwise-fp8", ms=t))
+    except Exception as exc:  # noqa: BLE001 - reported
+        new.append(dict(base, kernel="torch-rowwise-fp8", error=f"{type(exc).__name__}: {exc}"[:200]))
+    for bn, st, regs in WS:
+        label = f"ws bn{bn} s{st} r{regs}"
+        try:
+            out = grouped_gemm_fp8_ws(aq, a_s, wq, w_s, offs, block_n=bn, stages=st, consumer_regs=regs)
+            torch.cuda.synchronize()
+            diff = float((out.float() - ref.float()).norm() / ref.float().norm())
+            t = bench(lambda bn=bn, st=st, regs=regs: grouped_gemm_fp8_ws(aq, a_s, wq, w_s, offs, block_n=bn,
+                                                                          stages=st, consumer_regs=regs))
+            new.append(dict(base, kernel=label, ms=t, rel_diff_vs_gluon=diff))
+        except Exception as exc:  # noqa: BLE001 - reported, the other configs still run
+            new.append(dict(base, kernel=label, error=f"{type(exc).__name__}: {exc}"[:300]))
+    for r in new:
+        if "ms" in r:
+            r["tflops"] = flops / r["ms"] / 1e9
+            txt = f"{r['ms']:7.3f} ms {r['tflops']:6.0f} TFLOP/s {t_bf16 / r['ms']:5.2f}x bf16"
+            if "rel_diff_vs_gluon" in r:
+                txt += f"  diff {r['rel_diff_vs_gluon']:.1e}"
+        else:
+            txt = r["error"]
+        print(f"{spec:18} {op:12} {r['kernel']:22} {txt}", flush=True)
+    rows.extend(new)
+
+
+def run_shape(name: str, ep: int, tokens: int, rows: list) -> None:
+    H, I, E, k = PRESETS[name]
+    E_l, R = E // ep, tokens * k
+    gen = torch.Generator().manual_seed(0)
+    sizes = torch.multinomial(torch.full((E_l,), 1.0 / E_l), R // 16, replacement=True, generator=gen).bincount(
+        minlength=E_l) * 16
+    offs = torch.tensor([0] + sizes.cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    for op, (N, K) in (("gemm2", (H, I)), ("gemm1-plain", (2 * I, H))):
+        run_op(f"{name}:{ep}", op, N, K, offs, R, rows)
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    run_shapes(run_shape, "mixtral-8x7b:4,deepseek-v3:4,qwen3-30b-a3b:4,gpt-oss-120b:4")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Warp-specialised FP8 (e4m3, 1x128 / 128x128 block scales) grouped GEMM for Hopper, in Gluon: the plain op
+(EPI_NONE, optional row scale), i.e. GEMM2 and GEMM1's dgrad.
+
+    out[r, n] = sum_kb (aq[r, kb] @ wq[e][n, kb]^T) * a_s[r, kb] * w_s[e][n // 128, kb]      (fp32, bf16 out)
+
+Why (2026-12-01): the FP8 kernels run at 0.5-0.8x torch's row-scaled FP8 (mixtral GEMM2 796 vs 1377 TFLOP/s on one
+H200), and the single-stream Gluon kernel (gluon_fp8.py) cannot keep the tensor cores busy during the per-k-step
+promotion (acc += P * scale): its two warpgroups share one instruction stream with CTA barriers before every
+refill, so both promote while no wgmma runs. Here (as DeepGEMM and CUTLASS's FP8 kernels do) the roles are split:
+
+    loader     1 warp: walks this program's tiles and issues the TMA loads into a STAGES-deep ring; stage s is
+               refilled once both consumers arrived on empty[s]
+    consumer 0 4 warps (the default partition): rows 0..63 of every 128-row tile
+    consumer 1 4 warps (a worker partition):    rows 64..127 of the same tile
+
+Each consumer waits for ready[s], runs its 64 x BLOCK_N wgmma on the stage, waits for it, releases the stage
+(one arrive per warpgroup: the wgmma completes for the whole warpgroup) and promotes the product. The consumers
+are coupled only through the ring's barriers, so one warpgroup's promotion FMAs run while the other's wgmma
+occupies the tensor cores (the warps of both share the four SM sub-partitions), and the loader runs ahead across
+tile boundaries (the next tile's loads land during this tile's epilogue). The B (weight) tile is loaded once and
+read by both consumers; each consumer keeps acc and one product: 2 x 64 fp32 registers per thread at BLOCK_N 128.
+
+Tile schedule: grouped_gemm.py's (per-expert m-tiles of 128 rows x n-tiles, GROUP_M swizzle, program p takes tiles
+p, p + P, ...), computed on the device by every partition from offs. Rows of a tile past its expert's end are
+loaded (they belong to the next expert or are TMA zero fill) and dropped by the epilogue's mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from megamoe.kernels.gemm_config import GemmConfig, grid_size, record
+from megamoe.kernels.gluon_fp8 import SMEM_LIMIT, _add, _locate
+
+LOADER_REGS = gl.constexpr(56)  # registers per thread of the loader warpgroup (schedule vectors: BLOCK_E / 32 each)
+
+
+@gluon.jit
+def _schedule(offs_ptr, E_l, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_E: gl.constexpr,
+              layout: gl.constexpr):
+    """Per-expert row starts, counts, m-tile counts and running tile ends, the total tile count (grouped_gemm.py's
+    _expert_tiles with Gluon layouts)."""
+    e_idx = gl.arange(0, BLOCK_E, layout=layout)
+    emask = e_idx < E_l
+    starts = gl.load(offs_ptr + e_idx, mask=emask, other=0)
+    ends = gl.load(offs_ptr + e_idx + 1, mask=emask, other=0)
+    cnts = gl.maximum(ends - starts, 0)
+    m_tiles = (cnts + BLOCK_M - 1) // BLOCK_M
+    tiles = m_tiles * gl.cdiv(N, BLOCK_N)
+    cum_end = gl.associative_scan(tiles, 0, _add)
+    return e_idx, starts, cnts, m_tiles, cum_end, gl.sum(tiles, axis=0)
+
+
+@gluon.jit
+def _ws_loader(a_desc, w_desc, a_smem, b_smem, ready, empty, offs_ptr, N, K, E_l, num_progs,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
+               STAGES: gl.constexpr):
+    BLOCK_K: gl.constexpr = 128
+    sched: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    e_idx, starts, cnts, m_tiles, cum_end, total = _schedule(offs_ptr, E_l, N, BLOCK_M, BLOCK_N, BLOCK_E, sched)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
+    it = 0
+    for tile in range(gl.program_id(0), total, num_progs):
+        e, row0, row_end, mi, ni = _locate(tile, e_idx, starts, cnts, m_tiles, cum_end, tiles_n, GROUP_M)
+        off_m = row0 + mi * BLOCK_M
+        wrow = e * N + ni * BLOCK_N
+        for ki in range(k_tiles):
+            s = it % STAGES
+            # empty barriers start in phase 0: the first pass over the ring waits for the (complete) phase 1
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, ki * BLOCK_K], ready.index(s), a_smem.index(s))
+            tma.async_copy_global_to_shared(w_desc, [wrow, ki * BLOCK_K], ready.index(s), b_smem.index(s))
+            it += 1
+
+
+@gluon.jit
+def _ws_consumer(a_smem, b_smem, ready, empty, as_ptr, ws_ptr, out_ptr, scale_ptr, offs_ptr,
+                 R, N, K, E_l, num_progs, stride_asm, stride_wse, stride_wsn, stride_om,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
+                 STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, HALF: gl.constexpr):
+    """Rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (4 warps)."""
+    BLOCK_K: gl.constexpr = 128
+    HM: gl.constexpr = BLOCK_M // 2
+    sched: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 32])
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    store_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [4, 1], [1, 0])
+    e_idx, starts, cnts, m_tiles, cum_end, total = _schedule(offs_ptr, E_l, N, BLOCK_M, BLOCK_N, BLOCK_E, sched)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    zero = gl.zeros((HM, BLOCK_N), dtype=gl.float32, layout=mma)
+    it = 0
+    for tile in range(gl.program_id(0), total, num_progs):
+        e, row0, row_end, mi, ni = _locate(tile, e_idx, starts, cnts, m_tiles, cum_end, tiles_n, GROUP_M)
+        off_m = row0 + mi * BLOCK_M + HALF * HM
+        off_n = ni * BLOCK_N
+        rm = off_m + gl.arange(0, HM, layout=rows_l)
+        mmask = rm < row_end
+        as_row = as_ptr + rm.to(gl.int64) * stride_asm
+        ws_tile = ws_ptr + e.to(gl.int64) * stride_wse + (off_n // 128) * stride_wsn
+        acc = gl.zeros((HM, BLOCK_N), dtype=gl.float32, layout=mma)
+        for ki in range(k_tiles):
+            s = it % STAGES
+            sc = gl.load(as_row + ki, mask=mmask, other=0.0) * gl.load(ws_tile + ki)
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            p = warpgroup_mma(a_smem.index(s).slice(HALF * HM, HM), b_smem.index(s).permute((1, 0)), zero,
+                              use_acc=False, is_async=True)
+            p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc = acc + p * sc[:, None]
+            it += 1
+        if HAS_SCALE:
+            acc = acc * gl.load(scale_ptr + rm, mask=mmask, other=0.0)[:, None]
+        res = gl.convert_layout(acc.to(gl.bfloat16), store_l)
+        srm = off_m + gl.arange(0, HM, layout=gl.SliceLayout(1, store_l))
+        srn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_l))
+        optrs = out_ptr + srm.to(gl.int64)[:, None] * stride_om + srn[None, :]
+        gl.store(optrs, res, mask=(srm < row_end)[:, None] & (srn < N)[None, :])
+
+
+@gluon.jit
+def _gluon_fp8_ws_kernel(
+    a_desc, w_desc,     # TMA descriptors: aq [R, K] block [BLOCK_M, 128]; wq as [E_l * N, K] block [BLOCK_N, 128]
+    as_ptr, ws_ptr,     # a_s [R, KB] fp32 (row stride stride_asm), w_s [E_l, cdiv(N, 128), KB] fp32
+    out_ptr,            # out [R, N] bf16, row stride stride_om
+    scale_ptr,          # [R] fp32 (HAS_SCALE)
+    offs_ptr,           # [E_l + 1] int32
+    R, N, K, E_l, num_progs,
+    stride_asm, stride_wse, stride_wsn, stride_om,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
+    STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Grid: (P,) persistent programs of 4 + 4 + 1 warps (module docstring)."""
+    BLOCK_K: gl.constexpr = 128
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # one arrive per consumer warpgroup
+    gl.warp_specialize([
+        (_ws_consumer, (a_smem, b_smem, ready, empty, as_ptr, ws_ptr, out_ptr, scale_ptr, offs_ptr, R, N, K, E_l,
+                        num_progs, stride_asm, stride_wse, stride_wsn, stride_om, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E,
+                        STAGES, HAS_SCALE, 0)),
+        (_ws_consumer, (a_smem, b_smem, ready, empty, as_ptr, ws_ptr, out_ptr, scale_ptr, offs_ptr, R, N, K, E_l,
+                        num_progs, stride_asm, stride_wse, stride_wsn, stride_om, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E,
+                        STAGES, HAS_SCALE, 1)),
+        (_ws_loader, (a_desc, w_desc, a_smem, b_smem, ready, empty, offs_ptr, N, K, E_l, num_progs,
+                      BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+def ws_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int) -> str | None:
+    """Why the warp-specialised kernel cannot run this launch, or None."""
+    if cfg.block_k != 128:
+        return f"block_k must be 128 (one scale per k-step), got {cfg.block_k}"
+    if cfg.block_m != 128 or cfg.num_warps != 4:
+        return f"block_m must be 128 and num_warps 4 (two 64-row consumer warpgroups), got {cfg.block_m}, " \
+               f"{cfg.num_warps}"
+    if cfg.block_n not in (64, 128):
+        return f"block_n must be 64 or 128 (a tile inside one 128-row weight-scale block), got {cfg.block_n}"
+    if cfg.num_stages < 2:
+        return f"num_stages must be >= 2, got {cfg.num_stages}"
+    # the ring, the epilogue's layout-conversion scratch (sm_90a compile: ~bm * bn bytes) and the barriers
+    smem = cfg.num_stages * 128 * (cfg.block_m + cfg.block_n) + cfg.block_m * cfg.block_n + 4096
+    if smem > SMEM_LIMIT:
+        return f"{cfg.num_stages} stages need ~{smem} bytes of shared memory, more than {SMEM_LIMIT}"
+    if k <= 0 or k % 16:
+        return f"K must be a positive multiple of 16 (TMA strides), got K = {k}"
+    if n % cfg.block_n or n != n_w:
+        return f"N must be a multiple of block_n {cfg.block_n} and equal the weight rows, got N = {n}, {n_w} rows"
+    return None
+
+
+def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w_s: torch.Tensor,
+                        offs: torch.Tensor, out: torch.Tensor, cfg: GemmConfig, *, scale: torch.Tensor | None = None,
+                        consumer_regs: int = 232) -> None:
+    """out [R, N] (bf16) = the plain FP8 grouped GEMM, optional row scale (operands validated by the caller)."""
+    R, K = aq.shape
+    E_l, N, _ = wq.shape
+    why = ws_limits(cfg, n=N, k=K, n_w=N)
+    if why is not None:
+        raise ValueError(f"grouped_gemm_fp8 (warp-specialised Gluon kernel): {why}")
+    if R == 0 or E_l == 0 or N == 0:
+        return
+    bm, bn = cfg.block_m, cfg.block_n
+    a_layout = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
+    w_layout = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
+    a_desc = TensorDescriptor(aq, list(aq.shape), list(aq.stride()), [bm, 128], a_layout)
+    w2d = wq.view(E_l * N, K)
+    w_desc = TensorDescriptor(w2d, list(w2d.shape), list(w2d.stride()), [bn, 128], w_layout)
+    grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * (N // bn), aq.device)
+    k = _gluon_fp8_ws_kernel[(grid,)](
+        a_desc, w_desc, a_s, w_s, out, scale if scale is not None else out, offs,
+        R, N, K, E_l, grid, a_s.stride(0), w_s.stride(0), w_s.stride(1), out.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
+        STAGES=cfg.num_stages, HAS_SCALE=scale is not None, CONSUMER_REGS=consumer_regs, num_warps=4,
+        maxnreg=(2 * consumer_regs + LOADER_REGS.value) // 3 // 8 * 8,
+    )
+    record("_gluon_fp8_ws_kernel", k)
+
+
+def grouped_gemm_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w_s: torch.Tensor,
+                        offs: torch.Tensor, *, scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                        block_n: int = 128, stages: int = 5, num_sms: int | None = None,
+                        consumer_regs: int = 232) -> torch.Tensor:
+    """out [R, N] bf16 = the plain FP8 grouped GEMM on the warp-specialised kernel (benchmarks and tests)."""
+    from megamoe.experts import _check_scale, _out  # lazy: megamoe.experts imports the kernels
+    from megamoe.kernels.grouped_gemm_fp8 import check_fp8
+
+    check_fp8(aq, a_s, wq, w_s, offs, "grouped_gemm_fp8_ws")
+    _check_scale(scale, aq.shape[0], "grouped_gemm_fp8_ws")
+    out = _out(out, (aq.shape[0], wq.shape[1]), aq)
+    cfg = GemmConfig(block_m=128, block_n=block_n, block_k=128, num_stages=stages, num_warps=4, num_sms=num_sms,
+                     kernel="gluon")
+    launch_gluon_fp8_ws(aq, a_s, wq, w_s, offs, out, cfg, scale=scale, consumer_regs=consumer_regs)
+    return out
+
+
+__all__ = ["ws_limits", "launch_gluon_fp8_ws", "grouped_gemm_fp8_ws"]

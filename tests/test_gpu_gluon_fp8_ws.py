@@ -1,0 +1,70 @@
+"""The warp-specialised Gluon FP8 grouped GEMM (megamoe/kernels/gluon_fp8_ws.py: a TMA loader warp and two 64-row
+consumer warpgroups) on an H100/H200: against the float64 twin on the dequantised operands (globally and per
+expert) and against the single-stream Gluon kernel (the same fp32 promotion order: only bf16 rounding flips may
+differ); padding rows of the inputs hold NaN and the output is poisoned, so a read of padding or a missed / extra
+write fails. Edge groups (empty, 1, 127, 129 rows, one group with every row), K not a multiple of 128, fewer
+k-steps than stages, 3 programs (many tiles each: the ring's stages and phases carry across tiles)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gemm_cases import per_expert, problem, rel
+
+pytestmark = pytest.mark.gpu
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+SENTINEL = 4352.0
+
+CASES = [([0, 1, 127, 129, 2000, 0, 513, 64], 1040, 256),  # empty, 1-row, ragged groups; K not a multiple of 128
+         ([3000], 2048, 384),                              # one group holding every row
+         ([300, 77], 256, 128),                            # fewer k-steps than stages
+         ([300, 77], 640, 256)]                            # k-steps = stages
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90a wgmma)")
+@pytest.mark.parametrize("sizes,K,N", CASES)
+@pytest.mark.parametrize("block_n,stages", [(128, 5), (128, 2), (64, 6)])
+@pytest.mark.parametrize("num_sms", [None, 3])
+@pytest.mark.parametrize("with_scale", [False, True])
+def test_ws_matches_reference(sizes, K, N, block_n, stages, num_sms, with_scale):
+    import megamoe.experts as X
+    from megamoe.kernels.gluon_fp8 import grouped_gemm_fp8_gluon
+    from megamoe.kernels.gluon_fp8_ws import grouped_gemm_fp8_ws
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    E_l, used, R, offs = problem(sizes)
+    x = torch.randn(R, K, device="cuda", generator=gen).to(torch.bfloat16)
+    x[used:] = float("nan")
+    w = (torch.randn(E_l, N, K, device="cuda", generator=gen) / K**0.5).to(torch.bfloat16)
+    aq, a_s = X.quantize_act(x)
+    wq, w_s = X.quantize_weight(w)
+    s = torch.rand(R, device="cuda", generator=gen) + 0.5 if with_scale else None
+    out = torch.full((R, N), SENTINEL, device="cuda", dtype=torch.bfloat16)
+    grouped_gemm_fp8_ws(aq, a_s, wq, w_s, offs, scale=s, out=out, block_n=block_n, stages=stages, num_sms=num_sms)
+    ref = X.grouped_gemm_fp8_ref(aq[:used], a_s[:used], wq, w_s, offs,
+                                 scale=s[:used].double() if s is not None else None)
+    single = grouped_gemm_fp8_gluon(aq, a_s, wq, w_s, offs, scale=s)
+    torch.cuda.synchronize()
+    assert bool((out[used:] == SENTINEL).all()), "padding rows were written"
+    got = out[:used]
+    assert rel(got, ref) < 1e-2
+    per_expert(got, ref, offs, 1e-2, "vs float64")
+    assert rel(got, single[:used]) < 3e-4, "vs the single-stream Gluon kernel"
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90a wgmma)")
+def test_ws_validates():
+    import megamoe.experts as X
+    from megamoe.kernels.gluon_fp8_ws import grouped_gemm_fp8_ws
+
+    x = torch.randn(64, 256, device="cuda").to(torch.bfloat16)
+    aq, a_s = X.quantize_act(x)
+    wq, w_s = X.quantize_weight(torch.randn(2, 200, 256, device="cuda").to(torch.bfloat16))
+    offs = torch.tensor([0, 32, 64], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="multiple of block_n"):
+        grouped_gemm_fp8_ws(aq, a_s, wq, w_s, offs)
+    wq2, w_s2 = X.quantize_weight(torch.randn(2, 256, 256, device="cuda").to(torch.bfloat16))
+    with pytest.raises(ValueError, match="num_stages"):
+        grouped_gemm_fp8_ws(aq, a_s, wq2, w_s2, offs, stages=1)
+    with pytest.raises(ValueError, match="shared memory"):
+        grouped_gemm_fp8_ws(aq, a_s, wq2, w_s2, offs, stages=8)
