@@ -2,7 +2,8 @@
 Gluon FP8 kernel (gluon_fp8.py, its default config), our bf16 grouped GEMM and torch._scaled_grouped_mm (row-wise
 scales: a cheaper recipe, for reference), on the plain ops of every preset: GEMM2 [R, I] x [E_l, H, I]^T and GEMM1
 without SwiGLU [R, H] x [E_l, 2I, H]^T; R = tokens * k rows, multinomial group sizes (multiples of 16 rows, so that
-torch's kernel accepts them). Checks every warp-specialised output against the single-stream kernel's.
+torch's kernel accepts them); and GEMM1 + SwiGLU (bf16, single-stream Gluon, warp-specialised). Checks every
+warp-specialised output against the single-stream kernel's.
 
     python benchmarks/gluon_fp8_ws_bench.py [--shapes deepseek-v3:4,mixtral-8x7b:4] [--json out.json]
 """
@@ -21,7 +22,7 @@ from megamoe.perf import run_shapes
 
 PRESETS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8),
            "mixtral-8x7b": (4096, 14336, 8, 2), "gpt-oss-120b": (2880, 2880, 128, 4)}
-WS = [(128, 5, 232), (128, 6, 232), (128, 4, 232), (64, 8, 232)]  # (block_n, stages, consumer registers)
+WS = [(128, 4, 232), (128, 5, 232), (128, 4, 200)]  # (block_n, stages, consumer registers)
 
 
 def bench(fn) -> float:
@@ -61,6 +62,39 @@ def run_op(spec: str, op: str, N: int, K: int, offs: torch.Tensor, R: int, rows:
             new.append(dict(base, kernel=label, ms=t, rel_diff_vs_gluon=diff))
         except Exception as exc:  # noqa: BLE001 - reported, the other configs still run
             new.append(dict(base, kernel=label, error=f"{type(exc).__name__}: {exc}"[:300]))
+    _report(spec, op, flops, t_bf16, new, rows)
+
+
+def run_swiglu(spec: str, H: int, I: int, offs: torch.Tensor, R: int, rows: list) -> None:
+    """GEMM1 + SwiGLU (keeps h): bf16, the single-stream Gluon FP8 kernel, the warp-specialised one (4 and 6
+    stages); act and h checked against the single-stream kernel's."""
+    E_l = offs.numel() - 1
+    x = torch.randn(R, H, device="cuda").to(torch.bfloat16)
+    w13 = (torch.randn(E_l, 2 * I, H, device="cuda") / math.sqrt(H)).to(torch.bfloat16)
+    xq, xs = X.quantize_act(x)
+    w13q, w13s = X.quantize_weight(w13)
+    flops = 2.0 * R * H * 2 * I
+    base = {"shape": spec, "op": "gemm1-swiglu", "R": R, "H": H, "I": I, "E_l": E_l}
+    t_bf16 = bench(lambda: X.gemm1_swiglu(x, w13, offs))
+    one = X.default_config("gemm1_swiglu_fp8", R, I, H, kernel="gluon")
+    ref = X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs, config=one)
+    new = [dict(base, kernel="bf16", ms=t_bf16),
+           dict(base, kernel="gluon-fp8", ms=bench(lambda: X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs, config=one)))]
+    for st in (4, 6):
+        cfg = X.default_config("gemm1_swiglu_fp8", R, I, H, kernel="gluon_ws").with_(num_stages=st)
+        label = f"ws bn64 s{st}"
+        try:
+            out = X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs, config=cfg)
+            torch.cuda.synchronize()
+            diff = max(float((o.float() - r.float()).norm() / r.float().norm()) for o, r in zip(out, ref, strict=True))
+            t = bench(lambda cfg=cfg: X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs, config=cfg))
+            new.append(dict(base, kernel=label, ms=t, rel_diff_vs_gluon=diff))
+        except Exception as exc:  # noqa: BLE001 - reported
+            new.append(dict(base, kernel=label, error=f"{type(exc).__name__}: {exc}"[:300]))
+    _report(spec, "gemm1-swiglu", flops, t_bf16, new, rows)
+
+
+def _report(spec: str, op: str, flops: float, t_bf16: float, new: list, rows: list) -> None:
     for r in new:
         if "ms" in r:
             r["tflops"] = flops / r["ms"] / 1e9
@@ -81,8 +115,11 @@ def run_shape(name: str, ep: int, tokens: int, rows: list) -> None:
         minlength=E_l) * 16
     offs = torch.tensor([0] + sizes.cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     for op, (N, K) in (("gemm2", (H, I)), ("gemm1-plain", (2 * I, H))):
-        run_op(f"{name}:{ep}", op, N, K, offs, R, rows)
+        if N % 128 == 0:  # the single-stream kernel's limit (gpt-oss: 2880 columns)
+            run_op(f"{name}:{ep}", op, N, K, offs, R, rows)
         torch.cuda.empty_cache()
+    if I % 64 == 0:
+        run_swiglu(f"{name}:{ep}", H, I, offs, R, rows)
 
 
 def main() -> None:

@@ -201,14 +201,16 @@ def quantize_weight_both(w: torch.Tensor, *, pow2_scale: bool = False) -> tuple[
 def _fp8_config(op: str, config: GemmConfig | None, aq: torch.Tensor, wq: torch.Tensor, *, n: int, epilogue: int,
                 n_up: int = 0) -> GemmConfig:
     """config if given, else the config pinned for op, else the heuristic of the kernel that will run: Gluon's
-    where Gluon can run with its heuristic config (kernel set to "gluon"), else Triton's (kernel "triton")."""
+    where a Gluon kernel can run with its heuristic config (the warp-specialised one first: kernel "gluon_ws", then
+    "gluon"), else Triton's (kernel "triton")."""
     cfg = config or pinned_config(op)
     if cfg is not None:
         return cfg
     R, K = aq.shape
-    gluon = default_config(op, R, n, K, kernel="gluon")
-    if gluon_unavailable(gluon, aq, wq, n=n, epilogue=epilogue, n_up=n_up) is None:
-        return gluon
+    for kernel in ("gluon_ws", "gluon"):
+        cfg = default_config(op, R, n, K, kernel=kernel)
+        if gluon_unavailable(cfg, aq, wq, n=n, epilogue=epilogue, n_up=n_up, kernel=kernel) is None:
+            return cfg
     return default_config(op, R, n, K, kernel="triton")
 
 

@@ -192,7 +192,7 @@ def test_gluon_dswiglu(sizes, K, I, cfg, with_scale):
 # ------------------------------------------------------------------------------------- kernel choice
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90a wgmma)")
 def test_public_fp8_ops_run_gluon_on_hopper():
-    # every FP8 op of megamoe.experts, default config: the Gluon kernel runs (the Triton one does not), twice
+    # every FP8 op of megamoe.experts, default config: a Gluon kernel runs (the Triton one does not), twice
     # bitwise equal, and the forced Triton kernel gives the same numbers; a pinned config forces the kernel too
     import megamoe.experts as X
     from megamoe.kernels.gemm_config import LAST_COMPILED, GemmConfig
@@ -223,7 +223,9 @@ def test_public_fp8_ops_run_gluon_on_hopper():
         "dgrad1_fp8": (lambda c: (X.gemm1_dgrad_fp8(dhq, dhs, w13tq, w13ts, offs, config=c),), (R, H, 2 * I)),
         "grouped_gemm_fp8": (lambda c: (X.grouped_gemm_fp8(aq, as_, w2q, w2s, offs, config=c),), (R, H, I)),
     }
-    names = ("_gluon_fp8_grouped_kernel", "_grouped_gemm_fp8_kernel")
+    names = ("_gluon_fp8_ws_kernel", "_gluon_fp8_grouped_kernel", "_grouped_gemm_fp8_kernel")
+    # the default kernel per op: the warp-specialised one where it has the epilogue, else the single-stream one
+    default = {op: "_gluon_fp8_grouped_kernel" if op == "dgrad_swiglu_fp8" else "_gluon_fp8_ws_kernel" for op in ops}
 
     def ran(fn, cfg):
         for n in names:
@@ -234,7 +236,7 @@ def test_public_fp8_ops_run_gluon_on_hopper():
 
     for op, (fn, (rows, n, k)) in ops.items():
         got, kernels = ran(fn, None)
-        assert kernels == ["_gluon_fp8_grouped_kernel"], f"{op}: default config ran {kernels}"
+        assert kernels == [default[op]], f"{op}: default config ran {kernels}"
         again, _ = ran(fn, None)
         tri, kernels = ran(fn, X.default_config(op, rows, n, k, kernel="triton"))
         assert kernels == ["_grouped_gemm_fp8_kernel"], f"{op}: kernel='triton' ran {kernels}"
@@ -247,8 +249,8 @@ def test_public_fp8_ops_run_gluon_on_hopper():
             _, kernels = ran(fn, None)
         assert kernels == ["_grouped_gemm_fp8_kernel"], f"{op}: pinned kernel='triton' ran {kernels}"
         with X.pin_config(op, GemmConfig(block_m=64, block_n=64, block_k=128, num_stages=3, num_warps=4)):
-            _, kernels = ran(fn, None)  # a pinned config without a kernel: Gluon, with that config's tiles
-        assert kernels == ["_gluon_fp8_grouped_kernel"], f"{op}: pinned kernel=None ran {kernels}"
+            _, kernels = ran(fn, None)  # a pinned config without a kernel: Gluon, with that config's tiles (64-row
+        assert kernels == ["_gluon_fp8_grouped_kernel"], f"{op}: pinned kernel=None ran {kernels}"  # : not ws)
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90a wgmma)")
@@ -267,9 +269,10 @@ def test_fp8_ops_fall_back_to_triton_outside_gluon_limits():
     w13 = (torch.randn(E_l, 2 * I, H, device="cuda", generator=gen) / H**0.5).to(torch.bfloat16)
     xq, xs = X.quantize_act(x)
     w13q, w13s = X.quantize_weight(w13)
-    LAST_COMPILED.pop("_gluon_fp8_grouped_kernel", None)
+    for name in ("_gluon_fp8_grouped_kernel", "_gluon_fp8_ws_kernel"):
+        LAST_COMPILED.pop(name, None)
     act, _ = X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs)
-    assert "_gluon_fp8_grouped_kernel" not in LAST_COMPILED
+    assert "_gluon_fp8_grouped_kernel" not in LAST_COMPILED and "_gluon_fp8_ws_kernel" not in LAST_COMPILED
     ref, _ = X.gemm1_swiglu_fp8_ref(xq, xs, w13q, w13s, offs)
     assert _rel(act[:used], ref[:used]) < 1e-2
     cfg = GemmConfig(block_m=128, block_n=64, block_k=128, num_stages=4, num_warps=8, kernel="gluon")

@@ -1,9 +1,9 @@
 """The warp-specialised Gluon FP8 grouped GEMM (megamoe/kernels/gluon_fp8_ws.py: a TMA loader warp and two 64-row
-consumer warpgroups) on an H100/H200: against the float64 twin on the dequantised operands (globally and per
-expert) and against the single-stream Gluon kernel (the same fp32 promotion order: only bf16 rounding flips may
-differ); padding rows of the inputs hold NaN and the output is poisoned, so a read of padding or a missed / extra
-write fails. Edge groups (empty, 1, 127, 129 rows, one group with every row), K not a multiple of 128, fewer
-k-steps than stages, 3 programs (many tiles each: the ring's stages and phases carry across tiles)."""
+consumer warpgroups), plain and SwiGLU, on an H100/H200: against the float64 twin on the dequantised operands
+(globally and per expert) and against the single-stream Gluon kernel (the same fp32 promotion order: only bf16
+rounding flips may differ); padding rows of the inputs hold NaN and outputs are poisoned, so a read of padding or a
+missed / extra write fails. Edge groups (empty, 1, 127, 129 rows, one group with every row), K not a multiple of
+128, fewer k-steps than stages, 3 programs (many tiles each: the ring's stages and phases carry across tiles)."""
 
 from __future__ import annotations
 
@@ -68,3 +68,46 @@ def test_ws_validates():
         grouped_gemm_fp8_ws(aq, a_s, wq2, w_s2, offs, stages=1)
     with pytest.raises(ValueError, match="shared memory"):
         grouped_gemm_fp8_ws(aq, a_s, wq2, w_s2, offs, stages=8)
+
+
+EPI_CASES = [([0, 1, 127, 129, 2000, 0, 513, 64], 1040, 256),
+             ([3000], 1920, 384),
+             ([300, 77], 256, 128)]
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90a wgmma)")
+@pytest.mark.parametrize("sizes,K,I", EPI_CASES)
+@pytest.mark.parametrize("stages,num_sms", [(4, None), (6, None), (2, 3)])
+@pytest.mark.parametrize("store_h", [True, False])
+def test_ws_swiglu(sizes, K, I, stages, num_sms, store_h):
+    import megamoe.experts as X
+    from megamoe.kernels.gemm_config import GemmConfig
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    E_l, used, R, offs = problem(sizes)
+    x = torch.randn(R, K, device="cuda", generator=gen).to(torch.bfloat16)
+    x[used:] = float("nan")
+    w13 = (torch.randn(E_l, 2 * I, K, device="cuda", generator=gen) / K**0.5).to(torch.bfloat16)
+    xq, x_s = X.quantize_act(x)
+    w13q, w13_s = X.quantize_weight(w13)
+    act = torch.full((R, I), SENTINEL, device="cuda", dtype=torch.bfloat16)
+    h = torch.full((R, 2 * I), SENTINEL, device="cuda", dtype=torch.bfloat16) if store_h else None
+    cfg = GemmConfig(block_m=128, block_n=64, block_k=128, num_stages=stages, num_warps=4, num_sms=num_sms,
+                     kernel="gluon_ws")
+    got_act, got_h = X.gemm1_swiglu_fp8(xq, x_s, w13q, w13_s, offs, store_h=store_h, out=act, h_out=h, config=cfg)
+    assert got_act is act and got_h is h
+    one_act, one_h = X.gemm1_swiglu_fp8(xq, x_s, w13q, w13_s, offs, store_h=store_h,
+                                        config=X.default_config("gemm1_swiglu_fp8", R, I, K, kernel="gluon"))
+    ref_act, ref_h = X.gemm1_swiglu_fp8_ref(xq, x_s, w13q, w13_s, offs)
+    torch.cuda.synchronize()
+    assert bool((act[used:] == SENTINEL).all()), "padding rows of act were written"
+    assert rel(act[:used], ref_act[:used]) < 1e-2
+    per_expert(act, ref_act, offs, 1e-2, "act")
+    assert rel(act[:used], one_act[:used]) < 3e-4, "act vs the single-stream Gluon kernel"
+    if store_h:
+        assert bool((h[used:] == SENTINEL).all()), "padding rows of h were written"
+        assert rel(h[:used], ref_h[:used]) < 1e-2
+        per_expert(h, ref_h, offs, 1e-2, "h")
+        assert rel(h[:used], one_h[:used]) < 3e-4, "h vs the single-stream Gluon kernel"
+    else:
+        assert got_h is None and one_h is None

@@ -345,6 +345,22 @@ def test_fp8_kernel_choice_on_cpu():
         X.grouped_gemm_fp8(q, s, wq, ws, p["offs"], config=gluon)
     with pytest.raises(ValueError, match="kernel='gluon'"), X.pin_config("gemm2_fp8", gluon):
         X.gemm2_fp8(q, s, wq, ws, p["offs"])
+    # the warp-specialised kernel likewise, and where its own limits fail the reason names them
+    ws_cfg = GemmConfig(block_m=128, block_n=128, block_k=128, num_stages=4, num_warps=4, kernel="gluon_ws")
+    assert X.default_config("gemm2_fp8", 8, 128, 256, kernel="gluon_ws").kernel == "gluon_ws"
+    with pytest.raises(ValueError, match="kernel='gluon_ws'"):
+        X.grouped_gemm_fp8(q, s, wq, ws, p["offs"], config=ws_cfg)
+    assert fp8_kernel(ws_cfg.with_(kernel=None), q, wq, n=wq.shape[1], epilogue=EPI_NONE) == "triton"
+    from megamoe.kernels.gluon_fp8_ws import ws_limits
+    from megamoe.kernels.grouped_gemm import EPI_DSWIGLU, EPI_SWIGLU
+
+    assert ws_limits(ws_cfg, n=128, k=256, n_w=128, epilogue=EPI_NONE) is None
+    assert "plain and the SwiGLU" in ws_limits(ws_cfg, n=128, k=256, n_w=128, epilogue=EPI_DSWIGLU)
+    assert "block_n must be one of (64,)" in ws_limits(ws_cfg, n=128, k=256, n_w=256, epilogue=EPI_SWIGLU, n_up=128)
+    assert "num_warps 4" in ws_limits(gluon, n=128, k=256, n_w=128, epilogue=EPI_NONE)
+    assert "shared memory" in ws_limits(ws_cfg.with_(num_stages=8), n=128, k=256, n_w=128, epilogue=EPI_NONE)
+    with pytest.raises(ValueError, match="FP8 ops only"):
+        X.gemm2(p["x"][:, :128].contiguous(), p["w2"], p["offs"], config=CPU_CFG.with_(kernel="gluon_ws"))
     out = X.grouped_gemm_fp8(q, s, wq, ws, p["offs"], config=CPU_CFG.with_(block_k=128, kernel="triton"))
     ref = X.grouped_gemm_fp8_ref(q[:p["n"]], s[:p["n"]], wq, ws, p["offs"])
     assert rel(out[:p["n"]], ref) < 1e-2

@@ -21,7 +21,7 @@ import torch
 from megamoe import _interp
 
 #: values of GemmConfig.kernel
-KERNELS = (None, "gluon", "triton")
+KERNELS = (None, "gluon", "gluon_ws", "triton")
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,8 @@ class GemmConfig:
     use_tma: bool | None = None    # None: TMA descriptors when strides/pointers are 16-byte aligned
     epi_split: int = 1             # epilogue in 1, 2 or 4 column slices (fewer live registers)
     flatten: bool = False          # bf16 kernel: tl.range(flatten=True) tile loop (on for GEMM2, measured below)
-    kernel: str | None = None      # FP8 ops: "gluon", "triton", or None (Gluon where it can run); bf16 ops: None or
+    kernel: str | None = None      # FP8 ops: "gluon_ws" (warp-specialised), "gluon", "triton", or None (the first
+    #                                of those that can run); bf16 ops: None or
     #                                "triton" = the Triton kernel, "gluon" = kernels/gluon_bf16.py (only when asked
     #                                for; ValueError where it cannot run: CPU, interpreter, not sm_90, its limits)
     programs_per_sm: int = 1       # persistent kernels, num_sms None: 2 = two CTAs share each SM, so one's epilogue
@@ -109,6 +110,9 @@ def default_config(op: str, rows: int, n: int, k: int, *, kernel: str | None = N
     if interpreting():
         return GemmConfig(block_m=32, block_n=32, block_k=32 if "fp8" not in op else 128, group_m=2,
                           num_stages=1, num_warps=4, kernel=kernel)
+    if kernel == "gluon_ws":  # one H200, 2026-12-01: 4 stages best or within 4% on every plain shape timed
+        return GemmConfig(block_m=128, block_n=64 if op == "gemm1_swiglu_fp8" else 128, block_k=128, num_stages=4,
+                          num_warps=4, kernel="gluon_ws")
     if kernel == "gluon":
         return GemmConfig(block_m=128, block_n=64 if op == "gemm1_swiglu_fp8" else 128, block_k=128, num_stages=4,
                           num_warps=8, kernel="gluon")

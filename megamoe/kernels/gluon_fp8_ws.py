@@ -40,7 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.kernels.gemm_config import GemmConfig, grid_size, record
-from megamoe.kernels.gluon_fp8 import SMEM_LIMIT, _add, _locate
+from megamoe.kernels.gluon_fp8 import SMEM_LIMIT, _add, _epi_swiglu, _locate
+from megamoe.kernels.grouped_gemm import EPI_NONE, EPI_SWIGLU
 
 LOADER_REGS = gl.constexpr(56)  # registers per thread of the loader warpgroup (schedule vectors: BLOCK_E / 32 each)
 
@@ -62,20 +63,23 @@ def _schedule(offs_ptr, E_l, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BL
 
 
 @gluon.jit
-def _ws_loader(a_desc, w_desc, a_smem, b_smem, ready, empty, offs_ptr, N, K, E_l, num_progs,
+def _ws_loader(a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, N, K, E_l, num_progs, N_W, N_UP,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
-               STAGES: gl.constexpr):
+               STAGES: gl.constexpr, SWIGLU: gl.constexpr):
     BLOCK_K: gl.constexpr = 128
     sched: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     e_idx, starts, cnts, m_tiles, cum_end, total = _schedule(offs_ptr, E_l, N, BLOCK_M, BLOCK_N, BLOCK_E, sched)
     tiles_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
+    if SWIGLU:
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
+    else:
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
     it = 0
     for tile in range(gl.program_id(0), total, num_progs):
         e, row0, row_end, mi, ni = _locate(tile, e_idx, starts, cnts, m_tiles, cum_end, tiles_n, GROUP_M)
         off_m = row0 + mi * BLOCK_M
-        wrow = e * N + ni * BLOCK_N
+        wrow = e * N_W + ni * BLOCK_N
         for ki in range(k_tiles):
             s = it % STAGES
             # empty barriers start in phase 0: the first pass over the ring waits for the (complete) phase 1
@@ -83,15 +87,19 @@ def _ws_loader(a_desc, w_desc, a_smem, b_smem, ready, empty, offs_ptr, N, K, E_l
             mbarrier.expect(ready.index(s), nbytes)
             tma.async_copy_global_to_shared(a_desc, [off_m, ki * BLOCK_K], ready.index(s), a_smem.index(s))
             tma.async_copy_global_to_shared(w_desc, [wrow, ki * BLOCK_K], ready.index(s), b_smem.index(s))
+            if SWIGLU:
+                tma.async_copy_global_to_shared(w_desc, [wrow + N_UP, ki * BLOCK_K], ready.index(s), b2_smem.index(s))
             it += 1
 
 
 @gluon.jit
-def _ws_consumer(a_smem, b_smem, ready, empty, as_ptr, ws_ptr, out_ptr, scale_ptr, offs_ptr,
-                 R, N, K, E_l, num_progs, stride_asm, stride_wse, stride_wsn, stride_om,
+def _ws_consumer(a_smem, b_smem, b2_smem, ready, empty, as_ptr, ws_ptr, out_ptr, h_ptr, scale_ptr, offs_ptr,
+                 R, N, K, E_l, num_progs, stride_asm, stride_wse, stride_wsn, stride_om, stride_hm, N_UP,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
-                 STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, HALF: gl.constexpr):
-    """Rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (4 warps)."""
+                 STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, SWIGLU: gl.constexpr, STORE_H: gl.constexpr,
+                 HALF: gl.constexpr):
+    """Rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (4 warps). SWIGLU: BLOCK_N columns of gate
+    (acc) and of up (acc2), two wgmmas per k-step."""
     BLOCK_K: gl.constexpr = 128
     HM: gl.constexpr = BLOCK_M // 2
     sched: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -113,113 +121,162 @@ def _ws_consumer(a_smem, b_smem, ready, empty, as_ptr, ws_ptr, out_ptr, scale_pt
         as_row = as_ptr + rm.to(gl.int64) * stride_asm
         ws_tile = ws_ptr + e.to(gl.int64) * stride_wse + (off_n // 128) * stride_wsn
         acc = gl.zeros((HM, BLOCK_N), dtype=gl.float32, layout=mma)
+        if SWIGLU:
+            ws_up = ws_tile + ((N_UP + off_n) // 128 - off_n // 128) * stride_wsn  # the up tile's scale row
+            acc2 = gl.zeros((HM, BLOCK_N), dtype=gl.float32, layout=mma)
         for ki in range(k_tiles):
             s = it % STAGES
-            sc = gl.load(as_row + ki, mask=mmask, other=0.0) * gl.load(ws_tile + ki)
+            sa = gl.load(as_row + ki, mask=mmask, other=0.0)
+            sc = sa * gl.load(ws_tile + ki)
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            p = warpgroup_mma(a_smem.index(s).slice(HALF * HM, HM), b_smem.index(s).permute((1, 0)), zero,
-                              use_acc=False, is_async=True)
-            p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-            mbarrier.arrive(empty.index(s), count=1)
-            acc = acc + p * sc[:, None]
+            a_half = a_smem.index(s).slice(HALF * HM, HM)
+            p = warpgroup_mma(a_half, b_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+            if SWIGLU:
+                sc2 = sa * gl.load(ws_up + ki)
+                p2 = warpgroup_mma(a_half, b2_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+                p, p2 = warpgroup_mma_wait(num_outstanding=0, deps=(p, p2))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc = acc + p * sc[:, None]
+                acc2 = acc2 + p2 * sc2[:, None]
+            else:
+                p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc = acc + p * sc[:, None]
             it += 1
-        if HAS_SCALE:
-            acc = acc * gl.load(scale_ptr + rm, mask=mmask, other=0.0)[:, None]
-        res = gl.convert_layout(acc.to(gl.bfloat16), store_l)
-        srm = off_m + gl.arange(0, HM, layout=gl.SliceLayout(1, store_l))
-        srn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_l))
-        optrs = out_ptr + srm.to(gl.int64)[:, None] * stride_om + srn[None, :]
-        gl.store(optrs, res, mask=(srm < row_end)[:, None] & (srn < N)[None, :])
+        if SWIGLU:
+            _epi_swiglu(acc, acc2, off_m, off_n, row_end, N, out_ptr, stride_om, h_ptr, stride_hm, HM, BLOCK_N,
+                        STORE_H, store_l)
+        else:
+            _epi_plain(acc, off_m, off_n, rm, mmask, row_end, N, out_ptr, scale_ptr, stride_om, HM, BLOCK_N,
+                       HAS_SCALE, store_l)
+
+
+@gluon.jit
+def _epi_plain(acc, off_m, off_n, rm, mmask, row_end, N, out_ptr, scale_ptr, stride_om, HM: gl.constexpr,
+               BLOCK_N: gl.constexpr, HAS_SCALE: gl.constexpr, store_l: gl.constexpr):
+    """out = acc (* scale[r]) as bf16, through a layout with 8 consecutive columns per thread (16-byte stores)."""
+    if HAS_SCALE:
+        acc = acc * gl.load(scale_ptr + rm, mask=mmask, other=0.0)[:, None]
+    res = gl.convert_layout(acc.to(gl.bfloat16), store_l)
+    srm = off_m + gl.arange(0, HM, layout=gl.SliceLayout(1, store_l))
+    srn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_l))
+    optrs = out_ptr + srm.to(gl.int64)[:, None] * stride_om + srn[None, :]
+    gl.store(optrs, res, mask=(srm < row_end)[:, None] & (srn < N)[None, :])
 
 
 @gluon.jit
 def _gluon_fp8_ws_kernel(
-    a_desc, w_desc,     # TMA descriptors: aq [R, K] block [BLOCK_M, 128]; wq as [E_l * N, K] block [BLOCK_N, 128]
-    as_ptr, ws_ptr,     # a_s [R, KB] fp32 (row stride stride_asm), w_s [E_l, cdiv(N, 128), KB] fp32
+    a_desc, w_desc,     # TMA descriptors: aq [R, K] block [BLOCK_M, 128]; wq as [E_l * N_W, K] block [BLOCK_N, 128]
+    as_ptr, ws_ptr,     # a_s [R, KB] fp32 (row stride stride_asm), w_s [E_l, cdiv(N_W, 128), KB] fp32
     out_ptr,            # out [R, N] bf16, row stride stride_om
-    scale_ptr,          # [R] fp32 (HAS_SCALE)
+    h_ptr,              # h [R, 2N] bf16, row stride stride_hm (SWIGLU with STORE_H)
+    scale_ptr,          # [R] fp32 (HAS_SCALE, plain only)
     offs_ptr,           # [E_l + 1] int32
     R, N, K, E_l, num_progs,
-    stride_asm, stride_wse, stride_wsn, stride_om,
+    stride_asm, stride_wse, stride_wsn, stride_om, stride_hm,
+    N_W, N_UP,          # rows of wq per expert; first row of the up projection (SWIGLU)
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
-    STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, SWIGLU: gl.constexpr, STORE_H: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid: (P,) persistent programs of 4 + 4 + 1 warps (module docstring)."""
     BLOCK_K: gl.constexpr = 128
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    if SWIGLU:  # the up tiles
+        b2_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    else:
+        b2_smem = b_smem  # unused
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # one arrive per consumer warpgroup
     gl.warp_specialize([
-        (_ws_consumer, (a_smem, b_smem, ready, empty, as_ptr, ws_ptr, out_ptr, scale_ptr, offs_ptr, R, N, K, E_l,
-                        num_progs, stride_asm, stride_wse, stride_wsn, stride_om, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E,
-                        STAGES, HAS_SCALE, 0)),
-        (_ws_consumer, (a_smem, b_smem, ready, empty, as_ptr, ws_ptr, out_ptr, scale_ptr, offs_ptr, R, N, K, E_l,
-                        num_progs, stride_asm, stride_wse, stride_wsn, stride_om, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E,
-                        STAGES, HAS_SCALE, 1)),
-        (_ws_loader, (a_desc, w_desc, a_smem, b_smem, ready, empty, offs_ptr, N, K, E_l, num_progs,
-                      BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES)),
+        (_ws_consumer, (a_smem, b_smem, b2_smem, ready, empty, as_ptr, ws_ptr, out_ptr, h_ptr, scale_ptr, offs_ptr,
+                        R, N, K, E_l, num_progs, stride_asm, stride_wse, stride_wsn, stride_om, stride_hm, N_UP,
+                        BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, HAS_SCALE, SWIGLU, STORE_H, 0)),
+        (_ws_consumer, (a_smem, b_smem, b2_smem, ready, empty, as_ptr, ws_ptr, out_ptr, h_ptr, scale_ptr, offs_ptr,
+                        R, N, K, E_l, num_progs, stride_asm, stride_wse, stride_wsn, stride_om, stride_hm, N_UP,
+                        BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, HAS_SCALE, SWIGLU, STORE_H, 1)),
+        (_ws_loader, (a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, N, K, E_l, num_progs, N_W,
+                      N_UP, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, SWIGLU)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
 
 
-def ws_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int) -> str | None:
-    """Why the warp-specialised kernel cannot run this launch, or None."""
+def ws_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, n_up: int = 0) -> str | None:
+    """Why the warp-specialised kernel cannot run this launch (config and shapes only), or None. n output columns,
+    k reduction, n_w weight rows per expert; epilogue EPI_NONE or EPI_SWIGLU (n_up: first up row)."""
+    two = epilogue == EPI_SWIGLU
+    if epilogue not in (EPI_NONE, EPI_SWIGLU):
+        return "only the plain and the SwiGLU epilogues are warp-specialised"
     if cfg.block_k != 128:
         return f"block_k must be 128 (one scale per k-step), got {cfg.block_k}"
     if cfg.block_m != 128 or cfg.num_warps != 4:
-        return f"block_m must be 128 and num_warps 4 (two 64-row consumer warpgroups), got {cfg.block_m}, " \
-               f"{cfg.num_warps}"
-    if cfg.block_n not in (64, 128):
-        return f"block_n must be 64 or 128 (a tile inside one 128-row weight-scale block), got {cfg.block_n}"
+        return (f"block_m must be 128 and num_warps 4 (two 64-row consumer warpgroups), got block_m={cfg.block_m}, "
+                f"num_warps={cfg.num_warps}")
+    widths = (64,) if two else (64, 128)
+    if cfg.block_n not in widths:
+        return (f"block_n must be one of {widths} (a tile inside one 128-row weight-scale block; SwiGLU: 64 gate + "
+                f"64 up columns, the most the registers hold), got {cfg.block_n}")
     if cfg.num_stages < 2:
         return f"num_stages must be >= 2, got {cfg.num_stages}"
     # the ring, the epilogue's layout-conversion scratch (sm_90a compile: ~bm * bn bytes) and the barriers
-    smem = cfg.num_stages * 128 * (cfg.block_m + cfg.block_n) + cfg.block_m * cfg.block_n + 4096
+    smem = cfg.num_stages * 128 * (cfg.block_m + (2 if two else 1) * cfg.block_n) + cfg.block_m * cfg.block_n + 4096
     if smem > SMEM_LIMIT:
         return f"{cfg.num_stages} stages need ~{smem} bytes of shared memory, more than {SMEM_LIMIT}"
     if k <= 0 or k % 16:
         return f"K must be a positive multiple of 16 (TMA strides), got K = {k}"
-    if n % cfg.block_n or n != n_w:
-        return f"N must be a multiple of block_n {cfg.block_n} and equal the weight rows, got N = {n}, {n_w} rows"
+    bn = cfg.block_n
+    if n % bn or (two and (n_up % bn or n_up + n > n_w)) or (not two and n != n_w):
+        return (f"N must be a multiple of block_n {bn} (SwiGLU: the up offset too, and the up rows inside the "
+                f"expert's weights) so that a weight tile stays inside its expert; got N = {n}, up offset {n_up}, "
+                f"{n_w} weight rows per expert")
     return None
 
 
 def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w_s: torch.Tensor,
-                        offs: torch.Tensor, out: torch.Tensor, cfg: GemmConfig, *, scale: torch.Tensor | None = None,
-                        consumer_regs: int = 232) -> None:
-    """out [R, N] (bf16) = the plain FP8 grouped GEMM, optional row scale (operands validated by the caller)."""
+                        offs: torch.Tensor, out: torch.Tensor, cfg: GemmConfig, *, n: int, epilogue: int,
+                        h: torch.Tensor | None = None, scale: torch.Tensor | None = None, store_h: bool = False,
+                        n_up: int = 0, consumer_regs: int = 232) -> None:
+    """Launch _gluon_fp8_ws_kernel with the arguments of grouped_gemm_fp8.launch_grouped_gemm_fp8 (operands validated
+    by the caller); ValueError naming the limit (``ws_limits``) that fails."""
     R, K = aq.shape
-    E_l, N, _ = wq.shape
-    why = ws_limits(cfg, n=N, k=K, n_w=N)
+    E_l, N_w, _ = wq.shape
+    why = ws_limits(cfg, n=n, k=K, n_w=N_w, epilogue=epilogue, n_up=n_up)
+    if why is None and epilogue == EPI_SWIGLU and scale is not None:
+        why = "the SwiGLU epilogue takes no row scale"
     if why is not None:
         raise ValueError(f"grouped_gemm_fp8 (warp-specialised Gluon kernel): {why}")
-    if R == 0 or E_l == 0 or N == 0:
+    if R == 0 or E_l == 0 or n == 0:
         return
     bm, bn = cfg.block_m, cfg.block_n
     a_layout = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
     w_layout = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
     a_desc = TensorDescriptor(aq, list(aq.shape), list(aq.stride()), [bm, 128], a_layout)
-    w2d = wq.view(E_l * N, K)
+    w2d = wq.view(E_l * N_w, K)
     w_desc = TensorDescriptor(w2d, list(w2d.shape), list(w2d.stride()), [bn, 128], w_layout)
-    grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * (N // bn), aq.device)
+    grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * (n // bn), aq.device)
     k = _gluon_fp8_ws_kernel[(grid,)](
-        a_desc, w_desc, a_s, w_s, out, scale if scale is not None else out, offs,
-        R, N, K, E_l, grid, a_s.stride(0), w_s.stride(0), w_s.stride(1), out.stride(0),
+        a_desc, w_desc, a_s, w_s, out, h if h is not None else out, scale if scale is not None else out, offs,
+        R, n, K, E_l, grid, a_s.stride(0), w_s.stride(0), w_s.stride(1), out.stride(0),
+        h.stride(0) if h is not None else 0, N_w, n_up,
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
-        STAGES=cfg.num_stages, HAS_SCALE=scale is not None, CONSUMER_REGS=consumer_regs, num_warps=4,
-        maxnreg=(2 * consumer_regs + LOADER_REGS.value) // 3 // 8 * 8,
+        STAGES=cfg.num_stages, HAS_SCALE=scale is not None, SWIGLU=epilogue == EPI_SWIGLU, STORE_H=store_h,
+        CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=(2 * consumer_regs + LOADER_REGS.value) // 3 // 8 * 8,
     )
     record("_gluon_fp8_ws_kernel", k)
 
 
 def grouped_gemm_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w_s: torch.Tensor,
                         offs: torch.Tensor, *, scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                        block_n: int = 128, stages: int = 5, num_sms: int | None = None,
+                        block_n: int = 128, stages: int = 4, num_sms: int | None = None,
                         consumer_regs: int = 232) -> torch.Tensor:
-    """out [R, N] bf16 = the plain FP8 grouped GEMM on the warp-specialised kernel (benchmarks and tests)."""
+    """out [R, N] bf16 = the plain FP8 grouped GEMM on the warp-specialised kernel, whatever the device (benchmarks
+    and tests; megamoe.experts picks the kernel itself)."""
     from megamoe.experts import _check_scale, _out  # lazy: megamoe.experts imports the kernels
     from megamoe.kernels.grouped_gemm_fp8 import check_fp8
 
@@ -227,8 +284,9 @@ def grouped_gemm_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w
     _check_scale(scale, aq.shape[0], "grouped_gemm_fp8_ws")
     out = _out(out, (aq.shape[0], wq.shape[1]), aq)
     cfg = GemmConfig(block_m=128, block_n=block_n, block_k=128, num_stages=stages, num_warps=4, num_sms=num_sms,
-                     kernel="gluon")
-    launch_gluon_fp8_ws(aq, a_s, wq, w_s, offs, out, cfg, scale=scale, consumer_regs=consumer_regs)
+                     kernel="gluon_ws")
+    launch_gluon_fp8_ws(aq, a_s, wq, w_s, offs, out, cfg, n=wq.shape[1], epilogue=EPI_NONE, scale=scale,
+                        consumer_regs=consumer_regs)
     return out
 
 

@@ -362,6 +362,9 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ou
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     if acts is not None and epilogue != EPI_DSWIGLU:
         raise ValueError("grouped_gemm: acts is an output of the SwiGLU-backward epilogue only")
+    if cfg.kernel == "gluon_ws":
+        raise ValueError("grouped_gemm: kernel='gluon_ws' (the warp-specialised FP8 kernel) applies to the FP8 ops "
+                         "only")
     if cfg.kernel == "gluon":  # the Gluon bf16 kernel (kernels/gluon_bf16.py), only where asked for
         why = gluon_bf16_unavailable(cfg, a, w, n=n, w_kn=w_kn, epilogue=epilogue, h=h, n_up=n_up)
         if why is None and acts is not None:

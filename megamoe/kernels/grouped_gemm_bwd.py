@@ -134,7 +134,7 @@ def launch_grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, o
     N = y.shape[1]
     E_l = out.shape[0]
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
-    if cfg.kernel == "gluon":
+    if cfg.kernel in ("gluon", "gluon_ws"):
         raise ValueError("grouped_wgrad: there is no Gluon weight-gradient kernel (kernel='gluon' applies to the FP8 "
                          "ops and, opt-in, to the bf16 forward and dgrad GEMMs)")
     ok = tma_ok([x, y])

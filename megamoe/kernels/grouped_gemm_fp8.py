@@ -117,30 +117,38 @@ def check_fp8(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w_s: torch.
 
 
 def gluon_unavailable(cfg: GemmConfig, aq: torch.Tensor, wq: torch.Tensor, *, n: int, epilogue: int,
-                      n_up: int = 0) -> str | None:
-    """Why the Gluon kernel cannot run this launch (whatever cfg.kernel says), or None: it needs CUDA tensors on a
-    device of compute capability 9.x, no interpreter, TMA-able operands, and its config and shape limits
-    (gluon_fp8.gluon_limits). No device sync: the capability comes from torch's cached device properties."""
+                      n_up: int = 0, kernel: str = "gluon") -> str | None:
+    """Why the Gluon kernel ``kernel`` ("gluon": gluon_fp8.py, "gluon_ws": the warp-specialised gluon_fp8_ws.py)
+    cannot run this launch (whatever cfg.kernel says), or None: it needs CUDA tensors on a device of compute
+    capability 9.x, no interpreter, TMA-able operands, and its config and shape limits (gluon_limits / ws_limits).
+    No device sync: the capability comes from torch's cached device properties."""
     why = gluon_device_reason(aq, cfg)
     if why is not None:
         return why
     if not tma_ok([aq, wq]):
         return "TMA needs 16-byte aligned base pointers and row strides (fp8: K a multiple of 16)"
-    from megamoe.kernels.gluon_fp8 import gluon_limits  # lazy: Gluon is only imported where it can run
+    if kernel == "gluon_ws":
+        from megamoe.kernels.gluon_fp8_ws import ws_limits  # lazy: Gluon is only imported where it can run
+
+        return ws_limits(cfg, n=n, k=aq.shape[1], n_w=wq.shape[1], epilogue=epilogue, n_up=n_up)
+    from megamoe.kernels.gluon_fp8 import gluon_limits
 
     return gluon_limits(cfg, n=n, k=aq.shape[1], n_w=wq.shape[1], epilogue=epilogue, n_up=n_up)
 
 
 def fp8_kernel(cfg: GemmConfig, aq: torch.Tensor, wq: torch.Tensor, *, n: int, epilogue: int, n_up: int = 0) -> str:
-    """The kernel that launch_grouped_gemm_fp8 runs for this config and these operands: "gluon" or "triton".
-    cfg.kernel None: Gluon where it can run, else Triton; "gluon" where it cannot: ValueError with the reason."""
+    """The kernel that launch_grouped_gemm_fp8 runs for this config and these operands: "gluon_ws", "gluon" or
+    "triton". cfg.kernel None: the first of those that can run this config; a Gluon kernel pinned where it cannot
+    run: ValueError with the reason."""
     if cfg.kernel == "triton":
         return "triton"
-    why = gluon_unavailable(cfg, aq, wq, n=n, epilogue=epilogue, n_up=n_up)
-    if why is None:
-        return "gluon"
-    if cfg.kernel == "gluon":
-        raise ValueError(f"grouped_gemm_fp8: the config pins kernel='gluon', but {why}")
+    for kernel in ("gluon_ws", "gluon"):
+        if cfg.kernel in (None, kernel):
+            why = gluon_unavailable(cfg, aq, wq, n=n, epilogue=epilogue, n_up=n_up, kernel=kernel)
+            if why is None:
+                return kernel
+            if cfg.kernel == kernel:
+                raise ValueError(f"grouped_gemm_fp8: the config pins kernel={kernel!r}, but {why}")
     return "triton"
 
 
@@ -156,7 +164,14 @@ def launch_grouped_gemm_fp8(aq, a_s, wq, w_s, offs, out, cfg: GemmConfig, *, n: 
                          f"got {cfg.block_k}")
     if store_h and epilogue == EPI_DSWIGLU:  # the shared bf16 epilogue reads STORE_H there as "write acts"
         raise ValueError("grouped_gemm_fp8: store_h is for the SwiGLU forward epilogue")
-    if fp8_kernel(cfg, aq, wq, n=n, epilogue=epilogue, n_up=n_up) == "gluon":
+    kernel = fp8_kernel(cfg, aq, wq, n=n, epilogue=epilogue, n_up=n_up)
+    if kernel == "gluon_ws":
+        from megamoe.kernels.gluon_fp8_ws import launch_gluon_fp8_ws
+
+        launch_gluon_fp8_ws(aq, a_s, wq, w_s, offs, out, cfg, n=n, epilogue=epilogue, h=h, scale=scale,
+                            store_h=store_h, n_up=n_up)
+        return
+    if kernel == "gluon":
         from megamoe.kernels.gluon_fp8 import launch_gluon_fp8
 
         launch_gluon_fp8(aq, a_s, wq, w_s, offs, out, cfg, n=n, epilogue=epilogue, h=h, scale=scale, dsp=dsp,
