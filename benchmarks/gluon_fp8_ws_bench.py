@@ -22,7 +22,7 @@ from megamoe.perf import run_shapes
 
 PRESETS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8),
            "mixtral-8x7b": (4096, 14336, 8, 2), "gpt-oss-120b": (2880, 2880, 128, 4)}
-WS = [(128, 4, 232), (128, 5, 232), (128, 4, 200)]  # (block_n, stages, consumer registers)
+WS = [(128, 4, 232), (256, 4, 240), (256, 3, 240), (256, 4, 232)]  # (block_n, stages, consumer registers)
 
 
 def bench(fn) -> float:
@@ -80,9 +80,9 @@ def run_swiglu(spec: str, H: int, I: int, offs: torch.Tensor, R: int, rows: list
     ref = X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs, config=one)
     new = [dict(base, kernel="bf16", ms=t_bf16),
            dict(base, kernel="gluon-fp8", ms=bench(lambda: X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs, config=one)))]
-    for st in (4, 6):
-        cfg = X.default_config("gemm1_swiglu_fp8", R, I, H, kernel="gluon_ws").with_(num_stages=st)
-        label = f"ws bn64 s{st}"
+    for bn, st in ((64, 4), (64, 6), (128, 4), (128, 3)):
+        cfg = X.default_config("gemm1_swiglu_fp8", R, I, H, kernel="gluon_ws").with_(block_n=bn, num_stages=st)
+        label = f"ws bn{bn} s{st}"
         try:
             out = X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs, config=cfg)
             torch.cuda.synchronize()

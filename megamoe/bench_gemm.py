@@ -61,11 +61,12 @@ def _candidates(op: str):
                   C(128, 128, 64, 3, 8, 2, True, pp=2), C(128, 128, 64, 3, 8, 2, pp=2),
                   C(64, 128, 64, 4, 4, 2, True, pp=2), C(128, 128, 32, 4, 8, 2, True, pp=2),
                   C(64, 256, 64, 2, 4, 4, pp=2)],
-        # FP8: kernel None runs Gluon where the config is within its limits (gluon_fp8.gluon_limits), else Triton;
-        # the Triton kernel's default pinned for the comparison
-        "gemm1_fp8": [C(128, 64, 128, 4, 8), C(128, 128, 128, 3, 8, 2), C(128, 64, 128, 5, 8),
+        # FP8: kernel None runs the warp-specialised Gluon kernel where the config is within its limits (4 warps:
+        # gluon_fp8_ws.ws_limits), else the single-stream one (8 warps), else Triton; the Triton kernel's default
+        # pinned for the comparison
+        "gemm1_fp8": [C(128, 64, 128, 4, 4), C(128, 64, 128, 6, 4), C(128, 64, 128, 4, 8), C(128, 64, 128, 5, 8),
                       C(128, 128, 128, 4, 8, 4), C(128, 64, 128, 5, 8).with_(kernel="triton")],
-        "gemm2_fp8": [C(128, 128, 128, 4, 8), C(128, 128, 128, 5, 8), C(128, 128, 128, 3, 8, 2),
+        "gemm2_fp8": [C(128, 128, 128, 4, 4), C(128, 128, 128, 5, 4), C(128, 128, 128, 4, 8), C(128, 128, 128, 5, 8),
                       C(128, 256, 128, 3, 8, 4), C(128, 128, 128, 5, 8).with_(kernel="triton")],
         # wgrad (persistent since 2026-11-30; pp=8 is close to the former one-program-per-tile grid): flatten=True
         # pipelines the TMA store of a tile under the next tile's loads (a separate store buffer: 128x256x32 s5
@@ -111,7 +112,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-FP8_KERNELS = ("_gluon_fp8_grouped_kernel", "_grouped_gemm_fp8_kernel")  # the FP8 ops run one or the other
+FP8_KERNELS = ("_gluon_fp8_ws_kernel", "_gluon_fp8_grouped_kernel", "_grouped_gemm_fp8_kernel")  # one of these runs
 
 
 def _regs(kernel_name: str | tuple[str, ...]) -> dict:

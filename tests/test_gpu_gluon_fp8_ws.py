@@ -23,7 +23,7 @@ CASES = [([0, 1, 127, 129, 2000, 0, 513, 64], 1040, 256),  # empty, 1-row, ragge
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90a wgmma)")
 @pytest.mark.parametrize("sizes,K,N", CASES)
-@pytest.mark.parametrize("block_n,stages", [(128, 5), (128, 2), (64, 6)])
+@pytest.mark.parametrize("block_n,stages", [(128, 4), (128, 2), (64, 6), (256, 4), (256, 2)])
 @pytest.mark.parametrize("num_sms", [None, 3])
 @pytest.mark.parametrize("with_scale", [False, True])
 def test_ws_matches_reference(sizes, K, N, block_n, stages, num_sms, with_scale):
@@ -40,6 +40,10 @@ def test_ws_matches_reference(sizes, K, N, block_n, stages, num_sms, with_scale)
     wq, w_s = X.quantize_weight(w)
     s = torch.rand(R, device="cuda", generator=gen) + 0.5 if with_scale else None
     out = torch.full((R, N), SENTINEL, device="cuda", dtype=torch.bfloat16)
+    if N % block_n:  # 256-column tiles (two 128-column products) need N a multiple of 256
+        with pytest.raises(ValueError, match="multiple of block_n"):
+            grouped_gemm_fp8_ws(aq, a_s, wq, w_s, offs, block_n=block_n)
+        return
     grouped_gemm_fp8_ws(aq, a_s, wq, w_s, offs, scale=s, out=out, block_n=block_n, stages=stages, num_sms=num_sms)
     ref = X.grouped_gemm_fp8_ref(aq[:used], a_s[:used], wq, w_s, offs,
                                  scale=s[:used].double() if s is not None else None)
@@ -77,9 +81,10 @@ EPI_CASES = [([0, 1, 127, 129, 2000, 0, 513, 64], 1040, 256),
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90a wgmma)")
 @pytest.mark.parametrize("sizes,K,I", EPI_CASES)
-@pytest.mark.parametrize("stages,num_sms", [(4, None), (6, None), (2, 3)])
+@pytest.mark.parametrize("block_n,stages,num_sms", [(64, 4, None), (64, 6, None), (64, 2, 3), (128, 4, None),
+                                                    (128, 2, 3)])
 @pytest.mark.parametrize("store_h", [True, False])
-def test_ws_swiglu(sizes, K, I, stages, num_sms, store_h):
+def test_ws_swiglu(sizes, K, I, block_n, stages, num_sms, store_h):
     import megamoe.experts as X
     from megamoe.kernels.gemm_config import GemmConfig
 
@@ -92,7 +97,7 @@ def test_ws_swiglu(sizes, K, I, stages, num_sms, store_h):
     w13q, w13_s = X.quantize_weight(w13)
     act = torch.full((R, I), SENTINEL, device="cuda", dtype=torch.bfloat16)
     h = torch.full((R, 2 * I), SENTINEL, device="cuda", dtype=torch.bfloat16) if store_h else None
-    cfg = GemmConfig(block_m=128, block_n=64, block_k=128, num_stages=stages, num_warps=4, num_sms=num_sms,
+    cfg = GemmConfig(block_m=128, block_n=block_n, block_k=128, num_stages=stages, num_warps=4, num_sms=num_sms,
                      kernel="gluon_ws")
     got_act, got_h = X.gemm1_swiglu_fp8(xq, x_s, w13q, w13_s, offs, store_h=store_h, out=act, h_out=h, config=cfg)
     assert got_act is act and got_h is h

@@ -43,7 +43,7 @@ from megamoe.kernels.gemm_config import GemmConfig, grid_size, record
 from megamoe.kernels.gluon_fp8 import SMEM_LIMIT, _add, _epi_swiglu, _locate
 from megamoe.kernels.grouped_gemm import EPI_NONE, EPI_SWIGLU
 
-LOADER_REGS = gl.constexpr(56)  # registers per thread of the loader warpgroup (schedule vectors: BLOCK_E / 32 each)
+REG_POOL = 504  # registers per thread summed over the three warpgroups (168 each: 65536 / 384 threads, a multiple of 8)
 
 
 @gluon.jit
@@ -63,15 +63,16 @@ def _schedule(offs_ptr, E_l, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BL
 
 
 @gluon.jit
-def _ws_loader(a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, N, K, E_l, num_progs, N_W, N_UP,
+def _ws_loader(a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, N, K, E_l, num_progs, N_W, B2_OFF,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
-               STAGES: gl.constexpr, SWIGLU: gl.constexpr):
+               STAGES: gl.constexpr, MODE: gl.constexpr):
     BLOCK_K: gl.constexpr = 128
+    TN: gl.constexpr = 2 * BLOCK_N if MODE == 2 else BLOCK_N  # output columns per tile
     sched: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    e_idx, starts, cnts, m_tiles, cum_end, total = _schedule(offs_ptr, E_l, N, BLOCK_M, BLOCK_N, BLOCK_E, sched)
-    tiles_n = gl.cdiv(N, BLOCK_N)
+    e_idx, starts, cnts, m_tiles, cum_end, total = _schedule(offs_ptr, E_l, N, BLOCK_M, TN, BLOCK_E, sched)
+    tiles_n = gl.cdiv(N, TN)
     k_tiles = gl.cdiv(K, BLOCK_K)
-    if SWIGLU:
+    if MODE != 0:
         nbytes: gl.constexpr = a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
     else:
         nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
@@ -79,7 +80,7 @@ def _ws_loader(a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, 
     for tile in range(gl.program_id(0), total, num_progs):
         e, row0, row_end, mi, ni = _locate(tile, e_idx, starts, cnts, m_tiles, cum_end, tiles_n, GROUP_M)
         off_m = row0 + mi * BLOCK_M
-        wrow = e * N_W + ni * BLOCK_N
+        wrow = e * N_W + ni * TN
         for ki in range(k_tiles):
             s = it % STAGES
             # empty barriers start in phase 0: the first pass over the ring waits for the (complete) phase 1
@@ -87,68 +88,94 @@ def _ws_loader(a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, 
             mbarrier.expect(ready.index(s), nbytes)
             tma.async_copy_global_to_shared(a_desc, [off_m, ki * BLOCK_K], ready.index(s), a_smem.index(s))
             tma.async_copy_global_to_shared(w_desc, [wrow, ki * BLOCK_K], ready.index(s), b_smem.index(s))
-            if SWIGLU:
-                tma.async_copy_global_to_shared(w_desc, [wrow + N_UP, ki * BLOCK_K], ready.index(s), b2_smem.index(s))
+            if MODE != 0:
+                tma.async_copy_global_to_shared(w_desc, [wrow + B2_OFF, ki * BLOCK_K], ready.index(s),
+                                                b2_smem.index(s))
             it += 1
 
 
 @gluon.jit
 def _ws_consumer(a_smem, b_smem, b2_smem, ready, empty, as_ptr, ws_ptr, out_ptr, h_ptr, scale_ptr, offs_ptr,
-                 R, N, K, E_l, num_progs, stride_asm, stride_wse, stride_wsn, stride_om, stride_hm, N_UP,
+                 R, N, K, E_l, num_progs, stride_asm, stride_wse, stride_wsn, stride_om, stride_hm, B2_OFF,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
-                 STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, SWIGLU: gl.constexpr, STORE_H: gl.constexpr,
+                 STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, MODE: gl.constexpr, STORE_H: gl.constexpr,
                  HALF: gl.constexpr):
-    """Rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (4 warps). SWIGLU: BLOCK_N columns of gate
-    (acc) and of up (acc2), two wgmmas per k-step."""
+    """Rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (4 warps). MODE 0: one [64, BLOCK_N] product
+    per k-step; 1 (SwiGLU): BLOCK_N columns of gate (acc) and of up (acc2, weight rows + B2_OFF); 2 (wide plain):
+    two adjacent BLOCK_N column blocks (acc, acc2). With two products of 128 columns the second wgmma is issued
+    after the first one's promotion (three 64-register tiles live, not four)."""
     BLOCK_K: gl.constexpr = 128
     HM: gl.constexpr = BLOCK_M // 2
+    TN: gl.constexpr = 2 * BLOCK_N if MODE == 2 else BLOCK_N
+    SERIAL: gl.constexpr = MODE != 0 and BLOCK_N == 128
     sched: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     store_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [4, 1], [1, 0])
-    e_idx, starts, cnts, m_tiles, cum_end, total = _schedule(offs_ptr, E_l, N, BLOCK_M, BLOCK_N, BLOCK_E, sched)
-    tiles_n = gl.cdiv(N, BLOCK_N)
+    e_idx, starts, cnts, m_tiles, cum_end, total = _schedule(offs_ptr, E_l, N, BLOCK_M, TN, BLOCK_E, sched)
+    tiles_n = gl.cdiv(N, TN)
     k_tiles = gl.cdiv(K, BLOCK_K)
     zero = gl.zeros((HM, BLOCK_N), dtype=gl.float32, layout=mma)
     it = 0
     for tile in range(gl.program_id(0), total, num_progs):
         e, row0, row_end, mi, ni = _locate(tile, e_idx, starts, cnts, m_tiles, cum_end, tiles_n, GROUP_M)
         off_m = row0 + mi * BLOCK_M + HALF * HM
-        off_n = ni * BLOCK_N
+        off_n = ni * TN
         rm = off_m + gl.arange(0, HM, layout=rows_l)
         mmask = rm < row_end
         as_row = as_ptr + rm.to(gl.int64) * stride_asm
         ws_tile = ws_ptr + e.to(gl.int64) * stride_wse + (off_n // 128) * stride_wsn
         acc = gl.zeros((HM, BLOCK_N), dtype=gl.float32, layout=mma)
-        if SWIGLU:
-            ws_up = ws_tile + ((N_UP + off_n) // 128 - off_n // 128) * stride_wsn  # the up tile's scale row
+        # the scales of k-step ki + 1 are loaded during k-step ki (a global load's latency is longer than one
+        # k-step's wgmma); the last step's prefetch reads index k_tiles - 1 again (in bounds)
+        sa_nx = gl.load(as_row, mask=mmask, other=0.0)
+        sw_nx = gl.load(ws_tile)
+        if MODE != 0:
+            ws_2 = ws_tile + ((B2_OFF + off_n) // 128 - off_n // 128) * stride_wsn  # the second tile's scale row
+            su_nx = gl.load(ws_2)
             acc2 = gl.zeros((HM, BLOCK_N), dtype=gl.float32, layout=mma)
         for ki in range(k_tiles):
             s = it % STAGES
-            sa = gl.load(as_row + ki, mask=mmask, other=0.0)
-            sc = sa * gl.load(ws_tile + ki)
+            sa = sa_nx
+            sc = sa * sw_nx
+            if MODE != 0:
+                sc2 = sa * su_nx
+            kn = gl.minimum(ki + 1, k_tiles - 1)
+            sa_nx = gl.load(as_row + kn, mask=mmask, other=0.0)
+            sw_nx = gl.load(ws_tile + kn)
+            if MODE != 0:
+                su_nx = gl.load(ws_2 + kn)
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             a_half = a_smem.index(s).slice(HALF * HM, HM)
             p = warpgroup_mma(a_half, b_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
-            if SWIGLU:
-                sc2 = sa * gl.load(ws_up + ki)
+            if MODE == 0:
+                p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc = acc + p * sc[:, None]
+            elif SERIAL:
+                p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+                acc = acc + p * sc[:, None]
+                p2 = warpgroup_mma(a_half, b2_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+                p2 = warpgroup_mma_wait(num_outstanding=0, deps=(p2,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc2 = acc2 + p2 * sc2[:, None]
+            else:
                 p2 = warpgroup_mma(a_half, b2_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
                 p, p2 = warpgroup_mma_wait(num_outstanding=0, deps=(p, p2))
                 mbarrier.arrive(empty.index(s), count=1)
                 acc = acc + p * sc[:, None]
                 acc2 = acc2 + p2 * sc2[:, None]
-            else:
-                p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-                mbarrier.arrive(empty.index(s), count=1)
-                acc = acc + p * sc[:, None]
             it += 1
-        if SWIGLU:
+        if MODE == 1:
             _epi_swiglu(acc, acc2, off_m, off_n, row_end, N, out_ptr, stride_om, h_ptr, stride_hm, HM, BLOCK_N,
                         STORE_H, store_l)
         else:
             _epi_plain(acc, off_m, off_n, rm, mmask, row_end, N, out_ptr, scale_ptr, stride_om, HM, BLOCK_N,
                        HAS_SCALE, store_l)
+            if MODE == 2:
+                _epi_plain(acc2, off_m, off_n + BLOCK_N, rm, mmask, row_end, N, out_ptr, scale_ptr, stride_om, HM,
+                           BLOCK_N, HAS_SCALE, store_l)
 
 
 @gluon.jit
@@ -169,21 +196,21 @@ def _gluon_fp8_ws_kernel(
     a_desc, w_desc,     # TMA descriptors: aq [R, K] block [BLOCK_M, 128]; wq as [E_l * N_W, K] block [BLOCK_N, 128]
     as_ptr, ws_ptr,     # a_s [R, KB] fp32 (row stride stride_asm), w_s [E_l, cdiv(N_W, 128), KB] fp32
     out_ptr,            # out [R, N] bf16, row stride stride_om
-    h_ptr,              # h [R, 2N] bf16, row stride stride_hm (SWIGLU with STORE_H)
+    h_ptr,              # h [R, 2N] bf16, row stride stride_hm (MODE 1 with STORE_H)
     scale_ptr,          # [R] fp32 (HAS_SCALE, plain only)
     offs_ptr,           # [E_l + 1] int32
     R, N, K, E_l, num_progs,
     stride_asm, stride_wse, stride_wsn, stride_om, stride_hm,
-    N_W, N_UP,          # rows of wq per expert; first row of the up projection (SWIGLU)
+    N_W, B2_OFF,        # rows of wq per expert; the second weight tile's row offset (MODE 1: up rows, 2: BLOCK_N)
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
-    STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, SWIGLU: gl.constexpr, STORE_H: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, MODE: gl.constexpr, STORE_H: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid: (P,) persistent programs of 4 + 4 + 1 warps (module docstring)."""
     BLOCK_K: gl.constexpr = 128
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-    if SWIGLU:  # the up tiles
+    if MODE != 0:  # the second weight tiles (up, or the next BLOCK_N columns)
         b2_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     else:
         b2_smem = b_smem  # unused
@@ -194,13 +221,13 @@ def _gluon_fp8_ws_kernel(
         mbarrier.init(empty.index(s), count=2)  # one arrive per consumer warpgroup
     gl.warp_specialize([
         (_ws_consumer, (a_smem, b_smem, b2_smem, ready, empty, as_ptr, ws_ptr, out_ptr, h_ptr, scale_ptr, offs_ptr,
-                        R, N, K, E_l, num_progs, stride_asm, stride_wse, stride_wsn, stride_om, stride_hm, N_UP,
-                        BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, HAS_SCALE, SWIGLU, STORE_H, 0)),
+                        R, N, K, E_l, num_progs, stride_asm, stride_wse, stride_wsn, stride_om, stride_hm, B2_OFF,
+                        BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, HAS_SCALE, MODE, STORE_H, 0)),
         (_ws_consumer, (a_smem, b_smem, b2_smem, ready, empty, as_ptr, ws_ptr, out_ptr, h_ptr, scale_ptr, offs_ptr,
-                        R, N, K, E_l, num_progs, stride_asm, stride_wse, stride_wsn, stride_om, stride_hm, N_UP,
-                        BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, HAS_SCALE, SWIGLU, STORE_H, 1)),
+                        R, N, K, E_l, num_progs, stride_asm, stride_wse, stride_wsn, stride_om, stride_hm, B2_OFF,
+                        BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, HAS_SCALE, MODE, STORE_H, 1)),
         (_ws_loader, (a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, N, K, E_l, num_progs, N_W,
-                      N_UP, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, SWIGLU)),
+                      B2_OFF, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, MODE)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
@@ -209,7 +236,9 @@ def _gluon_fp8_ws_kernel(
 
 def ws_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, n_up: int = 0) -> str | None:
     """Why the warp-specialised kernel cannot run this launch (config and shapes only), or None. n output columns,
-    k reduction, n_w weight rows per expert; epilogue EPI_NONE or EPI_SWIGLU (n_up: first up row)."""
+    k reduction, n_w weight rows per expert; epilogue EPI_NONE or EPI_SWIGLU (n_up: first up row). block_n: the
+    plain op's output columns per tile (64, 128, or 256 = two 128-column products), SwiGLU's gate (= up) columns
+    per tile (64 or 128)."""
     two = epilogue == EPI_SWIGLU
     if epilogue not in (EPI_NONE, EPI_SWIGLU):
         return "only the plain and the SwiGLU epilogues are warp-specialised"
@@ -218,14 +247,16 @@ def ws_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, n_up:
     if cfg.block_m != 128 or cfg.num_warps != 4:
         return (f"block_m must be 128 and num_warps 4 (two 64-row consumer warpgroups), got block_m={cfg.block_m}, "
                 f"num_warps={cfg.num_warps}")
-    widths = (64,) if two else (64, 128)
+    widths = (64, 128) if two else (64, 128, 256)
     if cfg.block_n not in widths:
-        return (f"block_n must be one of {widths} (a tile inside one 128-row weight-scale block; SwiGLU: 64 gate + "
-                f"64 up columns, the most the registers hold), got {cfg.block_n}")
+        return (f"block_n must be one of {widths} (products of at most 128 columns, each inside one 128-row "
+                f"weight-scale block), got {cfg.block_n}")
     if cfg.num_stages < 2:
         return f"num_stages must be >= 2, got {cfg.num_stages}"
-    # the ring, the epilogue's layout-conversion scratch (sm_90a compile: ~bm * bn bytes) and the barriers
-    smem = cfg.num_stages * 128 * (cfg.block_m + (2 if two else 1) * cfg.block_n) + cfg.block_m * cfg.block_n + 4096
+    # the ring (a, and the weight tiles: 2 x block_n rows for SwiGLU), the epilogue's layout-conversion scratch
+    # (sm_90a compile: ~bm * min(bn, 128) bytes) and the barriers
+    smem = cfg.num_stages * 128 * (cfg.block_m + (2 if two else 1) * cfg.block_n) \
+        + cfg.block_m * min(cfg.block_n, 128) + 4096
     if smem > SMEM_LIMIT:
         return f"{cfg.num_stages} stages need ~{smem} bytes of shared memory, more than {SMEM_LIMIT}"
     if k <= 0 or k % 16:
@@ -241,32 +272,40 @@ def ws_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, n_up:
 def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w_s: torch.Tensor,
                         offs: torch.Tensor, out: torch.Tensor, cfg: GemmConfig, *, n: int, epilogue: int,
                         h: torch.Tensor | None = None, scale: torch.Tensor | None = None, store_h: bool = False,
-                        n_up: int = 0, consumer_regs: int = 232) -> None:
+                        n_up: int = 0, consumer_regs: int | None = None) -> None:
     """Launch _gluon_fp8_ws_kernel with the arguments of grouped_gemm_fp8.launch_grouped_gemm_fp8 (operands validated
-    by the caller); ValueError naming the limit (``ws_limits``) that fails."""
+    by the caller); ValueError naming the limit (``ws_limits``) that fails. consumer_regs: registers per thread of
+    each consumer warpgroup (None: 240 with two 128-column products per k-step, else 232; the loader gets the rest
+    of REG_POOL)."""
     R, K = aq.shape
     E_l, N_w, _ = wq.shape
     why = ws_limits(cfg, n=n, k=K, n_w=N_w, epilogue=epilogue, n_up=n_up)
     if why is None and epilogue == EPI_SWIGLU and scale is not None:
         why = "the SwiGLU epilogue takes no row scale"
+    mode = 1 if epilogue == EPI_SWIGLU else 2 if cfg.block_n == 256 else 0
+    bn = 128 if mode == 2 else cfg.block_n  # columns of one product (one weight tile)
+    if consumer_regs is None:
+        consumer_regs = 240 if mode != 0 and bn == 128 else 232
+    if why is None and not (consumer_regs % 8 == 0 and 24 <= REG_POOL - 2 * consumer_regs and consumer_regs <= 256):
+        why = f"consumer_regs must be a multiple of 8 in [128, {(REG_POOL - 24) // 2}], got {consumer_regs}"
     if why is not None:
         raise ValueError(f"grouped_gemm_fp8 (warp-specialised Gluon kernel): {why}")
     if R == 0 or E_l == 0 or n == 0:
         return
-    bm, bn = cfg.block_m, cfg.block_n
+    bm = cfg.block_m
     a_layout = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
     w_layout = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
     a_desc = TensorDescriptor(aq, list(aq.shape), list(aq.stride()), [bm, 128], a_layout)
     w2d = wq.view(E_l * N_w, K)
     w_desc = TensorDescriptor(w2d, list(w2d.shape), list(w2d.stride()), [bn, 128], w_layout)
-    grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * (n // bn), aq.device)
+    grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * (n // cfg.block_n), aq.device)
     k = _gluon_fp8_ws_kernel[(grid,)](
         a_desc, w_desc, a_s, w_s, out, h if h is not None else out, scale if scale is not None else out, offs,
         R, n, K, E_l, grid, a_s.stride(0), w_s.stride(0), w_s.stride(1), out.stride(0),
-        h.stride(0) if h is not None else 0, N_w, n_up,
+        h.stride(0) if h is not None else 0, N_w, n_up if mode == 1 else bn,
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
-        STAGES=cfg.num_stages, HAS_SCALE=scale is not None, SWIGLU=epilogue == EPI_SWIGLU, STORE_H=store_h,
-        CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=(2 * consumer_regs + LOADER_REGS.value) // 3 // 8 * 8,
+        STAGES=cfg.num_stages, HAS_SCALE=scale is not None, MODE=mode, STORE_H=store_h,
+        CONSUMER_REGS=consumer_regs, LOADER_REGS=REG_POOL - 2 * consumer_regs, num_warps=4, maxnreg=REG_POOL // 3,
     )
     record("_gluon_fp8_ws_kernel", k)
 
@@ -274,7 +313,7 @@ def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w
 def grouped_gemm_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w_s: torch.Tensor,
                         offs: torch.Tensor, *, scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                         block_n: int = 128, stages: int = 4, num_sms: int | None = None,
-                        consumer_regs: int = 232) -> torch.Tensor:
+                        consumer_regs: int | None = None) -> torch.Tensor:
     """out [R, N] bf16 = the plain FP8 grouped GEMM on the warp-specialised kernel, whatever the device (benchmarks
     and tests; megamoe.experts picks the kernel itself)."""
     from megamoe.experts import _check_scale, _out  # lazy: megamoe.experts imports the kernels
