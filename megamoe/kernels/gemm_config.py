@@ -110,11 +110,14 @@ def default_config(op: str, rows: int, n: int, k: int, *, kernel: str | None = N
     if interpreting():
         return GemmConfig(block_m=32, block_n=32, block_k=32 if "fp8" not in op else 128, group_m=2,
                           num_stages=1, num_warps=4, kernel=kernel)
-    if kernel == "gluon_ws":  # one H200, 2026-12-01 (EP 4 shapes): plain 4 stages best or within 4% everywhere;
-        # SwiGLU 6 stages 9% faster at K = 4096 / 7168 (mixtral, deepseek), 9% slower at K = 2880 (gpt-oss)
-        swiglu = op == "gemm1_swiglu_fp8"
-        return GemmConfig(block_m=128, block_n=64 if swiglu else 128, block_k=128,
-                          num_stages=6 if swiglu and k >= 4096 else 4, num_warps=4, kernel="gluon_ws")
+    if kernel == "gluon_ws":  # one H200, 2026-12-01 (EP 4 shapes, gluon_fp8_ws_bench.py): 256-column plain tiles
+        # (two 128-column products) 1.1-1.2x the 128-column ones on mixtral, deepseek, qwen3; SwiGLU 128 + 128 columns
+        # 1.0-1.3x the 64 + 64 ones; 4 stages within noise of 3, 5 and 6
+        if op == "gemm1_swiglu_fp8":
+            return GemmConfig(block_m=128, block_n=128 if n % 128 == 0 else 64, block_k=128, num_stages=4,
+                              num_warps=4, kernel="gluon_ws")
+        return GemmConfig(block_m=128, block_n=256 if n % 256 == 0 else 128, block_k=128, num_stages=4, num_warps=4,
+                          kernel="gluon_ws")
     if kernel == "gluon":
         return GemmConfig(block_m=128, block_n=64 if op == "gemm1_swiglu_fp8" else 128, block_k=128, num_stages=4,
                           num_warps=8, kernel="gluon")

@@ -20,6 +20,14 @@ occupies the tensor cores (the warps of both share the four SM sub-partitions), 
 tile boundaries (the next tile's loads land during this tile's epilogue). The B (weight) tile is loaded once and
 read by both consumers; each consumer keeps acc and one product: 2 x 64 fp32 registers per thread at BLOCK_N 128.
 
+Wider tiles (MODE 2: 256 output columns; SwiGLU 128 gate + 128 up columns): two 128-column weight tiles per stage
+and two accumulators per consumer; the second product's wgmma is issued after the first product's promotion, so
+three 64-register tiles are live (acc, acc2, one product), not four. Why: at 128 x 128 tiles the kernel moves 32 KB
+from L2 per 4.2 MFLOP; at ~1000 TFLOP/s that is ~8 TB/s into the SMs, the rate torch's row-scaled FP8 kernel also
+sustains at its best (128 x 256 tiles, 1.43 PFLOP/s); 128 x 256 tiles need 48 KB per 8.4 MFLOP (1.5x fewer bytes
+per flop). Measured (one H200, EP 4 shapes, 2026-12-01): 1.1-1.2x the 128-column tiles on mixtral, deepseek, qwen3.
+TMA multicast across a CTA pair (DeepGEMM's other lever) is not exposed by Gluon's Hopper TMA in Triton 3.6.
+
 Tile schedule: grouped_gemm.py's (per-expert m-tiles of 128 rows x n-tiles, GROUP_M swizzle, program p takes tiles
 p, p + P, ...), computed on the device by every partition from offs. Rows of a tile past its expert's end are
 loaded (they belong to the next expert or are TMA zero fill) and dropped by the epilogue's mask.
@@ -284,8 +292,11 @@ def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w
         why = "the SwiGLU epilogue takes no row scale"
     mode = 1 if epilogue == EPI_SWIGLU else 2 if cfg.block_n == 256 else 0
     bn = 128 if mode == 2 else cfg.block_n  # columns of one product (one weight tile)
-    if consumer_regs is None:
-        consumer_regs = 240 if mode != 0 and bn == 128 else 232
+    block_e = triton.next_power_of_2(max(E_l, 2))
+    if consumer_regs is None:  # two 128-column products: 232 spill 8 B in the consumers (mixtral GEMM2 10% slower on
+        # one H200) but 240 leave the loader 24, and its schedule vectors spill above 8 experts (qwen3 / deepseek
+        # plain 256-column tiles 15-20% slower): 240 for the SwiGLU tiles and up to 8 experts, else 232
+        consumer_regs = 240 if mode == 1 and bn == 128 or mode == 2 and block_e <= 8 else 232
     if why is None and not (consumer_regs % 8 == 0 and 24 <= REG_POOL - 2 * consumer_regs and consumer_regs <= 256):
         why = f"consumer_regs must be a multiple of 8 in [128, {(REG_POOL - 24) // 2}], got {consumer_regs}"
     if why is not None:
@@ -303,7 +314,7 @@ def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w
         a_desc, w_desc, a_s, w_s, out, h if h is not None else out, scale if scale is not None else out, offs,
         R, n, K, E_l, grid, a_s.stride(0), w_s.stride(0), w_s.stride(1), out.stride(0),
         h.stride(0) if h is not None else 0, N_w, n_up if mode == 1 else bn,
-        BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
+        BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.group_m, BLOCK_E=block_e,
         STAGES=cfg.num_stages, HAS_SCALE=scale is not None, MODE=mode, STORE_H=store_h,
         CONSUMER_REGS=consumer_regs, LOADER_REGS=REG_POOL - 2 * consumer_regs, num_warps=4, maxnreg=REG_POOL // 3,
     )
