@@ -183,6 +183,48 @@ GLUON_VARIANTS = [
 ]
 
 
+#: the warp-specialised FP8 kernel's variants that :func:`_gluon_fp8_ws` compiles: (label, epilogue, block_n,
+#: stages, experts, rows): the defaults at deepseek-v3's shapes (plain 256 columns, SwiGLU 128 + 128) with 8 and 64
+#: local experts (the loader's schedule vectors grow with them), the 128- and 64-column tiles, one row and one expert
+WS_VARIANTS = [
+    ("none/bn256/E8", 0, 256, 4, 8, 1024),
+    ("none/bn256/E64", 0, 256, 4, 64, 4096),
+    ("none/bn128/E64", 0, 128, 4, 64, 4096),
+    ("none/bn64/E8", 0, 64, 4, 8, 1024),
+    ("swiglu/bn128/E8", 1, 128, 4, 8, 1024),
+    ("swiglu/bn128/E64", 1, 128, 4, 64, 4096),
+    ("swiglu/bn64/E64", 1, 64, 4, 64, 4096),
+    ("swiglu/bn128/1row", 1, 128, 4, 1, 1),
+]
+
+
+def _gluon_fp8_ws(compiled: dict, where: dict) -> None:
+    """Compile the warp-specialised Gluon FP8 grouped GEMM (megamoe/kernels/gluon_fp8_ws.py) for every entry of
+    WS_VARIANTS (plain: K = I = 2048, N = H = 7168; SwiGLU: K = H, I = 2048) with the launcher's default registers."""
+    import torch
+
+    from megamoe.kernels.gemm_config import GemmConfig
+    from megamoe.kernels.gluon_fp8_ws import launch_gluon_fp8_ws
+
+    H, I = 7168, 2048
+    f8, bf = torch.float8_e4m3fn, torch.bfloat16
+    for label, epi, bn, stages, E, R in WS_VARIANTS:
+        N, K, N_w = (H, I, H) if epi == 0 else (I, H, 2 * I)
+        aq, wq = torch.zeros(R, K, dtype=f8), torch.zeros(E, N_w, K, dtype=f8)
+        a_s, w_s = torch.ones(R, K // 128), torch.ones(E, N_w // 128, K // 128)
+        offs = torch.arange(0, E + 1, dtype=torch.int32) * (R // E)
+        cfg = GemmConfig(block_m=128, block_n=bn, block_k=128, num_stages=stages, num_warps=4, num_sms=132,
+                         kernel="gluon_ws")
+        out = torch.empty(R, N, dtype=bf)
+        h = torch.empty(R, 2 * I, dtype=bf) if epi == 1 else None
+        before = set(compiled.get("_gluon_fp8_ws_kernel", {}))
+        with compile_only(compiled):
+            launch_gluon_fp8_ws(aq, a_s, wq, w_s, offs, out, cfg, n=N, epilogue=epi, h=h, store_h=epi == 1,
+                                n_up=I if epi == 1 else 0, scale=torch.ones(R) if epi == 0 else None)
+        for key in set(compiled.get("_gluon_fp8_ws_kernel", {})) - before:
+            where[f"_gluon_fp8_ws_kernel#{key[:8]}"] = f"gluon-fp8-ws/{label}"
+
+
 def _gluon_fp8(compiled: dict, where: dict) -> None:
     """Compile the Gluon FP8 grouped GEMM (megamoe/kernels/gluon_fp8.py) for every entry of GLUON_VARIANTS at
     deepseek-v3's shapes on 8 experts (plain: GEMM2, K = I = 2048, N = H = 7168; SwiGLU: GEMM1, K = H, I = 2048;
@@ -355,6 +397,7 @@ def _layer_rank(rank: int, world: int) -> dict:
         return {}
     if world == max(entry[0] for entry in LAYERS):
         _gluon_fp8(compiled, where)
+        _gluon_fp8_ws(compiled, where)
         _gluon_bf16(compiled, where)
         _wgrad_outputs(compiled, where)
         _router(compiled, where)
