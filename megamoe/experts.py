@@ -15,9 +15,11 @@ Launchers (each takes ``config=`` to pin a GemmConfig; default: gemm_config.defa
     grouped_gemm, gemm1_swiglu, gemm2, gemm2_dgrad_swiglu, gemm1_dgrad, grouped_wgrad      (bf16, Triton)
     quantize_act, quantize_weight, quantize_weight_both, grouped_gemm_fp8, gemm1_swiglu_fp8, gemm2_fp8,
     gemm2_dgrad_swiglu_fp8, gemm1_dgrad_fp8                                             (FP8 e4m3)
-The FP8 GEMMs run the Gluon kernel (kernels/gluon_fp8.py) where it can run (Hopper, its shape limits) and the
-Triton kernel (kernels/grouped_gemm_fp8.py) elsewhere; GemmConfig.kernel forces either (kernels.grouped_gemm_fp8
-.fp8_kernel says which one a launch gets). Without a config (and none pinned) each gets its own kernel's heuristic.
+The FP8 GEMMs run on Hopper the warp-specialised Gluon kernel (kernels/gluon_fp8_ws.py: plain and SwiGLU) or the
+single-stream one (kernels/gluon_fp8.py: also the SwiGLU backward), each within its shape limits, and the Triton
+kernel (kernels/grouped_gemm_fp8.py) elsewhere; GemmConfig.kernel ("gluon_ws", "gluon", "triton") forces one
+(kernels.grouped_gemm_fp8.fp8_kernel says which one a launch gets). Without a config (and none pinned) the first
+of those kernels that can run gets its own heuristic config.
 Twins (``*_ref``): pure torch, CPU or GPU, any float dtype incl. float64; padding rows of their outputs are 0.
 Autograd: ``ExpertsFn.apply(x, offs, w13, w2, scale)`` / ``experts_mlp(...)``.
 """

@@ -10,12 +10,14 @@ scale pair per k-step: each k-step's wgmma result is scaled and added into the f
 every 128 of K, as DeepSeek-V3 does). wgmma on fp8 needs both operands K-major, so weights are always
 [E_l, N, K]; for dgrad, quantize the transposed weights (128x128 blocks transpose with their scales).
 
-Two kernels compute this: ``_grouped_gemm_fp8_kernel`` below (Triton; any CUDA GPU with fp8 dots, the
-interpreter, pointer or TMA loads) and the Gluon kernel of gluon_fp8.py (sm_90 only, TMA loads; with the plain
-epilogue 1.25-1.51x faster than this one on H200, because it keeps a wgmma in flight during the promotion, which
-Triton's pipeliner does not). ``launch_grouped_gemm_fp8`` runs the one that ``fp8_kernel`` picks: GemmConfig.kernel
-"triton" or "gluon" forces it (forcing Gluon where it cannot run raises ValueError with the reason), None takes
-Gluon where ``gluon_unavailable`` finds nothing against it. Both accumulate the same fp32 products with the same
+Three kernels compute this: ``_grouped_gemm_fp8_kernel`` below (Triton; any CUDA GPU with fp8 dots, the
+interpreter, pointer or TMA loads), the single-stream Gluon kernel of gluon_fp8.py (sm_90 only, TMA loads; with
+the plain epilogue 1.25-1.51x faster than this one on H200, because it keeps a wgmma in flight during the
+promotion, which Triton's pipeliner does not) and the warp-specialised one of gluon_fp8_ws.py (sm_90, plain and
+SwiGLU epilogues; 1.1-1.8x the single-stream kernel, 2026-12-01). ``launch_grouped_gemm_fp8`` runs the one that
+``fp8_kernel`` picks: GemmConfig.kernel "triton", "gluon" or "gluon_ws" forces it (forcing a Gluon kernel where it
+cannot run raises ValueError with the reason), None takes the first Gluon kernel ("gluon_ws", then "gluon") that
+``gluon_unavailable`` finds nothing against. Both accumulate the same fp32 products with the same
 scales; the outputs differ by the rounding of the scale products (rel. ~2e-5 after the bf16 rounding of the
 outputs, measured on H200 for the plain epilogue).
 """
