@@ -359,7 +359,9 @@ def test_fp8_kernel_choice_on_cpu():
     assert ws_limits(ws_cfg, n=128, k=256, n_w=256, epilogue=EPI_SWIGLU, n_up=128) is None
     wide = ws_cfg.with_(block_n=256)
     assert "block_n must be one of (64, 128)" in ws_limits(wide, n=256, k=256, n_w=512, epilogue=EPI_SWIGLU, n_up=256)
-    assert "multiple of block_n 256" in ws_limits(wide, n=384, k=256, n_w=384, epilogue=EPI_NONE)
+    assert ws_limits(wide, n=384, k=256, n_w=384, epilogue=EPI_NONE) is None  # any N: the last tile is clipped
+    assert "equal the weight rows" in ws_limits(wide, n=384, k=256, n_w=512, epilogue=EPI_NONE)
+    assert "multiples of block_n 128" in ws_limits(ws_cfg, n=192, k=256, n_w=384, epilogue=EPI_SWIGLU, n_up=192)
     assert "num_warps 4" in ws_limits(gluon, n=128, k=256, n_w=128, epilogue=EPI_NONE)
     assert "shared memory" in ws_limits(ws_cfg.with_(num_stages=8), n=128, k=256, n_w=128, epilogue=EPI_NONE)
     with pytest.raises(ValueError, match="FP8 ops only"):

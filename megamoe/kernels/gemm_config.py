@@ -116,8 +116,7 @@ def default_config(op: str, rows: int, n: int, k: int, *, kernel: str | None = N
         if op == "gemm1_swiglu_fp8":
             return GemmConfig(block_m=128, block_n=128 if n % 128 == 0 else 64, block_k=128, num_stages=4,
                               num_warps=4, kernel="gluon_ws")
-        return GemmConfig(block_m=128, block_n=256 if n % 256 == 0 else 128 if n % 128 == 0 else 64, block_k=128,
-                          num_stages=4, num_warps=4, kernel="gluon_ws")
+        return GemmConfig(block_m=128, block_n=256, block_k=128, num_stages=4, num_warps=4, kernel="gluon_ws")
     if kernel == "gluon":
         return GemmConfig(block_m=128, block_n=64 if op == "gemm1_swiglu_fp8" else 128, block_k=128, num_stages=4,
                           num_warps=8, kernel="gluon")

@@ -140,7 +140,12 @@ def _ws_consumer(a_smem, b_smem, b2_smem, ready, empty, as_ptr, ws_ptr, out_ptr,
         sa_nx = gl.load(as_row, mask=mmask, other=0.0)
         sw_nx = gl.load(ws_tile)
         if MODE != 0:
-            ws_2 = ws_tile + ((B2_OFF + off_n) // 128 - off_n // 128) * stride_wsn  # the second tile's scale row
+            # the second tile's scale row; MODE 2's last tile may start past N (its columns are dropped): clamped
+            if MODE == 2:
+                blk2 = gl.minimum((off_n + BLOCK_N) // 128, (N - 1) // 128)
+            else:
+                blk2 = (B2_OFF + off_n) // 128
+            ws_2 = ws_tile + (blk2 - off_n // 128) * stride_wsn
             su_nx = gl.load(ws_2)
             acc2 = gl.zeros((HM, BLOCK_N), dtype=gl.float32, layout=mma)
         for ki in range(k_tiles):
@@ -246,7 +251,8 @@ def ws_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, n_up:
     """Why the warp-specialised kernel cannot run this launch (config and shapes only), or None. n output columns,
     k reduction, n_w weight rows per expert; epilogue EPI_NONE or EPI_SWIGLU (n_up: first up row). block_n: the
     plain op's output columns per tile (64, 128, or 256 = two 128-column products), SwiGLU's gate (= up) columns
-    per tile (64 or 128)."""
+    per tile (64 or 128). The plain op takes any N: its tiles start on 128-column boundaries, so each product stays
+    in one weight-scale block, and columns past N (the next expert's rows, or TMA zero fill) are dropped."""
     two = epilogue == EPI_SWIGLU
     if epilogue not in (EPI_NONE, EPI_SWIGLU):
         return "only the plain and the SwiGLU epilogues are warp-specialised"
@@ -270,10 +276,12 @@ def ws_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, n_up:
     if k <= 0 or k % 16:
         return f"K must be a positive multiple of 16 (TMA strides), got K = {k}"
     bn = cfg.block_n
-    if n % bn or (two and (n_up % bn or n_up + n > n_w)) or (not two and n != n_w):
-        return (f"N must be a multiple of block_n {bn} (SwiGLU: the up offset too, and the up rows inside the "
-                f"expert's weights) so that a weight tile stays inside its expert; got N = {n}, up offset {n_up}, "
-                f"{n_w} weight rows per expert")
+    if not two and n != n_w:
+        return f"the plain op's N must equal the weight rows per expert, got N = {n}, {n_w} rows"
+    if two and (n % bn or n_up % bn or n_up + n > n_w):
+        # (a 128-row weight tile starting off a 128-row boundary would straddle two weight-scale blocks)
+        return (f"SwiGLU: N and the up offset must be multiples of block_n {bn}, the up rows inside the expert's "
+                f"weights; got N = {n}, up offset {n_up}, {n_w} weight rows per expert")
     return None
 
 
