@@ -1,9 +1,10 @@
 """The warp-specialised Gluon FP8 grouped GEMM (megamoe/kernels/gluon_fp8_ws.py: a TMA loader warp and two 64-row
 consumer warpgroups), plain and SwiGLU, on an H100/H200: against the float64 twin on the dequantised operands
-(globally and per expert) and against the single-stream Gluon kernel (the same fp32 promotion order: only bf16
-rounding flips may differ); padding rows of the inputs hold NaN and outputs are poisoned, so a read of padding or a
-missed / extra write fails. Edge groups (empty, 1, 127, 129 rows, one group with every row), K not a multiple of
-128, fewer k-steps than stages, 3 programs (many tiles each: the ring's stages and phases carry across tiles)."""
+(globally and per expert) and against the Triton FP8 kernel (plain) or the single-stream Gluon kernel (SwiGLU):
+the same fp32 sums, only bf16 rounding flips may differ; padding rows of the inputs hold NaN and outputs are
+poisoned, so a read of padding or a missed / extra write fails. Edge groups (empty, 1, 127, 129 rows, one group
+with every row), K not a multiple of 128, N not a multiple of 128 or smaller than the tile, fewer k-steps than
+stages, 3 programs (many tiles each: the ring's stages and phases carry across tiles)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ CASES = [([0, 1, 127, 129, 2000, 0, 513, 64], 1040, 256),  # empty, 1-row, ragge
 @pytest.mark.parametrize("with_scale", [False, True])
 def test_ws_matches_reference(sizes, K, N, block_n, stages, num_sms, with_scale):
     import megamoe.experts as X
-    from megamoe.kernels.gluon_fp8 import grouped_gemm_fp8_gluon
     from megamoe.kernels.gluon_fp8_ws import grouped_gemm_fp8_ws
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -44,13 +44,15 @@ def test_ws_matches_reference(sizes, K, N, block_n, stages, num_sms, with_scale)
     grouped_gemm_fp8_ws(aq, a_s, wq, w_s, offs, scale=s, out=out, block_n=block_n, stages=stages, num_sms=num_sms)
     ref = X.grouped_gemm_fp8_ref(aq[:used], a_s[:used], wq, w_s, offs,
                                  scale=s[:used].double() if s is not None else None)
-    single = grouped_gemm_fp8_gluon(aq, a_s, wq, w_s, offs, scale=s)
+    # the Triton FP8 kernel: the same fp32 sums (the single-stream Gluon kernel cannot take N % 128 != 0)
+    tri = X.grouped_gemm_fp8(aq, a_s, wq, w_s, offs, scale=s,
+                             config=X.default_config("grouped_gemm_fp8", R, N, K, kernel="triton"))
     torch.cuda.synchronize()
     assert bool((out[used:] == SENTINEL).all()), "padding rows were written"
     got = out[:used]
     assert rel(got, ref) < 1e-2
     per_expert(got, ref, offs, 1e-2, "vs float64")
-    assert rel(got, single[:used]) < 3e-4, "vs the single-stream Gluon kernel"
+    assert rel(got, tri[:used]) < 3e-4, "vs the Triton FP8 kernel"
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90a wgmma)")

@@ -317,7 +317,7 @@ def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w
     a_desc = TensorDescriptor(aq, list(aq.shape), list(aq.stride()), [bm, 128], a_layout)
     w2d = wq.view(E_l * N_w, K)
     w_desc = TensorDescriptor(w2d, list(w2d.shape), list(w2d.stride()), [bn, 128], w_layout)
-    grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * (n // cfg.block_n), aq.device)
+    grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * triton.cdiv(n, cfg.block_n), aq.device)
     k = _gluon_fp8_ws_kernel[(grid,)](
         a_desc, w_desc, a_s, w_s, out, h if h is not None else out, scale if scale is not None else out, offs,
         R, n, K, E_l, grid, a_s.stride(0), w_s.stride(0), w_s.stride(1), out.stride(0),
