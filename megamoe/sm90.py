@@ -185,13 +185,11 @@ GLUON_VARIANTS = [
 
 #: the warp-specialised FP8 kernel's variants that :func:`_gluon_fp8_ws` compiles: (label, epilogue, block_n,
 #: stages, experts, rows): the defaults at deepseek-v3's shapes (plain 256 columns, SwiGLU 128 + 128) with 8 and 64
-#: local experts (the loader's schedule vectors grow with them), the 128- and 64-column tiles, one row and one expert
+#: local experts (the loader's schedule vectors grow with them; 240 consumer registers at <= 8), the SwiGLU 64 + 64
+#: tile (the default where I % 128 != 0), one row and one expert
 WS_VARIANTS = [
     ("none/bn256/E8", 0, 256, 4, 8, 1024),
     ("none/bn256/E64", 0, 256, 4, 64, 4096),
-    ("none/bn128/E64", 0, 128, 4, 64, 4096),
-    ("none/bn64/E8", 0, 64, 4, 8, 1024),
-    ("swiglu/bn128/E8", 1, 128, 4, 8, 1024),
     ("swiglu/bn128/E64", 1, 128, 4, 64, 4096),
     ("swiglu/bn64/E64", 1, 64, 4, 64, 4096),
     ("swiglu/bn128/1row", 1, 128, 4, 1, 1),
@@ -393,14 +391,19 @@ def _layer_rank(rank: int, world: int) -> dict:
             for key in set(keys) - before.get(n, set()):
                 where.setdefault(f"{n}#{key[:8]}", label)
         del moe
+    if world == max(entry[0] for entry in LAYERS):  # the standalone kernels, split between the first two ranks
+        extra = [(_gluon_fp8, _gluon_fp8_ws), (_gluon_bf16, _wgrad_outputs, _router)]
+        if world == 1:
+            extra = [extra[0] + extra[1]]
+        if rank < len(extra):
+            if rank != 0:  # this rank reports only its own kernels (rank 0 reports the layers')
+                compiled, where = {}, {}
+            for fn in extra[rank]:
+                fn(compiled, where)
+            return {f"{n}#{key[:8]}": {"layer": where.get(f"{n}#{key[:8]}", ""), **_summary(k)}
+                    for n, ks in compiled.items() for key, k in ks.items()}
     if rank != 0:
         return {}
-    if world == max(entry[0] for entry in LAYERS):
-        _gluon_fp8(compiled, where)
-        _gluon_fp8_ws(compiled, where)
-        _gluon_bf16(compiled, where)
-        _wgrad_outputs(compiled, where)
-        _router(compiled, where)
     return {f"{n}#{key[:8]}": {"layer": where.get(f"{n}#{key[:8]}", ""), **_summary(k)}
             for n, ks in compiled.items() for key, k in ks.items()}
 
@@ -412,7 +415,8 @@ def layer_report() -> dict[str, dict]:
 
     out: dict[str, dict] = {}
     for world in sorted({entry[0] for entry in LAYERS}, reverse=True):
-        out.update(spawn(_layer_rank, world, timeout_s=1500)[0])
+        for rank_out in spawn(_layer_rank, world, timeout_s=1500):
+            out.update(rank_out)
     return out
 
 

@@ -64,13 +64,13 @@ def _rank(rank: int, world: int) -> tuple[list[dict], list[bool]]:
         r = layer_case(cases[1], "fused", dev, pull_split=2, lookahead=1)  # two pull items per block
         r["case"] = "pull_split2:" + r["case"]
         results.append(r)
-        r = layer_case(cases[1], "fused", dev, counter_scope="gpu")  # ld.acquire.gpu on the tile counters
-        r["case"] = "counter-scope-gpu:" + r["case"]
+        # the GPU's default distances (the interpreter's default config uses lookahead 2 / lag 1: fewer empty items)
+        r = layer_case(cases[1], "fused", dev, lookahead=8, lag=3)
+        r["case"] = "lookahead8-lag3:" + r["case"]
         results.append(r)
-        for kw in ({}, {"ring_blocks": 8, "group_blocks": 2}):  # the first steps' blocks pulled in finer parts
-            r = layer_case(sk, "fused", dev, prologue=True, **kw)
-            r["case"] = f"prologue{kw.get('ring_blocks', '')}:" + r["case"]
-            results.append(r)
+        r = layer_case(sk, "fused", dev, prologue=True)  # the first steps' blocks pulled in finer parts
+        r["case"] = "prologue:" + r["case"]
+        results.append(r)
         # row addresses loaded up front, with the prologue and a cycling ring (bitwise vs the default pull:
         # test_fused_pull_prefetch_copies_the_same_rows)
         r = layer_case(sk, "fused", dev, pull_prefetch=True, prologue=True, ring_blocks=8, group_blocks=2)
@@ -79,8 +79,9 @@ def _rank(rank: int, world: int) -> tuple[list[dict], list[bool]]:
         r = layer_case(cases[1], "fused", dev, pull_prefetch=True, fused_backward=True)  # the gated pull
         r["case"] = "pull-prefetch-bwd:" + r["case"]
         results.append(r)
-        r = layer_case(sk, "fused", dev, group_blocks=2, ring_blocks=8)  # 2 blocks per step, cycling ring
-        r["case"] = "group2-ring8:" + r["case"]
+        # 2 blocks per step, cycling ring; ld.acquire.gpu on the tile counters
+        r = layer_case(sk, "fused", dev, group_blocks=2, ring_blocks=8, counter_scope="gpu")
+        r["case"] = "group2-ring8-counter-scope-gpu:" + r["case"]
         results.append(r)
         for c in cases:  # the backward megakernel (fused_backward=True) on the edge cases of this rank count
             if c.name in ("bf16:bf16-ragged", "bf16:fp32-empty-rank", "bf16:fp32-k5"):

@@ -92,6 +92,38 @@ def _add(a, b):
 
 
 @gluon.jit
+def _schedule(offs_ptr, E_l, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_E: gl.constexpr,
+              layout: gl.constexpr):
+    """The schedule of grouped_gemm.py (_expert_tiles restated with Gluon layouts; keep the two in step), read on
+    the device: per-expert row starts, counts, m-tile counts and running tile ends, the total tile count. Also used
+    by gluon_fp8_ws.py."""
+    e_idx = gl.arange(0, BLOCK_E, layout=layout)
+    emask = e_idx < E_l
+    starts = gl.load(offs_ptr + e_idx, mask=emask, other=0)
+    ends = gl.load(offs_ptr + e_idx + 1, mask=emask, other=0)
+    cnts = gl.maximum(ends - starts, 0)
+    m_tiles = (cnts + BLOCK_M - 1) // BLOCK_M
+    tiles = m_tiles * gl.cdiv(N, BLOCK_N)
+    cum_end = gl.associative_scan(tiles, 0, _add)
+    return e_idx, starts, cnts, m_tiles, cum_end, gl.sum(tiles, axis=0)
+
+
+@gluon.jit
+def _epi_plain(acc, off_m, off_n, rm, mmask, row_end, N, out_ptr, scale_ptr, stride_om, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, HAS_SCALE: gl.constexpr, store_l: gl.constexpr):
+    """out = acc (* scale[r]) as bf16 for a [BLOCK_M, BLOCK_N] tile (rm, mmask: its rows in acc's layout), through
+    shared memory into a layout with 8 consecutive columns per thread (16-byte stores). Also used by
+    gluon_fp8_ws.py."""
+    if HAS_SCALE:
+        acc = acc * gl.load(scale_ptr + rm, mask=mmask, other=0.0)[:, None]
+    res = gl.convert_layout(acc.to(gl.bfloat16), store_l)
+    srm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_l))
+    srn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_l))
+    optrs = out_ptr + srm.to(gl.int64)[:, None] * stride_om + srn[None, :]
+    gl.store(optrs, res, mask=(srm < row_end)[:, None] & (srn < N)[None, :])
+
+
+@gluon.jit
 def _locate(tile, e_idx, starts, cnts, m_tiles, cum_end, tiles_n, GROUP_M: gl.constexpr):
     """tile index -> (expert, its first row, its row end, m-block, n-block): grouped_gemm._locate_tile restated with
     Gluon layouts (a Triton @jit helper cannot be called from a Gluon kernel; keep the two in step). Also used by
@@ -238,18 +270,8 @@ def _gluon_fp8_grouped_kernel(
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     store_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [num_warps, 1], [1, 0])
 
-    # the schedule of grouped_gemm.py (_expert_tiles, restated with Gluon layouts; keep the two in step): per-expert
-    # tile counts and their running sum, read on the device
-    e_idx = gl.arange(0, BLOCK_E, layout=sched)
-    emask = e_idx < E_l
-    starts = gl.load(offs_ptr + e_idx, mask=emask, other=0)
-    ends = gl.load(offs_ptr + e_idx + 1, mask=emask, other=0)
-    cnts = gl.maximum(ends - starts, 0)
-    m_tiles = (cnts + BLOCK_M - 1) // BLOCK_M
+    e_idx, starts, cnts, m_tiles, cum_end, total = _schedule(offs_ptr, E_l, N, BLOCK_M, BLOCK_N, BLOCK_E, sched)
     tiles_n = gl.cdiv(N, BLOCK_N)
-    tiles = m_tiles * tiles_n
-    cum_end = gl.associative_scan(tiles, 0, _add)
-    total = gl.sum(tiles, axis=0)
     k_tiles = gl.cdiv(K, BLOCK_K)
 
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
@@ -407,14 +429,8 @@ def _gluon_fp8_grouped_kernel(
         it += k_tiles
 
         if EPILOGUE == 0:
-            if HAS_SCALE:
-                acc = acc * gl.load(scale_ptr + rm, mask=mmask, other=0.0)[:, None]
-            # through shared memory into a layout with 8 consecutive columns per thread: 16-byte stores
-            res = gl.convert_layout(acc.to(gl.bfloat16), store_l)
-            srm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_l))
-            srn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_l))
-            optrs = out_ptr + srm.to(gl.int64)[:, None] * stride_om + srn[None, :]
-            gl.store(optrs, res, mask=(srm < row_end)[:, None] & (srn < N)[None, :])
+            _epi_plain(acc, off_m, off_n, rm, mmask, row_end, N, out_ptr, scale_ptr, stride_om, BLOCK_M, BLOCK_N,
+                       HAS_SCALE, store_l)
         elif EPILOGUE == 1:
             _epi_swiglu(acc, acc2, off_m, off_n, row_end, N, out_ptr, stride_om, h_ptr, stride_hm,
                         BLOCK_M, BLOCK_N, STORE_H, store_l)

@@ -48,26 +48,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.kernels.gemm_config import GemmConfig, grid_size, record
-from megamoe.kernels.gluon_fp8 import SMEM_LIMIT, _add, _epi_swiglu, _locate
+from megamoe.kernels.gluon_fp8 import SMEM_LIMIT, _epi_plain, _epi_swiglu, _locate, _schedule
 from megamoe.kernels.grouped_gemm import EPI_NONE, EPI_SWIGLU
 
 REG_POOL = 504  # registers per thread summed over the three warpgroups (168 each: 65536 / 384 threads, a multiple of 8)
-
-
-@gluon.jit
-def _schedule(offs_ptr, E_l, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_E: gl.constexpr,
-              layout: gl.constexpr):
-    """Per-expert row starts, counts, m-tile counts and running tile ends, the total tile count (grouped_gemm.py's
-    _expert_tiles with Gluon layouts)."""
-    e_idx = gl.arange(0, BLOCK_E, layout=layout)
-    emask = e_idx < E_l
-    starts = gl.load(offs_ptr + e_idx, mask=emask, other=0)
-    ends = gl.load(offs_ptr + e_idx + 1, mask=emask, other=0)
-    cnts = gl.maximum(ends - starts, 0)
-    m_tiles = (cnts + BLOCK_M - 1) // BLOCK_M
-    tiles = m_tiles * gl.cdiv(N, BLOCK_N)
-    cum_end = gl.associative_scan(tiles, 0, _add)
-    return e_idx, starts, cnts, m_tiles, cum_end, gl.sum(tiles, axis=0)
 
 
 @gluon.jit
@@ -189,19 +173,6 @@ def _ws_consumer(a_smem, b_smem, b2_smem, ready, empty, as_ptr, ws_ptr, out_ptr,
             if MODE == 2:
                 _epi_plain(acc2, off_m, off_n + BLOCK_N, rm, mmask, row_end, N, out_ptr, scale_ptr, stride_om, HM,
                            BLOCK_N, HAS_SCALE, store_l)
-
-
-@gluon.jit
-def _epi_plain(acc, off_m, off_n, rm, mmask, row_end, N, out_ptr, scale_ptr, stride_om, HM: gl.constexpr,
-               BLOCK_N: gl.constexpr, HAS_SCALE: gl.constexpr, store_l: gl.constexpr):
-    """out = acc (* scale[r]) as bf16, through a layout with 8 consecutive columns per thread (16-byte stores)."""
-    if HAS_SCALE:
-        acc = acc * gl.load(scale_ptr + rm, mask=mmask, other=0.0)[:, None]
-    res = gl.convert_layout(acc.to(gl.bfloat16), store_l)
-    srm = off_m + gl.arange(0, HM, layout=gl.SliceLayout(1, store_l))
-    srn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_l))
-    optrs = out_ptr + srm.to(gl.int64)[:, None] * stride_om + srn[None, :]
-    gl.store(optrs, res, mask=(srm < row_end)[:, None] & (srn < N)[None, :])
 
 
 @gluon.jit
