@@ -1,7 +1,9 @@
 """Warp-specialised FP8 (e4m3, 1x128 / 128x128 block scales) grouped GEMM for Hopper, in Gluon: the plain op
-(EPI_NONE, optional row scale), i.e. GEMM2 and GEMM1's dgrad.
+(EPI_NONE, optional row scale: GEMM2 and GEMM1's dgrad) and GEMM1 + SwiGLU (EPI_SWIGLU, optionally keeping h); the
+default FP8 kernel for those ops on sm_90 (grouped_gemm_fp8.fp8_kernel). The SwiGLU backward stays on gluon_fp8.py.
 
     out[r, n] = sum_kb (aq[r, kb] @ wq[e][n, kb]^T) * a_s[r, kb] * w_s[e][n // 128, kb]      (fp32, bf16 out)
+    SwiGLU: g, u = the same for the gate rows n and the up rows N_UP + n; out = silu(g) * u, h = [g | u]
 
 Why (2026-12-01): the FP8 kernels run at 0.5-0.8x torch's row-scaled FP8 (mixtral GEMM2 796 vs 1377 TFLOP/s on one
 H200), and the single-stream Gluon kernel (gluon_fp8.py) cannot keep the tensor cores busy during the per-k-step
