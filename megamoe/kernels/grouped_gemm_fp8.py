@@ -17,7 +17,7 @@ promotion, which Triton's pipeliner does not) and the warp-specialised one of gl
 SwiGLU epilogues; 1.1-1.8x the single-stream kernel, 2026-12-01). ``launch_grouped_gemm_fp8`` runs the one that
 ``fp8_kernel`` picks: GemmConfig.kernel "triton", "gluon" or "gluon_ws" forces it (forcing a Gluon kernel where it
 cannot run raises ValueError with the reason), None takes the first Gluon kernel ("gluon_ws", then "gluon") that
-``gluon_unavailable`` finds nothing against. Both accumulate the same fp32 products with the same
+``gluon_unavailable`` finds nothing against. All three accumulate the same fp32 products with the same
 scales; the outputs differ by the rounding of the scale products (rel. ~2e-5 after the bf16 rounding of the
 outputs, measured on H200 for the plain epilogue).
 """
