@@ -148,7 +148,8 @@ def _rank_fp8(rank: int, world: int):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test; GPUs run tests/test_gpu_split.py")
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [2])  # FP8 changes only the expert GEMMs (rank-local): world 1's dispatch /
+# combine paths run in the bf16 test; world 1 FP8 took 26 s of the CPU suite (measured 2026-12-01)
 def test_split_fp8_matches_reference_cpu(world):
     check_fp8(spawn(_rank_fp8, world, timeout_s=900))
 
