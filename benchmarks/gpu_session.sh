@@ -7,7 +7,8 @@
 # (~6 min), 6 (~5 min), t (deepseek forward timeline, ~2 min), 7 (training, torch / split / fused, ~2 min cold),
 # 7g (7 with --graph-moe --compile, ~2 min), 7t (GPU training tests, ~1 min), 8 (Gluon FP8 GEMM, every epilogue, ~5 min),
 # 9 (Gluon bf16 GEMM tests and bench, ~4 min), r (router tests on CUDA + layer A/B of the router impls, ~5 min),
-# g (layer A/B of the 2026-12-01 backward and fused defaults, ~4 min), p (fused per-item timeline, ~2 min).
+# g (layer A/B of the 2026-12-01 backward and fused defaults, ~4 min), p (fused per-item timeline, ~2 min),
+# w (warp-specialised FP8 GEMM: tests, bench, bench-gemm forward; ~6 min cold).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -137,6 +138,15 @@ echo "== p. megakernel per-item timeline (forward, no autograd; phases per item 
 mkdir -p /tmp/tl
 timeout 200 torchrun --nproc_per_node "$NGPU" benchmarks/fused_probe.py --timeline --out /tmp/tl \
   --variants default,prologue,pullpf,pf+pro 2>&1 | quiet | grep -v "kind  " | tee "$OUT/probe-timeline.txt" | tail -30
+fi
+
+if want w; then
+echo "== w. warp-specialised FP8 GEMM (gluon_fp8_ws.py): GPU tests, the plain / SwiGLU bench, bench-gemm forward (one GPU)"
+CUDA_VISIBLE_DEVICES=0 gpu_tests gpu_fp8_ws 200 tests/test_gpu_gluon_fp8_ws.py tests/test_gpu_gluon_fp8.py -k "ws or public or fall_back"
+CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/gluon_fp8_ws_bench.py --json "$OUT/fp8_ws.json" 2>&1 | grep -v arn \
+  | tee "$OUT/fp8_ws.txt" | tail -30
+CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m megamoe bench-gemm --no-bwd --json "$OUT/gemm-fwd.json" 2>&1 | grep -v arn \
+  | grep -A40 "all shapes" | grep -v "bf16 .*- - -"
 fi
 
 if want 6; then
