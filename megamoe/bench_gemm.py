@@ -290,6 +290,12 @@ def run_shape(preset: str, tokens: int, ep: int, args) -> list[dict]:
     return rows
 
 
+#: the table's short name of the kernel that ran (the JSON keeps the full name as ours_kernel)
+KERNEL_TAGS = {"_gluon_fp8_ws_kernel": "gluon-ws", "_gluon_fp8_grouped_kernel": "gluon",
+               "_grouped_gemm_fp8_kernel": "triton", "_grouped_gemm_kernel": "triton",
+               "_gluon_bf16_grouped_kernel": "gluon", "_grouped_wgrad_kernel": "triton"}
+
+
 def _fmt(v, spec):
     return format(v, spec) if isinstance(v, (int, float)) else "-"
 
@@ -303,10 +309,11 @@ def print_table(rows: list[dict]) -> None:
         c = r.get("ours_config") or {}
         cfg = f"{c.get('block_m')}x{c.get('block_n')}x{c.get('block_k')}s{c.get('num_stages')}w{c.get('num_warps')}" \
             f"e{c.get('epi_split')}{'f' if c.get('flatten') else ''}p{c.get('programs_per_sm')}" if c else "default"
+        kernel = KERNEL_TAGS.get(r.get("ours_kernel") or "", "")
         print(f"{r['preset']:14} {r['tokens_per_gpu']:>5} {r['op']:14} {r['dtype']:4} {_fmt(r['ours_ms'], '8.3f')} "
               f"{_fmt(r['ours_tflops'], '6.0f')} {_fmt(r['torch_ms'], '8.3f')} {_fmt(r['torch_tflops'], '6.0f')} "
               f"{_fmt(ratio, '5.2f')} {_fmt(r['floor_ms'], '6.3f')} {_fmt(r.get('n_regs'), '4d')} "
-              f"{_fmt(r.get('n_spills'), '3d')} {cfg}")
+              f"{_fmt(r.get('n_spills'), '3d')} {cfg}{' ' + kernel if kernel else ''}")
 
 
 def main(argv: list[str] | None = None) -> int:
