@@ -12,6 +12,20 @@ def problem(sizes):
     return E_l, used, used + 9, offs
 
 
+def fp8_problem(sizes, K: int, n_w: int, seed: int):
+    """problem(sizes) with its FP8 operands: (E_l, used, R, offs, gen, xq, x_s, wq, w_s) for x [R, K] bf16 (padding
+    rows NaN: never read as data) and w [E_l, n_w, K] bf16 / sqrt(K), quantised (1x128 / 128x128 scales); gen, seeded
+    with ``seed``, continues after those two draws for the caller's further inputs."""
+    import megamoe.experts as X
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    E_l, used, R, offs = problem(sizes)
+    x = torch.randn(R, K, device="cuda", generator=gen).to(torch.bfloat16)
+    x[used:] = float("nan")
+    w = (torch.randn(E_l, n_w, K, device="cuda", generator=gen) / K**0.5).to(torch.bfloat16)
+    return (E_l, used, R, offs, gen, *X.quantize_act(x), *X.quantize_weight(w))
+
+
 def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     """||got - ref|| / ||ref|| in float64; asserts got is finite (NaN-poisoned padding must not leak)."""
     got, ref = got.double(), ref.double()

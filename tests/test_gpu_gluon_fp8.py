@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gemm_cases import fp8_problem
 from gemm_cases import per_expert as _per_expert
 from gemm_cases import problem as _problem
 from gemm_cases import rel as _rel
@@ -109,13 +110,7 @@ def _gluon_cfg(block_m, block_n, stages, warps, num_sms):
 def test_gluon_swiglu(sizes, K, I, cfg, store_h):
     import megamoe.experts as X
 
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    E_l, used, R, offs = _problem(sizes)
-    x = torch.randn(R, K, device="cuda", generator=gen).to(torch.bfloat16)
-    x[used:] = float("nan")  # padding rows: never read as data
-    w13 = (torch.randn(E_l, 2 * I, K, device="cuda", generator=gen) / K**0.5).to(torch.bfloat16)
-    xq, x_s = X.quantize_act(x)
-    w13q, w13_s = X.quantize_weight(w13)
+    E_l, used, R, offs, _, xq, x_s, w13q, w13_s = fp8_problem(sizes, K, 2 * I, seed=1)  # padding rows NaN
     act = torch.full((R, I), SENTINEL, device="cuda", dtype=torch.bfloat16)
     h = torch.full((R, 2 * I), SENTINEL, device="cuda", dtype=torch.bfloat16) if store_h else None
     got_act, got_h = X.gemm1_swiglu_fp8(xq, x_s, w13q, w13_s, offs, store_h=store_h, out=act, h_out=h,

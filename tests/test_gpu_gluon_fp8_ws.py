@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gemm_cases import per_expert, problem, rel
+from gemm_cases import fp8_problem, per_expert, rel
 
 pytestmark = pytest.mark.gpu
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -32,13 +32,7 @@ def test_ws_matches_reference(sizes, K, N, block_n, stages, num_sms, with_scale)
     import megamoe.experts as X
     from megamoe.kernels.gluon_fp8_ws import grouped_gemm_fp8_ws
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    E_l, used, R, offs = problem(sizes)
-    x = torch.randn(R, K, device="cuda", generator=gen).to(torch.bfloat16)
-    x[used:] = float("nan")
-    w = (torch.randn(E_l, N, K, device="cuda", generator=gen) / K**0.5).to(torch.bfloat16)
-    aq, a_s = X.quantize_act(x)
-    wq, w_s = X.quantize_weight(w)
+    E_l, used, R, offs, gen, aq, a_s, wq, w_s = fp8_problem(sizes, K, N, seed=0)
     s = torch.rand(R, device="cuda", generator=gen) + 0.5 if with_scale else None
     out = torch.full((R, N), SENTINEL, device="cuda", dtype=torch.bfloat16)
     grouped_gemm_fp8_ws(aq, a_s, wq, w_s, offs, scale=s, out=out, block_n=block_n, stages=stages, num_sms=num_sms)
@@ -87,13 +81,7 @@ def test_ws_swiglu(sizes, K, I, block_n, stages, num_sms, store_h):
     import megamoe.experts as X
     from megamoe.kernels.gemm_config import GemmConfig
 
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    E_l, used, R, offs = problem(sizes)
-    x = torch.randn(R, K, device="cuda", generator=gen).to(torch.bfloat16)
-    x[used:] = float("nan")
-    w13 = (torch.randn(E_l, 2 * I, K, device="cuda", generator=gen) / K**0.5).to(torch.bfloat16)
-    xq, x_s = X.quantize_act(x)
-    w13q, w13_s = X.quantize_weight(w13)
+    E_l, used, R, offs, _, xq, x_s, w13q, w13_s = fp8_problem(sizes, K, 2 * I, seed=1)
     act = torch.full((R, I), SENTINEL, device="cuda", dtype=torch.bfloat16)
     h = torch.full((R, 2 * I), SENTINEL, device="cuda", dtype=torch.bfloat16) if store_h else None
     cfg = GemmConfig(block_m=128, block_n=block_n, block_k=128, num_stages=stages, num_warps=4, num_sms=num_sms,
