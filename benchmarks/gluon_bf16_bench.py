@@ -22,7 +22,7 @@ import triton
 
 import megamoe.experts as X
 from megamoe.kernels.gemm_config import GemmConfig
-from megamoe.perf import run_shapes
+from megamoe.perf import print_kernel_rows, run_shapes
 
 PRESETS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8),
            "mixtral-8x7b": (4096, 14336, 8, 2), "gpt-oss-120b": (2880, 2880, 128, 4)}  # (H, I, E, k)
@@ -91,14 +91,7 @@ def run_shape(name: str, ep: int, tokens: int, rows: list) -> None:
             except Exception as exc:  # noqa: BLE001 - reported, the other configs still run
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             new.append(row)
-        for r in new:
-            if "ms" in r:
-                txt = f"{r['ms']:7.3f} ms {r['tflops']:6.0f} TFLOP/s {t_tri / r['ms']:5.2f}x"
-                if "rel_diff_vs_triton" in r:
-                    txt += f"  diff {r['rel_diff_vs_triton']:.1e}"
-            else:
-                txt = r["error"]
-            print(f"{spec:18} {op:14} {r['kernel']:26} {txt}", flush=True)
+        print_kernel_rows(spec, op, new, t_tri, diff_key="rel_diff_vs_triton", op_w=14, kernel_w=26)
         rows.extend(new)
         del ref
         torch.cuda.empty_cache()

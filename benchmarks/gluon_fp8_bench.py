@@ -19,7 +19,7 @@ import triton
 
 import megamoe.experts as X
 from megamoe.kernels.gluon_fp8 import grouped_gemm_fp8_gluon
-from megamoe.perf import run_shapes
+from megamoe.perf import print_kernel_rows, run_shapes
 
 PRESETS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8),
            "mixtral-8x7b": (4096, 14336, 8, 2)}
@@ -59,14 +59,8 @@ def run_op(spec: str, op: str, N: int, K: int, offs: torch.Tensor, used: int, ro
 
 
 def _print(spec: str, op: str, t_bf16: float, new: list) -> None:
-    for r in new:
-        if "ms" in r:
-            txt = f"{r['ms']:7.3f} ms {r['tflops']:6.0f} TFLOP/s {t_bf16 / r['ms']:5.2f}x bf16"
-            if "rel_diff_vs_triton_fp8" in r:
-                txt += f"  diff vs triton fp8 {r['rel_diff_vs_triton_fp8']:.1e}"
-        else:
-            txt = r["error"]
-        print(f"{spec:18} {op:13} {r['kernel']:22} {txt}", flush=True)
+    print_kernel_rows(spec, op, new, t_bf16, base="bf16", diff_key="rel_diff_vs_triton_fp8",
+                      diff_label="diff vs triton fp8")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

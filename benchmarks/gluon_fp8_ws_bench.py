@@ -18,7 +18,7 @@ import triton
 import megamoe.experts as X
 from megamoe.kernels.gluon_fp8 import grouped_gemm_fp8_gluon
 from megamoe.kernels.gluon_fp8_ws import grouped_gemm_fp8_ws
-from megamoe.perf import run_shapes
+from megamoe.perf import print_kernel_rows, run_shapes
 
 PRESETS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8),
            "mixtral-8x7b": (4096, 14336, 8, 2), "gpt-oss-120b": (2880, 2880, 128, 4)}
@@ -98,12 +98,7 @@ def _report(spec: str, op: str, flops: float, t_bf16: float, new: list, rows: li
     for r in new:
         if "ms" in r:
             r["tflops"] = flops / r["ms"] / 1e9
-            txt = f"{r['ms']:7.3f} ms {r['tflops']:6.0f} TFLOP/s {t_bf16 / r['ms']:5.2f}x bf16"
-            if "rel_diff_vs_gluon" in r:
-                txt += f"  diff {r['rel_diff_vs_gluon']:.1e}"
-        else:
-            txt = r["error"]
-        print(f"{spec:18} {op:12} {r['kernel']:22} {txt}", flush=True)
+    print_kernel_rows(spec, op, new, t_bf16, base="bf16", diff_key="rel_diff_vs_gluon", op_w=12)
     rows.extend(new)
 
 

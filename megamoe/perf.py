@@ -121,6 +121,20 @@ def write_results(path: str | None, device: torch.device, what: str, rows: list)
                       indent=1)
 
 
+def print_kernel_rows(spec: str, op: str, rows: list[dict], base_ms: float, *, base: str = "", diff_key: str = "",
+                      diff_label: str = "diff", op_w: int = 13, kernel_w: int = 22) -> None:
+    """One line per timed kernel of a one-GPU GEMM benchmark script (gluon_*_bench.py): ms, TFLOP/s, the speed-up
+    over ``base_ms`` (labelled ``base``), and rows[diff_key] when present; rows without "ms" print their "error"."""
+    for r in rows:
+        if "ms" in r:
+            txt = f"{r['ms']:7.3f} ms {r['tflops']:6.0f} TFLOP/s {base_ms / r['ms']:5.2f}x{' ' + base if base else ''}"
+            if diff_key in r:
+                txt += f"  {diff_label} {r[diff_key]:.1e}"
+        else:
+            txt = r["error"]
+        print(f"{spec:18} {op:{op_w}} {r['kernel']:{kernel_w}} {txt}", flush=True)
+
+
 def run_shapes(run_shape, default_shapes: str) -> None:
     """The command line of the per-shape GEMM benchmark scripts (benchmarks/gemm_tail.py, gluon_fp8_bench.py):
     ``--shapes preset:ep,...``, ``--tokens``, ``--json``; calls ``run_shape(preset, ep, tokens, rows)`` for each shape
