@@ -8,7 +8,8 @@
 # 7g (7 with --graph-moe --compile, ~2 min), 7t (GPU training tests, ~1 min), 8 (Gluon FP8 GEMM, every epilogue, ~5 min),
 # 9 (Gluon bf16 GEMM tests and bench, ~4 min), r (router tests on CUDA + layer A/B of the router impls, ~5 min),
 # g (layer A/B of the 2026-12-01 backward and fused defaults, ~4 min), p (fused per-item timeline, ~2 min),
-# w (warp-specialised FP8 GEMM: tests, bench, bench-gemm forward; ~6 min cold).
+# w (warp-specialised FP8 GEMM: tests, bench, bench-gemm forward; ~6 min cold), b (warp-specialised bf16 GEMM: tests and
+# the variants' bench at 4096 and 16384 tokens, ~8 min cold).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -147,6 +148,15 @@ CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/gluon_fp8_ws_bench.py --js
   | tee "$OUT/fp8_ws.txt" | tail -30
 CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m megamoe bench-gemm --no-bwd --json "$OUT/gemm-fwd.json" 2>&1 | grep -v arn \
   | grep -A40 "all shapes" | grep -v "bf16 .*- - -"
+fi
+
+if want b; then
+echo "== b. warp-specialised bf16 GEMM (gluon_bf16_ws.py): GPU tests, variants vs Triton and torch._grouped_mm (one GPU)"
+CUDA_VISIBLE_DEVICES=0 gpu_tests gpu_bf16_ws 240 tests/test_gpu_gluon_bf16_ws.py
+for t in 4096 16384; do
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/gluon_bf16_ws_bench.py --tokens $t --json "$OUT/bf16_ws-$t.json" \
+    2>&1 | grep -v arn | tee "$OUT/bf16_ws-$t.txt" | tail -60
+done
 fi
 
 if want 6; then

@@ -364,8 +364,25 @@ def test_fp8_kernel_choice_on_cpu():
     assert "multiples of block_n 128" in ws_limits(ws_cfg, n=192, k=256, n_w=384, epilogue=EPI_SWIGLU, n_up=192)
     assert "num_warps 4" in ws_limits(gluon, n=128, k=256, n_w=128, epilogue=EPI_NONE)
     assert "shared memory" in ws_limits(ws_cfg.with_(num_stages=8), n=128, k=256, n_w=128, epilogue=EPI_NONE)
-    with pytest.raises(ValueError, match="FP8 ops only"):
+    # the bf16 ops take kernel="gluon_ws" too (kernels/gluon_bf16_ws.py), but not here
+    with pytest.raises(ValueError, match="kernel='gluon_ws'.*interpreter"):
         X.gemm2(p["x"][:, :128].contiguous(), p["w2"], p["offs"], config=CPU_CFG.with_(kernel="gluon_ws"))
+    from megamoe.kernels.gluon_bf16_ws import ws_bf16_limits
+
+    coop = GemmConfig(block_m=128, block_n=256, block_k=64, num_stages=4, num_warps=4, kernel="gluon_ws")
+    pp = coop.with_(block_n=128, num_stages=6, pingpong=True)
+    assert ws_bf16_limits(coop, n=320, k=1000, n_w=320, epilogue=EPI_NONE) is None  # any N, K % 8 == 0
+    assert ws_bf16_limits(pp, n=320, k=1000, n_w=320, epilogue=EPI_NONE) is None
+    assert ws_bf16_limits(coop.with_(block_n=128), n=192, k=64, n_w=384, epilogue=EPI_SWIGLU, n_up=192) is None
+    assert "block_n must be one of (64,)" in ws_bf16_limits(pp, n=128, k=64, n_w=256, epilogue=EPI_SWIGLU, n_up=128)
+    assert "block_n must be one of (64, 128)" in ws_bf16_limits(pp.with_(block_n=256), n=256, k=64, n_w=256,
+                                                                 epilogue=EPI_NONE)
+    assert "plain and the SwiGLU" in ws_bf16_limits(coop, n=128, k=64, n_w=128, epilogue=EPI_DSWIGLU)
+    assert "[E_l, N, K] only" in ws_bf16_limits(coop, n=256, k=64, n_w=256, epilogue=EPI_NONE, w_kn=True)
+    assert "block_k must be 64" in ws_bf16_limits(coop.with_(block_k=128), n=256, k=64, n_w=256, epilogue=EPI_NONE)
+    assert "shared memory" in ws_bf16_limits(coop.with_(num_stages=5), n=256, k=64, n_w=256, epilogue=EPI_NONE)
+    assert "multiple of 8" in ws_bf16_limits(coop, n=256, k=100, n_w=256, epilogue=EPI_NONE)
+    assert "exceed" in ws_bf16_limits(coop.with_(block_n=128), n=128, k=64, n_w=200, epilogue=EPI_SWIGLU, n_up=128)
     out = X.grouped_gemm_fp8(q, s, wq, ws, p["offs"], config=CPU_CFG.with_(block_k=128, kernel="triton"))
     ref = X.grouped_gemm_fp8_ref(q[:p["n"]], s[:p["n"]], wq, ws, p["offs"])
     assert rel(out[:p["n"]], ref) < 1e-2

@@ -40,6 +40,8 @@ class GemmConfig:
     #                                of those that can run); bf16 ops: None or
     #                                "triton" = the Triton kernel, "gluon" = kernels/gluon_bf16.py (only when asked
     #                                for; ValueError where it cannot run: CPU, interpreter, not sm_90, its limits)
+    pingpong: bool = False         # bf16 ops with kernel "gluon_ws": the ping-pong schedule (consumer warpgroups on
+    #                                alternate whole tiles; else cooperative: both on halves of every tile)
     programs_per_sm: int = 1       # persistent kernels, num_sms None: 2 = two CTAs share each SM, so one's epilogue
     #                                runs under the other's k-loop (the config must fit two CTAs' registers and
     #                                shared memory, else the second waits: no error, just no overlap)

@@ -59,8 +59,9 @@ REG_POOL = 504  # registers per thread summed over the three warpgroups (168 eac
 @gluon.jit
 def _ws_loader(a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, N, K, E_l, num_progs, N_W, B2_OFF,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
-               STAGES: gl.constexpr, MODE: gl.constexpr):
-    BLOCK_K: gl.constexpr = 128
+               STAGES: gl.constexpr, MODE: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Every k-step of this program's tiles, in order, into the ring (stage = step % STAGES). Also the loader of
+    gluon_bf16_ws.py (BLOCK_K 64; MODE 0 / 1 only)."""
     TN: gl.constexpr = 2 * BLOCK_N if MODE == 2 else BLOCK_N  # output columns per tile
     sched: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     e_idx, starts, cnts, m_tiles, cum_end, total = _schedule(offs_ptr, E_l, N, BLOCK_M, TN, BLOCK_E, sched)
@@ -213,7 +214,7 @@ def _gluon_fp8_ws_kernel(
                         R, N, K, E_l, num_progs, stride_asm, stride_wse, stride_wsn, stride_om, stride_hm, B2_OFF,
                         BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, HAS_SCALE, MODE, STORE_H, 1)),
         (_ws_loader, (a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, N, K, E_l, num_progs, N_W,
-                      B2_OFF, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, MODE)),
+                      B2_OFF, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, MODE, BLOCK_K)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))

@@ -335,42 +335,50 @@ def _resolve_tma(cfg: GemmConfig, tensors: list[torch.Tensor], name: str) -> boo
 
 
 def gluon_bf16_unavailable(cfg: GemmConfig, a: torch.Tensor, w: torch.Tensor, *, n: int, w_kn: bool, epilogue: int,
-                           h: torch.Tensor | None = None, n_up: int = 0) -> str | None:
-    """Why the Gluon bf16 kernel (kernels/gluon_bf16.py) cannot run this launch, or None: CUDA tensors on a device of
-    compute capability 9.x, no interpreter, TMA-able operands, and its config and shape limits (gluon_bf16_limits).
-    No device sync: the capability comes from torch's cached device properties."""
+                           h: torch.Tensor | None = None, n_up: int = 0, kernel: str = "gluon") -> str | None:
+    """Why a Gluon bf16 kernel (kernel "gluon": kernels/gluon_bf16.py; "gluon_ws": the warp-specialised
+    kernels/gluon_bf16_ws.py) cannot run this launch, or None: CUDA tensors on a device of compute capability 9.x,
+    no interpreter, TMA-able operands, and the kernel's config and shape limits. No device sync: the capability
+    comes from torch's cached device properties."""
     why = gluon_device_reason(a, cfg)
     if why is not None:
         return why
     if not tma_ok([a, w] + ([h] if h is not None and epilogue == EPI_DSWIGLU else [])):
         return "TMA needs 16-byte aligned base pointers and row strides (bf16: inner dims multiples of 8)"
-    from megamoe.kernels.gluon_bf16 import gluon_bf16_limits  # lazy: Gluon only where it can run
+    n_w = w.shape[2] if w_kn else w.shape[1]
+    if kernel == "gluon_ws":
+        from megamoe.kernels.gluon_bf16_ws import ws_bf16_limits  # lazy: Gluon only where it can run
 
-    return gluon_bf16_limits(cfg, n=n, k=a.shape[1], n_w=w.shape[2] if w_kn else w.shape[1], epilogue=epilogue,
-                             w_kn=w_kn, n_up=n_up)
+        return ws_bf16_limits(cfg, n=n, k=a.shape[1], n_w=n_w, epilogue=epilogue, w_kn=w_kn, n_up=n_up)
+    from megamoe.kernels.gluon_bf16 import gluon_bf16_limits
+
+    return gluon_bf16_limits(cfg, n=n, k=a.shape[1], n_w=n_w, epilogue=epilogue, w_kn=w_kn, n_up=n_up)
 
 
 def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, cfg: GemmConfig,
                         *, n: int, w_kn: bool, epilogue: int, h: torch.Tensor | None = None,
                         scale: torch.Tensor | None = None, dsp: torch.Tensor | None = None,
                         store_h: bool = False, n_up: int = 0, acts: torch.Tensor | None = None) -> None:
-    """Launch _grouped_gemm_kernel (inputs already validated by the caller in megamoe.experts); cfg.kernel = "gluon":
-    the Gluon bf16 kernel instead (ValueError naming the reason where it cannot run). acts (EPI_DSWIGLU only):
-    [R, n] output of the gated activation s[r] * silu(g) * u, for the backward's dW2."""
+    """Launch _grouped_gemm_kernel (inputs already validated by the caller in megamoe.experts); cfg.kernel = "gluon"
+    or "gluon_ws": that Gluon bf16 kernel instead (ValueError naming the reason where it cannot run). acts
+    (EPI_DSWIGLU only): [R, n] output of the gated activation s[r] * silu(g) * u, for the backward's dW2."""
     R, K = a.shape
     E_l = w.shape[0]
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     if acts is not None and epilogue != EPI_DSWIGLU:
         raise ValueError("grouped_gemm: acts is an output of the SwiGLU-backward epilogue only")
-    if cfg.kernel == "gluon_ws":
-        raise ValueError("grouped_gemm: kernel='gluon_ws' (the warp-specialised FP8 kernel) applies to the FP8 ops "
-                         "only")
-    if cfg.kernel == "gluon":  # the Gluon bf16 kernel (kernels/gluon_bf16.py), only where asked for
-        why = gluon_bf16_unavailable(cfg, a, w, n=n, w_kn=w_kn, epilogue=epilogue, h=h, n_up=n_up)
+    if cfg.kernel in ("gluon", "gluon_ws"):  # a Gluon bf16 kernel, only where asked for
+        why = gluon_bf16_unavailable(cfg, a, w, n=n, w_kn=w_kn, epilogue=epilogue, h=h, n_up=n_up, kernel=cfg.kernel)
         if why is None and acts is not None:
             why = "its SwiGLU-backward epilogue does not write the gated activation (acts)"
         if why is not None:
-            raise ValueError(f"grouped_gemm: the config pins kernel='gluon', but {why}")
+            raise ValueError(f"grouped_gemm: the config pins kernel={cfg.kernel!r}, but {why}")
+        if cfg.kernel == "gluon_ws":
+            from megamoe.kernels.gluon_bf16_ws import launch_gluon_bf16_ws
+
+            launch_gluon_bf16_ws(a, w, offs, out, cfg, n=n, epilogue=epilogue, h=h, scale=scale, store_h=store_h,
+                                 n_up=n_up)
+            return
         from megamoe.kernels.gluon_bf16 import launch_gluon_bf16
 
         launch_gluon_bf16(a, w, offs, out, cfg, n=n, w_kn=w_kn, epilogue=epilogue, h=h, scale=scale, dsp=dsp,

@@ -1,0 +1,98 @@
+"""Time the warp-specialised Gluon bf16 grouped GEMM (megamoe/kernels/gluon_bf16_ws.py; cooperative and ping-pong
+schedules, several tiles and ring depths) next to our Triton bf16 kernel (its default config) and torch._grouped_mm
+on the forward ops of every preset: GEMM1 + SwiGLU (ours also writes act; torch writes h only) and GEMM2 [R, I] x
+[E_l, H, I]^T (with the gate scale; torch without). R = tokens * k rows, multinomial group sizes in multiples of 16
+rows (torch's alignment). Every warp-specialised output is checked against the Triton kernel's.
+
+    python benchmarks/gluon_bf16_ws_bench.py [--shapes deepseek-v3:4,mixtral-8x7b:4] [--tokens 4096] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+import megamoe.experts as X
+from megamoe.kernels.gemm_config import GemmConfig
+from megamoe.perf import print_kernel_rows, run_shapes
+
+PRESETS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8),
+           "mixtral-8x7b": (4096, 14336, 8, 2), "gpt-oss-120b": (2880, 2880, 128, 4)}
+#: (label, ping-pong, block_n, stages)
+SWIGLU = [("coop bn128 s4", False, 128, 4), ("coop bn128 s3", False, 128, 3), ("coop bn64 s6", False, 64, 6),
+          ("pp bn64 s6", True, 64, 6), ("pp bn64 s4", True, 64, 4)]
+PLAIN = [("coop bn256 s4", False, 256, 4), ("coop bn256 s3", False, 256, 3), ("coop bn128 s6", False, 128, 6),
+         ("pp bn128 s6", True, 128, 6), ("pp bn128 s4", True, 128, 4)]
+
+
+def bench(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def _cfg(pp: bool, bn: int, st: int) -> GemmConfig:
+    return GemmConfig(block_m=128, block_n=bn, block_k=64, num_stages=st, num_warps=4, kernel="gluon_ws", pingpong=pp)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def _variants(spec, op, flops, base, t_tri, variants, run, ref, rows) -> None:
+    new = [dict(base, kernel="triton", ms=t_tri)]
+    try:
+        new.append(dict(base, kernel="torch", ms=bench(run["torch"])))
+    except Exception as exc:  # noqa: BLE001 - reported
+        new.append(dict(base, kernel="torch", error=f"{type(exc).__name__}: {exc}"[:200]))
+    for label, pp, bn, st in variants:
+        cfg = _cfg(pp, bn, st)
+        try:
+            got = run["ours"](cfg)()
+            torch.cuda.synchronize()
+            diff = max(_rel(g, r) for g, r in zip(got, ref, strict=True))
+            new.append(dict(base, kernel=label, ms=bench(run["ours"](cfg)), rel_diff_vs_triton=diff))
+        except Exception as exc:  # noqa: BLE001 - reported, the other configs still run
+            new.append(dict(base, kernel=label, error=f"{type(exc).__name__}: {exc}"[:300]))
+    for r in new:
+        if "ms" in r:
+            r["tflops"] = flops / r["ms"] / 1e9
+    print_kernel_rows(spec, op, new, t_tri, base="triton", diff_key="rel_diff_vs_triton", op_w=12)
+    rows.extend(new)
+
+
+def run_shape(name: str, ep: int, tokens: int, rows: list) -> None:
+    H, I, E, k = PRESETS[name]
+    E_l, R = E // ep, tokens * k
+    gen = torch.Generator().manual_seed(0)
+    sizes = torch.multinomial(torch.full((E_l,), 1.0 / E_l), R // 16, replacement=True, generator=gen).bincount(
+        minlength=E_l) * 16
+    offs = torch.tensor([0] + sizes.cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    ends = offs[1:].contiguous()
+    spec = f"{name}:{ep}:{tokens}"
+    x = torch.randn(R, H, device="cuda").to(torch.bfloat16)
+    w13 = (torch.randn(E_l, 2 * I, H, device="cuda") / math.sqrt(H)).to(torch.bfloat16)
+    act, h = X.gemm1_swiglu(x, w13, offs)
+    t_tri = bench(lambda: X.gemm1_swiglu(x, w13, offs, out=act, h_out=h))
+    base = {"shape": spec, "op": "gemm1-swiglu", "R": R, "H": H, "I": I, "E_l": E_l}
+    act2, h2 = torch.empty_like(act), torch.empty_like(h)
+    run = {"torch": lambda: torch._grouped_mm(x, w13.transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16),
+           "ours": lambda cfg: (lambda: X.gemm1_swiglu(x, w13, offs, out=act2, h_out=h2, config=cfg))}
+    _variants(spec, "gemm1-swiglu", 2.0 * R * H * 2 * I, base, t_tri, SWIGLU, run, (act, h), rows)
+    w2 = (torch.randn(E_l, H, I, device="cuda") / math.sqrt(I)).to(torch.bfloat16)
+    s = torch.rand(R, device="cuda") + 0.5
+    out = X.gemm2(act, w2, offs, scale=s)
+    t_tri = bench(lambda: X.gemm2(act, w2, offs, scale=s, out=out))
+    base = {"shape": spec, "op": "gemm2", "R": R, "H": H, "I": I, "E_l": E_l}
+    out2 = torch.empty_like(out)
+    run = {"torch": lambda: torch._grouped_mm(act, w2.transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16),
+           "ours": lambda cfg: (lambda: (X.gemm2(act, w2, offs, scale=s, out=out2, config=cfg),))}
+    _variants(spec, "gemm2", 2.0 * R * I * H, base, t_tri, PLAIN, run, (out,), rows)
+
+
+def main() -> None:
+    run_shapes(run_shape, "qwen3-30b-a3b:4,deepseek-v3:4,mixtral-8x7b:4,gpt-oss-120b:4")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""Warp-specialised bf16 grouped GEMM for Hopper, in Gluon: the plain op (EPI_NONE, optional row scale: GEMM2) and
+GEMM1 + SwiGLU (EPI_SWIGLU, optionally keeping h), weights "nk" ([E_l, N_w, K]: out = a @ w[e]^T). Chosen with
+GemmConfig(kernel="gluon_ws") on the bf16 ops (grouped_gemm.launch_grouped_gemm).
+
+    out[r, n] = sum_k a[r, k] * w[e][n, k]      (fp32 accumulation, bf16 out; with a scale: * scale[r])
+    SwiGLU: g, u = the same for the gate rows n and the up rows N_UP + n; out = silu(g) * u, h = [g | u]
+
+Why (2026-12-01): issue 4 asks for at least torch._grouped_mm's TFLOP/s; our Triton kernel reaches 0.83-0.90x of it
+on GEMM1 + SwiGLU (qwen3, mixtral at 4096 tokens, gpt-oss). torch runs CUTLASS's warp-specialised kernels (a TMA
+producer warp, consumer warpgroups coupled to it by mbarriers; 128 x 256 tiles, cooperative, with a 2-CTA cluster
+multicasting the weight tile). Our Triton and single-stream Gluon kernels issue loads and wgmmas from one
+instruction stream with a CTA barrier per k-step, and the tile's epilogue (for SwiGLU: h and act, 1.5x the bytes
+torch writes) stops the tensor cores. Two schedules, both with gluon_fp8_ws.py's loader (1 warp, STAGES-deep ring,
+the next tiles' loads issued as soon as stages free up, across tile boundaries):
+
+    cooperative  (PINGPONG False) two 4-warp consumers take rows 0..63 / 64..127 of every 128-row tile: 128 x 256
+                 plain tiles (one 64 x 256 wgmma per consumer and k-step) or 128 x (128 gate + 128 up) SwiGLU tiles;
+                 each stage is released by both (empty count 2). The epilogue still stops the tensor cores, but the
+                 ring is full when the next tile starts.
+    ping-pong    (PINGPONG True) the consumers take alternate tiles of the program (local tile j -> consumer j % 2),
+                 each whole 128-row tile: 128 x 128 plain, 128 x (64 + 64) SwiGLU (128 fp32 registers per thread);
+                 one consumer's epilogue runs while the other's k-loop keeps the tensor cores busy. Each stage is
+                 released by its one consumer (empty count 1). The k-loops take turns through two `order`
+                 mbarriers (consumer c starts its tile's k-loop once the other one has issued its previous tile's
+                 last k-step), as CUTLASS's ping-pong kernel orders its math warpgroups: without the turn a consumer
+                 could wait on a stage's ready barrier two ring passes ahead of the steps consumed so far, and a
+                 parity wait cannot tell those phases apart.
+
+k-loop (both): the accumulator is chained through async wgmmas (acc = wgmma(a, b, acc)); warpgroup_mma_wait(1)
+(SwiGLU: 2, the gate and up products of one k-step) leaves the step just issued in flight and proves the previous
+one done, whose stage is then released. Epilogue in 64-column slices of the accumulator (register splits), bf16
+results through shared memory into a layout of 8 consecutive columns per thread: 16-byte masked stores (rows past
+the expert's end and columns >= N dropped), gluon_bf16.py's helpers.
+
+Tile schedule: grouped_gemm.py's (per-expert m-tiles of 128 rows x n-tiles, GROUP_M swizzle, program p takes tiles
+p, p + P, ...), computed on the device by every partition from offs. Rows of a tile past its expert's end are
+loaded (the next expert's rows, or TMA zero fill) and dropped by the epilogue's mask; so are weight rows past N
+(plain: the next expert's rows; SwiGLU: up rows or the next expert's), hence any N.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from megamoe.kernels.gemm_config import GemmConfig, grid_size, record
+from megamoe.kernels.gluon_bf16 import SMEM_LIMIT, _epi_none, _epi_swiglu, _slices
+from megamoe.kernels.gluon_fp8 import _locate, _schedule
+from megamoe.kernels.gluon_fp8_ws import REG_POOL, _ws_loader
+from megamoe.kernels.grouped_gemm import EPI_NONE, EPI_SWIGLU
+
+BLOCK_K = 64  # one 128-byte swizzled row of bf16 per k-step
+#: (schedule, epilogue) -> allowed block_n: cooperative 64-row halves of 256 plain / 128 + 128 SwiGLU columns at
+#: most (128 accumulator registers per thread), ping-pong whole 128-row tiles of 128 / 64 + 64
+WIDTHS = {(False, EPI_NONE): (128, 256), (False, EPI_SWIGLU): (64, 128),
+          (True, EPI_NONE): (64, 128), (True, EPI_SWIGLU): (64,)}
+
+
+@gluon.jit
+def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, order, out_ptr, h_ptr, scale_ptr, offs_ptr,
+                   N, K, E_l, num_progs, stride_om, stride_hm,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
+                   STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, SWIGLU: gl.constexpr, STORE_H: gl.constexpr,
+                   PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """One consumer warpgroup (module docstring): cooperative: rows WG * 64 .. WG * 64 + 63 of every tile of this
+    program; ping-pong: the program's local tiles WG, WG + 2, ... whole."""
+    BK: gl.constexpr = 64
+    HM: gl.constexpr = BLOCK_M if PINGPONG else BLOCK_M // 2
+    NSL: gl.constexpr = BLOCK_N // 64
+    sched: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    store_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    e_idx, starts, cnts, m_tiles, cum_end, total = _schedule(offs_ptr, E_l, N, BLOCK_M, BLOCK_N, BLOCK_E, sched)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BK)
+    pid = gl.program_id(0)
+    if PINGPONG:
+        first = pid + WG * num_progs
+        step = 2 * num_progs
+    else:
+        first = pid
+        step = num_progs
+    nt = 0  # tiles of this consumer so far (the phase of its turn barrier)
+    for tile in range(first, total, step):
+        e, row0, row_end, mi, ni = _locate(tile, e_idx, starts, cnts, m_tiles, cum_end, tiles_n, GROUP_M)
+        off_m = row0 + mi * BLOCK_M
+        if not PINGPONG:
+            off_m += WG * HM
+        off_n = ni * BLOCK_N
+        it = ((tile - pid) // num_progs) * k_tiles  # ring position of the tile's first k-step
+        if PINGPONG:  # wait for the turn: the other consumer has issued its previous tile's k-loop
+            if WG == 0:
+                if nt > 0:
+                    mbarrier.wait(order.index(0), (nt - 1) & 1)
+            else:
+                mbarrier.wait(order.index(1), nt & 1)
+        acc = gl.zeros((HM, BLOCK_N), dtype=gl.float32, layout=mma)
+        acc2 = acc
+        for ki in range(k_tiles):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            if PINGPONG:
+                a_v = a_smem.index(s)
+            else:
+                a_v = a_smem.index(s).slice(WG * HM, HM)
+            acc = warpgroup_mma(a_v, b_smem.index(s).permute((1, 0)), acc, is_async=True)
+            if SWIGLU:
+                acc2 = warpgroup_mma(a_v, b2_smem.index(s).permute((1, 0)), acc2, is_async=True)
+                acc, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc2))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            if ki > 0:  # the previous k-step's products are done: its stage can be refilled
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+            it += 1
+        if PINGPONG:  # the other consumer's turn (its waits on the ring are now at most one pass ahead)
+            mbarrier.arrive(order.index(1 - WG), count=1)
+        if SWIGLU:
+            acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+        nt += 1
+
+        a0, a1, a2, a3 = _slices(acc, HM, BLOCK_N, mma_s)
+        if SWIGLU:
+            u0, u1, u2, u3 = _slices(acc2, HM, BLOCK_N, mma_s)
+            _epi_swiglu(a0, u0, off_m, off_n, row_end, N, out_ptr, stride_om, h_ptr, stride_hm, HM, STORE_H,
+                        store_l)
+            if NSL > 1:
+                _epi_swiglu(a1, u1, off_m, off_n + 64, row_end, N, out_ptr, stride_om, h_ptr, stride_hm, HM,
+                            STORE_H, store_l)
+        else:
+            _epi_none(a0, off_m, off_n, row_end, N, out_ptr, stride_om, scale_ptr, HM, HAS_SCALE, mma_s, store_l)
+            if NSL > 1:
+                _epi_none(a1, off_m, off_n + 64, row_end, N, out_ptr, stride_om, scale_ptr, HM, HAS_SCALE, mma_s,
+                          store_l)
+            if NSL > 2:
+                _epi_none(a2, off_m, off_n + 128, row_end, N, out_ptr, stride_om, scale_ptr, HM, HAS_SCALE, mma_s,
+                          store_l)
+                _epi_none(a3, off_m, off_n + 192, row_end, N, out_ptr, stride_om, scale_ptr, HM, HAS_SCALE, mma_s,
+                          store_l)
+
+
+@gluon.jit
+def _gluon_bf16_ws_kernel(
+    a_desc, w_desc,     # TMA descriptors: a [R, K] block [BLOCK_M, 64]; w as [E_l * N_W, K] block [BLOCK_N, 64]
+    out_ptr,            # out [R, N] bf16, row stride stride_om
+    h_ptr,              # h [R, 2N] bf16, row stride stride_hm (SWIGLU with STORE_H)
+    scale_ptr,          # [R] fp32 (HAS_SCALE, plain only)
+    offs_ptr,           # [E_l + 1] int32
+    R, N, K, E_l, num_progs, stride_om, stride_hm,
+    N_W, N_UP,          # weight rows per expert; SWIGLU: the up rows' offset
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
+    STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, SWIGLU: gl.constexpr, STORE_H: gl.constexpr,
+    PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Grid: (P,) persistent programs of 4 + 4 + 1 warps (module docstring)."""
+    BK: gl.constexpr = 64
+    MODE: gl.constexpr = 1 if SWIGLU else 0
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BK], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BK], w_desc.layout)
+    if SWIGLU:  # the up tiles
+        b2_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BK], w_desc.layout)
+    else:
+        b2_smem = b_smem  # unused
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1 if PINGPONG else 2)  # one arrive per consumer of the stage
+    for c in gl.static_range(2):
+        mbarrier.init(order.index(c), count=1)
+    gl.warp_specialize([
+        (_bf16_consumer, (a_smem, b_smem, b2_smem, ready, empty, order, out_ptr, h_ptr, scale_ptr, offs_ptr,
+                          N, K, E_l, num_progs, stride_om, stride_hm, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES,
+                          HAS_SCALE, SWIGLU, STORE_H, PINGPONG, 0)),
+        (_bf16_consumer, (a_smem, b_smem, b2_smem, ready, empty, order, out_ptr, h_ptr, scale_ptr, offs_ptr,
+                          N, K, E_l, num_progs, stride_om, stride_hm, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES,
+                          HAS_SCALE, SWIGLU, STORE_H, PINGPONG, 1)),
+        (_ws_loader, (a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, N, K, E_l, num_progs, N_W,
+                      N_UP, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, MODE, BK)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+    for c in gl.static_range(2):
+        mbarrier.invalidate(order.index(c))
+
+
+def smem_bytes(cfg: GemmConfig, epilogue: int) -> int:
+    """Shared memory of a launch, estimated: the ring, the consumers' epilogue staging (sm_90a compile, both
+    schedules: 16 KB), barriers."""
+    two = epilogue == EPI_SWIGLU
+    ring = cfg.num_stages * 2 * BLOCK_K * (cfg.block_m + (2 if two else 1) * cfg.block_n)
+    return ring + 16384 + 1024
+
+
+def ws_bf16_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, w_kn: bool = False,
+                   n_up: int = 0) -> str | None:
+    """Why the warp-specialised bf16 kernel cannot run this launch (config and shapes only; device checks are the
+    caller's), or None. n output columns, k reduction, n_w weight rows per expert, epilogue EPI_NONE or EPI_SWIGLU
+    (n_up: the first up row); cfg.pingpong picks the schedule (module docstring)."""
+    if epilogue not in (EPI_NONE, EPI_SWIGLU):
+        return "only the plain and the SwiGLU epilogues are warp-specialised (bf16)"
+    if w_kn:
+        return "it takes weights [E_l, N, K] only (the forward GEMMs), not the dgrads' [E_l, K, N]"
+    two = epilogue == EPI_SWIGLU
+    pingpong = cfg.pingpong
+    if cfg.block_k != BLOCK_K:
+        return f"block_k must be {BLOCK_K}, got {cfg.block_k}"
+    if cfg.block_m != 128 or cfg.num_warps != 4:
+        return (f"block_m must be 128 and num_warps 4 (consumer warpgroups of 4 warps), got block_m={cfg.block_m}, "
+                f"num_warps={cfg.num_warps}")
+    widths = WIDTHS[(pingpong, epilogue)]
+    if cfg.block_n not in widths:
+        return (f"block_n must be one of {widths} with the {'ping-pong' if pingpong else 'cooperative'} schedule"
+                f"{' and SwiGLU (gate = up columns per tile)' if two else ''} (128 accumulator registers per thread "
+                f"at most), got {cfg.block_n}")
+    if cfg.num_stages < 2:
+        return f"num_stages must be >= 2, got {cfg.num_stages}"
+    smem = smem_bytes(cfg, epilogue)
+    if smem > SMEM_LIMIT:
+        return f"{cfg.num_stages} stages need ~{smem} bytes of shared memory, more than {SMEM_LIMIT}"
+    if k <= 0 or k % 8:
+        return f"K must be a positive multiple of 8 (16-byte TMA strides), got K = {k}"
+    if not two and n != n_w:
+        return f"the plain op's N must equal the weight rows per expert, got N = {n}, {n_w} rows"
+    if two and n_up + n > n_w:
+        return f"SwiGLU: the up rows {n_up} + {n} exceed the expert's {n_w} weight rows"
+    return None
+
+
+def launch_gluon_bf16_ws(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, cfg: GemmConfig,
+                         *, n: int, epilogue: int, h: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                         store_h: bool = False, n_up: int = 0, consumer_regs: int = 224) -> None:
+    """Launch _gluon_bf16_ws_kernel with the arguments of grouped_gemm.launch_grouped_gemm (nk weights; operands
+    validated by the caller, device checks too); ValueError naming the limit (``ws_bf16_limits``) that fails.
+    consumer_regs: registers per thread of each consumer warpgroup; the loader gets the rest of REG_POOL (sm_90a,
+    64 experts: 224 leave it 56 and spill 8 B with ping-pong SwiGLU, 0 elsewhere; 232 spill 36 B there, 240 76 B)."""
+    R, K = a.shape
+    E_l, n_w, _ = w.shape
+    why = ws_bf16_limits(cfg, n=n, k=K, n_w=n_w, epilogue=epilogue, n_up=n_up)
+    if why is None and epilogue == EPI_SWIGLU and scale is not None:
+        why = "the SwiGLU epilogue takes no row scale"
+    if why is None and not (consumer_regs % 8 == 0 and 24 <= REG_POOL - 2 * consumer_regs and consumer_regs <= 256):
+        why = f"consumer_regs must be a multiple of 8 <= {(REG_POOL - 24) // 2}, got {consumer_regs}"
+    if why is not None:
+        raise ValueError(f"grouped_gemm (warp-specialised Gluon bf16 kernel): {why}")
+    if R == 0 or E_l == 0 or n == 0:
+        return
+    bm, bn = cfg.block_m, cfg.block_n
+    bf = gl.bfloat16
+    a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [bm, BLOCK_K],
+                              gl.NVMMASharedLayout.get_default_for([bm, BLOCK_K], bf))
+    w2d = w.view(E_l * n_w, K)
+    w_desc = TensorDescriptor(w2d, list(w2d.shape), list(w2d.stride()), [bn, BLOCK_K],
+                              gl.NVMMASharedLayout.get_default_for([bn, BLOCK_K], bf))
+    grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * triton.cdiv(n, bn), a.device)
+    k = _gluon_bf16_ws_kernel[(grid,)](
+        a_desc, w_desc, out, h if h is not None else out, scale if scale is not None else out, offs,
+        R, n, K, E_l, grid, out.stride(0), h.stride(0) if h is not None else 0, n_w, n_up,
+        BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
+        STAGES=cfg.num_stages, HAS_SCALE=scale is not None, SWIGLU=epilogue == EPI_SWIGLU, STORE_H=store_h,
+        PINGPONG=cfg.pingpong, CONSUMER_REGS=consumer_regs, LOADER_REGS=REG_POOL - 2 * consumer_regs, num_warps=4,
+        maxnreg=REG_POOL // 3,
+    )
+    record("_gluon_bf16_ws_kernel", k)
+
+
+__all__ = ["ws_bf16_limits", "launch_gluon_bf16_ws", "WIDTHS"]

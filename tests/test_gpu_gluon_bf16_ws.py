@@ -1,0 +1,121 @@
+"""The warp-specialised Gluon bf16 grouped GEMM (megamoe/kernels/gluon_bf16_ws.py: a TMA loader warp and two consumer
+warpgroups, cooperative or ping-pong), forced through GemmConfig(kernel="gluon_ws") on the public bf16 ops (GEMM1 +
+SwiGLU with and without h, GEMM2 with and without the gate scale), on an H100/H200: against the float64 twins (whole
+and per expert) and against the Triton bf16 kernel on the same inputs (same BLOCK_K and K order: only the wgmma's
+internal order and bf16 rounding flips may differ). Padding rows of the inputs hold NaN and outputs are poisoned,
+so a read of padding or a missed / extra write fails. Edge cases: empty, 1-row, 127 / 129-row groups, one group
+holding every row, K not a multiple of 64, N not a multiple of the tile (clipped last tile), fewer k-steps than
+stages, 3 persistent programs (many tiles each: the ring's stages and phases, and ping-pong's turns, carry across
+tiles; with 3 programs and an odd tile count the two consumers get different numbers of tiles).
+
+    pytest -q -m gpu tests/test_gpu_gluon_bf16_ws.py          (on the H200)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gemm_cases import per_expert, problem, rel
+
+pytestmark = pytest.mark.gpu
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90a wgmma)")
+
+SENTINEL = 4352.0
+GROUPS = [[0, 1, 127, 129, 2000, 0, 513, 64], [3000], [300, 77]]
+#: (ping-pong, block_n, stages, programs): the defaults' shapes, 2 stages, 3 programs
+SWIGLU_CFGS = [(False, 128, 4, None), (False, 64, 2, 3), (True, 64, 6, None), (True, 64, 2, 3), (False, 128, 4, 3)]
+PLAIN_CFGS = [(False, 256, 4, None), (False, 128, 2, 3), (True, 128, 6, None), (True, 128, 2, 3), (True, 64, 4, None),
+              (False, 256, 3, 3)]
+
+
+def _cfg(pingpong, block_n, stages, num_sms):
+    from megamoe.kernels.gemm_config import GemmConfig
+
+    return GemmConfig(block_m=128, block_n=block_n, block_k=64, num_stages=stages, num_warps=4, num_sms=num_sms,
+                      kernel="gluon_ws", pingpong=pingpong)
+
+
+def _ran_ws(forget=False):
+    from megamoe.kernels.gemm_config import LAST_COMPILED
+
+    if forget:
+        LAST_COMPILED.pop("_gluon_bf16_ws_kernel", None)
+    return "_gluon_bf16_ws_kernel" in LAST_COMPILED
+
+
+def _randn(*shape, gen, scale=1.0):
+    return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+
+
+def _check(got, ref, tri, offs, used, what):
+    assert bool((got[used:] == SENTINEL).all()), f"{what}: padding rows were written"
+    assert rel(got[:used], ref[:used]) < 1e-2, f"{what} vs float64"
+    per_expert(got, ref, offs, 1e-2, what)
+    assert rel(got[:used], tri[:used]) < 1e-3, f"{what} vs the Triton bf16 kernel"
+
+
+@needs_hopper
+@pytest.mark.parametrize("sizes", GROUPS)
+@pytest.mark.parametrize("cfg", SWIGLU_CFGS, ids=[f"pp{int(c[0])}-bn{c[1]}-s{c[2]}-p{c[3]}" for c in SWIGLU_CFGS])
+@pytest.mark.parametrize("H,I", [(1024, 256), (1000, 192), (64, 128)])  # 16 k-steps; partial k-step and n-tile; 1
+@pytest.mark.parametrize("store_h", [True, False])
+def test_ws_gemm1_swiglu(sizes, cfg, H, I, store_h):
+    import megamoe.experts as X
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    E_l, used, R, offs = problem(sizes)
+    x = _randn(R, H, gen=gen)
+    x[used:] = float("nan")
+    w13 = _randn(E_l, 2 * I, H, gen=gen, scale=H**-0.5)
+    act = torch.full((R, I), SENTINEL, device="cuda", dtype=torch.bfloat16)
+    h = torch.full((R, 2 * I), SENTINEL, device="cuda", dtype=torch.bfloat16) if store_h else None
+    _ran_ws(forget=True)
+    X.gemm1_swiglu(x, w13, offs, store_h=store_h, out=act, h_out=h, config=_cfg(*cfg))
+    assert _ran_ws()
+    tri_act, tri_h = X.gemm1_swiglu(x, w13, offs, store_h=True)
+    ref_act, ref_h = X.gemm1_swiglu_ref(x.double(), w13.double(), offs)
+    torch.cuda.synchronize()
+    _check(act, ref_act, tri_act, offs, used, "act")
+    if store_h:
+        _check(h, ref_h, tri_h, offs, used, "h")
+
+
+@needs_hopper
+@pytest.mark.parametrize("sizes", GROUPS)
+@pytest.mark.parametrize("cfg", PLAIN_CFGS, ids=[f"pp{int(c[0])}-bn{c[1]}-s{c[2]}-p{c[3]}" for c in PLAIN_CFGS])
+@pytest.mark.parametrize("K,N", [(1000, 256), (128, 320), (64, 200)])  # partial k-step; clipped tile; one k-step
+@pytest.mark.parametrize("with_scale", [True, False])
+def test_ws_gemm2(sizes, cfg, K, N, with_scale):
+    import megamoe.experts as X
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    E_l, used, R, offs = problem(sizes)
+    act = _randn(R, K, gen=gen)
+    act[used:] = float("nan")
+    w2 = _randn(E_l, N, K, gen=gen, scale=K**-0.5)
+    s = torch.rand(R, device="cuda", generator=gen) + 0.5 if with_scale else None
+    out = torch.full((R, N), SENTINEL, device="cuda", dtype=torch.bfloat16)
+    _ran_ws(forget=True)
+    X.gemm2(act, w2, offs, scale=s, out=out, config=_cfg(*cfg))
+    assert _ran_ws()
+    tri = X.gemm2(act, w2, offs, scale=s, config=X.default_config("gemm2", R, N, K).with_(kernel="triton"))
+    ref = X.gemm2_ref(act.double(), w2.double(), offs, scale=s.double() if s is not None else None)
+    torch.cuda.synchronize()
+    _check(out, ref, tri, offs, used, "gemm2")
+
+
+@needs_hopper
+def test_ws_validates():
+    import megamoe.experts as X
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    E_l, used, R, offs = problem([64, 64])
+    a = _randn(R, 256, gen=gen)
+    w = _randn(E_l, 256, 256, gen=gen)
+    with pytest.raises(ValueError, match="block_n must be one of"):
+        X.gemm2(a, w, offs, config=_cfg(True, 256, 4, None))  # ping-pong 128 x 256: 256 accumulator registers
+    with pytest.raises(ValueError, match="shared memory"):
+        X.gemm2(a, w, offs, config=_cfg(False, 256, 6, None))
+    with pytest.raises(ValueError, match="kernel='gluon_ws'.*plain and the SwiGLU"):
+        X.gemm2_dgrad_swiglu(a, w, _randn(R, 512, gen=gen), offs, config=_cfg(False, 128, 4, None))
