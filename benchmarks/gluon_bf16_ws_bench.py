@@ -22,9 +22,9 @@ PRESETS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256
            "mixtral-8x7b": (4096, 14336, 8, 2), "gpt-oss-120b": (2880, 2880, 128, 4)}
 #: (label, ping-pong, block_n, stages)
 SWIGLU = [("coop bn128 s4", False, 128, 4), ("coop bn128 s3", False, 128, 3), ("coop bn64 s6", False, 64, 6),
-          ("pp bn64 s6", True, 64, 6), ("pp bn64 s4", True, 64, 4)]
+          ("pp bn64 s5", True, 64, 5), ("pp bn64 s4", True, 64, 4)]
 PLAIN = [("coop bn256 s4", False, 256, 4), ("coop bn256 s3", False, 256, 3), ("coop bn128 s6", False, 128, 6),
-         ("pp bn128 s6", True, 128, 6), ("pp bn128 s4", True, 128, 4)]
+         ("pp bn128 s5", True, 128, 5), ("pp bn128 s4", True, 128, 4)]
 
 
 def bench(fn) -> float:

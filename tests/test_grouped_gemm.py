@@ -370,7 +370,7 @@ def test_fp8_kernel_choice_on_cpu():
     from megamoe.kernels.gluon_bf16_ws import ws_bf16_limits
 
     coop = GemmConfig(block_m=128, block_n=256, block_k=64, num_stages=4, num_warps=4, kernel="gluon_ws")
-    pp = coop.with_(block_n=128, num_stages=6, pingpong=True)
+    pp = coop.with_(block_n=128, num_stages=5, pingpong=True)
     assert ws_bf16_limits(coop, n=320, k=1000, n_w=320, epilogue=EPI_NONE) is None  # any N, K % 8 == 0
     assert ws_bf16_limits(pp, n=320, k=1000, n_w=320, epilogue=EPI_NONE) is None
     assert ws_bf16_limits(coop.with_(block_n=128), n=192, k=64, n_w=384, epilogue=EPI_SWIGLU, n_up=192) is None

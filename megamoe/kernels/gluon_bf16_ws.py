@@ -45,14 +45,16 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from megamoe.kernels.gemm_config import GemmConfig, grid_size, record
-from megamoe.kernels.gluon_bf16 import SMEM_LIMIT, _epi_none, _epi_swiglu, _slices
+from megamoe.kernels.gemm_config import GemmConfig, grid_size, record, tma_ok
+from megamoe.kernels.gluon_bf16 import SMEM_LIMIT, _slices
 from megamoe.kernels.gluon_fp8 import _locate, _schedule
 from megamoe.kernels.gluon_fp8_ws import REG_POOL, _ws_loader
 from megamoe.kernels.grouped_gemm import EPI_NONE, EPI_SWIGLU
@@ -65,13 +67,77 @@ WIDTHS = {(False, EPI_NONE): (128, 256), (False, EPI_SWIGLU): (64, 128),
 
 
 @gluon.jit
-def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, order, out_ptr, h_ptr, scale_ptr, offs_ptr,
-                   N, K, E_l, num_progs, stride_om, stride_hm,
+def _put(val, desc, ptr, stride, row, col, row_end, N, epi_smem, buf, tma_ok, HM: gl.constexpr,
+         EPI_TMA: gl.constexpr, store_l: gl.constexpr):
+    """val (bf16, [HM, 64] in the accumulator's layout) -> rows row.., columns col.. of the output through staging
+    buffer buf of epi_smem: where tma_ok (every row belongs to the tile's expert; EPI_TMA: the output is TMA-able),
+    by an asynchronous TMA store on desc (columns >= N clipped by the descriptor's shape); else read back from the
+    buffer in store_l (8 consecutive columns per thread) and stored with a mask (rows >= row_end, columns >= N).
+    The consumer's two buffers alternate, so the TMA store that last read buf is the one before the latest: waiting
+    until at most one is pending (on the issuing thread), then a barrier of the warpgroup, frees buf."""
+    b = epi_smem.index(buf)
+    if EPI_TMA:
+        tma.store_wait(1)
+    gl.thread_barrier()
+    b.store(val)
+    if EPI_TMA:
+        if tma_ok:
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(desc, [row, col], b)
+        else:
+            _masked_from(b, ptr, stride, row, col, row_end, N, HM, store_l)
+    else:
+        _masked_from(b, ptr, stride, row, col, row_end, N, HM, store_l)
+
+
+@gluon.jit
+def _masked_from(b, ptr, stride, row, col, row_end, N, HM: gl.constexpr, store_l: gl.constexpr):
+    """The staged tile b [HM, 64] -> ptr[row + i, col + j] for rows < row_end, columns < N (16-byte stores)."""
+    gl.thread_barrier()
+    v = b.load(store_l)
+    rm = row + gl.arange(0, HM, layout=gl.SliceLayout(1, store_l))
+    rn = col + gl.arange(0, 64, layout=gl.SliceLayout(0, store_l))
+    ptrs = ptr + rm.to(gl.int64)[:, None] * stride + rn[None, :]
+    gl.store(ptrs, v, mask=(rm < row_end)[:, None] & (rn < N)[None, :])
+
+
+@gluon.jit
+def _epi_swiglu_slice(g, u, off_m, col, row_end, N, out_desc, hg_desc, hu_desc, out_ptr, stride_om, h_ptr,
+                      stride_hm, epi_smem, b0, tma_ok, HM: gl.constexpr, STORE_H: gl.constexpr,
+                      EPI_TMA: gl.constexpr, store_l: gl.constexpr):
+    """One 64-column slice of the SwiGLU epilogue (h's gate, h's up, then act = silu(g) * u); b0: the first store's
+    staging buffer (the next ones alternate)."""
+    if STORE_H:
+        _put(g.to(gl.bfloat16), hg_desc, h_ptr, stride_hm, off_m, col, row_end, N, epi_smem, b0, tma_ok, HM,
+             EPI_TMA, store_l)
+        _put(u.to(gl.bfloat16), hu_desc, h_ptr + N, stride_hm, off_m, col, row_end, N, epi_smem, b0 ^ 1, tma_ok, HM,
+             EPI_TMA, store_l)
+    act = g / (1.0 + gl.exp(-g)) * u
+    _put(act.to(gl.bfloat16), out_desc, out_ptr, stride_om, off_m, col, row_end, N, epi_smem, b0, tma_ok, HM,
+         EPI_TMA, store_l)
+
+
+@gluon.jit
+def _epi_none_slice(x, off_m, col, row_end, N, out_desc, out_ptr, stride_om, scale_ptr, epi_smem, buf, tma_ok,
+                    HM: gl.constexpr, HAS_SCALE: gl.constexpr, EPI_TMA: gl.constexpr, mma_s: gl.constexpr,
+                    store_l: gl.constexpr):
+    if HAS_SCALE:
+        rm = off_m + gl.arange(0, HM, layout=gl.SliceLayout(1, mma_s))
+        x = x * gl.load(scale_ptr + rm, mask=rm < row_end, other=0.0)[:, None]
+    _put(x.to(gl.bfloat16), out_desc, out_ptr, stride_om, off_m, col, row_end, N, epi_smem, buf, tma_ok, HM, EPI_TMA,
+         store_l)
+
+
+@gluon.jit
+def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, out_desc, hg_desc, hu_desc,
+                   out_ptr, h_ptr, scale_ptr, offs_ptr, N, K, E_l, num_progs, stride_om, stride_hm,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
                    STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, SWIGLU: gl.constexpr, STORE_H: gl.constexpr,
-                   PINGPONG: gl.constexpr, WG: gl.constexpr):
+                   PINGPONG: gl.constexpr, EPI_TMA: gl.constexpr, WG: gl.constexpr):
     """One consumer warpgroup (module docstring): cooperative: rows WG * 64 .. WG * 64 + 63 of every tile of this
-    program; ping-pong: the program's local tiles WG, WG + 2, ... whole."""
+    program; ping-pong: the program's local tiles WG, WG + 2, ... whole. Epilogue through the staging buffers
+    2 WG, 2 WG + 1 of epi_smem (``_put``): with EPI_TMA by TMA stores where every row belongs to the tile's expert."""
     BK: gl.constexpr = 64
     HM: gl.constexpr = BLOCK_M if PINGPONG else BLOCK_M // 2
     NSL: gl.constexpr = BLOCK_N // 64
@@ -91,6 +157,9 @@ def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, order, out_ptr, h_ptr,
         first = pid
         step = num_progs
     nt = 0  # tiles of this consumer so far (the phase of its turn barrier)
+    nst = 0  # TMA stores issued so far (the parity of the next one's staging buffer)
+    # TMA stores per tile: SwiGLU 3 (h gate, h up, act) or 1 per 64-column slice, plain 1
+    PER_TILE: gl.constexpr = NSL * (3 if SWIGLU and STORE_H else 1)
     for tile in range(first, total, step):
         e, row0, row_end, mi, ni = _locate(tile, e_idx, starts, cnts, m_tiles, cum_end, tiles_n, GROUP_M)
         off_m = row0 + mi * BLOCK_M
@@ -132,28 +201,38 @@ def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, order, out_ptr, h_ptr,
         nt += 1
 
         a0, a1, a2, a3 = _slices(acc, HM, BLOCK_N, mma_s)
+        tma_ok = off_m + HM <= row_end  # TMA stores cannot stop at the expert's last row
+        b0 = 2 * WG + (nst & 1)
+        # (1 or 3 stores per slice: each slice starts on the buffer after the previous slice's last)
         if SWIGLU:
             u0, u1, u2, u3 = _slices(acc2, HM, BLOCK_N, mma_s)
-            _epi_swiglu(a0, u0, off_m, off_n, row_end, N, out_ptr, stride_om, h_ptr, stride_hm, HM, STORE_H,
-                        store_l)
+            _epi_swiglu_slice(a0, u0, off_m, off_n, row_end, N, out_desc, hg_desc, hu_desc, out_ptr, stride_om, h_ptr,
+                              stride_hm, epi_smem, b0, tma_ok, HM, STORE_H, EPI_TMA, store_l)
             if NSL > 1:
-                _epi_swiglu(a1, u1, off_m, off_n + 64, row_end, N, out_ptr, stride_om, h_ptr, stride_hm, HM,
-                            STORE_H, store_l)
+                _epi_swiglu_slice(a1, u1, off_m, off_n + 64, row_end, N, out_desc, hg_desc, hu_desc, out_ptr,
+                                  stride_om, h_ptr, stride_hm, epi_smem, b0 ^ 1, tma_ok, HM, STORE_H, EPI_TMA,
+                                  store_l)
         else:
-            _epi_none(a0, off_m, off_n, row_end, N, out_ptr, stride_om, scale_ptr, HM, HAS_SCALE, mma_s, store_l)
+            _epi_none_slice(a0, off_m, off_n, row_end, N, out_desc, out_ptr, stride_om, scale_ptr, epi_smem, b0,
+                            tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
             if NSL > 1:
-                _epi_none(a1, off_m, off_n + 64, row_end, N, out_ptr, stride_om, scale_ptr, HM, HAS_SCALE, mma_s,
-                          store_l)
+                _epi_none_slice(a1, off_m, off_n + 64, row_end, N, out_desc, out_ptr, stride_om, scale_ptr, epi_smem,
+                                b0 ^ 1, tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
             if NSL > 2:
-                _epi_none(a2, off_m, off_n + 128, row_end, N, out_ptr, stride_om, scale_ptr, HM, HAS_SCALE, mma_s,
-                          store_l)
-                _epi_none(a3, off_m, off_n + 192, row_end, N, out_ptr, stride_om, scale_ptr, HM, HAS_SCALE, mma_s,
-                          store_l)
+                _epi_none_slice(a2, off_m, off_n + 128, row_end, N, out_desc, out_ptr, stride_om, scale_ptr,
+                                epi_smem, b0, tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
+                _epi_none_slice(a3, off_m, off_n + 192, row_end, N, out_desc, out_ptr, stride_om, scale_ptr,
+                                epi_smem, b0 ^ 1, tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
+        nst += PER_TILE
+    if EPI_TMA:  # the staging buffers stay allocated until the last store has read them
+        tma.store_wait(0)
 
 
 @gluon.jit
 def _gluon_bf16_ws_kernel(
     a_desc, w_desc,     # TMA descriptors: a [R, K] block [BLOCK_M, 64]; w as [E_l * N_W, K] block [BLOCK_N, 64]
+    out_desc,           # EPI_TMA: out [R, N] block [HM, 64] (else a_desc, unused)
+    hg_desc, hu_desc,   # EPI_TMA with STORE_H: h's gate and up halves, each [R, N] (row stride 2N), block [HM, 64]
     out_ptr,            # out [R, N] bf16, row stride stride_om
     h_ptr,              # h [R, 2N] bf16, row stride stride_hm (SWIGLU with STORE_H)
     scale_ptr,          # [R] fp32 (HAS_SCALE, plain only)
@@ -162,10 +241,12 @@ def _gluon_bf16_ws_kernel(
     N_W, N_UP,          # weight rows per expert; SWIGLU: the up rows' offset
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
     STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, SWIGLU: gl.constexpr, STORE_H: gl.constexpr,
-    PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    PINGPONG: gl.constexpr, EPI_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """Grid: (P,) persistent programs of 4 + 4 + 1 warps (module docstring)."""
     BK: gl.constexpr = 64
+    HM: gl.constexpr = BLOCK_M if PINGPONG else BLOCK_M // 2
     MODE: gl.constexpr = 1 if SWIGLU else 0
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BK], a_desc.layout)
     b_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BK], w_desc.layout)
@@ -173,6 +254,8 @@ def _gluon_bf16_ws_kernel(
         b2_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BK], w_desc.layout)
     else:
         b2_smem = b_smem  # unused
+    # two staging buffers per consumer, in the swizzled layout of a's [BLOCK_M, 64] tiles (the same for [HM, 64])
+    epi_smem = gl.allocate_shared_memory(gl.bfloat16, [4, HM, 64], a_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -182,12 +265,12 @@ def _gluon_bf16_ws_kernel(
     for c in gl.static_range(2):
         mbarrier.init(order.index(c), count=1)
     gl.warp_specialize([
-        (_bf16_consumer, (a_smem, b_smem, b2_smem, ready, empty, order, out_ptr, h_ptr, scale_ptr, offs_ptr,
-                          N, K, E_l, num_progs, stride_om, stride_hm, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES,
-                          HAS_SCALE, SWIGLU, STORE_H, PINGPONG, 0)),
-        (_bf16_consumer, (a_smem, b_smem, b2_smem, ready, empty, order, out_ptr, h_ptr, scale_ptr, offs_ptr,
-                          N, K, E_l, num_progs, stride_om, stride_hm, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES,
-                          HAS_SCALE, SWIGLU, STORE_H, PINGPONG, 1)),
+        (_bf16_consumer, (a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, out_desc, hg_desc, hu_desc,
+                          out_ptr, h_ptr, scale_ptr, offs_ptr, N, K, E_l, num_progs, stride_om, stride_hm, BLOCK_M,
+                          BLOCK_N, GROUP_M, BLOCK_E, STAGES, HAS_SCALE, SWIGLU, STORE_H, PINGPONG, EPI_TMA, 0)),
+        (_bf16_consumer, (a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, out_desc, hg_desc, hu_desc,
+                          out_ptr, h_ptr, scale_ptr, offs_ptr, N, K, E_l, num_progs, stride_om, stride_hm, BLOCK_M,
+                          BLOCK_N, GROUP_M, BLOCK_E, STAGES, HAS_SCALE, SWIGLU, STORE_H, PINGPONG, EPI_TMA, 1)),
         (_ws_loader, (a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, N, K, E_l, num_progs, N_W,
                       N_UP, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, MODE, BK)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -199,11 +282,12 @@ def _gluon_bf16_ws_kernel(
 
 
 def smem_bytes(cfg: GemmConfig, epilogue: int) -> int:
-    """Shared memory of a launch, estimated: the ring, the consumers' epilogue staging (sm_90a compile, both
-    schedules: 16 KB), barriers."""
+    """Shared memory of a launch: the ring, the consumers' staging buffers (2 x 2 x [rows, 64] bf16; rows 64
+    cooperative, 128 ping-pong), barriers (rounded up)."""
     two = epilogue == EPI_SWIGLU
     ring = cfg.num_stages * 2 * BLOCK_K * (cfg.block_m + (2 if two else 1) * cfg.block_n)
-    return ring + 16384 + 1024
+    rows = cfg.block_m if cfg.pingpong else cfg.block_m // 2
+    return ring + 4 * rows * 64 * 2 + 1024
 
 
 def ws_bf16_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, w_kn: bool = False,
@@ -266,14 +350,26 @@ def launch_gluon_bf16_ws(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, o
     w2d = w.view(E_l * n_w, K)
     w_desc = TensorDescriptor(w2d, list(w2d.shape), list(w2d.stride()), [bn, BLOCK_K],
                               gl.NVMMASharedLayout.get_default_for([bn, BLOCK_K], bf))
+    hm = bm if cfg.pingpong else bm // 2
+    two = epilogue == EPI_SWIGLU
+    # TMA stores where out (and h's halves) are TMA-able: 16-byte aligned bases and row strides
+    epi_tma = tma_ok([out]) and (not (two and store_h) or (tma_ok([h]) and n % 8 == 0))
+    epi_layout = gl.NVMMASharedLayout.get_default_for([hm, 64], bf)
+    out_desc = hg_desc = hu_desc = a_desc  # unused without TMA stores
+    if epi_tma:
+        out_desc = TensorDescriptor(out, [R, n], [out.stride(0), 1], [hm, 64], epi_layout)
+        if two and store_h:
+            hg_desc = TensorDescriptor(h, [R, n], [h.stride(0), 1], [hm, 64], epi_layout)
+            hu_desc = TensorDescriptor(h[:, n:], [R, n], [h.stride(0), 1], [hm, 64], epi_layout)
     grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * triton.cdiv(n, bn), a.device)
     k = _gluon_bf16_ws_kernel[(grid,)](
-        a_desc, w_desc, out, h if h is not None else out, scale if scale is not None else out, offs,
+        a_desc, w_desc, out_desc, hg_desc, hu_desc, out, h if h is not None else out,
+        scale if scale is not None else out, offs,
         R, n, K, E_l, grid, out.stride(0), h.stride(0) if h is not None else 0, n_w, n_up,
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
         STAGES=cfg.num_stages, HAS_SCALE=scale is not None, SWIGLU=epilogue == EPI_SWIGLU, STORE_H=store_h,
-        PINGPONG=cfg.pingpong, CONSUMER_REGS=consumer_regs, LOADER_REGS=REG_POOL - 2 * consumer_regs, num_warps=4,
-        maxnreg=REG_POOL // 3,
+        PINGPONG=cfg.pingpong, EPI_TMA=epi_tma, CONSUMER_REGS=consumer_regs,
+        LOADER_REGS=REG_POOL - 2 * consumer_regs, num_warps=4, maxnreg=REG_POOL // 3,
     )
     record("_gluon_bf16_ws_kernel", k)
 
