@@ -113,6 +113,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 FP8_KERNELS = ("_gluon_fp8_ws_kernel", "_gluon_fp8_grouped_kernel", "_grouped_gemm_fp8_kernel")  # one of these runs
+BF16_KERNELS = ("_gluon_bf16_ws_kernel", "_grouped_gemm_kernel")  # the forward's
 
 
 def _regs(kernel_name: str | tuple[str, ...]) -> dict:
@@ -210,7 +211,7 @@ def run_shape(preset: str, tokens: int, ep: int, args) -> list[dict]:
     except Exception as exc:  # noqa: BLE001
         err = f"{type(exc).__name__}: {str(exc)[:200]}"
     ours = _time_ours("gemm1", lambda c: (lambda: X.gemm1_swiglu(x, w13, offs, out=act, h_out=h, config=c)),
-                      _candidates("gemm1"), "_grouped_gemm_kernel", args.rep, args.sweep)
+                      _candidates("gemm1"), BF16_KERNELS, args.rep, args.sweep)
     add("gemm1_swiglu", "bf16", fl1, by1, ours, t1, err, extra1)
 
     out = X.gemm2(act, w2, offs, scale=s)
@@ -224,7 +225,7 @@ def run_shape(preset: str, tokens: int, ep: int, args) -> list[dict]:
     except Exception as exc:  # noqa: BLE001
         err = f"{type(exc).__name__}: {str(exc)[:200]}"
     ours = _time_ours("gemm2", lambda c: (lambda: X.gemm2(act, w2, offs, scale=s, out=out, config=c)),
-                      _candidates("gemm2"), "_grouped_gemm_kernel", args.rep, args.sweep)
+                      _candidates("gemm2"), BF16_KERNELS, args.rep, args.sweep)
     add("gemm2", "bf16", fl2, by2, ours, t2, err, extra2)
 
     # ---------------------------------------------------------------- fp8 forward
@@ -291,9 +292,10 @@ def run_shape(preset: str, tokens: int, ep: int, args) -> list[dict]:
 
 
 #: the table's short name of the kernel that ran (the JSON keeps the full name as ours_kernel)
-KERNEL_TAGS = {"_gluon_fp8_ws_kernel": "gluon-ws", "_gluon_fp8_grouped_kernel": "gluon",
-               "_grouped_gemm_fp8_kernel": "triton", "_grouped_gemm_kernel": "triton",
-               "_gluon_bf16_grouped_kernel": "gluon", "_grouped_wgrad_kernel": "triton"}
+KERNEL_TAGS = {"_gluon_fp8_ws_kernel": "gluon-ws", "_gluon_bf16_ws_kernel": "gluon-ws",
+               "_gluon_fp8_grouped_kernel": "gluon", "_grouped_gemm_fp8_kernel": "triton",
+               "_grouped_gemm_kernel": "triton", "_gluon_bf16_grouped_kernel": "gluon",
+               "_grouped_wgrad_kernel": "triton"}
 
 
 def _fmt(v, spec):

@@ -12,7 +12,7 @@ Weights: w13 [E_l, 2I, H] (rows 0..I-1 gate, I..2I-1 up), w2 [E_l, H, I].
     out = s[r] * (act @ w2[e]^T)     [n, H]      s: optional per-row gate scale, fp32 [R]
 
 Launchers (each takes ``config=`` to pin a GemmConfig; default: gemm_config.default_config per shape):
-    grouped_gemm, gemm1_swiglu, gemm2, gemm2_dgrad_swiglu, gemm1_dgrad, grouped_wgrad      (bf16, Triton)
+    grouped_gemm, gemm1_swiglu, gemm2, gemm2_dgrad_swiglu, gemm1_dgrad, grouped_wgrad      (bf16)
     quantize_act, quantize_weight, quantize_weight_both, grouped_gemm_fp8, gemm1_swiglu_fp8, gemm2_fp8,
     gemm2_dgrad_swiglu_fp8, gemm1_dgrad_fp8                                             (FP8 e4m3)
 The FP8 GEMMs run on Hopper the warp-specialised Gluon kernel (kernels/gluon_fp8_ws.py: plain and SwiGLU) or the
@@ -20,6 +20,9 @@ single-stream one (kernels/gluon_fp8.py: also the SwiGLU backward), each within 
 kernel (kernels/grouped_gemm_fp8.py) elsewhere; GemmConfig.kernel ("gluon_ws", "gluon", "triton") forces one
 (kernels.grouped_gemm_fp8.fp8_kernel says which one a launch gets). Without a config (and none pinned) the first
 of those kernels that can run gets its own heuristic config.
+The bf16 forward GEMMs (gemm1_swiglu, gemm2, grouped_gemm with nk weights) run on Hopper the warp-specialised Gluon
+kernel (kernels/gluon_bf16_ws.py) within its limits, the Triton kernel (kernels/grouped_gemm.py) elsewhere and for
+the backward ops; GemmConfig.kernel pins one ("gluon_ws", "triton", or "gluon": the single-stream Gluon kernel).
 Twins (``*_ref``): pure torch, CPU or GPU, any float dtype incl. float64; padding rows of their outputs are 0.
 Autograd: ``ExpertsFn.apply(x, offs, w13, w2, scale)`` / ``experts_mlp(...)``.
 """
@@ -36,6 +39,7 @@ from megamoe.kernels.grouped_gemm import (
     EPI_NONE,
     EPI_SWIGLU,
     check_grouped,
+    gluon_bf16_unavailable,
     launch_grouped_gemm,
 )
 from megamoe.kernels.grouped_gemm_bwd import launch_grouped_wgrad
@@ -77,6 +81,22 @@ def _out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor, d
 
 
 # ---------------------------------------------------------------------------------------------- bf16 ops
+def _bf16_config(op: str, config: GemmConfig | None, a: torch.Tensor, w: torch.Tensor, *, n: int, epilogue: int,
+                 n_up: int = 0, w_kn: bool = False) -> GemmConfig:
+    """config if given, else the config pinned for op, else the warp-specialised Gluon kernel's heuristic where it
+    can run (kernels/gluon_bf16_ws.py: Hopper, not the interpreter, nk weights, its limits), else the Triton
+    kernel's."""
+    cfg = config or pinned_config(op)
+    if cfg is not None:
+        return cfg
+    R, K = a.shape
+    if not w_kn:
+        ws = default_config(op, R, n, K, kernel="gluon_ws")
+        if gluon_bf16_unavailable(ws, a, w, n=n, w_kn=False, epilogue=epilogue, n_up=n_up, kernel="gluon_ws") is None:
+            return ws
+    return default_config(op, R, n, K)
+
+
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, w_layout: str = "nk",
                  scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  config: GemmConfig | None = None) -> torch.Tensor:
@@ -89,7 +109,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, w_layo
     _check_bf16("grouped_gemm", a, w)
     _check_scale(scale, a.shape[0], "grouped_gemm")
     out = _out(out, (a.shape[0], n), a)
-    cfg = config or default_config("grouped_gemm", a.shape[0], n, k_dim)
+    cfg = _bf16_config("grouped_gemm", config, a, w, n=n, epilogue=EPI_NONE, w_kn=kn)
     launch_grouped_gemm(a, w, offs, out, cfg, n=n, w_kn=kn, epilogue=EPI_NONE, scale=scale)
     return out
 
@@ -105,7 +125,7 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, offs: torch.Tensor, *, stor
     R, I = x.shape[0], w13.shape[1] // 2
     act = _out(out, (R, I), x)
     h = _out(h_out, (R, 2 * I), x) if store_h else None
-    cfg = config or default_config("gemm1_swiglu", R, I, x.shape[1])
+    cfg = _bf16_config("gemm1_swiglu", config, x, w13, n=I, epilogue=EPI_SWIGLU, n_up=I)
     launch_grouped_gemm(x, w13, offs, act, cfg, n=I, w_kn=False, epilogue=EPI_SWIGLU, h=h, store_h=store_h, n_up=I)
     return act, h
 
@@ -117,7 +137,7 @@ def gemm2(act: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, *, scale: tor
     _check_bf16("gemm2", act, w2)
     _check_scale(scale, act.shape[0], "gemm2")
     out = _out(out, (act.shape[0], w2.shape[1]), act)
-    cfg = config or default_config("gemm2", act.shape[0], w2.shape[1], act.shape[1])
+    cfg = _bf16_config("gemm2", config, act, w2, n=w2.shape[1], epilogue=EPI_NONE)
     launch_grouped_gemm(act, w2, offs, out, cfg, n=w2.shape[1], w_kn=False, epilogue=EPI_NONE, scale=scale)
     return out
 

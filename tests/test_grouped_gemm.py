@@ -383,6 +383,13 @@ def test_fp8_kernel_choice_on_cpu():
     assert "shared memory" in ws_bf16_limits(coop.with_(num_stages=5), n=256, k=64, n_w=256, epilogue=EPI_NONE)
     assert "multiple of 8" in ws_bf16_limits(coop, n=256, k=100, n_w=256, epilogue=EPI_NONE)
     assert "exceed" in ws_bf16_limits(coop.with_(block_n=128), n=128, k=64, n_w=200, epilogue=EPI_SWIGLU, n_up=128)
+    # the bf16 forward ops default to it where it can run, else (here) to the Triton kernel
+    assert X.default_config("gemm1_swiglu", 8, 128, 256, kernel="gluon_ws").kernel == "gluon_ws"
+    assert X.default_config("gemm2", 8, 256, 128, kernel="gluon_ws").kernel == "gluon_ws"
+    with pytest.raises(ValueError, match="kernel='gluon_ws' for"):
+        X.default_config("dgrad1", 8, 256, 128, kernel="gluon_ws")
+    w2 = p["w2"]
+    assert X._bf16_config("gemm2", None, p["x"][:, :w2.shape[2]], w2, n=w2.shape[1], epilogue=EPI_NONE).kernel is None
     out = X.grouped_gemm_fp8(q, s, wq, ws, p["offs"], config=CPU_CFG.with_(block_k=128, kernel="triton"))
     ref = X.grouped_gemm_fp8_ref(q[:p["n"]], s[:p["n"]], wq, ws, p["offs"])
     assert rel(out[:p["n"]], ref) < 1e-2
@@ -391,7 +398,7 @@ def test_fp8_kernel_choice_on_cpu():
     # bf16 ops take kernel="gluon" since the Gluon bf16 kernel (kernels/gluon_bf16.py), but not here
     with pytest.raises(ValueError, match="kernel='gluon'.*interpreter"):
         X.gemm2(p["x"][:, :128].contiguous(), p["w2"], p["offs"], config=CPU_CFG.with_(kernel="gluon"))
-    with pytest.raises(ValueError, match="FP8 ops only"):
+    with pytest.raises(ValueError, match="single-stream Gluon bf16 kernel is opt-in"):
         X.default_config("gemm2", 8, 128, 128, kernel="gluon")
     assert X.default_config("gemm2_fp8", 8, 128, 128, kernel="triton").kernel == "triton"
 

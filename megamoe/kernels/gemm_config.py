@@ -22,6 +22,8 @@ from megamoe import _interp
 
 #: values of GemmConfig.kernel
 KERNELS = (None, "gluon", "gluon_ws", "triton")
+#: bf16 ops whose default is the warp-specialised Gluon kernel where it can run (kernels/gluon_bf16_ws.py)
+WS_BF16_OPS = ("gemm1_swiglu", "gemm2", "grouped_gemm")
 
 
 @dataclass(frozen=True)
@@ -37,9 +39,11 @@ class GemmConfig:
     epi_split: int = 1             # epilogue in 1, 2 or 4 column slices (fewer live registers)
     flatten: bool = False          # bf16 kernel: tl.range(flatten=True) tile loop (on for GEMM2, measured below)
     kernel: str | None = None      # FP8 ops: "gluon_ws" (warp-specialised), "gluon", "triton", or None (the first
-    #                                of those that can run); bf16 ops: None or
-    #                                "triton" = the Triton kernel, "gluon" = kernels/gluon_bf16.py (only when asked
-    #                                for; ValueError where it cannot run: CPU, interpreter, not sm_90, its limits)
+    #                                of those that can run); bf16 ops: "gluon_ws" = kernels/gluon_bf16_ws.py (the
+    #                                default of GEMM1 + SwiGLU, GEMM2 and nk grouped_gemm where it can run),
+    #                                "triton" or None = the Triton kernel, "gluon" = kernels/gluon_bf16.py (only
+    #                                when asked for); a pinned Gluon kernel that cannot run (CPU, interpreter, not
+    #                                sm_90, its limits) raises ValueError
     pingpong: bool = False         # bf16 ops with kernel "gluon_ws": the ping-pong schedule (consumer warpgroups on
     #                                alternate whole tiles; else cooperative: both on halves of every tile)
     programs_per_sm: int = 1       # persistent kernels, num_sms None: 2 = two CTAs share each SM, so one's epilogue
@@ -106,12 +110,21 @@ def default_config(op: str, rows: int, n: int, k: int, *, kernel: str | None = N
         return _PINNED[op]
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel is not None and not op.endswith("fp8"):
-        raise ValueError(f"{op}: default_config picks a kernel for the FP8 ops only, got kernel={kernel!r} (the "
-                         "Gluon bf16 kernel is opt-in: pass GemmConfig(kernel='gluon', ...) as the op's config)")
+    if kernel is not None and not op.endswith("fp8") and not (kernel == "gluon_ws" and op in WS_BF16_OPS):
+        raise ValueError(f"{op}: default_config picks a kernel for the FP8 ops and kernel='gluon_ws' for "
+                         f"{WS_BF16_OPS} only, got kernel={kernel!r} (the single-stream Gluon bf16 kernel is opt-in: "
+                         "pass GemmConfig(kernel='gluon', ...) as the op's config)")
     if interpreting():
         return GemmConfig(block_m=32, block_n=32, block_k=32 if "fp8" not in op else 128, group_m=2,
                           num_stages=1, num_warps=4, kernel=kernel)
+    if kernel == "gluon_ws" and op in WS_BF16_OPS:  # one H200, 2026-12-01 (benchmarks/gluon_bf16_ws_bench.py, every
+        # preset at EP 4, 4096 and 16384 tokens): cooperative 128 x (128 + 128) SwiGLU tiles and 128 x 256 plain
+        # tiles, 4 stages, TMA-store epilogue: 0.99-1.09x the Triton kernel on GEMM1 + SwiGLU, 1.01-1.07x on GEMM2;
+        # ping-pong (128 x 64 + 64, 128 x 128) and 3 stages were slower on most shapes
+        if op == "gemm1_swiglu":
+            return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4, kernel="gluon_ws")
+        return GemmConfig(block_m=128, block_n=256 if n >= 256 else 128, block_k=64, num_stages=4, num_warps=4,
+                          kernel="gluon_ws")
     if kernel == "gluon_ws":  # one H200, 2026-12-01 (EP 4 shapes, gluon_fp8_ws_bench.py): 256-column plain tiles
         # (two 128-column products) 1.1-1.2x the 128-column ones on mixtral, deepseek, qwen3; SwiGLU 128 + 128 columns
         # 1.0-1.3x the 64 + 64 ones; 4 stages within noise of 3, 5 and 6
