@@ -1,12 +1,14 @@
 """Launch configs of the grouped GEMM kernels: a named frozen dataclass, heuristic defaults, pinning.
 
 A config holds only what changes code generation or the launch: block sizes, the L2 swizzle height,
-pipeline depth, warps, the number of persistent programs, whether loads use TMA descriptors and, for the FP8
-ops, which kernel runs (``kernel``: "gluon" = kernels/gluon_fp8.py, "triton" = kernels/grouped_gemm_fp8.py,
-None = Gluon where it can run: a CUDA device of compute capability 9.x, not under the interpreter, its shape and
-config limits met; else Triton). ``default_config(op, ...)`` picks one per shape (FP8: per kernel); ``pin_config(op,
-cfg)`` (a context manager) or the ``config=`` argument of every launcher in megamoe.experts overrides it, which is
-how tests force each path.
+pipeline depth, warps, the number of persistent programs, whether loads use TMA descriptors and which kernel runs
+(``kernel``: FP8 ops "gluon_ws" = kernels/gluon_fp8_ws.py, "gluon" = kernels/gluon_fp8.py, "triton" =
+kernels/grouped_gemm_fp8.py; bf16 ops "gluon_ws" = kernels/gluon_bf16_ws.py (with ``pingpong``), "gluon" =
+kernels/gluon_bf16.py, "triton" = kernels/grouped_gemm.py; without a config megamoe.experts picks the warp-specialised
+Gluon kernel where it can run: a CUDA device of compute capability 9.x, not under the interpreter, its shape and
+config limits met; else the next one, Triton last). ``default_config(op, ...)`` picks one per shape (and kernel);
+``pin_config(op, cfg)`` (a context manager) or the ``config=`` argument of every launcher in megamoe.experts
+overrides it, which is how tests force each path.
 """
 
 from __future__ import annotations
