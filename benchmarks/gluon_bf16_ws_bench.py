@@ -15,11 +15,10 @@ import torch
 import triton
 
 import megamoe.experts as X
+from megamoe.bench_gemm import PRESETS
 from megamoe.kernels.gemm_config import GemmConfig
-from megamoe.perf import print_kernel_rows, run_shapes
+from megamoe.perf import expert_offsets, report_kernel_rows, run_shapes
 
-PRESETS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8),
-           "mixtral-8x7b": (4096, 14336, 8, 2), "gpt-oss-120b": (2880, 2880, 128, 4)}
 #: (label, ping-pong, block_n, stages)
 SWIGLU = [("coop bn128 s4", False, 128, 4), ("coop bn128 s3", False, 128, 3), ("coop bn64 s6", False, 64, 6),
           ("pp bn64 s5", True, 64, 5), ("pp bn64 s4", True, 64, 4)]
@@ -54,20 +53,13 @@ def _variants(spec, op, flops, base, t_tri, variants, run, ref, rows) -> None:
             new.append(dict(base, kernel=label, ms=bench(run["ours"](cfg)), rel_diff_vs_triton=diff))
         except Exception as exc:  # noqa: BLE001 - reported, the other configs still run
             new.append(dict(base, kernel=label, error=f"{type(exc).__name__}: {exc}"[:300]))
-    for r in new:
-        if "ms" in r:
-            r["tflops"] = flops / r["ms"] / 1e9
-    print_kernel_rows(spec, op, new, t_tri, base="triton", diff_key="rel_diff_vs_triton", op_w=12)
-    rows.extend(new)
+    report_kernel_rows(spec, op, flops, t_tri, new, rows, base="triton", diff_key="rel_diff_vs_triton")
 
 
 def run_shape(name: str, ep: int, tokens: int, rows: list) -> None:
     H, I, E, k = PRESETS[name]
     E_l, R = E // ep, tokens * k
-    gen = torch.Generator().manual_seed(0)
-    sizes = torch.multinomial(torch.full((E_l,), 1.0 / E_l), R // 16, replacement=True, generator=gen).bincount(
-        minlength=E_l) * 16
-    offs = torch.tensor([0] + sizes.cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    offs = expert_offsets(R, E_l)
     ends = offs[1:].contiguous()
     spec = f"{name}:{ep}:{tokens}"
     x = torch.randn(R, H, device="cuda").to(torch.bfloat16)

@@ -16,12 +16,11 @@ import torch
 import triton
 
 import megamoe.experts as X
+from megamoe.bench_gemm import PRESETS
 from megamoe.kernels.gluon_fp8 import grouped_gemm_fp8_gluon
 from megamoe.kernels.gluon_fp8_ws import grouped_gemm_fp8_ws
-from megamoe.perf import print_kernel_rows, run_shapes
+from megamoe.perf import expert_offsets, report_kernel_rows, run_shapes
 
-PRESETS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8),
-           "mixtral-8x7b": (4096, 14336, 8, 2), "gpt-oss-120b": (2880, 2880, 128, 4)}
 WS = [(128, 4, 232), (256, 4, 240), (256, 3, 240), (256, 4, 232)]  # (block_n, stages, consumer registers)
 
 
@@ -95,20 +94,13 @@ def run_swiglu(spec: str, H: int, I: int, offs: torch.Tensor, R: int, rows: list
 
 
 def _report(spec: str, op: str, flops: float, t_bf16: float, new: list, rows: list) -> None:
-    for r in new:
-        if "ms" in r:
-            r["tflops"] = flops / r["ms"] / 1e9
-    print_kernel_rows(spec, op, new, t_bf16, base="bf16", diff_key="rel_diff_vs_gluon", op_w=12)
-    rows.extend(new)
+    report_kernel_rows(spec, op, flops, t_bf16, new, rows, base="bf16", diff_key="rel_diff_vs_gluon")
 
 
 def run_shape(name: str, ep: int, tokens: int, rows: list) -> None:
     H, I, E, k = PRESETS[name]
     E_l, R = E // ep, tokens * k
-    gen = torch.Generator().manual_seed(0)
-    sizes = torch.multinomial(torch.full((E_l,), 1.0 / E_l), R // 16, replacement=True, generator=gen).bincount(
-        minlength=E_l) * 16
-    offs = torch.tensor([0] + sizes.cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    offs = expert_offsets(R, E_l)
     for op, (N, K) in (("gemm2", (H, I)), ("gemm1-plain", (2 * I, H))):
         if N % 128 == 0:  # the single-stream kernel's limit (gpt-oss: 2880 columns)
             run_op(f"{name}:{ep}", op, N, K, offs, R, rows)

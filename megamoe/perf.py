@@ -135,6 +135,26 @@ def print_kernel_rows(spec: str, op: str, rows: list[dict], base_ms: float, *, b
         print(f"{spec:18} {op:{op_w}} {r['kernel']:{kernel_w}} {txt}", flush=True)
 
 
+def report_kernel_rows(spec: str, op: str, flops: float, base_ms: float, new: list[dict], rows: list, *, base: str,
+                       diff_key: str) -> None:
+    """TFLOP/s into every timed row of ``new``, print them (print_kernel_rows), append them to ``rows`` (the
+    warp-specialised GEMM scripts)."""
+    for r in new:
+        if "ms" in r:
+            r["tflops"] = flops / r["ms"] / 1e9
+    print_kernel_rows(spec, op, new, base_ms, base=base, diff_key=diff_key, op_w=12)
+    rows.extend(new)
+
+
+def expert_offsets(rows: int, experts: int, align: int = 16, seed: int = 0, device: str = "cuda") -> torch.Tensor:
+    """offs int32 [experts + 1] of a uniform multinomial draw of rows // align units over the experts, each
+    group a multiple of align rows (torch._grouped_mm's alignment); the same draw for the same arguments."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.multinomial(torch.full((experts,), 1.0 / experts), rows // align, replacement=True,
+                              generator=gen).bincount(minlength=experts) * align
+    return torch.tensor([0] + sizes.cumsum(0).tolist(), dtype=torch.int32, device=device)
+
+
 def run_shapes(run_shape, default_shapes: str) -> None:
     """The command line of the per-shape GEMM benchmark scripts (benchmarks/gemm_tail.py, gluon_fp8_bench.py):
     ``--shapes preset:ep,...``, ``--tokens``, ``--json``; calls ``run_shape(preset, ep, tokens, rows)`` for each shape

@@ -1,4 +1,4 @@
-"""Helpers shared by the Gluon GEMM GPU tests (test_gpu_gluon_fp8.py, test_gpu_gluon_bf16.py)."""
+"""Helpers shared by the Gluon GEMM GPU tests (test_gpu_gluon_fp8*.py, test_gpu_gluon_bf16*.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,25 @@ def fp8_problem(sizes, K: int, n_w: int, seed: int):
     x[used:] = float("nan")
     w = (torch.randn(E_l, n_w, K, device="cuda", generator=gen) / K**0.5).to(torch.bfloat16)
     return (E_l, used, R, offs, gen, *X.quantize_act(x), *X.quantize_weight(w))
+
+
+def bf16_problem(sizes, K: int, n_w: int, seed: int):
+    """problem(sizes) with bf16 operands: (E_l, used, R, offs, gen, a, w) for a [R, K] (padding rows NaN: never read
+    as data) and w [E_l, n_w, K] * K**-0.5; gen, seeded with ``seed``, continues after those two draws."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    E_l, used, R, offs = problem(sizes)
+    a = torch.randn(R, K, device="cuda", generator=gen).to(torch.bfloat16)
+    a[used:] = float("nan")
+    w = (torch.randn(E_l, n_w, K, device="cuda", generator=gen) * K**-0.5).to(torch.bfloat16)
+    return E_l, used, R, offs, gen, a, w
+
+
+def triton_config(op: str, rows: int, n: int, k: int):
+    """The Triton kernel's heuristic config for op, pinned (on Hopper the bf16 forward ops default to the
+    warp-specialised Gluon kernel): the reference kernel of the Gluon tests."""
+    from megamoe.kernels.gemm_config import default_config
+
+    return default_config(op, rows, n, k).with_(kernel="triton")
 
 
 def rel(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -2,8 +2,8 @@
 bf16 ops of megamoe.experts, on an H100/H200: every epilogue in the weight layouts the ops use (GEMM1 + SwiGLU nk
 with and without h, GEMM2 nk with and without the gate scale, grouped_gemm nk and kn, dgrad2 + SwiGLU backward kn
 with and without the gate scale and its row sums, dgrad1 kn), against the float64 twins (per expert too) and against
-the Triton bf16 kernel on the same inputs (same K order and BLOCK_K: only wgmma-internal order and bf16 rounding
-flips differ). Padding rows of the inputs hold NaN and outputs are poisoned, so a read of padding or a missed/extra
+the Triton bf16 kernel (pinned: the forward ops default to gluon_bf16_ws.py on Hopper) on the same inputs (same K
+order and BLOCK_K: only wgmma-internal order and bf16 rounding flips differ). Padding rows of the inputs hold NaN and outputs are poisoned, so a read of padding or a missed/extra
 write fails. Edge cases: empty, 1-row, 127/129-row groups, one group holding every row, K shorter than the ring
 (1 and 2 k-steps), K not a multiple of BLOCK_K (nk), N not a multiple of BLOCK_N (kn), 3 persistent programs (the
 ring and h buffer carried over many tiles).
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gemm_cases import bf16_problem, triton_config
 from gemm_cases import per_expert as _per_expert
 from gemm_cases import problem as _problem
 from gemm_cases import rel as _rel
@@ -82,17 +83,13 @@ def _randn(*shape, gen, scale=1.0):
 def test_gemm1_swiglu(sizes, cfg, H, I, store_h):
     import megamoe.experts as X
 
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    E_l, used, R, offs = _problem(sizes)
-    x = _randn(R, H, gen=gen)
-    x[used:] = float("nan")  # padding rows: never read as data
-    w13 = _randn(E_l, 2 * I, H, gen=gen, scale=H**-0.5)
+    E_l, used, R, offs, gen, x, w13 = bf16_problem(sizes, H, 2 * I, seed=1)  # x's padding rows NaN
     act = torch.full((R, I), SENTINEL, device="cuda", dtype=torch.bfloat16)
     h = torch.full((R, 2 * I), SENTINEL, device="cuda", dtype=torch.bfloat16) if store_h else None
     _forget()
     got_act, got_h = X.gemm1_swiglu(x, w13, offs, store_h=store_h, out=act, h_out=h, config=_cfg(**CFGS[cfg]))
     assert _ran_gluon() and got_act is act and got_h is h
-    tri_act, tri_h = X.gemm1_swiglu(x, w13, offs, store_h=True)
+    tri_act, tri_h = X.gemm1_swiglu(x, w13, offs, store_h=True, config=triton_config("gemm1_swiglu", R, I, H))
     ref_act, ref_h = X.gemm1_swiglu_ref(x.double(), w13.double(), offs)
     torch.cuda.synchronize()
     _check(act, ref_act, tri_act, offs, used, "act")
@@ -110,17 +107,13 @@ def test_gemm2(sizes, cfg, K, N, with_scale):
     import megamoe.experts as X
 
     kw = dict(block_n=256, stages=3) if cfg == "bn256s3" else CFGS[cfg]
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    E_l, used, R, offs = _problem(sizes)
-    act = _randn(R, K, gen=gen)
-    act[used:] = float("nan")
-    w2 = _randn(E_l, N, K, gen=gen, scale=K**-0.5)
+    E_l, used, R, offs, gen, act, w2 = bf16_problem(sizes, K, N, seed=2)
     s = torch.rand(R, device="cuda", generator=gen) + 0.5 if with_scale else None
     out = torch.full((R, N), SENTINEL, device="cuda", dtype=torch.bfloat16)
     _forget()
     X.gemm2(act, w2, offs, scale=s, out=out, config=_cfg(**kw))
     assert _ran_gluon()
-    tri = X.gemm2(act, w2, offs, scale=s)
+    tri = X.gemm2(act, w2, offs, scale=s, config=triton_config("gemm2", R, N, K))
     ref = X.gemm2_ref(act.double(), w2.double(), offs, scale=s.double() if s is not None else None)
     torch.cuda.synchronize()
     _check(out, ref, tri, offs, used, "gemm2")
@@ -168,7 +161,7 @@ def test_grouped_gemm_layouts(w_layout, with_scale):
     _forget()
     X.grouped_gemm(a, w, offs, w_layout=w_layout, scale=s, out=out, config=_cfg(num_sms=5))
     assert _ran_gluon()
-    tri = X.grouped_gemm(a, w, offs, w_layout=w_layout, scale=s)
+    tri = X.grouped_gemm(a, w, offs, w_layout=w_layout, scale=s, config=triton_config("grouped_gemm", R, N, K))
     ref = X.grouped_gemm_ref(a.double(), w.double(), offs, w_layout=w_layout,
                              scale=s.double() if s is not None else None)
     torch.cuda.synchronize()
@@ -217,7 +210,8 @@ def test_gemm2_dgrad_swiglu(sizes, cfg, H, I, with_scale):
 @gpu
 @needs_hopper
 def test_gluon_is_opt_in_and_repeatable():
-    # kernel None: the Triton kernel runs (the default is unchanged); kernel "gluon": twice bitwise equal
+    # kernel None: the default runs (since 2026-12-01 the warp-specialised Gluon kernel, gluon_bf16_ws.py), not this
+    # one; kernel "gluon": twice bitwise equal
     import megamoe.experts as X
     from megamoe.kernels.gemm_config import LAST_COMPILED
 
@@ -227,9 +221,9 @@ def test_gluon_is_opt_in_and_repeatable():
     x = _randn(R, H, gen=gen)
     w13 = _randn(E_l, 2 * I, H, gen=gen, scale=H**-0.5)
     _forget()
-    LAST_COMPILED.pop("_grouped_gemm_kernel", None)
+    LAST_COMPILED.pop("_gluon_bf16_ws_kernel", None)
     X.gemm1_swiglu(x, w13, offs)
-    assert "_grouped_gemm_kernel" in LAST_COMPILED and not _ran_gluon()
+    assert "_gluon_bf16_ws_kernel" in LAST_COMPILED and not _ran_gluon()
     a1, h1 = X.gemm1_swiglu(x, w13, offs, config=_cfg())
     a2, h2 = X.gemm1_swiglu(x, w13, offs, config=_cfg())
     torch.cuda.synchronize()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gemm_cases import per_expert, problem, rel
+from gemm_cases import bf16_problem, per_expert, rel, triton_config
 
 pytestmark = pytest.mark.gpu
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -65,17 +65,13 @@ def _check(got, ref, tri, offs, used, what):
 def test_ws_gemm1_swiglu(sizes, cfg, H, I, store_h):
     import megamoe.experts as X
 
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    E_l, used, R, offs = problem(sizes)
-    x = _randn(R, H, gen=gen)
-    x[used:] = float("nan")
-    w13 = _randn(E_l, 2 * I, H, gen=gen, scale=H**-0.5)
+    E_l, used, R, offs, gen, x, w13 = bf16_problem(sizes, H, 2 * I, seed=1)
     act = torch.full((R, I), SENTINEL, device="cuda", dtype=torch.bfloat16)
     h = torch.full((R, 2 * I), SENTINEL, device="cuda", dtype=torch.bfloat16) if store_h else None
     _ran_ws(forget=True)
     X.gemm1_swiglu(x, w13, offs, store_h=store_h, out=act, h_out=h, config=_cfg(*cfg))
     assert _ran_ws()
-    tri_act, tri_h = X.gemm1_swiglu(x, w13, offs, store_h=True)
+    tri_act, tri_h = X.gemm1_swiglu(x, w13, offs, store_h=True, config=triton_config("gemm1_swiglu", R, I, H))
     ref_act, ref_h = X.gemm1_swiglu_ref(x.double(), w13.double(), offs)
     torch.cuda.synchronize()
     _check(act, ref_act, tri_act, offs, used, "act")
@@ -93,17 +89,13 @@ def test_ws_gemm1_swiglu(sizes, cfg, H, I, store_h):
 def test_ws_gemm2(sizes, cfg, K, N, with_scale):
     import megamoe.experts as X
 
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    E_l, used, R, offs = problem(sizes)
-    act = _randn(R, K, gen=gen)
-    act[used:] = float("nan")
-    w2 = _randn(E_l, N, K, gen=gen, scale=K**-0.5)
+    E_l, used, R, offs, gen, act, w2 = bf16_problem(sizes, K, N, seed=2)
     s = torch.rand(R, device="cuda", generator=gen) + 0.5 if with_scale else None
     out = torch.full((R, N), SENTINEL, device="cuda", dtype=torch.bfloat16)
     _ran_ws(forget=True)
     X.gemm2(act, w2, offs, scale=s, out=out, config=_cfg(*cfg))
     assert _ran_ws()
-    tri = X.gemm2(act, w2, offs, scale=s, config=X.default_config("gemm2", R, N, K).with_(kernel="triton"))
+    tri = X.gemm2(act, w2, offs, scale=s, config=triton_config("gemm2", R, N, K))
     ref = X.gemm2_ref(act.double(), w2.double(), offs, scale=s.double() if s is not None else None)
     torch.cuda.synchronize()
     _check(out, ref, tri, offs, used, "gemm2")
@@ -113,10 +105,7 @@ def test_ws_gemm2(sizes, cfg, K, N, with_scale):
 def test_ws_validates():
     import megamoe.experts as X
 
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    E_l, used, R, offs = problem([64, 64])
-    a = _randn(R, 256, gen=gen)
-    w = _randn(E_l, 256, 256, gen=gen)
+    E_l, used, R, offs, gen, a, w = bf16_problem([64, 64], 256, 256, seed=3)
     with pytest.raises(ValueError, match="block_n must be one of"):
         X.gemm2(a, w, offs, config=_cfg(True, 256, 4, None))  # ping-pong 128 x 256: 256 accumulator registers
     with pytest.raises(ValueError, match="shared memory"):
