@@ -1,6 +1,7 @@
 """Warp-specialised bf16 grouped GEMM for Hopper, in Gluon: the plain op (EPI_NONE, optional row scale: GEMM2) and
 GEMM1 + SwiGLU (EPI_SWIGLU, optionally keeping h), weights "nk" ([E_l, N_w, K]: out = a @ w[e]^T). Chosen with
-GemmConfig(kernel="gluon_ws") on the bf16 ops (grouped_gemm.launch_grouped_gemm).
+GemmConfig(kernel="gluon_ws") on the bf16 ops (grouped_gemm.launch_grouped_gemm); the default of the bf16 forward
+ops on Hopper where its limits hold (megamoe.experts._bf16_config).
 
     out[r, n] = sum_k a[r, k] * w[e][n, k]      (fp32 accumulation, bf16 out; with a scale: * scale[r])
     SwiGLU: g, u = the same for the gate rows n and the up rows N_UP + n; out = silu(g) * u, h = [g | u]
@@ -15,7 +16,8 @@ the next tiles' loads issued as soon as stages free up, across tile boundaries):
 
     cooperative  (PINGPONG False) two 4-warp consumers take rows 0..63 / 64..127 of every 128-row tile: 128 x 256
                  plain tiles (one 64 x 256 wgmma per consumer and k-step) or 128 x (128 gate + 128 up) SwiGLU tiles;
-                 each stage is released by both (empty count 2). The epilogue still stops the tensor cores, but the
+                 each stage is released by both (empty count 2). The default (measured: docs/perf-notes.md, tenth
+                 session): the epilogue's own work stops the tensor cores, but its stores do not (below) and the
                  ring is full when the next tile starts.
     ping-pong    (PINGPONG True) the consumers take alternate tiles of the program (local tile j -> consumer j % 2),
                  each whole 128-row tile: 128 x 128 plain, 128 x (64 + 64) SwiGLU (128 fp32 registers per thread);
@@ -28,9 +30,16 @@ the next tiles' loads issued as soon as stages free up, across tile boundaries):
 
 k-loop (both): the accumulator is chained through async wgmmas (acc = wgmma(a, b, acc)); warpgroup_mma_wait(1)
 (SwiGLU: 2, the gate and up products of one k-step) leaves the step just issued in flight and proves the previous
-one done, whose stage is then released. Epilogue in 64-column slices of the accumulator (register splits), bf16
-results through shared memory into a layout of 8 consecutive columns per thread: 16-byte masked stores (rows past
-the expert's end and columns >= N dropped), gluon_bf16.py's helpers.
+one done, whose stage is then released.
+
+Epilogue in 64-column slices of the accumulator (register splits), each slice's bf16 result written into one of
+the consumer's two staging buffers in shared memory (``_put``), then either stored by an asynchronous TMA store
+(drained while the next tile's k-loop runs; the two buffers alternate, so a buffer is rewritten only once at most
+one store, the other buffer's, is pending) or, where TMA cannot be used, read back with 8 consecutive columns per
+thread and stored with a mask. TMA stores only where every row of the tile (half) belongs to its expert (TMA cannot
+stop at a group's last row; the expert's last m-tile goes the masked way) and the outputs are TMA-able (16-byte
+aligned bases and rows; h as two descriptors [R, N] of row stride 2N, so a gate slice past N is clipped instead of
+overwriting the up half). Columns >= N: clipped by the descriptors, masked otherwise.
 
 Tile schedule: grouped_gemm.py's (per-expert m-tiles of 128 rows x n-tiles, GROUP_M swizzle, program p takes tiles
 p, p + P, ...), computed on the device by every partition from offs. Rows of a tile past its expert's end are
@@ -157,8 +166,8 @@ def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, out_d
         first = pid
         step = num_progs
     nt = 0  # tiles of this consumer so far (the phase of its turn barrier)
-    nst = 0  # TMA stores issued so far (the parity of the next one's staging buffer)
-    # TMA stores per tile: SwiGLU 3 (h gate, h up, act) or 1 per 64-column slice, plain 1
+    nst = 0  # staged stores so far (TMA or masked; the parity of the next one's staging buffer)
+    # staged stores per tile: per 64-column slice 3 (SwiGLU with h: gate, up, act), else 1
     PER_TILE: gl.constexpr = NSL * (3 if SWIGLU and STORE_H else 1)
     for tile in range(first, total, step):
         e, row0, row_end, mi, ni = _locate(tile, e_idx, starts, cnts, m_tiles, cum_end, tiles_n, GROUP_M)
