@@ -1,12 +1,12 @@
 """The Gluon bf16 grouped GEMM (megamoe/kernels/gluon_bf16.py), forced through GemmConfig(kernel="gluon") on the public
-bf16 ops of megamoe.experts, on an H100/H200: every epilogue in the weight layouts the ops use (GEMM1 + SwiGLU nk
-with and without h, GEMM2 nk with and without the gate scale, grouped_gemm nk and kn, dgrad2 + SwiGLU backward kn
-with and without the gate scale and its row sums, dgrad1 kn), against the float64 twins (per expert too) and against
-the Triton bf16 kernel (pinned: the forward ops default to gluon_bf16_ws.py on Hopper) on the same inputs (same K
-order and BLOCK_K: only wgmma-internal order and bf16 rounding flips differ). Padding rows of the inputs hold NaN and outputs are poisoned, so a read of padding or a missed/extra
-write fails. Edge cases: empty, 1-row, 127/129-row groups, one group holding every row, K shorter than the ring
-(1 and 2 k-steps), K not a multiple of BLOCK_K (nk), N not a multiple of BLOCK_N (kn), 3 persistent programs (the
-ring and h buffer carried over many tiles).
+bf16 ops of megamoe.experts, on an H100/H200: every epilogue in the weight layouts the ops use (GEMM1 + SwiGLU nk with
+and without h, GEMM2 nk with and without the gate scale, grouped_gemm nk and kn, dgrad2 + SwiGLU backward kn with and
+without the gate scale and its row sums, dgrad1 kn), against the float64 twins (per expert too) and against the Triton
+bf16 kernel (pinned: the forward ops default to gluon_bf16_ws.py on Hopper) on the same inputs (same K order and
+BLOCK_K: only wgmma-internal order and bf16 rounding flips differ). Padding rows of the inputs hold NaN and outputs are
+poisoned, so a read of padding or a missed/extra write fails. Edge cases: empty, 1-row, 127/129-row groups, one group
+holding every row, K shorter than the ring (1 and 2 k-steps), K not a multiple of BLOCK_K (nk), N not a multiple of
+BLOCK_N (kn), 3 persistent programs (the ring and h buffer carried over many tiles).
 
 CPU tests (no marker): kernel="gluon" raises a clear ValueError on CPU tensors and under the interpreter, and
 gluon_bf16_limits rejects configs and shapes outside the kernel's limits.
