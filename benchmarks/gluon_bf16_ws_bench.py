@@ -1,8 +1,9 @@
 """Time the warp-specialised Gluon bf16 grouped GEMM (megamoe/kernels/gluon_bf16_ws.py; cooperative and ping-pong
-schedules, several tiles and ring depths) next to our Triton bf16 kernel (its default config) and torch._grouped_mm
-on the forward ops of every preset: GEMM1 + SwiGLU (ours also writes act; torch writes h only) and GEMM2 [R, I] x
-[E_l, H, I]^T (with the gate scale; torch without). R = tokens * k rows, multinomial group sizes in multiples of 16
-rows (torch's alignment). Every warp-specialised output is checked against the Triton kernel's.
+schedules, several tiles and ring depths) next to our Triton bf16 kernel (its default config) and torch._grouped_mm on
+the forward ops of every preset: GEMM1 + SwiGLU (ours also writes act; torch writes h only) and GEMM2 [R, I] x [E_l, H,
+I]^T (with the gate scale; torch without); and GEMM1's dgrad [R, 2I] x [E_l, 2I, H] (kn weights). R = tokens * k rows,
+multinomial group sizes in multiples of 16 rows (torch's alignment). Every warp-specialised output is checked against
+the Triton kernel's.
 
     python benchmarks/gluon_bf16_ws_bench.py [--shapes deepseek-v3:4,mixtral-8x7b:4] [--tokens 4096] [--json out.json]
 """
@@ -22,6 +23,8 @@ from megamoe.perf import expert_offsets, report_kernel_rows, run_shapes
 #: (label, ping-pong, block_n, stages)
 SWIGLU = [("coop bn128 s4", False, 128, 4), ("coop bn128 s3", False, 128, 3), ("coop bn64 s6", False, 64, 6),
           ("pp bn64 s5", True, 64, 5), ("pp bn64 s4", True, 64, 4)]
+KN = [("coop bn256 s4", False, 256, 4), ("coop bn256 s3", False, 256, 3), ("pp bn128 s5", True, 128, 5),
+      ("pp bn128 s4", True, 128, 4)]
 PLAIN = [("coop bn256 s4", False, 256, 4), ("coop bn256 s3", False, 256, 3), ("coop bn128 s6", False, 128, 6),
          ("pp bn128 s5", True, 128, 5), ("pp bn128 s4", True, 128, 4)]
 
@@ -64,8 +67,9 @@ def run_shape(name: str, ep: int, tokens: int, rows: list) -> None:
     spec = f"{name}:{ep}:{tokens}"
     x = torch.randn(R, H, device="cuda").to(torch.bfloat16)
     w13 = (torch.randn(E_l, 2 * I, H, device="cuda") / math.sqrt(H)).to(torch.bfloat16)
-    act, h = X.gemm1_swiglu(x, w13, offs)
-    t_tri = bench(lambda: X.gemm1_swiglu(x, w13, offs, out=act, h_out=h))
+    tri1 = X.default_config("gemm1_swiglu", R, I, H).with_(kernel="triton")  # (the default is the ws kernel)
+    act, h = X.gemm1_swiglu(x, w13, offs, config=tri1)
+    t_tri = bench(lambda: X.gemm1_swiglu(x, w13, offs, out=act, h_out=h, config=tri1))
     base = {"shape": spec, "op": "gemm1-swiglu", "R": R, "H": H, "I": I, "E_l": E_l}
     act2, h2 = torch.empty_like(act), torch.empty_like(h)
     run = {"torch": lambda: torch._grouped_mm(x, w13.transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16),
@@ -73,13 +77,25 @@ def run_shape(name: str, ep: int, tokens: int, rows: list) -> None:
     _variants(spec, "gemm1-swiglu", 2.0 * R * H * 2 * I, base, t_tri, SWIGLU, run, (act, h), rows)
     w2 = (torch.randn(E_l, H, I, device="cuda") / math.sqrt(I)).to(torch.bfloat16)
     s = torch.rand(R, device="cuda") + 0.5
-    out = X.gemm2(act, w2, offs, scale=s)
-    t_tri = bench(lambda: X.gemm2(act, w2, offs, scale=s, out=out))
+    tri2 = X.default_config("gemm2", R, H, I).with_(kernel="triton")
+    out = X.gemm2(act, w2, offs, scale=s, config=tri2)
+    t_tri = bench(lambda: X.gemm2(act, w2, offs, scale=s, out=out, config=tri2))
     base = {"shape": spec, "op": "gemm2", "R": R, "H": H, "I": I, "E_l": E_l}
     out2 = torch.empty_like(out)
     run = {"torch": lambda: torch._grouped_mm(act, w2.transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16),
            "ours": lambda cfg: (lambda: (X.gemm2(act, w2, offs, scale=s, out=out2, config=cfg),))}
     _variants(spec, "gemm2", 2.0 * R * I * H, base, t_tri, PLAIN, run, (out,), rows)
+    # GEMM1's dgrad (kn weights, opt-in on the ws kernel): dx [R, H] = dh [R, 2I] @ w13[e] viewed [2I, H]
+    dh = torch.randn(R, 2 * I, device="cuda").to(torch.bfloat16)
+    w13k = w13  # the layers' w13 [E_l, 2I, H] is the kn operand [E_l, K, N] of the dgrad
+    tri3 = X.default_config("dgrad1", R, H, 2 * I)
+    dx = X.gemm1_dgrad(dh, w13k, offs, config=tri3)
+    t_tri = bench(lambda: X.gemm1_dgrad(dh, w13k, offs, out=dx, config=tri3))
+    base = {"shape": spec, "op": "dgrad1", "R": R, "H": H, "I": I, "E_l": E_l}
+    dx2 = torch.empty_like(dx)
+    run = {"torch": lambda: torch._grouped_mm(dh, w13k, offs=ends, out_dtype=torch.bfloat16),
+           "ours": lambda cfg: (lambda: (X.gemm1_dgrad(dh, w13k, offs, out=dx2, config=cfg),))}
+    _variants(spec, "dgrad1", 2.0 * R * I * H * 2, base, t_tri, KN, run, (dx,), rows)
 
 
 def main() -> None:

@@ -226,23 +226,26 @@ def _gluon_fp8_ws(compiled: dict, where: dict) -> None:
 
 
 #: the warp-specialised bf16 kernel's variants that :func:`_gluon_bf16_ws` compiles: (label, epilogue, ping-pong,
-#: block_n, stages, experts, rows, TMA-able output): the defaults at deepseek-v3's shapes (cooperative SwiGLU 128 + 128
-#: with h, plain 256 columns with the gate scale) on 8 and 64 experts, the ping-pong tiles, an output TMA cannot
-#: store (N = 7164: masked stores only), one row and one expert
+#: block_n, stages, experts, rows, TMA-able output, kn weights): the defaults at deepseek-v3's shapes (cooperative
+#: SwiGLU 128 + 128 with h, plain 256 columns with the gate scale) on 8 and 64 experts, the ping-pong tiles, an output
+#: TMA cannot store (N = 7164: masked stores only), one row and one expert, and GEMM1's dgrad (kn, opt-in)
 WS_BF16_VARIANTS = [
-    ("coop/swiglu/bn128/s4/h/E64", 1, False, 128, 4, 64, 4096, True),
-    ("coop/none/bn256/s4/scale/E8", 0, False, 256, 4, 8, 1024, True),
-    ("coop/none/bn256/s4/scale/E64", 0, False, 256, 4, 64, 4096, True),
-    ("coop/none/bn256/s4/masked", 0, False, 256, 4, 8, 1024, False),
-    ("pp/none/bn128/s5/scale/E64", 0, True, 128, 5, 64, 4096, True),
-    ("pp/swiglu/bn64/s5/h/E64", 1, True, 64, 5, 64, 4096, True),
-    ("coop/swiglu/bn128/s4/h/1row", 1, False, 128, 4, 1, 1, True),
+    ("coop/swiglu/bn128/s4/h/E64", 1, False, 128, 4, 64, 4096, True, False),
+    ("coop/none/bn256/s4/scale/E8", 0, False, 256, 4, 8, 1024, True, False),
+    ("coop/none/bn256/s4/scale/E64", 0, False, 256, 4, 64, 4096, True, False),
+    ("coop/none/bn256/s4/masked", 0, False, 256, 4, 8, 1024, False, False),
+    ("pp/none/bn128/s5/scale/E64", 0, True, 128, 5, 64, 4096, True, False),
+    ("pp/swiglu/bn64/s5/h/E64", 1, True, 64, 5, 64, 4096, True, False),
+    ("coop/swiglu/bn128/s4/h/1row", 1, False, 128, 4, 1, 1, True, False),
+    ("coop/kn/bn256/s4/E64", 0, False, 256, 4, 64, 4096, True, True),
+    ("pp/kn/bn128/s5/E64", 0, True, 128, 5, 64, 4096, True, True),
 ]
 
 
 def _gluon_bf16_ws(compiled: dict, where: dict) -> None:
     """Compile the warp-specialised Gluon bf16 grouped GEMM (megamoe/kernels/gluon_bf16_ws.py) for every entry of
-    WS_BF16_VARIANTS (plain: GEMM2, K = I = 2048, N = H = 7168; SwiGLU: GEMM1, K = H, I = 2048)."""
+    WS_BF16_VARIANTS (plain: GEMM2, K = I = 2048, N = H = 7168; SwiGLU: GEMM1, K = H, I = 2048; kn: GEMM1's dgrad,
+    K = 2I, N = H)."""
     import torch
 
     from megamoe.kernels.gemm_config import GemmConfig
@@ -250,9 +253,12 @@ def _gluon_bf16_ws(compiled: dict, where: dict) -> None:
 
     H, I = 7168, 2048
     bf = torch.bfloat16
-    for label, epi, pp, bn, stages, E, R, aligned in WS_BF16_VARIANTS:
+    for label, epi, pp, bn, stages, E, R, aligned, kn in WS_BF16_VARIANTS:
         N, K, N_w = (H if aligned else H - 4, I, H if aligned else H - 4) if epi == 0 else (I, H, 2 * I)
-        a, w = torch.zeros(R, K, dtype=bf), torch.zeros(E, N_w, K, dtype=bf)
+        if kn:
+            N, K, N_w = H, 2 * I, H
+        a = torch.zeros(R, K, dtype=bf)
+        w = torch.zeros(E, K, N_w, dtype=bf) if kn else torch.zeros(E, N_w, K, dtype=bf)
         offs = torch.arange(0, E + 1, dtype=torch.int32) * (R // E)
         cfg = GemmConfig(block_m=128, block_n=bn, block_k=64, num_stages=stages, num_warps=4, num_sms=132,
                          kernel="gluon_ws", pingpong=pp)
@@ -260,8 +266,8 @@ def _gluon_bf16_ws(compiled: dict, where: dict) -> None:
         h = torch.empty(R, 2 * I, dtype=bf) if epi == 1 else None
         before = set(compiled.get("_gluon_bf16_ws_kernel", {}))
         with compile_only(compiled):
-            launch_gluon_bf16_ws(a, w, offs, out, cfg, n=N, epilogue=epi, h=h, store_h=epi == 1,
-                                 n_up=I if epi == 1 else 0, scale=torch.ones(R) if epi == 0 else None)
+            launch_gluon_bf16_ws(a, w, offs, out, cfg, n=N, epilogue=epi, h=h, store_h=epi == 1, w_kn=kn,
+                                 n_up=I if epi == 1 else 0, scale=torch.ones(R) if epi == 0 and not kn else None)
         for key in set(compiled.get("_gluon_bf16_ws_kernel", {})) - before:
             where[f"_gluon_bf16_ws_kernel#{key[:8]}"] = f"gluon-bf16-ws/{label}"
 

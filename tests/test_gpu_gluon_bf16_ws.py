@@ -1,13 +1,13 @@
 """The warp-specialised Gluon bf16 grouped GEMM (megamoe/kernels/gluon_bf16_ws.py: a TMA loader warp and two consumer
 warpgroups, cooperative or ping-pong), forced through GemmConfig(kernel="gluon_ws") on the public bf16 ops (GEMM1 +
-SwiGLU with and without h, GEMM2 with and without the gate scale), on an H100/H200: against the float64 twins (whole
-and per expert) and against the Triton bf16 kernel on the same inputs (same BLOCK_K and K order: only the wgmma's
-internal order and bf16 rounding flips may differ). Padding rows of the inputs hold NaN and outputs are poisoned,
-so a read of padding or a missed / extra write fails. Edge cases: empty, 1-row, 127 / 129-row groups, one group
-holding every row, K not a multiple of 64, N not a multiple of the tile (clipped last tile), outputs that TMA cannot
-store (rows not 16-byte aligned: the masked-store epilogue everywhere), fewer k-steps than stages, 3 persistent
-programs (many tiles each: the ring's stages and phases, and ping-pong's turns, carry across
-tiles; with 3 programs and an odd tile count the two consumers get different numbers of tiles).
+SwiGLU with and without h, GEMM2 with and without the gate scale, GEMM1's dgrad with kn weights), on an H100/H200:
+against the float64 twins (whole and per expert) and against the Triton bf16 kernel on the same inputs (same BLOCK_K and
+K order: only the wgmma's internal order and bf16 rounding flips may differ). Padding rows of the inputs hold NaN and
+outputs are poisoned, so a read of padding or a missed / extra write fails. Edge cases: empty, 1-row, 127 / 129-row
+groups, one group holding every row, K not a multiple of 64, N not a multiple of the tile (clipped last tile), outputs
+that TMA cannot store (rows not 16-byte aligned: the masked-store epilogue everywhere), fewer k-steps than stages, 3
+persistent programs (many tiles each: the ring's stages and phases, and ping-pong's turns, carry across tiles; with 3
+programs and an odd tile count the two consumers get different numbers of tiles).
 
     pytest -q -m gpu tests/test_gpu_gluon_bf16_ws.py          (on the H200)
 """
@@ -101,6 +101,29 @@ def test_ws_gemm2(sizes, cfg, K, N, with_scale):
     _check(out, ref, tri, offs, used, "gemm2")
 
 
+KN_CFGS = [(False, 256, 4, None), (False, 128, 2, 3), (True, 128, 5, None), (True, 64, 4, 3)]
+
+
+@needs_hopper
+@pytest.mark.parametrize("sizes", GROUPS)
+@pytest.mark.parametrize("cfg", KN_CFGS, ids=[f"pp{int(c[0])}-bn{c[1]}-s{c[2]}-p{c[3]}" for c in KN_CFGS])
+@pytest.mark.parametrize("K,N", [(1024, 256), (512, 200), (64, 136)])  # kn: K a multiple of 64; clipped tiles; 1 k-step
+def test_ws_gemm1_dgrad_kn(sizes, cfg, K, N):
+    # GEMM1's dgrad, dx [R, H] = dh [R, 2I] @ w13[e] [2I, H] (kn weights: K = 2I, N = H), opt-in on this kernel
+    import megamoe.experts as X
+
+    E_l, used, R, offs, gen, dh, w13t = bf16_problem(sizes, K, N, seed=4)
+    w13 = w13t.transpose(1, 2).contiguous()  # [E_l, K, N]
+    out = torch.full((R, N), SENTINEL, device="cuda", dtype=torch.bfloat16)
+    _ran_ws(forget=True)
+    X.gemm1_dgrad(dh, w13, offs, out=out, config=_cfg(*cfg))
+    assert _ran_ws()
+    tri = X.gemm1_dgrad(dh, w13, offs, config=triton_config("dgrad1", R, N, K))
+    ref = X.gemm1_dgrad_ref(dh.double(), w13.double(), offs)
+    torch.cuda.synchronize()
+    _check(out, ref, tri, offs, used, "dgrad1")
+
+
 @needs_hopper
 def test_ws_validates():
     import megamoe.experts as X
@@ -112,3 +135,5 @@ def test_ws_validates():
         X.gemm2(a, w, offs, config=_cfg(False, 256, 6, None))
     with pytest.raises(ValueError, match="kernel='gluon_ws'.*plain and the SwiGLU"):
         X.gemm2_dgrad_swiglu(a, w, _randn(R, 512, gen=gen), offs, config=_cfg(False, 128, 4, None))
+    with pytest.raises(ValueError, match="multiple of 64"):  # kn: a k-tile must stay inside its expert
+        X.gemm1_dgrad(a[:, :200].contiguous(), _randn(E_l, 200, 256, gen=gen), offs, config=_cfg(False, 256, 4, None))

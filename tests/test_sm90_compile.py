@@ -149,7 +149,7 @@ def test_gluon_bf16_ws_variants(rep):
     variants = {f"gluon-bf16-ws/{c[0]}": c for c in WS_BF16_VARIANTS}
     assert set(ws) == set(variants), f"bf16 ws variants compiled: {sorted(ws)}, expected {sorted(variants)}"
     for label, v in ws.items():
-        _, epi, pp, _, _, _, _, aligned = variants[label]
+        _, epi, pp, _, _, _, _, aligned, _ = variants[label]
         want = "2" if epi == 1 else "1"
         assert want in v["wgmma_wait_groups"], f"{label}: no wgmma.wait_group {want} {v['wgmma_wait_groups']}"
         assert not v["wgmma_serialized"], f"{label}: ptxas serialised its wgmmas"

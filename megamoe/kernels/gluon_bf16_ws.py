@@ -143,7 +143,7 @@ def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, out_d
                    out_ptr, h_ptr, scale_ptr, offs_ptr, N, K, E_l, num_progs, stride_om, stride_hm,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
                    STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, SWIGLU: gl.constexpr, STORE_H: gl.constexpr,
-                   PINGPONG: gl.constexpr, EPI_TMA: gl.constexpr, WG: gl.constexpr):
+                   PINGPONG: gl.constexpr, EPI_TMA: gl.constexpr, W_KN: gl.constexpr, WG: gl.constexpr):
     """One consumer warpgroup (module docstring): cooperative: rows WG * 64 .. WG * 64 + 63 of every tile of this
     program; ping-pong: the program's local tiles WG, WG + 2, ... whole. Epilogue through the staging buffers
     2 WG, 2 WG + 1 of epi_smem (``_put``): with EPI_TMA by TMA stores where every row belongs to the tile's expert."""
@@ -191,7 +191,10 @@ def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, out_d
                 a_v = a_smem.index(s)
             else:
                 a_v = a_smem.index(s).slice(WG * HM, HM)
-            acc = warpgroup_mma(a_v, b_smem.index(s).permute((1, 0)), acc, is_async=True)
+            if W_KN:  # the [BK, BLOCK_N] tile as it is
+                acc = warpgroup_mma(a_v, b_smem.index(s), acc, is_async=True)
+            else:  # the [BLOCK_N, BK] tile transposed
+                acc = warpgroup_mma(a_v, b_smem.index(s).permute((1, 0)), acc, is_async=True)
             if SWIGLU:
                 acc2 = warpgroup_mma(a_v, b2_smem.index(s).permute((1, 0)), acc2, is_async=True)
                 acc, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc2))
@@ -240,6 +243,7 @@ def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, out_d
 @gluon.jit
 def _gluon_bf16_ws_kernel(
     a_desc, w_desc,     # TMA descriptors: a [R, K] block [BLOCK_M, 64]; w as [E_l * N_W, K] block [BLOCK_N, 64]
+    #                     (W_KN: as [E_l * K, N_W] block [64, BLOCK_N])
     out_desc,           # EPI_TMA: out [R, N] block [HM, 64] (else a_desc, unused)
     hg_desc, hu_desc,   # EPI_TMA with STORE_H: h's gate and up halves, each [R, N] (row stride 2N), block [HM, 64]
     out_ptr,            # out [R, N] bf16, row stride stride_om
@@ -250,15 +254,18 @@ def _gluon_bf16_ws_kernel(
     N_W, N_UP,          # weight rows per expert; SWIGLU: the up rows' offset
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
     STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, SWIGLU: gl.constexpr, STORE_H: gl.constexpr,
-    PINGPONG: gl.constexpr, EPI_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
+    PINGPONG: gl.constexpr, EPI_TMA: gl.constexpr, W_KN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid: (P,) persistent programs of 4 + 4 + 1 warps (module docstring)."""
     BK: gl.constexpr = 64
     HM: gl.constexpr = BLOCK_M if PINGPONG else BLOCK_M // 2
-    MODE: gl.constexpr = 1 if SWIGLU else 0
+    MODE: gl.constexpr = 1 if SWIGLU else 3 if W_KN else 0  # the loader's (gluon_fp8_ws._ws_loader)
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BK], a_desc.layout)
-    b_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BK], w_desc.layout)
+    if W_KN:
+        b_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BK, BLOCK_N], w_desc.layout)
+    else:
+        b_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BK], w_desc.layout)
     if SWIGLU:  # the up tiles
         b2_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BK], w_desc.layout)
     else:
@@ -276,10 +283,10 @@ def _gluon_bf16_ws_kernel(
     gl.warp_specialize([
         (_bf16_consumer, (a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, out_desc, hg_desc, hu_desc,
                           out_ptr, h_ptr, scale_ptr, offs_ptr, N, K, E_l, num_progs, stride_om, stride_hm, BLOCK_M,
-                          BLOCK_N, GROUP_M, BLOCK_E, STAGES, HAS_SCALE, SWIGLU, STORE_H, PINGPONG, EPI_TMA, 0)),
+                          BLOCK_N, GROUP_M, BLOCK_E, STAGES, HAS_SCALE, SWIGLU, STORE_H, PINGPONG, EPI_TMA, W_KN, 0)),
         (_bf16_consumer, (a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, out_desc, hg_desc, hu_desc,
                           out_ptr, h_ptr, scale_ptr, offs_ptr, N, K, E_l, num_progs, stride_om, stride_hm, BLOCK_M,
-                          BLOCK_N, GROUP_M, BLOCK_E, STAGES, HAS_SCALE, SWIGLU, STORE_H, PINGPONG, EPI_TMA, 1)),
+                          BLOCK_N, GROUP_M, BLOCK_E, STAGES, HAS_SCALE, SWIGLU, STORE_H, PINGPONG, EPI_TMA, W_KN, 1)),
         (_ws_loader, (a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, N, K, E_l, num_progs, N_W,
                       N_UP, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, MODE, BK)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -306,8 +313,11 @@ def ws_bf16_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, 
     (n_up: the first up row); cfg.pingpong picks the schedule (module docstring)."""
     if epilogue not in (EPI_NONE, EPI_SWIGLU):
         return "only the plain and the SwiGLU epilogues are warp-specialised (bf16)"
-    if w_kn:
-        return "it takes weights [E_l, N, K] only (the forward GEMMs), not the dgrads' [E_l, K, N]"
+    if w_kn and epilogue != EPI_NONE:
+        return "weights [E_l, K, N] (kn) with the plain epilogue only (GEMM1's dgrad)"
+    if w_kn and k % BLOCK_K:
+        return (f"kn weights: K must be a multiple of {BLOCK_K} (the [E_l * K, N] view: a k-tile must stay inside "
+                f"its expert), got K = {k}")
     two = epilogue == EPI_SWIGLU
     pingpong = cfg.pingpong
     if cfg.block_k != BLOCK_K:
@@ -336,14 +346,15 @@ def ws_bf16_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, 
 
 def launch_gluon_bf16_ws(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, cfg: GemmConfig,
                          *, n: int, epilogue: int, h: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-                         store_h: bool = False, n_up: int = 0, consumer_regs: int = 224) -> None:
+                         store_h: bool = False, n_up: int = 0, w_kn: bool = False, consumer_regs: int = 224) -> None:
     """Launch _gluon_bf16_ws_kernel with the arguments of grouped_gemm.launch_grouped_gemm (nk weights; operands
     validated by the caller, device checks too); ValueError naming the limit (``ws_bf16_limits``) that fails.
     consumer_regs: registers per thread of each consumer warpgroup; the loader gets the rest of REG_POOL (sm_90a,
     64 experts: 224 leave it 56 and spill 8 B with ping-pong SwiGLU, 0 elsewhere; 232 spill 36 B there, 240 76 B)."""
     R, K = a.shape
-    E_l, n_w, _ = w.shape
-    why = ws_bf16_limits(cfg, n=n, k=K, n_w=n_w, epilogue=epilogue, n_up=n_up)
+    E_l = w.shape[0]
+    n_w = w.shape[2] if w_kn else w.shape[1]
+    why = ws_bf16_limits(cfg, n=n, k=K, n_w=n_w, epilogue=epilogue, w_kn=w_kn, n_up=n_up)
     if why is None and epilogue == EPI_SWIGLU and scale is not None:
         why = "the SwiGLU epilogue takes no row scale"
     if why is None and not (consumer_regs % 8 == 0 and 24 <= REG_POOL - 2 * consumer_regs and consumer_regs <= 256):
@@ -356,9 +367,10 @@ def launch_gluon_bf16_ws(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, o
     bf = gl.bfloat16
     a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [bm, BLOCK_K],
                               gl.NVMMASharedLayout.get_default_for([bm, BLOCK_K], bf))
-    w2d = w.view(E_l * n_w, K)
-    w_desc = TensorDescriptor(w2d, list(w2d.shape), list(w2d.stride()), [bn, BLOCK_K],
-                              gl.NVMMASharedLayout.get_default_for([bn, BLOCK_K], bf))
+    w2d = w.view(E_l * K, n_w) if w_kn else w.view(E_l * n_w, K)
+    wblock = [BLOCK_K, bn] if w_kn else [bn, BLOCK_K]
+    w_desc = TensorDescriptor(w2d, list(w2d.shape), list(w2d.stride()), wblock,
+                              gl.NVMMASharedLayout.get_default_for(wblock, bf))
     hm = bm if cfg.pingpong else bm // 2
     two = epilogue == EPI_SWIGLU
     # TMA stores where out (and h's halves) are TMA-able: 16-byte aligned bases and row strides
@@ -377,7 +389,7 @@ def launch_gluon_bf16_ws(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, o
         R, n, K, E_l, grid, out.stride(0), h.stride(0) if h is not None else 0, n_w, n_up,
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
         STAGES=cfg.num_stages, HAS_SCALE=scale is not None, SWIGLU=epilogue == EPI_SWIGLU, STORE_H=store_h,
-        PINGPONG=cfg.pingpong, EPI_TMA=epi_tma, CONSUMER_REGS=consumer_regs,
+        PINGPONG=cfg.pingpong, EPI_TMA=epi_tma, W_KN=w_kn, CONSUMER_REGS=consumer_regs,
         LOADER_REGS=REG_POOL - 2 * consumer_regs, num_warps=4, maxnreg=REG_POOL // 3,
     )
     record("_gluon_bf16_ws_kernel", k)

@@ -61,13 +61,14 @@ def _ws_loader(a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, 
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
                STAGES: gl.constexpr, MODE: gl.constexpr, BLOCK_K: gl.constexpr):
     """Every k-step of this program's tiles, in order, into the ring (stage = step % STAGES). Also the loader of
-    gluon_bf16_ws.py (BLOCK_K 64; MODE 0 / 1 only)."""
+    gluon_bf16_ws.py (BLOCK_K 64; MODE 0, 1, and 3: "kn" weights viewed as [E_l * K, N_W], whose [BLOCK_K, BLOCK_N]
+    tile of k-step ki is at (e * K + ki * BLOCK_K, n0); K a multiple of BLOCK_K, so it stays inside the expert)."""
     TN: gl.constexpr = 2 * BLOCK_N if MODE == 2 else BLOCK_N  # output columns per tile
     sched: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     e_idx, starts, cnts, m_tiles, cum_end, total = _schedule(offs_ptr, E_l, N, BLOCK_M, TN, BLOCK_E, sched)
     tiles_n = gl.cdiv(N, TN)
     k_tiles = gl.cdiv(K, BLOCK_K)
-    if MODE != 0:
+    if MODE == 1 or MODE == 2:
         nbytes: gl.constexpr = a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
     else:
         nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
@@ -75,15 +76,22 @@ def _ws_loader(a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, 
     for tile in range(gl.program_id(0), total, num_progs):
         e, row0, row_end, mi, ni = _locate(tile, e_idx, starts, cnts, m_tiles, cum_end, tiles_n, GROUP_M)
         off_m = row0 + mi * BLOCK_M
-        wrow = e * N_W + ni * TN
+        if MODE == 3:
+            wrow = e * K
+        else:
+            wrow = e * N_W + ni * TN
         for ki in range(k_tiles):
             s = it % STAGES
             # empty barriers start in phase 0: the first pass over the ring waits for the (complete) phase 1
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
             tma.async_copy_global_to_shared(a_desc, [off_m, ki * BLOCK_K], ready.index(s), a_smem.index(s))
-            tma.async_copy_global_to_shared(w_desc, [wrow, ki * BLOCK_K], ready.index(s), b_smem.index(s))
-            if MODE != 0:
+            if MODE == 3:
+                tma.async_copy_global_to_shared(w_desc, [wrow + ki * BLOCK_K, ni * TN], ready.index(s),
+                                                b_smem.index(s))
+            else:
+                tma.async_copy_global_to_shared(w_desc, [wrow, ki * BLOCK_K], ready.index(s), b_smem.index(s))
+            if MODE == 1 or MODE == 2:
                 tma.async_copy_global_to_shared(w_desc, [wrow + B2_OFF, ki * BLOCK_K], ready.index(s),
                                                 b2_smem.index(s))
             it += 1

@@ -377,7 +377,7 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ou
             from megamoe.kernels.gluon_bf16_ws import launch_gluon_bf16_ws
 
             launch_gluon_bf16_ws(a, w, offs, out, cfg, n=n, epilogue=epilogue, h=h, scale=scale, store_h=store_h,
-                                 n_up=n_up)
+                                 n_up=n_up, w_kn=w_kn)
             return
         from megamoe.kernels.gluon_bf16 import launch_gluon_bf16
 
