@@ -1,5 +1,6 @@
 """Warp-specialised bf16 grouped GEMM for Hopper, in Gluon: the plain op (EPI_NONE, optional row scale: GEMM2) and
-GEMM1 + SwiGLU (EPI_SWIGLU, optionally keeping h), weights "nk" ([E_l, N_w, K]: out = a @ w[e]^T). Chosen with
+GEMM1 + SwiGLU (EPI_SWIGLU, optionally keeping h), weights "nk" ([E_l, N_w, K]: out = a @ w[e]^T); also the plain op
+on "kn" weights ([E_l, K, N_w]: out = a @ w[e], GEMM1's dgrad; K a multiple of 64; opt-in, not yet timed). Chosen with
 GemmConfig(kernel="gluon_ws") on the bf16 ops (grouped_gemm.launch_grouped_gemm); the default of the bf16 forward
 ops on Hopper where its limits hold (megamoe.experts._bf16_config).
 
