@@ -228,7 +228,8 @@ def _gluon_fp8_ws(compiled: dict, where: dict) -> None:
 #: the warp-specialised bf16 kernel's variants that :func:`_gluon_bf16_ws` compiles: (label, epilogue, ping-pong,
 #: block_n, stages, experts, rows, TMA-able output, kn weights): the defaults at deepseek-v3's shapes (cooperative
 #: SwiGLU 128 + 128 with h, plain 256 columns with the gate scale) on 8 and 64 experts, the ping-pong tiles, an output
-#: TMA cannot store (N = 7164: masked stores only), one row and one expert, and GEMM1's dgrad (kn, opt-in)
+#: TMA cannot store (N = 7164: masked stores only), one row and one expert, GEMM1's dgrad (kn, opt-in) and the SwiGLU
+#: backward (kn w2, h by TMA, with the gate scale's partial sums and the gated activation; opt-in)
 WS_BF16_VARIANTS = [
     ("coop/swiglu/bn128/s4/h/E64", 1, False, 128, 4, 64, 4096, True, False),
     ("coop/none/bn256/s4/scale/E8", 0, False, 256, 4, 8, 1024, True, False),
@@ -239,6 +240,10 @@ WS_BF16_VARIANTS = [
     ("coop/swiglu/bn128/s4/h/1row", 1, False, 128, 4, 1, 1, True, False),
     ("coop/kn/bn256/s4/E64", 0, False, 256, 4, 64, 4096, True, True),
     ("pp/kn/bn128/s5/E64", 0, True, 128, 5, 64, 4096, True, True),
+    ("coop/dswiglu/bn128/s4/scale/acts/E64", 2, False, 128, 4, 64, 4096, True, True),
+    ("coop/dswiglu/bn128/s3/E64", 2, False, 128, 3, 64, 4096, True, True),
+    ("coop/dswiglu/bn64/s4/scale/E8", 2, False, 64, 4, 8, 1024, True, True),
+    ("coop/dswiglu/bn128/s4/scale/acts/1row", 2, False, 128, 4, 1, 1, True, True),
 ]
 
 
@@ -255,19 +260,22 @@ def _gluon_bf16_ws(compiled: dict, where: dict) -> None:
     bf = torch.bfloat16
     for label, epi, pp, bn, stages, E, R, aligned, kn in WS_BF16_VARIANTS:
         N, K, N_w = (H if aligned else H - 4, I, H if aligned else H - 4) if epi == 0 else (I, H, 2 * I)
-        if kn:
-            N, K, N_w = H, 2 * I, H
+        if kn:  # GEMM1's dgrad (K = 2I, N = H) or the SwiGLU backward (w2 as [E, H, I]: K = H, N = I)
+            N, K, N_w = (I, H, I) if epi == 2 else (H, 2 * I, H)
         a = torch.zeros(R, K, dtype=bf)
         w = torch.zeros(E, K, N_w, dtype=bf) if kn else torch.zeros(E, N_w, K, dtype=bf)
         offs = torch.arange(0, E + 1, dtype=torch.int32) * (R // E)
         cfg = GemmConfig(block_m=128, block_n=bn, block_k=64, num_stages=stages, num_warps=4, num_sms=132,
                          kernel="gluon_ws", pingpong=pp)
-        out = torch.empty(R, N, dtype=bf)
-        h = torch.empty(R, 2 * I, dtype=bf) if epi == 1 else None
+        out = torch.empty(R, 2 * N if epi == 2 else N, dtype=bf)
+        h = torch.empty(R, 2 * I, dtype=bf) if epi else None
+        scale = torch.ones(R) if (epi == 0 and not kn) or "scale" in label else None
+        dsp = torch.zeros((N + bn - 1) // bn, R) if epi == 2 and scale is not None else None
+        acts = torch.empty(R, N, dtype=bf) if "acts" in label else None
         before = set(compiled.get("_gluon_bf16_ws_kernel", {}))
         with compile_only(compiled):
             launch_gluon_bf16_ws(a, w, offs, out, cfg, n=N, epilogue=epi, h=h, store_h=epi == 1, w_kn=kn,
-                                 n_up=I if epi == 1 else 0, scale=torch.ones(R) if epi == 0 and not kn else None)
+                                 n_up=I if epi == 1 else 0, scale=scale, dsp=dsp, acts=acts)
         for key in set(compiled.get("_gluon_bf16_ws_kernel", {})) - before:
             where[f"_gluon_bf16_ws_kernel#{key[:8]}"] = f"gluon-bf16-ws/{label}"
 

@@ -140,9 +140,10 @@ def test_gluon_fp8_ws_variants(rep):
 
 def test_gluon_bf16_ws_variants(rep):
     # the warp-specialised bf16 GEMM: chained async wgmmas (wait_group 1; SwiGLU 2), not serialised, shared memory
-    # within 227 KB; the defaults (cooperative) spill nothing, ping-pong SwiGLU's loader at most 64 B (8-36 B,
-    # 2026-12-01); the epilogue: TMA stores where the output allows them (besides the masked 16-byte stores of
-    # partial tiles), none where it does not (N = 7164: rows not 16-byte aligned)
+    # within 227 KB; the defaults (cooperative) spill nothing, ping-pong SwiGLU's loader and the SwiGLU backward's
+    # epilogue with acts at most 64 B (8-36 B and 44-48 B, 2026-12-01); the epilogue: TMA stores where the output
+    # allows them (besides the masked 16-byte stores of partial tiles), none where it does not (N = 7164: rows not
+    # 16-byte aligned)
     from megamoe.sm90 import WS_BF16_VARIANTS
 
     ws = {v["layer"]: v for k, v in rep.items() if k.startswith("_gluon_bf16_ws_kernel")}
@@ -151,9 +152,13 @@ def test_gluon_bf16_ws_variants(rep):
     for label, v in ws.items():
         _, epi, pp, _, _, _, _, aligned, _ = variants[label]
         want = "2" if epi == 1 else "1"
+        if epi == 2:  # h comes by TMA: the SwiGLU backward loads nothing but the schedule and the scale
+            assert set(v["ld"]) <= {"ld.global.b32"}, f"{label}: h read from global memory? {v['ld']}"
         assert want in v["wgmma_wait_groups"], f"{label}: no wgmma.wait_group {want} {v['wgmma_wait_groups']}"
         assert not v["wgmma_serialized"], f"{label}: ptxas serialised its wgmmas"
-        assert v["spill_store_bytes"] <= (64 if pp else 0), f"{label}: spills {v['spill_store_bytes']} bytes"
+        # (the SwiGLU backward with acts: 44 B at 240 consumer registers, in its epilogue; opt-in, not yet timed)
+        allowed = 64 if pp or (epi == 2 and "acts" in label) else 0
+        assert v["spill_store_bytes"] <= allowed, f"{label}: spills {v['spill_store_bytes']} bytes"
         assert v["shared_bytes"] <= 232448, f"{label}: {v['shared_bytes']} bytes of shared memory"
         assert (v["tma_stores"] > 0) == aligned, f"{label}: {v['tma_stores']} TMA stores"
         if aligned:

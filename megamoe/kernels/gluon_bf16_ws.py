@@ -67,13 +67,13 @@ from megamoe.kernels.gemm_config import GemmConfig, grid_size, record, tma_ok
 from megamoe.kernels.gluon_bf16 import SMEM_LIMIT, _slices
 from megamoe.kernels.gluon_fp8 import _locate, _schedule
 from megamoe.kernels.gluon_fp8_ws import REG_POOL, _ws_loader
-from megamoe.kernels.grouped_gemm import EPI_NONE, EPI_SWIGLU
+from megamoe.kernels.grouped_gemm import EPI_DSWIGLU, EPI_NONE, EPI_SWIGLU
 
 BLOCK_K = 64  # one 128-byte swizzled row of bf16 per k-step
 #: (schedule, epilogue) -> allowed block_n: cooperative 64-row halves of 256 plain / 128 + 128 SwiGLU columns at
 #: most (128 accumulator registers per thread), ping-pong whole 128-row tiles of 128 / 64 + 64
-WIDTHS = {(False, EPI_NONE): (128, 256), (False, EPI_SWIGLU): (64, 128),
-          (True, EPI_NONE): (64, 128), (True, EPI_SWIGLU): (64,)}
+WIDTHS = {(False, EPI_NONE): (128, 256), (False, EPI_SWIGLU): (64, 128), (False, EPI_DSWIGLU): (64, 128),
+          (True, EPI_NONE): (64, 128), (True, EPI_SWIGLU): (64,), (True, EPI_DSWIGLU): ()}
 
 
 @gluon.jit
@@ -140,14 +140,57 @@ def _epi_none_slice(x, off_m, col, row_end, N, out_desc, out_ptr, stride_om, sca
 
 
 @gluon.jit
-def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, out_desc, hg_desc, hu_desc,
-                   out_ptr, h_ptr, scale_ptr, offs_ptr, N, K, E_l, num_progs, stride_om, stride_hm,
+def _epi_dswiglu_slice(dact, g_buf, u_buf, off_m, col, row_end, N, dg_desc, du_desc, acts_desc, out_ptr, stride_om,
+                       acts_ptr, scale_ptr, epi_smem, b0, tma_ok, HM: gl.constexpr, HAS_SCALE: gl.constexpr,
+                       ACTS: gl.constexpr, EPI_TMA: gl.constexpr, mma_s: gl.constexpr, store_l: gl.constexpr):
+    """One 64-column slice of the SwiGLU backward (grouped_gemm._epi_part, EPILOGUE 2): dact = dy @ w2[e] (unscaled),
+    g, u from the tile's h slices in shared memory (TMA zero fill past N: they contribute 0); with a scale
+    da = s[r] * dact and the row sums of dact * silu(g) * u returned (else 0); ACTS: acts = s[r] * silu(g) * u
+    (or silu(g) * u) stored first; then du = da * silu(g) at N + col and dg = da * u * silu'(g) at column col of
+    out [R, 2N]. 2 or 3 staged stores (ACTS), the first on buffer b0."""
+    g = g_buf.load(mma_s).to(gl.float32)
+    u = u_buf.load(mma_s).to(gl.float32)
+    sig = 1.0 / (1.0 + gl.exp(-g))
+    silu = g * sig
+    part = gl.zeros([HM], dtype=gl.float32, layout=gl.SliceLayout(1, mma_s))
+    da = dact
+    if HAS_SCALE:
+        rm = off_m + gl.arange(0, HM, layout=gl.SliceLayout(1, mma_s))
+        sc = gl.load(scale_ptr + rm, mask=rm < row_end, other=0.0)
+        su = silu * u
+        part = gl.sum(dact * su, axis=1)
+        if ACTS:
+            _put((su * sc[:, None]).to(gl.bfloat16), acts_desc, acts_ptr, N, off_m, col, row_end, N, epi_smem, b0,
+                 tma_ok, HM, EPI_TMA, store_l)
+        da = dact * sc[:, None]
+    elif ACTS:
+        _put((silu * u).to(gl.bfloat16), acts_desc, acts_ptr, N, off_m, col, row_end, N, epi_smem, b0, tma_ok, HM,
+             EPI_TMA, store_l)
+    nb = b0 ^ 1 if ACTS else b0
+    # du before dg: silu dies first (fewer live tiles at the peak: sm_90a, 224 registers, scale and acts: 128 B of
+    # spills with dg first)
+    du = da * silu
+    _put(du.to(gl.bfloat16), du_desc, out_ptr + N, stride_om, off_m, col, row_end, N, epi_smem, nb, tma_ok, HM,
+         EPI_TMA, store_l)
+    dg = da * u * (sig * (1.0 + g * (1.0 - sig)))
+    _put(dg.to(gl.bfloat16), dg_desc, out_ptr, stride_om, off_m, col, row_end, N, epi_smem, nb ^ 1, tma_ok, HM,
+         EPI_TMA, store_l)
+    return part
+
+
+@gluon.jit
+def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, h_smem, h_bar, out_desc, hg_desc,
+                   hu_desc, du_desc, acts_desc, out_ptr, h_ptr, scale_ptr, acts_ptr, dsp_ptr, offs_ptr,
+                   R, N, K, E_l, num_progs, stride_om, stride_hm,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
                    STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, SWIGLU: gl.constexpr, STORE_H: gl.constexpr,
-                   PINGPONG: gl.constexpr, EPI_TMA: gl.constexpr, W_KN: gl.constexpr, WG: gl.constexpr):
+                   PINGPONG: gl.constexpr, EPI_TMA: gl.constexpr, W_KN: gl.constexpr, DSWIGLU: gl.constexpr,
+                   ACTS: gl.constexpr, WG: gl.constexpr):
     """One consumer warpgroup (module docstring): cooperative: rows WG * 64 .. WG * 64 + 63 of every tile of this
     program; ping-pong: the program's local tiles WG, WG + 2, ... whole. Epilogue through the staging buffers
-    2 WG, 2 WG + 1 of epi_smem (``_put``): with EPI_TMA by TMA stores where every row belongs to the tile's expert."""
+    2 WG, 2 WG + 1 of epi_smem (``_put``): with EPI_TMA by TMA stores where every row belongs to the tile's expert.
+    DSWIGLU (cooperative only): the tile's h slices (gate, then up) are loaded by TMA into this consumer's part of
+    h_smem on h_bar[WG] at the start of the tile, so the epilogue reads no global memory but the scale."""
     BK: gl.constexpr = 64
     HM: gl.constexpr = BLOCK_M if PINGPONG else BLOCK_M // 2
     NSL: gl.constexpr = BLOCK_N // 64
@@ -168,8 +211,9 @@ def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, out_d
         step = num_progs
     nt = 0  # tiles of this consumer so far (the phase of its turn barrier)
     nst = 0  # staged stores so far (TMA or masked; the parity of the next one's staging buffer)
-    # staged stores per tile: per 64-column slice 3 (SwiGLU with h: gate, up, act), else 1
-    PER_TILE: gl.constexpr = NSL * (3 if SWIGLU and STORE_H else 1)
+    # staged stores per 64-column slice: SwiGLU 3 with h (gate, up, act) else 1; its backward 2 (dg, du), 3 with acts
+    PER_SLICE: gl.constexpr = (3 if STORE_H else 1) if SWIGLU else (3 if ACTS else 2) if DSWIGLU else 1
+    PER_TILE: gl.constexpr = NSL * PER_SLICE
     for tile in range(first, total, step):
         e, row0, row_end, mi, ni = _locate(tile, e_idx, starts, cnts, m_tiles, cum_end, tiles_n, GROUP_M)
         off_m = row0 + mi * BLOCK_M
@@ -177,6 +221,14 @@ def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, out_d
             off_m += WG * HM
         off_n = ni * BLOCK_N
         it = ((tile - pid) // num_progs) * k_tiles  # ring position of the tile's first k-step
+        hph = nt & 1  # DSWIGLU: the phase of this tile's h load on h_bar[WG]
+        if DSWIGLU:  # the tile's h (the previous epilogue is done reading h_smem: barrier + fence at its end)
+            mbarrier.expect(h_bar.index(WG), 2 * NSL * hg_desc.block_type.nbytes)
+            for c in gl.static_range(NSL):
+                tma.async_copy_global_to_shared(hg_desc, [off_m, off_n + c * 64], h_bar.index(WG),
+                                                h_smem.index(WG * 2 * NSL + c))
+                tma.async_copy_global_to_shared(hu_desc, [off_m, off_n + c * 64], h_bar.index(WG),
+                                                h_smem.index(WG * 2 * NSL + NSL + c))
         if PINGPONG:  # wait for the turn: the other consumer has issued its previous tile's k-loop
             if WG == 0:
                 if nt > 0:
@@ -217,7 +269,24 @@ def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, out_d
         tma_ok = off_m + HM <= row_end  # TMA stores cannot stop at the expert's last row
         b0 = 2 * WG + (nst & 1)
         # (1 or 3 stores per slice: each slice starts on the buffer after the previous slice's last)
-        if SWIGLU:
+        if DSWIGLU:
+            hb = WG * 2 * NSL
+            mbarrier.wait(h_bar.index(WG), hph)
+            part = _epi_dswiglu_slice(a0, h_smem.index(hb), h_smem.index(hb + NSL), off_m, off_n, row_end, N,
+                                      out_desc, du_desc, acts_desc, out_ptr, stride_om, acts_ptr, scale_ptr,
+                                      epi_smem, b0, tma_ok, HM, HAS_SCALE, ACTS, EPI_TMA, mma_s, store_l)
+            if NSL > 1:
+                part += _epi_dswiglu_slice(a1, h_smem.index(hb + 1), h_smem.index(hb + NSL + 1), off_m, off_n + 64,
+                                           row_end, N, out_desc, du_desc, acts_desc, out_ptr, stride_om, acts_ptr,
+                                           scale_ptr, epi_smem, b0 ^ (PER_SLICE & 1), tma_ok, HM, HAS_SCALE, ACTS,
+                                           EPI_TMA, mma_s, store_l)
+            if HAS_SCALE:  # this tile's column block's share of the gate's gradient, per row
+                rm = off_m + gl.arange(0, HM, layout=gl.SliceLayout(1, mma_s))
+                gl.store(dsp_ptr + ni.to(gl.int64) * R + rm, part, mask=rm < row_end)
+            # every thread is done reading h_smem before the next tile's TMA rewrites it (async after generic)
+            gl.thread_barrier()
+            fence_async_shared()
+        elif SWIGLU:
             u0, u1, u2, u3 = _slices(acc2, HM, BLOCK_N, mma_s)
             _epi_swiglu_slice(a0, u0, off_m, off_n, row_end, N, out_desc, hg_desc, hu_desc, out_ptr, stride_om, h_ptr,
                               stride_hm, epi_smem, b0, tma_ok, HM, STORE_H, EPI_TMA, store_l)
@@ -245,18 +314,23 @@ def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, out_d
 def _gluon_bf16_ws_kernel(
     a_desc, w_desc,     # TMA descriptors: a [R, K] block [BLOCK_M, 64]; w as [E_l * N_W, K] block [BLOCK_N, 64]
     #                     (W_KN: as [E_l * K, N_W] block [64, BLOCK_N])
-    out_desc,           # EPI_TMA: out [R, N] block [HM, 64] (else a_desc, unused)
-    hg_desc, hu_desc,   # EPI_TMA with STORE_H: h's gate and up halves, each [R, N] (row stride 2N), block [HM, 64]
-    out_ptr,            # out [R, N] bf16, row stride stride_om
+    out_desc,           # EPI_TMA: out [R, N] block [HM, 64] (DSWIGLU: its dg half [R, N] of row stride 2N)
+    hg_desc, hu_desc,   # h's gate and up halves, each [R, N] (row stride 2N), block [HM, 64]: stored (SWIGLU with
+    #                     STORE_H and EPI_TMA) or loaded (DSWIGLU)
+    du_desc,            # DSWIGLU with EPI_TMA: out's du half [R, N] (base out + N, row stride 2N)
+    acts_desc,          # DSWIGLU with ACTS and EPI_TMA: acts [R, N]   (unused descriptors: a_desc)
+    out_ptr,            # out [R, N] bf16 (DSWIGLU: [R, 2N]), row stride stride_om
     h_ptr,              # h [R, 2N] bf16, row stride stride_hm (SWIGLU with STORE_H)
-    scale_ptr,          # [R] fp32 (HAS_SCALE, plain only)
+    scale_ptr,          # [R] fp32 (HAS_SCALE: plain and DSWIGLU)
+    acts_ptr,           # DSWIGLU with ACTS: acts [R, N] bf16 (contiguous)
+    dsp_ptr,            # DSWIGLU with HAS_SCALE: dsp [cdiv(N, BLOCK_N), R] fp32, the gate gradient's partial sums
     offs_ptr,           # [E_l + 1] int32
     R, N, K, E_l, num_progs, stride_om, stride_hm,
     N_W, N_UP,          # weight rows per expert; SWIGLU: the up rows' offset
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
     STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, SWIGLU: gl.constexpr, STORE_H: gl.constexpr,
-    PINGPONG: gl.constexpr, EPI_TMA: gl.constexpr, W_KN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    PINGPONG: gl.constexpr, EPI_TMA: gl.constexpr, W_KN: gl.constexpr, DSWIGLU: gl.constexpr, ACTS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid: (P,) persistent programs of 4 + 4 + 1 warps (module docstring)."""
     BK: gl.constexpr = 64
@@ -273,6 +347,15 @@ def _gluon_bf16_ws_kernel(
         b2_smem = b_smem  # unused
     # two staging buffers per consumer, in the swizzled layout of a's [BLOCK_M, 64] tiles (the same for [HM, 64])
     epi_smem = gl.allocate_shared_memory(gl.bfloat16, [4, HM, 64], a_desc.layout)
+    NSL: gl.constexpr = BLOCK_N // 64
+    if DSWIGLU:  # per consumer the tile's h slices: NSL gate then NSL up, [HM, 64] each
+        h_smem = gl.allocate_shared_memory(gl.bfloat16, [4 * NSL, HM, 64], a_desc.layout)
+        h_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(2):
+            mbarrier.init(h_bar.index(c), count=1)
+    else:
+        h_smem = epi_smem  # unused
+        h_bar = epi_smem
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -282,12 +365,14 @@ def _gluon_bf16_ws_kernel(
     for c in gl.static_range(2):
         mbarrier.init(order.index(c), count=1)
     gl.warp_specialize([
-        (_bf16_consumer, (a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, out_desc, hg_desc, hu_desc,
-                          out_ptr, h_ptr, scale_ptr, offs_ptr, N, K, E_l, num_progs, stride_om, stride_hm, BLOCK_M,
-                          BLOCK_N, GROUP_M, BLOCK_E, STAGES, HAS_SCALE, SWIGLU, STORE_H, PINGPONG, EPI_TMA, W_KN, 0)),
-        (_bf16_consumer, (a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, out_desc, hg_desc, hu_desc,
-                          out_ptr, h_ptr, scale_ptr, offs_ptr, N, K, E_l, num_progs, stride_om, stride_hm, BLOCK_M,
-                          BLOCK_N, GROUP_M, BLOCK_E, STAGES, HAS_SCALE, SWIGLU, STORE_H, PINGPONG, EPI_TMA, W_KN, 1)),
+        (_bf16_consumer, (a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, h_smem, h_bar, out_desc, hg_desc,
+                          hu_desc, du_desc, acts_desc, out_ptr, h_ptr, scale_ptr, acts_ptr, dsp_ptr, offs_ptr, R, N,
+                          K, E_l, num_progs, stride_om, stride_hm, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES,
+                          HAS_SCALE, SWIGLU, STORE_H, PINGPONG, EPI_TMA, W_KN, DSWIGLU, ACTS, 0)),
+        (_bf16_consumer, (a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, h_smem, h_bar, out_desc, hg_desc,
+                          hu_desc, du_desc, acts_desc, out_ptr, h_ptr, scale_ptr, acts_ptr, dsp_ptr, offs_ptr, R, N,
+                          K, E_l, num_progs, stride_om, stride_hm, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES,
+                          HAS_SCALE, SWIGLU, STORE_H, PINGPONG, EPI_TMA, W_KN, DSWIGLU, ACTS, 1)),
         (_ws_loader, (a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, N, K, E_l, num_progs, N_W,
                       N_UP, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, MODE, BK)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -296,15 +381,18 @@ def _gluon_bf16_ws_kernel(
         mbarrier.invalidate(empty.index(s))
     for c in gl.static_range(2):
         mbarrier.invalidate(order.index(c))
+        if DSWIGLU:
+            mbarrier.invalidate(h_bar.index(c))
 
 
 def smem_bytes(cfg: GemmConfig, epilogue: int) -> int:
     """Shared memory of a launch: the ring, the consumers' staging buffers (2 x 2 x [rows, 64] bf16; rows 64
-    cooperative, 128 ping-pong), barriers (rounded up)."""
+    cooperative, 128 ping-pong), the SwiGLU backward's h tiles, barriers (rounded up)."""
     two = epilogue == EPI_SWIGLU
     ring = cfg.num_stages * 2 * BLOCK_K * (cfg.block_m + (2 if two else 1) * cfg.block_n)
     rows = cfg.block_m if cfg.pingpong else cfg.block_m // 2
-    return ring + 4 * rows * 64 * 2 + 1024
+    h = 2 * 2 * rows * cfg.block_n * 2 if epilogue == EPI_DSWIGLU else 0  # each consumer's h gate and up slices
+    return ring + 4 * rows * 64 * 2 + h + 1024
 
 
 def ws_bf16_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, w_kn: bool = False,
@@ -312,10 +400,16 @@ def ws_bf16_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, 
     """Why the warp-specialised bf16 kernel cannot run this launch (config and shapes only; device checks are the
     caller's), or None. n output columns, k reduction, n_w weight rows per expert, epilogue EPI_NONE or EPI_SWIGLU
     (n_up: the first up row); cfg.pingpong picks the schedule (module docstring)."""
-    if epilogue not in (EPI_NONE, EPI_SWIGLU):
-        return "only the plain and the SwiGLU epilogues are warp-specialised (bf16)"
-    if w_kn and epilogue != EPI_NONE:
-        return "weights [E_l, K, N] (kn) with the plain epilogue only (GEMM1's dgrad)"
+    if epilogue not in (EPI_NONE, EPI_SWIGLU, EPI_DSWIGLU):
+        return f"unknown epilogue {epilogue}"
+    if w_kn and epilogue == EPI_SWIGLU:
+        return "weights [E_l, K, N] (kn) with the plain and the SwiGLU-backward epilogues only (the dgrads)"
+    if epilogue == EPI_DSWIGLU and not w_kn:
+        return "the SwiGLU backward takes w2 as kn weights [E_l, H, I] (K = H, N = I)"
+    if epilogue == EPI_DSWIGLU and cfg.pingpong:
+        return "the SwiGLU backward runs the cooperative schedule only (ping-pong's h tiles would not fit)"
+    if epilogue == EPI_DSWIGLU and n % 8:
+        return f"the SwiGLU backward loads h's halves by TMA: N must be a multiple of 8, got N = {n}"
     if w_kn and k % BLOCK_K:
         return (f"kn weights: K must be a multiple of {BLOCK_K} (the [E_l * K, N] view: a k-tile must stay inside "
                 f"its expert), got K = {k}")
@@ -330,7 +424,7 @@ def ws_bf16_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, 
     if cfg.block_n not in widths:
         return (f"block_n must be one of {widths} with the {'ping-pong' if pingpong else 'cooperative'} schedule"
                 f"{' and SwiGLU (gate = up columns per tile)' if two else ''} (128 accumulator registers per thread "
-                f"at most), got {cfg.block_n}")
+                f"at most; the SwiGLU backward's epilogue holds g and u besides), got {cfg.block_n}")
     if cfg.num_stages < 2:
         return f"num_stages must be >= 2, got {cfg.num_stages}"
     smem = smem_bytes(cfg, epilogue)
@@ -339,7 +433,7 @@ def ws_bf16_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, 
     if k <= 0 or k % 8:
         return f"K must be a positive multiple of 8 (16-byte TMA strides), got K = {k}"
     if not two and n != n_w:
-        return f"the plain op's N must equal the weight rows per expert, got N = {n}, {n_w} rows"
+        return f"N must equal the weights' extent along N per expert, got N = {n}, {n_w}"
     if two and n_up + n > n_w:
         return f"SwiGLU: the up rows {n_up} + {n} exceed the expert's {n_w} weight rows"
     return None
@@ -347,17 +441,23 @@ def ws_bf16_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, 
 
 def launch_gluon_bf16_ws(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, cfg: GemmConfig,
                          *, n: int, epilogue: int, h: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-                         store_h: bool = False, n_up: int = 0, w_kn: bool = False, consumer_regs: int = 224) -> None:
+                         store_h: bool = False, n_up: int = 0, w_kn: bool = False, dsp: torch.Tensor | None = None,
+                         acts: torch.Tensor | None = None, consumer_regs: int | None = None) -> None:
     """Launch _gluon_bf16_ws_kernel with the arguments of grouped_gemm.launch_grouped_gemm (nk weights; operands
     validated by the caller, device checks too); ValueError naming the limit (``ws_bf16_limits``) that fails.
-    consumer_regs: registers per thread of each consumer warpgroup; the loader gets the rest of REG_POOL (sm_90a,
-    64 experts: 224 leave it 56 and spill 8 B with ping-pong SwiGLU, 0 elsewhere; 232 spill 36 B there, 240 76 B)."""
+    consumer_regs: registers per thread of each consumer warpgroup; the loader gets the rest of REG_POOL. None: 224
+    (sm_90a, 64 experts: leaves the loader 56 and spills 8 B with ping-pong SwiGLU, 0 elsewhere; 232 spill 36 B there,
+    240 76 B), but 240 for the SwiGLU backward with acts (its epilogue: 132 B of spills at 224, 44 B at 240)."""
     R, K = a.shape
     E_l = w.shape[0]
     n_w = w.shape[2] if w_kn else w.shape[1]
+    if consumer_regs is None:
+        consumer_regs = 240 if epilogue == EPI_DSWIGLU and acts is not None else 224
     why = ws_bf16_limits(cfg, n=n, k=K, n_w=n_w, epilogue=epilogue, w_kn=w_kn, n_up=n_up)
     if why is None and epilogue == EPI_SWIGLU and scale is not None:
         why = "the SwiGLU epilogue takes no row scale"
+    if why is None and epilogue == EPI_DSWIGLU and (h is None or (scale is None) != (dsp is None)):
+        why = "the SwiGLU backward needs h, and dsp exactly with a scale"
     if why is None and not (consumer_regs % 8 == 0 and 24 <= REG_POOL - 2 * consumer_regs and consumer_regs <= 256):
         why = f"consumer_regs must be a multiple of 8 <= {(REG_POOL - 24) // 2}, got {consumer_regs}"
     if why is not None:
@@ -374,23 +474,39 @@ def launch_gluon_bf16_ws(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, o
                               gl.NVMMASharedLayout.get_default_for(wblock, bf))
     hm = bm if cfg.pingpong else bm // 2
     two = epilogue == EPI_SWIGLU
-    # TMA stores where out (and h's halves) are TMA-able: 16-byte aligned bases and row strides
-    epi_tma = tma_ok([out]) and (not (two and store_h) or (tma_ok([h]) and n % 8 == 0))
+    back = epilogue == EPI_DSWIGLU
     epi_layout = gl.NVMMASharedLayout.get_default_for([hm, 64], bf)
-    out_desc = hg_desc = hu_desc = a_desc  # unused without TMA stores
+
+    def halves(t):  # t [R, 2n] -> descriptors of its halves [R, n] (row stride 2n)
+        return (TensorDescriptor(t, [R, n], [t.stride(0), 1], [hm, 64], epi_layout),
+                TensorDescriptor(t[:, n:], [R, n], [t.stride(0), 1], [hm, 64], epi_layout))
+
+    # TMA stores where the outputs are TMA-able: 16-byte aligned bases and row strides (a half's base: n % 8 == 0)
+    if back:
+        epi_tma = tma_ok([out]) and n % 8 == 0 and (acts is None or tma_ok([acts]))
+    else:
+        epi_tma = tma_ok([out]) and (not (two and store_h) or (tma_ok([h]) and n % 8 == 0))
+    out_desc = hg_desc = hu_desc = du_desc = acts_desc = a_desc  # unused where not set below
+    if back:  # h is read by TMA whatever the outputs (the caller checked it TMA-able)
+        hg_desc, hu_desc = halves(h)
     if epi_tma:
-        out_desc = TensorDescriptor(out, [R, n], [out.stride(0), 1], [hm, 64], epi_layout)
-        if two and store_h:
-            hg_desc = TensorDescriptor(h, [R, n], [h.stride(0), 1], [hm, 64], epi_layout)
-            hu_desc = TensorDescriptor(h[:, n:], [R, n], [h.stride(0), 1], [hm, 64], epi_layout)
+        if back:
+            out_desc, du_desc = halves(out)
+            if acts is not None:
+                acts_desc = TensorDescriptor(acts, [R, n], [acts.stride(0), 1], [hm, 64], epi_layout)
+        else:
+            out_desc = TensorDescriptor(out, [R, n], [out.stride(0), 1], [hm, 64], epi_layout)
+            if two and store_h:
+                hg_desc, hu_desc = halves(h)
     grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * triton.cdiv(n, bn), a.device)
     k = _gluon_bf16_ws_kernel[(grid,)](
-        a_desc, w_desc, out_desc, hg_desc, hu_desc, out, h if h is not None else out,
-        scale if scale is not None else out, offs,
+        a_desc, w_desc, out_desc, hg_desc, hu_desc, du_desc, acts_desc, out, h if h is not None else out,
+        scale if scale is not None else out, acts if acts is not None else out, dsp if dsp is not None else out, offs,
         R, n, K, E_l, grid, out.stride(0), h.stride(0) if h is not None else 0, n_w, n_up,
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
         STAGES=cfg.num_stages, HAS_SCALE=scale is not None, SWIGLU=epilogue == EPI_SWIGLU, STORE_H=store_h,
-        PINGPONG=cfg.pingpong, EPI_TMA=epi_tma, W_KN=w_kn, CONSUMER_REGS=consumer_regs,
+        PINGPONG=cfg.pingpong, EPI_TMA=epi_tma, W_KN=w_kn, DSWIGLU=back, ACTS=acts is not None,
+        CONSUMER_REGS=consumer_regs,
         LOADER_REGS=REG_POOL - 2 * consumer_regs, num_warps=4, maxnreg=REG_POOL // 3,
     )
     record("_gluon_bf16_ws_kernel", k)

@@ -369,7 +369,7 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ou
         raise ValueError("grouped_gemm: acts is an output of the SwiGLU-backward epilogue only")
     if cfg.kernel in ("gluon", "gluon_ws"):  # a Gluon bf16 kernel, only where asked for
         why = gluon_bf16_unavailable(cfg, a, w, n=n, w_kn=w_kn, epilogue=epilogue, h=h, n_up=n_up, kernel=cfg.kernel)
-        if why is None and acts is not None:
+        if why is None and acts is not None and cfg.kernel == "gluon":
             why = "its SwiGLU-backward epilogue does not write the gated activation (acts)"
         if why is not None:
             raise ValueError(f"grouped_gemm: the config pins kernel={cfg.kernel!r}, but {why}")
@@ -377,7 +377,7 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ou
             from megamoe.kernels.gluon_bf16_ws import launch_gluon_bf16_ws
 
             launch_gluon_bf16_ws(a, w, offs, out, cfg, n=n, epilogue=epilogue, h=h, scale=scale, store_h=store_h,
-                                 n_up=n_up, w_kn=w_kn)
+                                 n_up=n_up, w_kn=w_kn, dsp=dsp, acts=acts)
             return
         from megamoe.kernels.gluon_bf16 import launch_gluon_bf16
 
