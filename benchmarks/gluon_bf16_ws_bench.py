@@ -1,9 +1,10 @@
 """Time the warp-specialised Gluon bf16 grouped GEMM (megamoe/kernels/gluon_bf16_ws.py; cooperative and ping-pong
 schedules, several tiles and ring depths) next to our Triton bf16 kernel (its default config) and torch._grouped_mm on
 the forward ops of every preset: GEMM1 + SwiGLU (ours also writes act; torch writes h only) and GEMM2 [R, I] x [E_l, H,
-I]^T (with the gate scale; torch without); and GEMM1's dgrad [R, 2I] x [E_l, 2I, H] (kn weights). R = tokens * k rows,
-multinomial group sizes in multiples of 16 rows (torch's alignment). Every warp-specialised output is checked against
-the Triton kernel's.
+I]^T (with the gate scale; torch without); GEMM1's dgrad [R, 2I] x [E_l, 2I, H] (kn weights) and the SwiGLU backward
+(dgrad2 with the gate scale and acts, as the layer runs it; torch: the plain product). R = tokens * k rows, multinomial
+group sizes in multiples of 16 rows (torch's alignment). Every warp-specialised output is checked against the Triton
+kernel's.
 
     python benchmarks/gluon_bf16_ws_bench.py [--shapes deepseek-v3:4,mixtral-8x7b:4] [--tokens 4096] [--json out.json]
 """
@@ -25,6 +26,7 @@ SWIGLU = [("coop bn128 s4", False, 128, 4), ("coop bn128 s3", False, 128, 3), ("
           ("pp bn64 s5", True, 64, 5), ("pp bn64 s4", True, 64, 4)]
 KN = [("coop bn256 s4", False, 256, 4), ("coop bn256 s3", False, 256, 3), ("pp bn128 s5", True, 128, 5),
       ("pp bn128 s4", True, 128, 4)]
+DSWIGLU = [("coop bn128 s4", False, 128, 4), ("coop bn128 s3", False, 128, 3), ("coop bn64 s4", False, 64, 4)]
 PLAIN = [("coop bn256 s4", False, 256, 4), ("coop bn256 s3", False, 256, 3), ("coop bn128 s6", False, 128, 6),
          ("pp bn128 s5", True, 128, 5), ("pp bn128 s4", True, 128, 4)]
 
@@ -96,6 +98,18 @@ def run_shape(name: str, ep: int, tokens: int, rows: list) -> None:
     run = {"torch": lambda: torch._grouped_mm(dh, w13k, offs=ends, out_dtype=torch.bfloat16),
            "ours": lambda cfg: (lambda: (X.gemm1_dgrad(dh, w13k, offs, out=dx2, config=cfg),))}
     _variants(spec, "dgrad1", 2.0 * R * I * H * 2, base, t_tri, KN, run, (dx,), rows)
+    # the SwiGLU backward as the layer runs it (gate scale, acts for dW2): dh [R, 2I] from dy [R, H] @ w2[e] [H, I]
+    dy = torch.randn(R, H, device="cuda").to(torch.bfloat16)
+    tri4 = X.default_config("dgrad_swiglu", R, I, H)
+    acts = torch.empty(R, I, device="cuda", dtype=torch.bfloat16)
+    dh4, ds4 = X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s, acts_out=acts, config=tri4)
+    t_tri = bench(lambda: X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s, out=dh4, acts_out=acts, config=tri4))
+    base = {"shape": spec, "op": "dgrad2", "R": R, "H": H, "I": I, "E_l": E_l}
+    dh5, acts5 = torch.empty_like(dh4), torch.empty_like(acts)
+    run = {"torch": lambda: torch._grouped_mm(dy, w2, offs=ends, out_dtype=torch.bfloat16),
+           "ours": lambda cfg: (lambda: X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s, out=dh5, acts_out=acts5,
+                                                             config=cfg) + (acts5,))}
+    _variants(spec, "dgrad2", 2.0 * R * I * H, base, t_tri, DSWIGLU, run, (dh4, ds4, acts), rows)
 
 
 def main() -> None:

@@ -8,8 +8,8 @@
 # 7g (7 with --graph-moe --compile, ~2 min), 7t (GPU training tests, ~1 min), 8 (Gluon FP8 GEMM, every epilogue, ~5 min),
 # 9 (Gluon bf16 GEMM tests and bench, ~4 min), r (router tests on CUDA + layer A/B of the router impls, ~5 min),
 # g (layer A/B of the 2026-12-01 backward and fused defaults, ~4 min), p (fused per-item timeline, ~2 min),
-# w (warp-specialised FP8 GEMM: tests, bench, bench-gemm forward; ~6 min cold), b (warp-specialised bf16 GEMM: tests and
-# the variants' bench at 4096 and 16384 tokens, ~8 min cold).
+# w (warp-specialised FP8 GEMM: tests, bench, bench-gemm forward; ~6 min cold), b (warp-specialised bf16 GEMM tests,
+# ~5-9 min cold), b2 (its variants' bench, forward and the two dgrads, 4096 and 16384 tokens, ~5 min).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -151,12 +151,16 @@ CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m megamoe bench-gemm --no-bwd --json
 fi
 
 if want b; then
-echo "== b. warp-specialised bf16 GEMM (gluon_bf16_ws.py): variants vs Triton and torch._grouped_mm, GPU tests (one GPU)"
+echo "== b. warp-specialised bf16 GEMM (gluon_bf16_ws.py): GPU tests (one GPU; 343 tests, mostly compiles)"
+CUDA_VISIBLE_DEVICES=0 gpu_tests gpu_bf16_ws 540 tests/test_gpu_gluon_bf16_ws.py
+fi
+
+if want b2; then
+echo "== b2. warp-specialised bf16 GEMM variants vs Triton and torch._grouped_mm (one GPU), 4096 and 16384 tokens"
 for t in 4096 16384; do
-  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/gluon_bf16_ws_bench.py --tokens $t --json "$OUT/bf16_ws-$t.json" \
-    2>&1 | grep -v arn | tee "$OUT/bf16_ws-$t.txt" | tail -60
+  CUDA_VISIBLE_DEVICES=0 timeout 270 python3 benchmarks/gluon_bf16_ws_bench.py --tokens $t --json "$OUT/bf16_ws-$t.json" \
+    2>&1 | grep -v arn | tee "$OUT/bf16_ws-$t.txt" | tail -90
 done
-CUDA_VISIBLE_DEVICES=0 gpu_tests gpu_bf16_ws 280 tests/test_gpu_gluon_bf16_ws.py
 fi
 
 if want 6; then

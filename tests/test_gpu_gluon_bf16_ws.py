@@ -1,13 +1,14 @@
 """The warp-specialised Gluon bf16 grouped GEMM (megamoe/kernels/gluon_bf16_ws.py: a TMA loader warp and two consumer
 warpgroups, cooperative or ping-pong), forced through GemmConfig(kernel="gluon_ws") on the public bf16 ops (GEMM1 +
-SwiGLU with and without h, GEMM2 with and without the gate scale, GEMM1's dgrad with kn weights), on an H100/H200:
-against the float64 twins (whole and per expert) and against the Triton bf16 kernel on the same inputs (same BLOCK_K and
-K order: only the wgmma's internal order and bf16 rounding flips may differ). Padding rows of the inputs hold NaN and
-outputs are poisoned, so a read of padding or a missed / extra write fails. Edge cases: empty, 1-row, 127 / 129-row
-groups, one group holding every row, K not a multiple of 64, N not a multiple of the tile (clipped last tile), outputs
-that TMA cannot store (rows not 16-byte aligned: the masked-store epilogue everywhere), fewer k-steps than stages, 3
-persistent programs (many tiles each: the ring's stages and phases, and ping-pong's turns, carry across tiles; with 3
-programs and an odd tile count the two consumers get different numbers of tiles).
+SwiGLU with and without h, GEMM2 with and without the gate scale, GEMM1's dgrad with kn weights, the SwiGLU backward
+with and without the gate scale and acts), on an H100/H200: against the float64 twins (whole and per expert) and against
+the Triton bf16 kernel on the same inputs (same BLOCK_K and K order: only the wgmma's internal order and bf16 rounding
+flips may differ). Padding rows of the inputs hold NaN and outputs are poisoned, so a read of padding or a missed /
+extra write fails. Edge cases: empty, 1-row, 127 / 129-row groups, one group holding every row, K not a multiple of 64,
+N not a multiple of the tile (clipped last tile), outputs that TMA cannot store (rows not 16-byte aligned: the
+masked-store epilogue everywhere), fewer k-steps than stages, 3 persistent programs (many tiles each: the ring's stages
+and phases, and ping-pong's turns, carry across tiles; with 3 programs and an odd tile count the two consumers get
+different numbers of tiles).
 
     pytest -q -m gpu tests/test_gpu_gluon_bf16_ws.py          (on the H200)
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gemm_cases import bf16_problem, per_expert, rel, triton_config
+from gemm_cases import bf16_problem, per_expert, problem, rel, triton_config
 
 pytestmark = pytest.mark.gpu
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -124,6 +125,52 @@ def test_ws_gemm1_dgrad_kn(sizes, cfg, K, N):
     _check(out, ref, tri, offs, used, "dgrad1")
 
 
+DSW_CFGS = [(128, 4, None), (128, 3, 3), (64, 4, None), (64, 2, 3)]  # cooperative (block_n, stages, programs)
+
+
+@needs_hopper
+@pytest.mark.parametrize("sizes", GROUPS)
+@pytest.mark.parametrize("cfg", DSW_CFGS, ids=[f"bn{c[0]}-s{c[1]}-p{c[2]}" for c in DSW_CFGS])
+@pytest.mark.parametrize("H,I", [(1024, 256), (512, 200), (64, 128)])  # I = 200: a partial last n-tile; one k-step
+@pytest.mark.parametrize("with_scale,with_acts", [(True, True), (True, False), (False, False)])
+def test_ws_gemm2_dgrad_swiglu(sizes, cfg, H, I, with_scale, with_acts):
+    # the SwiGLU backward (dgrad2), opt-in on this kernel: dh [R, 2I] from dact = dy @ w2[e] (w2 [E_l, H, I] as kn
+    # weights: K = H, N = I) and h; with the gate scale also ds [R]; with acts_out also s[r] * silu(g) * u
+    import megamoe.experts as X
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    E_l, used, R, offs = problem(sizes)
+    dy = _randn(R, H, gen=gen)
+    dy[used:] = float("nan")
+    w2 = _randn(E_l, H, I, gen=gen, scale=I**-0.5)
+    h = _randn(R, 2 * I, gen=gen)
+    h[used:] = float("nan")
+    s = torch.rand(R, device="cuda", generator=gen) + 0.5 if with_scale else None
+    dh = torch.full((R, 2 * I), SENTINEL, device="cuda", dtype=torch.bfloat16)
+    acts = torch.full((R, I), SENTINEL, device="cuda", dtype=torch.bfloat16) if with_acts else None
+    bn, stages, progs = cfg
+    _ran_ws(forget=True)
+    got, ds = X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s, out=dh, acts_out=acts,
+                                   config=_cfg(False, bn, stages, progs))
+    assert _ran_ws() and got is dh
+    tri, tri_ds = X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s, config=triton_config("dgrad_swiglu", R, I, H))
+    ref, ref_ds = X.gemm2_dgrad_swiglu_ref(dy.double(), w2.double(), h.double(), offs,
+                                           scale=s.double() if s is not None else None)
+    torch.cuda.synchronize()
+    _check(dh, ref, tri, offs, used, "dh")
+    if with_scale:
+        assert ds.shape == (R,) and bool((ds[used:] == 0).all()), "gate-gradient rows of padding are not 0"
+        assert rel(ds[:used], ref_ds[:used]) < 1e-2, "ds vs float64"
+        assert rel(ds[:used], tri_ds[:used]) < 1e-3, "ds vs the Triton bf16 kernel"
+    else:
+        assert ds is None
+    if with_acts:
+        g, u = h[:used, :I].double(), h[:used, I:].double()
+        ref_acts = torch.zeros(R, I, dtype=torch.float64, device="cuda")
+        ref_acts[:used] = g * torch.sigmoid(g) * u * (s[:used, None].double() if s is not None else 1.0)
+        _check(acts, ref_acts, ref_acts, offs, used, "acts")
+
+
 @needs_hopper
 def test_ws_validates():
     import megamoe.experts as X
@@ -133,7 +180,7 @@ def test_ws_validates():
         X.gemm2(a, w, offs, config=_cfg(True, 256, 4, None))  # ping-pong 128 x 256: 256 accumulator registers
     with pytest.raises(ValueError, match="shared memory"):
         X.gemm2(a, w, offs, config=_cfg(False, 256, 6, None))
-    with pytest.raises(ValueError, match="kernel='gluon_ws'.*plain and the SwiGLU"):
-        X.gemm2_dgrad_swiglu(a, w, _randn(R, 512, gen=gen), offs, config=_cfg(False, 128, 4, None))
+    with pytest.raises(ValueError, match="kernel='gluon_ws'.*cooperative schedule only"):
+        X.gemm2_dgrad_swiglu(a, w, _randn(R, 512, gen=gen), offs, config=_cfg(True, 128, 4, None))
     with pytest.raises(ValueError, match="multiple of 64"):  # kn: a k-tile must stay inside its expert
         X.gemm1_dgrad(a[:, :200].contiguous(), _randn(E_l, 200, 256, gen=gen), offs, config=_cfg(False, 256, 4, None))
