@@ -45,6 +45,17 @@ def triton_config(op: str, rows: int, n: int, k: int):
     return default_config(op, rows, n, k).with_(kernel="triton")
 
 
+def swiglu_references(x: torch.Tensor, w13: torch.Tensor, offs: torch.Tensor):
+    """GEMM1 + SwiGLU references of the Gluon tests: ((act, h) of the Triton kernel, pinned; (act, h) of the float64
+    twin)."""
+    import megamoe.experts as X
+
+    R, H = x.shape
+    I = w13.shape[1] // 2
+    tri = X.gemm1_swiglu(x, w13, offs, store_h=True, config=triton_config("gemm1_swiglu", R, I, H))
+    return tri, X.gemm1_swiglu_ref(x.double(), w13.double(), offs)
+
+
 def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     """||got - ref|| / ||ref|| in float64; asserts got is finite (NaN-poisoned padding must not leak)."""
     got, ref = got.double(), ref.double()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gemm_cases import bf16_problem, triton_config
+from gemm_cases import bf16_problem, swiglu_references, triton_config
 from gemm_cases import per_expert as _per_expert
 from gemm_cases import problem as _problem
 from gemm_cases import rel as _rel
@@ -89,8 +89,7 @@ def test_gemm1_swiglu(sizes, cfg, H, I, store_h):
     _forget()
     got_act, got_h = X.gemm1_swiglu(x, w13, offs, store_h=store_h, out=act, h_out=h, config=_cfg(**CFGS[cfg]))
     assert _ran_gluon() and got_act is act and got_h is h
-    tri_act, tri_h = X.gemm1_swiglu(x, w13, offs, store_h=True, config=triton_config("gemm1_swiglu", R, I, H))
-    ref_act, ref_h = X.gemm1_swiglu_ref(x.double(), w13.double(), offs)
+    (tri_act, tri_h), (ref_act, ref_h) = swiglu_references(x, w13, offs)
     torch.cuda.synchronize()
     _check(act, ref_act, tri_act, offs, used, "act")
     if store_h:

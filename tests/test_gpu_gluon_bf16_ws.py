@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gemm_cases import bf16_problem, per_expert, problem, rel, triton_config
+from gemm_cases import bf16_problem, per_expert, problem, rel, swiglu_references, triton_config
 
 pytestmark = pytest.mark.gpu
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -72,8 +72,7 @@ def test_ws_gemm1_swiglu(sizes, cfg, H, I, store_h):
     _ran_ws(forget=True)
     X.gemm1_swiglu(x, w13, offs, store_h=store_h, out=act, h_out=h, config=_cfg(*cfg))
     assert _ran_ws()
-    tri_act, tri_h = X.gemm1_swiglu(x, w13, offs, store_h=True, config=triton_config("gemm1_swiglu", R, I, H))
-    ref_act, ref_h = X.gemm1_swiglu_ref(x.double(), w13.double(), offs)
+    (tri_act, tri_h), (ref_act, ref_h) = swiglu_references(x, w13, offs)
     torch.cuda.synchronize()
     _check(act, ref_act, tri_act, offs, used, "act")
     if store_h:
