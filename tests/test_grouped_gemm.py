@@ -377,10 +377,18 @@ def test_fp8_kernel_choice_on_cpu():
     assert "block_n must be one of (64,)" in ws_bf16_limits(pp, n=128, k=64, n_w=256, epilogue=EPI_SWIGLU, n_up=128)
     assert "block_n must be one of (64, 128)" in ws_bf16_limits(pp.with_(block_n=256), n=256, k=64, n_w=256,
                                                                  epilogue=EPI_NONE)
-    assert "plain and the SwiGLU" in ws_bf16_limits(coop, n=128, k=64, n_w=128, epilogue=EPI_DSWIGLU)
+    # the SwiGLU backward (opt-in): kn w2, cooperative, N % 8 == 0 (h's halves by TMA), block_n 64 or 128
+    assert ws_bf16_limits(coop.with_(block_n=128), n=200, k=128, n_w=200, epilogue=EPI_DSWIGLU, w_kn=True) is None
+    assert "as kn weights" in ws_bf16_limits(coop, n=128, k=64, n_w=128, epilogue=EPI_DSWIGLU)
+    assert "cooperative schedule only" in ws_bf16_limits(pp, n=128, k=64, n_w=128, epilogue=EPI_DSWIGLU, w_kn=True)
+    assert "multiple of 8" in ws_bf16_limits(coop.with_(block_n=128), n=100, k=64, n_w=100, epilogue=EPI_DSWIGLU,
+                                             w_kn=True)
+    assert "block_n must be one of (64, 128)" in ws_bf16_limits(coop, n=256, k=64, n_w=256, epilogue=EPI_DSWIGLU,
+                                                                 w_kn=True)
     assert ws_bf16_limits(coop, n=200, k=128, n_w=200, epilogue=EPI_NONE, w_kn=True) is None  # GEMM1's dgrad
-    assert "plain epilogue only" in ws_bf16_limits(coop.with_(block_n=128), n=128, k=64, n_w=256,
-                                                   epilogue=EPI_SWIGLU, w_kn=True, n_up=128)
+    assert "plain and the SwiGLU-backward epilogues only" in ws_bf16_limits(coop.with_(block_n=128), n=128, k=64,
+                                                                            n_w=256, epilogue=EPI_SWIGLU, w_kn=True,
+                                                                            n_up=128)
     assert "multiple of 64" in ws_bf16_limits(coop, n=256, k=100, n_w=256, epilogue=EPI_NONE, w_kn=True)
     assert "block_k must be 64" in ws_bf16_limits(coop.with_(block_k=128), n=256, k=64, n_w=256, epilogue=EPI_NONE)
     assert "shared memory" in ws_bf16_limits(coop.with_(num_stages=5), n=256, k=64, n_w=256, epilogue=EPI_NONE)
