@@ -70,10 +70,11 @@ from megamoe.kernels.gluon_fp8_ws import REG_POOL, _ws_loader
 from megamoe.kernels.grouped_gemm import EPI_DSWIGLU, EPI_NONE, EPI_SWIGLU
 
 BLOCK_K = 64  # one 128-byte swizzled row of bf16 per k-step
-#: (schedule, epilogue) -> allowed block_n: cooperative 64-row halves of 256 plain / 128 + 128 SwiGLU columns at
-#: most (128 accumulator registers per thread), ping-pong whole 128-row tiles of 128 / 64 + 64
+#: (ping-pong, epilogue) -> allowed block_n: cooperative 64-row halves of 256 plain / 128 + 128 SwiGLU columns at
+#: most (128 accumulator registers per thread), the SwiGLU backward 128 (its epilogue holds g and u besides);
+#: ping-pong whole 128-row tiles of 128 / 64 + 64
 WIDTHS = {(False, EPI_NONE): (128, 256), (False, EPI_SWIGLU): (64, 128), (False, EPI_DSWIGLU): (64, 128),
-          (True, EPI_NONE): (64, 128), (True, EPI_SWIGLU): (64,), (True, EPI_DSWIGLU): ()}
+          (True, EPI_NONE): (64, 128), (True, EPI_SWIGLU): (64,)}  # (the SwiGLU backward: cooperative only)
 
 
 @gluon.jit
