@@ -37,6 +37,20 @@ def bf16_problem(sizes, K: int, n_w: int, seed: int):
     return E_l, used, R, offs, gen, a, w
 
 
+def dswiglu_problem(sizes, H: int, I: int, with_scale: bool, seed: int):
+    """problem(sizes) with the SwiGLU backward's operands: (E_l, used, R, offs, dy [R, H], w2 [E_l, H, I] * I**-0.5,
+    h [R, 2I], s [R] fp32 in [0.5, 1.5) or None); dy's and h's padding rows NaN."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    E_l, used, R, offs = problem(sizes)
+    dy = torch.randn(R, H, device="cuda", generator=gen).to(torch.bfloat16)
+    dy[used:] = float("nan")
+    w2 = (torch.randn(E_l, H, I, device="cuda", generator=gen) * I**-0.5).to(torch.bfloat16)
+    h = torch.randn(R, 2 * I, device="cuda", generator=gen).to(torch.bfloat16)
+    h[used:] = float("nan")
+    s = torch.rand(R, device="cuda", generator=gen) + 0.5 if with_scale else None
+    return E_l, used, R, offs, dy, w2, h, s
+
+
 def triton_config(op: str, rows: int, n: int, k: int):
     """The Triton kernel's heuristic config for op, pinned (on Hopper the bf16 forward ops default to the
     warp-specialised Gluon kernel): the reference kernel of the Gluon tests."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gemm_cases import bf16_problem, swiglu_references, triton_config
+from gemm_cases import bf16_problem, dswiglu_problem, swiglu_references, triton_config
 from gemm_cases import per_expert as _per_expert
 from gemm_cases import problem as _problem
 from gemm_cases import rel as _rel
@@ -176,14 +176,7 @@ def test_grouped_gemm_layouts(w_layout, with_scale):
 def test_gemm2_dgrad_swiglu(sizes, cfg, H, I, with_scale):
     import megamoe.experts as X
 
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    E_l, used, R, offs = _problem(sizes)
-    dy = _randn(R, H, gen=gen)
-    dy[used:] = float("nan")
-    w2 = _randn(E_l, H, I, gen=gen, scale=I**-0.5)
-    h = _randn(R, 2 * I, gen=gen)
-    h[used:] = float("nan")
-    s = torch.rand(R, device="cuda", generator=gen) + 0.5 if with_scale else None
+    E_l, used, R, offs, dy, w2, h, s = dswiglu_problem(sizes, H, I, with_scale, seed=5)  # padding rows NaN
     dh = torch.full((R, 2 * I), SENTINEL, device="cuda", dtype=torch.bfloat16)
     _forget()
     got, ds = X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s, out=dh, config=_cfg(**CFGS[cfg]))

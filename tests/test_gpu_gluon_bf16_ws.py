@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gemm_cases import bf16_problem, per_expert, problem, rel, swiglu_references, triton_config
+from gemm_cases import bf16_problem, dswiglu_problem, per_expert, rel, swiglu_references, triton_config
 
 pytestmark = pytest.mark.gpu
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -137,14 +137,7 @@ def test_ws_gemm2_dgrad_swiglu(sizes, cfg, H, I, with_scale, with_acts):
     # weights: K = H, N = I) and h; with the gate scale also ds [R]; with acts_out also s[r] * silu(g) * u
     import megamoe.experts as X
 
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    E_l, used, R, offs = problem(sizes)
-    dy = _randn(R, H, gen=gen)
-    dy[used:] = float("nan")
-    w2 = _randn(E_l, H, I, gen=gen, scale=I**-0.5)
-    h = _randn(R, 2 * I, gen=gen)
-    h[used:] = float("nan")
-    s = torch.rand(R, device="cuda", generator=gen) + 0.5 if with_scale else None
+    E_l, used, R, offs, dy, w2, h, s = dswiglu_problem(sizes, H, I, with_scale, seed=5)  # padding rows NaN
     dh = torch.full((R, 2 * I), SENTINEL, device="cuda", dtype=torch.bfloat16)
     acts = torch.full((R, I), SENTINEL, device="cuda", dtype=torch.bfloat16) if with_acts else None
     bn, stages, progs = cfg
