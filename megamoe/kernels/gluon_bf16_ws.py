@@ -66,7 +66,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from megamoe.kernels.gemm_config import GemmConfig, grid_size, record, tma_ok
 from megamoe.kernels.gluon_bf16 import SMEM_LIMIT, _slices
 from megamoe.kernels.gluon_fp8 import _locate, _schedule
-from megamoe.kernels.gluon_fp8_ws import REG_POOL, _ws_loader
+from megamoe.kernels.gluon_fp8_ws import REG_POOL, _ring, _ring_done, _ws_loader
 from megamoe.kernels.grouped_gemm import EPI_DSWIGLU, EPI_NONE, EPI_SWIGLU
 
 BLOCK_K = 64  # one 128-byte swizzled row of bf16 per k-step
@@ -357,12 +357,8 @@ def _gluon_bf16_ws_kernel(
     else:
         h_smem = epi_smem  # unused
         h_bar = epi_smem
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready, empty = _ring(STAGES, 1 if PINGPONG else 2)  # one arrive per consumer of the stage
     order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1 if PINGPONG else 2)  # one arrive per consumer of the stage
     for c in gl.static_range(2):
         mbarrier.init(order.index(c), count=1)
     gl.warp_specialize([
@@ -377,9 +373,7 @@ def _gluon_bf16_ws_kernel(
         (_ws_loader, (a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, N, K, E_l, num_progs, N_W,
                       N_UP, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, MODE, BK)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(s))
-        mbarrier.invalidate(empty.index(s))
+    _ring_done(ready, empty, STAGES)
     for c in gl.static_range(2):
         mbarrier.invalidate(order.index(c))
         if DSWIGLU:

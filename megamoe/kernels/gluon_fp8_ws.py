@@ -57,6 +57,25 @@ REG_POOL = 504  # registers per thread summed over the three warpgroups (168 eac
 
 
 @gluon.jit
+def _ring(STAGES: gl.constexpr, EMPTY_COUNT: gl.constexpr):
+    """The ring's barriers, initialised: ready[s] (the loader's TMA bytes of stage s landed) and empty[s] (its
+    EMPTY_COUNT consumer warpgroups released it). Also used by gluon_bf16_ws.py."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=EMPTY_COUNT)
+    return ready, empty
+
+
+@gluon.jit
+def _ring_done(ready, empty, STAGES: gl.constexpr):
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+
+
+@gluon.jit
 def _ws_loader(a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, N, K, E_l, num_progs, N_W, B2_OFF,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
                STAGES: gl.constexpr, MODE: gl.constexpr, BLOCK_K: gl.constexpr):
@@ -209,11 +228,7 @@ def _gluon_fp8_ws_kernel(
         b2_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     else:
         b2_smem = b_smem  # unused
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # one arrive per consumer warpgroup
+    ready, empty = _ring(STAGES, 2)  # one arrive per consumer warpgroup
     gl.warp_specialize([
         (_ws_consumer, (a_smem, b_smem, b2_smem, ready, empty, as_ptr, ws_ptr, out_ptr, h_ptr, scale_ptr, offs_ptr,
                         R, N, K, E_l, num_progs, stride_asm, stride_wse, stride_wsn, stride_om, stride_hm, B2_OFF,
@@ -224,9 +239,7 @@ def _gluon_fp8_ws_kernel(
         (_ws_loader, (a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, N, K, E_l, num_progs, N_W,
                       B2_OFF, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, MODE, BLOCK_K)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(s))
-        mbarrier.invalidate(empty.index(s))
+    _ring_done(ready, empty, STAGES)
 
 
 def ws_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, n_up: int = 0) -> str | None:
