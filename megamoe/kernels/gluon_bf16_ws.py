@@ -66,7 +66,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from megamoe.kernels.gemm_config import GemmConfig, grid_size, record, tma_ok
 from megamoe.kernels.gluon_bf16 import SMEM_LIMIT, _slices
 from megamoe.kernels.gluon_fp8 import _locate, _schedule
-from megamoe.kernels.gluon_fp8_ws import REG_POOL, _ring, _ring_done, _ws_loader
+from megamoe.kernels.gluon_fp8_ws import REG_POOL, _ring, _ring_done, _ws_loader, consumer_regs_reason
 from megamoe.kernels.grouped_gemm import EPI_DSWIGLU, EPI_NONE, EPI_SWIGLU
 
 BLOCK_K = 64  # one 128-byte swizzled row of bf16 per k-step
@@ -453,8 +453,8 @@ def launch_gluon_bf16_ws(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, o
         why = "the SwiGLU epilogue takes no row scale"
     if why is None and epilogue == EPI_DSWIGLU and (h is None or (scale is None) != (dsp is None)):
         why = "the SwiGLU backward needs h, and dsp exactly with a scale"
-    if why is None and not (consumer_regs % 8 == 0 and 24 <= REG_POOL - 2 * consumer_regs and consumer_regs <= 256):
-        why = f"consumer_regs must be a multiple of 8 <= {(REG_POOL - 24) // 2}, got {consumer_regs}"
+    if why is None:
+        why = consumer_regs_reason(consumer_regs)
     if why is not None:
         raise ValueError(f"grouped_gemm (warp-specialised Gluon bf16 kernel): {why}")
     if R == 0 or E_l == 0 or n == 0:

@@ -56,6 +56,15 @@ from megamoe.kernels.grouped_gemm import EPI_NONE, EPI_SWIGLU
 REG_POOL = 504  # registers per thread summed over the three warpgroups (168 each: 65536 / 384 threads, a multiple of 8)
 
 
+def consumer_regs_reason(consumer_regs: int) -> str | None:
+    """Why a consumer register budget cannot be used (each of the two consumer warpgroups gets it, the loader the
+    rest of REG_POOL, at least 24; setmaxnreg takes multiples of 8 up to 256), or None. Also used by
+    gluon_bf16_ws.py."""
+    if consumer_regs % 8 == 0 and 24 <= REG_POOL - 2 * consumer_regs and consumer_regs <= 256:
+        return None
+    return f"consumer_regs must be a multiple of 8, at most {(REG_POOL - 24) // 2}, got {consumer_regs}"
+
+
 @gluon.jit
 def _ring(STAGES: gl.constexpr, EMPTY_COUNT: gl.constexpr):
     """The ring's barriers, initialised: ready[s] (the loader's TMA bytes of stage s landed) and empty[s] (its
@@ -300,8 +309,8 @@ def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w
         # one H200) but 240 leave the loader 24, and its schedule vectors spill above 8 experts (qwen3 / deepseek
         # plain 256-column tiles 15-20% slower): 240 for the SwiGLU tiles and up to 8 experts, else 232
         consumer_regs = 240 if mode == 1 and bn == 128 or mode == 2 and block_e <= 8 else 232
-    if why is None and not (consumer_regs % 8 == 0 and 24 <= REG_POOL - 2 * consumer_regs and consumer_regs <= 256):
-        why = f"consumer_regs must be a multiple of 8 in [128, {(REG_POOL - 24) // 2}], got {consumer_regs}"
+    if why is None:
+        why = consumer_regs_reason(consumer_regs)
     if why is not None:
         raise ValueError(f"grouped_gemm_fp8 (warp-specialised Gluon kernel): {why}")
     if R == 0 or E_l == 0 or n == 0:
