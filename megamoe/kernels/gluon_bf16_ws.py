@@ -380,12 +380,17 @@ def _gluon_bf16_ws_kernel(
             mbarrier.invalidate(h_bar.index(c))
 
 
+def consumer_rows(cfg: GemmConfig) -> int:
+    """Rows of a tile one consumer owns (the kernel's HM): the whole tile with ping-pong, half of it cooperative."""
+    return cfg.block_m if cfg.pingpong else cfg.block_m // 2
+
+
 def smem_bytes(cfg: GemmConfig, epilogue: int) -> int:
     """Shared memory of a launch: the ring, the consumers' staging buffers (2 x 2 x [rows, 64] bf16; rows 64
     cooperative, 128 ping-pong), the SwiGLU backward's h tiles, barriers (rounded up)."""
     two = epilogue == EPI_SWIGLU
     ring = cfg.num_stages * 2 * BLOCK_K * (cfg.block_m + (2 if two else 1) * cfg.block_n)
-    rows = cfg.block_m if cfg.pingpong else cfg.block_m // 2
+    rows = consumer_rows(cfg)
     h = 2 * 2 * rows * cfg.block_n * 2 if epilogue == EPI_DSWIGLU else 0  # each consumer's h gate and up slices
     return ring + 4 * rows * 64 * 2 + h + 1024
 
@@ -467,7 +472,7 @@ def launch_gluon_bf16_ws(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, o
     wblock = [BLOCK_K, bn] if w_kn else [bn, BLOCK_K]
     w_desc = TensorDescriptor(w2d, list(w2d.shape), list(w2d.stride()), wblock,
                               gl.NVMMASharedLayout.get_default_for(wblock, bf))
-    hm = bm if cfg.pingpong else bm // 2
+    hm = consumer_rows(cfg)
     two = epilogue == EPI_SWIGLU
     back = epilogue == EPI_DSWIGLU
     epi_layout = gl.NVMMASharedLayout.get_default_for([hm, 64], bf)
