@@ -8,8 +8,8 @@
 # 7g (7 with --graph-moe --compile, ~2 min), 7t (GPU training tests, ~1 min), 8 (Gluon FP8 GEMM, every epilogue, ~5 min),
 # 9 (Gluon bf16 GEMM tests and bench, ~4 min), r (router tests on CUDA + layer A/B of the router impls, ~5 min),
 # g (layer A/B of the 2026-12-01 backward and fused defaults, ~4 min), p (fused per-item timeline, ~2 min),
-# w (warp-specialised FP8 GEMM: tests, bench, bench-gemm forward; ~6 min cold), b (warp-specialised bf16 GEMM tests,
-# ~5-9 min cold), b2 (its variants' bench, forward and the two dgrads, 4096 and 16384 tokens, ~5 min).
+# w (warp-specialised FP8 GEMM: tests, bench, bench-gemm forward; ~6 min cold), b (warp-specialised bf16 GEMM tests in 8
+# parallel processes), b2 (its variants' bench, forward and the two dgrads, 4096 and 16384 tokens, ~5 min).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -37,6 +37,20 @@ fi
 gpu_tests() {  # gpu_tests <log name> <timeout s> <pytest node ids...>
   timeout "$2" python3 -m pytest -q -m gpu "${@:3}" 2>&1 | grep -v "^frame\|^E *frame" > "$OUT/$1.log"
   grep -E "passed|failed|Error:" "$OUT/$1.log" | tail -5
+}
+gpu_tests_par() {  # gpu_tests_par <log name> <timeout s> <processes> <pytest args...>: the collected tests in
+  # contiguous chunks, one pytest process each, all on the visible GPU(s) at once (these files are mostly Triton /
+  # Gluon compiles, CPU-bound and single-threaded per process; 16 cores on the H200 machine)
+  python3 -m pytest -q --collect-only -m gpu "${@:4}" 2>/dev/null | grep "::" > "$OUT/$1.ids"
+  local n; n=$(wc -l < "$OUT/$1.ids"); local per=$(( (n + $3 - 1) / $3 ))
+  for s in $(seq 0 $(( $3 - 1 ))); do
+    sed -n "$(( s * per + 1 )),$(( (s + 1) * per ))p" "$OUT/$1.ids" > "$OUT/$1.ids.$s"
+    [ -s "$OUT/$1.ids.$s" ] || continue
+    # shellcheck disable=SC2046  # node ids carry no spaces
+    (timeout "$2" python3 -m pytest -q -m gpu $(cat "$OUT/$1.ids.$s") 2>&1 | grep -v "^frame\|^E *frame" \
+      > "$OUT/$1.$s.log") &
+  done; wait
+  echo "$n tests in $3 processes:"; grep -hE "passed|failed|skipped|Error:|Timeout" "$OUT/$1".*.log | tail -12
 }
 F=tests/test_gpu_fused.py
 S=tests/test_gpu_split.py
@@ -115,7 +129,7 @@ fi
 
 if want 9; then
 echo "== 9. Gluon bf16 grouped GEMM (opt-in kernel): GPU tests on GPU 0 while the bench runs on the last GPU"
-(CUDA_VISIBLE_DEVICES=0 gpu_tests gpu_gluon_bf16 240 tests/test_gpu_gluon_bf16.py -x) &
+(CUDA_VISIBLE_DEVICES=0 gpu_tests_par gpu_gluon_bf16 240 6 tests/test_gpu_gluon_bf16.py) &
 CUDA_VISIBLE_DEVICES=$((NGPU - 1)) timeout 240 python3 benchmarks/gluon_bf16_bench.py --json "$OUT/gluon_bf16.json" \
   > "$OUT/gluon_bf16.txt" 2>&1; wait; tail -34 "$OUT/gluon_bf16.txt"
 fi
@@ -152,7 +166,7 @@ fi
 
 if want b; then
 echo "== b. warp-specialised bf16 GEMM (gluon_bf16_ws.py): GPU tests (one GPU; 343 tests, mostly compiles)"
-CUDA_VISIBLE_DEVICES=0 gpu_tests gpu_bf16_ws 540 tests/test_gpu_gluon_bf16_ws.py
+CUDA_VISIBLE_DEVICES=0 gpu_tests_par gpu_bf16_ws 540 8 tests/test_gpu_gluon_bf16_ws.py
 fi
 
 if want b2; then
