@@ -145,7 +145,9 @@ def test_ws_gemm2_dgrad_swiglu(sizes, cfg, H, I, with_scale, with_acts):
     got, ds = X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s, out=dh, acts_out=acts,
                                    config=_cfg(False, bn, stages, progs))
     assert _ran_ws() and got is dh
-    tri, tri_ds = X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s, config=triton_config("dgrad_swiglu", R, I, H))
+    tri_acts = torch.full((R, I), SENTINEL, device="cuda", dtype=torch.bfloat16) if with_acts else None
+    tri, tri_ds = X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s, acts_out=tri_acts,
+                                       config=triton_config("dgrad_swiglu", R, I, H))
     ref, ref_ds = X.gemm2_dgrad_swiglu_ref(dy.double(), w2.double(), h.double(), offs,
                                            scale=s.double() if s is not None else None)
     torch.cuda.synchronize()
@@ -160,7 +162,8 @@ def test_ws_gemm2_dgrad_swiglu(sizes, cfg, H, I, with_scale, with_acts):
         g, u = h[:used, :I].double(), h[:used, I:].double()
         ref_acts = torch.zeros(R, I, dtype=torch.float64, device="cuda")
         ref_acts[:used] = g * torch.sigmoid(g) * u * (s[:used, None].double() if s is not None else 1.0)
-        _check(acts, ref_acts, ref_acts, offs, used, "acts")
+        _check(acts, ref_acts, tri_acts.double(), offs, used, "acts")  # (the float64 acts is no Triton stand-in:
+        # bf16 rounding alone is ~2e-3 relative)
 
 
 @needs_hopper
