@@ -40,17 +40,22 @@ gpu_tests() {  # gpu_tests <log name> <timeout s> <pytest node ids...>
 }
 gpu_tests_par() {  # gpu_tests_par <log name> <timeout s> <processes> <pytest args...>: the collected tests in
   # contiguous chunks, one pytest process each, all on the visible GPU(s) at once (these files are mostly Triton /
-  # Gluon compiles, CPU-bound and single-threaded per process; 16 cores on the H200 machine)
-  python3 -m pytest -q --collect-only -m gpu "${@:4}" 2>/dev/null | grep "::" > "$OUT/$1.ids"
-  local n; n=$(wc -l < "$OUT/$1.ids"); local per=$(( (n + $3 - 1) / $3 ))
+  # Gluon compiles, CPU-bound and single-threaded per process; 16 cores on the H200 machine). One log under $OUT
+  # (the device tool brings back only a few files per call), the chunks' ids and logs in a scratch folder.
+  local tmp; tmp=$(mktemp -d)
+  python3 -m pytest -q --collect-only -m gpu "${@:4}" 2>/dev/null | grep "::" > "$tmp/ids"
+  local n; n=$(wc -l < "$tmp/ids"); local per=$(( (n + $3 - 1) / $3 ))
   for s in $(seq 0 $(( $3 - 1 ))); do
-    sed -n "$(( s * per + 1 )),$(( (s + 1) * per ))p" "$OUT/$1.ids" > "$OUT/$1.ids.$s"
-    [ -s "$OUT/$1.ids.$s" ] || continue
+    sed -n "$(( s * per + 1 )),$(( (s + 1) * per ))p" "$tmp/ids" > "$tmp/ids.$s"
+    [ -s "$tmp/ids.$s" ] || continue
     # shellcheck disable=SC2046  # node ids carry no spaces
-    (timeout "$2" python3 -m pytest -q -m gpu $(cat "$OUT/$1.ids.$s") 2>&1 | grep -v "^frame\|^E *frame" \
-      > "$OUT/$1.$s.log") &
+    (timeout "$2" python3 -m pytest -q -m gpu $(cat "$tmp/ids.$s") 2>&1 | grep -v "^frame\\|^E *frame" \
+      > "$tmp/log.$s") &
   done; wait
-  echo "$n tests in $3 processes:"; grep -hE "passed|failed|skipped|Error:|Timeout" "$OUT/$1".*.log | tail -12
+  for s in $(seq 0 $(( $3 - 1 ))); do [ -f "$tmp/log.$s" ] && { echo "=== chunk $s"; cat "$tmp/log.$s"; }; done \
+    > "$OUT/$1.log"
+  echo "$n tests in $3 processes:"; grep -E "passed|failed|skipped|Error:|Timeout" "$OUT/$1.log" | tail -12
+  rm -rf "$tmp"
 }
 F=tests/test_gpu_fused.py
 S=tests/test_gpu_split.py
