@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from megamoe.kernels import fp8_quant as _q
-from megamoe.kernels.gemm_config import GemmConfig, default_config, pin_config, pinned_config
+from megamoe.kernels.gemm_config import WS_BF16_OPS, GemmConfig, default_config, pin_config, pinned_config
 from megamoe.kernels.grouped_gemm import (
     EPI_DSWIGLU,
     EPI_NONE,
@@ -82,17 +82,18 @@ def _out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor, d
 
 # ---------------------------------------------------------------------------------------------- bf16 ops
 def _bf16_config(op: str, config: GemmConfig | None, a: torch.Tensor, w: torch.Tensor, *, n: int, epilogue: int,
-                 n_up: int = 0, w_kn: bool = False) -> GemmConfig:
+                 n_up: int = 0, w_kn: bool = False, h: torch.Tensor | None = None) -> GemmConfig:
     """config if given, else the config pinned for op, else the warp-specialised Gluon kernel's heuristic where it
-    can run (kernels/gluon_bf16_ws.py: Hopper, not the interpreter, nk weights, its limits), else the Triton
-    kernel's."""
+    can run (kernels/gluon_bf16_ws.py: Hopper, not the interpreter, its limits; not for grouped_gemm with kn
+    weights, i.e. dgrad1, where it was no faster), else the Triton kernel's."""
     cfg = config or pinned_config(op)
     if cfg is not None:
         return cfg
     R, K = a.shape
-    if not w_kn:
+    if op in WS_BF16_OPS and not (op == "grouped_gemm" and w_kn):
         ws = default_config(op, R, n, K, kernel="gluon_ws")
-        if gluon_bf16_unavailable(ws, a, w, n=n, w_kn=False, epilogue=epilogue, n_up=n_up, kernel="gluon_ws") is None:
+        if gluon_bf16_unavailable(ws, a, w, n=n, w_kn=w_kn, epilogue=epilogue, h=h, n_up=n_up,
+                                  kernel="gluon_ws") is None:
             return ws
     return default_config(op, R, n, K)
 
@@ -156,7 +157,7 @@ def gemm2_dgrad_swiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, offs
         raise ValueError(f"gemm2_dgrad_swiglu: h must be contiguous [R, 2I] = {(R, 2 * I)}, got {tuple(h.shape)}")
     _check_scale(scale, R, "gemm2_dgrad_swiglu")
     dh = _out(out, (R, 2 * I), dy)
-    cfg = config or default_config("dgrad_swiglu", R, I, dy.shape[1])
+    cfg = _bf16_config("dgrad_swiglu", config, dy, w2, n=I, epilogue=EPI_DSWIGLU, w_kn=True, h=h)
     # with acts_out the default config's 2 epilogue slices hold 255 registers and spill 2-4 bytes per thread; timed
     # on one H200 (benchmarks/dgrad_acts_bench.py, caa900b) that is as fast as without acts_out (qwen3 0.561 vs 0.565
     # ms, deepseek 3.557 vs 3.561), while 4 slices (no spill) took 0.624 / 3.704 ms: the default stays

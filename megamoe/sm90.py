@@ -229,7 +229,7 @@ def _gluon_fp8_ws(compiled: dict, where: dict) -> None:
 #: block_n, stages, experts, rows, TMA-able output, kn weights): the defaults at deepseek-v3's shapes (cooperative
 #: SwiGLU 128 + 128 with h, plain 256 columns with the gate scale) on 8 and 64 experts, the ping-pong tiles, an output
 #: TMA cannot store (N = 7164: masked stores only), one row and one expert, GEMM1's dgrad (kn, opt-in) and the SwiGLU
-#: backward (kn w2, h by TMA, with the gate scale's partial sums and the gated activation; opt-in)
+#: backward (kn w2, h by TMA, with the gate scale's partial sums and the gated activation; the default on Hopper)
 WS_BF16_VARIANTS = [
     ("coop/swiglu/bn128/s4/h/E64", 1, False, 128, 4, 64, 4096, True, False),
     ("coop/none/bn256/s4/scale/E8", 0, False, 256, 4, 8, 1024, True, False),

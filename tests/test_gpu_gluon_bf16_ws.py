@@ -133,8 +133,9 @@ DSW_CFGS = [(128, 4, None), (128, 3, 3), (64, 4, None), (64, 2, 3)]  # cooperati
 @pytest.mark.parametrize("H,I", [(1024, 256), (512, 200), (64, 128)])  # I = 200: a partial last n-tile; one k-step
 @pytest.mark.parametrize("with_scale,with_acts", [(True, True), (True, False), (False, False)])
 def test_ws_gemm2_dgrad_swiglu(sizes, cfg, H, I, with_scale, with_acts):
-    # the SwiGLU backward (dgrad2), opt-in on this kernel: dh [R, 2I] from dact = dy @ w2[e] (w2 [E_l, H, I] as kn
-    # weights: K = H, N = I) and h; with the gate scale also ds [R]; with acts_out also s[r] * silu(g) * u
+    # the SwiGLU backward (dgrad2; the default on Hopper since 2026-12-01): dh [R, 2I] from dact = dy @ w2[e] (w2
+    # [E_l, H, I] as kn weights: K = H, N = I) and h; with the gate scale also ds [R]; with acts_out also
+    # s[r] * silu(g) * u
     import megamoe.experts as X
 
     E_l, used, R, offs, dy, w2, h, s = dswiglu_problem(sizes, H, I, with_scale, seed=5)  # padding rows NaN
@@ -179,3 +180,35 @@ def test_ws_validates():
         X.gemm2_dgrad_swiglu(a, w, _randn(R, 512, gen=gen), offs, config=_cfg(True, 128, 4, None))
     with pytest.raises(ValueError, match="multiple of 64"):  # kn: a k-tile must stay inside its expert
         X.gemm1_dgrad(a[:, :200].contiguous(), _randn(E_l, 200, 256, gen=gen), offs, config=_cfg(False, 256, 4, None))
+
+
+@needs_hopper
+def test_ws_defaults():
+    # with no config the forward ops and the SwiGLU backward run this kernel (since 2026-12-01), dgrad1 (kn weights)
+    # the Triton kernel; the default SwiGLU backward twice bitwise equal and within 1e-3 of the Triton kernel
+    import megamoe.experts as X
+    from megamoe.kernels.gemm_config import LAST_COMPILED
+
+    E_l, used, R, offs, dy, w2, h, s = dswiglu_problem([5, 300, 0, 129], 512, 256, True, seed=8)
+    _ran_ws(forget=True)
+    X.gemm2(h[:, :256].contiguous(), w2, offs)
+    assert _ran_ws()
+    LAST_COMPILED.pop("_grouped_gemm_kernel", None)
+    _ran_ws(forget=True)
+    X.gemm1_dgrad(h, torch.cat([w2, w2], 2), offs)  # dh [R, 2I] @ w13 [E_l, 2I, H]: kn weights
+    assert not _ran_ws() and "_grouped_gemm_kernel" in LAST_COMPILED
+    outs = []
+    for _ in range(2):
+        acts = torch.full((R, 256), SENTINEL, device="cuda", dtype=torch.bfloat16)
+        _ran_ws(forget=True)
+        dh, ds = X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s, acts_out=acts)
+        assert _ran_ws()
+        outs.append((dh, ds, acts))
+    tri_acts = torch.empty(R, 256, device="cuda", dtype=torch.bfloat16)
+    tri, tri_ds = X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s, acts_out=tri_acts,
+                                       config=triton_config("dgrad_swiglu", R, 256, 512))
+    torch.cuda.synchronize()
+    (dh, ds, acts), (dh2, ds2, acts2) = outs
+    assert torch.equal(dh[:used], dh2[:used]) and torch.equal(ds, ds2) and torch.equal(acts, acts2)
+    assert rel(dh[:used], tri[:used]) < 1e-3 and rel(ds[:used], tri_ds[:used]) < 1e-3
+    assert rel(acts[:used], tri_acts[:used]) < 1e-3 and bool((acts[used:] == SENTINEL).all())

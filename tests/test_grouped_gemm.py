@@ -397,10 +397,13 @@ def test_fp8_kernel_choice_on_cpu():
     # the bf16 forward ops default to it where it can run, else (here) to the Triton kernel
     assert X.default_config("gemm1_swiglu", 8, 128, 256, kernel="gluon_ws").kernel == "gluon_ws"
     assert X.default_config("gemm2", 8, 256, 128, kernel="gluon_ws").kernel == "gluon_ws"
+    assert X.default_config("dgrad_swiglu", 8, 128, 256, kernel="gluon_ws").kernel == "gluon_ws"  # and the SwiGLU bwd
     with pytest.raises(ValueError, match="kernel='gluon_ws' for"):
         X.default_config("dgrad1", 8, 256, 128, kernel="gluon_ws")
     w2 = p["w2"]
     assert X._bf16_config("gemm2", None, p["x"][:, :w2.shape[2]], w2, n=w2.shape[1], epilogue=EPI_NONE).kernel is None
+    cfg = X._bf16_config("dgrad_swiglu", None, p["x"], w2, n=w2.shape[2], epilogue=EPI_DSWIGLU, w_kn=True)
+    assert cfg.kernel is None
     out = X.grouped_gemm_fp8(q, s, wq, ws, p["offs"], config=CPU_CFG.with_(block_k=128, kernel="triton"))
     ref = X.grouped_gemm_fp8_ref(q[:p["n"]], s[:p["n"]], wq, ws, p["offs"])
     assert rel(out[:p["n"]], ref) < 1e-2

@@ -24,8 +24,9 @@ from megamoe import _interp
 
 #: values of GemmConfig.kernel
 KERNELS = (None, "gluon", "gluon_ws", "triton")
-#: bf16 ops whose default is the warp-specialised Gluon kernel where it can run (kernels/gluon_bf16_ws.py)
-WS_BF16_OPS = ("gemm1_swiglu", "gemm2", "grouped_gemm")
+#: bf16 ops whose default is the warp-specialised Gluon kernel where it can run (kernels/gluon_bf16_ws.py;
+#: grouped_gemm with nk weights only: dgrad1's kn launch stays on the Triton kernel, see default_config)
+WS_BF16_OPS = ("gemm1_swiglu", "gemm2", "grouped_gemm", "dgrad_swiglu")
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,12 @@ def default_config(op: str, rows: int, n: int, k: int, *, kernel: str | None = N
         # preset at EP 4, 4096 and 16384 tokens): cooperative 128 x (128 + 128) SwiGLU tiles and 128 x 256 plain
         # tiles, 4 stages, TMA-store epilogue: 0.99-1.09x the Triton kernel on GEMM1 + SwiGLU, 1.01-1.07x on GEMM2;
         # ping-pong (128 x 64 + 64, 128 x 128) and 3 stages were slower on most shapes
-        if op == "gemm1_swiglu":
+        # dgrad_swiglu (the SwiGLU backward, kn weights, since 2026-12-01 on the same bench with the gate scale and
+        # acts: gluon-bf16-ws-h200-2026-12-01-49f7b9d-*.json): cooperative 128 x 128 tiles, 4 stages, 1.03-1.29x the
+        # Triton kernel on qwen3, deepseek and gpt-oss, 0.94-0.99x on mixtral (I = 14336); 3 stages and 64-column
+        # tiles slower everywhere. dgrad1 (grouped_gemm, kn) on this kernel was 0.82-1.15x Triton, best variant
+        # changing with the shape: it stays on the Triton kernel (experts._bf16_config)
+        if op in ("gemm1_swiglu", "dgrad_swiglu"):
             return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4, kernel="gluon_ws")
         return GemmConfig(block_m=128, block_n=256 if n >= 256 else 128, block_k=64, num_stages=4, num_warps=4,
                           kernel="gluon_ws")

@@ -1,8 +1,9 @@
 """Warp-specialised bf16 grouped GEMM for Hopper, in Gluon: the plain op (EPI_NONE, optional row scale: GEMM2) and
 GEMM1 + SwiGLU (EPI_SWIGLU, optionally keeping h), weights "nk" ([E_l, N_w, K]: out = a @ w[e]^T); also the plain op
-on "kn" weights ([E_l, K, N_w]: out = a @ w[e], GEMM1's dgrad; K a multiple of 64; opt-in, not yet timed). Chosen with
+on "kn" weights ([E_l, K, N_w]: out = a @ w[e], GEMM1's dgrad; K a multiple of 64; opt-in: 0.82-1.15x the Triton
+kernel, no variant ahead on every shape) and the SwiGLU backward (EPI_DSWIGLU on kn w2; cooperative only). Chosen with
 GemmConfig(kernel="gluon_ws") on the bf16 ops (grouped_gemm.launch_grouped_gemm); the default of the bf16 forward
-ops on Hopper where its limits hold (megamoe.experts._bf16_config).
+ops and of the SwiGLU backward on Hopper where its limits hold (megamoe.experts._bf16_config).
 
     out[r, n] = sum_k a[r, k] * w[e][n, k]      (fp32 accumulation, bf16 out; with a scale: * scale[r])
     SwiGLU: g, u = the same for the gate rows n and the up rows N_UP + n; out = silu(g) * u, h = [g | u]
