@@ -67,7 +67,16 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from megamoe.kernels.gemm_config import GemmConfig, grid_size, record, tma_ok
 from megamoe.kernels.gluon_bf16 import SMEM_LIMIT, _slices
 from megamoe.kernels.gluon_fp8 import _locate, _schedule
-from megamoe.kernels.gluon_fp8_ws import REG_POOL, _ring, _ring_done, _ws_loader, consumer_regs_reason
+from megamoe.kernels.gluon_fp8_ws import (
+    REG_POOL,
+    _epi_none_slice,
+    _epi_swiglu_slice,
+    _put,
+    _ring,
+    _ring_done,
+    _ws_loader,
+    consumer_regs_reason,
+)
 from megamoe.kernels.grouped_gemm import EPI_DSWIGLU, EPI_NONE, EPI_SWIGLU
 
 BLOCK_K = 64  # one 128-byte swizzled row of bf16 per k-step
@@ -76,69 +85,6 @@ BLOCK_K = 64  # one 128-byte swizzled row of bf16 per k-step
 #: ping-pong whole 128-row tiles of 128 / 64 + 64
 WIDTHS = {(False, EPI_NONE): (128, 256), (False, EPI_SWIGLU): (64, 128), (False, EPI_DSWIGLU): (64, 128),
           (True, EPI_NONE): (64, 128), (True, EPI_SWIGLU): (64,)}  # (the SwiGLU backward: cooperative only)
-
-
-@gluon.jit
-def _put(val, desc, ptr, stride, row, col, row_end, N, epi_smem, buf, tma_ok, HM: gl.constexpr,
-         EPI_TMA: gl.constexpr, store_l: gl.constexpr):
-    """val (bf16, [HM, 64] in the accumulator's layout) -> rows row.., columns col.. of the output through staging
-    buffer buf of epi_smem: where tma_ok (every row belongs to the tile's expert; EPI_TMA: the output is TMA-able),
-    by an asynchronous TMA store on desc (columns >= N clipped by the descriptor's shape); else read back from the
-    buffer in store_l (8 consecutive columns per thread) and stored with a mask (rows >= row_end, columns >= N).
-    The consumer's two buffers alternate, so the TMA store that last read buf is the one before the latest: waiting
-    until at most one is pending (on the issuing thread), then a barrier of the warpgroup, frees buf."""
-    b = epi_smem.index(buf)
-    if EPI_TMA:
-        tma.store_wait(1)
-    gl.thread_barrier()
-    b.store(val)
-    if EPI_TMA:
-        if tma_ok:
-            fence_async_shared()
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(desc, [row, col], b)
-        else:
-            _masked_from(b, ptr, stride, row, col, row_end, N, HM, store_l)
-    else:
-        _masked_from(b, ptr, stride, row, col, row_end, N, HM, store_l)
-
-
-@gluon.jit
-def _masked_from(b, ptr, stride, row, col, row_end, N, HM: gl.constexpr, store_l: gl.constexpr):
-    """The staged tile b [HM, 64] -> ptr[row + i, col + j] for rows < row_end, columns < N (16-byte stores)."""
-    gl.thread_barrier()
-    v = b.load(store_l)
-    rm = row + gl.arange(0, HM, layout=gl.SliceLayout(1, store_l))
-    rn = col + gl.arange(0, 64, layout=gl.SliceLayout(0, store_l))
-    ptrs = ptr + rm.to(gl.int64)[:, None] * stride + rn[None, :]
-    gl.store(ptrs, v, mask=(rm < row_end)[:, None] & (rn < N)[None, :])
-
-
-@gluon.jit
-def _epi_swiglu_slice(g, u, off_m, col, row_end, N, out_desc, hg_desc, hu_desc, out_ptr, stride_om, h_ptr,
-                      stride_hm, epi_smem, b0, tma_ok, HM: gl.constexpr, STORE_H: gl.constexpr,
-                      EPI_TMA: gl.constexpr, store_l: gl.constexpr):
-    """One 64-column slice of the SwiGLU epilogue (h's gate, h's up, then act = silu(g) * u); b0: the first store's
-    staging buffer (the next ones alternate)."""
-    if STORE_H:
-        _put(g.to(gl.bfloat16), hg_desc, h_ptr, stride_hm, off_m, col, row_end, N, epi_smem, b0, tma_ok, HM,
-             EPI_TMA, store_l)
-        _put(u.to(gl.bfloat16), hu_desc, h_ptr + N, stride_hm, off_m, col, row_end, N, epi_smem, b0 ^ 1, tma_ok, HM,
-             EPI_TMA, store_l)
-    act = g / (1.0 + gl.exp(-g)) * u
-    _put(act.to(gl.bfloat16), out_desc, out_ptr, stride_om, off_m, col, row_end, N, epi_smem, b0, tma_ok, HM,
-         EPI_TMA, store_l)
-
-
-@gluon.jit
-def _epi_none_slice(x, off_m, col, row_end, N, out_desc, out_ptr, stride_om, scale_ptr, epi_smem, buf, tma_ok,
-                    HM: gl.constexpr, HAS_SCALE: gl.constexpr, EPI_TMA: gl.constexpr, mma_s: gl.constexpr,
-                    store_l: gl.constexpr):
-    if HAS_SCALE:
-        rm = off_m + gl.arange(0, HM, layout=gl.SliceLayout(1, mma_s))
-        x = x * gl.load(scale_ptr + rm, mask=rm < row_end, other=0.0)[:, None]
-    _put(x.to(gl.bfloat16), out_desc, out_ptr, stride_om, off_m, col, row_end, N, epi_smem, buf, tma_ok, HM, EPI_TMA,
-         store_l)
 
 
 @gluon.jit
