@@ -162,7 +162,8 @@ fi
 
 if want w; then
 echo "== w. warp-specialised FP8 GEMM (gluon_fp8_ws.py): GPU tests, the plain / SwiGLU bench, bench-gemm forward (one GPU)"
-CUDA_VISIBLE_DEVICES=0 gpu_tests gpu_fp8_ws 200 tests/test_gpu_gluon_fp8_ws.py tests/test_gpu_gluon_fp8.py -k "ws or public or fall_back"
+CUDA_VISIBLE_DEVICES=0 gpu_tests_par gpu_fp8_ws 300 8 tests/test_gpu_gluon_fp8_ws.py tests/test_gpu_gluon_fp8.py \
+  -k "ws or public or fall_back"
 CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/gluon_fp8_ws_bench.py --json "$OUT/fp8_ws.json" 2>&1 | grep -v arn \
   | tee "$OUT/fp8_ws.txt" | tail -30
 CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m megamoe bench-gemm --no-bwd --json "$OUT/gemm-fwd.json" 2>&1 | grep -v arn \

@@ -116,9 +116,10 @@ def test_gluon_fp8_keeps_a_wgmma_in_flight(rep):
 
 
 #: bytes per thread the warp-specialised FP8 kernel's variants may spill (its consumers run at 232-240 registers, the
-#: loader at 24-40): the 128 + 128-column SwiGLU tile spills 40 B at 8 experts, 104 at 64 (sm_90a, 2026-12-01) and
-#: is still the fastest GEMM1+SwiGLU measured (deepseek EP 4: 1.83x our bf16 against 1.41x for the spill-free
-#: 64 + 64 tile, one H200, gluon-fp8-ws-h200-2026-12-01-87a3c68.json); a regression to hundreds of bytes fails
+#: loader at 24-40): with the masked-store epilogue the 128 + 128-column SwiGLU tile spilled 40 B at 8 experts, 104 at
+#: 64 and was still the fastest GEMM1+SwiGLU measured (one H200, gluon-fp8-ws-h200-2026-12-01-87a3c68.json); with the
+#: TMA-store epilogue (2026-12-01) it spills 0, the plain 256-column tile 24 B at 64 experts (232 registers); a
+#: regression to hundreds of bytes fails
 WS_MAX_SPILL = 128
 
 
@@ -136,6 +137,10 @@ def test_gluon_fp8_ws_variants(rep):
         assert v["spill_store_bytes"] <= WS_MAX_SPILL, f"{label}: spills {v['spill_store_bytes']} bytes per thread"
         assert v["shared_bytes"] <= 232448, f"{label}: {v['shared_bytes']} bytes of shared memory"
         assert "0" in v["wgmma_wait_groups"], f"{label}: no wgmma wait {v['wgmma_wait_groups']}"
+        # the epilogue: TMA stores (every variant's output is TMA-able) and the masked 16-byte stores of half tiles
+        # that cross an expert's end
+        assert v["tma_stores"] > 0, f"{label}: no TMA stores"
+        assert v["st"].get("st.global.v4.b32", 0) > 0, f"{label}: no 16-byte masked stores {v['st']}"
 
 
 def test_gluon_bf16_ws_variants(rep):

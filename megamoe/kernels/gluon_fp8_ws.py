@@ -30,6 +30,13 @@ sustains at its best (128 x 256 tiles, 1.43 PFLOP/s); 128 x 256 tiles need 48 KB
 per flop). Measured (one H200, EP 4 shapes, 2026-12-01): 1.1-1.2x the 128-column tiles on mixtral, deepseek, qwen3.
 TMA multicast across a CTA pair (DeepGEMM's other lever) is not exposed by Gluon's Hopper TMA in Triton 3.6.
 
+Epilogue (v2, 2026-12-01, as gluon_bf16_ws.py's): each consumer writes its half tile in 64-column slices through two
+alternating bf16 staging buffers (``_put``): asynchronous TMA stores where every row of the half tile belongs to its
+expert and the outputs are TMA-able (they drain while the next tile's k-loop runs), masked 16-byte stores from the
+same buffer otherwise. v1 stored from registers (layout conversion through shared memory, then masked global stores
+that the tensor cores waited for); the staging buffers also replaced that conversion's scratch, and the SwiGLU
+tile's 104 B of spills went to 0.
+
 Tile schedule: grouped_gemm.py's (per-expert m-tiles of 128 rows x n-tiles, GROUP_M swizzle, program p takes tiles
 p, p + P, ...), computed on the device by every partition from offs. Rows of a tile past its expert's end are
 loaded (they belong to the next expert or are TMA zero fill) and dropped by the epilogue's mask.
@@ -50,8 +57,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from megamoe.kernels.gemm_config import GemmConfig, grid_size, record
-from megamoe.kernels.gluon_fp8 import SMEM_LIMIT, _epi_plain, _epi_swiglu, _locate, _schedule
+from megamoe.kernels.gemm_config import GemmConfig, grid_size, record, tma_ok
+from megamoe.kernels.gluon_bf16 import _slices
+from megamoe.kernels.gluon_fp8 import SMEM_LIMIT, _locate, _schedule
 from megamoe.kernels.grouped_gemm import EPI_NONE, EPI_SWIGLU
 
 REG_POOL = 504  # registers per thread summed over the three warpgroups (168 each: 65536 / 384 threads, a multiple of 8)
@@ -191,15 +199,17 @@ def _ws_loader(a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, 
 
 
 @gluon.jit
-def _ws_consumer(a_smem, b_smem, b2_smem, ready, empty, as_ptr, ws_ptr, out_ptr, h_ptr, scale_ptr, offs_ptr,
-                 R, N, K, E_l, num_progs, stride_asm, stride_wse, stride_wsn, stride_om, stride_hm, B2_OFF,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
-                 STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, MODE: gl.constexpr, STORE_H: gl.constexpr,
-                 HALF: gl.constexpr):
+def _ws_consumer(a_smem, b_smem, b2_smem, ready, empty, epi_smem, out_desc, hg_desc, hu_desc, as_ptr, ws_ptr, out_ptr,
+                 h_ptr, scale_ptr, offs_ptr, R, N, K, E_l, num_progs, stride_asm, stride_wse, stride_wsn, stride_om,
+                 stride_hm, B2_OFF, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+                 BLOCK_E: gl.constexpr, STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, MODE: gl.constexpr,
+                 STORE_H: gl.constexpr, EPI_TMA: gl.constexpr, HALF: gl.constexpr):
     """Rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (4 warps). MODE 0: one [64, BLOCK_N] product
     per k-step; 1 (SwiGLU): BLOCK_N columns of gate (acc) and of up (acc2, weight rows + B2_OFF); 2 (wide plain):
     two adjacent BLOCK_N column blocks (acc, acc2). With two products of 128 columns the second wgmma is issued
-    after the first one's promotion (three 64-register tiles live, not four)."""
+    after the first one's promotion (three 64-register tiles live, not four). Epilogue: 64-column slices through
+    this consumer's staging buffers 2 HALF, 2 HALF + 1 of epi_smem (``_put``: with EPI_TMA asynchronous TMA stores
+    where every row of the half tile belongs to its expert, else masked stores)."""
     BLOCK_K: gl.constexpr = 128
     HM: gl.constexpr = BLOCK_M // 2
     TN: gl.constexpr = 2 * BLOCK_N if MODE == 2 else BLOCK_N
@@ -208,7 +218,11 @@ def _ws_consumer(a_smem, b_smem, b2_smem, ready, empty, as_ptr, ws_ptr, out_ptr,
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
-    store_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [4, 1], [1, 0])
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
+    store_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # the masked stores: [HM, 64] slices
+    NSL: gl.constexpr = BLOCK_N // 64  # 64-column slices per product
+    PER_TILE: gl.constexpr = (2 * NSL if MODE == 2 else NSL) * (3 if MODE == 1 and STORE_H else 1)  # staged stores
+    nst = 0  # staged stores so far (the parity of the next one's staging buffer)
     e_idx, starts, cnts, m_tiles, cum_end, total = _schedule(offs_ptr, E_l, N, BLOCK_M, TN, BLOCK_E, sched)
     tiles_n = gl.cdiv(N, TN)
     k_tiles = gl.cdiv(K, BLOCK_K)
@@ -268,20 +282,39 @@ def _ws_consumer(a_smem, b_smem, b2_smem, ready, empty, as_ptr, ws_ptr, out_ptr,
                 acc = acc + p * sc[:, None]
                 acc2 = acc2 + p2 * sc2[:, None]
             it += 1
+        tma_ok = off_m + HM <= row_end  # TMA stores cannot stop at the expert's last row
+        b0 = 2 * HALF + (nst & 1)  # (1 or 3 stores per slice: each slice starts on the buffer after the previous's)
+        a0, a1, a2, a3 = _slices(acc, HM, BLOCK_N, mma_s)
         if MODE == 1:
-            _epi_swiglu(acc, acc2, off_m, off_n, row_end, N, out_ptr, stride_om, h_ptr, stride_hm, HM, BLOCK_N,
-                        STORE_H, store_l)
+            u0, u1, u2, u3 = _slices(acc2, HM, BLOCK_N, mma_s)
+            _epi_swiglu_slice(a0, u0, off_m, off_n, row_end, N, out_desc, hg_desc, hu_desc, out_ptr, stride_om, h_ptr,
+                              stride_hm, epi_smem, b0, tma_ok, HM, STORE_H, EPI_TMA, store_l)
+            if NSL > 1:
+                _epi_swiglu_slice(a1, u1, off_m, off_n + 64, row_end, N, out_desc, hg_desc, hu_desc, out_ptr,
+                                  stride_om, h_ptr, stride_hm, epi_smem, b0 ^ 1, tma_ok, HM, STORE_H, EPI_TMA,
+                                  store_l)
         else:
-            _epi_plain(acc, off_m, off_n, rm, mmask, row_end, N, out_ptr, scale_ptr, stride_om, HM, BLOCK_N,
-                       HAS_SCALE, store_l)
+            _epi_none_slice(a0, off_m, off_n, row_end, N, out_desc, out_ptr, stride_om, scale_ptr, epi_smem, b0,
+                            tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
+            if NSL > 1:
+                _epi_none_slice(a1, off_m, off_n + 64, row_end, N, out_desc, out_ptr, stride_om, scale_ptr, epi_smem,
+                                b0 ^ 1, tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
             if MODE == 2:
-                _epi_plain(acc2, off_m, off_n + BLOCK_N, rm, mmask, row_end, N, out_ptr, scale_ptr, stride_om, HM,
-                           BLOCK_N, HAS_SCALE, store_l)
+                c0, c1, c2, c3 = _slices(acc2, HM, BLOCK_N, mma_s)
+                _epi_none_slice(c0, off_m, off_n + BLOCK_N, row_end, N, out_desc, out_ptr, stride_om, scale_ptr,
+                                epi_smem, b0, tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
+                _epi_none_slice(c1, off_m, off_n + BLOCK_N + 64, row_end, N, out_desc, out_ptr, stride_om, scale_ptr,
+                                epi_smem, b0 ^ 1, tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
+        nst += PER_TILE
+    if EPI_TMA:  # the staging buffers stay allocated until the last store has read them
+        tma.store_wait(0)
 
 
 @gluon.jit
 def _gluon_fp8_ws_kernel(
     a_desc, w_desc,     # TMA descriptors: aq [R, K] block [BLOCK_M, 128]; wq as [E_l * N_W, K] block [BLOCK_N, 128]
+    out_desc,           # EPI_TMA: out [R, N] block [64, 64] (else unused, any descriptor)
+    hg_desc, hu_desc,   # EPI_TMA and STORE_H: h's gate and up halves, each [R, N] (row stride 2N), block [64, 64]
     as_ptr, ws_ptr,     # a_s [R, KB] fp32 (row stride stride_asm), w_s [E_l, cdiv(N_W, 128), KB] fp32
     out_ptr,            # out [R, N] bf16, row stride stride_om
     h_ptr,              # h [R, 2N] bf16, row stride stride_hm (MODE 1 with STORE_H)
@@ -291,7 +324,7 @@ def _gluon_fp8_ws_kernel(
     stride_asm, stride_wse, stride_wsn, stride_om, stride_hm,
     N_W, B2_OFF,        # rows of wq per expert; the second weight tile's row offset (MODE 1: up rows, 2: BLOCK_N)
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
-    STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, MODE: gl.constexpr, STORE_H: gl.constexpr,
+    STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, MODE: gl.constexpr, STORE_H: gl.constexpr, EPI_TMA: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid: (P,) persistent programs of 4 + 4 + 1 warps (module docstring)."""
@@ -302,14 +335,19 @@ def _gluon_fp8_ws_kernel(
         b2_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     else:
         b2_smem = b_smem  # unused
+    # two bf16 staging buffers [64, 64] per consumer for the epilogue (128-byte swizzle, as the descriptors')
+    epi_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    epi_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_M // 2, 64], epi_l)
     ready, empty = _ring(STAGES, 2)  # one arrive per consumer warpgroup
     gl.warp_specialize([
-        (_ws_consumer, (a_smem, b_smem, b2_smem, ready, empty, as_ptr, ws_ptr, out_ptr, h_ptr, scale_ptr, offs_ptr,
-                        R, N, K, E_l, num_progs, stride_asm, stride_wse, stride_wsn, stride_om, stride_hm, B2_OFF,
-                        BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, HAS_SCALE, MODE, STORE_H, 0)),
-        (_ws_consumer, (a_smem, b_smem, b2_smem, ready, empty, as_ptr, ws_ptr, out_ptr, h_ptr, scale_ptr, offs_ptr,
-                        R, N, K, E_l, num_progs, stride_asm, stride_wse, stride_wsn, stride_om, stride_hm, B2_OFF,
-                        BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, HAS_SCALE, MODE, STORE_H, 1)),
+        (_ws_consumer, (a_smem, b_smem, b2_smem, ready, empty, epi_smem, out_desc, hg_desc, hu_desc, as_ptr, ws_ptr,
+                        out_ptr, h_ptr, scale_ptr, offs_ptr, R, N, K, E_l, num_progs, stride_asm, stride_wse,
+                        stride_wsn, stride_om, stride_hm, B2_OFF, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES,
+                        HAS_SCALE, MODE, STORE_H, EPI_TMA, 0)),
+        (_ws_consumer, (a_smem, b_smem, b2_smem, ready, empty, epi_smem, out_desc, hg_desc, hu_desc, as_ptr, ws_ptr,
+                        out_ptr, h_ptr, scale_ptr, offs_ptr, R, N, K, E_l, num_progs, stride_asm, stride_wse,
+                        stride_wsn, stride_om, stride_hm, B2_OFF, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES,
+                        HAS_SCALE, MODE, STORE_H, EPI_TMA, 1)),
         (_ws_loader, (a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, N, K, E_l, num_progs, N_W,
                       B2_OFF, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, MODE, BLOCK_K)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -336,10 +374,9 @@ def ws_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, n_up:
                 f"weight-scale block), got {cfg.block_n}")
     if cfg.num_stages < 2:
         return f"num_stages must be >= 2, got {cfg.num_stages}"
-    # the ring (a, and the weight tiles: 2 x block_n rows for SwiGLU), the epilogue's layout-conversion scratch
-    # (sm_90a compile: ~bm * min(bn, 128) bytes) and the barriers
-    smem = cfg.num_stages * 128 * (cfg.block_m + (2 if two else 1) * cfg.block_n) \
-        + cfg.block_m * min(cfg.block_n, 128) + 4096
+    # the ring (a, and the weight tiles: 2 x block_n rows for SwiGLU), the epilogue's four bf16 [64, 64] staging
+    # buffers and the barriers (sm_90a compile of the 4-stage 128 x (128 + 128) SwiGLU tile: 229,4xx bytes)
+    smem = cfg.num_stages * 128 * (cfg.block_m + (2 if two else 1) * cfg.block_n) + 4 * 64 * 64 * 2 + 1024
     if smem > SMEM_LIMIT:
         return f"{cfg.num_stages} stages need ~{smem} bytes of shared memory, more than {SMEM_LIMIT}"
     if k <= 0 or k % 16:
@@ -386,13 +423,24 @@ def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w
     a_desc = TensorDescriptor(aq, list(aq.shape), list(aq.stride()), [bm, 128], a_layout)
     w2d = wq.view(E_l * N_w, K)
     w_desc = TensorDescriptor(w2d, list(w2d.shape), list(w2d.stride()), [bn, 128], w_layout)
+    # TMA-store epilogue where the outputs are TMA-able (16-byte aligned bases and row strides; h's up half starts
+    # at column n: n % 8 == 0); else every store masked (same staging buffers)
+    epi_tma = tma_ok([out]) and (not (mode == 1 and store_h) or (tma_ok([h]) and n % 8 == 0))
+    out_desc = hg_desc = hu_desc = a_desc  # unused where not set below
+    if epi_tma:
+        epi_layout = gl.NVMMASharedLayout.get_default_for([bm // 2, 64], gl.bfloat16)
+        out_desc = TensorDescriptor(out, [R, n], [out.stride(0), 1], [bm // 2, 64], epi_layout)
+        if mode == 1 and store_h:
+            hg_desc = TensorDescriptor(h, [R, n], [h.stride(0), 1], [bm // 2, 64], epi_layout)
+            hu_desc = TensorDescriptor(h[:, n:], [R, n], [h.stride(0), 1], [bm // 2, 64], epi_layout)
     grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * triton.cdiv(n, cfg.block_n), aq.device)
     k = _gluon_fp8_ws_kernel[(grid,)](
-        a_desc, w_desc, a_s, w_s, out, h if h is not None else out, scale if scale is not None else out, offs,
+        a_desc, w_desc, out_desc, hg_desc, hu_desc, a_s, w_s, out, h if h is not None else out,
+        scale if scale is not None else out, offs,
         R, n, K, E_l, grid, a_s.stride(0), w_s.stride(0), w_s.stride(1), out.stride(0),
         h.stride(0) if h is not None else 0, N_w, n_up if mode == 1 else bn,
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.group_m, BLOCK_E=block_e,
-        STAGES=cfg.num_stages, HAS_SCALE=scale is not None, MODE=mode, STORE_H=store_h,
+        STAGES=cfg.num_stages, HAS_SCALE=scale is not None, MODE=mode, STORE_H=store_h, EPI_TMA=epi_tma,
         CONSUMER_REGS=consumer_regs, LOADER_REGS=REG_POOL - 2 * consumer_regs, num_warps=4, maxnreg=REG_POOL // 3,
     )
     record("_gluon_fp8_ws_kernel", k)
