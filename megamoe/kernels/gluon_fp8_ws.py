@@ -394,11 +394,12 @@ def ws_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, n_up:
 def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w_s: torch.Tensor,
                         offs: torch.Tensor, out: torch.Tensor, cfg: GemmConfig, *, n: int, epilogue: int,
                         h: torch.Tensor | None = None, scale: torch.Tensor | None = None, store_h: bool = False,
-                        n_up: int = 0, consumer_regs: int | None = None) -> None:
+                        n_up: int = 0, consumer_regs: int | None = None, epi_tma: bool | None = None) -> None:
     """Launch _gluon_fp8_ws_kernel with the arguments of grouped_gemm_fp8.launch_grouped_gemm_fp8 (operands validated
     by the caller); ValueError naming the limit (``ws_limits``) that fails. consumer_regs: registers per thread of
     each consumer warpgroup (None: 240 with two 128-column products per k-step, else 232; the loader gets the rest
-    of REG_POOL)."""
+    of REG_POOL). epi_tma: None: TMA stores where the outputs allow them; False: every store masked (benchmarks and
+    tests of that path); True: TMA stores or ValueError."""
     R, K = aq.shape
     E_l, N_w, _ = wq.shape
     why = ws_limits(cfg, n=n, k=K, n_w=N_w, epilogue=epilogue, n_up=n_up)
@@ -425,7 +426,11 @@ def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w
     w_desc = TensorDescriptor(w2d, list(w2d.shape), list(w2d.stride()), [bn, 128], w_layout)
     # TMA-store epilogue where the outputs are TMA-able (16-byte aligned bases and row strides; h's up half starts
     # at column n: n % 8 == 0); else every store masked (same staging buffers)
-    epi_tma = tma_ok([out]) and (not (mode == 1 and store_h) or (tma_ok([h]) and n % 8 == 0))
+    can_tma = tma_ok([out]) and (not (mode == 1 and store_h) or (tma_ok([h]) and n % 8 == 0))
+    if epi_tma and not can_tma:
+        raise ValueError("grouped_gemm_fp8 (warp-specialised Gluon kernel): epi_tma=True, but the outputs are not "
+                         "TMA-able (16-byte aligned bases and row strides)")
+    epi_tma = can_tma if epi_tma is None else epi_tma
     out_desc = hg_desc = hu_desc = a_desc  # unused where not set below
     if epi_tma:
         epi_layout = gl.NVMMASharedLayout.get_default_for([bm // 2, 64], gl.bfloat16)
