@@ -113,7 +113,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 FP8_KERNELS = ("_gluon_fp8_ws_kernel", "_gluon_fp8_grouped_kernel", "_grouped_gemm_fp8_kernel")  # one of these runs
-BF16_KERNELS = ("_gluon_bf16_ws_kernel", "_grouped_gemm_kernel")  # the forward's
+BF16_KERNELS = ("_gluon_bf16_ws_kernel", "_grouped_gemm_kernel")  # the forward's and dgrad2's
 
 
 def _regs(kernel_name: str | tuple[str, ...]) -> dict:
@@ -274,7 +274,7 @@ def run_shape(preset: str, tokens: int, ep: int, args) -> list[dict]:
         dh, _ = X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s)
         ours = _time_ours("dgrad2", lambda c: (lambda: X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s, out=dh,
                                                                             config=c)),
-                          _candidates("dgrad2"), "_grouped_gemm_kernel", args.rep, args.sweep and args.sweep_bwd)
+                          _candidates("dgrad2"), BF16_KERNELS, args.rep, args.sweep and args.sweep_bwd)
         add("dgrad2_swiglu", "bf16", fl2, 2 * (R * H + E_l * H * I + 3 * R * 2 * I), ours)
         dx = torch.empty_like(x)
         ours = _time_ours("dgrad1", lambda c: (lambda: X.gemm1_dgrad(dh, w13, offs, out=dx, config=c)),
