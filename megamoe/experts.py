@@ -48,7 +48,8 @@ from megamoe.kernels.grouped_gemm_fp8 import check_fp8, gluon_unavailable, launc
 __all__ = [
     "GemmConfig", "default_config", "pin_config",
     "grouped_gemm", "gemm1_swiglu", "gemm2", "gemm2_dgrad_swiglu", "gemm1_dgrad", "grouped_wgrad",
-    "quantize_act", "quantize_weight", "quantize_weight_both", "grouped_gemm_fp8", "gemm1_swiglu_fp8", "gemm2_fp8",
+    "quantize_act", "dequantize_act", "quantize_weight", "quantize_weight_both", "grouped_gemm_fp8", "gemm1_swiglu_fp8",
+    "gemm2_fp8",
     "gemm2_dgrad_swiglu_fp8", "gemm1_dgrad_fp8",
     "ExpertsFn", "experts_mlp",
     "grouped_gemm_ref", "gemm1_swiglu_ref", "gemm2_ref", "gemm2_dgrad_swiglu_ref", "gemm1_dgrad_ref",
@@ -206,6 +207,12 @@ def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False,
     """x [R, K] -> (q [R, K] float8_e4m3fn, s [R, cdiv(K, 128)] fp32), x ~= q * s per 1x128 block. nrows: int32
     device tensor, its first element the rows holding data (the rest are skipped, left unwritten)."""
     return _q.quantize_act(x, pow2_scale=pow2_scale, nrows=nrows)
+
+
+def dequantize_act(q: torch.Tensor, s: torch.Tensor, *, nrows: torch.Tensor | None = None) -> torch.Tensor:
+    """(q [R, K] float8_e4m3fn, s [R, cdiv(K, 128)] fp32) -> bf16 [R, K] = q * s per 1x128 block; nrows as in
+    quantize_act (rows from there on left unwritten)."""
+    return _q.dequantize_act(q, s, nrows=nrows)
 
 
 def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False,

@@ -117,6 +117,34 @@ def test_split_fp8_on_gpus():
     check_fp8([(rank_results, det) for rank_results, det, _ in results])
 
 
+def _rank_fp8_dispatch(rank: int, world: int):
+    """fp8_dispatch=1 at qwen3 width (1024 tokens per rank): against the FP8 layer without it (bitwise the same
+    output, dx, router and w2 gradients; dW13 within FP8 error), no host sync in its training step, and the step
+    captured in a CUDA graph replaying like eager."""
+    from test_split_backend import fp8_dispatch_pair
+
+    from megamoe import preset
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    cfg = preset("qwen3-30b-a3b", num_experts=qwen3_experts(world), max_tokens_per_rank=1024)
+    pair = fp8_dispatch_pair(cfg, 1024, dev, seed=31)
+    opts = {"fp8": True, "fp8_dispatch": True, "presum_combine": True}
+    return pair, _sync_free(rank, world, opts), graph_replay_vs_eager(*training_step(rank, "split", **opts))
+
+
+@pytest.mark.skipif(NGPU == 0, reason="needs CUDA GPUs")
+def test_split_fp8_dispatch_on_gpus():
+    from test_split_backend import check_fp8_dispatch
+
+    if torch.cuda.get_device_capability(0) < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability >= 8.9")
+    for pair, sync_free, graph in spawn(_rank_fp8_dispatch, min(NGPU, 4), device="cuda", timeout_s=900):
+        check_fp8_dispatch(pair)
+        assert sync_free, "fp8_dispatch: a host sync in the training step"
+        assert graph["graph_out_equal"] and graph["graph_w_equal"], graph
+
+
 def _rank_fp8_graph_update(rank: int, world: int) -> dict:
     """A forward captured in a CUDA graph quantises the FP8 weights inside the graph: after an in-place weight
     update a replay must equal an eager call of the updated layer (no stale cached weights), bitwise."""

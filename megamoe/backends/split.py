@@ -53,6 +53,16 @@ error vs the float64 reference out 0.062-0.073, dx 0.061-0.076, dW13 0.052-0.061
 0.037-0.109 (bf16 path: < 1e-2); cosine vs the bf16 layer 0.9965-0.9988. That is the e4m3 rounding (~0.037 per
 GEMM, act compounds two) through three GEMM stages, not more: the issue's "< 5e-2, cosine >= 0.999" holds for h,
 GEMM2 and dgrad1 alone (act: 0.054), not for the whole layer.
+
+FP8 dispatch (option ``fp8_dispatch``, with ``fp8``; off by default, issue 5's "FP8 dispatch if it pays"):
+    aq, a_s, handle = dispatch_fp8(x, topk_idx, heap)     x quantised once per token on its home rank, the packed
+                                                          rows [e4m3 H bytes | fp32 block scales] pulled
+    act, h          = gemm1_swiglu_fp8(aq, a_s, ...)      row-strided views of the receive buffer, no quantisation
+instead of quantising each of a token's up to k received bf16 copies. The forward, dx, the router's and w2's
+gradients are bitwise those of ``fp8`` alone (the 1x128 quantisation is per row); dW13 = dh^T recv uses the
+dequantised rows (dequantize_act in the backward; CPU: 0.025 relative to ``fp8``'s dW13, cosine 0.9997). A row moves
+H + 4 cdiv(H, 128) bytes padded to 16 (qwen3 2112, deepseek 7392) instead of 2H. Not measured across GPUs yet (it
+needs 2+ GPUs to pay: at EP 1 the pull is a local copy).
 """
 
 from __future__ import annotations
@@ -63,9 +73,10 @@ import torch
 import torch.distributed as dist
 
 from megamoe.comm.combine import combine, combine_backward, pull_grad, send_gate_grad
-from megamoe.comm.dispatch import dispatch, dispatch_backward
+from megamoe.comm.dispatch import dispatch, dispatch_backward, dispatch_fp8
 from megamoe.comm.heap import CommShape, SymmetricHeap, heap_bytes, workspace_bytes
 from megamoe.experts import (
+    dequantize_act,
     gemm1_dgrad,
     gemm1_dgrad_fp8,
     gemm1_swiglu,
@@ -109,15 +120,16 @@ def _wgrads(g_out, act, dh, recv, offs, w13, w2):
     return dw13, dw2
 
 
-def _expert_forward(recv, w13, w2, offs, wq):
+def _expert_forward(recv, w13, w2, offs, wq, recv_q=None):
     """(act [R, I], h [R, 2I], out [R, H]), bf16; with ``wq`` (the FP8 weights, see SplitBackend.fp8_weights)
-    both GEMMs on e4m3 block-scaled operands."""
+    both GEMMs on e4m3 block-scaled operands, GEMM1's from ``recv_q`` (aq, a_s: dispatch_fp8) if given, else
+    quantised from recv."""
     if wq is None:
         act, h = gemm1_swiglu(recv, w13, offs, store_h=True)
         return act, h, gemm2(act, w2, offs)
     q13, s13, _, _, q2, s2, _, _ = wq
     n = offs[-1:]  # rows received: only those are quantised (the buffers hold the worst case)
-    act, h = gemm1_swiglu_fp8(*quantize_act(recv, nrows=n), q13, s13, offs, store_h=True)
+    act, h = gemm1_swiglu_fp8(*(recv_q or quantize_act(recv, nrows=n)), q13, s13, offs, store_h=True)
     return act, h, gemm2_fp8(*quantize_act(act, nrows=n), q2, s2, offs)
 
 
@@ -170,20 +182,27 @@ def bf16_dgrad(dy, topk_w, handle, h, recv, w13, w2, num_sms):
 
 class _SplitMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_w, w13, w2, topk_idx, heap, num_sms, overlap, presum, wq, pull_gate_grad=False):
-        recv, handle = dispatch(x, topk_idx, heap, num_sms=num_sms, topk_w=topk_w if presum else None)
+    def forward(ctx, x, topk_w, w13, w2, topk_idx, heap, num_sms, overlap, presum, wq, pull_gate_grad=False,
+                fp8_dispatch=False):
+        recv_q = a_s = None
+        if fp8_dispatch:  # rows arrive quantised (one quantisation per token, ~half the bytes): GEMM1 reads them
+            aq, a_s, handle = dispatch_fp8(x, topk_idx, heap, num_sms=num_sms, topk_w=topk_w if presum else None)
+            recv, recv_q = aq, (aq, a_s)
+        else:
+            recv, handle = dispatch(x, topk_idx, heap, num_sms=num_sms, topk_w=topk_w if presum else None)
         offs = handle.offs
-        act, h, out = _expert_forward(recv, w13, w2, offs, wq)
+        act, h, out = _expert_forward(recv, w13, w2, offs, wq, recv_q)
         if presum:  # expert ranks pre-sum each token's rows with the gates dispatch brought
             y = combine(out, None, handle, num_sms=num_sms, out_dtype=x.dtype, presum=True)
         else:
             y = combine(out, topk_w, handle, num_sms=num_sms, out_dtype=x.dtype)
         ctx.epilogue_gate_grad = wq is None and not pull_gate_grad
+        # (with fp8_dispatch recv is the e4m3 rows and a_s their scales: dequantised in the backward for dW13)
         if ctx.epilogue_gate_grad:  # the bf16 backward (pull_grad) needs neither the expert outputs nor act:
             # dW2's operand and d(topk_w) come from the dgrad GEMM's epilogue (bf16_dgrad)
-            ctx.save_for_backward(recv, h, None, None, topk_w, w13, w2)
+            ctx.save_for_backward(recv, h, None, None, topk_w, w13, w2, a_s)
         else:
-            ctx.save_for_backward(recv, h, act, out, topk_w, w13, w2)
+            ctx.save_for_backward(recv, h, act, out, topk_w, w13, w2, a_s)
         ctx.handle = handle
         ctx.num_sms = num_sms
         ctx.overlap = overlap
@@ -193,9 +212,11 @@ class _SplitMoE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        recv, h, act, out, topk_w, w13, w2 = ctx.saved_tensors
+        recv, h, act, out, topk_w, w13, w2, a_s = ctx.saved_tensors
         handle, num_sms = ctx.handle, ctx.num_sms
         offs = handle.offs
+        if a_s is not None:  # fp8_dispatch: dW13 = dh^T recv on the dequantised rows (only the received ones)
+            recv = dequantize_act(recv, a_s, nrows=offs[-1:])
         if ctx.epilogue_gate_grad:
             # g_out here is dy pulled without its gate and act the gated activation: dW2 = g_out^T act either way
             g_out, act, dh, d_recv, d_topk_w = bf16_dgrad(dy.contiguous(), topk_w, handle, h, recv, w13, w2,
@@ -220,7 +241,7 @@ class _SplitMoE(torch.autograd.Function):
         else:
             dx = dispatch_backward(d_recv, handle, num_sms=num_sms, out_dtype=dy.dtype, presum=ctx.presum)
             dw13, dw2 = _wgrads(g_out, act, dh, recv, offs, w13, w2)
-        return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None, None, None, None, None
+        return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None, None, None, None, None, None
 
 
 def _capturing_on(device: torch.device) -> bool:
@@ -252,7 +273,8 @@ class SplitBackend:
     < 1e-2, see the module docstring; needs compute capability >= 8.9 on CUDA), ``fp8_weight_cache`` (with
     ``fp8``, default True: keep the quantised weights across calls until the parameters change, see
     :meth:`fp8_weights`; False: quantise them in every call, both orientations in the forward, held until the
-    backward: the same 2 bytes per weight element during a step, none between calls),
+    backward: the same 2 bytes per weight element during a step, none between calls), ``fp8_dispatch`` (with
+    ``fp8``, off by default: the rows travel FP8-quantised, see the module docstring),
     ``gate_grad`` ("epilogue", the default since 2026-12-01: d(topk_w) and dW2's operand from the dgrad GEMM's
     epilogue, see :func:`bf16_dgrad`; "pull": the earlier bf16 backward, combine_backward's pull computing
     <dy, out> from the forward's saved expert outputs; FP8 always takes "pull"),
@@ -269,7 +291,7 @@ class SplitBackend:
 
     def __init__(self, moe, comm_sms: int | None = None, timeout_s: float = 60.0, overlap_backward: bool = False,
                  presum_combine: bool = False, fp8: bool = False, fp8_weight_cache: bool = True,
-                 gate_grad: str = "epilogue"):
+                 gate_grad: str = "epilogue", fp8_dispatch: bool = False):
         cfg = moe.config
         if comm_sms is None:  # the interpreter runs programs one by one: fewer is faster there
             # on GPUs: every SM (the pull at 132 programs took 0.53-0.65x its time at 32, 2x H200, 2026-11-30),
@@ -283,9 +305,12 @@ class SplitBackend:
                              "(a one-rank group is fine)")
         if comm_sms < 1:
             raise ValueError(f"comm_sms must be >= 1, got {comm_sms}")
-        for name, flag in (("fp8", fp8), ("fp8_weight_cache", fp8_weight_cache)):
+        for name, flag in (("fp8", fp8), ("fp8_weight_cache", fp8_weight_cache), ("fp8_dispatch", fp8_dispatch)):
             if flag not in (True, False, 0, 1):
                 raise ValueError(f"backend 'split': {name} must be a flag (True/False or 1/0), got {flag!r}")
+        if fp8_dispatch and not fp8:
+            raise ValueError("backend 'split': fp8_dispatch=1 sends the rows FP8-quantised for the FP8 GEMM1; it needs "
+                             "fp8=1")
         if fp8 and moe.device.type == "cuda" and torch.cuda.get_device_capability(moe.device) < (8, 9):
             raise ValueError(f"backend 'split' with fp8=1 needs FP8 tensor cores (compute capability >= 8.9, "
                              f"e.g. H100/H200/L40); {torch.cuda.get_device_name(moe.device)} has "
@@ -299,6 +324,7 @@ class SplitBackend:
         self.presum_combine = presum_combine
         self.fp8 = bool(fp8)
         self.fp8_weight_cache = bool(fp8_weight_cache)
+        self.fp8_dispatch = bool(fp8_dispatch)
         self._fp8_cache: dict[str, tuple] = {}
         self.shape = CommShape(world=moe.world, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden,
                                topk=cfg.top_k, num_experts=cfg.num_experts, dtype=cfg.dtype)
@@ -359,4 +385,4 @@ class SplitBackend:
                              f"({self.shape.max_tokens}); build the MoEConfig with a larger one")
         wq = self.fp8_weights(w13, w2) if self.fp8 else None
         return _SplitMoE.apply(x, topk_w, w13, w2, topk_idx, self.heap, self.comm_sms, self.overlap_backward,
-                               self.presum_combine, wq, self.gate_grad == "pull")
+                               self.presum_combine, wq, self.gate_grad == "pull", self.fp8_dispatch)

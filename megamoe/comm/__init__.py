@@ -2,7 +2,7 @@
 
 Public API (each module's docstring has the details):
     CommShape, SymmetricHeap, heap_bytes, workspace_bytes, CommTimeoutError   (heap.py)
-    dispatch, dispatch_backward, DispatchHandle                               (dispatch.py)
+    dispatch, dispatch_fp8, dispatch_backward, DispatchHandle                 (dispatch.py)
     combine, combine_backward                                                 (combine.py)
     barrier                                                                   (signals.py)
     Schedule                                                                  (schedule.py)
@@ -16,7 +16,7 @@ from megamoe import _interp
 _interp.apply()  # before any kernel runs: round-to-nearest bf16 conversions under the interpreter
 
 from .combine import combine, combine_backward  # noqa: E402
-from .dispatch import DispatchHandle, dispatch, dispatch_backward  # noqa: E402
+from .dispatch import DispatchHandle, dispatch, dispatch_backward, dispatch_fp8  # noqa: E402
 from .heap import CommShape, CommTimeoutError, SymmetricHeap, heap_bytes, workspace_bytes  # noqa: E402
 from .schedule import Schedule  # noqa: E402
 from .signals import barrier  # noqa: E402
@@ -32,6 +32,7 @@ __all__ = [
     "combine_backward",
     "dispatch",
     "dispatch_backward",
+    "dispatch_fp8",
     "heap_bytes",
     "workspace_bytes",
 ]

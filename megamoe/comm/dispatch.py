@@ -177,6 +177,7 @@ def _pull_kernel(
     out_ptr,  # [R_cap, H] expert outputs (HAS_OUT only)
     gate_ptr,  # fp32 [R_cap] out (HAS_GATE): gate w_s[t, j] of every received row (from the owner's w region)
     T_max, H, timeout_ns,
+    HP,  # elements moved per row (<= H, the source rows' stride): dst is [R_cap, HP] (a narrower packed payload)
     OP: tl.constexpr,
     HAS_W: tl.constexpr,  # combine backward: dst = w_s[t, j] * src row (gates from the owner's w region)
     HAS_OUT: tl.constexpr,  # with HAS_W: also dw_s[t, j] = <src row, out row>, written into rank s's dw region
@@ -230,7 +231,7 @@ def _pull_kernel(
             # repacked there, and those moves wait for the load)
             WT: tl.constexpr = tl.int32 if EPW == 2 else DT
             BLOCK_W: tl.constexpr = BLOCK_H // EPW
-            HW = H // EPW
+            HW = HP // EPW
             dst_w = dst_ptr.to(tl.pointer_type(WT), bitcast=True)
             NH = tl.cdiv(HW, BLOCK_W)
             n_units = tl.cdiv(tl.maximum(tl.cdiv(n_items, ROWS) - pid, 0), P) * NH  # this program's units
@@ -287,15 +288,15 @@ def _pull_kernel(
                 if HAS_OUT:
                     dw = tl.zeros([ROWS, KP2], tl.float32)
                 h0 = tl.program_id(0) * 0
-                while h0 < H:
+                while h0 < HP:
                     oh = h0 + tl.arange(0, BLOCK_H)
-                    mh = oh < H
+                    mh = oh < HP
                     v = tl.load(src[:, None] + oh[None, :], mask=need[:, None] & mh[None, :])
                     for j in tl.static_range(K):
                         rj = tl.sum(tl.where(jj[None, :] == j, rows, 0), axis=1)
                         mj = need & (rj >= 0)
                         m2 = mj[:, None] & mh[None, :]
-                        o2 = rj.to(tl.int64)[:, None] * H + oh[None, :]
+                        o2 = rj.to(tl.int64)[:, None] * HP + oh[None, :]
                         if HAS_W:
                             wj = tl.sum(tl.where(jj[None, :] == j, wv, 0.0), axis=1)
                             vf = v.to(tl.float32)
@@ -320,7 +321,7 @@ def _pull_kernel(
 
 def pull_rows(heap: SymmetricHeap, sched: Schedule, dst: torch.Tensor, programs: int,
               out: torch.Tensor | None = None, gate: torch.Tensor | None = None, scale_only: bool = False,
-              pipeline: bool | None = None) -> None:
+              pipeline: bool | None = None, width: int | None = None) -> None:
     """Launch :func:`_pull_kernel`: dst[r] = x_s[t] for every received row r = (s, t, j) (dispatch).
 
     ``out`` [R_cap, H] (combine backward): dst[r] = w_s[t, j] * dy_s[t] and d(topk_w)_s[t, j] = <dy_s[t],
@@ -330,9 +331,16 @@ def pull_rows(heap: SymmetricHeap, sched: Schedule, dst: torch.Tensor, programs:
     d(topk_w): no ``out``, no ``dw`` writes, no finish needed.
     ``gate``: fp32 [R_cap] filled with each received row's gate (dispatch with gates staged in ``w``).
     ``pipeline``: software-pipelined loop (default :data:`PULL_PIPELINE`); ignored with ``out``.
+    ``width``: elements moved per row (default the heap's H): dst [R_cap, width] gets the first ``width`` elements of
+    each source row (a packed payload staged narrower than H: dispatch_fp8); plain pulls only.
     """
     sh = heap.shape
     has_out = out is not None
+    hp = sh.hidden if width is None else int(width)
+    if not 0 < hp <= sh.hidden or (hp != sh.hidden and (has_out or scale_only)):
+        raise ValueError(f"pull_rows: width must be in (0, H={sh.hidden}] and is for the plain pull, got {width}")
+    if tuple(dst.shape[1:]) != (hp,) or dst.stride(-1) != 1:
+        raise ValueError(f"pull_rows: dst must be [R_cap, {hp}] with unit inner stride, got {tuple(dst.shape)}")
     if has_out and scale_only:
         raise ValueError("pull_rows: scale_only computes no d(topk_w), so it takes no out")
     has_w = has_out or scale_only
@@ -347,12 +355,13 @@ def pull_rows(heap: SymmetricHeap, sched: Schedule, dst: torch.Tensor, programs:
     rows, block_h, warps = S.launch_config(sh.hidden, op)
     _pull_kernel[(programs,)](
         heap.tab, heap.world, heap.rank, S.REG_TOK.value, sched.recv_row, sched.tokens_per_rank, dst,
-        out if has_out else dst, gate if gate is not None else dst, sh.max_tokens, sh.hidden, heap.timeout_ns,
+        out if has_out else dst, gate if gate is not None else dst, sh.max_tokens, sh.hidden, heap.timeout_ns, hp,
         OP=OP_COMBINE_BWD.value if has_w else OP_PULL.value, HAS_W=has_w, HAS_OUT=has_out,
         HAS_GATE=gate is not None, PIPELINE=pipe,
         K=sh.topk, KP2=triton.next_power_of_2(sh.topk), ROWS=rows, BLOCK_H=block_h,
         ALIGNED=(sh.hidden * sh.dtype.itemsize) % 16 == 0,
-        EPW=2 if sh.dtype.itemsize == 2 and sh.hidden % 2 == 0 else 1, WP2=heap.wp2, num_warps=warps,
+        EPW=2 if sh.dtype.itemsize == 2 and sh.hidden % 2 == 0 and hp % 2 == 0 else 1, WP2=heap.wp2,
+        num_warps=warps,
     )
     heap.after_launch()
 
@@ -418,6 +427,55 @@ def dispatch(
                                 row_gate=gate)
 
 
+def fp8_row_layout(hidden: int) -> tuple[int, int, int]:
+    """Byte layout of one packed FP8 row (dispatch_fp8): (scale offset, row bytes, 16-bit words per row). e4m3
+    values in bytes [0, H), the 1x128 block scales (fp32, cdiv(H, 128) of them) from the 16-byte boundary after
+    them, the row padded to 16 bytes (TMA row strides); e.g. qwen3 H = 2048: 2112 B, deepseek 7168: 7392 B."""
+    so = -(-hidden // 16) * 16
+    row = -(-(so + 4 * triton.cdiv(hidden, 128)) // 16) * 16
+    return so, row, row // 2
+
+
+def dispatch_fp8(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    heap: SymmetricHeap,
+    num_sms: int | None = None,
+    topk_w: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+    """:func:`dispatch` of x quantised once per token on its home rank: (aq [R_cap, H] float8_e4m3fn, a_s [R_cap,
+    cdiv(H, 128)] fp32, handle), row-strided views of one receive buffer of packed rows (fp8_row_layout), ready
+    for the FP8 GEMM1 (megamoe.experts: 1x128 activation scales). Each token's row is quantised once (T rows,
+    not its up to k received copies) and moves ~H + H / 32 bytes instead of 2H; aq and a_s are bitwise what
+    quantize_act gives on :func:`dispatch`'s rows (the quantisation is per row). The heap must be 16-bit (bf16)
+    with H large enough that a packed row fits in a tok row (H >= 32). Rows >= offs[E_l] are not written."""
+    T = _check_inputs(heap, x, topk_idx)
+    if topk_w is not None and tuple(topk_w.shape) != tuple(topk_idx.shape):
+        raise ValueError(f"topk_w must be [T={T}, k={heap.shape.topk}], got {tuple(topk_w.shape)}")
+    from megamoe.kernels.fp8_quant import quantize_act  # lazy: comm does not need the GEMM kernels otherwise
+
+    sh = heap.shape
+    H = sh.hidden
+    so, row, words = fp8_row_layout(H)
+    if sh.dtype.itemsize != 2 or words > H:
+        raise ValueError(f"dispatch_fp8: needs a 16-bit heap whose rows hold a packed FP8 row ({row} bytes), got "
+                         f"{sh.dtype} with H = {H}")
+    kb = triton.cdiv(H, 128)
+    packed = torch.empty(T, words, dtype=sh.dtype, device=heap.device)  # (padding bytes: never read as data)
+    pb = packed.view(torch.uint8)
+    quantize_act(x, out=(pb[:, :H].view(torch.float8_e4m3fn), pb[:, so:so + 4 * kb].view(torch.float32)))
+    P = max(1, int(num_sms or heap.num_sms))
+    sched = stage_and_schedule(heap, packed, topk_idx, P, topk_w)
+    recv = torch.empty(sh.rows_cap, words, dtype=sh.dtype, device=heap.device)
+    gate = None if topk_w is None else torch.empty(sh.rows_cap, dtype=torch.float32, device=heap.device)
+    pull_rows(heap, sched, recv, P, gate=gate, width=words)
+    rb = recv.view(torch.uint8)
+    aq = rb[:, :H].view(torch.float8_e4m3fn)
+    a_s = rb[:, so:so + 4 * kb].view(torch.float32)
+    return aq, a_s, DispatchHandle(heap=heap, num_tokens=T, schedule=sched, offs=sched.offs, num_sms=P,
+                                   row_gate=gate)
+
+
 def dispatch_backward(grad_recv: torch.Tensor, handle: DispatchHandle, num_sms: int | None = None,
                       out_dtype: torch.dtype | None = None, presum: bool = False) -> torch.Tensor:
     """grad_x[t] = sum_j grad_recv[row(t, j)] on its expert rank, in fixed j order, fp32 accumulation.
@@ -434,4 +492,5 @@ def dispatch_backward(grad_recv: torch.Tensor, handle: DispatchHandle, num_sms: 
     return _gather_sum(grad_recv, None, handle, num_sms, out_dtype)
 
 
-__all__ = ["DispatchHandle", "dispatch", "dispatch_backward", "pull_rows", "stage_and_schedule", "READY"]
+__all__ = ["DispatchHandle", "dispatch", "dispatch_fp8", "dispatch_backward", "fp8_row_layout", "pull_rows",
+           "stage_and_schedule", "READY"]

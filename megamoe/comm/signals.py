@@ -305,7 +305,8 @@ def _stage_kernel(
     n_act,
     nrows_ptr,  # int32 [1] device-side row count (HAS_NROWS): copy min(n_act, *nrows_ptr) rows
     act_reg,
-    H,
+    H,  # the region's row stride (elements)
+    HA,  # act's row width and stride (elements, <= H): a narrower payload fills the first HA of each region row
     small_ptr,  # int32 [n_small] 4-byte table (top-k ids, or fp32 gates viewed as int32) -> region small_reg
     n_small,
     small_reg,
@@ -327,7 +328,7 @@ def _stage_kernel(
 
         wait flags[DONE, p] >= s-1 for all p        # nobody still reads my buffers from earlier calls
         n = min(n_act, *nrows_ptr) if HAS_NROWS else n_act     # rows that hold data (count on the device)
-        region[act_reg][:n] = act ; region[small_reg][:n_small] = small ; region[small2_reg] = small2
+        region[act_reg][:n, :HA] = act ; region[small_reg][:n_small] = small ; region[small2_reg] = small2
         last program: meta[0] = ntok; publish READY = s to every peer; seq = s
     """
     pid = tl.program_id(0)
@@ -346,10 +347,10 @@ def _stage_kernel(
                 mr = r < n_act
                 ro = r.to(tl.int64) * H
                 h0 = tl.program_id(0) * 0
-                while h0 < H:
+                while h0 < HA:
                     oh = h0 + tl.arange(0, BLOCK_H)
-                    m = mr[:, None] & (oh < H)[None, :]
-                    o = ro[:, None] + oh[None, :]
+                    m = mr[:, None] & (oh < HA)[None, :]
+                    o = (r.to(tl.int64) * HA)[:, None] + oh[None, :]
                     drow = dst + ro
                     if ALIGNED:
                         drow = tl.multiple_of(drow, 16)
@@ -410,18 +411,23 @@ def stage(heap, act=None, act_reg: int = 0, small=None, small_reg: int = 0, ntok
     ``nrows``: optional int32 device tensor of one element bounding the rows of ``act`` that are copied (the
     receive-side row count offs[E_l] lives on the device; the buffers are sized for the worst case).
     ``small2``: a second 4-byte table (e.g. the gates beside the top-k ids) staged into ``small2_reg``.
+    ``act`` [n, HA] with HA <= H (the heap's hidden size, the region's row stride) fills the first HA elements of
+    each region row (a packed narrower payload, e.g. FP8 rows with their scales: dispatch_fp8).
     """
     heap.check()
     H = heap.shape.hidden
     has_act = act is not None and act.numel() > 0
     has_small = small is not None and small.numel() > 0
     has_small2 = small2 is not None and small2.numel() > 0
+    HA = act.shape[1] if act is not None and act.dim() == 2 else H
+    if has_act and (HA > H or act.stride() != (HA, 1)):
+        raise ValueError(f"stage: act must be contiguous [n, <= {H}], got {tuple(act.shape)} strides {act.stride()}")
     rows, block_h, warps = launch_config(H, "stage")
     P = max(1, int(programs or heap.num_sms))
     _stage_kernel[(P,)](
         heap.tab, heap.world, heap.rank,
         act if has_act else heap.tab, act.shape[0] if has_act else 0, nrows if nrows is not None else heap.tab,
-        act_reg, H,
+        act_reg, H, HA,
         small if has_small else heap.tab, small.numel() if has_small else 0, small_reg,
         small2 if has_small2 else heap.tab, small2.numel() if has_small2 else 0, small2_reg,
         ntok, heap.timeout_ns,

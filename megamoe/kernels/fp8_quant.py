@@ -51,10 +51,10 @@ def _to_e4m3(v, RNE_IN_FP32: tl.constexpr):
 @triton.jit
 def _quant_act_kernel(
     x_ptr,   # x_RK [R, K] bf16/fp32, row stride stride_x
-    q_ptr,   # q_RK [R, K] fp8 e4m3, contiguous
-    s_ptr,   # s [R, n_kb] fp32
+    q_ptr,   # q_RK [R, K] fp8 e4m3, row stride stride_q
+    s_ptr,   # s [R, n_kb] fp32, row stride stride_s
     nrows_ptr,  # int32 [1] (HAS_NROWS): rows that hold data, read on the device; rows >= it are skipped
-    R, K, stride_x, n_kb,
+    R, K, stride_x, n_kb, stride_q, stride_s,
     BLOCK_R: tl.constexpr, POW2: tl.constexpr, RNE_IN_FP32: tl.constexpr, HAS_NROWS: tl.constexpr,
 ):
     """Grid: (cdiv(R, BLOCK_R), n_kb). s[r, kb] = amax(x[r, kb*128 : +128]) / 448; q = x / s."""
@@ -69,8 +69,8 @@ def _quant_act_kernel(
     x = tl.load(x_ptr + rr64[:, None] * stride_x + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     s = _scale_of(tl.max(tl.abs(x), axis=1), POW2)
     q = tl.clamp(tl.div_rn(x, s[:, None]), -448.0, 448.0)  # IEEE division: bitwise equal to torch
-    tl.store(q_ptr + rr64[:, None] * K + rk[None, :], _to_e4m3(q, RNE_IN_FP32), mask=mask)
-    tl.store(s_ptr + rr64 * n_kb + kb, s, mask=rr < R)
+    tl.store(q_ptr + rr64[:, None] * stride_q + rk[None, :], _to_e4m3(q, RNE_IN_FP32), mask=mask)
+    tl.store(s_ptr + rr64 * stride_s + kb, s, mask=rr < R)
 
 
 @triton.jit
@@ -109,13 +109,15 @@ def _quant_weight_kernel(
             tl.store(st_ptr + (e * n_kb + kb) * n_nb + nb, s)
 
 
-def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False,
-                 nrows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False, nrows: torch.Tensor | None = None,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, K] (bf16/fp32, unit inner stride) -> (q [R, K] float8_e4m3fn, s [R, cdiv(K, 128)] fp32).
 
     nrows: an int32 tensor on x's device whose first element is the number of rows that hold data (e.g. a
     schedule's ``offs[E_l:]``); rows from there on are not read, and their q and s are left unwritten (not data).
     Read on the device, so a worst-case-sized buffer costs only its filled rows and no host sync.
+    out: (q, s) to write into, [R, K] float8_e4m3fn and [R, cdiv(K, 128)] fp32 with unit inner strides (row-strided
+    views allowed: dispatch_fp8's packed rows).
     """
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"quantize_act: x must be 2-D [R, K] with unit inner stride, got {tuple(x.shape)}")
@@ -124,14 +126,68 @@ def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False,
                          f"{nrows.dtype} [{nrows.numel()}] on {nrows.device}")
     R, K = x.shape
     n_kb = triton.cdiv(K, QBLOCK)
-    q = torch.empty((R, K), device=x.device, dtype=torch.float8_e4m3fn)
-    s = torch.empty((R, n_kb), device=x.device, dtype=torch.float32)
+    if out is None:
+        q = torch.empty((R, K), device=x.device, dtype=torch.float8_e4m3fn)
+        s = torch.empty((R, n_kb), device=x.device, dtype=torch.float32)
+    else:
+        q, s = out
+        if (q.dtype != torch.float8_e4m3fn or tuple(q.shape) != (R, K) or q.stride(-1) != 1 or s.dtype != torch.float32
+                or tuple(s.shape) != (R, n_kb) or s.stride(-1) != 1):
+            raise ValueError(f"quantize_act: out must be (float8_e4m3fn [R, K] = {(R, K)}, float32 [R, cdiv(K, 128)] "
+                             f"= {(R, n_kb)}) with unit inner strides, got {q.dtype} {tuple(q.shape)}, {s.dtype} "
+                             f"{tuple(s.shape)}")
     if R and K:
         block_r = 32
         _quant_act_kernel[(triton.cdiv(R, block_r), n_kb)](
-            x, q, s, nrows if nrows is not None else s, R, K, x.stride(0), n_kb, BLOCK_R=block_r, POW2=pow2_scale,
+            x, q, s, nrows if nrows is not None else s, R, K, x.stride(0), n_kb, q.stride(0), s.stride(0),
+            BLOCK_R=block_r, POW2=pow2_scale,
             RNE_IN_FP32=interpreting(), HAS_NROWS=nrows is not None, num_warps=4)
     return q, s
+
+
+@triton.jit
+def _dequant_act_kernel(
+    q_ptr,   # q [R, K] fp8 e4m3, row stride stride_q
+    s_ptr,   # s [R, n_kb] fp32, row stride stride_s
+    x_ptr,   # x [R, K] out (bf16), contiguous
+    nrows_ptr,  # int32 [1] (HAS_NROWS): rows that hold data; rows >= it are left unwritten
+    R, K, stride_q, stride_s,
+    BLOCK_R: tl.constexpr, HAS_NROWS: tl.constexpr,
+):
+    """Grid: (cdiv(R, BLOCK_R), n_kb). x[r, kb*128 : +128] = q * s[r, kb] (fp32 product, rounded to x's dtype)."""
+    pid_r = tl.program_id(0)
+    kb = tl.program_id(1)
+    if HAS_NROWS:
+        R = tl.minimum(R, tl.load(nrows_ptr))
+    rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    rk = kb * 128 + tl.arange(0, 128)
+    mask = (rr < R)[:, None] & (rk < K)[None, :]
+    rr64 = rr.to(tl.int64)
+    q = tl.load(q_ptr + rr64[:, None] * stride_q + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    sc = tl.load(s_ptr + rr64 * stride_s + kb, mask=rr < R, other=0.0)
+    tl.store(x_ptr + rr64[:, None] * K + rk[None, :], (q * sc[:, None]).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_act(q: torch.Tensor, s: torch.Tensor, *, dtype: torch.dtype = torch.bfloat16,
+                   nrows: torch.Tensor | None = None) -> torch.Tensor:
+    """(q [R, K] float8_e4m3fn, s [R, cdiv(K, 128)] fp32), unit inner strides (row-strided views allowed) -> x [R, K]
+    ``dtype`` = q * s per 1x128 block (the inverse of quantize_act up to its rounding). nrows: as quantize_act's
+    (rows from there on are left unwritten)."""
+    if q.dim() != 2 or q.stride(-1) != 1 or q.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"dequantize_act: q must be float8_e4m3fn [R, K] with unit inner stride, got {q.dtype} "
+                         f"{tuple(q.shape)}")
+    R, K = q.shape
+    n_kb = triton.cdiv(K, QBLOCK)
+    if s.dtype != torch.float32 or tuple(s.shape) != (R, n_kb) or s.stride(-1) != 1:
+        raise ValueError(f"dequantize_act: s must be float32 [R, cdiv(K, 128)] = {(R, n_kb)} with unit inner "
+                         f"stride, got {s.dtype} {tuple(s.shape)}")
+    x = torch.empty((R, K), device=q.device, dtype=dtype)
+    if R and K:
+        block_r = 32
+        _dequant_act_kernel[(triton.cdiv(R, block_r), n_kb)](
+            q, s, x, nrows if nrows is not None else s, R, K, q.stride(0), s.stride(0), BLOCK_R=block_r,
+            HAS_NROWS=nrows is not None, num_warps=4)
+    return x
 
 
 def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False,

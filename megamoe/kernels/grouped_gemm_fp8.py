@@ -99,8 +99,9 @@ def check_fp8(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w_s: torch.
     fp8 = torch.float8_e4m3fn
     if aq.dtype != fp8 or wq.dtype != fp8:
         raise ValueError(f"{name}: operands must be float8_e4m3fn, got {aq.dtype} and {wq.dtype}")
-    if aq.dim() != 2 or wq.dim() != 3 or not aq.is_contiguous() or not wq.is_contiguous():
-        raise ValueError(f"{name}: aq must be contiguous [R, K] and wq contiguous [E_l, N, K]")
+    if aq.dim() != 2 or wq.dim() != 3 or aq.stride(-1) != 1 or not wq.is_contiguous():
+        raise ValueError(f"{name}: aq must be [R, K] with unit inner stride (rows may be strided: the packed rows of "
+                         f"dispatch_fp8) and wq contiguous [E_l, N, K]")
     R, K = aq.shape
     E_l, N_w, Kw = wq.shape
     if K != Kw:
