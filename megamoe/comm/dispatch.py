@@ -366,7 +366,8 @@ def pull_rows(heap: SymmetricHeap, sched: Schedule, dst: torch.Tensor, programs:
     heap.after_launch()
 
 
-def _check_inputs(heap: SymmetricHeap, x: torch.Tensor, topk_idx: torch.Tensor) -> int:
+def _check_inputs(heap: SymmetricHeap, x: torch.Tensor, topk_idx: torch.Tensor,
+                  topk_w: torch.Tensor | None = None) -> int:
     sh = heap.shape
     if x.dim() != 2 or x.shape[1] != sh.hidden:
         raise ValueError(f"x must be [T, H={sh.hidden}], got {tuple(x.shape)}")
@@ -377,6 +378,8 @@ def _check_inputs(heap: SymmetricHeap, x: torch.Tensor, topk_idx: torch.Tensor) 
         raise ValueError(f"x dtype {x.dtype} != heap dtype {sh.dtype}")
     if tuple(topk_idx.shape) != (T, sh.topk):
         raise ValueError(f"topk_idx must be [T={T}, k={sh.topk}], got {tuple(topk_idx.shape)}")
+    if topk_w is not None and tuple(topk_w.shape) != tuple(topk_idx.shape):
+        raise ValueError(f"topk_w must be [T={T}, k={sh.topk}], got {tuple(topk_w.shape)}")
     if x.device != heap.device or topk_idx.device != heap.device:
         raise ValueError(f"inputs must live on {heap.device}")
     return T
@@ -413,16 +416,23 @@ def dispatch(
     topk_w: optional [T, k] gates; they travel with the rows (``handle.row_gate``) so that the combine can
     pre-sum each token's rows on the expert rank (``combine(..., presum=True)``).
     """
-    T = _check_inputs(heap, x, topk_idx)
-    if topk_w is not None and tuple(topk_w.shape) != tuple(topk_idx.shape):
-        raise ValueError(f"topk_w must be [T={T}, k={heap.shape.topk}], got {tuple(topk_w.shape)}")
+    T = _check_inputs(heap, x, topk_idx, topk_w)
+    return _stage_and_pull(heap, x, T, topk_idx, topk_w, num_sms, recv)
+
+
+def _stage_and_pull(heap: SymmetricHeap, payload: torch.Tensor, T: int, topk_idx: torch.Tensor,
+                    topk_w: torch.Tensor | None, num_sms: int | None,
+                    recv: torch.Tensor | None = None) -> tuple[torch.Tensor, DispatchHandle]:
+    """The rest of :func:`dispatch` and :func:`dispatch_fp8` after their checks: stage ``payload`` [T, width]
+    (x, or the packed FP8 rows) with the routing, build the schedule, pull the rows into recv [R_cap, width]."""
     sh = heap.shape
     P = max(1, int(num_sms or heap.num_sms))
-    sched = stage_and_schedule(heap, x, topk_idx, P, topk_w)
+    sched = stage_and_schedule(heap, payload, topk_idx, P, topk_w)
+    width = payload.shape[1]
     if recv is None:
-        recv = torch.empty(sh.rows_cap, sh.hidden, dtype=sh.dtype, device=heap.device)
+        recv = torch.empty(sh.rows_cap, width, dtype=sh.dtype, device=heap.device)
     gate = None if topk_w is None else torch.empty(sh.rows_cap, dtype=torch.float32, device=heap.device)
-    pull_rows(heap, sched, recv, P, gate=gate)
+    pull_rows(heap, sched, recv, P, gate=gate, width=width)
     return recv, DispatchHandle(heap=heap, num_tokens=T, schedule=sched, offs=sched.offs, num_sms=P,
                                 row_gate=gate)
 
@@ -449,9 +459,7 @@ def dispatch_fp8(
     not its up to k received copies) and moves ~H + H / 32 bytes instead of 2H; aq and a_s are bitwise what
     quantize_act gives on :func:`dispatch`'s rows (the quantisation is per row). The heap must be 16-bit (bf16)
     with H large enough that a packed row fits in a tok row (H >= 32). Rows >= offs[E_l] are not written."""
-    T = _check_inputs(heap, x, topk_idx)
-    if topk_w is not None and tuple(topk_w.shape) != tuple(topk_idx.shape):
-        raise ValueError(f"topk_w must be [T={T}, k={heap.shape.topk}], got {tuple(topk_w.shape)}")
+    T = _check_inputs(heap, x, topk_idx, topk_w)
     from megamoe.kernels.fp8_quant import quantize_act  # lazy: comm does not need the GEMM kernels otherwise
 
     sh = heap.shape
@@ -464,16 +472,9 @@ def dispatch_fp8(
     packed = torch.empty(T, words, dtype=sh.dtype, device=heap.device)  # (padding bytes: never read as data)
     pb = packed.view(torch.uint8)
     quantize_act(x, out=(pb[:, :H].view(torch.float8_e4m3fn), pb[:, so:so + 4 * kb].view(torch.float32)))
-    P = max(1, int(num_sms or heap.num_sms))
-    sched = stage_and_schedule(heap, packed, topk_idx, P, topk_w)
-    recv = torch.empty(sh.rows_cap, words, dtype=sh.dtype, device=heap.device)
-    gate = None if topk_w is None else torch.empty(sh.rows_cap, dtype=torch.float32, device=heap.device)
-    pull_rows(heap, sched, recv, P, gate=gate, width=words)
+    recv, handle = _stage_and_pull(heap, packed, T, topk_idx, topk_w, num_sms)
     rb = recv.view(torch.uint8)
-    aq = rb[:, :H].view(torch.float8_e4m3fn)
-    a_s = rb[:, so:so + 4 * kb].view(torch.float32)
-    return aq, a_s, DispatchHandle(heap=heap, num_tokens=T, schedule=sched, offs=sched.offs, num_sms=P,
-                                   row_gate=gate)
+    return rb[:, :H].view(torch.float8_e4m3fn), rb[:, so:so + 4 * kb].view(torch.float32), handle
 
 
 def dispatch_backward(grad_recv: torch.Tensor, handle: DispatchHandle, num_sms: int | None = None,
