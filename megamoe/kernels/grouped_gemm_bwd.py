@@ -134,9 +134,19 @@ def launch_grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, o
     N = y.shape[1]
     E_l = out.shape[0]
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
-    if cfg.kernel in ("gluon", "gluon_ws"):
-        raise ValueError("grouped_wgrad: there is no Gluon weight-gradient kernel (kernel='gluon' applies to the FP8 "
-                         "ops and, opt-in, to the bf16 forward and dgrad GEMMs)")
+    if cfg.kernel == "gluon":
+        raise ValueError("grouped_wgrad: there is no single-stream Gluon weight-gradient kernel (kernel='gluon' "
+                         "applies to the FP8 ops and, opt-in, to the bf16 forward and dgrad GEMMs); kernel='gluon_ws' "
+                         "is the warp-specialised one (kernels/gluon_wgrad_ws.py)")
+    if cfg.kernel == "gluon_ws":
+        from megamoe.kernels.gemm_config import gluon_device_reason
+        from megamoe.kernels.gluon_wgrad_ws import launch_gluon_wgrad_ws
+
+        why = gluon_device_reason(x, cfg)
+        if why is not None:
+            raise ValueError(f"grouped_wgrad (warp-specialised Gluon kernel): {why}")
+        launch_gluon_wgrad_ws(x, y, offs, out, cfg)
+        return
     ok = tma_ok([x, y])
     if cfg.use_tma and not ok:
         raise ValueError("grouped_wgrad: config pins use_tma=True, but TMA needs 16-byte aligned row strides "
