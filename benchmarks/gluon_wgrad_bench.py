@@ -18,9 +18,9 @@ from megamoe.kernels.gemm_config import GemmConfig
 from megamoe.perf import expert_offsets, report_kernel_rows, run_shapes
 
 #: (label, block_n, block_k, stages, group_m)
-VARIANTS = [("ws bn256 bk64 s4", 256, 64, 4, 8), ("ws bn256 bk64 s3", 256, 64, 3, 8),
-            ("ws bn256 bk32 s8", 256, 32, 8, 8), ("ws bn128 bk64 s6", 128, 64, 6, 8),
-            ("ws bn256 bk64 s4 g4", 256, 64, 4, 4), ("ws bn256 bk64 s4 g16", 256, 64, 4, 16)]
+VARIANTS = [("ws bn256 bk64 s3", 256, 64, 3, 8), ("ws bn256 bk64 s2", 256, 64, 2, 8),
+            ("ws bn256 bk32 s6", 256, 32, 6, 8), ("ws bn128 bk64 s5", 128, 64, 5, 8),
+            ("ws bn256 bk64 s3 g16", 256, 64, 3, 16)]
 
 
 def bench(fn) -> float:

@@ -139,6 +139,10 @@ def _regs(kernel_name: str | tuple[str, ...]) -> dict:
     return out
 
 
+#: the weight-gradient kernels (the warp-specialised Gluon one is the default on Hopper since 2026-12-01)
+WGRAD_KERNELS = ("_gluon_wgrad_ws_kernel", "_grouped_wgrad_kernel")
+
+
 def _time_ours(name, make_call, cands, kernel_name, rep_ms, sweep):
     """Time one of our ops over its candidate configs (only the default unless sweep); returns the rows."""
     from megamoe.kernels.gemm_config import LAST_COMPILED
@@ -282,11 +286,11 @@ def run_shape(preset: str, tokens: int, ep: int, args) -> list[dict]:
         add("dgrad1", "bf16", fl1, 2 * (R * 2 * I + E_l * 2 * I * H + R * H), ours)
         ours = _time_ours("wgrad1", lambda c: (lambda: X.grouped_wgrad(dh, x, offs, out_dtype=torch.bfloat16,
                                                                        config=c)),
-                          _candidates("wgrad1"), "_grouped_wgrad_kernel", args.rep, args.sweep and args.sweep_bwd)
+                          _candidates("wgrad1"), WGRAD_KERNELS, args.rep, args.sweep and args.sweep_bwd)
         add("wgrad1", "bf16", fl1, 2 * (R * 2 * I + R * H + E_l * 2 * I * H), ours)
         ours = _time_ours("wgrad2", lambda c: (lambda: X.grouped_wgrad(dy, act, offs, out_dtype=torch.bfloat16,
                                                                        config=c)),
-                          _candidates("wgrad2"), "_grouped_wgrad_kernel", args.rep, args.sweep and args.sweep_bwd)
+                          _candidates("wgrad2"), WGRAD_KERNELS, args.rep, args.sweep and args.sweep_bwd)
         add("wgrad2", "bf16", fl2, 2 * (R * H + R * I + E_l * H * I), ours)
     return rows
 
@@ -295,7 +299,7 @@ def run_shape(preset: str, tokens: int, ep: int, args) -> list[dict]:
 KERNEL_TAGS = {"_gluon_fp8_ws_kernel": "gluon-ws", "_gluon_bf16_ws_kernel": "gluon-ws",
                "_gluon_fp8_grouped_kernel": "gluon", "_grouped_gemm_fp8_kernel": "triton",
                "_grouped_gemm_kernel": "triton", "_gluon_bf16_grouped_kernel": "gluon",
-               "_grouped_wgrad_kernel": "triton"}
+               "_grouped_wgrad_kernel": "triton", "_gluon_wgrad_ws_kernel": "gluon-ws"}
 
 
 def _fmt(v, spec):

@@ -42,7 +42,7 @@ from megamoe.kernels.grouped_gemm import (
     gluon_bf16_unavailable,
     launch_grouped_gemm,
 )
-from megamoe.kernels.grouped_gemm_bwd import launch_grouped_wgrad
+from megamoe.kernels.grouped_gemm_bwd import launch_grouped_wgrad, wgrad_ws_unavailable
 from megamoe.kernels.grouped_gemm_fp8 import check_fp8, gluon_unavailable, launch_grouped_gemm_fp8
 
 __all__ = [
@@ -187,7 +187,9 @@ def gemm1_dgrad(dh: torch.Tensor, w13: torch.Tensor, offs: torch.Tensor, *, out:
 
 def grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, *, out_dtype: torch.dtype = torch.float32,
                   config: GemmConfig | None = None) -> torch.Tensor:
-    """c [E_l, M, N] with c[e] = x[rows_e]^T @ y[rows_e]; x [R, M], y [R, N]. Deterministic (no atomics)."""
+    """c [E_l, M, N] with c[e] = x[rows_e]^T @ y[rows_e]; x [R, M], y [R, N]. Deterministic (no atomics). Default
+    kernel: the warp-specialised Gluon one on Hopper where its limits hold (kernels/gluon_wgrad_ws.py), else Triton
+    (kernels/grouped_gemm_bwd.py)."""
     _check_bf16("grouped_wgrad", x, y)
     if x.dim() != 2 or y.dim() != 2 or x.shape[0] != y.shape[0] or not (x.is_contiguous() and y.is_contiguous()):
         raise ValueError(f"grouped_wgrad: x [R, M] and y [R, N] must be contiguous with equal R, got "
@@ -196,7 +198,11 @@ def grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, *, out_d
         raise ValueError("grouped_wgrad: offs must be an int32 [E_l + 1] tensor")
     E_l = offs.numel() - 1
     out = torch.empty((E_l, x.shape[1], y.shape[1]), device=x.device, dtype=out_dtype)
-    cfg = config or default_config("wgrad", x.shape[0], y.shape[1], x.shape[1])
+    cfg = config or pinned_config("wgrad")
+    if cfg is None:  # the warp-specialised Gluon kernel where it can run (Hopper), else the Triton kernel
+        ws = default_config("wgrad", x.shape[0], y.shape[1], x.shape[1], kernel="gluon_ws")
+        cfg = ws if wgrad_ws_unavailable(x, y, out_dtype, ws) is None else default_config(
+            "wgrad", x.shape[0], y.shape[1], x.shape[1])
     launch_grouped_wgrad(x, y, offs, out, cfg)
     return out
 

@@ -14,8 +14,9 @@ store waits for the k-loop. Here, as in gluon_bf16_ws.py:
                          tile boundaries: x's [BK, 64] boxes of the two consumer halves and y's [BK, BLOCK_N] box
     consumers  (2 x 4 warps, cooperative) rows WG * 64 .. WG * 64 + 63 of the 128-row output tile: one async wgmma
                          per k-step, A = x's box transposed (MN-major in shared memory), B = y's box ([K, N]); the
-                         epilogue in 64-column slices through two staging buffers per consumer and asynchronous TMA
-                         stores that drain under the next tile's k-loop
+                         epilogue in 64-column slices, each through its own staging buffer (bf16 output; two that
+                         alternate with float32) and an asynchronous TMA store that drains under the next tile's
+                         k-loop
 
 Rows of a chunk: full chunks at start + k * BK; the last, partial chunk (rem = rows % BK) is the window
 [end - BK, end), which lies inside the rows before the expert's end (earlier experts' rows, or TMA zero fill before
@@ -96,12 +97,12 @@ def _wgrad_loader(x_desc, y_desc, x_smem, y_smem, ready, empty, offs_ptr, M, N, 
 
 
 @gluon.jit
-def _wgrad_put(val, c_desc, epi_smem, buf, row, col):
+def _wgrad_put(val, c_desc, epi_smem, buf, row, col, NB: gl.constexpr):
     """val ([64, 64] in c's dtype) -> c's 2-D view at (row, col) by an asynchronous TMA store through staging
-    buffer buf (the consumer's two buffers alternate: at most one store pending, then a warpgroup barrier, frees
-    buf; gluon_fp8_ws._put's scheme without its masked path)."""
+    buffer buf (the consumer's NB buffers are used in turn, so the store that last read buf is NB stores back: at
+    most NB - 1 pending, then a warpgroup barrier, frees buf)."""
     b = epi_smem.index(buf)
-    tma.store_wait(1)
+    tma.store_wait(NB - 1)
     gl.thread_barrier()
     b.store(val)
     fence_async_shared()
@@ -112,7 +113,7 @@ def _wgrad_put(val, c_desc, epi_smem, buf, row, col):
 @gluon.jit
 def _wgrad_consumer(x_smem, y_smem, ready, empty, epi_smem, c_desc, offs_ptr, M, N, total, num_progs,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                    STAGES: gl.constexpr, WG: gl.constexpr):
+                    STAGES: gl.constexpr, NB: gl.constexpr, WG: gl.constexpr):
     """Rows WG * 64 .. WG * 64 + 63 of every output tile of this program (module docstring)."""
     HM: gl.constexpr = 64
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -158,12 +159,12 @@ def _wgrad_consumer(x_smem, y_smem, ready, empty, epi_smem, c_desc, offs_ptr, M,
         if row < M:  # (M % 64 == 0: a half is all inside the expert's M rows or all past them)
             crow = e * M + row
             a0, a1, a2, a3 = _slices(acc, HM, BLOCK_N, mma_s)
-            b0 = 2 * WG + (nst & 1)
-            _wgrad_put(a0.to(cdt), c_desc, epi_smem, b0, crow, off_n)
-            _wgrad_put(a1.to(cdt), c_desc, epi_smem, b0 ^ 1, crow, off_n + 64)
+            b = WG * NB
+            _wgrad_put(a0.to(cdt), c_desc, epi_smem, b + nst % NB, crow, off_n, NB)
+            _wgrad_put(a1.to(cdt), c_desc, epi_smem, b + (nst + 1) % NB, crow, off_n + 64, NB)
             if BLOCK_N == 256:
-                _wgrad_put(a2.to(cdt), c_desc, epi_smem, b0, crow, off_n + 128)
-                _wgrad_put(a3.to(cdt), c_desc, epi_smem, b0 ^ 1, crow, off_n + 192)
+                _wgrad_put(a2.to(cdt), c_desc, epi_smem, b + (nst + 2) % NB, crow, off_n + 128, NB)
+                _wgrad_put(a3.to(cdt), c_desc, epi_smem, b + (nst + 3) % NB, crow, off_n + 192, NB)
             nst += BLOCK_N // 64
     tma.store_wait(0)  # the staging buffers stay allocated until the last store has read them
 
@@ -176,29 +177,38 @@ def _gluon_wgrad_ws_kernel(
     offs_ptr,           # [E_l + 1] int32
     M, N, total, num_progs,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    NB: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid: (P,) persistent programs of 4 + 4 + 1 warps over the E_l * cdiv(M, 128) * cdiv(N, BLOCK_N) tiles,
     tile = pid, pid + P, ... (module docstring)."""
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES, BK, 64], x_desc.layout)
     y_smem = gl.allocate_shared_memory(y_desc.dtype, [STAGES, BK, BLOCK_N], y_desc.layout)
-    epi_smem = gl.allocate_shared_memory(c_desc.dtype, [4, 64, 64], c_desc.layout)
+    epi_smem = gl.allocate_shared_memory(c_desc.dtype, [2 * NB, 64, 64], c_desc.layout)
     ready, empty = _ring(STAGES, 2)
     gl.warp_specialize([
         (_wgrad_consumer, (x_smem, y_smem, ready, empty, epi_smem, c_desc, offs_ptr, M, N, total, num_progs,
-                           BLOCK_M, BLOCK_N, BK, GROUP_M, STAGES, 0)),
+                           BLOCK_M, BLOCK_N, BK, GROUP_M, STAGES, NB, 0)),
         (_wgrad_consumer, (x_smem, y_smem, ready, empty, epi_smem, c_desc, offs_ptr, M, N, total, num_progs,
-                           BLOCK_M, BLOCK_N, BK, GROUP_M, STAGES, 1)),
+                           BLOCK_M, BLOCK_N, BK, GROUP_M, STAGES, NB, 1)),
         (_wgrad_loader, (x_desc, y_desc, x_smem, y_smem, ready, empty, offs_ptr, M, N, total, num_progs,
                          BLOCK_M, BLOCK_N, BK, GROUP_M, STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     _ring_done(ready, empty, STAGES)
 
 
+def staging_buffers(cfg: GemmConfig, out_bytes: int) -> int:
+    """[64, 64] staging buffers per consumer: one per 64-column slice of its tile half with a bf16 output (a tile's
+    stores then wait only for the previous tile's, which drained under this tile's k-loop; with two buffers the
+    epilogue waited on its own stores, ~3 store latencies per tile: the first GPU run, 2026-12-01), two with a
+    float32 one (twice the bytes)."""
+    return cfg.block_n // 64 if out_bytes == 2 else 2
+
+
 def smem_bytes(cfg: GemmConfig, out_bytes: int) -> int:
-    """Shared memory of a launch: the ring (x's two [BK, 64] boxes and y's [BK, BLOCK_N] per stage), four [64, 64]
-    staging buffers in the output dtype, barriers (rounded up)."""
-    return cfg.num_stages * 2 * cfg.block_k * (128 + cfg.block_n) + 4 * 64 * 64 * out_bytes + 1024
+    """Shared memory of a launch: the ring (x's two [BK, 64] boxes and y's [BK, BLOCK_N] per stage), the two
+    consumers' [64, 64] staging buffers in the output dtype, barriers (rounded up)."""
+    nb = staging_buffers(cfg, out_bytes)
+    return cfg.num_stages * 2 * cfg.block_k * (128 + cfg.block_n) + 2 * nb * 64 * 64 * out_bytes + 1024
 
 
 def ws_wgrad_limits(cfg: GemmConfig, *, m: int, n: int, out_dtype: torch.dtype) -> str | None:
@@ -253,6 +263,7 @@ def launch_gluon_wgrad_ws(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, 
     k = _gluon_wgrad_ws_kernel[(grid,)](
         x_desc, y_desc, c_desc, offs, M, N, total, grid,
         BLOCK_M=128, BLOCK_N=bn, BK=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+        NB=staging_buffers(cfg, out.element_size()),
         CONSUMER_REGS=consumer_regs, LOADER_REGS=REG_POOL - 2 * consumer_regs, num_warps=4, maxnreg=REG_POOL // 3,
     )
     record("_gluon_wgrad_ws_kernel", k)

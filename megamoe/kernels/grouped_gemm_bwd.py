@@ -128,6 +128,21 @@ def _store_fits(cfg: GemmConfig, out_bytes: int) -> bool:
     return ring + staging <= _SMEM_LIMIT
 
 
+def wgrad_ws_unavailable(x: torch.Tensor, y: torch.Tensor, out_dtype: torch.dtype, cfg: GemmConfig) -> str | None:
+    """Why the warp-specialised Gluon wgrad kernel (kernels/gluon_wgrad_ws.py) cannot run with cfg on these operands,
+    or None: a Hopper GPU, no interpreter, TMA-able operands, its config and shape limits. No device sync."""
+    from megamoe.kernels.gemm_config import gluon_device_reason
+
+    why = gluon_device_reason(x, cfg)
+    if why is not None:
+        return why
+    if not tma_ok([x, y]):
+        return "TMA needs 16-byte aligned base pointers and row strides (bf16: column counts multiples of 8)"
+    from megamoe.kernels.gluon_wgrad_ws import ws_wgrad_limits  # lazy: Gluon only where it can run
+
+    return ws_wgrad_limits(cfg, m=x.shape[1], n=y.shape[1], out_dtype=out_dtype)
+
+
 def launch_grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
                          cfg: GemmConfig) -> None:
     R, M = x.shape
@@ -139,10 +154,9 @@ def launch_grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, o
                          "applies to the FP8 ops and, opt-in, to the bf16 forward and dgrad GEMMs); kernel='gluon_ws' "
                          "is the warp-specialised one (kernels/gluon_wgrad_ws.py)")
     if cfg.kernel == "gluon_ws":
-        from megamoe.kernels.gemm_config import gluon_device_reason
         from megamoe.kernels.gluon_wgrad_ws import launch_gluon_wgrad_ws
 
-        why = gluon_device_reason(x, cfg)
+        why = wgrad_ws_unavailable(x, y, out.dtype, cfg)
         if why is not None:
             raise ValueError(f"grouped_wgrad (warp-specialised Gluon kernel): {why}")
         launch_gluon_wgrad_ws(x, y, offs, out, cfg)
