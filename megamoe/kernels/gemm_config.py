@@ -122,9 +122,10 @@ def default_config(op: str, rows: int, n: int, k: int, *, kernel: str | None = N
         return GemmConfig(block_m=32, block_n=32, block_k=32 if "fp8" not in op else 128, group_m=2,
                           num_stages=1, num_warps=4, kernel=kernel)
     if kernel == "gluon_ws" and op == "wgrad":  # kernels/gluon_wgrad_ws.py; one H200, 2026-12-01
-        # (benchmarks/gluon_wgrad_bench.py, every preset at EP 4): 128 x 256 tiles, BLOCK_K 64, 3 stages (its bf16
-        # staging buffers leave room for 3)
-        return GemmConfig(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=4, kernel="gluon_ws")
+        # (benchmarks/gluon_wgrad_bench.py, every preset at EP 4, 4096 tokens, results/gluon-wgrad-h200-2026-12-01-
+        # 16aae87-4096.json): 128 x 256 tiles, BLOCK_K 32 x 6 stages 0.96-1.20x the Triton kernel; BLOCK_K 64 x 3
+        # stages 0.96-1.14x (at most 0.5% ahead of it), 2 stages and 128-column tiles slower
+        return GemmConfig(block_m=128, block_n=256, block_k=32, num_stages=6, num_warps=4, kernel="gluon_ws")
     if kernel == "gluon_ws" and op in WS_BF16_OPS:  # one H200, 2026-12-01 (benchmarks/gluon_bf16_ws_bench.py, every
         # preset at EP 4, 4096 and 16384 tokens): cooperative 128 x (128 + 128) SwiGLU tiles and 128 x 256 plain
         # tiles, 4 stages, TMA-store epilogue: 0.99-1.09x the Triton kernel on GEMM1 + SwiGLU, 1.01-1.07x on GEMM2;
