@@ -284,9 +284,10 @@ def gemm2_fp8(aq, a_s, w2q, w2_s, offs, *, scale=None, config=None) -> torch.Ten
     return _gemm_fp8("gemm2_fp8", "gemm2_fp8", aq, a_s, w2q, w2_s, offs, scale, None, config)
 
 
-def gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, out=None, config=None):
+def gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, out=None, config=None, acts_out=None):
     """FP8 dgrad of GEMM2 through SwiGLU: (dh [R, 2I] bf16, ds [R] fp32 or None, as gemm2_dgrad_swiglu); w2t =
-    quantize_weight(w2.transpose(1, 2)) [E_l, I, H]; out: preallocated dh."""
+    quantize_weight(w2.transpose(1, 2)) [E_l, I, H]; out: preallocated dh; acts_out ([R, I] bf16, contiguous): also
+    the gated activation s[r] * silu(g) * u from h, as gemm2_dgrad_swiglu's (the FP8 split backward's dW2 operand)."""
     check_fp8(dyq, dy_s, w2tq, w2t_s, offs, "gemm2_dgrad_swiglu_fp8")
     R, I = dyq.shape[0], w2tq.shape[1]
     if tuple(h.shape) != (R, 2 * I) or h.dtype != torch.bfloat16 or not h.is_contiguous():
@@ -294,11 +295,15 @@ def gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, out=N
     _check_scale(scale, R, "gemm2_dgrad_swiglu_fp8")
     cfg = _fp8_config("dgrad_swiglu_fp8", config, dyq, w2tq, n=I, epilogue=EPI_DSWIGLU)
     dh = _out(out, (R, 2 * I), dyq)
+    if acts_out is not None and (tuple(acts_out.shape) != (R, I) or acts_out.dtype != torch.bfloat16
+                                 or not acts_out.is_contiguous()):
+        raise ValueError(f"gemm2_dgrad_swiglu_fp8: acts_out must be contiguous [R, I] = {(R, I)} bfloat16, got "
+                         f"{tuple(acts_out.shape)} {acts_out.dtype}")
     dsp = None
     if scale is not None:
         dsp = torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dyq.device, dtype=torch.float32)
     launch_grouped_gemm_fp8(dyq, dy_s, w2tq, w2t_s, offs, dh, cfg, n=I, epilogue=EPI_DSWIGLU, h=h, scale=scale,
-                            dsp=dsp)
+                            dsp=dsp, acts=acts_out)
     return dh, (dsp.sum(0) if dsp is not None else None)
 
 

@@ -167,8 +167,9 @@ def _summary(k) -> dict:
 
 #: the Gluon FP8 kernel's variants that :func:`_gluon_fp8` compiles: (label, epilogue, (block_m, block_n, stages,
 #: warps), flag = scale (EPI_NONE, EPI_DSWIGLU) or store_h (EPI_SWIGLU), edge = one row and one expert (R = 1 and
-#: E_l = 1 arrive as constexprs)). The configs are the ones tests/test_gpu_gluon_fp8.py runs; the first of each
-#: epilogue is its default (gemm_config.default_config(..., kernel="gluon")).
+#: E_l = 1 arrive as constexprs)); "acts" in a label: the SwiGLU backward also writes the gated activation. The
+#: configs are the ones tests/test_gpu_gluon_fp8.py runs; the first of each epilogue is its default
+#: (gemm_config.default_config(..., kernel="gluon")).
 GLUON_VARIANTS = [
     ("none/bm128/s4", 0, (128, 128, 4, 8), True, False),
     ("none/bm128/s3", 0, (128, 128, 3, 8), True, False),
@@ -182,6 +183,7 @@ GLUON_VARIANTS = [
     ("dswiglu/bm64/scale", 2, (64, 128, 4, 8), True, False),
     ("dswiglu/bm64w4/scale", 2, (64, 64, 3, 4), True, False),
     ("dswiglu/bm128/scale/1row", 2, (128, 128, 4, 8), True, True),
+    ("dswiglu/bm128/scale/acts", 2, (128, 128, 4, 8), True, False),  # the split FP8 backward's launch
 ]
 
 
@@ -303,10 +305,11 @@ def _gluon_fp8(compiled: dict, where: dict) -> None:
         h = torch.empty(R, 2 * I, dtype=bf) if (epi == 2 or (epi == 1 and flag)) else None
         scale = torch.ones(R) if flag and epi != 1 else None
         dsp = torch.zeros(N // bn, R) if scale is not None and epi == 2 else None
+        acts = torch.empty(R, N, dtype=bf) if "acts" in label.split("/") else None
         before = set(compiled.get("_gluon_fp8_grouped_kernel", {}))
         with compile_only(compiled):
             launch_gluon_fp8(aq, a_s, wq, w_s, offs, out, cfg, n=N, epilogue=epi, h=h, scale=scale, dsp=dsp,
-                             store_h=epi == 1 and flag, n_up=I if epi == 1 else 0)
+                             store_h=epi == 1 and flag, n_up=I if epi == 1 else 0, acts=acts)
         for key in set(compiled.get("_gluon_fp8_grouped_kernel", {})) - before:
             where[f"_gluon_fp8_grouped_kernel#{key[:8]}"] = f"gluon-fp8/{label}"
 
@@ -394,6 +397,42 @@ def _wgrad_outputs(compiled: dict, where: dict) -> None:
             where[f"_grouped_wgrad_kernel#{key[:8]}"] = f"wgrad/default/{str(dt).replace('torch.', '')}"
 
 
+#: the warp-specialised wgrad kernel's variants that :func:`_gluon_wgrad_ws` compiles: (label, M, N, experts, rows,
+#: output dtype, BLOCK_K, stages): its default config (gemm_config.default_config("wgrad", ..., kernel="gluon_ws"))
+#: at deepseek-v3's dW13 (M = 2I, N = H) on 64 experts, the float32 output, BLOCK_K 64 x 3 stages (the config timed
+#: in the layer at 16aae87). Shapes and counts are runtime values (rows live in the TMA descriptors), so dW2's shape
+#: or one row compiles the same kernel as these
+WGRAD_WS_VARIANTS = [
+    ("dw13/bf16/E64", 4096, 7168, 64, 4096, "bfloat16", None, None),
+    ("dw13/fp32/E8", 4096, 7168, 8, 1024, "float32", None, None),
+    ("dw13/bf16/bk64s3/E8", 4096, 7168, 8, 1024, "bfloat16", 64, 3),
+]
+
+
+def _gluon_wgrad_ws(compiled: dict, where: dict) -> None:
+    """Compile the warp-specialised Gluon wgrad (megamoe/kernels/gluon_wgrad_ws.py) for every WGRAD_WS_VARIANTS
+    entry: out [E, M, N] = per expert x^T y, x [R, M], y [R, N] bf16."""
+    import dataclasses
+
+    import torch
+
+    from megamoe.kernels.gemm_config import default_config
+    from megamoe.kernels.gluon_wgrad_ws import launch_gluon_wgrad_ws
+
+    for label, M, N, E, R, dt, bk, stages in WGRAD_WS_VARIANTS:
+        x, y = torch.zeros(R, M, dtype=torch.bfloat16), torch.zeros(R, N, dtype=torch.bfloat16)
+        out = torch.empty(E, M, N, dtype=getattr(torch, dt))
+        offs = torch.arange(0, E + 1, dtype=torch.int32) * (R // E)
+        cfg = dataclasses.replace(default_config("wgrad", R, N, M, kernel="gluon_ws"), num_sms=132)
+        if bk is not None:
+            cfg = dataclasses.replace(cfg, block_k=bk, num_stages=stages)
+        before = set(compiled.get("_gluon_wgrad_ws_kernel", {}))
+        with compile_only(compiled):
+            launch_gluon_wgrad_ws(x, y, offs, out, cfg)
+        for key in set(compiled.get("_gluon_wgrad_ws_kernel", {})) - before:
+            where[f"_gluon_wgrad_ws_kernel#{key[:8]}"] = f"gluon-wgrad-ws/{label}"
+
+
 #: the router kernels' cases (megamoe/kernels/router_topk.py) that :func:`_router` compiles: (label, E, k, sigmoid,
 #: with a bias, tokens); the layers run on CPU tensors and so take the torch router. One token: T = 1 arrives as a
 #: constexpr.
@@ -449,7 +488,7 @@ def _layer_rank(rank: int, world: int) -> dict:
                 where.setdefault(f"{n}#{key[:8]}", label)
         del moe
     if world == max(entry[0] for entry in LAYERS):  # the standalone kernels, split between the first two ranks
-        extra = [(_gluon_fp8, _gluon_fp8_ws), (_gluon_bf16, _gluon_bf16_ws, _wgrad_outputs, _router)]
+        extra = [(_gluon_fp8, _gluon_fp8_ws, _gluon_wgrad_ws), (_gluon_bf16, _gluon_bf16_ws, _wgrad_outputs, _router)]
         if world == 1:
             extra = [extra[0] + extra[1]]
         if rank < len(extra):

@@ -144,7 +144,8 @@ def test_gluon_swiglu(sizes, K, I, cfg, store_h):
                                  (64, 64, 3, 4, None)],   # one warpgroup, 64 columns: two slices
                          ids=["bm128", "bm128-3progs", "bm64", "bm64w4"])
 @pytest.mark.parametrize("with_scale", [True, False])
-def test_gluon_dswiglu(sizes, K, I, cfg, with_scale):
+@pytest.mark.parametrize("with_acts", [True, False])  # also the gated activation (the FP8 split backward's dW2 operand)
+def test_gluon_dswiglu(sizes, K, I, cfg, with_scale, with_acts):
     import megamoe.experts as X
 
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -159,10 +160,14 @@ def test_gluon_dswiglu(sizes, K, I, cfg, with_scale):
     w2tq, w2t_s = X.quantize_weight(w2.transpose(1, 2))
     s = torch.rand(R, device="cuda", generator=gen) + 0.5 if with_scale else None
     dh = torch.full((R, 2 * I), SENTINEL, device="cuda", dtype=torch.bfloat16)
-    got, ds = X.gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, scale=s, out=dh, config=_gluon_cfg(*cfg))
+    acts = torch.full((R, I), SENTINEL, device="cuda", dtype=torch.bfloat16) if with_acts else None
+    tri_acts = torch.full((R, I), SENTINEL, device="cuda", dtype=torch.bfloat16) if with_acts else None
+    got, ds = X.gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, scale=s, out=dh, config=_gluon_cfg(*cfg),
+                                       acts_out=acts)
     assert got is dh
     tri, tri_ds = X.gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, scale=s,
-                                           config=X.default_config("dgrad_swiglu_fp8", R, I, H, kernel="triton"))
+                                           config=X.default_config("dgrad_swiglu_fp8", R, I, H, kernel="triton"),
+                                           acts_out=tri_acts)
     ref, ref_ds = X.gemm2_dgrad_swiglu_fp8_ref(dyq, dy_s, w2tq, w2t_s, h, offs, scale=s)
     torch.cuda.synchronize()
     assert bool((dh[used:] == SENTINEL).all()), "padding rows of dh were written"
@@ -171,6 +176,14 @@ def test_gluon_dswiglu(sizes, K, I, cfg, with_scale):
     _per_expert(dh, ref, offs, 1e-2, "dh")
     err = _rel(dh[:used], tri[:used])
     assert err < TRITON_TOL, f"dh vs the Triton FP8 kernel: {err:.2e}"
+    if with_acts:
+        assert bool((acts[used:] == SENTINEL).all()), "padding rows of acts were written"
+        g, u = h[:used, :I].double(), h[:used, I:].double()
+        ref_acts = g * torch.sigmoid(g) * u * (s[:used, None].double() if with_scale else 1.0)
+        err = _rel(acts[:used], ref_acts)
+        assert err < 1e-2, f"acts vs float64: {err:.2e}"
+        err = _rel(acts[:used], tri_acts[:used])
+        assert err < TRITON_TOL, f"acts vs the Triton FP8 kernel: {err:.2e}"  # the same fp32 math: rounding flips
     if with_scale:
         assert ds.dtype == torch.float32 and ds.shape == (R,)
         assert bool((ds[used:] == 0).all()), "gate-gradient rows of padding are not 0"

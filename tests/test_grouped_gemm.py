@@ -264,6 +264,18 @@ def _fp8_checks(p, cfg: GemmConfig | None, I: int):
     if n:  # against the float64 twin on the same quantised operands
         rdh8, rds8 = X.gemm2_dgrad_swiglu_fp8_ref(dyq, dys, w2tq, w2ts, h16, offs, scale=p["s"])
         assert rel(dh8[:n], rdh8[:n]) < 1e-2 and rel(ds8[:n], rds8[:n]) < 5e-3
+    # with the gated activation written too (the FP8 split backward's dW2 operand): dh and ds as without it
+    acts8 = poisoned((p["R"], I))
+    dh8a, ds8a = X.gemm2_dgrad_swiglu_fp8(dyq, dys, w2tq, w2ts, h16, offs, scale=p["s"], config=cfg, acts_out=acts8)
+    check_padding_untouched(acts8, n)
+    assert (ds8a[n:] == 0).all()
+    if n:
+        assert rel(dh8a[:n], rdh8[:n]) < 1e-2 and rel(ds8a[:n], rds8[:n]) < 5e-3
+        g64, u64 = h16[:n, :I].double(), h16[:n, I:].double()
+        assert rel(acts8[:n], p["s"][:n, None].double() * g64 * torch.sigmoid(g64) * u64) < 1e-2
+    with pytest.raises(ValueError, match="acts_out"):  # [R, I] bf16 contiguous
+        X.gemm2_dgrad_swiglu_fp8(dyq, dys, w2tq, w2ts, h16, offs, scale=p["s"], config=cfg,
+                                 acts_out=torch.zeros(p["R"], I, device=h16.device, dtype=torch.float32))
     dhq, dhs = X.quantize_act(dh16)
     w13tq, w13ts = X.quantize_weight(w13.transpose(1, 2))
     dx8 = X.gemm1_dgrad_fp8(dhq, dhs, w13tq, w13ts, offs, config=cfg)

@@ -190,3 +190,20 @@ def test_gluon_bf16_variants(rep):
         assert v["st"].get("st.global.v4.b32", 0) > 0, f"{label}: no 16-byte stores {v['st']}"
         if epi == 2:
             assert set(v["ld"]) <= {"ld.global.b32"}, f"{label}: h read from global memory? {v['ld']}"
+
+
+def test_gluon_wgrad_ws_variants(rep):
+    # the warp-specialised wgrad (the default for grouped_wgrad on Hopper): every variant compiles, its wgmmas are
+    # chained (wait_group 1) and not serialised (an A operand in registers made ptxas serialise them: C7512), no
+    # spills (168 registers, 0 spills at 16aae87), shared memory within 227 KB, the epilogue stores by TMA
+    from megamoe.sm90 import WGRAD_WS_VARIANTS
+
+    ws = {v["layer"]: v for k, v in rep.items() if k.startswith("_gluon_wgrad_ws_kernel")}
+    want = {f"gluon-wgrad-ws/{c[0]}" for c in WGRAD_WS_VARIANTS}
+    assert set(ws) == want, f"wgrad ws variants compiled: {sorted(ws)}, expected {sorted(want)}"
+    for label, v in ws.items():
+        assert "1" in v["wgmma_wait_groups"], f"{label}: no wgmma.wait_group 1 {v['wgmma_wait_groups']}"
+        assert not v["wgmma_serialized"], f"{label}: ptxas serialised its wgmmas"
+        assert v["spill_store_bytes"] == 0, f"{label}: spills {v['spill_store_bytes']} bytes per thread"
+        assert v["shared_bytes"] <= 232448, f"{label}: {v['shared_bytes']} bytes of shared memory"
+        assert v["tma_stores"] > 0, f"{label}: no TMA stores"

@@ -17,8 +17,9 @@ backward (bf16, :func:`bf16_dgrad`; saved from the forward: recv, h, topk_w only
     dx              = dispatch_backward(d_recv, handle)       owner pulls and sums its k gradient rows
     dW2 = dy_R^T acts;  dW13 = dh^T recv                      (overlap_backward: these two while dx travels
                                                                on a side stream, the kernels sharing the SMs)
-backward (FP8): g_out, d_topk_w = combine_backward(dy, out, topk_w, handle) (g_out[r] = w * dy, d(topk_w)
-    from the forward's saved expert outputs), then the FP8 dgrads of g_out, dW2 = g_out^T act.
+backward (FP8): the same, the two dgrad GEMMs on e4m3 operands (dy_R and dh quantised, see FP8 below).
+backward (gate_grad="pull", bf16 or FP8): g_out, d_topk_w = combine_backward(dy, out, topk_w, handle) (g_out[r] =
+    w * dy, d(topk_w) from the forward's saved expert outputs), then the dgrads of g_out, dW2 = g_out^T act.
 
 Every size the host needs (T, R_cap) is known before the call; group sizes live on the device, so the step
 never waits for the GPU (``torch.cuda.set_sync_debug_mode("error")`` passes) and can be graph-captured.
@@ -36,7 +37,7 @@ accumulation promoted every 128 of K); the layer stays bf16 at its interface, th
     q(w13), q(w13^T), q(w2), q(w2^T) = quantize_weight_both(w13), quantize_weight_both(w2)   (fp8_weights)
     quantize_act(recv),  q(w13)    -> act, h = gemm1_swiglu_fp8(...)
     quantize_act(act),   q(w2)     -> out    = gemm2_fp8(...)
-    quantize_act(g_out), q(w2^T)   -> dh     = gemm2_dgrad_swiglu_fp8(..., h)
+    quantize_act(dy_R), q(w2^T)    -> dh, ds, acts = gemm2_dgrad_swiglu_fp8(..., h, scale=gate, acts_out=...)
     quantize_act(dh),    q(w13^T)  -> d_recv = gemm1_dgrad_fp8(...)
 The activation quantisations cover only the rows received (offs[E_l], read on the device), not the worst-case
 buffers' R_cap rows. The weight gradients stay bf16 (grouped_wgrad on the bf16 recv, act, g_out and dh). The
@@ -152,32 +153,50 @@ def _expert_dgrad(g_out, h, recv, w13, w2, offs, wq):
     if wq is None:
         dh, _ = gemm2_dgrad_swiglu(g_out, w2, h, offs)
         return dh, gemm1_dgrad(dh, w13, offs, out=dgrad_buffer(recv))
-    _, _, q13t, s13t, _, _, q2t, s2t = wq
-    if q13t is None:  # quantised for the forward only (fp8_weights under no_grad)
-        q13t, s13t = quantize_weight(w13, transpose=True)
-        q2t, s2t = quantize_weight(w2, transpose=True)
+    q13t, s13t = _transposed_fp8(wq, w13, 2)
+    q2t, s2t = _transposed_fp8(wq, w2, 6)
     n = offs[-1:]
     dh, _ = gemm2_dgrad_swiglu_fp8(*quantize_act(g_out, nrows=n), q2t, s2t, h, offs)
     d_recv = gemm1_dgrad_fp8(*quantize_act(dh, nrows=n), q13t, s13t, offs, out=dgrad_buffer(recv))
     return dh, d_recv
 
 
-def bf16_dgrad(dy, topk_w, handle, h, recv, w13, w2, num_sms):
-    """The bf16 backward up to dx's send (shared with the fused backend): pull dy rows unscaled with their gates
+def bf16_dgrad(dy, topk_w, handle, h, recv, w13, w2, num_sms, wq=None):
+    """The backward up to dx's send (shared with the fused backend): pull dy rows unscaled with their gates
     (comm.combine.pull_grad), then one dgrad GEMM through SwiGLU whose epilogue applies the gate, gives each row's
     d(topk_w) = <dy, act @ w2^T> (fp32 accumulator) and writes the gated activation acts = gate * silu(g) * u;
     send d(topk_w) home; dgrad GEMM1. Returns (dy_rows [R_cap, H], acts [R_cap, I], dh [R_cap, 2I], d_recv
-    [R_cap, H], d_topk_w [T, k] fp32); dW2 = dy_rows^T acts, dW13 = dh^T recv.
+    [R_cap, H], d_topk_w [T, k] fp32); dW2 = dy_rows^T acts, dW13 = dh^T recv. With ``wq`` (the FP8 weights of
+    SplitBackend.fp8_weights) both dgrad GEMMs run on e4m3 operands: dy_rows and dh quantised (only the rows
+    received), the transposed weights; the same epilogue outputs.
 
-    Replaces combine_backward for bf16 (2026-12-01): that pull read the forward's expert outputs [R_cap, H] (kept
-    alive from the forward) to form <dy, out> and could not use the pipelined pull loop."""
+    Replaces combine_backward for bf16 (2026-12-01) and FP8 (2026-12-01, thirteenth session): that pull read the
+    forward's expert outputs [R_cap, H] (kept alive from the forward) to form <dy, out> and could not use the
+    pipelined pull loop (one H200, EP 1: 0.23 vs 0.09 ms on qwen3, 0.80 vs 0.31 on deepseek)."""
     offs = handle.offs
     dy_rows, gate = pull_grad(dy, topk_w, handle, num_sms=num_sms)
     acts = torch.empty(dy_rows.shape[0], w2.shape[2], dtype=dy_rows.dtype, device=dy_rows.device)
-    dh, ds = gemm2_dgrad_swiglu(dy_rows, w2, h, offs, scale=gate, acts_out=acts)
+    if wq is None:
+        dh, ds = gemm2_dgrad_swiglu(dy_rows, w2, h, offs, scale=gate, acts_out=acts)
+    else:
+        q2t, s2t = _transposed_fp8(wq, w2, 6)
+        dh, ds = gemm2_dgrad_swiglu_fp8(*quantize_act(dy_rows, nrows=offs[-1:]), q2t, s2t, h, offs, scale=gate,
+                                        acts_out=acts)
     d_topk_w = send_gate_grad(ds, handle, num_sms=num_sms)
-    d_recv = gemm1_dgrad(dh, w13, offs, out=dgrad_buffer(recv))
+    if wq is None:
+        d_recv = gemm1_dgrad(dh, w13, offs, out=dgrad_buffer(recv))
+    else:
+        q13t, s13t = _transposed_fp8(wq, w13, 2)
+        d_recv = gemm1_dgrad_fp8(*quantize_act(dh, nrows=offs[-1:]), q13t, s13t, offs, out=dgrad_buffer(recv))
     return dy_rows, acts, dh, d_recv, d_topk_w
+
+
+def _transposed_fp8(wq, w, i):
+    """The dgrad orientation (q^T, s^T) of a weight, entries i, i + 1 of wq (SplitBackend.fp8_weights), quantised
+    here if the forward made only its own orientation (fp8_weights under no_grad)."""
+    if wq[i] is None:
+        return quantize_weight(w, transpose=True)
+    return wq[i], wq[i + 1]
 
 
 class _SplitMoE(torch.autograd.Function):
@@ -196,10 +215,10 @@ class _SplitMoE(torch.autograd.Function):
             y = combine(out, None, handle, num_sms=num_sms, out_dtype=x.dtype, presum=True)
         else:
             y = combine(out, topk_w, handle, num_sms=num_sms, out_dtype=x.dtype)
-        ctx.epilogue_gate_grad = wq is None and not pull_gate_grad
+        ctx.epilogue_gate_grad = not pull_gate_grad
         # (with fp8_dispatch recv is the e4m3 rows and a_s their scales: dequantised in the backward for dW13)
-        if ctx.epilogue_gate_grad:  # the bf16 backward (pull_grad) needs neither the expert outputs nor act:
-            # dW2's operand and d(topk_w) come from the dgrad GEMM's epilogue (bf16_dgrad)
+        if ctx.epilogue_gate_grad:  # the backward through pull_grad needs neither the expert outputs nor act:
+            # dW2's operand and d(topk_w) come from the dgrad GEMM's epilogue (bf16_dgrad, bf16 or FP8)
             ctx.save_for_backward(recv, h, None, None, topk_w, w13, w2, a_s)
         else:
             ctx.save_for_backward(recv, h, act, out, topk_w, w13, w2, a_s)
@@ -220,7 +239,7 @@ class _SplitMoE(torch.autograd.Function):
         if ctx.epilogue_gate_grad:
             # g_out here is dy pulled without its gate and act the gated activation: dW2 = g_out^T act either way
             g_out, act, dh, d_recv, d_topk_w = bf16_dgrad(dy.contiguous(), topk_w, handle, h, recv, w13, w2,
-                                                          num_sms)
+                                                          num_sms, wq=ctx.wq)
         else:
             g_out, d_topk_w = combine_backward(dy.contiguous(), out, topk_w, handle, num_sms=num_sms)
             dh, d_recv = _expert_dgrad(g_out, h, recv, w13, w2, offs, ctx.wq)
@@ -276,8 +295,8 @@ class SplitBackend:
     backward: the same 2 bytes per weight element during a step, none between calls), ``fp8_dispatch`` (with
     ``fp8``, off by default: the rows travel FP8-quantised, see the module docstring),
     ``gate_grad`` ("epilogue", the default since 2026-12-01: d(topk_w) and dW2's operand from the dgrad GEMM's
-    epilogue, see :func:`bf16_dgrad`; "pull": the earlier bf16 backward, combine_backward's pull computing
-    <dy, out> from the forward's saved expert outputs; FP8 always takes "pull"),
+    epilogue, see :func:`bf16_dgrad`, bf16 and FP8; "pull": the earlier backward, combine_backward's pull
+    computing <dy, out> from the forward's saved expert outputs),
     ``timeout_s`` (bound of every device-side wait, default 60)."""
 
     name = "split"

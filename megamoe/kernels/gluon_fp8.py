@@ -15,7 +15,8 @@ and the epilogues of grouped_gemm._epi_part, with the same outputs, dtypes and r
                  STORE_H also h[:, n] = acc, h[:, N + n] = acc2 (bf16). BLOCK_N columns of gate and of up per tile.
     EPI_DSWIGLU  acc = dact = dy @ w2; g, u read from h [R, 2N]; da = acc (* scale[r]);
                  out [R, 2N]: out[:, n] = da * u * silu'(g), out[:, N + n] = da * silu(g); with a scale also
-                 dsp[ni, r] = sum over the tile's columns of acc * silu(g) * u  (dsp [cdiv(N, BLOCK_N), R] fp32)
+                 dsp[ni, r] = sum over the tile's columns of acc * silu(g) * u  (dsp [cdiv(N, BLOCK_N), R] fp32);
+                 STORE_H here: also acts [R, N] = scale[r] * silu(g) * u (bf16; the gated activation dW2 needs)
 Example (SwiGLU, I = 2048, BLOCK_N = 64): the tile ni = 5 of expert e reads w13 rows e * 4096 + 320..383 (gate,
 scale block 2) and e * 4096 + 2368..2431 (up, scale block 18) and writes act[:, 320:384], h[:, 320:384] and
 h[:, 2368:2432].
@@ -171,11 +172,14 @@ def _epi_swiglu(g, u, off_m, off_n, row_end, N, out_ptr, stride_om, h_ptr, strid
 
 
 @gluon.jit
-def _epi_dswiglu_part(dact, off_m, off_n, row_end, N, out_ptr, stride_om, h_ptr, stride_hm, scale_ptr,
-                      BLOCK_M: gl.constexpr, NP: gl.constexpr, HAS_SCALE: gl.constexpr, store_l: gl.constexpr):
+def _epi_dswiglu_part(dact, off_m, off_n, row_end, N, out_ptr, stride_om, h_ptr, stride_hm, scale_ptr, acts_ptr,
+                      BLOCK_M: gl.constexpr, NP: gl.constexpr, HAS_SCALE: gl.constexpr, ACTS: gl.constexpr,
+                      store_l: gl.constexpr):
     """SwiGLU backward on a [BLOCK_M, NP] column slice (grouped_gemm._epi_part, EPILOGUE 2), dact = acc in store_l
     (8 consecutive columns per thread): g, u read from h (16-byte loads); dg -> out[:, n], du -> out[:, N + n]
-    (bf16). Returns the row sums of dact * silu(g) * u (HAS_SCALE; else 0); with HAS_SCALE da = dact * s[r]."""
+    (bf16). Returns the row sums of dact * silu(g) * u (HAS_SCALE; else 0); with HAS_SCALE da = dact * s[r].
+    ACTS: also acts[:, n] = s[r] * silu(g) * u (acts [R, N] bf16 contiguous; without HAS_SCALE silu(g) * u), the
+    operand of dW2 = dy^T @ acts when dy was pulled without its gate."""
     srm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_l))
     srn = off_n + gl.arange(0, NP, layout=gl.SliceLayout(0, store_l))
     rmask = srm < row_end
@@ -188,9 +192,15 @@ def _epi_dswiglu_part(dact, off_m, off_n, row_end, N, out_ptr, stride_om, h_ptr,
     da = dact
     part = gl.zeros([BLOCK_M], dtype=gl.float32, layout=gl.SliceLayout(1, store_l))
     if HAS_SCALE:
-        part = gl.sum(dact * silu * u, axis=1)
+        su = silu * u
+        part = gl.sum(dact * su, axis=1)
         s = gl.load(scale_ptr + srm, mask=rmask, other=0.0)
         da = dact * s[:, None]
+        if ACTS:
+            gl.store(acts_ptr + srm.to(gl.int64)[:, None] * N + srn[None, :], (su * s[:, None]).to(gl.bfloat16),
+                     mask=mask)
+    elif ACTS:
+        gl.store(acts_ptr + srm.to(gl.int64)[:, None] * N + srn[None, :], (silu * u).to(gl.bfloat16), mask=mask)
     optrs = out_ptr + srm.to(gl.int64)[:, None] * stride_om + srn[None, :]
     dg = da * u * (sig * (1.0 + g * (1.0 - sig)))
     gl.store(optrs, dg.to(gl.bfloat16), mask=mask)
@@ -209,8 +219,8 @@ def _halves(x, BLOCK_M: gl.constexpr, NP: gl.constexpr):
 
 @gluon.jit
 def _epi_dswiglu(acc, epi_smem, off_m, off_n, ni, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm, scale_ptr,
-                 dsp_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SLICES: gl.constexpr,
-                 HAS_SCALE: gl.constexpr, num_warps: gl.constexpr):
+                 dsp_ptr, acts_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SLICES: gl.constexpr,
+                 HAS_SCALE: gl.constexpr, ACTS: gl.constexpr, num_warps: gl.constexpr):
     """The SwiGLU backward epilogue of one tile: acc (fp32) split in registers into SLICES column slices, parked in
     shared memory (epi_smem [SLICES, BLOCK_M, NP]), then processed one slice per iteration of a loop (see the
     module docstring for what spilled otherwise); HAS_SCALE: dsp[ni, r] = the row sums over the tile's columns."""
@@ -235,7 +245,7 @@ def _epi_dswiglu(acc, epi_smem, off_m, off_n, ni, row_end, R, N, out_ptr, stride
     for c in range(SLICES):  # a loop, not unrolled: one slice's values live at a time
         dact = epi_smem.index(c).load(store_l)
         part += _epi_dswiglu_part(dact, off_m, off_n + c * NP, row_end, N, out_ptr, stride_om, h_ptr, stride_hm,
-                                  scale_ptr, BLOCK_M, NP, HAS_SCALE, store_l)
+                                  scale_ptr, acts_ptr, BLOCK_M, NP, HAS_SCALE, ACTS, store_l)
     if HAS_SCALE:
         srm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_l))
         gl.store(dsp_ptr + ni.to(gl.int64) * R + srm, part, mask=srm < row_end)
@@ -249,6 +259,7 @@ def _gluon_fp8_grouped_kernel(
     h_ptr,              # h [R, 2N] bf16, row stride stride_hm: written (EPI_SWIGLU, STORE_H) or read (EPI_DSWIGLU)
     scale_ptr,          # [R] fp32 (HAS_SCALE)
     dsp_ptr,            # dsp [cdiv(N, BLOCK_N), R] fp32: gate-gradient partials (EPI_DSWIGLU, HAS_SCALE)
+    acts_ptr,           # acts [R, N] bf16 contiguous: the gated activation (EPI_DSWIGLU with STORE_H)
     offs_ptr,           # [E_l + 1] int32
     R, N, K, E_l, num_progs,
     stride_asm, stride_wse, stride_wsn, stride_om, stride_hm,
@@ -436,7 +447,7 @@ def _gluon_fp8_grouped_kernel(
                         BLOCK_M, BLOCK_N, STORE_H, store_l)
         else:
             _epi_dswiglu(acc, epi_smem, off_m, off_n, ni, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                         scale_ptr, dsp_ptr, BLOCK_M, BLOCK_N, EPI_SLICES, HAS_SCALE, num_warps)
+                         scale_ptr, dsp_ptr, acts_ptr, BLOCK_M, BLOCK_N, EPI_SLICES, HAS_SCALE, STORE_H, num_warps)
 
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
@@ -474,7 +485,7 @@ def gluon_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, n_
 def launch_gluon_fp8(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w_s: torch.Tensor, offs: torch.Tensor,
                      out: torch.Tensor, cfg: GemmConfig, *, n: int, epilogue: int, h: torch.Tensor | None = None,
                      scale: torch.Tensor | None = None, dsp: torch.Tensor | None = None, store_h: bool = False,
-                     n_up: int = 0) -> None:
+                     n_up: int = 0, acts: torch.Tensor | None = None) -> None:
     """Launch _gluon_fp8_grouped_kernel with the arguments of grouped_gemm_fp8.launch_grouped_gemm_fp8 (operands
     validated by the caller); ValueError naming the limit (``gluon_limits``) that fails."""
     R, K = aq.shape
@@ -496,11 +507,12 @@ def launch_gluon_fp8(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w_s:
     dummy = out
     k = _gluon_fp8_grouped_kernel[(grid,)](
         a_desc, w_desc, a_s, w_s, out, h if h is not None else dummy, scale if scale is not None else dummy,
-        dsp if dsp is not None else dummy, offs,
+        dsp if dsp is not None else dummy, acts if acts is not None else dummy, offs,
         R, n, K, E_l, grid, a_s.stride(0), w_s.stride(0), w_s.stride(1), out.stride(0),
         h.stride(0) if h is not None else 0, N_w, n_up,
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(max(E_l, 2)), STAGES=cfg.num_stages,
-        EPILOGUE=epilogue, HAS_SCALE=scale is not None, STORE_H=store_h, WARPS_M=warps_m, INSTR_N=instr_n,
+        EPILOGUE=epilogue, HAS_SCALE=scale is not None, STORE_H=store_h or acts is not None, WARPS_M=warps_m,
+        INSTR_N=instr_n,
         num_warps=warps,
     )
     record("_gluon_fp8_grouped_kernel", k)

@@ -40,6 +40,7 @@ def _grouped_gemm_fp8_kernel(
     w_desc, w_ptr,      # wq [E_l, N_w, K] fp8 e4m3 contiguous
     ws_ptr,             # w_s [E_l, cdiv(N_w, 128), cdiv(K, 128)] fp32 contiguous
     out_ptr, h_ptr, scale_ptr, dsp_ptr,   # as in grouped_gemm._grouped_gemm_kernel
+    acts_ptr,           # acts [R, N] bf16 contiguous (EPI_DSWIGLU with STORE_H): s[r] * silu(g) * u
     offs_ptr,           # offs [E_l + 1] int32
     R, N, K, E_l, num_progs,
     stride_am, stride_asm, stride_we, stride_wr, stride_wse, stride_wsn, stride_om, stride_hm,
@@ -89,7 +90,7 @@ def _grouped_gemm_fp8_kernel(
                     b2 = b2.to(tl.float32)
                 acc2 += tl.dot(a, b2) * sa[:, None] * sb2[None, :]
         _epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                  scale_ptr, dsp_ptr, out_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H, EPI_SPLIT)
+                  scale_ptr, dsp_ptr, acts_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H, EPI_SPLIT)
         tile += num_progs
 
 
@@ -156,9 +157,11 @@ def fp8_kernel(cfg: GemmConfig, aq: torch.Tensor, wq: torch.Tensor, *, n: int, e
 
 
 def launch_grouped_gemm_fp8(aq, a_s, wq, w_s, offs, out, cfg: GemmConfig, *, n: int, epilogue: int,
-                            h=None, scale=None, dsp=None, store_h: bool = False, n_up: int = 0) -> None:
+                            h=None, scale=None, dsp=None, store_h: bool = False, n_up: int = 0,
+                            acts=None) -> None:
     """Launch the FP8 grouped GEMM on the kernel ``fp8_kernel`` picks (inputs validated by megamoe.experts).
-    dsp (EPI_DSWIGLU with scale) has cdiv(n, cfg.block_n) rows with either kernel."""
+    dsp (EPI_DSWIGLU with scale) has cdiv(n, cfg.block_n) rows with either kernel; acts ([R, n] bf16 contiguous,
+    EPI_DSWIGLU only): also write the gated activation s[r] * silu(g) * u (as grouped_gemm.launch_grouped_gemm)."""
     R, K = aq.shape
     E_l = wq.shape[0]
     BM, BN = cfg.block_m, cfg.block_n
@@ -167,6 +170,8 @@ def launch_grouped_gemm_fp8(aq, a_s, wq, w_s, offs, out, cfg: GemmConfig, *, n: 
                          f"got {cfg.block_k}")
     if store_h and epilogue == EPI_DSWIGLU:  # the shared bf16 epilogue reads STORE_H there as "write acts"
         raise ValueError("grouped_gemm_fp8: store_h is for the SwiGLU forward epilogue")
+    if acts is not None and epilogue != EPI_DSWIGLU:
+        raise ValueError("grouped_gemm_fp8: acts is an output of the SwiGLU-backward epilogue only")
     kernel = fp8_kernel(cfg, aq, wq, n=n, epilogue=epilogue, n_up=n_up)
     if kernel == "gluon_ws":
         from megamoe.kernels.gluon_fp8_ws import launch_gluon_fp8_ws
@@ -178,7 +183,7 @@ def launch_grouped_gemm_fp8(aq, a_s, wq, w_s, offs, out, cfg: GemmConfig, *, n: 
         from megamoe.kernels.gluon_fp8 import launch_gluon_fp8
 
         launch_gluon_fp8(aq, a_s, wq, w_s, offs, out, cfg, n=n, epilogue=epilogue, h=h, scale=scale, dsp=dsp,
-                         store_h=store_h, n_up=n_up)
+                         store_h=store_h, n_up=n_up, acts=acts)
         return
     ok = tma_ok([aq, wq])
     if cfg.use_tma and not ok:
@@ -198,12 +203,13 @@ def launch_grouped_gemm_fp8(aq, a_s, wq, w_s, offs, out, cfg: GemmConfig, *, n: 
     dummy = out
     k = _grouped_gemm_fp8_kernel[(grid,)](
         a_desc, aq, a_s, w_desc, wq, w_s, out, h if h is not None else dummy,
-        scale if scale is not None else dummy, dsp if dsp is not None else dummy, offs,
+        scale if scale is not None else dummy, dsp if dsp is not None else dummy,
+        acts if acts is not None else dummy, offs,
         R, n, K, E_l, grid,
         aq.stride(0), a_s.stride(0), wq.stride(0), wq.stride(1), w_s.stride(0), w_s.stride(1),
         out.stride(0), h.stride(0) if h is not None else 0, n_up,
         BLOCK_M=BM, BLOCK_N=BN, GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
-        EPILOGUE=epilogue, HAS_SCALE=scale is not None, STORE_H=store_h, USE_TMA=use_tma,
+        EPILOGUE=epilogue, HAS_SCALE=scale is not None, STORE_H=store_h or acts is not None, USE_TMA=use_tma,
         DOT_F32=interpreting(), EPI_SPLIT=cfg.epi_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     record("_grouped_gemm_fp8_kernel", k)
