@@ -9,7 +9,8 @@
 # 9 (Gluon bf16 GEMM tests and bench, ~4 min), r (router tests on CUDA + layer A/B of the router impls, ~5 min),
 # g (layer A/B of the 2026-12-01 backward and fused defaults, ~4 min), p (fused per-item timeline, ~2 min),
 # w (warp-specialised FP8 GEMM: tests, bench, bench-gemm forward; ~6 min cold), b (warp-specialised bf16 GEMM tests in 8
-# parallel processes), b2 (its variants' bench, forward and the two dgrads, 4096 and 16384 tokens, ~5 min).
+# parallel processes), b2 (its variants' bench, forward and the two dgrads, 4096 and 16384 tokens, ~5 min), f (FP8
+# backward on pull_grad: tests, then the layer A/B, ~8 min on one GPU).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -181,6 +182,16 @@ for t in 4096 16384; do
   CUDA_VISIBLE_DEVICES=0 timeout 270 python3 benchmarks/gluon_bf16_ws_bench.py --tokens $t --json "$OUT/bf16_ws-$t.json" \
     2>&1 | grep -v arn | tee "$OUT/bf16_ws-$t.txt" | tail -90
 done
+fi
+
+if want f; then
+echo "== f. FP8 backward on pull_grad (88e44c0): GPU tests (Gluon FP8 SwiGLU backward with acts, split, grouped GEMM)"
+echo "   in parallel, then the layer A/B split:fp8=1 vs :gate_grad=pull (qwen3, mixtral) and bf16 deepseek, graphed"
+(CUDA_VISIBLE_DEVICES=0 gpu_tests_par gpu_fp8_dswiglu 300 6 tests/test_gpu_gluon_fp8.py -k "dswiglu or public or fall_back") &
+gpu_tests gpu_split_gemm 330 tests/test_gpu_split.py tests/test_grouped_gemm.py; wait
+F8="split,split:fp8=1,split:fp8=1:gate_grad=pull"
+for p in qwen3-30b-a3b mixtral-8x7b; do echo "-- $p"; bench "$p" 4096 "$F8" fp8bwd --cuda-graph; done
+echo "-- deepseek-v3"; bench deepseek-v3 4096 split wgrad32 --cuda-graph
 fi
 
 if want 6; then
