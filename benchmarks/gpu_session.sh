@@ -10,7 +10,8 @@
 # g (layer A/B of the 2026-12-01 backward and fused defaults, ~4 min), p (fused per-item timeline, ~2 min),
 # w (warp-specialised FP8 GEMM: tests, bench, bench-gemm forward; ~6 min cold), b (warp-specialised bf16 GEMM tests in 8
 # parallel processes), b2 (its variants' bench, forward and the two dgrads, 4096 and 16384 tokens, ~5 min), f (FP8
-# backward on pull_grad: tests, then the layer A/B, ~8 min on one GPU).
+# backward on pull_grad: tests, then the layer A/B, ~8 min on one GPU), q (fused / layer GPU tests, then the FP8
+# weight-quantisation variants).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -192,6 +193,14 @@ gpu_tests gpu_split_gemm 330 tests/test_gpu_split.py tests/test_grouped_gemm.py;
 F8="split,split:fp8=1,split:fp8=1:gate_grad=pull"
 for p in qwen3-30b-a3b mixtral-8x7b; do echo "-- $p"; bench "$p" 4096 "$F8" fp8bwd --cuda-graph; done
 echo "-- deepseek-v3"; bench deepseek-v3 4096 split wgrad32 --cuda-graph
+fi
+
+if want q; then
+echo "== q. fused / layer GPU tests at this GPU count (bf16_dgrad now takes the FP8 weights), then the FP8 weight"
+echo "   quantisation variants (benchmarks/quant_bench.py, one GPU)"
+gpu_tests_par gpu_fused_layer 330 6 tests/test_gpu_fused.py tests/test_gpu_layer.py
+CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/quant_bench.py --json "$OUT/quant.json" 2>&1 | grep -v arn \
+  | tee "$OUT/quant.txt" | tail -60
 fi
 
 if want 6; then

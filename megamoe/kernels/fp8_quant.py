@@ -81,32 +81,53 @@ def _quant_weight_kernel(
     qt_ptr,  # BOTH: q of the transpose [E_l, K, N] fp8 e4m3
     st_ptr,  # BOTH: its scales [E_l, n_kb, n_nb] fp32
     N, K, n_nb, n_kb,
-    POW2: tl.constexpr, RNE_IN_FP32: tl.constexpr, TRANSPOSE: tl.constexpr, BOTH: tl.constexpr,
+    CHUNK: tl.constexpr, POW2: tl.constexpr, RNE_IN_FP32: tl.constexpr, TRANSPOSE: tl.constexpr,
+    BOTH: tl.constexpr,
 ):
     """Grid: (E_l, n_nb, n_kb). One 128x128 block: s = amax / 448, q = w / s. TRANSPOSE: q is [E_l, K, N] and s
     [E_l, n_kb, n_nb], i.e. the quantisation of w.transpose(1, 2) (a 128x128 block of the transpose is the
     transpose of a block, with the same amax, so this equals quantising a transposed copy, without the copy).
-    BOTH: the plain orientation into q, s and the transposed one into qt, st, from one read of the block."""
+    BOTH: the plain orientation into q, s and the transposed one into qt, st, from one read of the block.
+    CHUNK < 128: the block in 128 / CHUNK slices of CHUNK rows, a first loop for the amax and a second that
+    reloads each slice (from L1 / L2: the block is 32 KB) to quantise it, so that a thread holds CHUNK * 128 /
+    threads values instead of the whole block's (more programs per SM in flight); the same values either way."""
     e = tl.program_id(0)
     nb = tl.program_id(1)
     kb = tl.program_id(2)
-    rn = nb * 128 + tl.arange(0, 128)
     rk = kb * 128 + tl.arange(0, 128)
-    mask = (rn < N)[:, None] & (rk < K)[None, :]
-    off = e.to(tl.int64) * N * K + rn.to(tl.int64)[:, None] * K + rk[None, :]
-    w = tl.load(w_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    s = _scale_of(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
-    q = _to_e4m3(tl.clamp(tl.div_rn(w, s), -448.0, 448.0), RNE_IN_FP32)
-    off_t = e.to(tl.int64) * N * K + rk.to(tl.int64)[None, :] * N + rn[:, None]
+    kmask = rk < K
+    base = e.to(tl.int64) * N * K
+    amax = tl.zeros([CHUNK], dtype=tl.float32)
+    for c in range(0, 128, CHUNK):
+        rn = nb * 128 + c + tl.arange(0, CHUNK)
+        mask = (rn < N)[:, None] & kmask[None, :]
+        w = tl.load(w_ptr + base + rn.to(tl.int64)[:, None] * K + rk[None, :], mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(w.to(tl.float32)), axis=1))
+    s = _scale_of(tl.max(amax, axis=0), POW2)
+    for c in range(0, 128, CHUNK):
+        rn = nb * 128 + c + tl.arange(0, CHUNK)
+        mask = (rn < N)[:, None] & kmask[None, :]
+        off = base + rn.to(tl.int64)[:, None] * K + rk[None, :]
+        w = tl.load(w_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        q = _to_e4m3(tl.clamp(tl.div_rn(w, s), -448.0, 448.0), RNE_IN_FP32)
+        off_t = base + rk.to(tl.int64)[None, :] * N + rn[:, None]
+        if TRANSPOSE:
+            tl.store(q_ptr + off_t, q, mask=mask)
+        else:
+            tl.store(q_ptr + off, q, mask=mask)
+            if BOTH:
+                tl.store(qt_ptr + off_t, q, mask=mask)
     if TRANSPOSE:
-        tl.store(q_ptr + off_t, q, mask=mask)
         tl.store(s_ptr + (e * n_kb + kb) * n_nb + nb, s)
     else:
-        tl.store(q_ptr + off, q, mask=mask)
         tl.store(s_ptr + (e * n_nb + nb) * n_kb + kb, s)
         if BOTH:
-            tl.store(qt_ptr + off_t, q, mask=mask)
             tl.store(st_ptr + (e * n_kb + kb) * n_nb + nb, s)
+
+
+#: (CHUNK, num_warps) of the weight quantisation per mode: "one" (quantize_weight), "both" (quantize_weight_both);
+#: a benchmark (benchmarks/quant_bench.py) may override them
+WEIGHT_QUANT_CONFIG = {"one": (128, 8), "both": (128, 16)}
 
 
 def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False, nrows: torch.Tensor | None = None,
@@ -213,9 +234,10 @@ def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False,
         q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
         s = torch.empty((E_l, n_nb, n_kb), device=w.device, dtype=torch.float32)
     if E_l and N and K:
-        _quant_weight_kernel[(E_l, n_nb, n_kb)](w, q, s, q, s, N, K, n_nb, n_kb, POW2=pow2_scale,
+        chunk, warps = WEIGHT_QUANT_CONFIG["one"]
+        _quant_weight_kernel[(E_l, n_nb, n_kb)](w, q, s, q, s, N, K, n_nb, n_kb, CHUNK=chunk, POW2=pow2_scale,
                                                 RNE_IN_FP32=interpreting(), TRANSPOSE=transpose, BOTH=False,
-                                                num_warps=8)
+                                                num_warps=warps)
     return q, s
 
 
@@ -235,9 +257,10 @@ def quantize_weight_both(w: torch.Tensor, *, pow2_scale: bool = False) -> tuple[
     if E_l and N and K:
         # 16 warps: 91 registers (8 warps: 174, one CTA of 8 warps per SM; the single-orientation kernel at 8 warps
         # has 95 and fits two): the same 16 warps per SM in flight (sm_90a, compiled on CPU, 2026-11-30)
-        _quant_weight_kernel[(E_l, n_nb, n_kb)](w, q, s, qt, st, N, K, n_nb, n_kb, POW2=pow2_scale,
+        chunk, warps = WEIGHT_QUANT_CONFIG["both"]
+        _quant_weight_kernel[(E_l, n_nb, n_kb)](w, q, s, qt, st, N, K, n_nb, n_kb, CHUNK=chunk, POW2=pow2_scale,
                                                 RNE_IN_FP32=interpreting(), TRANSPOSE=False, BOTH=True,
-                                                num_warps=16)
+                                                num_warps=warps)
     return q, s, qt, st
 
 
