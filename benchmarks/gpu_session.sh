@@ -203,6 +203,14 @@ CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/quant_bench.py --json "$OU
   | tee "$OUT/quant.txt" | tail -60
 fi
 
+if want q2; then
+echo "== q2. FP8 layer with the chunked weight quantisation default (graphed: one quantisation per replay), then more"
+echo "   quantisation variants"
+for p in qwen3-30b-a3b mixtral-8x7b; do echo "-- $p"; bench "$p" 4096 "split,split:fp8=1" fp8quant --cuda-graph; done
+CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/quant_bench.py --json "$OUT/quant.json" 2>&1 | grep -v arn \
+  | tee "$OUT/quant.txt" | tail -60
+fi
+
 if want 6; then
 echo "== 6. the rest of the GPU tests"
 timeout 300 python3 -m pytest -q -m gpu tests --ignore tests/test_gpu_split.py --ignore tests/test_gpu_fused.py \

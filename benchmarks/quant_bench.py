@@ -1,6 +1,7 @@
 """FP8 weight quantisation (megamoe/kernels/fp8_quant.py, 128x128 blocks) at the expert-weight shapes of every preset
-at EP 4: the (CHUNK, num_warps) variants of ``_quant_weight_kernel`` against the default, each checked bitwise equal
-to it, timed with CUDA events (median of --iters after warm-up; every weight is larger than L2 except qwen3's w2).
+at EP 4: the (CHUNK, num_warps) variants of ``_quant_weight_kernel`` (the first of each mode: the kernel before
+f4e9d64) against the default, each checked bitwise equal to it, timed with CUDA events (median of --iters after
+warm-up; every weight is larger than L2 except qwen3's w2).
 
     python benchmarks/quant_bench.py [--json out.json]       (one GPU)
 
@@ -20,7 +21,7 @@ from megamoe.kernels import fp8_quant
 from megamoe.perf import write_results
 
 HBM = 4258e9
-VARIANTS = {"both": [(128, 16), (128, 8), (64, 8), (32, 4), (32, 8), (16, 4)], "one": [(128, 8), (32, 4), (16, 4)]}
+VARIANTS = {"both": [(128, 16), (64, 8), (64, 16), (32, 8), (32, 16), (16, 8)], "one": [(128, 8), (32, 4), (32, 8)]}
 
 
 def timed(fn, iters: int) -> float:

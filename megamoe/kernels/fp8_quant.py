@@ -126,8 +126,12 @@ def _quant_weight_kernel(
 
 
 #: (CHUNK, num_warps) of the weight quantisation per mode: "one" (quantize_weight), "both" (quantize_weight_both);
-#: a benchmark (benchmarks/quant_bench.py) may override them
-WEIGHT_QUANT_CONFIG = {"one": (128, 8), "both": (128, 16)}
+#: a benchmark (benchmarks/quant_bench.py) may override them. One H200, 2026-12-01 (results/quant-h200-2026-12-01-
+#: f4e9d64.json, the expert weights of qwen3 / deepseek-v3 / mixtral at EP 4): "both" (what a training step runs)
+#: 32-row slices on 8 warps 1.26-1.46x the whole block on 16 warps (deepseek w13 4.54 -> 3.12 ms, 39% -> 57% of the
+#: HBM copy ceiling), 16 warps of whole blocks hold one CTA per SM; "one" 32 x 4 warps 1.12-1.19x (0.89x on qwen3's
+#: w2, 0.11 ms)
+WEIGHT_QUANT_CONFIG = {"one": (32, 4), "both": (32, 8)}
 
 
 def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False, nrows: torch.Tensor | None = None,
