@@ -127,11 +127,12 @@ def _quant_weight_kernel(
 
 #: (CHUNK, num_warps) of the weight quantisation per mode: "one" (quantize_weight), "both" (quantize_weight_both);
 #: a benchmark (benchmarks/quant_bench.py) may override them. One H200, 2026-12-01 (results/quant-h200-2026-12-01-
-#: f4e9d64.json, the expert weights of qwen3 / deepseek-v3 / mixtral at EP 4): "both" (what a training step runs)
-#: 32-row slices on 8 warps 1.26-1.46x the whole block on 16 warps (deepseek w13 4.54 -> 3.12 ms, 39% -> 57% of the
-#: HBM copy ceiling), 16 warps of whole blocks hold one CTA per SM; "one" 32 x 4 warps 1.12-1.19x (0.89x on qwen3's
-#: w2, 0.11 ms)
-WEIGHT_QUANT_CONFIG = {"one": (32, 4), "both": (32, 8)}
+#: {f4e9d64,6aa40b6}.json, the expert weights of qwen3 / deepseek-v3 / mixtral at EP 4): "both" (what a training step
+#: runs) 32-row slices on 8 warps 1.26-1.46x the whole block on 16 warps (deepseek w13 4.51 -> 3.09 ms, 39% -> 57% of
+#: the HBM copy ceiling; 64 x 16 warps within 2% of it, 16-row slices slower); the whole block's 16 warps hold one
+#: CTA per SM. "one" 32 x 8 warps 1.13-1.27x the whole block on 8 warps (deepseek w13 2.09 -> 1.67 ms, 79% of the
+#: ceiling), ahead of 32 x 4 on every shape
+WEIGHT_QUANT_CONFIG = {"one": (32, 8), "both": (32, 8)}
 
 
 def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False, nrows: torch.Tensor | None = None,
