@@ -67,6 +67,13 @@ def _check_scale(scale: torch.Tensor | None, R: int, name: str) -> None:
                          f"{tuple(scale.shape)}")
 
 
+def _check_acts(acts: torch.Tensor | None, R: int, I: int, dtype: torch.dtype, name: str) -> None:
+    """The SwiGLU backward's optional gated-activation output: contiguous [R, I] of ``dtype``."""
+    if acts is not None and (tuple(acts.shape) != (R, I) or acts.dtype != dtype or not acts.is_contiguous()):
+        raise ValueError(f"{name}: acts_out must be contiguous [R, I] = {(R, I)} {dtype}, got {tuple(acts.shape)} "
+                         f"{acts.dtype}")
+
+
 def _check_bf16(name: str, *ts: torch.Tensor) -> None:
     for t in ts:
         if t.dtype != torch.bfloat16:
@@ -165,10 +172,7 @@ def gemm2_dgrad_swiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, offs
     dsp = None
     if scale is not None:
         dsp = torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dy.device, dtype=torch.float32)
-    if acts_out is not None and (tuple(acts_out.shape) != (R, I) or acts_out.dtype != dy.dtype
-                                 or not acts_out.is_contiguous()):
-        raise ValueError(f"gemm2_dgrad_swiglu: acts_out must be contiguous [R, I] = {(R, I)} {dy.dtype}, got "
-                         f"{tuple(acts_out.shape)} {acts_out.dtype}")
+    _check_acts(acts_out, R, I, dy.dtype, "gemm2_dgrad_swiglu")
     launch_grouped_gemm(dy, w2, offs, dh, cfg, n=I, w_kn=True, epilogue=EPI_DSWIGLU, h=h, scale=scale, dsp=dsp,
                         acts=acts_out)
     return dh, (dsp.sum(0) if dsp is not None else None)
@@ -295,10 +299,7 @@ def gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, out=N
     _check_scale(scale, R, "gemm2_dgrad_swiglu_fp8")
     cfg = _fp8_config("dgrad_swiglu_fp8", config, dyq, w2tq, n=I, epilogue=EPI_DSWIGLU)
     dh = _out(out, (R, 2 * I), dyq)
-    if acts_out is not None and (tuple(acts_out.shape) != (R, I) or acts_out.dtype != torch.bfloat16
-                                 or not acts_out.is_contiguous()):
-        raise ValueError(f"gemm2_dgrad_swiglu_fp8: acts_out must be contiguous [R, I] = {(R, I)} bfloat16, got "
-                         f"{tuple(acts_out.shape)} {acts_out.dtype}")
+    _check_acts(acts_out, R, I, torch.bfloat16, "gemm2_dgrad_swiglu_fp8")
     dsp = None
     if scale is not None:
         dsp = torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dyq.device, dtype=torch.float32)

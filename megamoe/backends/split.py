@@ -147,18 +147,29 @@ def dgrad_buffer(recv: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(recv)
 
 
-def _expert_dgrad(g_out, h, recv, w13, w2, offs, wq):
-    """(dh [R, 2I], d_recv [R, H]) bf16, d_recv's padding rows unwritten (see dgrad_buffer); with ``wq`` on e4m3
-    operands (the transposed weights: the FP8 kernel wants both operands K-major)."""
+def _dgrad_swiglu(dy_rows, h, w2, offs, wq, scale=None, acts_out=None):
+    """(dh [R, 2I], ds [R] or None): GEMM2's dgrad through SwiGLU (scale / acts_out as gemm2_dgrad_swiglu); with
+    ``wq`` (SplitBackend.fp8_weights) on e4m3 operands: dy_rows quantised (only the rows received) and w2^T."""
     if wq is None:
-        dh, _ = gemm2_dgrad_swiglu(g_out, w2, h, offs)
-        return dh, gemm1_dgrad(dh, w13, offs, out=dgrad_buffer(recv))
-    q13t, s13t = _transposed_fp8(wq, w13, 2)
+        return gemm2_dgrad_swiglu(dy_rows, w2, h, offs, scale=scale, acts_out=acts_out)
     q2t, s2t = _transposed_fp8(wq, w2, 6)
-    n = offs[-1:]
-    dh, _ = gemm2_dgrad_swiglu_fp8(*quantize_act(g_out, nrows=n), q2t, s2t, h, offs)
-    d_recv = gemm1_dgrad_fp8(*quantize_act(dh, nrows=n), q13t, s13t, offs, out=dgrad_buffer(recv))
-    return dh, d_recv
+    return gemm2_dgrad_swiglu_fp8(*quantize_act(dy_rows, nrows=offs[-1:]), q2t, s2t, h, offs, scale=scale,
+                                  acts_out=acts_out)
+
+
+def _dgrad1(dh, recv, w13, offs, wq):
+    """d_recv [R_cap, H] = GEMM1's dgrad into dgrad_buffer(recv) (padding rows unwritten); with ``wq`` on e4m3
+    operands (dh quantised, w13^T: the FP8 kernel wants both operands K-major)."""
+    if wq is None:
+        return gemm1_dgrad(dh, w13, offs, out=dgrad_buffer(recv))
+    q13t, s13t = _transposed_fp8(wq, w13, 2)
+    return gemm1_dgrad_fp8(*quantize_act(dh, nrows=offs[-1:]), q13t, s13t, offs, out=dgrad_buffer(recv))
+
+
+def _expert_dgrad(g_out, h, recv, w13, w2, offs, wq):
+    """(dh [R, 2I], d_recv [R, H]) bf16 for gate_grad="pull" (g_out already gated), bf16 or FP8 (``wq``)."""
+    dh, _ = _dgrad_swiglu(g_out, h, w2, offs, wq)
+    return dh, _dgrad1(dh, recv, w13, offs, wq)
 
 
 def bf16_dgrad(dy, topk_w, handle, h, recv, w13, w2, num_sms, wq=None):
@@ -176,18 +187,9 @@ def bf16_dgrad(dy, topk_w, handle, h, recv, w13, w2, num_sms, wq=None):
     offs = handle.offs
     dy_rows, gate = pull_grad(dy, topk_w, handle, num_sms=num_sms)
     acts = torch.empty(dy_rows.shape[0], w2.shape[2], dtype=dy_rows.dtype, device=dy_rows.device)
-    if wq is None:
-        dh, ds = gemm2_dgrad_swiglu(dy_rows, w2, h, offs, scale=gate, acts_out=acts)
-    else:
-        q2t, s2t = _transposed_fp8(wq, w2, 6)
-        dh, ds = gemm2_dgrad_swiglu_fp8(*quantize_act(dy_rows, nrows=offs[-1:]), q2t, s2t, h, offs, scale=gate,
-                                        acts_out=acts)
+    dh, ds = _dgrad_swiglu(dy_rows, h, w2, offs, wq, scale=gate, acts_out=acts)
     d_topk_w = send_gate_grad(ds, handle, num_sms=num_sms)
-    if wq is None:
-        d_recv = gemm1_dgrad(dh, w13, offs, out=dgrad_buffer(recv))
-    else:
-        q13t, s13t = _transposed_fp8(wq, w13, 2)
-        d_recv = gemm1_dgrad_fp8(*quantize_act(dh, nrows=offs[-1:]), q13t, s13t, offs, out=dgrad_buffer(recv))
+    d_recv = _dgrad1(dh, recv, w13, offs, wq)
     return dy_rows, acts, dh, d_recv, d_topk_w
 
 
