@@ -232,10 +232,11 @@ def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False,
     return _q.quantize_weight(w, pow2_scale=pow2_scale, transpose=transpose)
 
 
-def quantize_weight_both(w: torch.Tensor, *, pow2_scale: bool = False) -> tuple[torch.Tensor, ...]:
+def quantize_weight_both(w: torch.Tensor, *, pow2_scale: bool = False,
+                         out: _q.Fp8Weight | None = None) -> tuple[torch.Tensor, ...]:
     """w [E_l, N, K] contiguous -> (q, s, qt, st): quantize_weight(w) and quantize_weight(w, transpose=True),
-    bitwise, from one read of w (the forward GEMM's weight and the dgrad's)."""
-    return _q.quantize_weight_both(w, pow2_scale=pow2_scale)
+    bitwise, from one read of w (the forward GEMM's weight and the dgrad's); out: an Fp8Weight to fill in place."""
+    return _q.quantize_weight_both(w, pow2_scale=pow2_scale, out=out)
 
 
 def _fp8_config(op: str, config: GemmConfig | None, aq: torch.Tensor, wq: torch.Tensor, *, n: int, epilogue: int,

@@ -31,6 +31,16 @@ import triton.language as tl
 from torch.autograd.graph import increment_version
 
 from megamoe import _interp
+from megamoe.kernels.fp8_quant import (
+    WEIGHT_QUANT_CONFIG,
+    Fp8Weight,
+    _scale_of,
+    _to_e4m3,
+    quantize_weight_both,
+    quantize_weight_ref,
+    weight_key,
+)
+from megamoe.kernels.gemm_config import interpreting
 
 _interp.apply()  # under TRITON_INTERPRET=1: bf16 stores round to nearest, as on the GPU
 
@@ -51,16 +61,16 @@ def _bf16_stochastic(x, r):
     return tl.where(x == x, rounded, x).to(tl.bfloat16)
 
 
-@triton.jit(do_not_specialize=["seed"])  # a new seed every step: no recompile when it happens to be 1 or 16k
-def _adamw_kernel(p_ptr, g_ptr, x_ptr, m_ptr, v_ptr, mult_ptr, n,
-                  decay, beta1, beta2, step_size, inv_sqrt_bc2, eps, seed,
-                  HAS_MASTER: tl.constexpr, HAS_MULT: tl.constexpr, MOM_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """One BLOCK of elements: x = master (HAS_MASTER) or the float32 parameter itself; g = grad (* mult);
-    x *= decay (1 - lr * wd); m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
-    x -= step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps); the parameter gets x rounded to its dtype.
-    MOM_BF16: m and v are stored as bfloat16, stochastically rounded with Philox bits keyed on (seed, element)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+@triton.jit
+def _adam_update(p_ptr, g_ptr, x_ptr, m_ptr, v_ptr, mult_ptr, offs, mask,
+                 decay, beta1, beta2, step_size, inv_sqrt_bc2, eps, seed,
+                 HAS_MASTER: tl.constexpr, HAS_MULT: tl.constexpr, MOM_BF16: tl.constexpr):
+    """The update of the elements at ``offs`` (int64, any shape; masked lanes untouched): x = master (HAS_MASTER)
+    or the float32 parameter itself; g = grad (* mult); x *= decay (1 - lr * wd); m = b1 m + (1 - b1) g;
+    v = b2 v + (1 - b2) g^2; x -= step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps); stores m, v, the master and
+    the parameter (x rounded to its dtype) and returns that rounded value. MOM_BF16: m and v stored as bfloat16,
+    stochastically rounded with Philox bits keyed on (seed, element offset). Both kernels below run this, so the
+    flat and the blockwise update give the same bits."""
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_MULT:
         g = g * tl.load(mult_ptr)
@@ -81,11 +91,69 @@ def _adamw_kernel(p_ptr, g_ptr, x_ptr, m_ptr, v_ptr, mult_ptr, n,
     else:
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
+    pv = x.to(p_ptr.dtype.element_ty)
     if HAS_MASTER:
         tl.store(x_ptr + offs, x, mask=mask)
-        tl.store(p_ptr + offs, x.to(p_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(p_ptr + offs, x, mask=mask)
+    tl.store(p_ptr + offs, pv, mask=mask)
+    return pv
+
+
+@triton.jit(do_not_specialize=["seed"])  # a new seed every step: no recompile when it happens to be 1 or 16k
+def _adamw_kernel(p_ptr, g_ptr, x_ptr, m_ptr, v_ptr, mult_ptr, n,
+                  decay, beta1, beta2, step_size, inv_sqrt_bc2, eps, seed,
+                  HAS_MASTER: tl.constexpr, HAS_MULT: tl.constexpr, MOM_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (cdiv(n, BLOCK),): one BLOCK of the flat parameter through _adam_update."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    _adam_update(p_ptr, g_ptr, x_ptr, m_ptr, v_ptr, mult_ptr, offs, offs < n, decay, beta1, beta2, step_size,
+                 inv_sqrt_bc2, eps, seed, HAS_MASTER, HAS_MULT, MOM_BF16)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _adamw_fp8_kernel(p_ptr, g_ptr, x_ptr, m_ptr, v_ptr, mult_ptr,  # [E_l, N, K] each (mult: fp32 [1])
+                      q_ptr,   # q [E_l, N, K] fp8 e4m3 out
+                      s_ptr,   # s [E_l, n_nb, n_kb] fp32 out
+                      qt_ptr,  # qt [E_l, K, N] fp8 e4m3 out (the transpose's quantisation)
+                      st_ptr,  # st [E_l, n_kb, n_nb] fp32 out
+                      N, K, n_nb, n_kb,
+                      decay, beta1, beta2, step_size, inv_sqrt_bc2, eps, seed,
+                      HAS_MASTER: tl.constexpr, HAS_MULT: tl.constexpr, MOM_BF16: tl.constexpr,
+                      CHUNK: tl.constexpr, POW2: tl.constexpr, RNE_IN_FP32: tl.constexpr):
+    """Grid (E_l, n_nb, n_kb): the AdamW update of one 128x128 block of an expert weight, then the block's FP8
+    quantisation in both orientations from the updated parameter (what quantize_weight_both makes of it):
+
+        for each CHUNK-row slice: p[slice] = _adam_update(...); amax = max(amax, |p[slice]|)
+        s = amax / 448 (fp8_quant._scale_of); barrier; for each slice: reload p (L1 / L2, this program wrote it),
+        q[slice] = e4m3(p / s), qt[slice^T] = the same bytes transposed; s and st get s
+
+    The parameter is read back rather than kept in registers (a 128x128 block of fp32 temporaries would hold one
+    program per SM, the quantisation kernel's measured problem); the barrier makes every thread's stores of it
+    visible to the program's other threads. Offsets are the flat parameter's, so MOM_BF16's random bits, and
+    every value, are those of the flat kernel followed by quantize_weight_both."""
+    e = tl.program_id(0)
+    nb = tl.program_id(1)
+    kb = tl.program_id(2)
+    rk = kb * 128 + tl.arange(0, 128)
+    kmask = rk < K
+    base = e.to(tl.int64) * N * K
+    amax = tl.zeros([CHUNK], dtype=tl.float32)
+    for c in range(0, 128, CHUNK):
+        rn = nb * 128 + c + tl.arange(0, CHUNK)
+        mask = (rn < N)[:, None] & kmask[None, :]
+        offs = base + rn.to(tl.int64)[:, None] * K + rk[None, :]
+        pv = _adam_update(p_ptr, g_ptr, x_ptr, m_ptr, v_ptr, mult_ptr, offs, mask, decay, beta1, beta2, step_size,
+                          inv_sqrt_bc2, eps, seed, HAS_MASTER, HAS_MULT, MOM_BF16)
+        amax = tl.maximum(amax, tl.max(tl.where(mask, tl.abs(pv.to(tl.float32)), 0.0), axis=1))
+    s = _scale_of(tl.max(amax, axis=0), POW2)
+    tl.debug_barrier()  # the slices' parameter stores, by every thread, before any thread reads them back
+    for c in range(0, 128, CHUNK):
+        rn = nb * 128 + c + tl.arange(0, CHUNK)
+        mask = (rn < N)[:, None] & kmask[None, :]
+        w = tl.load(p_ptr + base + rn.to(tl.int64)[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        q = _to_e4m3(tl.clamp(tl.div_rn(w, s), -448.0, 448.0), RNE_IN_FP32)
+        tl.store(q_ptr + base + rn.to(tl.int64)[:, None] * K + rk[None, :], q, mask=mask)
+        tl.store(qt_ptr + base + rk.to(tl.int64)[None, :] * N + rn[:, None], q, mask=mask)
+    tl.store(s_ptr + (e * n_nb + nb) * n_kb + kb, s)
+    tl.store(st_ptr + (e * n_kb + kb) * n_nb + nb, s)
 
 
 def _bf16_stochastic_torch(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -107,6 +175,7 @@ class _Slot:
     weight_decay: float
     index: int                  # position among all parameters: with the step, the seed of its stochastic rounding
     step: int = 0               # per parameter, as torch's AdamW (a parameter without grad does not advance)
+    fp8: Fp8Weight | None = None  # FP8 copies refreshed with every update (maintain_fp8)
 
 
 class MasterAdamW:
@@ -136,6 +205,7 @@ class MasterAdamW:
                              f"betas={betas}, eps={eps}, lr={lr}, weight_decay={weight_decay}")
         self.lr, self.betas, self.eps, self.impl = lr, betas, eps, impl
         self.block, self.num_warps = _BLOCK, _WARPS  # the kernel's elements per program and warps (tuning)
+        self.fp8_config = WEIGHT_QUANT_CONFIG["both"]  # (CHUNK rows per slice, warps) of the FP8-refreshing kernel
         seen: set[int] = set()
         self.sets: list[list[_Slot]] = []
         for params in param_sets:
@@ -180,22 +250,32 @@ class MasterAdamW:
                 bc2 = 1.0 - b2 ** s.step
                 decay = 1.0 - self.lr * s.weight_decay
                 step_size = self.lr / bc1
-                use_kernel = self.impl == "triton" or (self.impl is None and s.param.is_cuda)
-                if use_kernel:
+                if self._use_kernel(s):
                     n = s.param.numel()
                     if n == 0:
                         continue
                     has_master = s.master is not s.param
-                    _adamw_kernel[(triton.cdiv(n, self.block),)](
-                        s.param, g.contiguous(), s.master if has_master else s.param, s.exp_avg, s.exp_avg_sq,
-                        mult if mult is not None else s.exp_avg, n,
-                        decay, b1, b2, step_size, 1.0 / math.sqrt(bc2), self.eps, self._seed(s),
-                        HAS_MASTER=has_master, HAS_MULT=mult is not None,
-                        MOM_BF16=self.moments_dtype == torch.bfloat16, BLOCK=self.block, num_warps=self.num_warps)
+                    args = (s.param, g.contiguous(), s.master if has_master else s.param, s.exp_avg, s.exp_avg_sq,
+                            mult if mult is not None else s.exp_avg)
+                    hyper = (decay, b1, b2, step_size, 1.0 / math.sqrt(bc2), self.eps, self._seed(s))
+                    flags = dict(HAS_MASTER=has_master, HAS_MULT=mult is not None,
+                                 MOM_BF16=self.moments_dtype == torch.bfloat16)
+                    if s.fp8 is not None:  # the update and both FP8 orientations, one 128x128 block a program
+                        E_l, N, K = s.param.shape
+                        n_nb, n_kb = triton.cdiv(N, 128), triton.cdiv(K, 128)
+                        chunk, warps = self.fp8_config
+                        _adamw_fp8_kernel[(E_l, n_nb, n_kb)](*args, *s.fp8.tensors(), N, K, n_nb, n_kb, *hyper,
+                                                             **flags, CHUNK=chunk, POW2=s.fp8.pow2_scale,
+                                                             RNE_IN_FP32=interpreting(), num_warps=warps)
+                    else:
+                        _adamw_kernel[(triton.cdiv(n, self.block),)](*args, n, *hyper, **flags, BLOCK=self.block,
+                                                                     num_warps=self.num_warps)
                     # the kernel wrote the parameter in place behind autograd's back: bump its version as an
                     # in-place torch op would, so autograd refuses a graph that saved the old value and caches
                     # keyed on versions see the change
                     increment_version(s.param)
+                    if s.fp8 is not None:
+                        s.fp8.key = weight_key(s.param)
                 else:
                     gf = g.float() if mult is None else g.float() * mult
                     s.master.mul_(decay)
@@ -210,6 +290,54 @@ class MasterAdamW:
                     s.exp_avg_sq.copy_(v)
                     if s.master is not s.param:
                         s.param.copy_(s.master)
+                    if s.fp8 is not None:
+                        self._refresh_fp8(s)
+
+    def maintain_fp8(self, param: torch.Tensor, fp8: Fp8Weight) -> None:
+        """Keep ``fp8`` (megamoe.kernels.fp8_quant.Fp8Weight: param quantised in both orientations, 128x128 blocks)
+        current: it is filled now, and every step that updates ``param`` refreshes it in the same pass (one kernel
+        per 128x128 block: the update, then the block's amax and both e4m3 orientations from the updated value;
+        bitwise what quantize_weight_both would make of the new parameter). ``fp8.managed`` is set: a layer holding
+        these buffers (the split backend's FP8 path, see SplitBackend.fp8_copies) then reads them without
+        quantising, also inside a CUDA graph, where it otherwise has to quantise every weight in every replay.
+        ``param``: a 3-D [E_l, N, K] parameter of this optimizer. Writes to it that do not go through this optimizer
+        (``copy_``, ``param.data``, loading a checkpoint into the model) leave the buffers stale until the next
+        step or :meth:`refresh_fp8` (load_state_dict refreshes them)."""
+        slot = next((x for slots in self.sets for x in slots if x.param is param), None)
+        if slot is None:
+            raise ValueError("MasterAdamW.maintain_fp8: the parameter is not one of this optimizer's")
+        if param.dim() != 3:
+            raise ValueError(f"MasterAdamW.maintain_fp8: the parameter must be a 3-D expert weight [E_l, N, K], got "
+                             f"{tuple(param.shape)}")
+        if not isinstance(fp8, Fp8Weight):
+            raise TypeError(f"MasterAdamW.maintain_fp8: fp8 must be a megamoe Fp8Weight, got {type(fp8).__name__}")
+        fp8.check(param, "MasterAdamW.maintain_fp8")
+        slot.fp8 = fp8
+        fp8.managed = True
+        self._refresh_fp8(slot)
+
+    @torch.no_grad()
+    def refresh_fp8(self) -> None:
+        """Requantise every maintained FP8 copy from its parameter (after writes that bypassed the optimizer)."""
+        for slots in self.sets:
+            for s in slots:
+                if s.fp8 is not None:
+                    self._refresh_fp8(s)
+
+    def _use_kernel(self, s: _Slot) -> bool:
+        return self.impl == "triton" or (self.impl is None and s.param.is_cuda)
+
+    @torch.no_grad()
+    def _refresh_fp8(self, s: _Slot) -> None:
+        p, c = s.param.detach(), s.fp8
+        if self._use_kernel(s):
+            quantize_weight_both(p, pow2_scale=c.pow2_scale, out=c)
+        else:  # the torch twins (bitwise the kernels' values)
+            q, sc = quantize_weight_ref(p, pow2_scale=c.pow2_scale)
+            qt, sct = quantize_weight_ref(p.transpose(1, 2).contiguous(), pow2_scale=c.pow2_scale)
+            for dst, src in zip(c.tensors(), (q, sc, qt, sct), strict=True):
+                dst.copy_(src)
+        c.key = weight_key(s.param)
 
     @staticmethod
     def _seed(s: _Slot) -> int:
@@ -253,4 +381,6 @@ class MasterAdamW:
                 s.master.copy_(d["master"])
                 if s.master is not s.param:
                     s.param.copy_(s.master)
+                if s.fp8 is not None:
+                    self._refresh_fp8(s)
         self.lr, self.betas, self.eps = state["lr"], tuple(state["betas"]), state["eps"]

@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adam-moments", choices=("fp32", "bf16"), default="fp32",
                    help="dtype of AdamW's two moments: bf16 (the DeepSeek-V3 recipe, stochastically rounded) moves 20 "
                         "instead of 28 bytes per bf16 parameter per step")
+    p.add_argument("--fp8-quant", choices=("optimizer", "layer"), default="optimizer",
+                   help="FP8 layers (backend option fp8=1): who quantises the expert weights after each update: the "
+                        "optimizer, in its update pass (MasterAdamW.maintain_fp8; the layers, graphed or not, never "
+                        "quantise), or each layer at its first call after the update (inside a CUDA graph: every "
+                        "replay)")
     p.add_argument("--eval-every", type=int, default=None, help="evaluation period in steps (default steps//5)")
     p.add_argument("--eval-batches", type=int, default=2)
     p.add_argument("--ckpt-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
@@ -175,17 +180,23 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     if args.compile:
         for blk in model.blocks:
             blk.dense = torch.compile(blk.dense, backend=args.compile)
-    if graphed:
-        capture_moe_layers([blk.moe for blk in model.blocks], args.batch * args.seq, autocast)
-    expert_names = model.expert_parameter_names()
-    DDP._set_params_and_buffers_to_ignore_for_model(model, expert_names)
-    ddp = DDP(model, device_ids=[device.index] if on_gpu else None, broadcast_buffers=False)
     experts = model.expert_parameters()
     expert_ids = {id(p) for p in experts}
     replicated = [p for p in model.parameters() if id(p) not in expert_ids]
     # bf16 parameters get float32 masters inside the optimizer (one fused pass per parameter on the GPU)
     opt = MasterAdamW([replicated, experts], lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
                       moments_dtype=torch.bfloat16 if args.adam_moments == "bf16" else torch.float32)
+    fp8_layers = [blk.moe for blk in model.blocks if getattr(blk.moe.backend, "fp8", False)
+                  and getattr(blk.moe.backend, "fp8_weight_cache", False)]
+    if args.fp8_quant == "optimizer":  # the update pass refreshes the FP8 weights: the layers never quantise them
+        for moe in fp8_layers:
+            for p, copy in moe.backend.fp8_copies():
+                opt.maintain_fp8(p, copy)
+    if graphed:  # after maintain_fp8: a layer whose FP8 copies the optimizer keeps reads them in its graphs
+        capture_moe_layers([blk.moe for blk in model.blocks], args.batch * args.seq, autocast)
+    expert_names = model.expert_parameter_names()
+    DDP._set_params_and_buffers_to_ignore_for_model(model, expert_names)
+    ddp = DDP(model, device_ids=[device.index] if on_gpu else None, broadcast_buffers=False)
 
     history = {"step": [], "loss": [], "aux": [], "lr": [], "grad_norm": [], "eval": []}
     start = 0
@@ -275,6 +286,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
         "backend": backend,
         "moe_cuda_graph": graphed,
         "compiled_dense": args.compile,  # torch.compile backend of the dense parts, or None
+        "fp8_weights_quantised_by": (args.fp8_quant if fp8_layers else None),  # FP8 layers: optimizer or layer
         "steps_run": end - start,
         "tokens_per_step_per_gpu": tokens_per_step,
         "tokens_per_s_per_gpu": tokens_per_step / med["step"] if med["step"] else None,

@@ -159,13 +159,13 @@ def _rank_fp8_graph_update(rank: int, world: int) -> dict:
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.no_grad(), torch.cuda.stream(side):
-        for _ in range(2):  # warm-up on the capture stream (fills the cache, which the capture then drops)
+        for _ in range(2):  # warm-up on the capture stream (fills the copies, which the capture does not read)
             moe(x)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=side):
             y = moe(x).out
     side.synchronize()
-    r = {"cache_dropped": not moe.backend._fp8_cache}
+    r = {"copies_unmanaged": not any(c.managed for c in moe.backend._fp8_copies.values())}
     graph.replay()
     before = y.clone()
     with torch.no_grad():
@@ -185,4 +185,103 @@ def test_split_fp8_graph_sees_weight_updates():
     if torch.cuda.get_device_capability(0) < (8, 9):
         pytest.skip("FP8 tensor cores need compute capability >= 8.9")
     for r in spawn(_rank_fp8_graph_update, NGPU, device="cuda", timeout_s=600):
+        assert all(r.values()), r
+
+
+def _rank_fp8_managed(rank: int, world: int) -> dict:
+    """FP8 weight copies kept by the optimizer (MasterAdamW.maintain_fp8 with SplitBackend.fp8_copies): the layer
+    never quantises its weights (not in eager steps after the first, not while its forward + backward is captured in
+    a CUDA graph), a graphed layer with an eager optimizer step replays bitwise like eager steps, and both equal a
+    layer that quantises its weights afresh in every call (fp8_weight_cache=False) under the plain optimizer."""
+    import megamoe.backends.split as split_mod
+    from megamoe import MoE, preset
+    from megamoe.optim import MasterAdamW
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    cfg = preset("qwen3-30b-a3b", num_experts=qwen3_experts(world), max_tokens_per_rank=1024)
+    gen = torch.Generator(device=dev).manual_seed(7 + rank)
+    x = torch.randn(1024, cfg.hidden, device=dev, dtype=cfg.dtype, generator=gen)
+    dy = torch.randn(1024, cfg.hidden, device=dev, dtype=cfg.dtype, generator=gen)
+    layers = {"managed": MoE(cfg, backend="split", device=dev, seed=4, fp8=True),
+              "fresh": MoE(cfg, backend="split", device=dev, seed=4, fp8=True, fp8_weight_cache=False)}
+    opts = {k: MasterAdamW([[m.w13, m.w2], [m.router.weight]], lr=1e-3) for k, m in layers.items()}
+    for p, c in layers["managed"].backend.fp8_copies():
+        opts["managed"].maintain_fp8(p, c)
+    calls = {"n": 0}
+    real = split_mod.quantize_weight_both
+
+    mine = {layers["managed"].w13.data_ptr(), layers["managed"].w2.data_ptr()}
+
+    def counting(w, *a, **kw):  # the managed layer's own quantisations (the fresh layer makes one per call)
+        calls["n"] += w.data_ptr() in mine
+        return real(w, *a, **kw)
+
+    split_mod.quantize_weight_both = counting
+    r = {}
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    try:
+        with torch.cuda.stream(side):
+            def fwd_bwd(name):
+                out = layers[name](x).out
+                out.backward(dy)
+                return out
+
+            outs = {k: [] for k in layers}
+            for _ in range(3):  # eager steps, the first of which also warms up every kernel
+                for k in layers:
+                    outs[k].append(fwd_bwd(k).detach().clone())
+                    opts[k].step()
+                    opts[k].zero_grad()
+            eager_calls = calls["n"]
+            r["eager_equals_fresh"] = all(torch.equal(a, b)
+                                          for a, b in zip(outs["managed"], outs["fresh"], strict=True))
+            r["eager_weights_equal"] = torch.equal(layers["managed"].w13, layers["fresh"].w13)
+            # the graph: the managed layer's forward + backward captured, the optimizer step eager after each replay
+            moe, opt = layers["managed"], opts["managed"]
+            state = {k: v.clone() for k, v in moe.state_dict().items()}
+            ostate = opt.state_dict()
+            ostate["sets"] = [[{k: (v.clone() if torch.is_tensor(v) else v) for k, v in d.items()} for d in slots]
+                              for slots in ostate["sets"]]
+            ref = []
+            for _ in range(2):
+                ref.append(fwd_bwd("managed").detach().clone())
+                opt.step()
+                opt.zero_grad()
+            ref_w, ref_q = moe.w13.detach().clone(), moe.backend._fp8_copies["w13"].q.clone()
+            moe.load_state_dict(state)
+            opt.load_state_dict(ostate)  # also refreshes the copies from the restored parameters
+        side.synchronize()
+        before = calls["n"]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            static_out = moe(x).out
+            static_out.backward(dy)
+        r["capture_quantised_nothing"] = calls["n"] == before
+        with torch.cuda.stream(side):
+            moe.load_state_dict(state)
+            opt.load_state_dict(ostate)
+            replay = []
+            for _ in range(2):
+                graph.replay()
+                replay.append(static_out.detach().clone())
+                opt.step()  # reads the grads the graph wrote (kept: no zero_grad between replays)
+        side.synchronize()
+    finally:
+        split_mod.quantize_weight_both = real
+    r["layer_never_quantised_eager"] = eager_calls == 0  # every quantisation was the optimizer's
+    r["replay_equals_eager"] = all(torch.equal(a, b) for a, b in zip(ref, replay, strict=True))
+    r["weights_equal"] = torch.equal(ref_w, moe.w13) and torch.equal(ref_q.view(torch.uint8),
+                                                                     moe.backend._fp8_copies["w13"].q.view(torch.uint8))
+    q, *_ = real(moe.w13.detach())
+    r["copy_is_quantisation"] = torch.equal(q.view(torch.uint8), moe.backend._fp8_copies["w13"].q.view(torch.uint8))
+    return r
+
+
+@pytest.mark.skipif(NGPU == 0, reason="needs CUDA GPUs")
+def test_split_fp8_copies_kept_by_the_optimizer():
+    if torch.cuda.get_device_capability(0) < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability >= 8.9")
+    for r in spawn(_rank_fp8_managed, min(NGPU, 2), device="cuda", timeout_s=600):
         assert all(r.values()), r

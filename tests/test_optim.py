@@ -210,3 +210,116 @@ def test_bf16_moments_rounding_is_unbiased(device, impl):
     # 0.999^200 = 0.82: v32 ~ 0.84e-3, so a frozen v (1e-3) would be 19% off
     assert float(v32.mean()) < 0.85 * first, "the float32 trajectory must have moved (else the test shows nothing)"
     assert abs(float(v16.mean()) / float(v32.mean()) - 1) < 0.01
+
+
+# ------------------------------------------------------------------ FP8 copies refreshed in the update (maintain_fp8)
+# expert weights [E_l, N, K]: N and K not multiples of 128 (partial blocks in both dims, one of them narrower than a
+# 32-row slice) and a single-block weight; a 1-D parameter beside them takes the flat kernel
+FP8_SHAPES = [(3, 200, 136), (2, 64, 40), (7,)]
+FP8_IMPLS = [pytest.param("cpu", "torch", id="cpu-torch"),
+             pytest.param("cpu", "triton", marks=cpu_triton, id="cpu-triton"),
+             pytest.param("cuda", None, marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")],
+                          id="cuda")]
+
+
+def _fp8_run(device, impl, moments, maintain, steps=2, pow2=False, dtype=torch.bfloat16):
+    from megamoe.kernels.fp8_quant import Fp8Weight
+
+    gen = torch.Generator().manual_seed(21)
+    params = [(torch.randn(s, generator=gen) * 3).to(device, dtype).requires_grad_() for s in FP8_SHAPES]
+    opt = MasterAdamW([params[:2], params[2:]], impl=impl, moments_dtype=moments, **HP)
+    copies = [Fp8Weight.empty_like(p, pow2_scale=pow2) for p in params[:2]] if maintain else []
+    for p, c in zip(params, copies, strict=False):  # the expert weights; the 1-D parameter has none
+        opt.maintain_fp8(p, c)
+    for step in range(steps):
+        gg = torch.Generator().manual_seed(300 + step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gg).to(device, dtype)
+        opt.step([torch.tensor(0.8, device=device), None])
+    return params, opt, copies
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _quantised(p, pow2, impl):
+    """Both orientations of p, by the kernel (quantize_weight_both) or, for the torch-ops path, the torch twins."""
+    from megamoe.kernels.fp8_quant import quantize_weight_both, quantize_weight_ref
+
+    if impl == "torch":
+        return (*quantize_weight_ref(p, pow2_scale=pow2), *quantize_weight_ref(p.transpose(1, 2).contiguous(),
+                                                                               pow2_scale=pow2))
+    return quantize_weight_both(p, pow2_scale=pow2)
+
+
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16], ids=["fp32-moments", "bf16-moments"])
+@pytest.mark.parametrize("device,impl", FP8_IMPLS)
+def test_maintain_fp8_is_the_update_then_the_quantisation(device, impl, moments):
+    from megamoe.kernels.fp8_quant import weight_key
+
+    plain, opt_plain, _ = _fp8_run(device, impl, moments, maintain=False)
+    fused, opt, copies = _fp8_run(device, impl, moments, maintain=True)
+    # the update itself is unchanged: parameters, masters and moments bitwise those of the plain optimizer
+    for a, b in zip(plain, fused, strict=True):
+        assert torch.equal(a, b)
+    for sa, sb in zip(sum(opt_plain.sets, []), sum(opt.sets, []), strict=True):
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(getattr(sa, name), getattr(sb, name)), name
+    # and the copies hold the updated parameters' quantisation, bitwise, in the buffers they were given
+    for p, c in zip(fused, copies, strict=False):
+        assert c.managed and c.key == weight_key(p)
+        for got, want in zip(c.tensors(), _quantised(p.detach(), False, impl), strict=True):
+            assert got.dtype == want.dtype and torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("device,impl", FP8_IMPLS)
+def test_maintain_fp8_pow2_scales_and_float32_params(device, impl):
+    # power-of-two scales, and float32 parameters (their own masters): the copies quantise the parameter itself
+    for dtype in (torch.bfloat16, torch.float32):
+        params, _, copies = _fp8_run(device, impl, torch.float32, maintain=True, steps=1, pow2=True, dtype=dtype)
+        for p, c in zip(params, copies, strict=False):
+            s = c.s
+            assert torch.equal(s, torch.exp2(torch.log2(s).round())), "pow2 scales must be powers of two"
+            for got, want in zip(c.tensors(), _quantised(p.detach(), True, impl), strict=True):
+                assert torch.equal(got.float(), want.float())
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=cpu_triton)])
+def test_maintain_fp8_refreshes_on_load_and_refresh(impl):
+    from megamoe.kernels.fp8_quant import Fp8Weight, weight_key
+
+    params, opt, copies = _fp8_run("cpu", impl, torch.float32, maintain=True, steps=2)
+    state = opt.state_dict()
+    others = [(torch.randn(s) * 5).to(torch.bfloat16).requires_grad_() for s in FP8_SHAPES]
+    opt2 = MasterAdamW([others[:2], others[2:]], impl=impl, **HP)
+    c2 = [Fp8Weight.empty_like(p) for p in others[:2]]
+    for p, c in zip(others, c2, strict=False):
+        opt2.maintain_fp8(p, c)
+    opt2.load_state_dict(state)  # sets the parameters from the masters: the copies must follow
+    for p, mine, c, want in zip(others, params, c2, copies, strict=False):
+        assert torch.equal(p, mine) and c.key == weight_key(p)
+        assert torch.equal(c.q.float(), want.q.float()) and torch.equal(c.st, want.st)
+    with torch.no_grad():  # a write that bypasses the optimizer, then an explicit refresh
+        others[0].mul_(2.0)
+    opt2.refresh_fp8()
+    for got, want in zip(c2[0].tensors(), _quantised(others[0].detach(), False, impl), strict=True):
+        assert torch.equal(got.float(), want.float())
+
+
+def test_maintain_fp8_checks_its_inputs():
+    from megamoe.kernels.fp8_quant import Fp8Weight
+
+    w = torch.randn(2, 64, 40).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(40, requires_grad=True)
+    opt = MasterAdamW([[w, b]], lr=1e-3, impl="torch")
+    with pytest.raises(ValueError, match="not one of this optimizer's"):
+        opt.maintain_fp8(torch.randn(2, 64, 40, requires_grad=True), Fp8Weight.empty_like(w))
+    with pytest.raises(ValueError, match="3-D"):
+        opt.maintain_fp8(b, Fp8Weight.empty_like(w))
+    with pytest.raises(TypeError, match="Fp8Weight"):
+        opt.maintain_fp8(w, (1, 2, 3, 4))
+    bad = Fp8Weight.empty_like(torch.empty(2, 40, 64))  # the transpose's buffers
+    with pytest.raises(ValueError, match="FP8 buffer q must be"):
+        opt.maintain_fp8(w, bad)
+    assert opt.sets[0][0].fp8 is None  # nothing attached by a refused call

@@ -180,12 +180,12 @@ def _rank_fp8_cache(rank: int, world: int) -> dict:
 
     r = {}
     a = run(cached)
-    first = cached.backend._fp8_cache["w13"][1][0]
-    r["hit"] = same(a, run(cached)) and cached.backend._fp8_cache["w13"][1][0] is first
+    copies = cached.backend._fp8_copies
+    first = {name: (c.key, c.q.data_ptr()) for name, c in copies.items()}
+    r["hit"] = same(a, run(cached)) and {name: (c.key, c.q.data_ptr()) for name, c in copies.items()} == first
     r["equal_fresh"] = same(a, run(fresh))
     ws = cached.backend.workspace_bytes()
-    r["bytes"] = ws["fp8_weights"] == sum(t.numel() * t.element_size() for name in ("w13", "w2")
-                                          for t in cached.backend._fp8_cache[name][1])
+    r["bytes"] = ws["fp8_weights"] == sum(t.numel() * t.element_size() for c in copies.values() for t in c.tensors())
     r["no_bytes_uncached"] = "fp8_weights" not in fresh.backend.workspace_bytes()
     with torch.no_grad():  # uncached and without autograd: the forward orientation only, the same output
         r["no_grad_fresh"] = torch.equal(fresh(x).out, a[0])
@@ -199,7 +199,9 @@ def _rank_fp8_cache(rank: int, world: int) -> dict:
             m.w13.mul_(1.5)
             m.w2.add_(0.01)
     b = run(cached)
-    r["requantised"] = cached.backend._fp8_cache["w13"][1][0] is not first and not same(a, b)
+    # requantised in place: a new key, the same buffers
+    r["requantised"] = (copies["w13"].key != first["w13"][0] and copies["w13"].q.data_ptr() == first["w13"][1]
+                        and not same(a, b))
     r["equal_after_update"] = same(b, run(fresh))
     for m in (cached, fresh):
         m.w2.data.mul_(2.0)  # not seen by the version counter
@@ -211,6 +213,59 @@ def _rank_fp8_cache(rank: int, world: int) -> dict:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test; GPUs run tests/test_gpu_split.py")
 def test_split_fp8_weight_cache_cpu():
     (r,) = spawn(_rank_fp8_cache, 1, timeout_s=600)
+    assert all(r.values()), r
+
+
+def _rank_fp8_managed(rank: int, world: int) -> dict:
+    """FP8 copies kept by the optimizer (MasterAdamW.maintain_fp8 + SplitBackend.fp8_copies) against a layer that
+    quantises afresh in every call, both stepped by MasterAdamW (the interpreted kernels): bitwise equal outputs and
+    gradients over three steps, and the managed layer never quantises its weights itself."""
+    import megamoe.backends.split as split_mod
+    from megamoe import MoE
+    from megamoe.optim import MasterAdamW
+
+    dev = torch.device("cpu")
+    cfg = LayerCase("managed", dtype="bf16", tokens=(11,), overrides={"num_experts": 4}).config()
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(11, cfg.hidden, generator=gen).to(cfg.dtype)
+    g = torch.randn(11, cfg.hidden, generator=gen).to(cfg.dtype)
+    layers = [MoE(cfg, backend="split", device=dev, seed=3, fp8=True),
+              MoE(cfg, backend="split", device=dev, seed=3, fp8=True, fp8_weight_cache=False)]
+    opts = [MasterAdamW([[m.w13, m.w2]], lr=1e-2, impl="triton") for m in layers]
+    for p, c in layers[0].backend.fp8_copies():
+        opts[0].maintain_fp8(p, c)
+    mine = {layers[0].w13.data_ptr(), layers[0].w2.data_ptr()}
+    calls = {"n": 0}
+    real = split_mod.quantize_weight_both
+
+    def counting(w, *a, **kw):
+        calls["n"] += w.data_ptr() in mine
+        return real(w, *a, **kw)
+
+    split_mod.quantize_weight_both = counting
+    r = {"equal": True}
+    try:
+        for _ in range(3):
+            res = []
+            for moe, opt in zip(layers, opts, strict=True):
+                xi = x.clone().requires_grad_()
+                out = moe(xi).out
+                (out.float() * g.float()).sum().backward()
+                res.append([out.detach(), xi.grad, moe.w13.grad.clone(), moe.w2.grad.clone()])
+                opt.step()
+                opt.zero_grad()
+            r["equal"] &= all(torch.equal(a, b) for a, b in zip(*res, strict=True))
+    finally:
+        split_mod.quantize_weight_both = real
+    r["weights_equal"] = torch.equal(layers[0].w13, layers[1].w13) and torch.equal(layers[0].w2, layers[1].w2)
+    r["layer_never_quantised"] = calls["n"] == 0
+    r["managed"] = all(c.managed for _, c in layers[0].backend.fp8_copies())
+    return r
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test; GPUs run tests/test_gpu_split.py")
+def test_split_fp8_copies_kept_by_the_optimizer_cpu():
+    (r,) = spawn(_rank_fp8_managed, 1, timeout_s=600)
     assert all(r.values()), r
 
 

@@ -41,10 +41,13 @@ accumulation promoted every 128 of K); the layer stays bf16 at its interface, th
     quantize_act(dh),    q(w13^T)  -> d_recv = gemm1_dgrad_fp8(...)
 The activation quantisations cover only the rows received (offs[E_l], read on the device), not the worst-case
 buffers' R_cap rows. The weight gradients stay bf16 (grouped_wgrad on the bf16 recv, act, g_out and dh). The
-quantised weights are cached across calls until a parameter's version counter changes (option
-``fp8_weight_cache``, default on: 2 bytes per weight element kept on the device), so an optimizer step costs one
-quantisation pass per weight and calls between updates none; inside a CUDA graph capture they are quantised in the
-graph (one pass per weight per call), since the host-side check cannot run at replay. Measured before the cache
+quantised weights are kept in buffers allocated once per layer and requantised in place when a parameter's version
+counter changes (option ``fp8_weight_cache``, default on: 2 bytes per weight element kept on the device), so an
+optimizer step costs one quantisation pass per weight and calls between updates none; inside a CUDA graph capture
+they are quantised in the graph (one pass per weight per call), since the host-side check cannot run at replay,
+unless the optimizer keeps them current (``MasterAdamW.maintain_fp8`` with :meth:`SplitBackend.fp8_copies`: the
+update kernel writes both FP8 orientations of each updated 128x128 block, so the layer never quantises its weights,
+in a graph or out of one; ``megamoe train`` does this for FP8 layers). Measured before the cache
 (2x H200, 2026-11-30, docs/perf-notes.md): the per-call weight quantisation made the FP8 layer slower than bf16
 (deepseek-v3 13.5 vs 6.9 ms forward). h and act come out of the FP8 GEMM1 in bf16 and are what backward uses.
 The FP8 kernels take any H and I (a partial 128-block gets its own scale; the layer is tested at H / I = 96 / 64,
@@ -91,6 +94,7 @@ from megamoe.experts import (
     quantize_weight,
     quantize_weight_both,
 )
+from megamoe.kernels.fp8_quant import Fp8Weight, weight_key
 from megamoe.kernels.gemm_config import num_sms as device_sms
 
 #: one heap per (process group, shape), shared by the layers of a model
@@ -346,7 +350,7 @@ class SplitBackend:
         self.fp8 = bool(fp8)
         self.fp8_weight_cache = bool(fp8_weight_cache)
         self.fp8_dispatch = bool(fp8_dispatch)
-        self._fp8_cache: dict[str, tuple] = {}
+        self._fp8_copies: dict[str, Fp8Weight] = {}  # fp8_copies(): allocated on first use
         self.shape = CommShape(world=moe.world, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden,
                                topk=cfg.top_k, num_experts=cfg.num_experts, dtype=cfg.dtype)
         self.heap = get_heap(self.shape, moe.group, moe.device, timeout_s, comm_sms)
@@ -365,40 +369,59 @@ class SplitBackend:
         """(q13, s13, q13t, s13t, q2, s2, q2t, s2t): w13 and w2 quantised in both orientations (forward GEMM and
         dgrad), one pass per weight (experts.quantize_weight_both).
 
-        With ``fp8_weight_cache`` they are kept across calls and requantised only when a parameter changes: the
-        cache key is (version counter, storage pointer, shape, dtype, device), and in-place torch ops bump the
-        version (torch's optimizers, ``copy_``/``load_state_dict``, megamoe.optim.MasterAdamW), so a training step
-        quantises each weight once, and evaluation or repeated calls not at all. Writes the version counter does
-        not see leave the cache stale: through ``param.data``, collectives writing into the parameter
-        (``dist.broadcast``, ``all_reduce``), custom kernels that do not bump it, an optimizer step replayed from
-        a CUDA graph; after those call :meth:`invalidate_fp8_weights`. The cache holds one pair per layer (the
-        layer's own w13 and w2). Quantised fresh, without the cache: inference-mode tensors (no version
-        counter), and everything while a CUDA graph is being captured on the weights' device (a host-side check
-        cannot run at replay, so a graphed step pays one quantisation pass per weight; the cache is dropped then,
-        since the graph never reads it). Quantised fresh with autograd off (torch.no_grad or inference mode), only
-        the forward orientation is made (q13t, s13t, q2t, s2t None)."""
+        With ``fp8_weight_cache`` they live in buffers allocated once per layer (:meth:`fp8_copies`, 2 bytes per
+        weight element with the scales) and are requantised in place only when a parameter changes: the key is
+        (version counter, storage pointer, shape, dtype, device), and in-place torch ops bump the version (torch's
+        optimizers, ``copy_``/``load_state_dict``, megamoe.optim.MasterAdamW), so a training step quantises each
+        weight once, and evaluation or repeated calls not at all. Writes the version counter does not see leave
+        the copies stale: through ``param.data``, collectives writing into the parameter (``dist.broadcast``,
+        ``all_reduce``), custom kernels that do not bump it, an optimizer step replayed from a CUDA graph; after
+        those call :meth:`invalidate_fp8_weights`. While a CUDA graph is being captured the host-side check cannot
+        run at replay, so a weight is quantised inside the graph (one pass per weight per replay) unless its
+        copy is *managed*: kept current by the optimizer (``MasterAdamW.maintain_fp8`` with the pairs of
+        :meth:`fp8_copies`, which refreshes it in the same pass that updates the weight); a managed copy is
+        read as it is, in a graph and out of one. Quantised fresh, without the copies: with
+        ``fp8_weight_cache=False`` and for inference-mode tensors (no version counter); then with autograd off
+        (torch.no_grad or inference mode) only the forward orientation is made (q13t, s13t, q2t, s2t None)."""
         capturing = w13.is_cuda and _capturing_on(w13.device)
-        if capturing:
-            self._fp8_cache.clear()
-        if not self.fp8_weight_cache or capturing or w13.is_inference() or w2.is_inference():
+
+        def fresh(w):
             if torch.is_grad_enabled():
-                return (*quantize_weight_both(w13), *quantize_weight_both(w2))
-            return (*quantize_weight(w13), None, None, *quantize_weight(w2), None, None)
+                return quantize_weight_both(w)
+            return (*quantize_weight(w), None, None)
+
+        if not self.fp8_weight_cache or w13.is_inference() or w2.is_inference():
+            return (*fresh(w13), *fresh(w2))
         out = []
-        for name, w in (("w13", w13), ("w2", w2)):
-            key = (w._version, w.data_ptr(), tuple(w.shape), w.dtype, w.device)
-            hit = self._fp8_cache.get(name)
-            if hit is None or hit[0] != key:
-                self._fp8_cache.pop(name, None)  # free the stale copy first (a backward still holding it keeps it)
-                hit = (key, quantize_weight_both(w))
-                self._fp8_cache[name] = hit
-            out.extend(hit[1])
+        for (_, copy), w in zip(self.fp8_copies(), (w13, w2), strict=True):
+            if capturing and not copy.managed:
+                out.extend(fresh(w))  # in the graph: every replay quantises the weight as it is then
+                continue
+            if not capturing:
+                key = weight_key(w)
+                if copy.key != key:
+                    quantize_weight_both(w.detach(), out=copy)
+                    copy.key = key
+            out.extend(copy.tensors())
         return tuple(out)
 
+    def fp8_copies(self) -> list[tuple[torch.nn.Parameter, Fp8Weight]]:
+        """[(w13, its Fp8Weight), (w2, its Fp8Weight)]: the layer's FP8 weight buffers (``fp8`` with
+        ``fp8_weight_cache``), allocated on first use and never moved. Hand them to the optimizer to keep them
+        current in its update pass: ``for p, c in moe.backend.fp8_copies(): opt.maintain_fp8(p, c)``
+        (megamoe.optim.MasterAdamW); the layer then never quantises its weights itself, in a CUDA graph either."""
+        if not (self.fp8 and self.fp8_weight_cache):
+            raise ValueError("fp8_copies: the layer keeps FP8 weight copies only with fp8=1 and fp8_weight_cache=1")
+        for name in ("w13", "w2"):
+            if name not in self._fp8_copies:
+                self._fp8_copies[name] = Fp8Weight.empty_like(getattr(self.moe, name))
+        return [(self.moe.w13, self._fp8_copies["w13"]), (self.moe.w2, self._fp8_copies["w2"])]
+
     def invalidate_fp8_weights(self) -> None:
-        """Drop the cached FP8 weights: the next call quantises the current ones (needed only after writes the
-        version counter does not see, e.g. through ``param.data``)."""
-        self._fp8_cache.clear()
+        """Mark the FP8 weight copies stale: the next call outside graph capture requantises the current weights
+        into them (needed only after writes the version counter does not see, e.g. through ``param.data``)."""
+        for copy in self._fp8_copies.values():
+            copy.key = None
 
     def __call__(self, x, topk_idx, topk_w, w13, w2):
         if x.shape[0] > self.shape.max_tokens:

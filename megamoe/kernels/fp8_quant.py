@@ -9,6 +9,8 @@ Scale = amax(|block|) / 448 (448 = largest e4m3 value), floored at 1e-12 so zero
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import triton
 import triton.language as tl
@@ -246,19 +248,86 @@ def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False,
     return q, s
 
 
-def quantize_weight_both(w: torch.Tensor, *, pow2_scale: bool = False) -> tuple[torch.Tensor, ...]:
+def weight_key(w: torch.Tensor) -> tuple:
+    """What identifies a weight's current values for a cache of their quantisation: (version counter, storage
+    pointer, shape, dtype, device); in-place torch ops and megamoe.optim.MasterAdamW bump the version."""
+    return (w._version, w.data_ptr(), tuple(w.shape), w.dtype, w.device)
+
+
+@dataclass(eq=False)
+class Fp8Weight:
+    """A weight w [E_l, N, K] quantised in both orientations, in buffers allocated once (so a CUDA graph that reads
+    them stays valid while they are refreshed in place): q [E_l, N, K] and s [E_l, cdiv(N, 128), cdiv(K, 128)]
+    (the forward GEMM's operand), qt [E_l, K, N] and st [E_l, cdiv(K, 128), cdiv(N, 128)] (the dgrad's).
+
+    ``key``: what the values were quantised from, (version counter, storage pointer, shape, dtype, device) of the
+    weight, or None when stale; whoever refreshes the buffers sets it. ``managed``: an optimizer refreshes them
+    in the same pass that updates the weight (megamoe.optim.MasterAdamW.maintain_fp8), so a layer may read them
+    inside a CUDA graph without quantising there."""
+
+    q: torch.Tensor
+    s: torch.Tensor
+    qt: torch.Tensor
+    st: torch.Tensor
+    pow2_scale: bool = False
+    key: tuple | None = field(default=None, repr=False)
+    managed: bool = False
+
+    @classmethod
+    def empty_like(cls, w: torch.Tensor, *, pow2_scale: bool = False) -> Fp8Weight:
+        """Unfilled buffers (key None) for a weight shaped like w [E_l, N, K]."""
+        if w.dim() != 3:
+            raise ValueError(f"Fp8Weight: the weight must be 3-D [E_l, N, K], got {tuple(w.shape)}")
+        E_l, N, K = w.shape
+        n_nb, n_kb = triton.cdiv(N, QBLOCK), triton.cdiv(K, QBLOCK)
+        def buf(shape, dtype):
+            return torch.empty(shape, device=w.device, dtype=dtype)
+
+        f8, f32 = torch.float8_e4m3fn, torch.float32
+        return cls(buf((E_l, N, K), f8), buf((E_l, n_nb, n_kb), f32), buf((E_l, K, N), f8), buf((E_l, n_kb, n_nb), f32),
+                   pow2_scale=pow2_scale)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q, self.s, self.qt, self.st
+
+    def check(self, w: torch.Tensor, who: str) -> None:
+        """ValueError unless these buffers fit weight w (shapes, dtypes, contiguity, device)."""
+        if w.dim() != 3:
+            raise ValueError(f"{who}: the weight must be 3-D [E_l, N, K], got {tuple(w.shape)}")
+        E_l, N, K = w.shape
+        n_nb, n_kb = triton.cdiv(N, QBLOCK), triton.cdiv(K, QBLOCK)
+        shapes = {"q": (E_l, N, K), "s": (E_l, n_nb, n_kb), "qt": (E_l, K, N), "st": (E_l, n_kb, n_nb)}
+        for name, shape in shapes.items():
+            t = getattr(self, name)
+            dtype = torch.float32 if name in ("s", "st") else torch.float8_e4m3fn
+            if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != w.device:
+                raise ValueError(f"{who}: FP8 buffer {name} must be a contiguous {dtype} tensor of shape {shape} on "
+                                 f"{w.device} for a weight of shape {tuple(w.shape)}; got {t.dtype} "
+                                 f"{tuple(t.shape)} on {t.device}")
+
+
+def quantize_weight_both(w: torch.Tensor, *, pow2_scale: bool = False,
+                         out: Fp8Weight | None = None) -> tuple[torch.Tensor, ...]:
     """w [E_l, N, K] (contiguous) -> (q [E_l, N, K], s [E_l, cdiv(N, 128), cdiv(K, 128)], qt [E_l, K, N],
     st [E_l, cdiv(K, 128), cdiv(N, 128)]): ``quantize_weight(w)`` and ``quantize_weight(w, transpose=True)``
-    (bitwise the same values) from one read of w: what a layer needs for its forward GEMM and its dgrad."""
+    (bitwise the same values) from one read of w: what a layer needs for its forward GEMM and its dgrad.
+    out: an :class:`Fp8Weight` to write into (its key is left to the caller); its tensors are returned."""
     if w.dim() != 3 or not w.is_contiguous():
         raise ValueError(f"quantize_weight_both: w must be a contiguous 3-D [E_l, N, K] tensor, got "
                          f"{tuple(w.shape)} with strides {w.stride()}")
     E_l, N, K = w.shape
     n_nb, n_kb = triton.cdiv(N, QBLOCK), triton.cdiv(K, QBLOCK)
-    q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
-    s = torch.empty((E_l, n_nb, n_kb), device=w.device, dtype=torch.float32)
-    qt = torch.empty((E_l, K, N), device=w.device, dtype=torch.float8_e4m3fn)
-    st = torch.empty((E_l, n_kb, n_nb), device=w.device, dtype=torch.float32)
+    if out is not None:
+        out.check(w, "quantize_weight_both")
+        if out.pow2_scale != pow2_scale:
+            raise ValueError(f"quantize_weight_both: pow2_scale={pow2_scale} but the out buffers are for "
+                             f"pow2_scale={out.pow2_scale}")
+        q, s, qt, st = out.tensors()
+    else:
+        q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
+        s = torch.empty((E_l, n_nb, n_kb), device=w.device, dtype=torch.float32)
+        qt = torch.empty((E_l, K, N), device=w.device, dtype=torch.float8_e4m3fn)
+        st = torch.empty((E_l, n_kb, n_nb), device=w.device, dtype=torch.float32)
     if E_l and N and K:
         # 16 warps: 91 registers (8 warps: 174, one CTA of 8 warps per SM; the single-orientation kernel at 8 warps
         # has 95 and fits two): the same 16 warps per SM in flight (sm_90a, compiled on CPU, 2026-11-30)
