@@ -215,8 +215,8 @@ fi
 if want o; then
 echo "== o. FP8 copies kept by the optimizer (MasterAdamW.maintain_fp8): GPU tests (optimizer, split at this GPU count,"
 echo "   training), then the update + quantisation bench (separate vs fused kernel, every preset's weights at EP 4)"
-gpu_tests_par gpu_optim_split 420 4 tests/test_optim.py tests/test_gpu_split.py tests/test_gpu_train.py
-CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/adamw_fp8_bench.py --json "$OUT/adamw_fp8.json" 2>&1 \
+gpu_tests_par gpu_optim_split 330 4 tests/test_optim.py tests/test_gpu_split.py tests/test_gpu_train.py
+CUDA_VISIBLE_DEVICES=0 timeout 230 python3 benchmarks/adamw_fp8_bench.py --json "$OUT/adamw_fp8.json" 2>&1 \
   | grep -v arn | tee "$OUT/adamw_fp8.txt" | tail -30
 fi
 
