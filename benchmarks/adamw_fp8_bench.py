@@ -23,12 +23,17 @@ import gc
 
 import torch
 
+from megamoe import optim
 from megamoe.config import preset
 from megamoe.kernels.fp8_quant import Fp8Weight, quantize_weight_both
 from megamoe.optim import MasterAdamW, _adamw_fp8_kernel, _adamw_kernel
 from megamoe.perf import write_results
 
 HBM = 4258e9
+#: (CHUNK, CHUNK_Q, num_warps) of the fused kernel; sm_90a registers (fp32 / bf16 moments, compiled on CPU):
+#: (32, 32, 8) 176 / 242, (8, 32, 8) 65 / 71, (8, 16, 8) 55 / 64, (4, 16, 8) 55 / 57, (16, 32, 16) 49 / 95,
+#: (8, 8, 8) 40 / 64, (4, 8, 4) 46 / 48
+VARIANTS = [(32, 32, 8), (8, 32, 8), (8, 16, 8), (4, 16, 8), (16, 32, 16), (8, 8, 8), (4, 8, 4)]
 
 
 def timed(fn, iters: int) -> float:
@@ -48,7 +53,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-def run(shape, moments: torch.dtype, iters: int) -> list[dict]:
+def run(shape, moments: torch.dtype, iters: int, variants) -> list[dict]:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     w0 = (torch.randn(shape, device=dev, generator=gen) * 0.02).to(torch.bfloat16)
@@ -58,26 +63,25 @@ def run(shape, moments: torch.dtype, iters: int) -> list[dict]:
     nblk = shape[0] * -(-shape[1] // 128) * -(-shape[2] // 128)
     upd = 28 if moments == torch.float32 else 20
     rows, results = [], {}
-    for mode in ("separate", "fused"):
-        rows.append(run_mode(mode, w0, grad, mult, moments, iters, results))
+    for mode, cfg in [("separate", None)] + [("fused", v) for v in variants]:
+        rows.append(run_mode(mode, cfg, w0, grad, mult, moments, iters, results))
         gc.collect()
         torch.cuda.empty_cache()
         r = rows[-1]
         nbytes = n * (upd + (4 if mode == "separate" else 2)) + nblk * 8
         r.update(bytes=nbytes, gb_s=nbytes / (r["ms"] * 1e-3) / 1e9, floor_ms=nbytes / HBM * 1e3)
         r["of_hbm"] = r["floor_ms"] / r["ms"]
-    for r in rows:
-        r["bitwise_equal"] = results["same"]
     return rows
 
 
-def run_mode(mode, w0, grad, mult, moments, iters, results) -> dict:
-    """One optimizer over a copy of w0: a step compared bitwise (fused against the separate run's clones kept in
-    ``results``), then the timing."""
+def run_mode(mode, cfg, w0, grad, mult, moments, iters, results) -> dict:
+    """One optimizer over a copy of w0: a step compared bitwise (each fused variant against the separate run's
+    clones kept in ``results``), then the timing."""
     p = torch.nn.Parameter(w0.clone())
     opt = MasterAdamW([[p]], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, moments_dtype=moments)
     copy = Fp8Weight.empty_like(p)
     if mode == "fused":
+        opt.fp8_update, opt.fp8_config = "fused", cfg
         opt.maintain_fp8(p, copy)
 
     def step():
@@ -91,12 +95,13 @@ def run_mode(mode, w0, grad, mult, moments, iters, results) -> dict:
     state = (p.detach(), s.master, s.exp_avg, s.exp_avg_sq, *copy.tensors())
     if mode == "separate":
         results["separate"] = [t.clone() for t in state]
+        same = True
     else:
-        results["same"] = all(torch.equal(bits(a), bits(b))
-                              for a, b in zip(results.pop("separate"), state, strict=True))
+        same = all(torch.equal(bits(a), bits(b)) for a, b in zip(results["separate"], state, strict=True))
     del state
     t = timed(step, iters)
-    return {"mode": mode, "moments": str(moments).removeprefix("torch."), "ms": t * 1e3}
+    return {"mode": mode, "config": cfg, "moments": str(moments).removeprefix("torch."), "ms": t * 1e3,
+            "bitwise_equal": same}
 
 
 def main() -> None:
@@ -104,21 +109,26 @@ def main() -> None:
     ap.add_argument("--ep", type=int, default=4)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--presets", default="qwen3-30b-a3b,deepseek-v3,mixtral-8x7b")
+    ap.add_argument("--variants", default=None, help="fused-kernel configs 'c,cq,w;...' (default: VARIANTS)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    variants = ([tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")] if args.variants
+                else VARIANTS)
     out = []
-    print(f"{'weight':40s} {'moments':8s} {'mode':8s} {'ms':>8s} {'floor':>7s} {'x HBM':>6s} equal")
+    print(f"default fused configs {optim.FP8_UPDATE_CONFIG}")
+    print(f"{'weight':36s} {'moments':8s} {'mode':8s} {'config':12s} {'ms':>8s} {'floor':>7s} {'x HBM':>6s} equal")
     for name in args.presets.split(","):
         cfg = preset(name)
         e_l = cfg.num_experts // args.ep
         shapes = (("w13", (e_l, 2 * cfg.intermediate, cfg.hidden)), ("w2", (e_l, cfg.hidden, cfg.intermediate)))
         for wname, shape in shapes:
             for moments in (torch.float32, torch.bfloat16):
-                for r in run(shape, moments, args.iters):
+                for r in run(shape, moments, args.iters, variants):
                     r.update(preset=name, weight=wname, shape=list(shape), ep=args.ep)
                     out.append(r)
-                    print(f"{name + ' ' + wname + ' ' + str(shape):40s} {r['moments']:8s} {r['mode']:8s} "
-                          f"{r['ms']:8.3f} {r['floor_ms']:7.3f} {r['of_hbm']:6.2f} {r['bitwise_equal']}")
+                    print(f"{name[:8] + ' ' + wname + ' ' + str(shape):36s} {r['moments']:8s} {r['mode']:8s} "
+                          f"{str(r['config'] or '-'):12s} {r['ms']:8.3f} {r['floor_ms']:7.3f} {r['of_hbm']:6.2f} "
+                          f"{r['bitwise_equal']}")
     regs = compiled_usage()
     print("compiled (registers / spills per thread, shared memory):", regs)
     write_results(args.json, torch.device("cuda"), "adamw_fp8", out + [{"compiled": regs}])

@@ -32,7 +32,6 @@ from torch.autograd.graph import increment_version
 
 from megamoe import _interp
 from megamoe.kernels.fp8_quant import (
-    WEIGHT_QUANT_CONFIG,
     Fp8Weight,
     _scale_of,
     _to_e4m3,
@@ -49,6 +48,13 @@ __all__ = ["MasterAdamW"]
 FORMAT = "megamoe.optim.MasterAdamW/1"
 _BLOCK = 1024  # with 4 warps: 8.08 ms for 1.21 G bf16 parameters on one H200 (4.19 TB/s), 4096 / 8 warps 8.24 ms
 _WARPS = 4
+#: (update slice rows CHUNK, quantisation slice rows CHUNK_Q, num_warps) of _adamw_fp8_kernel per moments dtype
+#: (MasterAdamW(fp8_update="fused")); benchmarks/adamw_fp8_bench.py times the variants. One H200, 2026-12-02
+#: (results/adamw-fp8-h200-2026-12-02-*.json, every preset's expert weights at EP 4): the first version (32, 32, 8)
+#: held 176 registers (242 with bf16 moments), one CTA per SM, 0.58-0.61x the HBM floor (0.42x with bf16 moments);
+#: (16, 32, 16) 49 registers, 0.80-0.83x with float32 moments; (8, 16, 8) 64 registers, 0.60-0.64x with bf16 moments
+#: (its Philox bits per element). The separate path (flat update 0.9x, then quantize_weight_both) is faster still.
+FP8_UPDATE_CONFIG = {torch.float32: (16, 32, 16), torch.bfloat16: (8, 16, 8)}
 
 
 @triton.jit
@@ -117,13 +123,14 @@ def _adamw_fp8_kernel(p_ptr, g_ptr, x_ptr, m_ptr, v_ptr, mult_ptr,  # [E_l, N, K
                       N, K, n_nb, n_kb,
                       decay, beta1, beta2, step_size, inv_sqrt_bc2, eps, seed,
                       HAS_MASTER: tl.constexpr, HAS_MULT: tl.constexpr, MOM_BF16: tl.constexpr,
-                      CHUNK: tl.constexpr, POW2: tl.constexpr, RNE_IN_FP32: tl.constexpr):
+                      CHUNK: tl.constexpr, CHUNK_Q: tl.constexpr, POW2: tl.constexpr,
+                      RNE_IN_FP32: tl.constexpr):
     """Grid (E_l, n_nb, n_kb): the AdamW update of one 128x128 block of an expert weight, then the block's FP8
     quantisation in both orientations from the updated parameter (what quantize_weight_both makes of it):
 
         for each CHUNK-row slice: p[slice] = _adam_update(...); amax = max(amax, |p[slice]|)
-        s = amax / 448 (fp8_quant._scale_of); barrier; for each slice: reload p (L1 / L2, this program wrote it),
-        q[slice] = e4m3(p / s), qt[slice^T] = the same bytes transposed; s and st get s
+        s = amax / 448 (fp8_quant._scale_of); barrier; for each CHUNK_Q-row slice: reload p (L1 / L2, this
+        program wrote it), q[slice] = e4m3(p / s), qt[slice^T] = the same bytes transposed; s and st get s
 
     The parameter is read back rather than kept in registers (a 128x128 block of fp32 temporaries would hold one
     program per SM, the quantisation kernel's measured problem); the barrier makes every thread's stores of it
@@ -145,8 +152,8 @@ def _adamw_fp8_kernel(p_ptr, g_ptr, x_ptr, m_ptr, v_ptr, mult_ptr,  # [E_l, N, K
         amax = tl.maximum(amax, tl.max(tl.where(mask, tl.abs(pv.to(tl.float32)), 0.0), axis=1))
     s = _scale_of(tl.max(amax, axis=0), POW2)
     tl.debug_barrier()  # the slices' parameter stores, by every thread, before any thread reads them back
-    for c in range(0, 128, CHUNK):
-        rn = nb * 128 + c + tl.arange(0, CHUNK)
+    for c in range(0, 128, CHUNK_Q):
+        rn = nb * 128 + c + tl.arange(0, CHUNK_Q)
         mask = (rn < N)[:, None] & kmask[None, :]
         w = tl.load(p_ptr + base + rn.to(tl.int64)[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
         q = _to_e4m3(tl.clamp(tl.div_rn(w, s), -448.0, 448.0), RNE_IN_FP32)
@@ -189,11 +196,18 @@ class MasterAdamW:
     stochastically (unbiased: with beta2 = 0.999, v's per-step change of 0.1% is below half a bf16 ulp, and round-
     to-nearest would freeze it), with random bits fixed by (parameter, step), so runs and resumed runs are
     bitwise reproducible; the Triton kernel and the torch-ops path draw different bits.
+    ``fp8_update``: how the FP8 copies of :meth:`maintain_fp8` are refreshed: "separate" (default: the update kernel,
+    then experts' quantize_weight_both into the copy) or "fused" (one kernel per 128x128 block, _adamw_fp8_kernel:
+    2 fewer bytes per element moved, but measured slower on one H200, 2026-12-02: 1.02-1.05x the separate time with
+    float32 moments at its best config, 1.25x with bf16 moments; docs/perf-notes.md). Both give the same bits.
     """
 
     def __init__(self, param_sets: list[list[torch.Tensor]], lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, impl: str | None = None,
-                 moments_dtype: torch.dtype = torch.float32):
+                 moments_dtype: torch.dtype = torch.float32, fp8_update: str = "separate"):
+        if fp8_update not in ("separate", "fused"):
+            raise ValueError(f"MasterAdamW: fp8_update must be 'separate' or 'fused', got {fp8_update!r}")
+        self.fp8_update = fp8_update
         if impl not in (None, "triton", "torch"):
             raise ValueError(f"MasterAdamW: impl must be None, 'triton' or 'torch', got {impl!r}")
         if moments_dtype not in (torch.float32, torch.bfloat16):
@@ -205,7 +219,7 @@ class MasterAdamW:
                              f"betas={betas}, eps={eps}, lr={lr}, weight_decay={weight_decay}")
         self.lr, self.betas, self.eps, self.impl = lr, betas, eps, impl
         self.block, self.num_warps = _BLOCK, _WARPS  # the kernel's elements per program and warps (tuning)
-        self.fp8_config = WEIGHT_QUANT_CONFIG["both"]  # (CHUNK rows per slice, warps) of the FP8-refreshing kernel
+        self.fp8_config = FP8_UPDATE_CONFIG[moments_dtype]  # (CHUNK, CHUNK_Q, num_warps) of _adamw_fp8_kernel
         seen: set[int] = set()
         self.sets: list[list[_Slot]] = []
         for params in param_sets:
@@ -260,13 +274,14 @@ class MasterAdamW:
                     hyper = (decay, b1, b2, step_size, 1.0 / math.sqrt(bc2), self.eps, self._seed(s))
                     flags = dict(HAS_MASTER=has_master, HAS_MULT=mult is not None,
                                  MOM_BF16=self.moments_dtype == torch.bfloat16)
-                    if s.fp8 is not None:  # the update and both FP8 orientations, one 128x128 block a program
+                    if s.fp8 is not None and self.fp8_update == "fused":  # update + both FP8 orientations
                         E_l, N, K = s.param.shape
                         n_nb, n_kb = triton.cdiv(N, 128), triton.cdiv(K, 128)
-                        chunk, warps = self.fp8_config
+                        chunk, chunk_q, warps = self.fp8_config
                         _adamw_fp8_kernel[(E_l, n_nb, n_kb)](*args, *s.fp8.tensors(), N, K, n_nb, n_kb, *hyper,
-                                                             **flags, CHUNK=chunk, POW2=s.fp8.pow2_scale,
-                                                             RNE_IN_FP32=interpreting(), num_warps=warps)
+                                                             **flags, CHUNK=chunk, CHUNK_Q=chunk_q,
+                                                             POW2=s.fp8.pow2_scale, RNE_IN_FP32=interpreting(),
+                                                             num_warps=warps)
                     else:
                         _adamw_kernel[(triton.cdiv(n, self.block),)](*args, n, *hyper, **flags, BLOCK=self.block,
                                                                      num_warps=self.num_warps)
@@ -275,7 +290,10 @@ class MasterAdamW:
                     # keyed on versions see the change
                     increment_version(s.param)
                     if s.fp8 is not None:
-                        s.fp8.key = weight_key(s.param)
+                        if self.fp8_update == "fused":
+                            s.fp8.key = weight_key(s.param)
+                        else:  # the flat update above, then both orientations from the new parameter
+                            self._refresh_fp8(s)
                 else:
                     gf = g.float() if mult is None else g.float() * mult
                     s.master.mul_(decay)
@@ -295,10 +313,9 @@ class MasterAdamW:
 
     def maintain_fp8(self, param: torch.Tensor, fp8: Fp8Weight) -> None:
         """Keep ``fp8`` (megamoe.kernels.fp8_quant.Fp8Weight: param quantised in both orientations, 128x128 blocks)
-        current: it is filled now, and every step that updates ``param`` refreshes it in the same pass (one kernel
-        per 128x128 block: the update, then the block's amax and both e4m3 orientations from the updated value;
-        bitwise what quantize_weight_both would make of the new parameter). ``fp8.managed`` is set: a layer holding
-        these buffers (the split backend's FP8 path, see SplitBackend.fp8_copies) then reads them without
+        current: it is filled now, and every step that updates ``param`` refreshes it right after (``fp8_update``:
+        quantize_weight_both into it, or the fused kernel; bitwise the same either way). ``fp8.managed`` is set: a
+        layer holding these buffers (the split backend's FP8 path, see SplitBackend.fp8_copies) then reads them without
         quantising, also inside a CUDA graph, where it otherwise has to quantise every weight in every replay.
         ``param``: a 3-D [E_l, N, K] parameter of this optimizer. Writes to it that do not go through this optimizer
         (``copy_``, ``param.data``, loading a checkpoint into the model) leave the buffers stale until the next

@@ -159,13 +159,13 @@ def _rank_fp8_graph_update(rank: int, world: int) -> dict:
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.no_grad(), torch.cuda.stream(side):
-        for _ in range(2):  # warm-up on the capture stream (fills the copies, which the capture does not read)
+        for _ in range(2):  # warm-up on the capture stream (fills the copies, which the capture then frees)
             moe(x)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=side):
             y = moe(x).out
     side.synchronize()
-    r = {"copies_unmanaged": not any(c.managed for c in moe.backend._fp8_copies.values())}
+    r = {"copies_dropped": not moe.backend._fp8_copies}  # unmanaged: the capture frees them, the graph never reads them
     graph.replay()
     before = y.clone()
     with torch.no_grad():

@@ -45,9 +45,9 @@ quantised weights are kept in buffers allocated once per layer and requantised i
 counter changes (option ``fp8_weight_cache``, default on: 2 bytes per weight element kept on the device), so an
 optimizer step costs one quantisation pass per weight and calls between updates none; inside a CUDA graph capture
 they are quantised in the graph (one pass per weight per call), since the host-side check cannot run at replay,
-unless the optimizer keeps them current (``MasterAdamW.maintain_fp8`` with :meth:`SplitBackend.fp8_copies`: the
-update kernel writes both FP8 orientations of each updated 128x128 block, so the layer never quantises its weights,
-in a graph or out of one; ``megamoe train`` does this for FP8 layers). Measured before the cache
+unless the optimizer keeps them current (``MasterAdamW.maintain_fp8`` with :meth:`SplitBackend.fp8_copies`: its
+step requantises each weight right after updating it, so the layer never quantises its weights, in a graph or out
+of one; ``megamoe train`` does this for FP8 layers). Measured before the cache
 (2x H200, 2026-11-30, docs/perf-notes.md): the per-call weight quantisation made the FP8 layer slower than bf16
 (deepseek-v3 13.5 vs 6.9 ms forward). h and act come out of the FP8 GEMM1 in bf16 and are what backward uses.
 The FP8 kernels take any H and I (a partial 128-block gets its own scale; the layer is tested at H / I = 96 / 64,
@@ -377,10 +377,12 @@ class SplitBackend:
         the copies stale: through ``param.data``, collectives writing into the parameter (``dist.broadcast``,
         ``all_reduce``), custom kernels that do not bump it, an optimizer step replayed from a CUDA graph; after
         those call :meth:`invalidate_fp8_weights`. While a CUDA graph is being captured the host-side check cannot
-        run at replay, so a weight is quantised inside the graph (one pass per weight per replay) unless its
-        copy is *managed*: kept current by the optimizer (``MasterAdamW.maintain_fp8`` with the pairs of
-        :meth:`fp8_copies`, which refreshes it in the same pass that updates the weight); a managed copy is
-        read as it is, in a graph and out of one. Quantised fresh, without the copies: with
+        run at replay, so a weight is quantised inside the graph (one pass per weight per replay; its unmanaged
+        copy is freed then, as the graph never reads it) unless its copy is *managed*: kept current by the
+        optimizer (``MasterAdamW.maintain_fp8`` with the pairs of :meth:`fp8_copies`, which refreshes it in its
+        step right after updating the weight); a managed copy is read as it is, in a graph and out of one (a
+        graphed layer then quantises nothing: with gradient accumulation or evaluation replays, once per update
+        instead of once per replay). Quantised fresh, without the copies: with
         ``fp8_weight_cache=False`` and for inference-mode tensors (no version counter); then with autograd off
         (torch.no_grad or inference mode) only the forward orientation is made (q13t, s13t, q2t, s2t None)."""
         capturing = w13.is_cuda and _capturing_on(w13.device)
@@ -393,10 +395,16 @@ class SplitBackend:
         if not self.fp8_weight_cache or w13.is_inference() or w2.is_inference():
             return (*fresh(w13), *fresh(w2))
         out = []
-        for (_, copy), w in zip(self.fp8_copies(), (w13, w2), strict=True):
-            if capturing and not copy.managed:
-                out.extend(fresh(w))  # in the graph: every replay quantises the weight as it is then
+        for name, w in (("w13", w13), ("w2", w2)):
+            copy = self._fp8_copies.get(name)
+            if capturing and (copy is None or not copy.managed):
+                # in the graph every replay quantises the weight as it is then; an unmanaged copy, which the graph
+                # never reads, is freed (an eager call after the capture allocates it again)
+                self._fp8_copies.pop(name, None)
+                out.extend(fresh(w))
                 continue
+            if copy is None:
+                copy = self._fp8_copies[name] = Fp8Weight.empty_like(w)
             if not capturing:
                 key = weight_key(w)
                 if copy.key != key:
