@@ -12,7 +12,7 @@
 # parallel processes), b2 (its variants' bench, forward and the two dgrads, 4096 and 16384 tokens, ~5 min), f (FP8
 # backward on pull_grad: tests, then the layer A/B, ~8 min on one GPU), q (fused / layer GPU tests, then the FP8
 # weight-quantisation variants), o (FP8 copies kept by the optimizer: tests + bench, ~6 min), o2 (training A/B of it,
-# ~6 min).
+# ~6 min), o3 (graphed FP8 layer, managed copies vs per-replay quantisation, ~3 min).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -234,6 +234,14 @@ for spec in "qwen3-30b-a3b 4" "mixtral-8x7b 2"; do
       round(r['final_loss'], 4)) for r in json.load(open(sys.argv[3]))['results']]" "$1" "$q" \
       "$OUT/train-$1-$q/summary.json"
   done
+done
+fi
+
+if want o3; then
+echo "== o3. graphed FP8 layer: weights quantised in every replay vs copies kept by the optimizer, bf16 beside (EP = GPUs)"
+for p in qwen3-30b-a3b mixtral-8x7b; do
+  timeout 240 torchrun --nproc_per_node "$NGPU" benchmarks/fp8_graph_bench.py --preset "$p" \
+    --json "$OUT/fp8-graph-$p.json" 2>&1 | quiet | tail -6
 done
 fi
 
