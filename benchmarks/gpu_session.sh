@@ -215,7 +215,8 @@ fi
 if want o; then
 echo "== o. FP8 copies kept by the optimizer (MasterAdamW.maintain_fp8): GPU tests (optimizer, split at this GPU count,"
 echo "   training), then the update + quantisation bench (separate vs fused kernel, every preset's weights at EP 4)"
-gpu_tests_par gpu_optim_split 330 4 tests/test_optim.py tests/test_gpu_split.py tests/test_gpu_train.py
+gpu_tests_par gpu_optim_split 330 4 tests/test_optim.py tests/test_gpu_split.py tests/test_gpu_train.py \
+  tests/test_grouped_gemm.py
 CUDA_VISIBLE_DEVICES=0 timeout 230 python3 benchmarks/adamw_fp8_bench.py --json "$OUT/adamw_fp8.json" 2>&1 \
   | grep -v arn | tee "$OUT/adamw_fp8.txt" | tail -30
 fi
@@ -223,12 +224,13 @@ fi
 if want o2; then
 echo "== o2. megamoe train, MoE layers graphed: FP8 weights quantised by the optimizer vs by the layer (every replay),"
 echo "   bf16 beside them; qwen3 (4 layers) and mixtral (2 layers) experts, seq 4096, 60 steps"
-for spec in "qwen3-30b-a3b 4" "mixtral-8x7b 2"; do
-  set -- $spec
+for spec in ${O2_SPECS:-qwen3-30b-a3b:4 mixtral-8x7b:2}; do  # preset:layers
+  set -- "${spec%%:*}" "${spec##*:}"
   for q in optimizer layer; do
     be="split:fp8=1"; [ "$q" = optimizer ] && be="split,split:fp8=1"
     timeout 240 torchrun --nproc_per_node "$NGPU" -m megamoe train --preset "$1" --layers "$2" --backends "$be" \
-      --graph-moe --fp8-quant "$q" --steps 60 --eval-every 1000 --quiet --out "$OUT/train-$1-$q" 2>&1 | quiet | tail -4
+      --graph-moe --fp8-quant "$q" --steps "${O2_STEPS:-60}" --eval-every 1000 --quiet --out "$OUT/train-$1-$q" 2>&1 \
+      | quiet | tail -4
     python3 -c "import json,sys; [print(sys.argv[1], sys.argv[2], r['backend'], round(r['tokens_per_s_per_gpu']), \
       {k: round(v*1e3, 2) for k, v in r['step_time_s'].items() if v}, round(r['peak_memory_bytes']/2**30, 1), 'GiB', \
       round(r['final_loss'], 4)) for r in json.load(open(sys.argv[3]))['results']]" "$1" "$q" \

@@ -35,6 +35,7 @@ from megamoe.kernels.fp8_quant import (
     Fp8Weight,
     _scale_of,
     _to_e4m3,
+    one_pass_ok,
     quantize_weight_both,
     quantize_weight_ref,
     weight_key,
@@ -199,7 +200,8 @@ class MasterAdamW:
     ``fp8_update``: how the FP8 copies of :meth:`maintain_fp8` are refreshed: "separate" (default: the update kernel,
     then experts' quantize_weight_both into the copy) or "fused" (one kernel per 128x128 block, _adamw_fp8_kernel:
     2 fewer bytes per element moved, but measured slower on one H200, 2026-12-02: 1.02-1.05x the separate time with
-    float32 moments at its best config, 1.25x with bf16 moments; docs/perf-notes.md). Both give the same bits.
+    float32 moments at its best config, 1.25x with bf16 moments; docs/perf-notes.md; bf16 parameters only, others
+    take the separate path: see fp8_quant.one_pass_ok). Both give the same bits.
     """
 
     def __init__(self, param_sets: list[list[torch.Tensor]], lr: float, betas: tuple[float, float] = (0.9, 0.999),
@@ -274,7 +276,8 @@ class MasterAdamW:
                     hyper = (decay, b1, b2, step_size, 1.0 / math.sqrt(bc2), self.eps, self._seed(s))
                     flags = dict(HAS_MASTER=has_master, HAS_MULT=mult is not None,
                                  MOM_BF16=self.moments_dtype == torch.bfloat16)
-                    if s.fp8 is not None and self.fp8_update == "fused":  # update + both FP8 orientations
+                    fused = s.fp8 is not None and self.fp8_update == "fused" and one_pass_ok(s.param)
+                    if fused:  # the update and both FP8 orientations in one pass (bf16 parameters: one_pass_ok)
                         E_l, N, K = s.param.shape
                         n_nb, n_kb = triton.cdiv(N, 128), triton.cdiv(K, 128)
                         chunk, chunk_q, warps = self.fp8_config
@@ -290,7 +293,7 @@ class MasterAdamW:
                     # keyed on versions see the change
                     increment_version(s.param)
                     if s.fp8 is not None:
-                        if self.fp8_update == "fused":
+                        if fused:
                             s.fp8.key = weight_key(s.param)
                         else:  # the flat update above, then both orientations from the new parameter
                             self._refresh_fp8(s)

@@ -452,3 +452,23 @@ def test_quantize_weight_transposed_without_a_copy(shape):
     assert torch.equal(bqt.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(bst, ref_s)
     with pytest.raises(ValueError, match="contiguous"):
         X.quantize_weight_both(w.transpose(1, 2))
+
+
+# small shapes with K or N under one block (where the one-pass kernel went wrong for float32 on an H200), partial
+# blocks on both axes, and an expert shape of qwen3-30b-a3b's w2 at EP 4 (GPU only: too slow for the interpreter)
+QUANT_SHAPES = [(2, 64, 40), (2, 64, 48), (2, 128, 40), (2, 64, 128), (3, 200, 136),
+                pytest.param((32, 2048, 768), marks=[gpu, needs_cuda], id="qwen3-w2-ep4")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", QUANT_SHAPES)
+def test_quantize_weight_both_equals_the_twin(shape, dtype):
+    # both orientations (one pass for bf16, two single-orientation passes otherwise) against the torch twins, bitwise
+    gen = torch.Generator().manual_seed(11)
+    w = (torch.randn(shape, generator=gen) * 3).to(DEV, dtype)
+    got = X.quantize_weight_both(w)
+    want = (*X.quantize_weight_ref(w), *X.quantize_weight_ref(w.transpose(1, 2).contiguous()))
+    for name, a, b in zip(("q", "s", "qt", "st"), got, want, strict=True):
+        a8 = a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a
+        b8 = b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b
+        assert torch.equal(a8, b8), f"{name}: {int((a8 != b8).sum())} of {a.numel()} elements differ"

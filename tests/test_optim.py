@@ -246,14 +246,12 @@ def _bits(t):
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-def _quantised(p, pow2, impl):
-    """Both orientations of p, by the kernel (quantize_weight_both) or, for the torch-ops path, the torch twins."""
-    from megamoe.kernels.fp8_quant import quantize_weight_both, quantize_weight_ref
+def _quantised(p, pow2, impl=None):
+    """Both orientations of p by the torch twins (on p's device; bitwise the kernels' values there too)."""
+    from megamoe.kernels.fp8_quant import quantize_weight_ref
 
-    if impl == "torch":
-        return (*quantize_weight_ref(p, pow2_scale=pow2), *quantize_weight_ref(p.transpose(1, 2).contiguous(),
-                                                                               pow2_scale=pow2))
-    return quantize_weight_both(p, pow2_scale=pow2)
+    return (*quantize_weight_ref(p, pow2_scale=pow2), *quantize_weight_ref(p.transpose(1, 2).contiguous(),
+                                                                           pow2_scale=pow2))
 
 
 @pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16], ids=["fp32-moments", "bf16-moments"])

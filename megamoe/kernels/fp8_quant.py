@@ -46,7 +46,11 @@ def _to_e4m3(v, RNE_IN_FP32: tl.constexpr):
         odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
         up = (d > 0.5) | ((d == 0.5) & odd)
         r = tl.where(up, f + 1.0, f) * ulp
-        v = tl.where(v < 0, -r, r)
+        neg = v.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 and negatives rounding to zero give -0, as on GPUs
+        q = tl.where(neg, -r, r).to(tl.float8e4nv)
+        # the interpreter's cast drops the sign of -0.0 (seen: 0x00 where torch gives 0x80): set it on the bits
+        return (q.to(tl.uint8, bitcast=True) | tl.where(neg & (r == 0.0), 0x80, 0).to(tl.uint8)).to(
+            tl.float8e4nv, bitcast=True)
     return v.to(tl.float8e4nv)
 
 
@@ -306,6 +310,17 @@ class Fp8Weight:
                                  f"{tuple(t.shape)} on {t.device}")
 
 
+def one_pass_ok(w: torch.Tensor) -> bool:
+    """Whether both orientations of w may come from one program's one read (``BOTH``): bf16 weights, and any
+    weight under the interpreter. Seen on an H200 (Triton 3.6, 2026-12-02): with float32 weights the one-pass kernel
+    stored wrong bytes in one of the two orientations at small shapes (q at [2, 64, 40] and [2, 128, 40]: 50% of
+    the elements, q^T at [2, 64, 48] and [2, 64, 128]; right at [3, 200, 136]), while each single-orientation pass
+    was bitwise the torch twin at every shape; the fp32 tile's layout makes the compiler convert the e4m3 tensor
+    between the two stores' layouts, where with bf16 it converts the fp32 values in each layout instead. So other
+    dtypes take two single-orientation passes (one more read of w)."""
+    return w.dtype == torch.bfloat16 or interpreting()
+
+
 def quantize_weight_both(w: torch.Tensor, *, pow2_scale: bool = False,
                          out: Fp8Weight | None = None) -> tuple[torch.Tensor, ...]:
     """w [E_l, N, K] (contiguous) -> (q [E_l, N, K], s [E_l, cdiv(N, 128), cdiv(K, 128)], qt [E_l, K, N],
@@ -328,7 +343,14 @@ def quantize_weight_both(w: torch.Tensor, *, pow2_scale: bool = False,
         s = torch.empty((E_l, n_nb, n_kb), device=w.device, dtype=torch.float32)
         qt = torch.empty((E_l, K, N), device=w.device, dtype=torch.float8_e4m3fn)
         st = torch.empty((E_l, n_kb, n_nb), device=w.device, dtype=torch.float32)
-    if E_l and N and K:
+    if E_l and N and K and not one_pass_ok(w):
+        # two single-orientation passes: see one_pass_ok
+        chunk, warps = WEIGHT_QUANT_CONFIG["one"]
+        for qq, ss, tr in ((q, s, False), (qt, st, True)):
+            _quant_weight_kernel[(E_l, n_nb, n_kb)](w, qq, ss, qq, ss, N, K, n_nb, n_kb, CHUNK=chunk, POW2=pow2_scale,
+                                                    RNE_IN_FP32=interpreting(), TRANSPOSE=tr, BOTH=False,
+                                                    num_warps=warps)
+    elif E_l and N and K:
         # 16 warps: 91 registers (8 warps: 174, one CTA of 8 warps per SM; the single-orientation kernel at 8 warps
         # has 95 and fits two): the same 16 warps per SM in flight (sm_90a, compiled on CPU, 2026-11-30)
         chunk, warps = WEIGHT_QUANT_CONFIG["both"]
