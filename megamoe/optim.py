@@ -199,8 +199,8 @@ class MasterAdamW:
     bitwise reproducible; the Triton kernel and the torch-ops path draw different bits.
     ``fp8_update``: how the FP8 copies of :meth:`maintain_fp8` are refreshed: "separate" (default: the update kernel,
     then experts' quantize_weight_both into the copy) or "fused" (one kernel per 128x128 block, _adamw_fp8_kernel:
-    2 fewer bytes per element moved, but measured slower on one H200, 2026-12-02: 1.02-1.05x the separate time with
-    float32 moments at its best config, 1.25x with bf16 moments; docs/perf-notes.md; bf16 parameters only, others
+    2 fewer bytes per element moved, but measured slower on one H200, 2026-12-02: 1.02-1.03x the separate time with
+    float32 moments at its best config, 1.24-1.28x with bf16 moments; docs/perf-notes.md; bf16 parameters only, others
     take the separate path: see fp8_quant.one_pass_ok). Both give the same bits.
     """
 
