@@ -27,7 +27,7 @@ from megamoe import optim
 from megamoe.config import preset
 from megamoe.kernels.fp8_quant import Fp8Weight, quantize_weight_both
 from megamoe.optim import MasterAdamW, _adamw_fp8_kernel, _adamw_kernel
-from megamoe.perf import write_results
+from megamoe.perf import event_median_s, write_results
 
 HBM = 4258e9
 #: (CHUNK, CHUNK_Q, num_warps) of the fused kernel; sm_90a registers (fp32 / bf16 moments, compiled on CPU):
@@ -37,16 +37,7 @@ VARIANTS = [(32, 32, 8), (8, 32, 8), (8, 16, 8), (4, 16, 8), (16, 32, 16), (8, 8
 
 
 def timed(fn, iters: int) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for a, b in evs:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return sorted(a.elapsed_time(b) for a, b in evs)[iters // 2] * 1e-3
+    return event_median_s(fn, iters, warmup=2)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

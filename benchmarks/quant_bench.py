@@ -18,23 +18,14 @@ import torch
 
 from megamoe.config import preset
 from megamoe.kernels import fp8_quant
-from megamoe.perf import write_results
+from megamoe.perf import event_median_s, write_results
 
 HBM = 4258e9
 VARIANTS = {"both": [(128, 16), (64, 8), (64, 16), (32, 8), (32, 16), (16, 8)], "one": [(128, 8), (32, 4), (32, 8)]}
 
 
 def timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for a, b in evs:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return sorted(a.elapsed_time(b) for a, b in evs)[iters // 2] * 1e-3
+    return event_median_s(fn, iters, warmup=3)
 
 
 def run(mode: str, w: torch.Tensor, iters: int) -> list[dict]:

@@ -69,6 +69,20 @@ def floor_seconds(cfg: MoEConfig, rows: int, world: int, ceil: Ceilings | None, 
     return max(flops / ceil.matmul_bf16, nbytes / ceil.hbm)
 
 
+def event_median_s(fn, iters: int, warmup: int = 3) -> float:
+    """Median seconds of ``fn`` over ``iters`` calls, each between two CUDA events, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for a, b in evs:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return sorted(a.elapsed_time(b) for a, b in evs)[iters // 2] * 1e-3
+
+
 def git_commit() -> str:
     """``MEGAMOE_COMMIT`` if set (a copy of the tree without .git, e.g. on a remote GPU machine, is told its
     commit by whoever copied it), else ``git rev-parse HEAD`` of the source tree (+ "-dirty"), else "unknown"."""
