@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "optimizer, in its update pass (MasterAdamW.maintain_fp8; the layers, graphed or not, never "
                         "quantise), or each layer at its first call after the update (inside a CUDA graph: every "
                         "replay)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(True) (and CUBLAS_WORKSPACE_CONFIG=:4096:8) for the dense "
+                        "parts: without it two GPU runs of the same seed drift apart from step 1 (seen on an H200, "
+                        "2026-12-02: 12.7043 vs 12.7052); megamoe's own kernels are deterministic either way")
     p.add_argument("--eval-every", type=int, default=None, help="evaluation period in steps (default steps//5)")
     p.add_argument("--eval-batches", type=int, default=2)
     p.add_argument("--ckpt-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
@@ -347,6 +351,12 @@ def evaluate(ddp, corpus, args, device, autocast, rank, W) -> float:
 
 
 def run_rank(args, device: torch.device) -> dict | None:
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when this process's cuBLAS starts
+        torch.use_deterministic_algorithms(True)
+        # not torch's NaN fill of every torch.empty (a kernel per allocation, e.g. the worst-case receive buffers):
+        # megamoe's kernels write what they read (tested with poisoned outputs)
+        torch.utils.deterministic.fill_uninitialized_memory = False
     corpus = ByteCorpus(args.files or None)
     results = []
     for b in args.backends.split(","):
@@ -423,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
         return 0
     on_gpu = torch.cuda.is_available() and not raw.cpu
+    if raw.deterministic:  # before the spawned ranks start cuBLAS
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     args = _defaults(raw, on_gpu)
     world = args.world or (torch.cuda.device_count() if on_gpu else 2)
     if not on_gpu:

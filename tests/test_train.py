@@ -57,14 +57,16 @@ def test_train_compiled_dense_parts_train_alike(tmp_path):
 
 def test_train_bf16_adam_moments(tmp_path):
     # --adam-moments bf16 reaches the optimizer (bf16 moments in the checkpoint), is recorded, and trains like the
-    # float32 moments: the first step is identical (zero moments), the next ones within bf16 rounding
+    # float32 moments: the first step is identical (zero moments), the next ones within bf16 rounding. The float32
+    # run also takes --deterministic (deterministic torch algorithms; on CPU ranks the same numbers)
     runs = {}
     for m in ("fp32", "bf16"):
         out = tmp_path / m
+        det = ["--deterministic"] if m == "fp32" else []
         assert train_main(SMALL[:1] + ["4"] + SMALL[2:] + ["--out", str(out), "--adam-moments", m,
-                                                           "--ckpt-every", "4"]) == 0
+                                                           "--ckpt-every", "4"] + det) == 0
         runs[m] = _summary(out)
-        assert runs[m]["config"]["adam_moments"] == m
+        assert runs[m]["config"]["adam_moments"] == m and runs[m]["config"]["deterministic"] == bool(det)
     import torch
 
     state = torch.load(tmp_path / "bf16" / "ckpt-torch" / "rank0.pt", weights_only=False)["opt"]
