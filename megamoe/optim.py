@@ -321,8 +321,10 @@ class MasterAdamW:
         layer holding these buffers (the split backend's FP8 path, see SplitBackend.fp8_copies) then reads them without
         quantising, also inside a CUDA graph, where it otherwise has to quantise every weight in every replay.
         ``param``: a 3-D [E_l, N, K] parameter of this optimizer. Writes to it that do not go through this optimizer
-        (``copy_``, ``param.data``, loading a checkpoint into the model) leave the buffers stale until the next
-        step or :meth:`refresh_fp8` (load_state_dict refreshes them)."""
+        (``copy_``, ``param.data``, loading a checkpoint into the model) leave the buffers stale for CUDA-graph
+        replays until the next step or :meth:`refresh_fp8` (load_state_dict refreshes them; an eager layer call
+        still sees a version change and requantises). The copies stay managed for as long as they exist: an
+        optimizer that stops stepping them must not be replaced by one that does not maintain them."""
         slot = next((x for slots in self.sets for x in slots if x.param is param), None)
         if slot is None:
             raise ValueError("MasterAdamW.maintain_fp8: the parameter is not one of this optimizer's")

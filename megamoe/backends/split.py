@@ -407,7 +407,8 @@ class SplitBackend:
                 copy = self._fp8_copies[name] = Fp8Weight.empty_like(w)
             if not capturing:
                 key = weight_key(w)
-                if copy.key != key:
+                if copy.key != key:  # in place: a pending backward of an earlier call holding these buffers is
+                    # refused by autograd anyway once the weight changed (w13 / w2 are saved tensors)
                     quantize_weight_both(w.detach(), out=copy)
                     copy.key = key
             out.extend(copy.tensors())
