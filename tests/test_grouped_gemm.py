@@ -460,10 +460,17 @@ QUANT_SHAPES = [(2, 64, 40), (2, 64, 48), (2, 128, 40), (2, 64, 128), (3, 200, 1
                 pytest.param((32, 2048, 768), marks=[gpu, needs_cuda], id="qwen3-w2-ep4")]
 
 
+@pytest.mark.parametrize("cols_t", [False, True], ids=["row-slices", "column-slices"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", QUANT_SHAPES)
-def test_quantize_weight_both_equals_the_twin(shape, dtype):
-    # both orientations (one pass for bf16, two single-orientation passes otherwise) against the torch twins, bitwise
+def test_quantize_weight_both_equals_the_twin(shape, dtype, cols_t, monkeypatch):
+    # both orientations (one pass for bf16, two single-orientation passes otherwise) against the torch twins, bitwise,
+    # with the transposed orientation from row slices or from its own column slices (COLS_T)
+    from megamoe.kernels import fp8_quant
+
+    for mode in ("one", "both"):
+        chunk, warps, _ = fp8_quant.WEIGHT_QUANT_CONFIG[mode]
+        monkeypatch.setitem(fp8_quant.WEIGHT_QUANT_CONFIG, mode, (chunk, warps, cols_t))
     gen = torch.Generator().manual_seed(11)
     w = (torch.randn(shape, generator=gen) * 3).to(DEV, dtype)
     got = X.quantize_weight_both(w)

@@ -88,7 +88,7 @@ def _quant_weight_kernel(
     st_ptr,  # BOTH: its scales [E_l, n_kb, n_nb] fp32
     N, K, n_nb, n_kb,
     CHUNK: tl.constexpr, POW2: tl.constexpr, RNE_IN_FP32: tl.constexpr, TRANSPOSE: tl.constexpr,
-    BOTH: tl.constexpr,
+    BOTH: tl.constexpr, COLS_T: tl.constexpr = False,
 ):
     """Grid: (E_l, n_nb, n_kb). One 128x128 block: s = amax / 448, q = w / s. TRANSPOSE: q is [E_l, K, N] and s
     [E_l, n_kb, n_nb], i.e. the quantisation of w.transpose(1, 2) (a 128x128 block of the transpose is the
@@ -96,7 +96,10 @@ def _quant_weight_kernel(
     BOTH: the plain orientation into q, s and the transposed one into qt, st, from one read of the block.
     CHUNK < 128: the block in 128 / CHUNK slices of CHUNK rows, a first loop for the amax and a second that
     reloads each slice (from L1 / L2: the block is 32 KB) to quantise it, so that a thread holds CHUNK * 128 /
-    threads values instead of the whole block's (more programs per SM in flight); the same values either way."""
+    threads values instead of the whole block's (more programs per SM in flight); the same values either way.
+    COLS_T (with TRANSPOSE or BOTH): the transposed orientation from its own loop over CHUNK-column slices
+    [128 rows, CHUNK cols] of the block, so each of its CHUNK output rows gets the block's 128 bytes in one store
+    (row slices give each transposed row CHUNK bytes per store); one more read of the block (L1 / L2)."""
     e = tl.program_id(0)
     nb = tl.program_id(1)
     kb = tl.program_id(2)
@@ -110,18 +113,32 @@ def _quant_weight_kernel(
         w = tl.load(w_ptr + base + rn.to(tl.int64)[:, None] * K + rk[None, :], mask=mask, other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(w.to(tl.float32)), axis=1))
     s = _scale_of(tl.max(amax, axis=0), POW2)
-    for c in range(0, 128, CHUNK):
-        rn = nb * 128 + c + tl.arange(0, CHUNK)
-        mask = (rn < N)[:, None] & kmask[None, :]
-        off = base + rn.to(tl.int64)[:, None] * K + rk[None, :]
-        w = tl.load(w_ptr + off, mask=mask, other=0.0).to(tl.float32)
-        q = _to_e4m3(tl.clamp(tl.div_rn(w, s), -448.0, 448.0), RNE_IN_FP32)
-        off_t = base + rk.to(tl.int64)[None, :] * N + rn[:, None]
-        if TRANSPOSE:
-            tl.store(q_ptr + off_t, q, mask=mask)
-        else:
-            tl.store(q_ptr + off, q, mask=mask)
-            if BOTH:
+    if not (TRANSPOSE and COLS_T):
+        for c in range(0, 128, CHUNK):
+            rn = nb * 128 + c + tl.arange(0, CHUNK)
+            mask = (rn < N)[:, None] & kmask[None, :]
+            off = base + rn.to(tl.int64)[:, None] * K + rk[None, :]
+            w = tl.load(w_ptr + off, mask=mask, other=0.0).to(tl.float32)
+            q = _to_e4m3(tl.clamp(tl.div_rn(w, s), -448.0, 448.0), RNE_IN_FP32)
+            off_t = base + rk.to(tl.int64)[None, :] * N + rn[:, None]
+            if TRANSPOSE:
+                tl.store(q_ptr + off_t, q, mask=mask)
+            else:
+                tl.store(q_ptr + off, q, mask=mask)
+                if BOTH and not COLS_T:
+                    tl.store(qt_ptr + off_t, q, mask=mask)
+    if COLS_T and (TRANSPOSE or BOTH):
+        rn = nb * 128 + tl.arange(0, 128)
+        nmask = rn < N
+        for c in range(0, 128, CHUNK):
+            rc = kb * 128 + c + tl.arange(0, CHUNK)
+            mask = nmask[:, None] & (rc < K)[None, :]
+            w = tl.load(w_ptr + base + rn.to(tl.int64)[:, None] * K + rc[None, :], mask=mask, other=0.0).to(tl.float32)
+            q = _to_e4m3(tl.clamp(tl.div_rn(w, s), -448.0, 448.0), RNE_IN_FP32)
+            off_t = base + rc.to(tl.int64)[None, :] * N + rn[:, None]
+            if TRANSPOSE:
+                tl.store(q_ptr + off_t, q, mask=mask)
+            else:
                 tl.store(qt_ptr + off_t, q, mask=mask)
     if TRANSPOSE:
         tl.store(s_ptr + (e * n_kb + kb) * n_nb + nb, s)
@@ -131,14 +148,14 @@ def _quant_weight_kernel(
             tl.store(st_ptr + (e * n_kb + kb) * n_nb + nb, s)
 
 
-#: (CHUNK, num_warps) of the weight quantisation per mode: "one" (quantize_weight), "both" (quantize_weight_both);
-#: a benchmark (benchmarks/quant_bench.py) may override them. One H200, 2026-12-01 (results/quant-h200-2026-12-01-
-#: {f4e9d64,6aa40b6}.json, the expert weights of qwen3 / deepseek-v3 / mixtral at EP 4): "both" (what a training step
-#: runs) 32-row slices on 8 warps 1.26-1.46x the whole block on 16 warps (deepseek w13 4.51 -> 3.09 ms, 39% -> 57% of
-#: the HBM copy ceiling; 64 x 16 warps within 2% of it, 16-row slices slower); the whole block's 16 warps hold one
-#: CTA per SM. "one" 32 x 8 warps 1.13-1.27x the whole block on 8 warps (deepseek w13 2.09 -> 1.67 ms, 79% of the
-#: ceiling), ahead of 32 x 4 on every shape
-WEIGHT_QUANT_CONFIG = {"one": (32, 8), "both": (32, 8)}
+#: (CHUNK, num_warps, COLS_T) of the weight quantisation per mode: "one" (quantize_weight), "both"
+#: (quantize_weight_both); a benchmark (benchmarks/quant_bench.py) may override them. One H200, 2026-12-01
+#: (results/quant-h200-2026-12-01-{f4e9d64,6aa40b6}.json, the expert weights of qwen3 / deepseek-v3 / mixtral at
+#: EP 4): "both" (what a training step runs) 32-row slices on 8 warps 1.26-1.46x the whole block on 16 warps
+#: (deepseek w13 4.51 -> 3.09 ms, 39% -> 57% of the HBM copy ceiling; 64 x 16 warps within 2% of it, 16-row slices
+#: slower); the whole block's 16 warps hold one CTA per SM. "one" 32 x 8 warps 1.13-1.27x the whole block on 8 warps
+#: (deepseek w13 2.09 -> 1.67 ms, 79% of the ceiling), ahead of 32 x 4 on every shape
+WEIGHT_QUANT_CONFIG = {"one": (32, 8, False), "both": (32, 8, False)}
 
 
 def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False, nrows: torch.Tensor | None = None,
@@ -245,10 +262,10 @@ def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False,
         q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
         s = torch.empty((E_l, n_nb, n_kb), device=w.device, dtype=torch.float32)
     if E_l and N and K:
-        chunk, warps = WEIGHT_QUANT_CONFIG["one"]
+        chunk, warps, cols_t = WEIGHT_QUANT_CONFIG["one"]
         _quant_weight_kernel[(E_l, n_nb, n_kb)](w, q, s, q, s, N, K, n_nb, n_kb, CHUNK=chunk, POW2=pow2_scale,
                                                 RNE_IN_FP32=interpreting(), TRANSPOSE=transpose, BOTH=False,
-                                                num_warps=warps)
+                                                COLS_T=cols_t and transpose, num_warps=warps)
     return q, s
 
 
@@ -345,18 +362,18 @@ def quantize_weight_both(w: torch.Tensor, *, pow2_scale: bool = False,
         st = torch.empty((E_l, n_kb, n_nb), device=w.device, dtype=torch.float32)
     if E_l and N and K and not one_pass_ok(w):
         # two single-orientation passes: see one_pass_ok
-        chunk, warps = WEIGHT_QUANT_CONFIG["one"]
+        chunk, warps, cols_t = WEIGHT_QUANT_CONFIG["one"]
         for qq, ss, tr in ((q, s, False), (qt, st, True)):
             _quant_weight_kernel[(E_l, n_nb, n_kb)](w, qq, ss, qq, ss, N, K, n_nb, n_kb, CHUNK=chunk, POW2=pow2_scale,
                                                     RNE_IN_FP32=interpreting(), TRANSPOSE=tr, BOTH=False,
-                                                    num_warps=warps)
+                                                    COLS_T=cols_t and tr, num_warps=warps)
     elif E_l and N and K:
         # 16 warps: 91 registers (8 warps: 174, one CTA of 8 warps per SM; the single-orientation kernel at 8 warps
         # has 95 and fits two): the same 16 warps per SM in flight (sm_90a, compiled on CPU, 2026-11-30)
-        chunk, warps = WEIGHT_QUANT_CONFIG["both"]
+        chunk, warps, cols_t = WEIGHT_QUANT_CONFIG["both"]
         _quant_weight_kernel[(E_l, n_nb, n_kb)](w, q, s, qt, st, N, K, n_nb, n_kb, CHUNK=chunk, POW2=pow2_scale,
                                                 RNE_IN_FP32=interpreting(), TRANSPOSE=False, BOTH=True,
-                                                num_warps=warps)
+                                                COLS_T=cols_t, num_warps=warps)
     return q, s, qt, st
 
 
