@@ -154,8 +154,13 @@ def _quant_weight_kernel(
 #: EP 4): "both" (what a training step runs) 32-row slices on 8 warps 1.26-1.46x the whole block on 16 warps
 #: (deepseek w13 4.51 -> 3.09 ms, 39% -> 57% of the HBM copy ceiling; 64 x 16 warps within 2% of it, 16-row slices
 #: slower); the whole block's 16 warps hold one CTA per SM. "one" 32 x 8 warps 1.13-1.27x the whole block on 8 warps
-#: (deepseek w13 2.09 -> 1.67 ms, 79% of the ceiling), ahead of 32 x 4 on every shape
-WEIGHT_QUANT_CONFIG = {"one": (32, 8, False), "both": (32, 8, False)}
+#: (deepseek w13 2.09 -> 1.67 ms, 79% of the ceiling), ahead of 32 x 4 on every shape. 2026-12-02
+#: (results/quant-h200-2026-12-02-a443efd-colst.json, one run, bitwise equal): "both" with COLS_T on 16 warps 0.96-0.97x
+#: the time of 32 x 8 row slices on five of the six weights (deepseek w13 3.086 -> 2.976 ms, 59% of the ceiling),
+#: 1.06x on qwen3's w2 (small: 0.110 -> 0.117 ms); a whole layer's weights: deepseek 4.64 -> 4.49 ms, mixtral 0.589
+#: -> 0.568, qwen3 equal. Predicted was the single orientation's 79% (the transposed rows' 32-byte segments taken
+#: for the cause); they were not the main cost. COLS_T for "one" with transpose=True: 1.03-1.06x slower, off
+WEIGHT_QUANT_CONFIG = {"one": (32, 8, False), "both": (32, 16, True)}
 
 
 def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False, nrows: torch.Tensor | None = None,
