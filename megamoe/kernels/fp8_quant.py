@@ -288,7 +288,7 @@ class Fp8Weight:
 
     ``key``: what the values were quantised from, (version counter, storage pointer, shape, dtype, device) of the
     weight, or None when stale; whoever refreshes the buffers sets it. ``managed``: an optimizer refreshes them
-    in the same pass that updates the weight (megamoe.optim.MasterAdamW.maintain_fp8), so a layer may read them
+    right after each update of the weight (megamoe.optim.MasterAdamW.maintain_fp8), so a layer may read them
     inside a CUDA graph without quantising there."""
 
     q: torch.Tensor
@@ -339,7 +339,8 @@ def one_pass_ok(w: torch.Tensor) -> bool:
     the elements, q^T at [2, 64, 48] and [2, 64, 128]; right at [3, 200, 136]), while each single-orientation pass
     was bitwise the torch twin at every shape; the fp32 tile's layout makes the compiler convert the e4m3 tensor
     between the two stores' layouts, where with bf16 it converts the fp32 values in each layout instead. So other
-    dtypes take two single-orientation passes (one more read of w)."""
+    dtypes take two single-orientation passes (one more read of w). (Seen with row slices for both orientations;
+    the COLS_T default since stores them from separate loops, not tried with float32 one-pass.)"""
     return w.dtype == torch.bfloat16 or interpreting()
 
 
