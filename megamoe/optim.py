@@ -334,9 +334,30 @@ class MasterAdamW:
         if not isinstance(fp8, Fp8Weight):
             raise TypeError(f"MasterAdamW.maintain_fp8: fp8 must be a megamoe Fp8Weight, got {type(fp8).__name__}")
         fp8.check(param, "MasterAdamW.maintain_fp8")
+        if fp8.pow2_scale not in (True, False):
+            raise ValueError(f"MasterAdamW.maintain_fp8: fp8.pow2_scale must be a bool, got {fp8.pow2_scale!r}")
         slot.fp8 = fp8
+        try:  # filled before it is marked managed: a failure leaves neither attached nor trusted
+            self._refresh_fp8(slot)
+        except Exception:
+            slot.fp8 = None
+            raise
         fp8.managed = True
-        self._refresh_fp8(slot)
+
+    @torch.no_grad()
+    def reload_masters(self, params: list[torch.Tensor]) -> None:
+        """Set the float32 masters of ``params`` (parameters of this optimizer) from their current values, as the
+        constructor did: after something rewrote them outside the optimizer before training began (e.g. DDP's
+        broadcast of rank 0's values when DDP is built after the optimizer). Moments and steps are kept."""
+        slots = {id(x.param): x for sl in self.sets for x in sl}
+        for p in params:
+            s = slots.get(id(p))
+            if s is None:
+                raise ValueError("MasterAdamW.reload_masters: a parameter is not one of this optimizer's")
+            if s.master is not s.param:
+                s.master.copy_(s.param)
+            if s.fp8 is not None:
+                self._refresh_fp8(s)
 
     @torch.no_grad()
     def refresh_fp8(self) -> None:

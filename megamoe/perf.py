@@ -71,6 +71,8 @@ def floor_seconds(cfg: MoEConfig, rows: int, world: int, ceil: Ceilings | None, 
 
 def event_median_s(fn, iters: int, warmup: int = 3) -> float:
     """Median seconds of ``fn`` over ``iters`` calls, each between two CUDA events, after ``warmup`` calls."""
+    if iters < 1:
+        raise ValueError(f"event_median_s: iters must be >= 1, got {iters}")
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()

@@ -190,17 +190,21 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     # bf16 parameters get float32 masters inside the optimizer (one fused pass per parameter on the GPU)
     opt = MasterAdamW([replicated, experts], lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
                       moments_dtype=torch.bfloat16 if args.adam_moments == "bf16" else torch.float32)
-    fp8_layers = [blk.moe for blk in model.blocks if getattr(blk.moe.backend, "fp8", False)
-                  and getattr(blk.moe.backend, "fp8_weight_cache", False)]
+    fp8_any = [blk.moe for blk in model.blocks if getattr(blk.moe.backend, "fp8", False)]
+    fp8_layers = [moe for moe in fp8_any if getattr(moe.backend, "fp8_weight_cache", False)]  # copies to hand over
     if args.fp8_quant == "optimizer":  # the update pass refreshes the FP8 weights: the layers never quantise them
         for moe in fp8_layers:
             for p, copy in moe.backend.fp8_copies():
                 opt.maintain_fp8(p, copy)
+    # who quantises the FP8 layers' weights (None: no FP8 layer); fp8_weight_cache=0 layers quantise in every call
+    fp8_by = None if not fp8_any else ("optimizer" if args.fp8_quant == "optimizer" and fp8_layers == fp8_any
+                                       else "layer")
     if graphed:  # after maintain_fp8: a layer whose FP8 copies the optimizer keeps reads them in its graphs
         capture_moe_layers([blk.moe for blk in model.blocks], args.batch * args.seq, autocast)
     expert_names = model.expert_parameter_names()
     DDP._set_params_and_buffers_to_ignore_for_model(model, expert_names)
     ddp = DDP(model, device_ids=[device.index] if on_gpu else None, broadcast_buffers=False)
+    opt.reload_masters(replicated)  # the masters follow DDP's broadcast of rank 0's replicated parameters
 
     history = {"step": [], "loss": [], "aux": [], "lr": [], "grad_norm": [], "eval": []}
     start = 0
@@ -290,7 +294,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
         "backend": backend,
         "moe_cuda_graph": graphed,
         "compiled_dense": args.compile,  # torch.compile backend of the dense parts, or None
-        "fp8_weights_quantised_by": (args.fp8_quant if fp8_layers else None),  # FP8 layers: optimizer or layer
+        "fp8_weights_quantised_by": fp8_by,  # FP8 layers' weights: "optimizer", "layer" or None (no FP8 layer)
         "steps_run": end - start,
         "tokens_per_step_per_gpu": tokens_per_step,
         "tokens_per_s_per_gpu": tokens_per_step / med["step"] if med["step"] else None,

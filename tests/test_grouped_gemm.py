@@ -460,17 +460,20 @@ QUANT_SHAPES = [(2, 64, 40), (2, 64, 48), (2, 128, 40), (2, 64, 128), (3, 200, 1
                 pytest.param((32, 2048, 768), marks=[gpu, needs_cuda], id="qwen3-w2-ep4")]
 
 
-@pytest.mark.parametrize("cols_t", [False, True], ids=["row-slices", "column-slices"])
+@pytest.mark.parametrize("path", ["row-slices", "column-slices", "two-passes"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", QUANT_SHAPES)
-def test_quantize_weight_both_equals_the_twin(shape, dtype, cols_t, monkeypatch):
-    # both orientations (one pass for bf16, two single-orientation passes otherwise) against the torch twins, bitwise,
-    # with the transposed orientation from row slices or from its own column slices (COLS_T)
+def test_quantize_weight_both_equals_the_twin(shape, dtype, path, monkeypatch):
+    # both orientations against the torch twins, bitwise: one pass with the transposed orientation from row slices
+    # or from its own column slices (COLS_T), or two single-orientation passes (what float32 weights take on GPUs,
+    # fp8_quant.one_pass_ok; forced here, since the interpreter allows one pass for every dtype)
     from megamoe.kernels import fp8_quant
 
     for mode in ("one", "both"):
         chunk, warps, _ = fp8_quant.WEIGHT_QUANT_CONFIG[mode]
-        monkeypatch.setitem(fp8_quant.WEIGHT_QUANT_CONFIG, mode, (chunk, warps, cols_t))
+        monkeypatch.setitem(fp8_quant.WEIGHT_QUANT_CONFIG, mode, (chunk, warps, path == "column-slices"))
+    if path == "two-passes":
+        monkeypatch.setattr(fp8_quant, "one_pass_ok", lambda w: False)
     gen = torch.Generator().manual_seed(11)
     w = (torch.randn(shape, generator=gen) * 3).to(DEV, dtype)
     got = X.quantize_weight_both(w)

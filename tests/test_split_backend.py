@@ -260,6 +260,26 @@ def _rank_fp8_managed(rank: int, world: int) -> dict:
     r["weights_equal"] = torch.equal(layers[0].w13, layers[1].w13) and torch.equal(layers[0].w2, layers[1].w2)
     r["layer_never_quantised"] = calls["n"] == 0
     r["managed"] = all(c.managed for _, c in layers[0].backend.fp8_copies())
+    from megamoe.kernels.fp8_quant import weight_key
+
+    def bits(t):
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+    backend, copy = layers[0].backend, layers[0].backend._fp8_copies["w2"]
+    # a write the version counter does not see, then invalidate: the optimizer-kept copy is requantised at once
+    layers[0].w2.data.mul_(2.0)
+    backend.invalidate_fp8_weights()
+    want = real(layers[0].w2.detach())
+    r["invalidate_requantises_managed"] = (copy.key == weight_key(layers[0].w2) and
+                                           all(torch.equal(bits(a), bits(b))
+                                               for a, b in zip(copy.tensors(), want, strict=True)))
+    # weights other than the layer's own: quantised afresh, the optimizer's copies left as they are
+    before = [t.clone() for t in copy.tensors()]
+    other13, other2 = layers[0].w13.detach() * 0.5, layers[0].w2.detach() * 0.5
+    got = backend.fp8_weights(other13, other2)
+    r["foreign_weights_fresh"] = (all(torch.equal(bits(a), bits(b)) for a, b in zip(got[4:], real(other2), strict=True))
+                                  and all(torch.equal(bits(a), bits(b))
+                                          for a, b in zip(copy.tensors(), before, strict=True)))
     return r
 
 

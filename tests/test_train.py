@@ -89,6 +89,21 @@ def test_train_backends_agree(tmp_path):
         assert res["history"]["loss"] == pytest.approx(torch_res["history"]["loss"], rel=1e-2), res["backend"]
 
 
+@pytest.mark.skipif("split" not in available_backends("cpu"), reason="backend 'split' is not built yet")
+def test_train_fp8_weights_kept_by_the_optimizer(tmp_path):
+    # FP8 layers whose weights the optimizer requantises after each update (--fp8-quant optimizer, the default)
+    # train bitwise like layers that quantise them themselves, and the summary says which ran
+    runs = {}
+    for q in ("optimizer", "layer"):
+        out = tmp_path / q
+        assert train_main(SMALL[:1] + ["2"] + SMALL[2:] + ["--dtype", "bf16", "--backends", "split:fp8=1",
+                                                           "--fp8-quant", q, "--out", str(out)]) == 0
+        runs[q] = _summary(out)["results"][0]
+        assert runs[q]["fp8_weights_quantised_by"] == q
+    assert len(runs["layer"]["history"]["loss"]) == 2
+    assert runs["optimizer"]["history"]["loss"] == runs["layer"]["history"]["loss"]
+
+
 def test_profile_window_skips_evaluations():
     from argparse import Namespace
 

@@ -351,6 +351,7 @@ class SplitBackend:
         self.fp8_weight_cache = bool(fp8_weight_cache)
         self.fp8_dispatch = bool(fp8_dispatch)
         self._fp8_copies: dict[str, Fp8Weight] = {}  # fp8_copies(): allocated on first use
+        self._fp8_handed_out = False  # fp8_copies() was called: a capture no longer frees the copies
         self.shape = CommShape(world=moe.world, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden,
                                topk=cfg.top_k, num_experts=cfg.num_experts, dtype=cfg.dtype)
         self.heap = get_heap(self.shape, moe.group, moe.device, timeout_s, comm_sms)
@@ -382,7 +383,8 @@ class SplitBackend:
         optimizer (``MasterAdamW.maintain_fp8`` with the pairs of :meth:`fp8_copies`, which refreshes it in its
         step right after updating the weight); a managed copy is read as it is, in a graph and out of one (a
         graphed layer then quantises nothing: with gradient accumulation or evaluation replays, once per update
-        instead of once per replay). Quantised fresh, without the copies: with
+        instead of once per replay; a managed copy whose key no longer matches its weight at capture raises, since
+        every replay would read it). Quantised fresh, without the copies: with
         ``fp8_weight_cache=False`` and for inference-mode tensors (no version counter); then with autograd off
         (torch.no_grad or inference mode) only the forward orientation is made (q13t, s13t, q2t, s2t None)."""
         capturing = w13.is_cuda and _capturing_on(w13.device)
@@ -397,20 +399,35 @@ class SplitBackend:
         out = []
         for name, w in (("w13", w13), ("w2", w2)):
             copy = self._fp8_copies.get(name)
+            key = weight_key(w)
+            if copy is not None and copy.key is not None and copy.key[1:] != key[1:]:
+                # other weights than the copy holds (another tensor, shape or device): never overwrite buffers an
+                # earlier call may still hold for its backward, nor the optimizer's copy of its own parameter
+                if copy.managed:
+                    out.extend(fresh(w))
+                    continue
+                del self._fp8_copies[name]
+                copy = None
             if capturing and (copy is None or not copy.managed):
                 # in the graph every replay quantises the weight as it is then; an unmanaged copy, which the graph
-                # never reads, is freed (an eager call after the capture allocates it again)
-                self._fp8_copies.pop(name, None)
+                # never reads, is freed (an eager call after the capture allocates it again), unless fp8_copies()
+                # has handed it out
+                if not self._fp8_handed_out:
+                    self._fp8_copies.pop(name, None)
                 out.extend(fresh(w))
                 continue
             if copy is None:
                 copy = self._fp8_copies[name] = Fp8Weight.empty_like(w)
-            if not capturing:
-                key = weight_key(w)
-                if copy.key != key:  # in place: a pending backward of an earlier call holding these buffers is
-                    # refused by autograd anyway once the weight changed (w13 / w2 are saved tensors)
-                    quantize_weight_both(w.detach(), out=copy)
-                    copy.key = key
+            if capturing:  # a managed copy, read by every replay as the optimizer keeps it
+                if copy.key != key:
+                    raise RuntimeError(
+                        f"split backend: the optimizer-kept FP8 copy of {name} is stale at CUDA-graph capture (the "
+                        "weight was written outside the optimizer since its last step, e.g. by load_state_dict or "
+                        "through .data); call opt.refresh_fp8() or moe.backend.invalidate_fp8_weights() first")
+            elif copy.key != key:  # in place: a pending backward of an earlier call holding these buffers is
+                # refused by autograd anyway once this weight changed (w13 / w2 are saved tensors)
+                quantize_weight_both(w.detach(), out=copy)
+                copy.key = key
             out.extend(copy.tensors())
         return tuple(out)
 
@@ -421,16 +438,23 @@ class SplitBackend:
         (megamoe.optim.MasterAdamW); the layer then never quantises its weights itself, in a CUDA graph either."""
         if not (self.fp8 and self.fp8_weight_cache):
             raise ValueError("fp8_copies: the layer keeps FP8 weight copies only with fp8=1 and fp8_weight_cache=1")
+        self._fp8_handed_out = True  # from now on a capture keeps them (their holder may hand them to an optimizer)
         for name in ("w13", "w2"):
             if name not in self._fp8_copies:
                 self._fp8_copies[name] = Fp8Weight.empty_like(getattr(self.moe, name))
         return [(self.moe.w13, self._fp8_copies["w13"]), (self.moe.w2, self._fp8_copies["w2"])]
 
     def invalidate_fp8_weights(self) -> None:
-        """Mark the FP8 weight copies stale: the next call outside graph capture requantises the current weights
-        into them (needed only after writes the version counter does not see, e.g. through ``param.data``)."""
-        for copy in self._fp8_copies.values():
-            copy.key = None
+        """After writes the version counter does not see (e.g. through ``param.data``): the layer's own FP8 copies
+        are marked stale (the next call outside graph capture requantises into them), the optimizer-kept ones are
+        requantised now (graph replays read them as they are). Call it outside CUDA-graph capture."""
+        for name, copy in self._fp8_copies.items():
+            if copy.managed:
+                w = getattr(self.moe, name)
+                quantize_weight_both(w.detach(), out=copy)
+                copy.key = weight_key(w)
+            else:
+                copy.key = None
 
     def __call__(self, x, topk_idx, topk_w, w13, w2):
         if x.shape[0] > self.shape.max_tokens:
