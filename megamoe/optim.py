@@ -33,8 +33,9 @@ from torch.autograd.graph import increment_version
 from megamoe import _interp
 from megamoe.kernels.fp8_quant import (
     Fp8Weight,
+    _quantise_slice,
     _scale_of,
-    _to_e4m3,
+    _weight_block,
     one_pass_ok,
     quantize_weight_both,
     quantize_weight_ref,
@@ -137,12 +138,7 @@ def _adamw_fp8_kernel(p_ptr, g_ptr, x_ptr, m_ptr, v_ptr, mult_ptr,  # [E_l, N, K
     program per SM, the quantisation kernel's measured problem); the barrier makes every thread's stores of it
     visible to the program's other threads. Offsets are the flat parameter's, so MOM_BF16's random bits, and
     every value, are those of the flat kernel followed by quantize_weight_both."""
-    e = tl.program_id(0)
-    nb = tl.program_id(1)
-    kb = tl.program_id(2)
-    rk = kb * 128 + tl.arange(0, 128)
-    kmask = rk < K
-    base = e.to(tl.int64) * N * K
+    e, nb, kb, rk, kmask, base = _weight_block(N, K)
     amax = tl.zeros([CHUNK], dtype=tl.float32)
     for c in range(0, 128, CHUNK):
         rn = nb * 128 + c + tl.arange(0, CHUNK)
@@ -156,8 +152,7 @@ def _adamw_fp8_kernel(p_ptr, g_ptr, x_ptr, m_ptr, v_ptr, mult_ptr,  # [E_l, N, K
     for c in range(0, 128, CHUNK_Q):
         rn = nb * 128 + c + tl.arange(0, CHUNK_Q)
         mask = (rn < N)[:, None] & kmask[None, :]
-        w = tl.load(p_ptr + base + rn.to(tl.int64)[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-        q = _to_e4m3(tl.clamp(tl.div_rn(w, s), -448.0, 448.0), RNE_IN_FP32)
+        q = _quantise_slice(p_ptr + base + rn.to(tl.int64)[:, None] * K + rk[None, :], mask, s, RNE_IN_FP32)
         tl.store(q_ptr + base + rn.to(tl.int64)[:, None] * K + rk[None, :], q, mask=mask)
         tl.store(qt_ptr + base + rk.to(tl.int64)[None, :] * N + rn[:, None], q, mask=mask)
     tl.store(s_ptr + (e * n_nb + nb) * n_kb + kb, s)

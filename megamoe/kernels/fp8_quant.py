@@ -80,6 +80,24 @@ def _quant_act_kernel(
 
 
 @triton.jit
+def _weight_block(N, K):
+    """The 128x128 block of a [E_l, N, K] weight that program (e, nb, kb) of a (E_l, n_nb, n_kb) grid owns:
+    (e, nb, kb, rk = its 128 columns, kmask = rk < K, base = e's int64 offset)."""
+    e = tl.program_id(0)
+    nb = tl.program_id(1)
+    kb = tl.program_id(2)
+    rk = kb * 128 + tl.arange(0, 128)
+    return e, nb, kb, rk, rk < K, e.to(tl.int64) * N * K
+
+
+@triton.jit
+def _quantise_slice(ptrs, mask, s, RNE_IN_FP32: tl.constexpr):
+    """e4m3(*ptrs / s) for one slice of a weight block (the block's scale s), read as float32."""
+    w = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    return _to_e4m3(tl.clamp(tl.div_rn(w, s), -448.0, 448.0), RNE_IN_FP32)
+
+
+@triton.jit
 def _quant_weight_kernel(
     w_ptr,   # w [E_l, N, K] bf16/fp32 contiguous
     q_ptr,   # q [E_l, N, K] fp8 e4m3 (TRANSPOSE: [E_l, K, N])
@@ -100,12 +118,7 @@ def _quant_weight_kernel(
     COLS_T (with TRANSPOSE or BOTH): the transposed orientation from its own loop over CHUNK-column slices
     [128 rows, CHUNK cols] of the block, so each of its CHUNK output rows gets the block's 128 bytes in one store
     (row slices give each transposed row CHUNK bytes per store); one more read of the block (L1 / L2)."""
-    e = tl.program_id(0)
-    nb = tl.program_id(1)
-    kb = tl.program_id(2)
-    rk = kb * 128 + tl.arange(0, 128)
-    kmask = rk < K
-    base = e.to(tl.int64) * N * K
+    e, nb, kb, rk, kmask, base = _weight_block(N, K)
     amax = tl.zeros([CHUNK], dtype=tl.float32)
     for c in range(0, 128, CHUNK):
         rn = nb * 128 + c + tl.arange(0, CHUNK)
@@ -118,8 +131,7 @@ def _quant_weight_kernel(
             rn = nb * 128 + c + tl.arange(0, CHUNK)
             mask = (rn < N)[:, None] & kmask[None, :]
             off = base + rn.to(tl.int64)[:, None] * K + rk[None, :]
-            w = tl.load(w_ptr + off, mask=mask, other=0.0).to(tl.float32)
-            q = _to_e4m3(tl.clamp(tl.div_rn(w, s), -448.0, 448.0), RNE_IN_FP32)
+            q = _quantise_slice(w_ptr + off, mask, s, RNE_IN_FP32)
             off_t = base + rk.to(tl.int64)[None, :] * N + rn[:, None]
             if TRANSPOSE:
                 tl.store(q_ptr + off_t, q, mask=mask)
@@ -133,8 +145,7 @@ def _quant_weight_kernel(
         for c in range(0, 128, CHUNK):
             rc = kb * 128 + c + tl.arange(0, CHUNK)
             mask = nmask[:, None] & (rc < K)[None, :]
-            w = tl.load(w_ptr + base + rn.to(tl.int64)[:, None] * K + rc[None, :], mask=mask, other=0.0).to(tl.float32)
-            q = _to_e4m3(tl.clamp(tl.div_rn(w, s), -448.0, 448.0), RNE_IN_FP32)
+            q = _quantise_slice(w_ptr + base + rn.to(tl.int64)[:, None] * K + rc[None, :], mask, s, RNE_IN_FP32)
             off_t = base + rc.to(tl.int64)[None, :] * N + rn[:, None]
             if TRANSPOSE:
                 tl.store(q_ptr + off_t, q, mask=mask)
@@ -299,33 +310,30 @@ class Fp8Weight:
     key: tuple | None = field(default=None, repr=False)
     managed: bool = False
 
+    @staticmethod
+    def specs(w: torch.Tensor, who: str = "Fp8Weight") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """{name: (shape, dtype)} of the four buffers for a weight shaped like w [E_l, N, K]."""
+        if w.dim() != 3:
+            raise ValueError(f"{who}: the weight must be 3-D [E_l, N, K], got {tuple(w.shape)}")
+        E_l, N, K = w.shape
+        n_nb, n_kb = triton.cdiv(N, QBLOCK), triton.cdiv(K, QBLOCK)
+        f8, f32 = torch.float8_e4m3fn, torch.float32
+        return {"q": ((E_l, N, K), f8), "s": ((E_l, n_nb, n_kb), f32), "qt": ((E_l, K, N), f8),
+                "st": ((E_l, n_kb, n_nb), f32)}
+
     @classmethod
     def empty_like(cls, w: torch.Tensor, *, pow2_scale: bool = False) -> Fp8Weight:
         """Unfilled buffers (key None) for a weight shaped like w [E_l, N, K]."""
-        if w.dim() != 3:
-            raise ValueError(f"Fp8Weight: the weight must be 3-D [E_l, N, K], got {tuple(w.shape)}")
-        E_l, N, K = w.shape
-        n_nb, n_kb = triton.cdiv(N, QBLOCK), triton.cdiv(K, QBLOCK)
-        def buf(shape, dtype):
-            return torch.empty(shape, device=w.device, dtype=dtype)
-
-        f8, f32 = torch.float8_e4m3fn, torch.float32
-        return cls(buf((E_l, N, K), f8), buf((E_l, n_nb, n_kb), f32), buf((E_l, K, N), f8), buf((E_l, n_kb, n_nb), f32),
-                   pow2_scale=pow2_scale)
+        return cls(**{name: torch.empty(shape, device=w.device, dtype=dtype)
+                      for name, (shape, dtype) in cls.specs(w).items()}, pow2_scale=pow2_scale)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.q, self.s, self.qt, self.st
 
     def check(self, w: torch.Tensor, who: str) -> None:
         """ValueError unless these buffers fit weight w (shapes, dtypes, contiguity, device)."""
-        if w.dim() != 3:
-            raise ValueError(f"{who}: the weight must be 3-D [E_l, N, K], got {tuple(w.shape)}")
-        E_l, N, K = w.shape
-        n_nb, n_kb = triton.cdiv(N, QBLOCK), triton.cdiv(K, QBLOCK)
-        shapes = {"q": (E_l, N, K), "s": (E_l, n_nb, n_kb), "qt": (E_l, K, N), "st": (E_l, n_kb, n_nb)}
-        for name, shape in shapes.items():
+        for name, (shape, dtype) in self.specs(w, who).items():
             t = getattr(self, name)
-            dtype = torch.float32 if name in ("s", "st") else torch.float8_e4m3fn
             if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != w.device:
                 raise ValueError(f"{who}: FP8 buffer {name} must be a contiguous {dtype} tensor of shape {shape} on "
                                  f"{w.device} for a weight of shape {tuple(w.shape)}; got {t.dtype} "
