@@ -15,6 +15,7 @@ Relative error is ||a - ref|| / ||ref|| in float64 (0 when both are 0; NaN is re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -292,3 +293,29 @@ def graph_replay_vs_eager(dev: torch.device, moe: MoE, step) -> dict:
     s.synchronize()
     return {"graph_out_equal": all(torch.equal(a, b) for a, b in zip(eager, replay, strict=True)),
             "graph_w_equal": torch.equal(eager_w, moe.w13.detach())}
+
+
+def fp8_bits(t: torch.Tensor) -> torch.Tensor:
+    """t viewed as bytes when it is float8_e4m3fn (so torch.equal compares bits, -0 included), else t."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@contextlib.contextmanager
+def counting_weight_quantisations(moe: MoE):
+    """Within the block, counts the split backend's weight quantisations (quantize_weight_both) of ``moe``'s own
+    w13 / w2 (other layers' are not counted); yields a dict whose "n" is the count so far."""
+    import megamoe.backends.split as split_mod
+
+    mine = {moe.w13.data_ptr(), moe.w2.data_ptr()}
+    real = split_mod.quantize_weight_both
+    calls = {"n": 0}
+
+    def counting(w, *a, **kw):
+        calls["n"] += w.data_ptr() in mine
+        return real(w, *a, **kw)
+
+    split_mod.quantize_weight_both = counting
+    try:
+        yield calls
+    finally:
+        split_mod.quantize_weight_both = real

@@ -193,9 +193,10 @@ def _rank_fp8_managed(rank: int, world: int) -> dict:
     never quantises its weights (not in eager steps after the first, not while its forward + backward is captured in
     a CUDA graph), a graphed layer with an eager optimizer step replays bitwise like eager steps, and both equal a
     layer that quantises its weights afresh in every call (fp8_weight_cache=False) under the plain optimizer."""
-    import megamoe.backends.split as split_mod
     from megamoe import MoE, preset
+    from megamoe.experts import quantize_weight_both
     from megamoe.optim import MasterAdamW
+    from megamoe.testing import counting_weight_quantisations, fp8_bits
 
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
@@ -208,20 +209,11 @@ def _rank_fp8_managed(rank: int, world: int) -> dict:
     opts = {k: MasterAdamW([[m.w13, m.w2], [m.router.weight]], lr=1e-3) for k, m in layers.items()}
     for p, c in layers["managed"].backend.fp8_copies():
         opts["managed"].maintain_fp8(p, c)
-    calls = {"n": 0}
-    real = split_mod.quantize_weight_both
-
-    mine = {layers["managed"].w13.data_ptr(), layers["managed"].w2.data_ptr()}
-
-    def counting(w, *a, **kw):  # the managed layer's own quantisations (the fresh layer makes one per call)
-        calls["n"] += w.data_ptr() in mine
-        return real(w, *a, **kw)
-
-    split_mod.quantize_weight_both = counting
     r = {}
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
-    try:
+    # the managed layer's own quantisations (the fresh layer makes one per call)
+    with counting_weight_quantisations(layers["managed"]) as calls:
         with torch.cuda.stream(side):
             def fwd_bwd(name):
                 out = layers[name](x).out
@@ -268,14 +260,12 @@ def _rank_fp8_managed(rank: int, world: int) -> dict:
                 replay.append(static_out.detach().clone())
                 opt.step()  # reads the grads the graph wrote (kept: no zero_grad between replays)
         side.synchronize()
-    finally:
-        split_mod.quantize_weight_both = real
     r["layer_never_quantised_eager"] = eager_calls == 0  # every quantisation was the optimizer's
     r["replay_equals_eager"] = all(torch.equal(a, b) for a, b in zip(ref, replay, strict=True))
-    r["weights_equal"] = torch.equal(ref_w, moe.w13) and torch.equal(ref_q.view(torch.uint8),
-                                                                     moe.backend._fp8_copies["w13"].q.view(torch.uint8))
-    q, *_ = real(moe.w13.detach())
-    r["copy_is_quantisation"] = torch.equal(q.view(torch.uint8), moe.backend._fp8_copies["w13"].q.view(torch.uint8))
+    r["weights_equal"] = torch.equal(ref_w, moe.w13) and torch.equal(fp8_bits(ref_q),
+                                                                     fp8_bits(moe.backend._fp8_copies["w13"].q))
+    q, *_ = quantize_weight_both(moe.w13.detach())
+    r["copy_is_quantisation"] = torch.equal(fp8_bits(q), fp8_bits(moe.backend._fp8_copies["w13"].q))
     return r
 
 

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 
 from megamoe import experts as X  # noqa: E402
 from megamoe.kernels.gemm_config import GemmConfig  # noqa: E402
+from megamoe.testing import fp8_bits  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -479,6 +480,5 @@ def test_quantize_weight_both_equals_the_twin(shape, dtype, path, monkeypatch):
     got = X.quantize_weight_both(w)
     want = (*X.quantize_weight_ref(w), *X.quantize_weight_ref(w.transpose(1, 2).contiguous()))
     for name, a, b in zip(("q", "s", "qt", "st"), got, want, strict=True):
-        a8 = a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a
-        b8 = b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b
+        a8, b8 = fp8_bits(a), fp8_bits(b)
         assert torch.equal(a8, b8), f"{name}: {int((a8 != b8).sum())} of {a.numel()} elements differ"

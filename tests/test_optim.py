@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from megamoe.optim import MasterAdamW  # noqa: E402
+from megamoe.testing import fp8_bits  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 # the Triton kernel on CPU tensors runs under the interpreter, set above only on machines without CUDA
@@ -242,10 +243,6 @@ def _fp8_run(device, impl, moments, maintain, steps=2, pow2=False, dtype=torch.b
     return params, opt, copies
 
 
-def _bits(t):
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-
-
 def _quantised(p, pow2):
     """Both orientations of p by the torch twins (on p's device; bitwise the kernels' values there too)."""
     from megamoe.kernels.fp8_quant import quantize_weight_ref
@@ -271,7 +268,7 @@ def test_maintain_fp8_is_the_update_then_the_quantisation(device, impl, fp8_upda
     for p, c in zip(fused, copies, strict=False):
         assert c.managed and c.key == weight_key(p)
         for got, want in zip(c.tensors(), _quantised(p.detach(), False), strict=True):
-            assert got.dtype == want.dtype and torch.equal(_bits(got), _bits(want))
+            assert got.dtype == want.dtype and torch.equal(fp8_bits(got), fp8_bits(want))
 
 
 @pytest.mark.parametrize("device,impl,fp8_update", FP8_IMPLS)
@@ -285,7 +282,7 @@ def test_maintain_fp8_pow2_scales_and_float32_params(device, impl, fp8_update):
             assert torch.equal(s, torch.exp2(torch.log2(s).round())), "pow2 scales must be powers of two"
             for name, got, want in zip("q s qt st".split(), c.tensors(), _quantised(p.detach(), True),
                                        strict=True):
-                bad = int((_bits(got) != _bits(want)).sum())
+                bad = int((fp8_bits(got) != fp8_bits(want)).sum())
                 assert bad == 0, f"{dtype} {tuple(p.shape)}: {bad} of {got.numel()} elements of {name} differ"
 
 
@@ -303,18 +300,18 @@ def test_maintain_fp8_refreshes_on_load_and_refresh(impl):
     opt2.load_state_dict(state)  # sets the parameters from the masters: the copies must follow
     for p, mine, c, want in zip(others, params, c2, copies, strict=False):
         assert torch.equal(p, mine) and c.key == weight_key(p)
-        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(c.tensors(), want.tensors(), strict=True))
+        assert all(torch.equal(fp8_bits(a), fp8_bits(b)) for a, b in zip(c.tensors(), want.tensors(), strict=True))
     with torch.no_grad():  # a write that bypasses the optimizer, then an explicit refresh
         others[0].mul_(2.0)
     opt2.refresh_fp8()
     for got, want in zip(c2[0].tensors(), _quantised(others[0].detach(), False), strict=True):
-        assert torch.equal(_bits(got), _bits(want))
+        assert torch.equal(fp8_bits(got), fp8_bits(want))
     # reload_masters: masters (and the maintained copies) follow parameters rewritten outside the optimizer
     with torch.no_grad():
         others[1].add_(1.0)
     opt2.reload_masters([others[1]])
     assert torch.equal(opt2.sets[0][1].master, others[1].float())
-    assert torch.equal(_bits(c2[1].q), _bits(_quantised(others[1].detach(), False)[0]))
+    assert torch.equal(fp8_bits(c2[1].q), fp8_bits(_quantised(others[1].detach(), False)[0]))
     with pytest.raises(ValueError, match="not one of this optimizer's"):
         opt2.reload_masters([torch.zeros(3)])
 

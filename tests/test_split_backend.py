@@ -220,9 +220,11 @@ def _rank_fp8_managed(rank: int, world: int) -> dict:
     """FP8 copies kept by the optimizer (MasterAdamW.maintain_fp8 + SplitBackend.fp8_copies) against a layer that
     quantises afresh in every call, both stepped by MasterAdamW (the interpreted kernels): bitwise equal outputs and
     gradients over three steps, and the managed layer never quantises its weights itself."""
-    import megamoe.backends.split as split_mod
     from megamoe import MoE
+    from megamoe.experts import quantize_weight_both
+    from megamoe.kernels.fp8_quant import weight_key
     from megamoe.optim import MasterAdamW
+    from megamoe.testing import counting_weight_quantisations, fp8_bits
 
     dev = torch.device("cpu")
     cfg = LayerCase("managed", dtype="bf16", tokens=(11,), overrides={"num_experts": 4}).config()
@@ -234,17 +236,8 @@ def _rank_fp8_managed(rank: int, world: int) -> dict:
     opts = [MasterAdamW([[m.w13, m.w2]], lr=1e-2, impl="triton") for m in layers]
     for p, c in layers[0].backend.fp8_copies():
         opts[0].maintain_fp8(p, c)
-    mine = {layers[0].w13.data_ptr(), layers[0].w2.data_ptr()}
-    calls = {"n": 0}
-    real = split_mod.quantize_weight_both
-
-    def counting(w, *a, **kw):
-        calls["n"] += w.data_ptr() in mine
-        return real(w, *a, **kw)
-
-    split_mod.quantize_weight_both = counting
     r = {"equal": True}
-    try:
+    with counting_weight_quantisations(layers[0]) as calls:
         for _ in range(3):
             res = []
             for moe, opt in zip(layers, opts, strict=True):
@@ -255,31 +248,24 @@ def _rank_fp8_managed(rank: int, world: int) -> dict:
                 opt.step()
                 opt.zero_grad()
             r["equal"] &= all(torch.equal(a, b) for a, b in zip(*res, strict=True))
-    finally:
-        split_mod.quantize_weight_both = real
     r["weights_equal"] = torch.equal(layers[0].w13, layers[1].w13) and torch.equal(layers[0].w2, layers[1].w2)
     r["layer_never_quantised"] = calls["n"] == 0
     r["managed"] = all(c.managed for _, c in layers[0].backend.fp8_copies())
-    from megamoe.kernels.fp8_quant import weight_key
 
-    def bits(t):
-        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    def same(xs, ys):
+        return all(torch.equal(fp8_bits(a), fp8_bits(b)) for a, b in zip(xs, ys, strict=True))
 
     backend, copy = layers[0].backend, layers[0].backend._fp8_copies["w2"]
     # a write the version counter does not see, then invalidate: the optimizer-kept copy is requantised at once
     layers[0].w2.data.mul_(2.0)
     backend.invalidate_fp8_weights()
-    want = real(layers[0].w2.detach())
-    r["invalidate_requantises_managed"] = (copy.key == weight_key(layers[0].w2) and
-                                           all(torch.equal(bits(a), bits(b))
-                                               for a, b in zip(copy.tensors(), want, strict=True)))
+    r["invalidate_requantises_managed"] = (copy.key == weight_key(layers[0].w2)
+                                           and same(copy.tensors(), quantize_weight_both(layers[0].w2.detach())))
     # weights other than the layer's own: quantised afresh, the optimizer's copies left as they are
     before = [t.clone() for t in copy.tensors()]
     other13, other2 = layers[0].w13.detach() * 0.5, layers[0].w2.detach() * 0.5
     got = backend.fp8_weights(other13, other2)
-    r["foreign_weights_fresh"] = (all(torch.equal(bits(a), bits(b)) for a, b in zip(got[4:], real(other2), strict=True))
-                                  and all(torch.equal(bits(a), bits(b))
-                                          for a, b in zip(copy.tensors(), before, strict=True)))
+    r["foreign_weights_fresh"] = same(got[4:], quantize_weight_both(other2)) and same(copy.tensors(), before)
     return r
 
 
