@@ -28,6 +28,7 @@ from megamoe.config import preset
 from megamoe.kernels.fp8_quant import Fp8Weight, quantize_weight_both
 from megamoe.optim import MasterAdamW, _adamw_fp8_kernel, _adamw_kernel
 from megamoe.perf import event_median_s, write_results
+from megamoe.testing import fp8_bits
 
 HBM = 4258e9
 #: (CHUNK, CHUNK_Q, num_warps) of the fused kernel; sm_90a registers (fp32 / bf16 moments, compiled on CPU):
@@ -38,10 +39,6 @@ VARIANTS = [(32, 32, 8), (8, 32, 8), (8, 16, 8), (4, 16, 8), (16, 32, 16), (8, 8
 
 def timed(fn, iters: int) -> float:
     return event_median_s(fn, iters, warmup=2)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def run(shape, moments: torch.dtype, iters: int, variants) -> list[dict]:
@@ -88,7 +85,7 @@ def run_mode(mode, cfg, w0, grad, mult, moments, iters, results) -> dict:
         results["separate"] = [t.clone() for t in state]
         same = True
     else:
-        same = all(torch.equal(bits(a), bits(b)) for a, b in zip(results["separate"], state, strict=True))
+        same = all(torch.equal(fp8_bits(a), fp8_bits(b)) for a, b in zip(results["separate"], state, strict=True))
     del state
     t = timed(step, iters)
     return {"mode": mode, "config": cfg, "moments": str(moments).removeprefix("torch."), "ms": t * 1e3,
