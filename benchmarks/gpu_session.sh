@@ -12,7 +12,7 @@
 # parallel processes), b2 (its variants' bench, forward and the two dgrads, 4096 and 16384 tokens, ~5 min), f (FP8
 # backward on pull_grad: tests, then the layer A/B, ~8 min on one GPU), q (fused / layer GPU tests, then the FP8
 # weight-quantisation variants), o (FP8 copies kept by the optimizer: tests + bench, ~6 min), o2 (training A/B of it,
-# ~6 min), o3 (graphed FP8 layer, managed copies vs per-replay quantisation, ~3 min).
+# ~6 min), o3 (graphed FP8 layer, managed copies vs per-replay quantisation, ~3 min), v (the GPU tests of V_TESTS).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -210,6 +210,11 @@ echo "   quantisation variants"
 for p in qwen3-30b-a3b mixtral-8x7b; do echo "-- $p"; bench "$p" 4096 "split,split:fp8=1" fp8quant --cuda-graph; done
 CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/quant_bench.py --json "$OUT/quant.json" 2>&1 | grep -v arn \
   | tee "$OUT/quant.txt" | tail -60
+fi
+
+if want v; then
+echo "== v. the GPU tests of the files in V_TESTS (space-separated; -m gpu), in V_PROCS (default 6) processes"
+gpu_tests_par gpu_verify "${V_TIMEOUT:-400}" "${V_PROCS:-6}" ${V_TESTS:?set V_TESTS}
 fi
 
 if want o; then
