@@ -12,7 +12,16 @@ import pytest
 import torch
 
 from megamoe.dist import spawn
-from megamoe.testing import TOLERANCE, LayerCase, bf16_cases, determinism_case, layer_case, tiny_experts
+from megamoe.testing import (
+    FP8_TOLERANCE,
+    TOLERANCE,
+    LayerCase,
+    bf16_cases,
+    determinism_case,
+    layer_case,
+    tiny_experts,
+    twin_runs,
+)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # spawned CPU ranks inherit it before importing triton
@@ -121,6 +130,54 @@ def check(results) -> None:
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])  # 3: not a power of two; 8: one local expert per rank
 def test_fused_matches_reference_cpu(world):
     check(spawn(_rank, world, timeout_s=900))
+
+
+# FP8 (fp8=1): x quantised once per token on its home rank, the packed rows pulled, both GEMMs on e4m3 operands in the
+# megakernel (act quantised by GEMM1's epilogue), the backward on split's FP8 kernels. Against the split layer with
+# fp8=1, fp8_dispatch=1 (the same recipe in separate kernels) every output and gradient must be bitwise equal on
+# CPU ranks (the same Triton FP8 arithmetic; on GPUs split runs Gluon kernels: tests/test_gpu_fused.py); against
+# float64 the FP8 bounds of megamoe.testing.
+FP8_CASES = ("bf16:fp32-empty-rank",      # a rank with zero tokens
+             "bf16:fp64-one-expert-k1",   # k = 1, one expert takes every token
+             "bf16:fp32-odd-widths")      # H = 100, I = 40: partial scale blocks, rows not TMA-aligned
+
+
+def fp8_multiblock(world: int) -> LayerCase:
+    """Several scale blocks per weight, each dimension ending in a partial one (H = 160, I = 144)."""
+    return LayerCase("bf16-multiblock-ragged", dtype="bf16", tokens=tuple(13 + 4 * r for r in range(world)),
+                     overrides={"num_experts": 4, "hidden": 160, "intermediate": 144})
+
+
+def _rank_fp8(rank: int, world: int):
+    dev = torch.device("cpu")
+    split_fp8 = ("split", {"fp8": True, "fp8_dispatch": True})
+    cases = [c for c in bf16_cases(world) if c.name in FP8_CASES] + [fp8_multiblock(world)]
+    refs = [dict(layer_case(c, "fused", dev, fp8=True), case="fp8:" + c.name) for c in cases]
+    twins = [(c.name, twin_runs(c, dev, ("fused", {"fp8": True}), split_fp8)) for c in cases]
+    sk = skewed_case(world)
+    for ring in (4, 8):  # the smallest ring, and one that cycles less
+        r = layer_case(sk, "fused", dev, fp8=True, ring_blocks=ring)
+        r.update(case=f"fp8-ring{ring}:{r['case']}", ring=ring, blocks=blocks_on_rank(r["counts"], rank, world))
+        refs.append(r)
+        twins.append((f"ring{ring}", twin_runs(sk, dev, ("fused", {"fp8": True, "ring_blocks": ring}), split_fp8)))
+    dets = [determinism_case(sk, "fused", dev, fp8=True), determinism_case(sk, "fused", dev, fp8=True, ring_blocks=4)]
+    return refs, twins, dets
+
+
+@CPU_ONLY
+def test_fused_fp8_matches_split_fp8_cpu():
+    cycled = 0
+    for refs, twins, dets in spawn(_rank_fp8, 2, timeout_s=900):
+        assert all(dets), "fused fp8: two runs differ bitwise"
+        for r in refs:
+            for key, tol in FP8_TOLERANCE.items():
+                assert r[key] < tol, f"{r['case']} rank {r['rank']}: {key} rel err {r[key]:.3g} >= {tol}"
+            assert r["counts_ok"]
+            cycled += int("ring" in r and r["blocks"] > r["ring"])
+        for name, t in twins:
+            diff = {k: v for k, v in t.items() if not v[0]}
+            assert not diff, f"{name}: fused fp8 differs from split fp8 + fp8_dispatch: {diff}"
+    assert cycled >= 1, "the skewed case should make the smallest ring cycle"
 
 
 def _absent(rank: int, world: int):
@@ -245,7 +302,7 @@ def _bad_options(rank, world):
     except ValueError as exc:
         msgs.append(str(exc))
     for kw in ({"stages": 5}, {"counter_scope": "cta"}, {"lag": 0}, {"lag": 2, "ring_blocks": 4}, {"prologue": 2},
-               {"pull_prefetch": "yes"}):
+               {"pull_prefetch": "yes"}, {"fp8": 2}, {"fp8": True, "fused_backward": True}):
         try:
             MoE(preset("tiny"), backend="fused", **kw)
             msgs.append(None)
@@ -272,3 +329,5 @@ def test_fused_rejects_bad_options():
     assert msgs[13] is not None and "ring_blocks must be >= 5" in msgs[13]
     assert msgs[14] is not None and "prologue" in msgs[14]
     assert msgs[15] is not None and "pull_prefetch" in msgs[15]
+    assert msgs[16] is not None and "fp8" in msgs[16]
+    assert msgs[17] is not None and "fused_backward" in msgs[17] and "bf16 only" in msgs[17]

@@ -57,10 +57,11 @@ import os
 import torch
 import torch.distributed as dist
 
+from megamoe.backends.fp8_weights import Fp8WeightCache
 from megamoe.backends.split import _side_stream, _wgrads, bf16_dgrad, get_heap  # noqa: F401 - shared heap cache
-from megamoe.comm.dispatch import dispatch, dispatch_backward
+from megamoe.comm.dispatch import dispatch, dispatch_backward, dispatch_fp8, fp8_row_layout
 from megamoe.comm.heap import CommShape, heap_bytes
-from megamoe.experts import gemm1_swiglu
+from megamoe.experts import dequantize_act, gemm1_swiglu, gemm1_swiglu_fp8
 from megamoe.kernels.fused_moe import (
     FusedConfig,
     FusedState,
@@ -79,16 +80,20 @@ def _state(ctx, recv, act, h) -> FusedState:
 
 class _FusedMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_w, w13, w2, topk_idx, backend, train):
+    def forward(ctx, x, topk_w, w13, w2, topk_idx, backend, train, wq):
         ring = backend.ring_blocks or 0
         mega = backend.fused_backward and not ring  # the backward megakernel needs the slots' rows and act
         y, st = fused_forward(backend.heap, x, topk_idx, topk_w, w13, w2, backend.config, ring_blocks=ring,
-                              store_h=train and not ring, save=train and mega, comm_programs=backend.comm_sms)
+                              store_h=train and not ring, save=train and mega, comm_programs=backend.comm_sms,
+                              wq=wq)
         if train:
+            # FP8 (dense): the packed rows' e4m3 values and scales, dequantised in the backward for dW13
+            rows = (st.xq if st.xq is not None else (st.xbuf, None))
             ctx.save_for_backward(x, topk_idx, topk_w, w13, w2, st.saved,
-                                  *(() if ring else (st.xbuf, st.act if mega else None, st.h)))
+                                  *(() if ring else (*rows, st.act if mega else None, st.h)))
             ctx.handle = st.handle
             ctx.backend = backend
+            ctx.wq = wq  # the FP8 weights of this call (a tuple, not saved tensors: no grads flow to them)
         return y
 
     @staticmethod
@@ -97,28 +102,36 @@ class _FusedMoE(torch.autograd.Function):
         saved = ctx.saved_tensors
         x, topk_idx, topk_w, w13, w2, slots = saved[:6]
         dy = dy.contiguous()
+        wq = ctx.wq
         if b.ring_blocks:  # the ring overwrote the forward's rows: recompute them (dispatch + GEMM1)
-            recv, handle = dispatch(x, topk_idx, b.heap, num_sms=b.comm_sms)
-            _, h = gemm1_swiglu(recv, w13, handle.offs, store_h=True)
+            if wq is not None:  # as the FP8 forward: packed FP8 rows pulled, GEMM1 on them
+                aq, a_s, handle = dispatch_fp8(x, topk_idx, b.heap, num_sms=b.comm_sms)
+                _, h = gemm1_swiglu_fp8(aq, a_s, wq[0], wq[1], handle.offs, store_h=True)
+                recv = dequantize_act(aq, a_s, nrows=handle.offs[-1:])
+            else:
+                recv, handle = dispatch(x, topk_idx, b.heap, num_sms=b.comm_sms)
+                _, h = gemm1_swiglu(recv, w13, handle.offs, store_h=True)
         else:
-            recv, act, h = saved[6:]
+            recv, a_s, act, h = saved[6:]
             handle = ctx.handle
+            if a_s is not None:  # FP8: dW13 = dh^T recv on the dequantised rows (only the received ones)
+                recv = dequantize_act(recv, a_s, nrows=handle.offs[-1:])
         offs = handle.offs
         if b.fused_backward and not b.ring_blocks:  # the backward megakernel, then split's wgrad kernels
             d_topk_w = dgate(dy, slots)
             dx, g_out, dh = fused_backward(b.heap, dy, topk_w, _state(ctx, recv, act, h), w13, w2, b.config,
                                            comm_programs=b.comm_sms)
             dw13, dw2 = _wgrads(g_out, act, dh, recv, offs, w13, w2)
-            return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None
+            return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None, None
         # split's bf16 backward: dy pulled unscaled with its gates, d(topk_w) and the gated activation from the
         # dgrad GEMM's epilogue (no saved expert outputs, no d(topk_w) kernel)
-        dy_rows, acts, dh, d_recv, d_topk_w = bf16_dgrad(dy, topk_w, handle, h, recv, w13, w2, b.comm_sms)
+        dy_rows, acts, dh, d_recv, d_topk_w = bf16_dgrad(dy, topk_w, handle, h, recv, w13, w2, b.comm_sms, wq=wq)
         dx = dispatch_backward(d_recv, handle, num_sms=b.comm_sms, out_dtype=dy.dtype)
         dw13, dw2 = _wgrads(dy_rows, acts, dh, recv, offs, w13, w2)
-        return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None
+        return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None, None
 
 
-class FusedBackend:
+class FusedBackend(Fp8WeightCache):
     """See the module docstring."""
 
     name = "fused"
@@ -134,7 +147,8 @@ class FusedBackend:
                  lookahead: int | None = None, pull_split: int | None = None, group_blocks: int | None = None,
                  comm_sms: int | None = None, timeout_s: float = 60.0, fused_backward: bool = False,
                  combine: str = "push", stages: int | None = None, counter_scope: str | None = None,
-                 lag: int | None = None, prologue: bool = False, pull_prefetch: bool = False):
+                 lag: int | None = None, prologue: bool = False, pull_prefetch: bool = False, fp8: bool = False,
+                 fp8_weight_cache: bool = True):
         cfg = moe.config
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"backend 'fused' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
@@ -145,7 +159,21 @@ class FusedBackend:
             comm_sms = 2 if os.environ.get("TRITON_INTERPRET") == "1" else device_sms(moe.device)
         if comm_sms < 1:
             raise ValueError(f"comm_sms must be >= 1, got {comm_sms}")
-        self.config: FusedConfig = default_fused_config(moe.device)
+        for name, flag in (("fp8", fp8), ("fp8_weight_cache", fp8_weight_cache)):
+            if flag not in (True, False, 0, 1):
+                raise ValueError(f"backend 'fused': {name} must be a flag (True/False or 1/0), got {flag!r}")
+        if fp8 and moe.device.type == "cuda" and torch.cuda.get_device_capability(moe.device) < (8, 9):
+            raise ValueError(f"backend 'fused' with fp8=1 needs FP8 tensor cores (compute capability >= 8.9, "
+                             f"e.g. H100/H200/L40); {torch.cuda.get_device_name(moe.device)} has "
+                             f"{torch.cuda.get_device_capability(moe.device)}")
+        if fp8 and fused_backward:
+            raise ValueError("backend 'fused': fp8=1 runs the backward on split's FP8 kernels; the backward "
+                             "megakernel (fused_backward=1) is bf16 only")
+        if fp8 and cfg.hidden < 32:
+            raise ValueError(f"backend 'fused' with fp8=1 needs hidden >= 32 (a packed FP8 row must fit in a bf16 "
+                             f"row of the symmetric heap), got {cfg.hidden}")
+        self._init_fp8_cache(fp8, fp8_weight_cache)
+        self.config: FusedConfig = default_fused_config(moe.device, fp8=bool(fp8))
         if programs is not None:
             if programs < 1:
                 raise ValueError(f"programs must be >= 1, got {programs}")
@@ -213,13 +241,21 @@ class FusedBackend:
         sh, c = self.shape, self.config
         rows = self.ring_blocks * c.block_m if self.ring_blocks else sh.rows_cap
         inter = self.moe.config.intermediate
-        per_row = (sh.hidden + inter + (0 if self.ring_blocks else 2 * inter)) * 2
-        return {"symmetric": heap_bytes(self.shape), "per_call": rows * per_row,
-                "saved_slots": sh.max_tokens * sh.topk * sh.hidden * 2 if self.fused_backward else 0}
+        h_bytes = 0 if self.ring_blocks else 2 * inter * 2
+        if self.fp8:  # packed e4m3 rows with their scales, e4m3 act with its scales, h in bf16
+            per_row = fp8_row_layout(sh.hidden)[1] + inter + 4 * -(-inter // 128) + h_bytes
+        else:
+            per_row = (sh.hidden + inter) * 2 + h_bytes
+        out = {"symmetric": heap_bytes(self.shape), "per_call": rows * per_row,
+               "saved_slots": sh.max_tokens * sh.topk * sh.hidden * 2 if self.fused_backward else 0}
+        if self.fp8 and self.fp8_weight_cache:
+            out["fp8_weights"] = self.fp8_weight_bytes()
+        return out
 
     def __call__(self, x, topk_idx, topk_w, w13, w2):
         if x.shape[0] > self.shape.max_tokens:
             raise ValueError(f"{x.shape[0]} tokens exceed the layer's max_tokens_per_rank "
                              f"({self.shape.max_tokens}); build the MoEConfig with a larger one")
         train = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_w, w13, w2))
-        return _FusedMoE.apply(x, topk_w, w13, w2, topk_idx, self, train)
+        wq = self.fp8_weights(w13, w2) if self.fp8 else None
+        return _FusedMoE.apply(x, topk_w, w13, w2, topk_idx, self, train, wq)

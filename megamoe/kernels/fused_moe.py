@@ -70,7 +70,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.comm.combine import stage_grad
-from megamoe.comm.dispatch import DispatchHandle, stage_and_schedule
+from megamoe.comm.dispatch import DispatchHandle, fp8_row_layout, stage_and_schedule
 from megamoe.comm.signals import (
     ARRIVE_WORK,
     DONE,
@@ -84,6 +84,7 @@ from megamoe.comm.signals import (
     publish,
     wait_flags,
 )
+from megamoe.kernels.fp8_quant import _scale_of, _to_e4m3, quantize_act
 from megamoe.kernels.fused_parts import (
     _locate,
     _pull_block,
@@ -98,6 +99,71 @@ from megamoe.kernels.gemm_config import interpreting, num_sms, record, tma_ok
 from megamoe.kernels.grouped_gemm import _epilogue, _expert_tiles, _load_a, _load_b
 
 
+@triton.jit
+def _fp8_gemm1_half(x_desc, xq_ptr, xs_ptr, stride_xq, stride_xs, w13_desc, w13_ptr, ws1_ptr, h_ptr, e, base, nrows,
+                    off_n, H, I, BM: tl.constexpr, BN: tl.constexpr, STORE_H: tl.constexpr, DOT_F32: tl.constexpr,
+                    USE_TMA: tl.constexpr):
+    """FP8 GEMM1 of one [BM, BN] column slice (gate columns off_n.., up columns I + off_n..): per 128 of K, acc +=
+    (xq @ wq^T) * x_scale[r] * w_scale[n] (as the Triton FP8 grouped GEMM); h = (g, u) stored in bf16 (STORE_H);
+    returns act = silu(g) * u rounded to bf16 (as the split layer's GEMM1 stores it), 0 at rows >= nrows and
+    columns >= I."""
+    kbh = tl.cdiv(H, 128)
+    lm = tl.arange(0, BM)
+    rn = off_n + tl.arange(0, BN)
+    mm = lm < nrows
+    sw = ws1_ptr + e.to(tl.int64) * (tl.cdiv(2 * I, 128) * kbh)
+    sa_p = xs_ptr + (base + lm).to(tl.int64) * stride_xs
+    sg_p = sw + (rn // 128) * kbh
+    su_p = sw + ((I + rn) // 128) * kbh
+    g = tl.zeros((BM, BN), dtype=tl.float32)
+    u = tl.zeros((BM, BN), dtype=tl.float32)
+    for ki in range(kbh):
+        off_k = ki * 128
+        a = _load_a(x_desc, xq_ptr, base, off_k, base + nrows, H, stride_xq, BM, 128, USE_TMA)
+        bg = _load_b(w13_desc, w13_ptr, e, off_n, off_k, I, H, 2 * I * H, H, BN, 128, False, USE_TMA)
+        bu = _load_b(w13_desc, w13_ptr, e, I + off_n, off_k, 2 * I, H, 2 * I * H, H, BN, 128, False, USE_TMA)
+        sa = tl.load(sa_p + ki, mask=mm, other=0.0)
+        sg = tl.load(sg_p + ki, mask=rn < I, other=0.0)
+        su = tl.load(su_p + ki, mask=rn < I, other=0.0)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            bg = bg.to(tl.float32)
+            bu = bu.to(tl.float32)
+        g += tl.dot(a, bg) * sa[:, None] * sg[None, :]
+        u += tl.dot(a, bu) * sa[:, None] * su[None, :]
+    mask = mm[:, None] & (rn < I)[None, :]
+    if STORE_H:
+        h_base = h_ptr + base.to(tl.int64) * (2 * I)
+        h_offs = lm[:, None] * (2 * I) + rn[None, :]
+        tl.store(h_base + h_offs, g.to(h_ptr.dtype.element_ty), mask=mask)
+        tl.store(h_base + I + h_offs, u.to(h_ptr.dtype.element_ty), mask=mask)
+    return tl.where(mask, (g / (1.0 + tl.exp(-g)) * u).to(tl.bfloat16), 0.0)
+
+
+@triton.jit
+def _act_quant_store(act0, act1, off_m, off_n, row_end, j, I, aq_ptr, as_ptr, BM: tl.constexpr, HALF: tl.constexpr,
+                     RNE: tl.constexpr):
+    """Quantise act's 1x128 block j (its two bf16 halves, 0 outside the block's rows and I) as quantize_act does:
+    s[r] = amax / 448 over the 128 columns, aq = e4m3(act / s); store both (rows < row_end, columns < I)."""
+    lm = tl.arange(0, BM)
+    rm = off_m + lm
+    mm = rm < row_end
+    a0 = act0.to(tl.float32)
+    a1 = act1.to(tl.float32)
+    s = _scale_of(tl.maximum(tl.max(tl.abs(a0), axis=1), tl.max(tl.abs(a1), axis=1)), False)
+    base = aq_ptr + off_m.to(tl.int64) * I
+    _q_store(a0, s, base, lm, off_n, mm, I, HALF, RNE)
+    _q_store(a1, s, base, lm, off_n + HALF, mm, I, HALF, RNE)
+    tl.store(as_ptr + rm.to(tl.int64) * tl.cdiv(I, 128) + j, s, mask=mm)
+
+
+@triton.jit
+def _q_store(a, s, base, lm, off_n, mm, I, NP: tl.constexpr, RNE: tl.constexpr):
+    rn = off_n + tl.arange(0, NP)
+    q = _to_e4m3(tl.clamp(tl.div_rn(a, s[:, None]), -448.0, 448.0), RNE)
+    tl.store(base + (lm[:, None] * I + rn[None, :]), q, mask=mm[:, None] & (rn < I)[None, :])
+
+
 # W, E_l, T: an int argument equal to 1 would be specialised to a constexpr, a different compile with no gain
 # that spilled (48 B/thread at W = 1, 4 B at E_l = 1; megamoe/sm90.py); for the same reason the launcher passes
 # WP2 >= 2 (the peer loops mask lanes >= W)
@@ -109,6 +175,9 @@ def _fused_fwd_kernel(
     act_desc, act_ptr,      # act [NROWS, I] bf16
     w2_desc, w2_ptr,        # w2 [E_l, H, I] bf16
     h_ptr,                  # h [NROWS, 2I] bf16 (STORE_H)
+    xq_ptr, xs_ptr,         # FP8: e4m3 rows [NROWS, H] and their 1x128 scales fp32 [NROWS, cdiv(H, 128)], row-strided
+                            # views (stride_xq bytes, stride_xs floats) of xbuf's packed rows (HP 16-bit words each)
+    ws1_ptr, acs_ptr, ws2_ptr,  # FP8: w13's 128x128 block scales, act's 1x128 scales [NROWS, cdiv(I, 128)], w2's
     offs_ptr,               # int32 [E_l + 1] (schedule)
     row_src_ptr, row_tok_ptr, row_slot_ptr,  # int32 [R_cap] (schedule): (source rank, token, slot) per row
     dest_rank_ptr, dest_row_ptr,  # int32 [T_max, K] (schedule): expert rank and receive row of own (t, j)
@@ -121,7 +190,7 @@ def _fused_fwd_kernel(
     ctr_ptr,                # int64 [1 + 3 * NB_MAX] zeroed: queue, ready[NB_MAX], g1[NB_MAX], g2[NB_MAX]
     tl_ptr,                 # int64 [items, 8] (TIMELINE): per item pid, kind, block, then %globaltimer stamps
     tlp_ptr,                # int64 [P, 8] (TIMELINE): per program entry, READY seen, items done, DONE seen, end
-    T, H, I, K2, E_l, NB_MAX, NS, L1, L2, timeout_ns,
+    T, H, I, K2, E_l, NB_MAX, NS, L1, L2, timeout_ns, HP, stride_xq, stride_xs,
     K: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     BLOCK_E: tl.constexpr, EPI_SPLIT1: tl.constexpr, EPI_SPLIT2: tl.constexpr,
     GB: tl.constexpr, ABLATE: tl.constexpr, PULL_SPLIT: tl.constexpr, ROWS_P: tl.constexpr,
@@ -129,6 +198,7 @@ def _fused_fwd_kernel(
     USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, STORE_H: tl.constexpr, SAVE: tl.constexpr,
     ALIGNED: tl.constexpr, WP2: tl.constexpr, BWD: tl.constexpr, PULL_COMBINE: tl.constexpr,
     TIMELINE: tl.constexpr, ACQ_GPU: tl.constexpr, PROLOGUE: tl.constexpr, PULL_PF: tl.constexpr,
+    FP8: tl.constexpr, RNE: tl.constexpr,
 ):
     """grid (P,): see the module docstring. BWD: the backward pass through the same item structure (x -> g_out
     pulled with gates, act -> dh, w13 -> w2 and w2 -> w13 read transposed, y -> dx summed without gates)."""
@@ -191,11 +261,11 @@ def _fused_fwd_kernel(
                         part = (BM + nparts - 1) // nparts
                         if PULL_PF:
                             _pull_block_pf(tab, W, row0, nrows, base, part_i * part, part_i * part + part,
-                                           row_src_ptr, row_tok_ptr, row_slot_ptr, x_ptr, H, K, BM, ROWS_P, BLOCK_H,
+                                           row_src_ptr, row_tok_ptr, row_slot_ptr, x_ptr, H, HP, K, BM, ROWS_P, BLOCK_H,
                                            ALIGNED, BWD)
                         else:
                             _pull_block(tab, W, row0, nrows, base, part_i * part, part_i * part + part,
-                                        row_src_ptr, row_tok_ptr, row_slot_ptr, x_ptr, H, K, ROWS_P, BLOCK_H,
+                                        row_src_ptr, row_tok_ptr, row_slot_ptr, x_ptr, H, HP, K, ROWS_P, BLOCK_H,
                                         ALIGNED, BWD)
                     if TIMELINE:
                         t_loop = now_ns()
@@ -239,6 +309,20 @@ def _fused_fwd_kernel(
                             _epilogue(acc, acc, base, off_n, base + nrows, j, 0, I, act_ptr, 2 * I, h_ptr, 2 * I,
                                       gate_ptr, gate_ptr, gate_ptr, BM, BN1, 2, False, False,
                                       EPI_SPLIT1)
+                        elif FP8:  # e4m3 x rows @ e4m3 w13 gate / up, promoted per 128 of K with both scales, in
+                            # two 64-column halves (a 128-column pair of fp32 tiles plus the scaled products spilled
+                            # 1.1 KB per thread); act's 1x128 block = the two halves, quantised together
+                            HALF: tl.constexpr = BN1 // 2
+                            act0 = _fp8_gemm1_half(x_desc, xq_ptr, xs_ptr, stride_xq, stride_xs, w13_desc, w13_ptr,
+                                                   ws1_ptr, h_ptr, e, base, nrows, off_n, H, I, BM, HALF, STORE_H,
+                                                   DOT_F32, USE_TMA)
+                            act1 = _fp8_gemm1_half(x_desc, xq_ptr, xs_ptr, stride_xq, stride_xs, w13_desc, w13_ptr,
+                                                   ws1_ptr, h_ptr, e, base, nrows, off_n + HALF, H, I, BM, HALF,
+                                                   STORE_H, DOT_F32, USE_TMA)
+                            if TIMELINE:
+                                t_loop = now_ns()
+                            _act_quant_store(act0, act1, base, off_n, base + nrows, j, I, act_ptr, acs_ptr, BM, HALF,
+                                             RNE)
                         else:
                             acc2 = tl.zeros((BM, BN1), dtype=tl.float32)
                             for ki in range(tl.cdiv(H, BK)):
@@ -279,7 +363,23 @@ def _fused_fwd_kernel(
                                                     K, BM, DT, ALIGNED)
                         off_n = j * BN2
                         acc = tl.zeros((BM, BN2), dtype=tl.float32)
-                        if (ABLATE & 4) == 0:
+                        if FP8:  # e4m3 act (quantised by GEMM1's epilogue) @ e4m3 w2 tiles, promoted per 128 of K
+                            rn2 = off_n + tl.arange(0, BN2)
+                            kbi = tl.cdiv(I, 128)
+                            sa_p = acs_ptr + (base + tl.arange(0, BM)).to(tl.int64) * kbi
+                            sw_p = ws2_ptr + e.to(tl.int64) * (tl.cdiv(H, 128) * kbi) + (rn2 // 128) * kbi
+                            mm = tl.arange(0, BM) < nrows
+                            for ki in range(kbi):
+                                off_k = ki * 128
+                                a = _load_a(act_desc, act_ptr, base, off_k, base + nrows, I, I, BM, 128, USE_TMA)
+                                bw = _load_b(w2_desc, w2_ptr, e, off_n, off_k, H, I, H * I, I, BN2, 128, False, USE_TMA)
+                                sa = tl.load(sa_p + ki, mask=mm, other=0.0)
+                                sb = tl.load(sw_p + ki, mask=rn2 < H, other=0.0)
+                                if DOT_F32:
+                                    a = a.to(tl.float32)
+                                    bw = bw.to(tl.float32)
+                                acc += tl.dot(a, bw) * sa[:, None] * sb[None, :]
+                        elif (ABLATE & 4) == 0:
                             for ki in range(tl.cdiv(K2, BK)):  # K2 = I (act @ w2^T) or 2I (BWD: dh @ w13)
                                 off_k = ki * BK
                                 a = _load_a(act_desc, act_ptr, base, off_k, base + nrows, K2, K2, BM, BK, USE_TMA)
@@ -436,11 +536,14 @@ class FusedConfig:
 LAST_TIMELINE: dict = {}
 
 
-def default_fused_config(device: torch.device) -> FusedConfig:
+def default_fused_config(device: torch.device, fp8: bool = False) -> FusedConfig:
+    """The launch config of a layer; ``fp8``: the FP8 forward's (GEMM1 tiles of 128 columns, act's scale blocks)."""
     if interpreting():  # lookahead 2 / lag 1: the GPU defaults (8 / 3) triple the empty items the interpreter walks
         # (tests/test_fused_backend.py runs one case with them)
-        return FusedConfig(block_m=32, bn1=32, bn2=32, block_k=32, num_stages=1, num_warps=4, epi_split1=1,
-                           epi_split2=1, programs=1, pull_elems=4096, lookahead=2, lag=1)
+        return FusedConfig(block_m=32, bn1=128 if fp8 else 32, bn2=32, block_k=32, num_stages=1, num_warps=4,
+                           epi_split1=1, epi_split2=1, programs=1, pull_elems=4096, lookahead=2, lag=1)
+    if fp8:  # GEMM2 on 128 columns: a 256-column fp32 tile plus its scaled per-k products do not fit the registers
+        return FusedConfig(bn2=128)
     return FusedConfig()
 
 
@@ -453,6 +556,7 @@ class FusedState:
     act: torch.Tensor            # [NROWS, I]
     h: torch.Tensor | None       # [NROWS, 2I] (dense + store_h)
     saved: torch.Tensor | None   # [T, k, H] un-gated expert outputs of this rank's slots (save)
+    xq: tuple | None = None      # FP8: (e4m3 rows [NROWS, H], their scales [NROWS, cdiv(H, 128)]), views of xbuf
 
 
 def plan_lag(cfg: FusedConfig, ring_blocks: int) -> int:
@@ -475,25 +579,49 @@ def _plan(cfg: FusedConfig, device: torch.device, H: int, I: int, ring_blocks: i
     return P, G, L1, L2
 
 
+@dataclass
+class Fp8Operands:
+    """The FP8 forward's operands besides the launch's a / w1 / act / w2 (then: the packed rows [NROWS, HP] bf16
+    words, q(w13), act's e4m3 buffer [NROWS, I], q(w2)): xq / xs the e4m3 rows and their scales (views of the
+    packed rows), s13 / s2 the weights' 128x128 block scales, acs act's 1x128 scales [NROWS, cdiv(I, 128)]."""
+
+    xq: torch.Tensor
+    xs: torch.Tensor
+    s13: torch.Tensor
+    acs: torch.Tensor
+    s2: torch.Tensor
+
+
 def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y, save, T: int, I: int, k2: int,
-            nb_max: int, ring_blocks: int, group: int, lookahead: int, lag: int, bwd: bool) -> None:
+            nb_max: int, ring_blocks: int, group: int, lookahead: int, lag: int, bwd: bool,
+            fp8: Fp8Operands | None = None) -> None:
     """Launch :func:`_fused_fwd_kernel` on P programs. Forward: a = received rows [NROWS, H], w1 = w13, act =
     act [NROWS, I], w2 = w2 (both weights read [N, K]). Backward (``bwd``): a = g_out, w1 = w2 and w2 = w13 read
-    transposed ([K, N]), act = dh [NROWS, 2I], h read; k2 is GEMM2's reduction length (I, or 2I backward)."""
+    transposed ([K, N]), act = dh [NROWS, 2I], h read; k2 is GEMM2's reduction length (I, or 2I backward).
+    FP8 forward (``fp8``): a = the packed rows the pull fills [NROWS, HP], w1 / w2 / act e4m3 (see Fp8Operands);
+    every GEMM k-step is 128 wide (one scale pair), and GEMM1's tiles are 128 columns (one act scale block)."""
     sh = heap.shape
     H, k, E_l = sh.hidden, sh.topk, sh.local_experts
     BM, BK = cfg.block_m, cfg.block_k
     if BM % cfg.pull_split:
         raise ValueError(f"pull_split={cfg.pull_split} must divide the block's {BM} rows")
-    use_tma = cfg.use_tma if cfg.use_tma is not None else tma_ok([a, act, w1, w2])
+    if fp8 is not None and (bwd or cfg.bn1 != 128):
+        raise ValueError(f"the FP8 megakernel is forward only, with 128-column GEMM1 tiles (act's 1x128 scale "
+                         f"blocks), got bwd={bwd}, bn1={cfg.bn1}")
+    ka = 128 if fp8 is not None else BK  # k-step of the GEMMs (TMA boxes)
+    a_gemm = fp8.xq if fp8 is not None else a  # GEMM1's A operand
+    use_tma = cfg.use_tma if cfg.use_tma is not None else tma_ok([a_gemm, act, w1, w2])
     if use_tma:
-        a_desc = TensorDescriptor.from_tensor(a, [BM, BK])
-        act_desc = TensorDescriptor.from_tensor(act, [BM, BK])
-        w1_desc = TensorDescriptor.from_tensor(w1, [1, BK, cfg.bn1] if bwd else [1, cfg.bn1, BK])
-        w2_desc = TensorDescriptor.from_tensor(w2, [1, BK, cfg.bn2] if bwd else [1, cfg.bn2, BK])
+        a_desc = TensorDescriptor.from_tensor(a_gemm, [BM, ka])
+        act_desc = TensorDescriptor.from_tensor(act, [BM, ka])
+        # (FP8: GEMM1 runs a tile as two halves of bn1 / 2 columns, see _fp8_gemm1_half)
+        w1_desc = TensorDescriptor.from_tensor(w1, [1, ka, cfg.bn1] if bwd else
+                                               [1, cfg.bn1 // 2 if fp8 is not None else cfg.bn1, ka])
+        w2_desc = TensorDescriptor.from_tensor(w2, [1, ka, cfg.bn2] if bwd else [1, cfg.bn2, ka])
     else:
         a_desc = act_desc = w1_desc = w2_desc = None
-    block_h = min(triton.next_power_of_2(H), 2048)
+    hp = a.shape[1]  # elements the pull moves per row (H; the packed FP8 rows: fewer)
+    block_h = min(triton.next_power_of_2(hp), 2048)
     block_hc = min(triton.next_power_of_2(H), 1024)
     if cfg.counter_scope not in ("sys", "gpu"):
         raise ValueError(f"FusedConfig.counter_scope must be 'sys' or 'gpu', got {cfg.counter_scope!r}")
@@ -511,18 +639,21 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
     compiled = _fused_fwd_kernel[(P,)](
         heap.tab, heap.world, heap.rank,
         a_desc, a, w1_desc, w1, act_desc, act, w2_desc, w2, h if h is not None else act,
+        *((fp8.xq, fp8.xs, fp8.s13, fp8.acs, fp8.s2) if fp8 is not None else (a, a, a, a, a)),
         sched.offs, sched.row_src, sched.row_tok, sched.row_slot, sched.dest_rank, sched.dest_row, gate,
-        y if T > 0 else act, save if save is not None else act,
+        y if T > 0 else heap.rows_buffer(), save if save is not None else act,  # y's dtype: the pushed rows'
         heap.rows_buffer(), heap.buffer("slots") if sh.slots else heap.rows_buffer(), ctr, tl_buf, tlp_buf,
-        T, H, I, k2, E_l, nb_max, ring_blocks, lookahead, lag, heap.timeout_ns,
+        T, H, I, k2, E_l, nb_max, ring_blocks, lookahead, lag, heap.timeout_ns, hp,
+        fp8.xq.stride(0) if fp8 is not None else H, fp8.xs.stride(0) if fp8 is not None else 1,
         K=k, BM=BM, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
         EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, GB=group, ABLATE=cfg.ablate,
         PULL_SPLIT=cfg.pull_split, ROWS_P=max(1, min(BM // cfg.pull_split, cfg.pull_elems // block_h)),
         BLOCK_H=block_h, ROWS_C=max(1, 4096 // block_hc), BLOCK_HC=block_hc, USE_TMA=use_tma,
         DOT_F32=interpreting(), STORE_H=h is not None and not bwd, SAVE=save is not None,
-        ALIGNED=(H * 2) % 16 == 0, WP2=max(2, heap.wp2), BWD=bwd, PULL_COMBINE=cfg.combine == "pull",
+        ALIGNED=(H * 2) % 16 == 0 and (hp * 2) % 16 == 0, WP2=max(2, heap.wp2), BWD=bwd,
+        PULL_COMBINE=cfg.combine == "pull",
         TIMELINE=cfg.timeline, ACQ_GPU=cfg.counter_scope == "gpu", PROLOGUE=cfg.prologue,
-        PULL_PF=cfg.pull_prefetch,
+        PULL_PF=cfg.pull_prefetch, FP8=fp8 is not None, RNE=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     record("_fused_fwd_kernel", compiled)
@@ -538,12 +669,17 @@ def _check_combine(cfg: FusedConfig, shape) -> None:
 
 def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w13: torch.Tensor,
                   w2: torch.Tensor, cfg: FusedConfig, ring_blocks: int = 0, store_h: bool = False,
-                  save: bool = False, comm_programs: int | None = None) -> tuple[torch.Tensor, FusedState]:
+                  save: bool = False, comm_programs: int | None = None,
+                  wq: tuple | None = None) -> tuple[torch.Tensor, FusedState]:
     """y [T, H] = the MoE layer's expert part for this rank's tokens (gates applied), via the megakernel.
 
     ring_blocks: 0 = dense buffers (R_cap rows, split's layout); else the ring's slots (>= lag + 3 blocks).
     store_h: keep the SwiGLU input h (dense only, for the backward). save: keep the un-gated expert outputs of
     this rank's (token, slot) pairs [T, k, H] (for d(topk_w)).
+    wq: FP8 (q13, s13, _, _, q2, s2, _, _ as SplitBackend.fp8_weights gives them): x is quantised once per token
+    on its home rank into packed rows (dispatch_fp8's layout, comm.dispatch.fp8_row_layout), the pull moves those,
+    GEMM1 runs on them and the e4m3 w13, its epilogue quantises act (1x128 blocks), GEMM2 runs on that and the e4m3
+    w2; the state's xbuf is then the packed rows and ``xq`` their (e4m3 rows, scales) views.
     """
     sh = heap.shape
     _check_combine(cfg, sh)
@@ -554,7 +690,7 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
         raise ValueError(f"w13 must be [E_l={E_l}, 2I, H={H}] and w2 [E_l, H, I]; got {tuple(w13.shape)}, "
                          f"{tuple(w2.shape)}")
     if x.dtype != torch.bfloat16 or w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
-        raise ValueError("fused_forward is bf16 only (x, w13, w2)")
+        raise ValueError("fused_forward takes bf16 x, w13, w2 (FP8: their e4m3 copies in wq)")
     if tuple(topk_idx.shape) != (T, k) or tuple(topk_w.shape) != (T, k):
         raise ValueError(f"topk_idx and topk_w must be [T={T}, k={k}]")
     BM = cfg.block_m
@@ -562,20 +698,39 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     P, GB, L1, L2 = _plan(cfg, dev, H, I, ring_blocks)
     # 1. stage x and the routing, publish READY; 2. schedule (device-side, no host reads)
     Pc = max(1, int(comm_programs or heap.num_sms))
+    nrows = ring_blocks * BM if ring_blocks else sh.rows_cap
+    if wq is not None:  # x quantised once per token, packed rows [e4m3 H bytes | fp32 scales] staged and pulled
+        so, _, words = fp8_row_layout(H)
+        if words > H:
+            raise ValueError(f"the FP8 megakernel needs H large enough that a packed FP8 row fits in a bf16 row "
+                             f"(H >= 32), got H = {H}")
+        kb = triton.cdiv(H, 128)
+        packed = torch.empty(T, words, dtype=x.dtype, device=dev)
+        pb = packed.view(torch.uint8)
+        quantize_act(x, out=(pb[:, :H].view(torch.float8_e4m3fn), pb[:, so:so + 4 * kb].view(torch.float32)))
+        x = packed
+        xbuf = torch.empty(nrows, words, dtype=x.dtype, device=dev)
+        xb = xbuf.view(torch.uint8)
+        xq = (xb[:, :H].view(torch.float8_e4m3fn), xb[:, so:so + 4 * kb].view(torch.float32))
+        act = torch.empty(nrows, I, dtype=torch.float8_e4m3fn, device=dev)
+        ops = Fp8Operands(xq=xq[0], xs=xq[1], s13=wq[1], acs=torch.empty(nrows, triton.cdiv(I, 128),
+                                                                          dtype=torch.float32, device=dev), s2=wq[5])
+        w13, w2 = wq[0], wq[4]
+    else:
+        xq = ops = None
+        xbuf = torch.empty(nrows, H, dtype=x.dtype, device=dev)
+        act = torch.empty(nrows, I, dtype=x.dtype, device=dev)
     sched = stage_and_schedule(heap, x, topk_idx, Pc)
     handle = DispatchHandle(heap=heap, num_tokens=T, schedule=sched, offs=sched.offs, num_sms=Pc)
     # 3. the megakernel
-    nrows = ring_blocks * BM if ring_blocks else sh.rows_cap
     nb_max = triton.cdiv(sh.rows_cap, BM) + E_l + GB
-    xbuf = torch.empty(nrows, H, dtype=x.dtype, device=dev)
-    act = torch.empty(nrows, I, dtype=x.dtype, device=dev)
-    h = torch.empty(nrows, 2 * I, dtype=x.dtype, device=dev) if (store_h and not ring_blocks) else None
-    y = torch.empty(T, H, dtype=x.dtype, device=dev)
-    saved = torch.empty(T, k, H, dtype=x.dtype, device=dev) if save else None
+    h = torch.empty(nrows, 2 * I, dtype=torch.bfloat16, device=dev) if (store_h and not ring_blocks) else None
+    y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    saved = torch.empty(T, k, H, dtype=torch.bfloat16, device=dev) if save else None
     gate = topk_w.to(torch.float32).contiguous()
     _launch(heap, cfg, sched, P, a=xbuf, w1=w13, act=act, w2=w2, h=h, gate=gate, y=y, save=saved, T=T, I=I,
-            k2=I, nb_max=nb_max, ring_blocks=ring_blocks, group=GB, lookahead=L1, lag=L2, bwd=False)
-    return y, FusedState(handle=handle, xbuf=xbuf, act=act, h=h, saved=saved)
+            k2=I, nb_max=nb_max, ring_blocks=ring_blocks, group=GB, lookahead=L1, lag=L2, bwd=False, fp8=ops)
+    return y, FusedState(handle=handle, xbuf=xbuf, act=act, h=h, saved=saved, xq=xq)
 
 
 def dgate(dy: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:

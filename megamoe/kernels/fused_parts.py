@@ -107,9 +107,9 @@ def _row_gate(tab, W, row0, r, valid, row_src_ptr, row_tok_ptr, row_slot_ptr, K:
 
 
 @triton.jit
-def _pull_rows_ptrs(tab, W, row0, r_lo, rr, nrows, base, row_src_ptr, row_tok_ptr, x_ptr, H,
+def _pull_rows_ptrs(tab, W, row0, r_lo, rr, nrows, base, row_src_ptr, row_tok_ptr, x_ptr, H, HP,
                     DT: tl.constexpr, ALIGNED: tl.constexpr):
-    """Source and destination row pointers of block rows r_lo + rr (valid: < nrows)."""
+    """Source (row stride H) and destination (row stride HP) row pointers of block rows r_lo + rr (valid: < nrows)."""
     r = r_lo + rr
     valid = r < nrows
     src = tl.load(row_src_ptr + row0 + r, mask=valid, other=0)
@@ -119,37 +119,38 @@ def _pull_rows_ptrs(tab, W, row0, r_lo, rr, nrows, base, row_src_ptr, row_tok_pt
     sp = addr.to(tl.pointer_type(DT))
     if ALIGNED:
         sp = tl.multiple_of(sp, 16)
-    dp = x_ptr + (base + r).to(tl.int64) * H
+    dp = x_ptr + (base + r).to(tl.int64) * HP
     return sp, dp, valid
 
 
 @triton.jit
-def _pull_block(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_ptr, row_slot_ptr, x_ptr, H,
+def _pull_block(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_ptr, row_slot_ptr, x_ptr, H, HP,
                 K: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr,
                 GATED: tl.constexpr):
-    """xbuf[base + r] = tok_{src(r)}[tok(r)] (GATED: times the row's gate w_src[tok, slot], rounded once from
+    """xbuf[base + r] = tok_{src(r)}[tok(r)][:HP] (rows of H elements at the source, of HP <= H here: the packed
+    FP8 rows of the fused FP8 forward are narrower; GATED: times the row's gate w_src[tok, slot], rounded once from
     fp32, as the scale-only pull does) for block rows r in [r_lo, min(r_hi, nrows)) (one NVLink read per
     row), in [ROWS_P, BLOCK_H] chunks, software-pipelined: chunk c + 1 is loaded before chunk c is stored,
     so two chunks of remote reads are in flight per program."""
     DT = x_ptr.dtype.element_ty
     rr = tl.arange(0, ROWS_P)
     hh = tl.arange(0, BLOCK_H)
-    n_h = tl.cdiv(H, BLOCK_H)
+    n_h = tl.cdiv(HP, BLOCK_H)
     r_end = tl.minimum(r_hi, nrows)
     n_chunks = tl.cdiv(r_end - r_lo, ROWS_P) * n_h
     if n_chunks > 0:
         sp, dp, valid = _pull_rows_ptrs(tab, W, row0, r_lo, rr, r_end, base, row_src_ptr, row_tok_ptr, x_ptr, H,
-                                        DT, ALIGNED)
+                                        HP, DT, ALIGNED)
         if GATED:
             g = _row_gate(tab, W, row0, r_lo + rr, valid, row_src_ptr, row_tok_ptr, row_slot_ptr, K)
-        m = valid[:, None] & (hh < H)[None, :]
+        m = valid[:, None] & (hh < HP)[None, :]
         v = tl.load(sp[:, None] + hh[None, :], mask=m)
         for c in range(1, n_chunks):
             ri = c // n_h
             oh = (c % n_h) * BLOCK_H + hh
             sp2, dp2, valid2 = _pull_rows_ptrs(tab, W, row0, r_lo + ri * ROWS_P, rr, r_end, base, row_src_ptr,
-                                               row_tok_ptr, x_ptr, H, DT, ALIGNED)
-            m2 = valid2[:, None] & (oh < H)[None, :]
+                                               row_tok_ptr, x_ptr, H, HP, DT, ALIGNED)
+            m2 = valid2[:, None] & (oh < HP)[None, :]
             v2 = tl.load(sp2[:, None] + oh[None, :], mask=m2)
             oh_prev = ((c - 1) % n_h) * BLOCK_H + hh
             if GATED:
@@ -163,7 +164,7 @@ def _pull_block(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_ptr,
             dp = dp2
         oh_last = ((n_chunks - 1) % n_h) * BLOCK_H + hh
         # dp recomputed: the loop-carried one has lost its alignment for the compiler (2-byte stores)
-        dp = x_ptr + (base + r_lo + ((n_chunks - 1) // n_h) * ROWS_P + rr).to(tl.int64) * H
+        dp = x_ptr + (base + r_lo + ((n_chunks - 1) // n_h) * ROWS_P + rr).to(tl.int64) * HP
         if GATED:
             tl.store(dp[:, None] + oh_last[None, :], (v.to(tl.float32) * g[:, None]).to(DT), mask=m)
         else:
@@ -177,14 +178,14 @@ def _pick(mat, i, NR: tl.constexpr):
 
 
 @triton.jit
-def _pf_store(x_ptr, base, r_lo, u, n_h, v, m, gate, H, NR: tl.constexpr, ROWS_P: tl.constexpr,
+def _pf_store(x_ptr, base, r_lo, u, n_h, v, m, gate, HP, NR: tl.constexpr, ROWS_P: tl.constexpr,
               BLOCK_H: tl.constexpr, GATED: tl.constexpr):
     """Store chunk u (rows r_lo + (u // n_h) * ROWS_P + [0, ROWS_P), columns of H-chunk u % n_h) of the pull:
     v, or v times the rows' gates (GATED, fp32, rounded once)."""
     rr = tl.arange(0, ROWS_P)
     ri = u // n_h
     oh = (u % n_h) * BLOCK_H + tl.arange(0, BLOCK_H)
-    dp = x_ptr + (base + r_lo + ri * ROWS_P + rr).to(tl.int64) * H
+    dp = x_ptr + (base + r_lo + ri * ROWS_P + rr).to(tl.int64) * HP
     if GATED:
         g = _pick(gate, ri, NR)
         tl.store(dp[:, None] + oh[None, :], (v.to(tl.float32) * g[:, None]).to(x_ptr.dtype.element_ty), mask=m)
@@ -193,7 +194,7 @@ def _pf_store(x_ptr, base, r_lo, u, n_h, v, m, gate, H, NR: tl.constexpr, ROWS_P
 
 
 @triton.jit
-def _pull_block_pf(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_ptr, row_slot_ptr, x_ptr, H,
+def _pull_block_pf(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_ptr, row_slot_ptr, x_ptr, H, HP,
                    K: tl.constexpr, BM: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_H: tl.constexpr,
                    ALIGNED: tl.constexpr, GATED: tl.constexpr):
     """_pull_block with every row's source address (and gate) loaded up front, for up to BM rows from r_lo: the
@@ -215,14 +216,14 @@ def _pull_block_pf(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_p
         gate = addr  # unused
     rr = tl.arange(0, ROWS_P)
     hh = tl.arange(0, BLOCK_H)
-    n_h = tl.cdiv(H, BLOCK_H)
+    n_h = tl.cdiv(HP, BLOCK_H)
     n_chunks = tl.cdiv(r_end - r_lo, ROWS_P) * n_h
     if n_chunks > 0:
         sp = _pick(addr, 0, NR).to(tl.pointer_type(DT))
         if ALIGNED:
             sp = tl.multiple_of(sp, 16)
         valid = (r_lo + rr) < r_end
-        m = valid[:, None] & (hh < H)[None, :]
+        m = valid[:, None] & (hh < HP)[None, :]
         v = tl.load(sp[:, None] + hh[None, :], mask=m)
         for c in range(1, n_chunks):  # chunk c's load is issued before chunk c - 1's store
             ri = c // n_h
@@ -230,12 +231,12 @@ def _pull_block_pf(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_p
             if ALIGNED:
                 sp2 = tl.multiple_of(sp2, 16)
             oh = (c % n_h) * BLOCK_H + hh
-            m2 = ((r_lo + ri * ROWS_P + rr) < r_end)[:, None] & (oh < H)[None, :]
+            m2 = ((r_lo + ri * ROWS_P + rr) < r_end)[:, None] & (oh < HP)[None, :]
             v2 = tl.load(sp2[:, None] + oh[None, :], mask=m2)
-            _pf_store(x_ptr, base, r_lo, c - 1, n_h, v, m, gate, H, NR, ROWS_P, BLOCK_H, GATED)
+            _pf_store(x_ptr, base, r_lo, c - 1, n_h, v, m, gate, HP, NR, ROWS_P, BLOCK_H, GATED)
             v = v2
             m = m2
-        _pf_store(x_ptr, base, r_lo, n_chunks - 1, n_h, v, m, gate, H, NR, ROWS_P, BLOCK_H, GATED)
+        _pf_store(x_ptr, base, r_lo, n_chunks - 1, n_h, v, m, gate, HP, NR, ROWS_P, BLOCK_H, GATED)
 
 
 @triton.jit
