@@ -12,7 +12,8 @@
 # parallel processes), b2 (its variants' bench, forward and the two dgrads, 4096 and 16384 tokens, ~5 min), f (FP8
 # backward on pull_grad: tests, then the layer A/B, ~8 min on one GPU), q (fused / layer GPU tests, then the FP8
 # weight-quantisation variants), o (FP8 copies kept by the optimizer: tests + bench, ~6 min), o2 (training A/B of it,
-# ~6 min), o3 (graphed FP8 layer, managed copies vs per-replay quantisation, ~3 min), v (the GPU tests of V_TESTS).
+# ~6 min), o3 (graphed FP8 layer, managed copies vs per-replay quantisation, ~3 min), v (the GPU tests of V_TESTS),
+# f8 (the FP8 megakernel: its GPU tests, then the layer bench, ~8 min on one GPU).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -215,6 +216,15 @@ fi
 if want v; then
 echo "== v. the GPU tests of the files in V_TESTS (space-separated; -m gpu), in V_PROCS (default 6) processes"
 gpu_tests_par gpu_verify "${V_TIMEOUT:-400}" "${V_PROCS:-6}" ${V_TESTS:?set V_TESTS}
+fi
+
+if want f8; then
+echo "== f8. FP8 megakernel (fused:fp8=1): its GPU tests, then the layer bench beside the bf16 megakernel and split's FP8"
+echo "   layer (with FP8 dispatch, the same recipe), eager and CUDA graph, 4096 tokens/GPU (F8_PRESETS)"
+gpu_tests_par gpu_fused_fp8 300 "${F8_PROCS:-3}" -k fp8 tests/test_gpu_fused.py
+for p in ${F8_PRESETS:-qwen3-30b-a3b mixtral-8x7b deepseek-v3}; do echo "-- $p"
+  bench "$p" 4096 "${F8_BACKENDS:-fused,fused:fp8=1,fused:fp8=1:stages=3,split:fp8=1:fp8_dispatch=1}" fp8 --cuda-graph
+done
 fi
 
 if want o; then
