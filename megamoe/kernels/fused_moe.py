@@ -102,19 +102,18 @@ from megamoe.kernels.grouped_gemm import _epilogue, _expert_tiles, _load_a, _loa
 @triton.jit
 def _fp8_gemm1_half(x_desc, xq_ptr, xs_ptr, stride_xq, stride_xs, w13_desc, w13_ptr, ws1_ptr, h_ptr, e, base, nrows,
                     off_n, H, I, BM: tl.constexpr, BN: tl.constexpr, STORE_H: tl.constexpr, DOT_F32: tl.constexpr,
-                    USE_TMA: tl.constexpr):
+                    USE_TMA: tl.constexpr, UNI: tl.constexpr):
     """FP8 GEMM1 of one [BM, BN] column slice (gate columns off_n.., up columns I + off_n..): per 128 of K, acc +=
-    (xq @ wq^T) * x_scale[r] * w_scale[n] (as the Triton FP8 grouped GEMM); h = (g, u) stored in bf16 (STORE_H);
-    returns act = silu(g) * u rounded to bf16 (as the split layer's GEMM1 stores it), 0 at rows >= nrows and
-    columns >= I."""
+    (xq @ wq^T) * (x_scale[r] * w_scale[n]) (as the Triton FP8 grouped GEMM; UNI: I % 64 == 0, so each slice's
+    columns share one weight scale per k-step and the promotion is one FMA per element); h = (g, u) stored in bf16
+    (STORE_H); returns act = silu(g) * u rounded to bf16 (as the split layer's GEMM1 stores it), 0 at rows >= nrows
+    and columns >= I."""
     kbh = tl.cdiv(H, 128)
     lm = tl.arange(0, BM)
     rn = off_n + tl.arange(0, BN)
     mm = lm < nrows
     sw = ws1_ptr + e.to(tl.int64) * (tl.cdiv(2 * I, 128) * kbh)
     sa_p = xs_ptr + (base + lm).to(tl.int64) * stride_xs
-    sg_p = sw + (rn // 128) * kbh
-    su_p = sw + ((I + rn) // 128) * kbh
     g = tl.zeros((BM, BN), dtype=tl.float32)
     u = tl.zeros((BM, BN), dtype=tl.float32)
     for ki in range(kbh):
@@ -123,15 +122,74 @@ def _fp8_gemm1_half(x_desc, xq_ptr, xs_ptr, stride_xq, stride_xs, w13_desc, w13_
         bg = _load_b(w13_desc, w13_ptr, e, off_n, off_k, I, H, 2 * I * H, H, BN, 128, False, USE_TMA)
         bu = _load_b(w13_desc, w13_ptr, e, I + off_n, off_k, 2 * I, H, 2 * I * H, H, BN, 128, False, USE_TMA)
         sa = tl.load(sa_p + ki, mask=mm, other=0.0)
-        sg = tl.load(sg_p + ki, mask=rn < I, other=0.0)
-        su = tl.load(su_p + ki, mask=rn < I, other=0.0)
         if DOT_F32:
             a = a.to(tl.float32)
             bg = bg.to(tl.float32)
             bu = bu.to(tl.float32)
-        g += tl.dot(a, bg) * sa[:, None] * sg[None, :]
-        u += tl.dot(a, bu) * sa[:, None] * su[None, :]
-    mask = mm[:, None] & (rn < I)[None, :]
+        if UNI:  # both halves inside one 128-row weight block: one scale per k-step, one FMA per element
+            sg = tl.load(sw + (off_n // 128) * kbh + ki, mask=off_n < I, other=0.0)
+            su = tl.load(sw + ((I + off_n) // 128) * kbh + ki, mask=off_n < I, other=0.0)
+            g += tl.dot(a, bg) * (sa * sg)[:, None]
+            u += tl.dot(a, bu) * (sa * su)[:, None]
+        else:  # (I % 64 != 0: the up half can straddle two weight blocks) a scale per column
+            sg = tl.load(sw + (rn // 128) * kbh + ki, mask=rn < I, other=0.0)
+            su = tl.load(sw + ((I + rn) // 128) * kbh + ki, mask=rn < I, other=0.0)
+            g += tl.dot(a, bg) * (sa[:, None] * sg[None, :])
+            u += tl.dot(a, bu) * (sa[:, None] * su[None, :])
+    return _swiglu_h(g, u, h_ptr, base, nrows, off_n, I, BM, BN, STORE_H)
+
+
+@triton.jit
+def _fp8_gemm1_pair(x_desc, xq_ptr, xs_ptr, stride_xq, stride_xs, w13_desc, w13_ptr, ws1_ptr, h_ptr, e, base, nrows,
+                    off_n, H, I, BM: tl.constexpr, HALF: tl.constexpr, STORE_H: tl.constexpr, DOT_F32: tl.constexpr,
+                    USE_TMA: tl.constexpr):
+    """Both halves of _fp8_gemm1_half (UNI only) in one k-loop: each x tile is loaded once for the four [BM, HALF]
+    products (gate and up of both halves; four fp32 accumulators, each product promoted as it comes). Returns
+    (act0, act1), bitwise those of the two half calls."""
+    kbh = tl.cdiv(H, 128)
+    lm = tl.arange(0, BM)
+    mm = lm < nrows
+    sw = ws1_ptr + e.to(tl.int64) * (tl.cdiv(2 * I, 128) * kbh)
+    sa_p = xs_ptr + (base + lm).to(tl.int64) * stride_xs
+    g0 = tl.zeros((BM, HALF), dtype=tl.float32)
+    u0 = tl.zeros((BM, HALF), dtype=tl.float32)
+    g1 = tl.zeros((BM, HALF), dtype=tl.float32)
+    u1 = tl.zeros((BM, HALF), dtype=tl.float32)
+    for ki in range(kbh):
+        off_k = ki * 128
+        a = _load_a(x_desc, xq_ptr, base, off_k, base + nrows, H, stride_xq, BM, 128, USE_TMA)
+        sa = tl.load(sa_p + ki, mask=mm, other=0.0)
+        if DOT_F32:
+            a = a.to(tl.float32)
+        # the gate columns of both halves lie in weight block off_n // 128 (off_n: a multiple of 128)
+        rg = sa * tl.load(sw + (off_n // 128) * kbh + ki, mask=off_n < I, other=0.0)
+        b = _load_b(w13_desc, w13_ptr, e, off_n, off_k, I, H, 2 * I * H, H, HALF, 128, False, USE_TMA)
+        if DOT_F32:
+            b = b.to(tl.float32)
+        g0 += tl.dot(a, b) * rg[:, None]
+        b = _load_b(w13_desc, w13_ptr, e, off_n + HALF, off_k, I, H, 2 * I * H, H, HALF, 128, False, USE_TMA)
+        if DOT_F32:
+            b = b.to(tl.float32)
+        g1 += tl.dot(a, b) * rg[:, None]
+        b = _load_b(w13_desc, w13_ptr, e, I + off_n, off_k, 2 * I, H, 2 * I * H, H, HALF, 128, False, USE_TMA)
+        if DOT_F32:
+            b = b.to(tl.float32)
+        u0 += tl.dot(a, b) * (sa * tl.load(sw + ((I + off_n) // 128) * kbh + ki, mask=off_n < I, other=0.0))[:, None]
+        b = _load_b(w13_desc, w13_ptr, e, I + off_n + HALF, off_k, 2 * I, H, 2 * I * H, H, HALF, 128, False, USE_TMA)
+        if DOT_F32:
+            b = b.to(tl.float32)
+        u1 += tl.dot(a, b) * (sa * tl.load(sw + ((I + off_n + HALF) // 128) * kbh + ki, mask=off_n + HALF < I,
+                                           other=0.0))[:, None]
+    return (_swiglu_h(g0, u0, h_ptr, base, nrows, off_n, I, BM, HALF, STORE_H),
+            _swiglu_h(g1, u1, h_ptr, base, nrows, off_n + HALF, I, BM, HALF, STORE_H))
+
+
+@triton.jit
+def _swiglu_h(g, u, h_ptr, base, nrows, off_n, I, BM: tl.constexpr, BN: tl.constexpr, STORE_H: tl.constexpr):
+    """h = (g, u) in bf16 (STORE_H); returns act = silu(g) * u rounded to bf16, 0 at rows >= nrows, columns >= I."""
+    lm = tl.arange(0, BM)
+    rn = off_n + tl.arange(0, BN)
+    mask = (lm < nrows)[:, None] & (rn < I)[None, :]
     if STORE_H:
         h_base = h_ptr + base.to(tl.int64) * (2 * I)
         h_offs = lm[:, None] * (2 * I) + rn[None, :]
@@ -198,7 +256,7 @@ def _fused_fwd_kernel(
     USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, STORE_H: tl.constexpr, SAVE: tl.constexpr,
     ALIGNED: tl.constexpr, WP2: tl.constexpr, BWD: tl.constexpr, PULL_COMBINE: tl.constexpr,
     TIMELINE: tl.constexpr, ACQ_GPU: tl.constexpr, PROLOGUE: tl.constexpr, PULL_PF: tl.constexpr,
-    FP8: tl.constexpr, RNE: tl.constexpr,
+    FP8: tl.constexpr, RNE: tl.constexpr, W_UNI: tl.constexpr, G1_PAIR: tl.constexpr,
 ):
     """grid (P,): see the module docstring. BWD: the backward pass through the same item structure (x -> g_out
     pulled with gates, act -> dh, w13 -> w2 and w2 -> w13 read transposed, y -> dx summed without gates)."""
@@ -313,12 +371,17 @@ def _fused_fwd_kernel(
                             # two 64-column halves (a 128-column pair of fp32 tiles plus the scaled products spilled
                             # 1.1 KB per thread); act's 1x128 block = the two halves, quantised together
                             HALF: tl.constexpr = BN1 // 2
-                            act0 = _fp8_gemm1_half(x_desc, xq_ptr, xs_ptr, stride_xq, stride_xs, w13_desc, w13_ptr,
-                                                   ws1_ptr, h_ptr, e, base, nrows, off_n, H, I, BM, HALF, STORE_H,
-                                                   DOT_F32, USE_TMA)
-                            act1 = _fp8_gemm1_half(x_desc, xq_ptr, xs_ptr, stride_xq, stride_xs, w13_desc, w13_ptr,
-                                                   ws1_ptr, h_ptr, e, base, nrows, off_n + HALF, H, I, BM, HALF,
-                                                   STORE_H, DOT_F32, USE_TMA)
+                            if G1_PAIR & W_UNI:  # one k-loop for both halves (x tiles loaded once)
+                                act0, act1 = _fp8_gemm1_pair(x_desc, xq_ptr, xs_ptr, stride_xq, stride_xs, w13_desc,
+                                                             w13_ptr, ws1_ptr, h_ptr, e, base, nrows, off_n, H, I, BM,
+                                                             HALF, STORE_H, DOT_F32, USE_TMA)
+                            else:
+                                act0 = _fp8_gemm1_half(x_desc, xq_ptr, xs_ptr, stride_xq, stride_xs, w13_desc, w13_ptr,
+                                                       ws1_ptr, h_ptr, e, base, nrows, off_n, H, I, BM, HALF,
+                                                       STORE_H, DOT_F32, USE_TMA, W_UNI)
+                                act1 = _fp8_gemm1_half(x_desc, xq_ptr, xs_ptr, stride_xq, stride_xs, w13_desc, w13_ptr,
+                                                       ws1_ptr, h_ptr, e, base, nrows, off_n + HALF, H, I, BM, HALF,
+                                                       STORE_H, DOT_F32, USE_TMA, W_UNI)
                             if TIMELINE:
                                 t_loop = now_ns()
                             _act_quant_store(act0, act1, base, off_n, base + nrows, j, I, act_ptr, acs_ptr, BM, HALF,
@@ -364,21 +427,22 @@ def _fused_fwd_kernel(
                         off_n = j * BN2
                         acc = tl.zeros((BM, BN2), dtype=tl.float32)
                         if FP8:  # e4m3 act (quantised by GEMM1's epilogue) @ e4m3 w2 tiles, promoted per 128 of K
-                            rn2 = off_n + tl.arange(0, BN2)
+                            # (the tile's BN2 <= 128 columns lie in one 128-row block of w2: one weight scale per
+                            # k-step, the promotion one FMA per element)
                             kbi = tl.cdiv(I, 128)
                             sa_p = acs_ptr + (base + tl.arange(0, BM)).to(tl.int64) * kbi
-                            sw_p = ws2_ptr + e.to(tl.int64) * (tl.cdiv(H, 128) * kbi) + (rn2 // 128) * kbi
+                            sw_p = ws2_ptr + e.to(tl.int64) * (tl.cdiv(H, 128) * kbi) + (off_n // 128) * kbi
                             mm = tl.arange(0, BM) < nrows
                             for ki in range(kbi):
                                 off_k = ki * 128
                                 a = _load_a(act_desc, act_ptr, base, off_k, base + nrows, I, I, BM, 128, USE_TMA)
                                 bw = _load_b(w2_desc, w2_ptr, e, off_n, off_k, H, I, H * I, I, BN2, 128, False, USE_TMA)
                                 sa = tl.load(sa_p + ki, mask=mm, other=0.0)
-                                sb = tl.load(sw_p + ki, mask=rn2 < H, other=0.0)
+                                sb = tl.load(sw_p + ki)
                                 if DOT_F32:
                                     a = a.to(tl.float32)
                                     bw = bw.to(tl.float32)
-                                acc += tl.dot(a, bw) * sa[:, None] * sb[None, :]
+                                acc += tl.dot(a, bw) * (sa * sb)[:, None]
                         elif (ABLATE & 4) == 0:
                             for ki in range(tl.cdiv(K2, BK)):  # K2 = I (act @ w2^T) or 2I (BWD: dh @ w13)
                                 off_k = ki * BK
@@ -522,6 +586,8 @@ class FusedConfig:
     prologue: bool = False   # the first L1 steps (which have no GEMM items) pull their blocks in (items per step /
                              # G) parts, so every program helps and GEMM1 starts after a fraction of a pull (not timed
                              # yet: the 2026-12-01 timeline showed deepseek's programs waiting ~100 us at the start)
+    fp8_gemm1: str = "halves"  # FP8 GEMM1 tile of 128 columns: "halves" (two k-loops of 64 columns) or "pair" (one
+                               # k-loop, four 64-column accumulators, each x tile loaded once; where I % 64 == 0)
     timeline: bool = False   # diagnostics: every item's program, kind, block and %globaltimer stamps (claim, claimed,
                              # wait done, loop done, end) into LAST_TIMELINE (benchmarks/fused_probe.py --timeline)
 
@@ -605,9 +671,10 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
     BM, BK = cfg.block_m, cfg.block_k
     if BM % cfg.pull_split:
         raise ValueError(f"pull_split={cfg.pull_split} must divide the block's {BM} rows")
-    if fp8 is not None and (bwd or cfg.bn1 != 128):
+    if fp8 is not None and (bwd or cfg.bn1 != 128 or 128 % cfg.bn2):
         raise ValueError(f"the FP8 megakernel is forward only, with 128-column GEMM1 tiles (act's 1x128 scale "
-                         f"blocks), got bwd={bwd}, bn1={cfg.bn1}")
+                         f"blocks) and GEMM2 tiles inside one 128-row weight block (bn2 dividing 128), got bwd={bwd}, "
+                         f"bn1={cfg.bn1}, bn2={cfg.bn2}")
     ka = 128 if fp8 is not None else BK  # k-step of the GEMMs (TMA boxes)
     a_gemm = fp8.xq if fp8 is not None else a  # GEMM1's A operand
     use_tma = cfg.use_tma if cfg.use_tma is not None else tma_ok([a_gemm, act, w1, w2])
@@ -653,7 +720,8 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
         ALIGNED=(H * 2) % 16 == 0 and (hp * 2) % 16 == 0, WP2=max(2, heap.wp2), BWD=bwd,
         PULL_COMBINE=cfg.combine == "pull",
         TIMELINE=cfg.timeline, ACQ_GPU=cfg.counter_scope == "gpu", PROLOGUE=cfg.prologue,
-        PULL_PF=cfg.pull_prefetch, FP8=fp8 is not None, RNE=interpreting(),
+        PULL_PF=cfg.pull_prefetch, FP8=fp8 is not None, RNE=interpreting(), W_UNI=I % 64 == 0,
+        G1_PAIR=cfg.fp8_gemm1 == "pair",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     record("_fused_fwd_kernel", compiled)

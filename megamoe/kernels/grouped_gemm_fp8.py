@@ -50,7 +50,8 @@ def _grouped_gemm_fp8_kernel(
     DOT_F32: tl.constexpr, EPI_SPLIT: tl.constexpr,
 ):
     """Grid: (P,) persistent programs; tile -> (e, mi, ni) as in grouped_gemm.py; per k-block kb:
-        acc += (aq_tile @ wq_tile^T) * a_s[rows, kb][:, None] * w_s[e, cols // 128, kb][None, :]
+        acc += (aq_tile @ wq_tile^T) * (a_s[rows, kb][:, None] * w_s[e, cols // 128, kb][None, :])
+    (the scale product first, one rounding: as the Gluon kernels and the fused megakernel's FP8 GEMMs do it)
     """
     BLOCK_K: tl.constexpr = 128
     pid = tl.program_id(0)
@@ -81,14 +82,14 @@ def _grouped_gemm_fp8_kernel(
             if DOT_F32:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
             if EPILOGUE == 1:
                 b2 = _load_b(w_desc, w_ptr, e, N_UP + off_n, off_k, N_UP + N, K, stride_we, stride_wr,
                              BLOCK_N, BLOCK_K, False, USE_TMA)
                 sb2 = tl.load(ws2_ptrs + ki, mask=rn < N, other=0.0)
                 if DOT_F32:
                     b2 = b2.to(tl.float32)
-                acc2 += tl.dot(a, b2) * sa[:, None] * sb2[None, :]
+                acc2 += tl.dot(a, b2) * (sa[:, None] * sb2[None, :])
         _epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N, out_ptr, stride_om, h_ptr, stride_hm,
                   scale_ptr, dsp_ptr, acts_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H, EPI_SPLIT)
         tile += num_progs
