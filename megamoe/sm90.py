@@ -146,6 +146,8 @@ LAYERS = [
     (2, "qwen3-30b-a3b", 8, 64, "fused", {"ring_blocks": 8}),
     (2, "qwen3-30b-a3b", 8, 64, "fused", {"prologue": True, "pull_prefetch": True}),
     (2, "qwen3-30b-a3b", 8, 64, "fused", {"pull_prefetch": True, "fused_backward": True}),
+    (2, "qwen3-30b-a3b", 8, 64, "fused", {"fp8": True}),
+    (2, "qwen3-30b-a3b", 8, 64, "fused", {"fp8": True, "ring_blocks": 8}),
     (2, "qwen3-30b-a3b", 8, 1, "split", {}),
     (2, "qwen3-30b-a3b", 8, 1, "fused", {}),
     (2, "qwen3-30b-a3b", 8, 1, "fused", {"combine": "pull"}),

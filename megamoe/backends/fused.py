@@ -148,7 +148,7 @@ class FusedBackend(Fp8WeightCache):
                  comm_sms: int | None = None, timeout_s: float = 60.0, fused_backward: bool = False,
                  combine: str = "push", stages: int | None = None, counter_scope: str | None = None,
                  lag: int | None = None, prologue: bool = False, pull_prefetch: bool = False, fp8: bool = False,
-                 fp8_weight_cache: bool = True, fp8_gemm1: str | None = None):
+                 fp8_weight_cache: bool = True):
         cfg = moe.config
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"backend 'fused' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
@@ -186,10 +186,6 @@ class FusedBackend(Fp8WeightCache):
             if flag not in (True, False, 0, 1):
                 raise ValueError(f"{name} must be a flag (True/False or 1/0), got {flag!r}")
         self.config = self.config.with_(prologue=bool(prologue), pull_prefetch=bool(pull_prefetch))
-        if fp8_gemm1 is not None:  # the FP8 GEMM1's k-loop structure (FusedConfig.fp8_gemm1)
-            if fp8_gemm1 not in ("halves", "pair") or not fp8:
-                raise ValueError(f"fp8_gemm1 must be 'halves' or 'pair', with fp8=1; got {fp8_gemm1!r} (fp8={fp8})")
-            self.config = self.config.with_(fp8_gemm1=fp8_gemm1)
         if lag is not None:
             if lag < 1:
                 raise ValueError(f"lag must be >= 1, got {lag}")

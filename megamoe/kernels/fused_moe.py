@@ -140,51 +140,6 @@ def _fp8_gemm1_half(x_desc, xq_ptr, xs_ptr, stride_xq, stride_xs, w13_desc, w13_
 
 
 @triton.jit
-def _fp8_gemm1_pair(x_desc, xq_ptr, xs_ptr, stride_xq, stride_xs, w13_desc, w13_ptr, ws1_ptr, h_ptr, e, base, nrows,
-                    off_n, H, I, BM: tl.constexpr, HALF: tl.constexpr, STORE_H: tl.constexpr, DOT_F32: tl.constexpr,
-                    USE_TMA: tl.constexpr):
-    """Both halves of _fp8_gemm1_half (UNI only) in one k-loop: each x tile is loaded once for the four [BM, HALF]
-    products (gate and up of both halves; four fp32 accumulators, each product promoted as it comes). Returns
-    (act0, act1), bitwise those of the two half calls."""
-    kbh = tl.cdiv(H, 128)
-    lm = tl.arange(0, BM)
-    mm = lm < nrows
-    sw = ws1_ptr + e.to(tl.int64) * (tl.cdiv(2 * I, 128) * kbh)
-    sa_p = xs_ptr + (base + lm).to(tl.int64) * stride_xs
-    g0 = tl.zeros((BM, HALF), dtype=tl.float32)
-    u0 = tl.zeros((BM, HALF), dtype=tl.float32)
-    g1 = tl.zeros((BM, HALF), dtype=tl.float32)
-    u1 = tl.zeros((BM, HALF), dtype=tl.float32)
-    for ki in range(kbh):
-        off_k = ki * 128
-        a = _load_a(x_desc, xq_ptr, base, off_k, base + nrows, H, stride_xq, BM, 128, USE_TMA)
-        sa = tl.load(sa_p + ki, mask=mm, other=0.0)
-        if DOT_F32:
-            a = a.to(tl.float32)
-        # the gate columns of both halves lie in weight block off_n // 128 (off_n: a multiple of 128)
-        rg = sa * tl.load(sw + (off_n // 128) * kbh + ki, mask=off_n < I, other=0.0)
-        b = _load_b(w13_desc, w13_ptr, e, off_n, off_k, I, H, 2 * I * H, H, HALF, 128, False, USE_TMA)
-        if DOT_F32:
-            b = b.to(tl.float32)
-        g0 += tl.dot(a, b) * rg[:, None]
-        b = _load_b(w13_desc, w13_ptr, e, off_n + HALF, off_k, I, H, 2 * I * H, H, HALF, 128, False, USE_TMA)
-        if DOT_F32:
-            b = b.to(tl.float32)
-        g1 += tl.dot(a, b) * rg[:, None]
-        b = _load_b(w13_desc, w13_ptr, e, I + off_n, off_k, 2 * I, H, 2 * I * H, H, HALF, 128, False, USE_TMA)
-        if DOT_F32:
-            b = b.to(tl.float32)
-        u0 += tl.dot(a, b) * (sa * tl.load(sw + ((I + off_n) // 128) * kbh + ki, mask=off_n < I, other=0.0))[:, None]
-        b = _load_b(w13_desc, w13_ptr, e, I + off_n + HALF, off_k, 2 * I, H, 2 * I * H, H, HALF, 128, False, USE_TMA)
-        if DOT_F32:
-            b = b.to(tl.float32)
-        u1 += tl.dot(a, b) * (sa * tl.load(sw + ((I + off_n + HALF) // 128) * kbh + ki, mask=off_n + HALF < I,
-                                           other=0.0))[:, None]
-    return (_swiglu_h(g0, u0, h_ptr, base, nrows, off_n, I, BM, HALF, STORE_H),
-            _swiglu_h(g1, u1, h_ptr, base, nrows, off_n + HALF, I, BM, HALF, STORE_H))
-
-
-@triton.jit
 def _swiglu_h(g, u, h_ptr, base, nrows, off_n, I, BM: tl.constexpr, BN: tl.constexpr, STORE_H: tl.constexpr):
     """h = (g, u) in bf16 (STORE_H); returns act = silu(g) * u rounded to bf16, 0 at rows >= nrows, columns >= I."""
     lm = tl.arange(0, BM)
@@ -256,7 +211,7 @@ def _fused_fwd_kernel(
     USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, STORE_H: tl.constexpr, SAVE: tl.constexpr,
     ALIGNED: tl.constexpr, WP2: tl.constexpr, BWD: tl.constexpr, PULL_COMBINE: tl.constexpr,
     TIMELINE: tl.constexpr, ACQ_GPU: tl.constexpr, PROLOGUE: tl.constexpr, PULL_PF: tl.constexpr,
-    FP8: tl.constexpr, RNE: tl.constexpr, W_UNI: tl.constexpr, G1_PAIR: tl.constexpr,
+    FP8: tl.constexpr, RNE: tl.constexpr, W_UNI: tl.constexpr,
 ):
     """grid (P,): see the module docstring. BWD: the backward pass through the same item structure (x -> g_out
     pulled with gates, act -> dh, w13 -> w2 and w2 -> w13 read transposed, y -> dx summed without gates)."""
@@ -371,17 +326,12 @@ def _fused_fwd_kernel(
                             # two 64-column halves (a 128-column pair of fp32 tiles plus the scaled products spilled
                             # 1.1 KB per thread); act's 1x128 block = the two halves, quantised together
                             HALF: tl.constexpr = BN1 // 2
-                            if G1_PAIR & W_UNI:  # one k-loop for both halves (x tiles loaded once)
-                                act0, act1 = _fp8_gemm1_pair(x_desc, xq_ptr, xs_ptr, stride_xq, stride_xs, w13_desc,
-                                                             w13_ptr, ws1_ptr, h_ptr, e, base, nrows, off_n, H, I, BM,
-                                                             HALF, STORE_H, DOT_F32, USE_TMA)
-                            else:
-                                act0 = _fp8_gemm1_half(x_desc, xq_ptr, xs_ptr, stride_xq, stride_xs, w13_desc, w13_ptr,
-                                                       ws1_ptr, h_ptr, e, base, nrows, off_n, H, I, BM, HALF,
-                                                       STORE_H, DOT_F32, USE_TMA, W_UNI)
-                                act1 = _fp8_gemm1_half(x_desc, xq_ptr, xs_ptr, stride_xq, stride_xs, w13_desc, w13_ptr,
-                                                       ws1_ptr, h_ptr, e, base, nrows, off_n + HALF, H, I, BM, HALF,
-                                                       STORE_H, DOT_F32, USE_TMA, W_UNI)
+                            act0 = _fp8_gemm1_half(x_desc, xq_ptr, xs_ptr, stride_xq, stride_xs, w13_desc, w13_ptr,
+                                                   ws1_ptr, h_ptr, e, base, nrows, off_n, H, I, BM, HALF, STORE_H,
+                                                   DOT_F32, USE_TMA, W_UNI)
+                            act1 = _fp8_gemm1_half(x_desc, xq_ptr, xs_ptr, stride_xq, stride_xs, w13_desc, w13_ptr,
+                                                   ws1_ptr, h_ptr, e, base, nrows, off_n + HALF, H, I, BM, HALF,
+                                                   STORE_H, DOT_F32, USE_TMA, W_UNI)
                             if TIMELINE:
                                 t_loop = now_ns()
                             _act_quant_store(act0, act1, base, off_n, base + nrows, j, I, act_ptr, acs_ptr, BM, HALF,
@@ -586,8 +536,6 @@ class FusedConfig:
     prologue: bool = False   # the first L1 steps (which have no GEMM items) pull their blocks in (items per step /
                              # G) parts, so every program helps and GEMM1 starts after a fraction of a pull (not timed
                              # yet: the 2026-12-01 timeline showed deepseek's programs waiting ~100 us at the start)
-    fp8_gemm1: str = "halves"  # FP8 GEMM1 tile of 128 columns: "halves" (two k-loops of 64 columns) or "pair" (one
-                               # k-loop, four 64-column accumulators, each x tile loaded once; where I % 64 == 0)
     timeline: bool = False   # diagnostics: every item's program, kind, block and %globaltimer stamps (claim, claimed,
                              # wait done, loop done, end) into LAST_TIMELINE (benchmarks/fused_probe.py --timeline)
 
@@ -721,7 +669,6 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
         PULL_COMBINE=cfg.combine == "pull",
         TIMELINE=cfg.timeline, ACQ_GPU=cfg.counter_scope == "gpu", PROLOGUE=cfg.prologue,
         PULL_PF=cfg.pull_prefetch, FP8=fp8 is not None, RNE=interpreting(), W_UNI=I % 64 == 0,
-        G1_PAIR=cfg.fp8_gemm1 == "pair",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     record("_fused_fwd_kernel", compiled)
