@@ -32,6 +32,26 @@ than the default backward for deepseek and even for qwen3, commits 1f57efe and d
     SwiGLU', dgrad1 (pushed into the owners' slots, or kept local with ``combine="pull"``), owners sum dx;
     then split's deterministic wgrad kernels.
 
+FP8 (option ``fp8``, off by default; issue 6 item 4): the same megakernel on e4m3 operands, the recipe of split's
+``fp8=1, fp8_dispatch=1`` (DeepSeek-V3 block scales: 1x128 activations, 128x128 weights, fp32 accumulation
+promoted every 128 of K):
+    x quantised once per token on its home rank into packed rows [e4m3 H bytes | fp32 scales] (dispatch_fp8's
+    layout, comm.dispatch.fp8_row_layout), staged; the pull moves those (~half of a bf16 row's bytes)
+    GEMM1 on the e4m3 rows and q(w13), a 128-column tile as two 64-column halves; its epilogue stores h in bf16
+    and quantises act = silu(g) * u (rounded to bf16 first, as split stores it) into e4m3 with its 1x128 scales
+    GEMM2 on e4m3 act and q(w2) (128-column tiles), rows pushed in bf16 as in the bf16 forward
+    backward: split's FP8 kernels (bf16_dgrad with the FP8 weights; dW13 on the dequantised received rows; a ring
+    recomputes them with dispatch_fp8 + gemm1_swiglu_fp8); the backward megakernel is bf16 only
+The FP8 weights come from the layer's kept copies (megamoe.backends.fp8_weights, shared with split: requantised
+when a weight changes, or kept current by the optimizer with ``MasterAdamW.maintain_fp8``). On CPU ranks every output
+and gradient is bitwise split's ``fp8=1, fp8_dispatch=1`` (tests/test_fused_backend.py); on a GPU split runs the
+Gluon FP8 GEMMs, so the two are close, not equal. Measured (one H200, EP 1, 4096 tokens, 81c2a9b; eager, weights
+cached): mixtral forward 5.83 ms against the bf16 megakernel's 5.67 and split FP8's 4.56; fwd+bwd 14.33 / 15.80 /
+12.85. The megakernel's FP8 GEMMs are Triton's: each k-step's wgmma result is scaled and added before the next
+wgmma is issued (Triton 3.6 waits for every wgmma: ``wait_group 0``), so they run at about the bf16 rate, where
+split's warp-specialised Gluon kernels overlap the promotion with the next wgmma. docs/perf-notes.md (fifteenth
+session) has the numbers.
+
 Options: ``ring_blocks`` (None: dense buffers of R_cap rows, no recompute; an int >= 4: the macrobatch ring of that
 many BM-row blocks, memory independent of routing; ``MoEConfig.ring_rows`` sets the same ring in rows, rounded up
 to whole blocks), ``programs`` (persistent programs of the megakernel; default the SM count), ``lookahead`` (pull
@@ -42,7 +62,8 @@ per step whose GEMM tiles run side by side, sharing weight tiles in L2), ``combi
 "gpu": the scope of the megakernel's tile-counter acquire loads, default "sys"), ``prologue`` (the first
 lookahead steps pull their blocks in finer parts; off, not timed yet), ``pull_prefetch`` (pull items load
 every row's source address before the copy loop; off, not timed yet), ``comm_sms`` (programs of the
-staging / backward communication kernels, default every SM), ``timeout_s`` (bound of every device wait).
+staging / backward communication kernels, default every SM), ``timeout_s`` (bound of every device wait), ``fp8``
+and ``fp8_weight_cache`` (as split's: keep the FP8 weight copies across calls; see megamoe.backends.fp8_weights).
 
 Capacity: no token is ever dropped: dense buffers hold the worst case (every token of every rank routed
 here); a ring cycles as many times as the routing needs. With ``combine="push"`` the symmetric heap adds a
