@@ -242,6 +242,19 @@ FP8_TOLERANCE = {"out": 0.09, "dx": 0.09, "dw13": 0.075, "dw2": 0.075, "drouter"
 FP8_MIN_COSINE_VS_BF16 = 0.995  # measured >= 0.9965 (router), >= 0.9979 for the rest
 
 
+def check_reference(results: list[dict], tolerances: dict[str, float]) -> int:
+    """Assert that every :func:`layer_case` result is within ``tolerances`` ({output or gradient: bound on its
+    relative error}) and counted its routing right; returns how many were ring runs that cycled (results carrying
+    "ring" and "blocks": more blocks on the rank than ring slots)."""
+    cycled = 0
+    for r in results:
+        for key, tol in tolerances.items():
+            assert r[key] < tol, f"{r['case']} rank {r['rank']}: {key} rel err {r[key]:.3g} >= {tol}"
+        assert r["counts_ok"], f"{r['case']} rank {r['rank']}: tokens_per_expert differs from the routing"
+        cycled += int("ring" in r and r["blocks"] > r["ring"])
+    return cycled
+
+
 def twin_runs(case: LayerCase, device: torch.device, a: tuple[str, dict], b: tuple[str, dict]) -> dict:
     """Layers (backend, options) ``a`` and ``b`` on the same weights (seed) and this rank's inputs of ``case``: one
     forward + backward each; returns {output or gradient: (bitwise equal, relative difference of a vs b, cosine)}

@@ -17,6 +17,7 @@ from megamoe.testing import (
     TOLERANCE,
     LayerCase,
     bf16_cases,
+    check_reference,
     determinism_case,
     layer_case,
     tiny_experts,
@@ -160,6 +161,11 @@ def _rank_fp8(rank: int, world: int):
         r.update(case=f"fp8-ring{ring}:{r['case']}", ring=ring, blocks=blocks_on_rank(r["counts"], rank, world))
         refs.append(r)
         twins.append((f"ring{ring}", twin_runs(sk, dev, ("fused", {"fp8": True, "ring_blocks": ring}), split_fp8)))
+    # the owner-pull combine, and the prefetching pull with the prologue on a cycling ring, on the packed FP8 rows
+    for name, opts in (("pull-combine", {"combine": "pull"}),
+                       ("pull-prefetch-prologue-ring8", {"pull_prefetch": True, "prologue": True, "ring_blocks": 8,
+                                                         "group_blocks": 2})):
+        twins.append((name, twin_runs(sk, dev, ("fused", {"fp8": True, **opts}), split_fp8)))
     dets = [determinism_case(sk, "fused", dev, fp8=True), determinism_case(sk, "fused", dev, fp8=True, ring_blocks=4)]
     return refs, twins, dets
 
@@ -169,11 +175,7 @@ def test_fused_fp8_matches_split_fp8_cpu():
     cycled = 0
     for refs, twins, dets in spawn(_rank_fp8, 2, timeout_s=900):
         assert all(dets), "fused fp8: two runs differ bitwise"
-        for r in refs:
-            for key, tol in FP8_TOLERANCE.items():
-                assert r[key] < tol, f"{r['case']} rank {r['rank']}: {key} rel err {r[key]:.3g} >= {tol}"
-            assert r["counts_ok"]
-            cycled += int("ring" in r and r["blocks"] > r["ring"])
+        cycled += check_reference(refs, FP8_TOLERANCE)
         for name, t in twins:
             diff = {k: v for k, v in t.items() if not v[0]}
             assert not diff, f"{name}: fused fp8 differs from split fp8 + fp8_dispatch: {diff}"
