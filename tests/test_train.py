@@ -92,16 +92,20 @@ def test_train_backends_agree(tmp_path):
 @pytest.mark.skipif("split" not in available_backends("cpu"), reason="backend 'split' is not built yet")
 def test_train_fp8_weights_kept_by_the_optimizer(tmp_path):
     # FP8 layers whose weights the optimizer requantises after each update (--fp8-quant optimizer, the default)
-    # train bitwise like layers that quantise them themselves, and the summary says which ran
+    # train bitwise like layers that quantise them themselves, and the summary says which ran; the FP8 megakernel
+    # (fused:fp8=1, the same recipe as split's fp8 with fp8_dispatch) trains bitwise like split's FP8 layer
     runs = {}
     for q in ("optimizer", "layer"):
         out = tmp_path / q
-        assert train_main(SMALL[:1] + ["2"] + SMALL[2:] + ["--dtype", "bf16", "--backends", "split:fp8=1",
+        assert train_main(SMALL[:1] + ["2"] + SMALL[2:] + ["--dtype", "bf16", "--backends",
+                                                           "split:fp8=1:fp8_dispatch=1,fused:fp8=1",
                                                            "--fp8-quant", q, "--out", str(out)]) == 0
-        runs[q] = _summary(out)["results"][0]
-        assert runs[q]["fp8_weights_quantised_by"] == q
-    assert len(runs["layer"]["history"]["loss"]) == 2
-    assert runs["optimizer"]["history"]["loss"] == runs["layer"]["history"]["loss"]
+        runs[q] = _summary(out)["results"]
+        assert [r["fp8_weights_quantised_by"] for r in runs[q]] == [q, q]
+    assert len(runs["layer"][0]["history"]["loss"]) == 2
+    for i in (0, 1):
+        assert runs["optimizer"][i]["history"]["loss"] == runs["layer"][i]["history"]["loss"]
+    assert runs["optimizer"][0]["history"]["loss"] == runs["optimizer"][1]["history"]["loss"]
 
 
 def test_profile_window_skips_evaluations():
