@@ -304,9 +304,11 @@ def _bad_options(rank, world):
     except ValueError as exc:
         msgs.append(str(exc))
     for kw in ({"stages": 5}, {"counter_scope": "cta"}, {"lag": 0}, {"lag": 2, "ring_blocks": 4}, {"prologue": 2},
-               {"pull_prefetch": "yes"}, {"fp8": 2}, {"fp8": True, "fused_backward": True}):
+               {"pull_prefetch": "yes"}, {"fp8": 2}, {"fp8": True, "fused_backward": True},
+               {"fp8": True, "hidden": 20}):
+        cfg_kw = {"hidden": kw.pop("hidden")} if "hidden" in kw else {}  # a layer-config field, not an option
         try:
-            MoE(preset("tiny"), backend="fused", **kw)
+            MoE(preset("tiny", **cfg_kw), backend="fused", **kw)
             msgs.append(None)
         except ValueError as exc:
             msgs.append(str(exc))
@@ -333,3 +335,4 @@ def test_fused_rejects_bad_options():
     assert msgs[15] is not None and "pull_prefetch" in msgs[15]
     assert msgs[16] is not None and "fp8" in msgs[16]
     assert msgs[17] is not None and "fused_backward" in msgs[17] and "bf16 only" in msgs[17]
+    assert msgs[18] is not None and "packed FP8 row" in msgs[18] and "hidden = 20" in msgs[18]

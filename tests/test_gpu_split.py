@@ -106,7 +106,7 @@ def _rank_fp8(rank: int, world: int):
 
 @pytest.mark.skipif(NGPU == 0, reason="needs CUDA GPUs")
 def test_split_fp8_on_gpus():
-    """FP8 GEMMs in backend split on every local GPU (one rank each); tolerances: tests/test_split_backend.py
+    """FP8 GEMMs in backend split on every local GPU (one rank each); tolerances: megamoe/testing.py
     (measured on CPU; the full-width GPU figures are not measured yet)."""
     from test_split_backend import check_fp8
 

@@ -41,7 +41,9 @@ promoted every 128 of K):
     and quantises act = silu(g) * u (rounded to bf16 first, as split stores it) into e4m3 with its 1x128 scales
     GEMM2 on e4m3 act and q(w2) (128-column tiles), rows pushed in bf16 as in the bf16 forward
     backward: split's FP8 kernels (bf16_dgrad with the FP8 weights; dW13 on the dequantised received rows; a ring
-    recomputes them with dispatch_fp8 + gemm1_swiglu_fp8); the backward megakernel is bf16 only
+    recomputes them with dispatch_fp8 + gemm1_swiglu_fp8: on GPUs that is split's Gluon kernel, so the recomputed
+    h is close to, not bitwise, the forward's; on CPU ranks both are the Triton arithmetic); the backward
+    megakernel is bf16 only
 The FP8 weights come from the layer's kept copies (megamoe.backends.fp8_weights, shared with split: requantised
 when a weight changes, or kept current by the optimizer with ``MasterAdamW.maintain_fp8``). On CPU ranks every output
 and gradient is bitwise split's ``fp8=1, fp8_dispatch=1`` (tests/test_fused_backend.py); on a GPU split runs the
@@ -88,6 +90,7 @@ from megamoe.kernels.fused_moe import (
     FusedState,
     default_fused_config,
     dgate,
+    fp8_rows_fit,
     fused_backward,
     fused_forward,
     plan_lag,
@@ -190,9 +193,10 @@ class FusedBackend(Fp8WeightCache):
         if fp8 and fused_backward:
             raise ValueError("backend 'fused': fp8=1 runs the backward on split's FP8 kernels; the backward "
                              "megakernel (fused_backward=1) is bf16 only")
-        if fp8 and cfg.hidden < 32:
-            raise ValueError(f"backend 'fused' with fp8=1 needs hidden >= 32 (a packed FP8 row must fit in a bf16 "
-                             f"row of the symmetric heap), got {cfg.hidden}")
+        if fp8 and not fp8_rows_fit(cfg.hidden):
+            raise ValueError(f"backend 'fused' with fp8=1 needs a packed FP8 row ({fp8_row_layout(cfg.hidden)[1]} "
+                             f"bytes: e4m3 values and fp32 scales) to fit in a bf16 row of the symmetric heap "
+                             f"(hidden = {cfg.hidden} elements; 32 and above always fit)")
         self._init_fp8_cache(fp8, fp8_weight_cache)
         self.config: FusedConfig = default_fused_config(moe.device, fp8=bool(fp8))
         if programs is not None:
@@ -263,14 +267,18 @@ class FusedBackend(Fp8WeightCache):
         rows = self.ring_blocks * c.block_m if self.ring_blocks else sh.rows_cap
         inter = self.moe.config.intermediate
         h_bytes = 0 if self.ring_blocks else 2 * inter * 2
-        if self.fp8:  # packed e4m3 rows with their scales, e4m3 act with its scales, h in bf16
+        if self.fp8:  # packed e4m3 rows with their scales, e4m3 act with its scales, h in bf16; the packed tokens
             per_row = fp8_row_layout(sh.hidden)[1] + inter + 4 * -(-inter // 128) + h_bytes
+            per_call = rows * per_row + sh.max_tokens * fp8_row_layout(sh.hidden)[1]
         else:
-            per_row = (sh.hidden + inter) * 2 + h_bytes
-        out = {"symmetric": heap_bytes(self.shape), "per_call": rows * per_row,
+            per_call = rows * ((sh.hidden + inter) * 2 + h_bytes)
+        out = {"symmetric": heap_bytes(self.shape), "per_call": per_call,
                "saved_slots": sh.max_tokens * sh.topk * sh.hidden * 2 if self.fused_backward else 0}
-        if self.fp8 and self.fp8_weight_cache:
-            out["fp8_weights"] = self.fp8_weight_bytes()
+        if self.fp8:
+            # the backward's bf16 copy of the received rows (dequantised for dW13; R_cap rows, ring or not)
+            out["backward_fp8_rows"] = sh.rows_cap * sh.hidden * 2
+            if self.fp8_weight_cache:
+                out["fp8_weights"] = self.fp8_weight_bytes()
         return out
 
     def __call__(self, x, topk_idx, topk_w, w13, w2):

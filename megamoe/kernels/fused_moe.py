@@ -383,7 +383,7 @@ def _fused_fwd_kernel(
                             sa_p = acs_ptr + (base + tl.arange(0, BM)).to(tl.int64) * kbi
                             sw_p = ws2_ptr + e.to(tl.int64) * (tl.cdiv(H, 128) * kbi) + (off_n // 128) * kbi
                             mm = tl.arange(0, BM) < nrows
-                            for ki in range(kbi):
+                            for ki in range(kbi if (ABLATE & 4) == 0 else 0):  # ablate bit 4: no k-loop
                                 off_k = ki * 128
                                 a = _load_a(act_desc, act_ptr, base, off_k, base + nrows, I, I, BM, 128, USE_TMA)
                                 bw = _load_b(w2_desc, w2_ptr, e, off_n, off_k, H, I, H * I, I, BN2, 128, False, USE_TMA)
@@ -566,8 +566,8 @@ class FusedState:
     """What one fused forward leaves for the backward (see megamoe/backends/fused.py)."""
 
     handle: DispatchHandle
-    xbuf: torch.Tensor           # [NROWS, H] received rows (dense: receive-row layout)
-    act: torch.Tensor            # [NROWS, I]
+    xbuf: torch.Tensor           # [NROWS, H] received rows (dense: receive-row layout); FP8: packed rows [NROWS, HP]
+    act: torch.Tensor            # [NROWS, I] (FP8: e4m3)
     h: torch.Tensor | None       # [NROWS, 2I] (dense + store_h)
     saved: torch.Tensor | None   # [T, k, H] un-gated expert outputs of this rank's slots (save)
     xq: tuple | None = None      # FP8: (e4m3 rows [NROWS, H], their scales [NROWS, cdiv(H, 128)]), views of xbuf
@@ -619,10 +619,8 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
     BM, BK = cfg.block_m, cfg.block_k
     if BM % cfg.pull_split:
         raise ValueError(f"pull_split={cfg.pull_split} must divide the block's {BM} rows")
-    if fp8 is not None and (bwd or cfg.bn1 != 128 or 128 % cfg.bn2):
-        raise ValueError(f"the FP8 megakernel is forward only, with 128-column GEMM1 tiles (act's 1x128 scale "
-                         f"blocks) and GEMM2 tiles inside one 128-row weight block (bn2 dividing 128), got bwd={bwd}, "
-                         f"bn1={cfg.bn1}, bn2={cfg.bn2}")
+    if fp8 is not None and bwd:
+        raise ValueError("the FP8 megakernel is forward only")
     ka = 128 if fp8 is not None else BK  # k-step of the GEMMs (TMA boxes)
     a_gemm = fp8.xq if fp8 is not None else a  # GEMM1's A operand
     use_tma = cfg.use_tma if cfg.use_tma is not None else tma_ok([a_gemm, act, w1, w2])
@@ -682,6 +680,32 @@ def _check_combine(cfg: FusedConfig, shape) -> None:
         raise ValueError("combine='push' needs a heap built with CommShape(slots=True) (the owners' slot buffers)")
 
 
+def fp8_rows_fit(hidden: int) -> bool:
+    """Whether a packed FP8 row (comm.dispatch.fp8_row_layout: e4m3 values, then fp32 scales, padded to 16 bytes)
+    fits in a bf16 row of H elements, the symmetric heap's token rows the FP8 megakernel stages it in."""
+    return fp8_row_layout(hidden)[2] <= hidden
+
+
+def _check_fp8(cfg: FusedConfig, wq: tuple, E_l: int, H: int, I: int) -> None:
+    """ValueError unless the config and the FP8 weights (q13, s13, _, _, q2, s2, ...) suit the FP8 megakernel."""
+    if cfg.bn1 != 128 or 128 % cfg.bn2:
+        raise ValueError(f"the FP8 megakernel needs 128-column GEMM1 tiles (act's 1x128 scale blocks) and GEMM2 tiles "
+                         f"inside one 128-row weight block (bn2 dividing 128), got bn1={cfg.bn1}, bn2={cfg.bn2} "
+                         f"(default_fused_config(device, fp8=True) gives a suitable config)")
+    if not fp8_rows_fit(H):
+        raise ValueError(f"the FP8 megakernel needs a packed FP8 row ({fp8_row_layout(H)[1]} bytes) to fit in a bf16 "
+                         f"row of H = {H} elements")
+    fp8, f32 = torch.float8_e4m3fn, torch.float32
+    want = [(0, fp8, (E_l, 2 * I, H)), (1, f32, (E_l, triton.cdiv(2 * I, 128), triton.cdiv(H, 128))),
+            (4, fp8, (E_l, H, I)), (5, f32, (E_l, triton.cdiv(H, 128), triton.cdiv(I, 128)))]
+    for i, dtype, shape in want:
+        t = wq[i]
+        if t is None or t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+            got = None if t is None else (t.dtype, tuple(t.shape))
+            raise ValueError(f"fused_forward: wq[{i}] must be a contiguous {dtype} {shape} (q13, s13, _, _, q2, s2, "
+                             f"... as Fp8WeightCache.fp8_weights gives them), got {got}")
+
+
 def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w13: torch.Tensor,
                   w2: torch.Tensor, cfg: FusedConfig, ring_blocks: int = 0, store_h: bool = False,
                   save: bool = False, comm_programs: int | None = None,
@@ -691,7 +715,7 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     ring_blocks: 0 = dense buffers (R_cap rows, split's layout); else the ring's slots (>= lag + 3 blocks).
     store_h: keep the SwiGLU input h (dense only, for the backward). save: keep the un-gated expert outputs of
     this rank's (token, slot) pairs [T, k, H] (for d(topk_w)).
-    wq: FP8 (q13, s13, _, _, q2, s2, _, _ as SplitBackend.fp8_weights gives them): x is quantised once per token
+    wq: FP8 (q13, s13, _, _, q2, s2, _, _ as Fp8WeightCache.fp8_weights gives them): x is quantised once per token
     on its home rank into packed rows (dispatch_fp8's layout, comm.dispatch.fp8_row_layout), the pull moves those,
     GEMM1 runs on them and the e4m3 w13, its epilogue quantises act (1x128 blocks), GEMM2 runs on that and the e4m3
     w2; the state's xbuf is then the packed rows and ``xq`` their (e4m3 rows, scales) views.
@@ -708,6 +732,8 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
         raise ValueError("fused_forward takes bf16 x, w13, w2 (FP8: their e4m3 copies in wq)")
     if tuple(topk_idx.shape) != (T, k) or tuple(topk_w.shape) != (T, k):
         raise ValueError(f"topk_idx and topk_w must be [T={T}, k={k}]")
+    if wq is not None:  # everything checked before anything is staged (a staged call must be followed by a kernel)
+        _check_fp8(cfg, wq, E_l, H, I)
     BM = cfg.block_m
     dev = heap.device
     P, GB, L1, L2 = _plan(cfg, dev, H, I, ring_blocks)
@@ -716,9 +742,6 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     nrows = ring_blocks * BM if ring_blocks else sh.rows_cap
     if wq is not None:  # x quantised once per token, packed rows [e4m3 H bytes | fp32 scales] staged and pulled
         so, _, words = fp8_row_layout(H)
-        if words > H:
-            raise ValueError(f"the FP8 megakernel needs H large enough that a packed FP8 row fits in a bf16 row "
-                             f"(H >= 32), got H = {H}")
         kb = triton.cdiv(H, 128)
         packed = torch.empty(T, words, dtype=x.dtype, device=dev)
         pb = packed.view(torch.uint8)
