@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks to spawn when not under torchrun (CPU default 2; GPU default: all GPUs)")
     p.add_argument("--cpu", action="store_true", help="use CPU ranks even if GPUs are present")
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference check")
+    p.add_argument("--fp8-weights", choices=("layer", "pinned"), default="layer",
+                   help="FP8 layers (backend option fp8=1): 'layer' (default) quantises the weights as a training "
+                        "layer does without an optimizer keeping them: cached in eager calls, in every CUDA-graph "
+                        "replay; 'pinned' quantises them once (backend.pin_fp8_weights()), so graph replays time "
+                        "the layer alone, as in training with MasterAdamW.maintain_fp8 or inference")
     p.add_argument("--cuda-graph", action="store_true",
                    help="also time graph-capturable backends (split) as CUDA-graph replays: no launch latency")
     p.add_argument("--json", default=None, help="write results here (default: benchmarks/results/<auto>.json "
@@ -203,6 +208,14 @@ def _graph_times(make_moe, xs, dys, args, timer, device, mode: str) -> list[floa
     return times
 
 
+def _pin(moe, args: argparse.Namespace):
+    """``--fp8-weights pinned``: an FP8 layer with kept copies quantises its weights once, here (see the option)."""
+    b = moe.backend
+    if getattr(args, "fp8_weights", "layer") == "pinned" and getattr(b, "fp8", False) and b.fp8_weight_cache:
+        b.pin_fp8_weights()
+    return moe
+
+
 def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
     """The benchmark on one rank of an initialised process group; rank 0 returns the results."""
     from megamoe.backends import available_backends
@@ -232,7 +245,7 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
     for spec in backends:
         name, options = parse_backend(spec)
         router_impl = str(options.pop("router", "auto"))
-        moe = MoE(cfg, backend=name, device=device, seed=args.seed, **options)
+        moe = _pin(MoE(cfg, backend=name, device=device, seed=args.seed, **options), args)
         moe.router.impl = router_impl
         if offset is not None:
             moe.router.set_logit_offset(offset)
@@ -269,7 +282,7 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
             graphed = {"backend": spec, "timing": "cuda-graph", "rel_err": entry.get("rel_err")}
 
             def make_moe(name=name, options=options, router_impl=router_impl):
-                m = MoE(cfg, backend=name, device=device, seed=args.seed, **options)
+                m = _pin(MoE(cfg, backend=name, device=device, seed=args.seed, **options), args)
                 m.router.impl = router_impl
                 if offset is not None:
                     m.router.set_logit_offset(offset)
@@ -304,7 +317,7 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
                    "dtype": str(cfg.dtype).replace("torch.", ""), "world": W, "iters": args.iters,
                    "warmup": args.warmup, "seed": args.seed, "hidden": cfg.hidden,
                    "intermediate": cfg.intermediate, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
-                   "rows_per_rank": rows_per_rank},
+                   "rows_per_rank": rows_per_rank, "fp8_weights": getattr(args, "fp8_weights", "layer")},
         "timing": "CUDA events (CPU: perf_counter) per iteration after device sync + barrier; "
                   "max over ranks per iteration; median over iterations",
         "results": results,

@@ -270,6 +270,47 @@ def test_split_fp8_copies_kept_by_the_optimizer_cpu():
     assert all(r.values()), r
 
 
+def _rank_fp8_pinned(rank: int, world: int) -> dict:
+    """pin_fp8_weights (split and fused): the copies hold the quantised weights and are managed; calls then quantise
+    nothing and give what an unpinned layer gives; after a write through .data, invalidate_fp8_weights requantises."""
+    from megamoe import MoE
+    from megamoe.experts import quantize_weight_both
+    from megamoe.testing import counting_weight_quantisations, fp8_bits
+
+    dev = torch.device("cpu")
+    cfg = LayerCase("pinned", dtype="bf16", tokens=(9,), overrides={"num_experts": 4}).config()
+    x = torch.randn(9, cfg.hidden, generator=torch.Generator().manual_seed(2)).to(cfg.dtype)
+    r = {}
+    for backend in ("split", "fused"):
+        pinned, plain = (MoE(cfg, backend=backend, device=dev, seed=5, fp8=True) for _ in range(2))
+        pinned.backend.pin_fp8_weights()
+        copies = pinned.backend.fp8_copies()
+        r[backend + ":copies"] = all(
+            c.managed and all(torch.equal(fp8_bits(a), fp8_bits(b))
+                              for a, b in zip(c.tensors(), quantize_weight_both(w.detach()), strict=True))
+            for w, c in copies)
+        with counting_weight_quantisations(pinned) as calls:
+            xi = x.clone().requires_grad_()
+            out = pinned(xi).out
+            out.float().sum().backward()
+        xj = x.clone().requires_grad_()
+        ref = plain(xj).out
+        ref.float().sum().backward()
+        r[backend + ":no_quantisation"] = calls["n"] == 0
+        r[backend + ":same"] = torch.equal(out, ref) and torch.equal(xi.grad, xj.grad)
+        with torch.no_grad():
+            pinned.w2.data.mul_(0.5)  # a write the version counter does not see
+        pinned.backend.invalidate_fp8_weights()
+        r[backend + ":invalidated"] = torch.equal(fp8_bits(copies[1][1].q), fp8_bits(quantize_weight_both(
+            pinned.w2.detach())[0]))
+    return r
+
+
+def test_fp8_pinned_weights_cpu():
+    (r,) = spawn(_rank_fp8_pinned, 1, timeout_s=600)
+    assert all(r.values()), r
+
+
 def fp8_dispatch_pair(cfg, tokens: int, dev, seed: int) -> dict:
     """fp8_dispatch (x quantised once per token on its home rank, packed FP8 rows pulled, GEMM1 on them) against
     the FP8 layer that quantises the received bf16 rows, same weights and inputs, with the pre-summing combine

@@ -119,6 +119,18 @@ class Fp8WeightCache:
                 self._fp8_copies[name] = Fp8Weight.empty_like(getattr(self.moe, name))
         return [(self.moe.w13, self._fp8_copies["w13"]), (self.moe.w2, self._fp8_copies["w2"])]
 
+    def pin_fp8_weights(self) -> None:
+        """Quantise the layer's weights into its FP8 copies now and mark the copies managed, with no optimizer: the
+        layer then reads them as they are, in CUDA-graph replays too (no quantisation per replay), which suits
+        inference, evaluation and benchmarks on fixed weights. An eager call still requantises a copy whose weight
+        changed (its version counter moved); graph replays cannot check, so after changing the weights call
+        :meth:`invalidate_fp8_weights` (which requantises managed copies) before replaying, or capture again (a
+        capture with a stale managed copy raises). Outside CUDA-graph capture; ``fp8`` with ``fp8_weight_cache``."""
+        for w, copy in self.fp8_copies():
+            quantize_weight_both(w.detach(), out=copy)
+            copy.key = weight_key(w)
+            copy.managed = True
+
     def invalidate_fp8_weights(self) -> None:
         """After writes the version counter does not see (e.g. through ``param.data``): the layer's own FP8 copies
         are marked stale (the next call outside graph capture requantises into them), the optimizer-kept ones are
