@@ -82,7 +82,7 @@ import torch.distributed as dist
 
 from megamoe.backends.fp8_weights import Fp8WeightCache
 from megamoe.backends.split import _side_stream, _wgrads, bf16_dgrad, get_heap  # noqa: F401 - shared heap cache
-from megamoe.comm.dispatch import dispatch, dispatch_backward, dispatch_fp8, fp8_row_layout
+from megamoe.comm.dispatch import dispatch, dispatch_backward, dispatch_fp8, fp8_row_layout, fp8_rows_fit
 from megamoe.comm.heap import CommShape, heap_bytes
 from megamoe.experts import dequantize_act, gemm1_swiglu, gemm1_swiglu_fp8
 from megamoe.kernels.fused_moe import (
@@ -90,7 +90,6 @@ from megamoe.kernels.fused_moe import (
     FusedState,
     default_fused_config,
     dgate,
-    fp8_rows_fit,
     fused_backward,
     fused_forward,
     plan_lag,
@@ -268,8 +267,8 @@ class FusedBackend(Fp8WeightCache):
         inter = self.moe.config.intermediate
         h_bytes = 0 if self.ring_blocks else 2 * inter * 2
         if self.fp8:  # packed e4m3 rows with their scales, e4m3 act with its scales, h in bf16; the packed tokens
-            per_row = fp8_row_layout(sh.hidden)[1] + inter + 4 * -(-inter // 128) + h_bytes
-            per_call = rows * per_row + sh.max_tokens * fp8_row_layout(sh.hidden)[1]
+            packed_row = fp8_row_layout(sh.hidden)[1]
+            per_call = rows * (packed_row + inter + 4 * -(-inter // 128) + h_bytes) + sh.max_tokens * packed_row
         else:
             per_call = rows * ((sh.hidden + inter) * 2 + h_bytes)
         out = {"symmetric": heap_bytes(self.shape), "per_call": per_call,

@@ -446,6 +446,30 @@ def fp8_row_layout(hidden: int) -> tuple[int, int, int]:
     return so, row, row // 2
 
 
+def fp8_rows_fit(hidden: int) -> bool:
+    """Whether a packed FP8 row (:func:`fp8_row_layout`) fits in a 16-bit row of ``hidden`` elements, the symmetric
+    heap's token rows it is staged in (H >= 32 always fits; so do 16 and 24-31)."""
+    return fp8_row_layout(hidden)[2] <= hidden
+
+
+def fp8_row_views(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values [n, H], fp32 scales [n, cdiv(H, 128)]): row-strided views of packed FP8 rows (``rows`` [n, words]
+    of a 16-bit dtype, :func:`fp8_row_layout`)."""
+    so = fp8_row_layout(hidden)[0]
+    rb = rows.view(torch.uint8)
+    return rb[:, :hidden].view(torch.float8_e4m3fn), rb[:, so:so + 4 * triton.cdiv(hidden, 128)].view(torch.float32)
+
+
+def pack_fp8_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [T, H] quantised per row (1x128 blocks, quantize_act) into packed FP8 rows [T, words] of the 16-bit
+    ``dtype`` (:func:`fp8_row_layout`; the padding bytes are never read as data)."""
+    from megamoe.kernels.fp8_quant import quantize_act  # lazy: comm does not need the GEMM kernels otherwise
+
+    packed = torch.empty(x.shape[0], fp8_row_layout(x.shape[1])[2], dtype=dtype, device=x.device)
+    quantize_act(x, out=fp8_row_views(packed, x.shape[1]))
+    return packed
+
+
 def dispatch_fp8(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -460,21 +484,13 @@ def dispatch_fp8(
     quantize_act gives on :func:`dispatch`'s rows (the quantisation is per row). The heap must be 16-bit (bf16)
     with H large enough that a packed row fits in a tok row (H >= 32). Rows >= offs[E_l] are not written."""
     T = _check_inputs(heap, x, topk_idx, topk_w)
-    from megamoe.kernels.fp8_quant import quantize_act  # lazy: comm does not need the GEMM kernels otherwise
-
     sh = heap.shape
     H = sh.hidden
-    so, row, words = fp8_row_layout(H)
-    if sh.dtype.itemsize != 2 or words > H:
-        raise ValueError(f"dispatch_fp8: needs a 16-bit heap whose rows hold a packed FP8 row ({row} bytes), got "
-                         f"{sh.dtype} with H = {H}")
-    kb = triton.cdiv(H, 128)
-    packed = torch.empty(T, words, dtype=sh.dtype, device=heap.device)  # (padding bytes: never read as data)
-    pb = packed.view(torch.uint8)
-    quantize_act(x, out=(pb[:, :H].view(torch.float8_e4m3fn), pb[:, so:so + 4 * kb].view(torch.float32)))
-    recv, handle = _stage_and_pull(heap, packed, T, topk_idx, topk_w, num_sms)
-    rb = recv.view(torch.uint8)
-    return rb[:, :H].view(torch.float8_e4m3fn), rb[:, so:so + 4 * kb].view(torch.float32), handle
+    if sh.dtype.itemsize != 2 or not fp8_rows_fit(H):
+        raise ValueError(f"dispatch_fp8: needs a 16-bit heap whose rows hold a packed FP8 row "
+                         f"({fp8_row_layout(H)[1]} bytes), got {sh.dtype} with H = {H}")
+    recv, handle = _stage_and_pull(heap, pack_fp8_rows(x, sh.dtype), T, topk_idx, topk_w, num_sms)
+    return (*fp8_row_views(recv, H), handle)
 
 
 def dispatch_backward(grad_recv: torch.Tensor, handle: DispatchHandle, num_sms: int | None = None,
@@ -493,5 +509,6 @@ def dispatch_backward(grad_recv: torch.Tensor, handle: DispatchHandle, num_sms: 
     return _gather_sum(grad_recv, None, handle, num_sms, out_dtype)
 
 
-__all__ = ["DispatchHandle", "dispatch", "dispatch_fp8", "dispatch_backward", "fp8_row_layout", "pull_rows",
+__all__ = ["DispatchHandle", "dispatch", "dispatch_fp8", "dispatch_backward", "fp8_row_layout", "fp8_row_views",
+           "fp8_rows_fit", "pack_fp8_rows", "pull_rows",
            "stage_and_schedule", "READY"]

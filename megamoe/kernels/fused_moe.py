@@ -70,7 +70,14 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.comm.combine import stage_grad
-from megamoe.comm.dispatch import DispatchHandle, fp8_row_layout, stage_and_schedule
+from megamoe.comm.dispatch import (
+    DispatchHandle,
+    fp8_row_layout,
+    fp8_row_views,
+    fp8_rows_fit,
+    pack_fp8_rows,
+    stage_and_schedule,
+)
 from megamoe.comm.signals import (
     ARRIVE_WORK,
     DONE,
@@ -84,7 +91,7 @@ from megamoe.comm.signals import (
     publish,
     wait_flags,
 )
-from megamoe.kernels.fp8_quant import _scale_of, _to_e4m3, quantize_act
+from megamoe.kernels.fp8_quant import _scale_of, _to_e4m3
 from megamoe.kernels.fused_parts import (
     _locate,
     _pull_block,
@@ -680,12 +687,6 @@ def _check_combine(cfg: FusedConfig, shape) -> None:
         raise ValueError("combine='push' needs a heap built with CommShape(slots=True) (the owners' slot buffers)")
 
 
-def fp8_rows_fit(hidden: int) -> bool:
-    """Whether a packed FP8 row (comm.dispatch.fp8_row_layout: e4m3 values, then fp32 scales, padded to 16 bytes)
-    fits in a bf16 row of H elements, the symmetric heap's token rows the FP8 megakernel stages it in."""
-    return fp8_row_layout(hidden)[2] <= hidden
-
-
 def _check_fp8(cfg: FusedConfig, wq: tuple, E_l: int, H: int, I: int) -> None:
     """ValueError unless the config and the FP8 weights (q13, s13, _, _, q2, s2, ...) suit the FP8 megakernel."""
     if cfg.bn1 != 128 or 128 % cfg.bn2:
@@ -741,15 +742,9 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     Pc = max(1, int(comm_programs or heap.num_sms))
     nrows = ring_blocks * BM if ring_blocks else sh.rows_cap
     if wq is not None:  # x quantised once per token, packed rows [e4m3 H bytes | fp32 scales] staged and pulled
-        so, _, words = fp8_row_layout(H)
-        kb = triton.cdiv(H, 128)
-        packed = torch.empty(T, words, dtype=x.dtype, device=dev)
-        pb = packed.view(torch.uint8)
-        quantize_act(x, out=(pb[:, :H].view(torch.float8_e4m3fn), pb[:, so:so + 4 * kb].view(torch.float32)))
-        x = packed
-        xbuf = torch.empty(nrows, words, dtype=x.dtype, device=dev)
-        xb = xbuf.view(torch.uint8)
-        xq = (xb[:, :H].view(torch.float8_e4m3fn), xb[:, so:so + 4 * kb].view(torch.float32))
+        x = pack_fp8_rows(x, x.dtype)
+        xbuf = torch.empty(nrows, x.shape[1], dtype=x.dtype, device=dev)
+        xq = fp8_row_views(xbuf, H)
         act = torch.empty(nrows, I, dtype=torch.float8_e4m3fn, device=dev)
         ops = Fp8Operands(xq=xq[0], xs=xq[1], s13=wq[1], acs=torch.empty(nrows, triton.cdiv(I, 128),
                                                                           dtype=torch.float32, device=dev), s2=wq[5])
