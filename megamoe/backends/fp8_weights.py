@@ -3,7 +3,7 @@
 calls and requantised only when a weight changes, or kept current by the optimizer (``MasterAdamW.maintain_fp8``).
 
 A backend mixes in :class:`Fp8WeightCache`, sets ``name`` and ``moe`` (the layer: ``moe.w13``, ``moe.w2``) and
-calls ``_init_fp8_cache(fp8, fp8_weight_cache)`` in its constructor.
+calls ``_init_fp8_cache(fp8, fp8_weight_cache, device)`` in its constructor (it checks them).
 """
 
 from __future__ import annotations
@@ -30,7 +30,16 @@ class Fp8WeightCache:
     _fp8_copies: dict[str, Fp8Weight]
     _fp8_handed_out: bool
 
-    def _init_fp8_cache(self, fp8: bool, fp8_weight_cache: bool) -> None:
+    def _init_fp8_cache(self, fp8: bool, fp8_weight_cache: bool, device: torch.device) -> None:
+        """Check the options ``fp8`` and ``fp8_weight_cache`` (flags; FP8 tensor cores on a CUDA ``device``) and set up
+        the (empty) copies."""
+        for name, flag in (("fp8", fp8), ("fp8_weight_cache", fp8_weight_cache)):
+            if flag not in (True, False, 0, 1):
+                raise ValueError(f"backend '{self.name}': {name} must be a flag (True/False or 1/0), got {flag!r}")
+        if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError(f"backend '{self.name}' with fp8=1 needs FP8 tensor cores (compute capability >= 8.9, "
+                             f"e.g. H100/H200/L40); {torch.cuda.get_device_name(device)} has "
+                             f"{torch.cuda.get_device_capability(device)}")
         self.fp8 = bool(fp8)
         self.fp8_weight_cache = bool(fp8_weight_cache)
         self._fp8_copies = {}  # fp8_copies(): allocated on first use

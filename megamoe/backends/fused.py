@@ -182,13 +182,7 @@ class FusedBackend(Fp8WeightCache):
             comm_sms = 2 if os.environ.get("TRITON_INTERPRET") == "1" else device_sms(moe.device)
         if comm_sms < 1:
             raise ValueError(f"comm_sms must be >= 1, got {comm_sms}")
-        for name, flag in (("fp8", fp8), ("fp8_weight_cache", fp8_weight_cache)):
-            if flag not in (True, False, 0, 1):
-                raise ValueError(f"backend 'fused': {name} must be a flag (True/False or 1/0), got {flag!r}")
-        if fp8 and moe.device.type == "cuda" and torch.cuda.get_device_capability(moe.device) < (8, 9):
-            raise ValueError(f"backend 'fused' with fp8=1 needs FP8 tensor cores (compute capability >= 8.9, "
-                             f"e.g. H100/H200/L40); {torch.cuda.get_device_name(moe.device)} has "
-                             f"{torch.cuda.get_device_capability(moe.device)}")
+        self._init_fp8_cache(fp8, fp8_weight_cache, moe.device)
         if fp8 and fused_backward:
             raise ValueError("backend 'fused': fp8=1 runs the backward on split's FP8 kernels; the backward "
                              "megakernel (fused_backward=1) is bf16 only")
@@ -196,7 +190,6 @@ class FusedBackend(Fp8WeightCache):
             raise ValueError(f"backend 'fused' with fp8=1 needs a packed FP8 row ({fp8_row_layout(cfg.hidden)[1]} "
                              f"bytes: e4m3 values and fp32 scales) to fit in a bf16 row of the symmetric heap "
                              f"(hidden = {cfg.hidden} elements; 32 and above always fit)")
-        self._init_fp8_cache(fp8, fp8_weight_cache)
         self.config: FusedConfig = default_fused_config(moe.device, fp8=bool(fp8))
         if programs is not None:
             if programs < 1:

@@ -322,16 +322,12 @@ class SplitBackend(Fp8WeightCache):
                              "(a one-rank group is fine)")
         if comm_sms < 1:
             raise ValueError(f"comm_sms must be >= 1, got {comm_sms}")
-        for name, flag in (("fp8", fp8), ("fp8_weight_cache", fp8_weight_cache), ("fp8_dispatch", fp8_dispatch)):
-            if flag not in (True, False, 0, 1):
-                raise ValueError(f"backend 'split': {name} must be a flag (True/False or 1/0), got {flag!r}")
+        self._init_fp8_cache(fp8, fp8_weight_cache, moe.device)
+        if fp8_dispatch not in (True, False, 0, 1):
+            raise ValueError(f"backend 'split': fp8_dispatch must be a flag (True/False or 1/0), got {fp8_dispatch!r}")
         if fp8_dispatch and not fp8:
             raise ValueError("backend 'split': fp8_dispatch=1 sends the rows FP8-quantised for the FP8 GEMM1; it needs "
                              "fp8=1")
-        if fp8 and moe.device.type == "cuda" and torch.cuda.get_device_capability(moe.device) < (8, 9):
-            raise ValueError(f"backend 'split' with fp8=1 needs FP8 tensor cores (compute capability >= 8.9, "
-                             f"e.g. H100/H200/L40); {torch.cuda.get_device_name(moe.device)} has "
-                             f"{torch.cuda.get_device_capability(moe.device)}")
         if gate_grad not in ("epilogue", "pull"):
             raise ValueError(f"backend 'split': gate_grad must be 'epilogue' or 'pull', got {gate_grad!r}")
         self.gate_grad = gate_grad
@@ -339,7 +335,6 @@ class SplitBackend(Fp8WeightCache):
         self.comm_sms = comm_sms
         self.overlap_backward = overlap_backward
         self.presum_combine = presum_combine
-        self._init_fp8_cache(fp8, fp8_weight_cache)
         self.fp8_dispatch = bool(fp8_dispatch)
         self.shape = CommShape(world=moe.world, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden,
                                topk=cfg.top_k, num_experts=cfg.num_experts, dtype=cfg.dtype)
