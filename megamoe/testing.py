@@ -255,34 +255,47 @@ def check_reference(results: list[dict], tolerances: dict[str, float]) -> int:
     return cycled
 
 
-def twin_runs(case: LayerCase, device: torch.device, a: tuple[str, dict], b: tuple[str, dict]) -> dict:
-    """Layers (backend, options) ``a`` and ``b`` on the same weights (seed) and this rank's inputs of ``case``: one
-    forward + backward each; returns {output or gradient: (bitwise equal, relative difference of a vs b, cosine)}
-    for out, dx, drouter, dw13, dw2 (this rank's slices; the router's gradient is this rank's part)."""
-    cfg = case.config()
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    gen = torch.Generator().manual_seed(case.seed + 20 + rank)
-    x = torch.randn(case.tokens[rank], cfg.hidden, generator=gen).to(cfg.dtype).to(device)
-    g = torch.randn(case.tokens[rank], cfg.hidden, generator=gen).to(cfg.dtype).to(device)
+def layer_runs(cfg: MoEConfig, tokens: int, device: torch.device, specs: list[tuple[str, dict]], *, input_seed: int,
+               weight_seed: int, offset: dict | None = None) -> list[list[torch.Tensor]]:
+    """One forward + backward of a layer per (backend, options) in ``specs``, each built from ``weight_seed`` (the
+    same weights) and run on the same ``tokens`` inputs x and output gradient g (drawn from ``input_seed``) with
+    L = sum(out * g); ``offset``: logit offsets {expert: value}. Returns per spec [out, dx, drouter, dw13, dw2]
+    (this rank's; the router's gradient is this rank's part)."""
+    gen = torch.Generator().manual_seed(input_seed)
+    x = torch.randn(tokens, cfg.hidden, generator=gen).to(cfg.dtype).to(device)
+    g = torch.randn(tokens, cfg.hidden, generator=gen).to(cfg.dtype).to(device)
     runs = []
-    for backend, opts in (a, b):
-        moe = MoE(cfg, backend=backend, device=device, seed=case.seed, **opts)
-        if case.offset:
-            offset = torch.zeros(cfg.num_experts)
-            for e, v in case.offset.items():
-                offset[e] = v
-            moe.router.set_logit_offset(offset.to(device))
+    for backend, opts in specs:
+        moe = MoE(cfg, backend=backend, device=device, seed=weight_seed, **opts)
+        if offset:
+            logit = torch.zeros(cfg.num_experts)
+            for e, v in offset.items():
+                logit[e] = v
+            moe.router.set_logit_offset(logit.to(device))
         xi = x.clone().requires_grad_()
         out = moe(xi).out
         grads = _grads((out.float() * g.float()).sum(), (xi, moe.router.weight, moe.w13, moe.w2))
         runs.append([out.detach(), *grads])
         del moe
+    return runs
+
+
+def compare_runs(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
+    """{out, dx, drouter, dw13, dw2: (bitwise equal, relative difference of a vs b, cosine)} of two layer_runs."""
     res = {}
-    for name, p, q in zip(("out", "dx", "drouter", "dw13", "dw2"), *runs, strict=True):
+    for name, p, q in zip(("out", "dx", "drouter", "dw13", "dw2"), a, b, strict=True):
         pd, qd = p.detach().double().flatten().cpu(), q.detach().double().flatten().cpu()
         den = (pd.norm() * qd.norm()).item()
         res[name] = (torch.equal(p, q), rel_err(p, q), (pd @ qd).item() / den if den else 1.0)
     return res
+
+
+def twin_runs(case: LayerCase, device: torch.device, a: tuple[str, dict], b: tuple[str, dict]) -> dict:
+    """Layers (backend, options) ``a`` and ``b`` on the same weights (seed) and this rank's inputs of ``case``:
+    :func:`compare_runs` of one forward + backward each."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return compare_runs(*layer_runs(case.config(), case.tokens[rank], device, [a, b], input_seed=case.seed + 20 + rank,
+                                    weight_seed=case.seed, offset=case.offset))
 
 
 def training_step(rank: int, backend: str, tokens: int = 2048, **backend_options):

@@ -15,8 +15,10 @@ from megamoe.testing import (
     TOLERANCE,
     LayerCase,
     bf16_cases,
+    compare_runs,
     determinism_case,
     layer_case,
+    layer_runs,
     tiny_experts,
 )
 
@@ -94,27 +96,12 @@ def fp8_cases(world: int) -> list[LayerCase]:
 def fp8_vs_bf16(case: LayerCase, dev) -> tuple[bool, dict]:
     """fp8 layer twice (bitwise equal?) and the bf16 split layer once on the same weights and inputs;
     returns (deterministic, {quantity: (rel err vs bf16, cosine vs bf16)})."""
-    from megamoe import MoE
-
-    cfg = case.config()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    gen = torch.Generator().manual_seed(case.seed + 10 + rank)
-    x = torch.randn(case.tokens[rank], cfg.hidden, generator=gen).to(cfg.dtype).to(dev)
-    g = torch.randn(case.tokens[rank], cfg.hidden, generator=gen).to(cfg.dtype).to(dev)
-    runs = []
-    for fp8 in (True, True, False):
-        moe = MoE(cfg, backend="split", device=dev, seed=case.seed, fp8=fp8)
-        xi = x.clone().requires_grad_()
-        out = moe(xi).out
-        grads = torch.autograd.grad((out.float() * g.float()).sum(), (xi, moe.router.weight, moe.w13, moe.w2),
-                                    allow_unused=True, materialize_grads=True)
-        runs.append([out.detach(), *grads])
-    det = all(torch.equal(a, b) for a, b in zip(runs[0], runs[1], strict=True))
-    stats = {}
-    for key, a, b in zip(("out", "dx", "drouter", "dw13", "dw2"), runs[0], runs[2], strict=True):
-        a, b = a.double().flatten().cpu(), b.double().flatten().cpu()
-        stats[key] = ((a - b).norm() / b.norm()).item(), (a @ b / (a.norm() * b.norm())).item()
-    return det, stats
+    fp8, fp8_again, bf16 = layer_runs(case.config(), case.tokens[rank], dev,
+                                      [("split", {"fp8": True}), ("split", {"fp8": True}), ("split", {"fp8": False})],
+                                      input_seed=case.seed + 10 + rank, weight_seed=case.seed)
+    det = all(eq for eq, _, _ in compare_runs(fp8, fp8_again).values())
+    return det, {key: (rel, cos) for key, (_, rel, cos) in compare_runs(fp8, bf16).items()}
 
 
 def check_fp8(results) -> None:
@@ -306,6 +293,7 @@ def _rank_fp8_pinned(rank: int, world: int) -> dict:
     return r
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test")
 def test_fp8_pinned_weights_cpu():
     (r,) = spawn(_rank_fp8_pinned, 1, timeout_s=600)
     assert all(r.values()), r
@@ -317,25 +305,14 @@ def fp8_dispatch_pair(cfg, tokens: int, dev, seed: int) -> dict:
     (gates travel with the rows): whether the output, dx, the router's and w2's gradients are bitwise equal (the
     quantisation is per row, so GEMM1 sees the same operands), and dW13's relative difference and cosine (it is
     computed from the dequantised rows)."""
-    from megamoe import MoE
-
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    gen = torch.Generator().manual_seed(seed + rank)
-    x = torch.randn(tokens, cfg.hidden, generator=gen).to(cfg.dtype).to(dev)
-    g = torch.randn(tokens, cfg.hidden, generator=gen).to(cfg.dtype).to(dev)
-    runs = []
-    for fp8_dispatch in (False, True):
-        moe = MoE(cfg, backend="split", device=dev, seed=4, fp8=True, presum_combine=True, fp8_dispatch=fp8_dispatch)
-        xi = x.clone().requires_grad_()
-        out = moe(xi).out
-        grads = torch.autograd.grad((out.float() * g.float()).sum(), (xi, moe.router.weight, moe.w13, moe.w2),
-                                    allow_unused=True, materialize_grads=True)
-        runs.append([out.detach(), *grads])
-    (o0, dx0, dr0, dw13_0, dw2_0), (o1, dx1, dr1, dw13_1, dw2_1) = runs
-    a, b = dw13_1.double().flatten().cpu(), dw13_0.double().flatten().cpu()
-    return {"out": torch.equal(o0, o1), "dx": torch.equal(dx0, dx1), "drouter": torch.equal(dr0, dr1),
-            "dw2": torch.equal(dw2_0, dw2_1), "dw13_rel": ((a - b).norm() / b.norm()).item(),
-            "dw13_cos": (a @ b / (a.norm() * b.norm())).item()}
+    opts = {"fp8": True, "presum_combine": True}
+    plain, packed = layer_runs(cfg, tokens, dev, [("split", {**opts, "fp8_dispatch": False}),
+                                                  ("split", {**opts, "fp8_dispatch": True})],
+                               input_seed=seed + rank, weight_seed=4)
+    c = compare_runs(packed, plain)
+    return {"out": c["out"][0], "dx": c["dx"][0], "drouter": c["drouter"][0], "dw2": c["dw2"][0],
+            "dw13_rel": c["dw13"][1], "dw13_cos": c["dw13"][2]}
 
 
 def check_fp8_dispatch(r: dict) -> None:
