@@ -13,7 +13,8 @@
 # backward on pull_grad: tests, then the layer A/B, ~8 min on one GPU), q (fused / layer GPU tests, then the FP8
 # weight-quantisation variants), o (FP8 copies kept by the optimizer: tests + bench, ~6 min), o2 (training A/B of it,
 # ~6 min), o3 (graphed FP8 layer, managed copies vs per-replay quantisation, ~3 min), v (the GPU tests of V_TESTS),
-# f8 (the FP8 megakernel: its GPU tests, then the layer bench, ~8 min on one GPU).
+# f8 (the FP8 megakernel: its GPU tests, then the layer bench, ~8 min on one GPU), gf (the Gluon megakernel items:
+# smoke, GPU tests, layer bench).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -225,6 +226,15 @@ gpu_tests_par gpu_fused_fp8 300 "${F8_PROCS:-3}" -k fp8 tests/test_gpu_fused.py
 for p in ${F8_PRESETS:-qwen3-30b-a3b mixtral-8x7b}; do echo "-- $p"  # deepseek FP8 at EP 1: out of memory (256 experts)
   bench "$p" 4096 "${F8_BACKENDS:-fused,fused:fp8=1,fused:fp8=1:stages=3,split:fp8=1:fp8_dispatch=1}" fp8 --cuda-graph \
     --fp8-weights "${F8_WEIGHTS:-pinned}"  # pinned: graph replays time the layer, not a weight quantisation
+done
+fi
+
+if want gf; then
+echo "== gf. Gluon megakernel items (fused:kernel=gluon): smoke (vs the Triton megakernel), GPU tests, layer bench"
+timeout "${GF_SMOKE_TIMEOUT:-240}" python3 benchmarks/gluon_fused_smoke.py 2>&1 | grep -v "^W1\|UserWarn" | tail -8
+[ "${GF_TESTS:-1}" = 1 ] && gpu_tests_par gpu_fused_gluon "${GF_TIMEOUT:-400}" "${GF_PROCS:-2}" -k gluon tests/test_gpu_fused.py
+for p in ${GF_PRESETS:-qwen3-30b-a3b mixtral-8x7b}; do echo "-- $p"
+  bench "$p" 4096 "${GF_BACKENDS:-split,fused,fused:kernel=gluon}" gluon --cuda-graph
 done
 fi
 

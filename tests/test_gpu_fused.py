@@ -153,3 +153,74 @@ def test_fused_fp8_sync_free_and_graph_capturable():
     for r in spawn(_fp8_step_checks, min(NGPU, 4), device="cuda", timeout_s=600):
         assert r["graph_out_equal"], "graph replay output differs from eager"
         assert r["graph_w_equal"], "graph replay parameters differ from eager"
+
+
+# --------------------------------------------------------------------------------- kernel="gluon" (Hopper)
+# The warp-specialised Gluon items (kernels/gluon_fused.py) against float64, against the Triton megakernel on the
+# same weights and inputs (same tiles and k order: expected bitwise equal, asserted close), dense and cycling rings
+# under skew, both combines, determinism, no host sync, CUDA-graph replay.
+GLUON_TWIN_REL = 1e-3
+
+
+def _gluon_ok() -> bool:
+    return NGPU > 0 and torch.cuda.get_device_capability(0)[0] == 9
+
+
+def _rank_gluon(rank: int, world: int) -> tuple[list[dict], list, list[bool]]:
+    dev = torch.device("cuda", rank)
+    g = {"kernel": "gluon"}
+    # (H, I must be multiples of 8 for its TMA descriptors: the odd-widths case H = 100 must raise instead)
+    odd = [c for c in bf16_cases(world) if c.overrides.get("hidden", 96) % 8]
+    assert odd, "the standard cases lost their odd-width case"
+    with pytest.raises(ValueError, match="multiples of 8"):
+        layer_case(odd[0], "fused", dev, **g)
+    cases = [c for c in bf16_cases(world) if c not in odd] + gpu_cases(world)
+    refs = [dict(layer_case(c, "fused", dev, **g), case="gluon:" + c.name) for c in cases]
+    refs += [dict(layer_case(c, "fused", dev, combine="pull", **g), case="gluon-pull:" + c.name)
+             for c in gpu_cases(world)]
+    refs += [dict(layer_case(c, "fused", dev, fused_backward=True, **g), case="gluon-bwd-megakernel:" + c.name)
+             for c in gpu_cases(world)[:1]]
+    sk = _skewed(world)
+    mini = 2048 * 8 // BM
+    for ring in (4, mini, 4 * mini):
+        r = layer_case(sk, "fused", dev, ring_blocks=ring, **g)
+        e_l = len(r["counts"]) // world
+        r.update(case=f"gluon-ring{ring}:{r['case']}", ring=ring,
+                 blocks=sum(-(-c // BM) for c in r["counts"][rank * e_l:(rank + 1) * e_l]))
+        refs.append(r)
+    twins = [(c.name, twin_runs(c, dev, ("fused", {}), ("fused", g))) for c in gpu_cases(world)]
+    twins.append(("ring4", twin_runs(sk, dev, ("fused", {"ring_blocks": 4}), ("fused", {"ring_blocks": 4, **g}))))
+    det_case = LayerCase("det", preset="qwen3-30b-a3b", dtype="bf16", tokens=tuple([1024] * world),
+                         overrides={"num_experts": qwen3_experts(world)})
+    dets = [determinism_case(det_case, "fused", dev, **g), determinism_case(sk, "fused", dev, ring_blocks=8, **g)]
+    return refs, twins, dets
+
+
+@pytest.mark.skipif(not _gluon_ok(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_fused_gluon_on_gpus(world):
+    if world > NGPU:
+        pytest.skip(f"needs {world} GPUs, {NGPU} visible")
+    cycled = 0
+    for refs, twins, dets in spawn(_rank_gluon, world, device="cuda", timeout_s=900):
+        assert all(dets), "fused kernel=gluon: two runs differ bitwise"
+        cycled += check_reference(refs, {k: TOLERANCE["bf16"] for k in ("out", "dx", "drouter", "dw13", "dw2")})
+        for name, t in twins:
+            for key, (_, rel, _cos) in t.items():
+                assert rel < GLUON_TWIN_REL, f"{name}: gluon vs triton megakernel {key}: rel {rel:.3g}"
+            print(f"gluon vs triton {name}: bitwise {all(eq for eq, _, _ in t.values())}, "
+                  f"max rel {max(rel for _, rel, _ in t.values()):.3g}")
+    assert cycled >= 1, "the skewed case should make the smallest ring cycle"
+
+
+def _gluon_step_checks(rank: int, world: int) -> dict:
+    sync_free_step(training_step(rank, "fused", kernel="gluon")[2])
+    sync_free_step(training_step(rank, "fused", kernel="gluon", ring_blocks=16)[2])
+    return graph_replay_vs_eager(*training_step(rank, "fused", kernel="gluon"))
+
+
+@pytest.mark.skipif(not _gluon_ok(), reason="needs a Hopper GPU")
+def test_fused_gluon_sync_free_and_graph_capturable():
+    for r in spawn(_gluon_step_checks, min(NGPU, 4), device="cuda", timeout_s=600):
+        assert r["graph_out_equal"], "graph replay output differs from eager"
+        assert r["graph_w_equal"], "graph replay parameters differ from eager"

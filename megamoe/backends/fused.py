@@ -95,6 +95,7 @@ from megamoe.kernels.fused_moe import (
     plan_lag,
 )
 from megamoe.kernels.gemm_config import num_sms as device_sms
+from megamoe.kernels.gluon_fused import gluon_fused_reason
 
 
 def _state(ctx, recv, act, h) -> FusedState:
@@ -171,7 +172,7 @@ class FusedBackend(Fp8WeightCache):
                  comm_sms: int | None = None, timeout_s: float = 60.0, fused_backward: bool = False,
                  combine: str = "push", stages: int | None = None, counter_scope: str | None = None,
                  lag: int | None = None, prologue: bool = False, pull_prefetch: bool = False, fp8: bool = False,
-                 fp8_weight_cache: bool = True):
+                 fp8_weight_cache: bool = True, kernel: str = "triton"):
         cfg = moe.config
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"backend 'fused' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
@@ -244,6 +245,14 @@ class FusedBackend(Fp8WeightCache):
         if fused_backward and ring_blocks:
             raise ValueError("fused_backward needs the dense buffers (ring_blocks=None): a cycling ring overwrote "
                              "the forward's rows, which the backward recomputes with split's kernels")
+        if kernel not in ("triton", "gluon"):
+            raise ValueError(f"kernel must be 'triton' or 'gluon', got {kernel!r}")
+        if kernel == "gluon":
+            why = "fp8=1 runs on kernel='triton' only" if fp8 else gluon_fused_reason(
+                self.config, H=cfg.hidden, I=cfg.intermediate, device=moe.device)
+            if why is not None:
+                raise ValueError(f"backend 'fused' with kernel='gluon': {why}")
+            self.config = self.config.with_(kernel="gluon")
         self.moe = moe
         self.fused_backward = bool(fused_backward)
         self.ring_blocks = ring_blocks

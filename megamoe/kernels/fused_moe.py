@@ -103,6 +103,7 @@ from megamoe.kernels.fused_parts import (
     wait_counter,
 )
 from megamoe.kernels.gemm_config import interpreting, num_sms, record, tma_ok
+from megamoe.kernels.gluon_fused import gluon_fused_reason, launch_gluon_fused
 from megamoe.kernels.grouped_gemm import _epilogue, _expert_tiles, _load_a, _load_b
 
 
@@ -182,6 +183,69 @@ def _q_store(a, s, base, lm, off_n, mm, I, NP: tl.constexpr, RNE: tl.constexpr):
     rn = off_n + tl.arange(0, NP)
     q = _to_e4m3(tl.clamp(tl.div_rn(a, s[:, None]), -448.0, 448.0), RNE)
     tl.store(base + (lm[:, None] * I + rn[None, :]), q, mask=mm[:, None] & (rn < I)[None, :])
+
+
+@triton.jit
+def _done_wait(tab, W, rank, call, timeout_ns, P, WP2: tl.constexpr):
+    """After this program's items: count it; the last of the P programs publishes DONE to every rank (unless a wait
+    failed); then wait for every rank's DONE (every GEMM2 row of the call is final). True when all arrived."""
+    last = arrive_last(tab, W, rank, ARRIVE_WORK, P)
+    if last:
+        if error_set(tab, W, rank) == 0:
+            publish(tab, W, rank, DONE, call, WP2)
+    return wait_flags(tab, W, rank, DONE, 0, W, call, OP_FUSED, timeout_ns, WP2)
+
+
+@triton.jit
+def _sum_tokens(tab, W, pid, P, gate_ptr, y_ptr, save_ptr, slots_ptr, dest_rank_ptr, dest_row_ptr, T, H,
+                K: tl.constexpr, ROWS_C: tl.constexpr, BLOCK_HC: tl.constexpr, SAVE: tl.constexpr,
+                ALIGNED: tl.constexpr, BWD: tl.constexpr, PULL_COMBINE: tl.constexpr):
+    """y[t] = sum_j topk_w[t, j] * out_j(t) in j order, fp32 (BWD: without the gates), for this program's tokens;
+    out_j(t) from the local slots (push) or pulled from its expert rank's ``rows`` (PULL_COMBINE); SAVE copies
+    the rows out."""
+    DT = y_ptr.dtype.element_ty
+    for t0 in range(pid * ROWS_C, T, P * ROWS_C):
+        t = t0 + tl.arange(0, ROWS_C)
+        mt = t < T
+        for h0 in range(0, H, BLOCK_HC):
+            oh = h0 + tl.arange(0, BLOCK_HC)
+            m2 = mt[:, None] & (oh < H)[None, :]
+            acc = tl.zeros((ROWS_C, BLOCK_HC), dtype=tl.float32)
+            for jk in tl.static_range(K):
+                o2 = (t.to(tl.int64) * K + jk)[:, None] * H + oh[None, :]
+                if PULL_COMBINE:  # the row of slot (t, jk) on its expert rank, over NVLink
+                    drank = tl.load(dest_rank_ptr + t * K + jk, mask=mt, other=0)
+                    drow = tl.load(dest_row_ptr + t * K + jk, mask=mt, other=0)
+                    src = tl.load(tab + REG_ROWS * W + drank, mask=mt, other=0).to(tl.pointer_type(DT))
+                    rp = src + drow.to(tl.int64) * H
+                    if ALIGNED:
+                        rp = tl.multiple_of(rp, 16)
+                    v = tl.load(rp[:, None] + oh[None, :], mask=m2, other=0.0)
+                else:
+                    v = tl.load(slots_ptr + o2, mask=m2, other=0.0)
+                if SAVE:
+                    tl.store(save_ptr + o2, v, mask=m2)
+                if BWD:  # dx[t] = sum_j d_recv rows (unweighted)
+                    acc += v.to(tl.float32)
+                else:
+                    wj = tl.load(gate_ptr + t * K + jk, mask=mt, other=0.0)
+                    acc += wj[:, None] * v.to(tl.float32)
+            tl.store(y_ptr + t.to(tl.int64)[:, None] * H + oh[None, :], acc.to(DT), mask=m2)
+
+
+@triton.jit(do_not_specialize=["W", "T"])
+def _fused_tail_kernel(tab, W, rank, gate_ptr, y_ptr, save_ptr, slots_ptr, dest_rank_ptr, dest_row_ptr, T, H,
+                       timeout_ns, K: tl.constexpr, ROWS_C: tl.constexpr, BLOCK_HC: tl.constexpr, SAVE: tl.constexpr,
+                       ALIGNED: tl.constexpr, PULL_COMBINE: tl.constexpr, WP2: tl.constexpr):
+    """The forward megakernel's tail alone (DONE, then the tokens' sums), launched after the items of
+    kernels/gluon_fused.py (FusedConfig.kernel "gluon"); grid (P,)."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    call = current_call(tab, W, rank)
+    ok = _done_wait(tab, W, rank, call, timeout_ns, P, WP2)
+    if ok:
+        _sum_tokens(tab, W, pid, P, gate_ptr, y_ptr, save_ptr, slots_ptr, dest_rank_ptr, dest_row_ptr, T, H, K, ROWS_C,
+                    BLOCK_HC, SAVE, ALIGNED, False, PULL_COMBINE)
 
 
 # W, E_l, T: an int argument equal to 1 would be specialised to a constexpr, a different compile with no gain
@@ -436,41 +500,12 @@ def _fused_fwd_kernel(
     # every push of this rank has been issued: the last program tells every rank
     if TIMELINE:
         t_items = now_ns()
-    last = arrive_last(tab, W, rank, ARRIVE_WORK, P)
-    if last:
-        if error_set(tab, W, rank) == 0:
-            publish(tab, W, rank, DONE, call, WP2)
-    ok = wait_flags(tab, W, rank, DONE, 0, W, call, OP_FUSED, timeout_ns, WP2)
+    ok = _done_wait(tab, W, rank, call, timeout_ns, P, WP2)
     if TIMELINE:
         t_done = now_ns()
     if ok:
-        for t0 in range(pid * ROWS_C, T, P * ROWS_C):
-            t = t0 + tl.arange(0, ROWS_C)
-            mt = t < T
-            for h0 in range(0, H, BLOCK_HC):
-                oh = h0 + tl.arange(0, BLOCK_HC)
-                m2 = mt[:, None] & (oh < H)[None, :]
-                acc = tl.zeros((ROWS_C, BLOCK_HC), dtype=tl.float32)
-                for jk in tl.static_range(K):
-                    o2 = (t.to(tl.int64) * K + jk)[:, None] * H + oh[None, :]
-                    if PULL_COMBINE:  # the row of slot (t, jk) on its expert rank, over NVLink
-                        drank = tl.load(dest_rank_ptr + t * K + jk, mask=mt, other=0)
-                        drow = tl.load(dest_row_ptr + t * K + jk, mask=mt, other=0)
-                        src = tl.load(tab + REG_ROWS * W + drank, mask=mt, other=0).to(tl.pointer_type(DT))
-                        rp = src + drow.to(tl.int64) * H
-                        if ALIGNED:
-                            rp = tl.multiple_of(rp, 16)
-                        v = tl.load(rp[:, None] + oh[None, :], mask=m2, other=0.0)
-                    else:
-                        v = tl.load(slots_ptr + o2, mask=m2, other=0.0)
-                    if SAVE:
-                        tl.store(save_ptr + o2, v, mask=m2)
-                    if BWD:  # dx[t] = sum_j d_recv rows (unweighted)
-                        acc += v.to(tl.float32)
-                    else:
-                        wj = tl.load(gate_ptr + t * K + jk, mask=mt, other=0.0)
-                        acc += wj[:, None] * v.to(tl.float32)
-                tl.store(y_ptr + t.to(tl.int64)[:, None] * H + oh[None, :], acc.to(DT), mask=m2)
+        _sum_tokens(tab, W, pid, P, gate_ptr, y_ptr, save_ptr, slots_ptr, dest_rank_ptr, dest_row_ptr, T, H, K, ROWS_C,
+                    BLOCK_HC, SAVE, ALIGNED, BWD, PULL_COMBINE)
     if TIMELINE:
         t_fin = now_ns()
         prec = tlp_ptr + pid * 8
@@ -543,6 +578,9 @@ class FusedConfig:
     prologue: bool = False   # the first L1 steps (which have no GEMM items) pull their blocks in (items per step /
                              # G) parts, so every program helps and GEMM1 starts after a fraction of a pull (not timed
                              # yet: the 2026-12-01 timeline showed deepseek's programs waiting ~100 us at the start)
+    kernel: str = "triton"   # "gluon": the forward's items in kernels/gluon_fused.py (warp-specialised: a TMA loader
+                             # warp, two consumer warpgroups, TMA-store epilogue; Hopper, bf16), then
+                             # _fused_tail_kernel; the backward megakernel and FP8 stay on "triton"
     timeline: bool = False   # diagnostics: every item's program, kind, block and %globaltimer stamps (claim, claimed,
                              # wait done, loop done, end) into LAST_TIMELINE (benchmarks/fused_probe.py --timeline)
 
@@ -656,6 +694,22 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
                              lag=lag, bwd=bwd)
     else:
         tl_buf = tlp_buf = ctr
+    if cfg.kernel == "gluon" and not bwd:  # the items in Gluon, then the tail (DONE, the tokens' sums) in Triton
+        if fp8 is not None:
+            raise ValueError("the FP8 megakernel runs on kernel='triton' only")
+        launch_gluon_fused(heap, cfg, sched, P, a=a, w1=w1, act=act, w2=w2, h=h, ctr=ctr, I=I, nb_max=nb_max,
+                           ring_blocks=ring_blocks, group=group, lookahead=lookahead, lag=lag)
+        compiled = _fused_tail_kernel[(P,)](
+            heap.tab, heap.world, heap.rank, gate, y if T > 0 else heap.rows_buffer(),
+            save if save is not None else act, heap.buffer("slots") if sh.slots else heap.rows_buffer(),
+            sched.dest_rank, sched.dest_row, T, H, heap.timeout_ns, K=k, ROWS_C=max(1, 4096 // block_hc),
+            BLOCK_HC=block_hc, SAVE=save is not None, ALIGNED=(H * 2) % 16 == 0, PULL_COMBINE=cfg.combine == "pull",
+            WP2=max(2, heap.wp2))
+        record("_fused_tail_kernel", compiled)
+        heap.after_launch()
+        return
+    if cfg.kernel != "triton":
+        raise ValueError(f"FusedConfig.kernel must be 'triton' or 'gluon', got {cfg.kernel!r}")
     compiled = _fused_fwd_kernel[(P,)](
         heap.tab, heap.world, heap.rank,
         a_desc, a, w1_desc, w1, act_desc, act, w2_desc, w2, h if h is not None else act,
@@ -735,6 +789,11 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
         raise ValueError(f"topk_idx and topk_w must be [T={T}, k={k}]")
     if wq is not None:  # everything checked before anything is staged (a staged call must be followed by a kernel)
         _check_fp8(cfg, wq, E_l, H, I)
+    if cfg.kernel == "gluon":
+        why = "FP8 runs on kernel='triton' only" if wq is not None else gluon_fused_reason(cfg, H=H, I=I,
+                                                                                           device=heap.device)
+        if why is not None:
+            raise ValueError(f"fused_forward (kernel='gluon'): {why}")
     BM = cfg.block_m
     dev = heap.device
     P, GB, L1, L2 = _plan(cfg, dev, H, I, ring_blocks)

@@ -1,0 +1,641 @@
+"""The MoE forward megakernel's work items in Gluon, warp-specialised (``FusedConfig(kernel="gluon")``).
+
+Why (2026-12-02): the Triton megakernel (fused_moe.py) runs its GEMM items about 1.1-1.2x slower than split's
+GEMMs, which since 2026-12-01 are warp-specialised Gluon kernels (gluon_bf16_ws.py: a TMA loader warp running ahead
+across tiles, two consumer warpgroups, an asynchronous TMA-store epilogue). In a Triton work-queue kernel every
+item refills its pipeline from empty after the claim, the wait and the fence, and the epilogue's stores stop the
+tensor cores. Here the same items run with gluon_bf16_ws's structure:
+
+    loader     1 warp: claims the items (the same atomic queue and item order as fused_moe.py), waits for each
+               item's inputs (the per-block counters, bounded, acquire + ``fence.proxy.async``), issues its GEMM
+               k-steps' TMA loads into a STAGES-deep ring (GEMM1: x rows + the gate and up tiles; GEMM2: act rows +
+               a w2 tile), and hands the item to the consumers through a QD-deep queue (the item index in global
+               memory, per program, behind an mbarrier; negative when its wait failed: every partition stops there)
+    consumer 0 4 warps (the default partition): rows 0..63 of the item's block
+    consumer 1 4 warps (a worker partition):    rows 64..127
+               PULL: half of the part's rows from their owners' ``tok`` regions; GEMM1: 64 x (128 gate + 128 up)
+               async wgmmas, SwiGLU epilogue through gluon_fp8_ws._put (TMA stores into act / h where every row
+               is the block's); GEMM2: 64 x BN2 (256), epilogue pushing each row into its owner's slot (or, combine
+               "pull", TMA / masked stores into this rank's ``rows`` region). Each consumer signals the block's
+               counter itself, so the targets are 2x the Triton kernel's (2 per pull part, 2 per GEMM tile).
+
+Deadlock freedom is the Triton kernel's argument: every wait is on an earlier item, and items are taken only by
+running programs. Within a program the consumers run the items in claim order, and every item handed to them has
+all its loads issued, so a loader waiting on a counter never waits on a consumer that waits on that loader. The
+loader does every wait (the consumers wait only on mbarriers that the loader always completes), so a timeout
+cannot leave one partition stopped while another waits for it.
+
+The tail (after every item: DONE, then each token's k rows summed with the gates; SAVE) is the Triton kernel's,
+launched right after this one with ``ITEMS=False`` (fused_moe._launch): this kernel ends when its items are done, and
+stream order makes every push complete before the tail publishes DONE. Backward, FP8, the timeline, the prologue,
+the prefetching pull and the ablations stay on the Triton kernel (ValueError here).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from megamoe.comm.signals import (
+    ERR_CALL,
+    ERR_EXPECTED,
+    ERR_FLAG,
+    ERR_LOCAL,
+    ERR_LOCAL_CLAIM,
+    ERR_OP,
+    ERR_PEER,
+    ERR_PURPOSE,
+    ERR_RANK,
+    ERR_SEEN,
+    OP_FUSED,
+    READY,
+    REG_CTRL,
+    REG_ERR,
+    REG_FLAGS,
+    REG_SLOTS,
+    REG_TOK,
+    SEQ,
+)
+from megamoe.kernels.gemm_config import interpreting, record
+from megamoe.kernels.gluon_bf16 import SMEM_LIMIT, _slices
+from megamoe.kernels.gluon_fp8 import _schedule
+from megamoe.kernels.gluon_fp8_ws import REG_POOL, _epi_swiglu_slice, _put
+
+PURPOSE_TILE = gl.constexpr(3)
+QD = 4  # depth of the loader -> consumers item queue
+CONSUMER_REGS = 208  # sm_90a: 224 left the loader 56 registers (28 B of spills at 8 experts), 208 leaves 88 (0 B at 8 and
+#                     16 experts, 20 B at 128: the loader's schedule vectors); the consumers do not spill at 208
+
+
+# ----------------------------------------------------------------------------------------- signals (Gluon)
+@gluon.jit
+def _now():
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _ld_acq(ptr, GPU_SCOPE: gl.constexpr):
+    if GPU_SCOPE:
+        v = gl.inline_asm_elementwise("ld.acquire.gpu.global.b64 $0, [$1];", "=l,l", [ptr], dtype=gl.int64,
+                                      is_pure=False, pack=1)
+    else:
+        v = gl.inline_asm_elementwise("ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptr], dtype=gl.int64,
+                                      is_pure=False, pack=1)
+    return v
+
+
+@gluon.jit
+def _fence_proxy_async():
+    """``fence.proxy.async.global`` (fused_parts.fence_proxy_async)."""
+    return gl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _ctrl(tab, W, rank):
+    return gl.load(tab + REG_CTRL * W + rank).to(gl.pointer_type(gl.int64))
+
+
+@gluon.jit
+def _record_timeout(tab, W, rank, call, peer, expected, seen, purpose):
+    """signals.record_timeout (op 'fused'): the first timeout of this rank claims the record and writes it."""
+    ctrl = _ctrl(tab, W, rank)
+    zero = gl.load(ctrl + SEQ, volatile=True) * 0
+    claimed = gl.atomic_cas(ctrl + ERR_LOCAL_CLAIM, zero, zero + 1, sem="acq_rel", scope="gpu")
+    if claimed == 0:
+        err = gl.load(tab + REG_ERR * W + rank).to(gl.pointer_type(gl.int64))
+        gl.store(err + ERR_OP, zero + OP_FUSED)
+        gl.store(err + ERR_CALL, call)
+        gl.store(err + ERR_RANK, zero + rank)
+        gl.store(err + ERR_PEER, zero + peer)
+        gl.store(err + ERR_EXPECTED, zero + expected)
+        gl.store(err + ERR_SEEN, seen)
+        gl.store(err + ERR_PURPOSE, zero + purpose)
+        gl.atomic_xchg(err + ERR_FLAG, zero + 1, sem="release", scope="sys")
+        gl.atomic_xchg(ctrl + ERR_LOCAL, zero + 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _wait_counter(ptr, target, tab, W, rank, call, timeout_ns, GPU_SCOPE: gl.constexpr):
+    """fused_parts.wait_counter: until the local int64 counter ``*ptr >= target``, bounded; True when reached."""
+    ctrl = _ctrl(tab, W, rank)
+    seen = _ld_acq(ptr, GPU_SCOPE)
+    errv = gl.load(ctrl + ERR_LOCAL, volatile=True)
+    if (seen < target) & (errv == 0):
+        t0 = _now()
+        elapsed = _now() - t0
+        while (seen < target) & (errv == 0) & (elapsed <= timeout_ns):
+            seen = _ld_acq(ptr, GPU_SCOPE)
+            errv = gl.load(ctrl + ERR_LOCAL, volatile=True)
+            elapsed = _now() - t0
+        if (seen < target) & (errv == 0):
+            _record_timeout(tab, W, rank, call, rank, target, seen, PURPOSE_TILE)
+    return seen >= target
+
+
+@gluon.jit
+def _wait_ready(tab, W, rank, call, timeout_ns, WP2: gl.constexpr, lay: gl.constexpr):
+    """signals.wait_flags for READY of every rank (this call), bounded; True when all arrived."""
+    flags = gl.load(tab + REG_FLAGS * W + rank).to(gl.pointer_type(gl.int64)) + READY * W
+    ctrl = _ctrl(tab, W, rank)
+    offs = gl.arange(0, WP2, layout=lay)
+    valid = offs < W
+    p = flags + gl.where(valid, offs, rank)
+    seen = gl.where(valid, _ld_acq(p, False), call)
+    errv = gl.load(ctrl + ERR_LOCAL, volatile=True)
+    t0 = _now()
+    elapsed = _now() - t0
+    while (gl.min(seen, axis=0) < call) & (errv == 0) & (elapsed <= timeout_ns):
+        seen = gl.where(valid, _ld_acq(p, False), call)
+        errv = gl.load(ctrl + ERR_LOCAL, volatile=True)
+        elapsed = _now() - t0
+    ok = gl.min(seen, axis=0) >= call
+    if (gl.min(seen, axis=0) < call) & (errv == 0):
+        peer = gl.min(gl.where(seen < call, offs, WP2), axis=0)
+        got = gl.sum(gl.where(offs == peer, seen, 0), axis=0)
+        _record_timeout(tab, W, rank, call, peer, call, got, READY)
+    return ok
+
+
+@gluon.jit
+def _signal(ptr):
+    """Every thread's stores of this partition so far, then ``*ptr += 1`` (release, GPU scope)."""
+    gl.thread_barrier()
+    gl.atomic_add(ptr, 1, sem="release", scope="gpu")
+
+
+# ------------------------------------------------------------------------------------------ item bookkeeping
+@gluon.jit
+def _decode(item, PS, T1, L1, L2, GB: gl.constexpr, PULL_SPLIT: gl.constexpr):
+    """item -> (step, kind 0 PULL / 1 GEMM1 / 2 GEMM2, block, pull part or column tile): fused_moe's order."""
+    s = (item // PS).to(gl.int32)
+    sub = (item % PS).to(gl.int32)
+    is_pull = sub < GB * PULL_SPLIT
+    is_g1 = (sub >= GB * PULL_SPLIT) & (sub < GB * (PULL_SPLIT + T1))
+    q1 = gl.maximum(sub - GB * PULL_SPLIT, 0)
+    q2 = gl.maximum(sub - GB * (PULL_SPLIT + T1), 0)
+    b = gl.where(is_pull, s * GB + sub // PULL_SPLIT, gl.where(is_g1, (s - L1) * GB + q1 % GB,
+                                                               (s - L1 - L2) * GB + q2 % GB))
+    kind = gl.where(is_pull, 0, gl.where(is_g1, 1, 2))
+    j = gl.where(is_pull, sub % PULL_SPLIT, gl.where(is_g1, q1 // GB, q2 // GB))
+    return s, kind, b, j
+
+
+@gluon.jit
+def _locate_block(b, e_idx, starts, cnts, nblk, cum, NS, BM: gl.constexpr):
+    """fused_parts._locate: block b -> (expert, first receive row, valid rows, first buffer row)."""
+    e = gl.sum((cum <= b).to(gl.int32), axis=0)
+    sel = e_idx == e
+    first_blk = gl.sum(gl.where(sel, cum, 0), axis=0) - gl.sum(gl.where(sel, nblk, 0), axis=0)
+    row0 = gl.sum(gl.where(sel, starts, 0), axis=0) + (b - first_blk) * BM
+    nrows = gl.minimum(gl.sum(gl.where(sel, cnts, 0), axis=0) - (b - first_blk) * BM, BM)
+    base = gl.where(NS > 0, (b % gl.maximum(NS, 1)) * BM, row0)
+    return e, row0, nrows, base
+
+
+# ------------------------------------------------------------------------------------------------- loader
+@gluon.jit
+def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr,
+            offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
+            BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, BLOCK_E: gl.constexpr, GB: gl.constexpr,
+            PULL_SPLIT: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr, ACQ_GPU: gl.constexpr):
+    BK: gl.constexpr = 64
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    e_idx, starts, cnts, nblk, cum, nb = _schedule(offs_ptr, E_l, 1, BM, 1, BLOCK_E, lay)
+    T1 = gl.cdiv(I, BN1)
+    T2 = gl.cdiv(H, BN2)
+    PS = GB * (PULL_SPLIT + T1 + T2)
+    n_steps = gl.where(nb > 0, gl.cdiv(nb, GB) + L1 + L2, 0)
+    rdy = ctr_ptr + 1
+    g1 = rdy + NB_MAX
+    g2 = g1 + NB_MAX
+    call = gl.load(_ctrl(tab, W, rank) + SEQ, volatile=True)
+    k1 = gl.cdiv(H, BK)
+    k2 = gl.cdiv(I, BK)
+    nbytes1: gl.constexpr = x_desc.block_type.nbytes + 2 * w13_desc.block_type.nbytes
+    nbytes2: gl.constexpr = act_desc.block_type.nbytes + w2_desc.block_type.nbytes
+    qp = q_ptr + gl.program_id(0) * QD_
+    n = 0
+    it = 0
+    go = nb >= 0  # (a runtime True: the loop-carried flags must not start as constexprs)
+    while go:
+        qs = n % QD_
+        mbarrier.wait(q_empty.index(qs), ((n // QD_) & 1) ^ 1)  # (the first pass finds every slot free)
+        item = gl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
+        s, kind, b, j = _decode(item, PS, T1, L1, L2, GB, PULL_SPLIT)
+        go = s < n_steps
+        fine = nb >= 0
+        if go & (b >= 0) & (b < nb):
+            e, row0, nrows, base = _locate_block(b, e_idx, starts, cnts, nblk, cum, NS, BM)
+            if kind == 0:  # PULL(b): the ring slot's previous block has been read by all its GEMM1 tiles
+                if (NS > 0) & (b >= NS):
+                    fine = _wait_counter(g1 + b - NS, 2 * T1, tab, W, rank, call, timeout_ns, ACQ_GPU)
+            elif kind == 1:  # GEMM1(b, j): b pulled; with a ring, the act slot's previous block's GEMM2 done
+                fine = _wait_counter(rdy + b, 2 * PULL_SPLIT, tab, W, rank, call, timeout_ns, ACQ_GPU)
+                if (NS > 0) & (b >= NS):
+                    fine = fine & _wait_counter(g2 + b - NS, 2 * T2, tab, W, rank, call, timeout_ns, ACQ_GPU)
+                if fine:
+                    _fence_proxy_async()
+                    wrow = e * (2 * I) + j * BN1
+                    for ki in range(k1):
+                        st = it % STAGES
+                        mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
+                        mbarrier.expect(ready.index(st), nbytes1)
+                        tma.async_copy_global_to_shared(x_desc, [base, ki * BK], ready.index(st), a_smem.index(st))
+                        tma.async_copy_global_to_shared(w13_desc, [wrow, ki * BK], ready.index(st),
+                                                        b_smem.index(st).slice(0, BN1))
+                        tma.async_copy_global_to_shared(w13_desc, [wrow + I, ki * BK], ready.index(st),
+                                                        b_smem.index(st).slice(BN1, BN1))
+                        it += 1
+            else:  # GEMM2(b, j): every GEMM1 tile of b done
+                fine = _wait_counter(g1 + b, 2 * T1, tab, W, rank, call, timeout_ns, ACQ_GPU)
+                if fine:
+                    _fence_proxy_async()
+                    wrow = e * H + j * BN2
+                    for ki in range(k2):
+                        st = it % STAGES
+                        mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
+                        mbarrier.expect(ready.index(st), nbytes2)
+                        tma.async_copy_global_to_shared(act_desc, [base, ki * BK], ready.index(st), a_smem.index(st))
+                        tma.async_copy_global_to_shared(w2_desc, [wrow, ki * BK], ready.index(st),
+                                                        b_smem.index(st).slice(0, BN2))
+                        it += 1
+        gl.store(qp + qs, gl.where(fine, item, -1 - item))
+        gl.thread_barrier()
+        mbarrier.arrive(q_full.index(qs), count=1)
+        go = go & fine
+        n += 1
+
+
+# ----------------------------------------------------------------------------------------------- consumers
+@gluon.jit
+def _pull_rows(tab, W, row0, r_lo, r_end, base, row_src_ptr, row_tok_ptr, x_ptr, H, ROWS_P: gl.constexpr,
+               BLOCK_H: gl.constexpr, ALIGNED: gl.constexpr, pl: gl.constexpr):
+    """xbuf[base + r] = tok_{src(r)}[tok(r)] for block rows r in [r_lo, r_end): [ROWS_P, BLOCK_H] chunks, the next
+    chunk's (NVLink) loads issued before the current chunk's stores (fused_parts._pull_block)."""
+    rr = gl.arange(0, ROWS_P, layout=gl.SliceLayout(1, pl))
+    hh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, pl))
+    n_h = gl.cdiv(H, BLOCK_H)
+    n_chunks = gl.cdiv(r_end - r_lo, ROWS_P) * n_h
+    if n_chunks > 0:
+        r = r_lo + rr
+        valid = r < r_end
+        src = gl.load(row_src_ptr + row0 + r, mask=valid, other=0)
+        tok = gl.load(row_tok_ptr + row0 + r, mask=valid, other=0)
+        sp = (gl.load(tab + REG_TOK * W + src, mask=valid, other=0) + tok.to(gl.int64) * H * 2).to(
+            gl.pointer_type(gl.bfloat16))
+        if ALIGNED:
+            sp = gl.multiple_of(sp, 16)
+        m = valid[:, None] & (hh < H)[None, :]
+        v = gl.load(sp[:, None] + hh[None, :], mask=m)
+        for c in range(1, n_chunks):
+            ri = c // n_h
+            oh = (c % n_h) * BLOCK_H + hh
+            r2 = r_lo + ri * ROWS_P + rr
+            valid2 = r2 < r_end
+            src2 = gl.load(row_src_ptr + row0 + r2, mask=valid2, other=0)
+            tok2 = gl.load(row_tok_ptr + row0 + r2, mask=valid2, other=0)
+            sp2 = (gl.load(tab + REG_TOK * W + src2, mask=valid2, other=0) + tok2.to(gl.int64) * H * 2).to(
+                gl.pointer_type(gl.bfloat16))
+            if ALIGNED:
+                sp2 = gl.multiple_of(sp2, 16)
+            m2 = valid2[:, None] & (oh < H)[None, :]
+            v2 = gl.load(sp2[:, None] + oh[None, :], mask=m2)
+            cp = c - 1
+            dp = x_ptr + (base + r_lo + (cp // n_h) * ROWS_P + rr).to(gl.int64) * H
+            gl.store(dp[:, None] + ((cp % n_h) * BLOCK_H + hh)[None, :], v, mask=m)
+            v = v2
+            m = m2
+        cl = n_chunks - 1
+        dp = x_ptr + (base + r_lo + (cl // n_h) * ROWS_P + rr).to(gl.int64) * H
+        gl.store(dp[:, None] + ((cl % n_h) * BLOCK_H + hh)[None, :], v, mask=m)
+
+
+@gluon.jit
+def _push_slice(val, rp, rvalid, col, H, epi_smem, buf, HM: gl.constexpr, store_l: gl.constexpr):
+    """A [HM, 64] bf16 slice of GEMM2's rows -> each row's owner slot at column col (rp: row pointers in
+    SliceLayout(1, store_l)), through staging buffer buf (16-byte stores, 8 columns per thread)."""
+    b = epi_smem.index(buf)
+    gl.thread_barrier()
+    b.store(val)
+    gl.thread_barrier()
+    v = b.load(store_l)
+    rn = col + gl.arange(0, 64, layout=gl.SliceLayout(0, store_l))
+    gl.store(rp[:, None] + rn[None, :], v, mask=rvalid[:, None] & (rn < H)[None, :])
+
+
+@gluon.jit
+def _gemm1_item(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc, hu_desc, act_ptr, h_ptr, base, nrows, j,
+                I, k1, it, nst, BM: gl.constexpr, BN1: gl.constexpr, STAGES: gl.constexpr, STORE_H: gl.constexpr,
+                EPI_TMA: gl.constexpr, WG: gl.constexpr):
+    """Consumer WG's half of GEMM1(b, j): 64 x (BN1 gate + BN1 up) async wgmmas over the ring, then the SwiGLU
+    epilogue (act, and h with STORE_H) through the staging buffers; returns the ring and staged-store counts. The
+    stores are complete (and ordered before the async proxy's later reads) on return."""
+    HM: gl.constexpr = BM // 2
+    mma1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN1, 16])
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    store_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    NSL1: gl.constexpr = BN1 // 64
+    acc = gl.zeros((HM, BN1), dtype=gl.float32, layout=mma1)
+    acc2 = acc
+    for ki in range(k1):
+        st = it % STAGES
+        mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        a_v = a_smem.index(st).slice(WG * HM, HM)
+        acc = warpgroup_mma(a_v, b_smem.index(st).slice(0, BN1).permute((1, 0)), acc, is_async=True)
+        acc2 = warpgroup_mma(a_v, b_smem.index(st).slice(BN1, BN1).permute((1, 0)), acc2, is_async=True)
+        acc, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc2))
+        if ki > 0:  # the previous k-step's products are done: its stage can be refilled
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+        it += 1
+    acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+    off_m = base + WG * HM
+    row_end = base + nrows
+    tma_ok = off_m + HM <= row_end
+    off_n = j * BN1
+    b0 = 2 * WG + (nst & 1)
+    a0, a1, a2, a3 = _slices(acc, HM, BN1, mma_s)
+    u0, u1, u2, u3 = _slices(acc2, HM, BN1, mma_s)
+    _epi_swiglu_slice(a0, u0, off_m, off_n, row_end, I, act_st_desc, hg_desc, hu_desc, act_ptr, I, h_ptr, 2 * I,
+                      epi_smem, b0, tma_ok, HM, STORE_H, EPI_TMA, store_l)
+    if NSL1 > 1:
+        _epi_swiglu_slice(a1, u1, off_m, off_n + 64, row_end, I, act_st_desc, hg_desc, hu_desc, act_ptr, I, h_ptr,
+                          2 * I, epi_smem, b0 ^ 1, tma_ok, HM, STORE_H, EPI_TMA, store_l)
+    nst += NSL1 * (3 if STORE_H else 1)
+    if EPI_TMA:  # act / h complete before the counter says so (GEMM2 reads them by TMA)
+        tma.store_wait(0)
+    _fence_proxy_async()
+    return it, nst
+
+
+@gluon.jit
+def _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_ptr, row_src_ptr, row_tok_ptr,
+                row_slot_ptr, row0, base, nrows, j, H, k2, it, nst, K: gl.constexpr, BM: gl.constexpr,
+                BN2: gl.constexpr, STAGES: gl.constexpr, EPI_TMA: gl.constexpr, PULL_COMBINE: gl.constexpr,
+                ALIGNED: gl.constexpr, WG: gl.constexpr):
+    """Consumer WG's half of GEMM2(b, j): 64 x BN2 async wgmmas over the ring, then each row pushed into its owner's
+    slot (16-byte stores from a staging buffer) or, PULL_COMBINE, stored at its receive row of this rank's ``rows``
+    region (TMA where every row is the block's); returns the ring and staged-store counts."""
+    HM: gl.constexpr = BM // 2
+    mma2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN2, 16])
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    store_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rr = gl.arange(0, HM, layout=gl.SliceLayout(1, store_l))
+    rloc = WG * HM + rr
+    rvalid = rloc < nrows
+    if not PULL_COMBINE:  # the rows' owner addresses, loaded under the k-loop
+        src = gl.load(row_src_ptr + row0 + rloc, mask=rvalid, other=0)
+        tok = gl.load(row_tok_ptr + row0 + rloc, mask=rvalid, other=0)
+        slot = gl.load(row_slot_ptr + row0 + rloc, mask=rvalid, other=0)
+        rp = (gl.load(tab + REG_SLOTS * W + src, mask=rvalid, other=0)
+              + (tok * K + slot).to(gl.int64) * H * 2).to(gl.pointer_type(gl.bfloat16))
+        if ALIGNED:
+            rp = gl.multiple_of(rp, 16)
+    acc = gl.zeros((HM, BN2), dtype=gl.float32, layout=mma2)
+    for ki in range(k2):
+        st = it % STAGES
+        mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        a_v = a_smem.index(st).slice(WG * HM, HM)
+        acc = warpgroup_mma(a_v, b_smem.index(st).slice(0, BN2).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        if ki > 0:
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+        it += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+    off_n = j * BN2
+    a0, a1, a2, a3 = _slices(acc, HM, BN2, mma_s)
+    b0 = 2 * WG + (nst & 1)
+    if PULL_COMBINE:  # at the rows' receive rows of this rank's ``rows`` region
+        off_m = row0 + WG * HM
+        row_end = row0 + nrows
+        tma_ok = off_m + HM <= row_end
+        _put(a0.to(gl.bfloat16), rows_desc, rows_ptr, H, off_m, off_n, row_end, H, epi_smem, b0, tma_ok, HM, EPI_TMA,
+             store_l)
+        if BN2 > 64:
+            _put(a1.to(gl.bfloat16), rows_desc, rows_ptr, H, off_m, off_n + 64, row_end, H, epi_smem, b0 ^ 1, tma_ok,
+                 HM, EPI_TMA, store_l)
+        if BN2 > 128:
+            _put(a2.to(gl.bfloat16), rows_desc, rows_ptr, H, off_m, off_n + 128, row_end, H, epi_smem, b0, tma_ok,
+                 HM, EPI_TMA, store_l)
+            _put(a3.to(gl.bfloat16), rows_desc, rows_ptr, H, off_m, off_n + 192, row_end, H, epi_smem, b0 ^ 1,
+                 tma_ok, HM, EPI_TMA, store_l)
+        if EPI_TMA:
+            tma.store_wait(0)
+    else:
+        _push_slice(a0.to(gl.bfloat16), rp, rvalid, off_n, H, epi_smem, b0, HM, store_l)
+        if BN2 > 64:
+            _push_slice(a1.to(gl.bfloat16), rp, rvalid, off_n + 64, H, epi_smem, b0 ^ 1, HM, store_l)
+        if BN2 > 128:
+            _push_slice(a2.to(gl.bfloat16), rp, rvalid, off_n + 128, H, epi_smem, b0, HM, store_l)
+            _push_slice(a3.to(gl.bfloat16), rp, rvalid, off_n + 192, H, epi_smem, b0 ^ 1, HM, store_l)
+    nst += BN2 // 64
+    return it, nst
+
+
+@gluon.jit
+def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem,
+              act_st_desc, hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr,
+              offs_ptr, row_src_ptr, row_tok_ptr, row_slot_ptr, ctr_ptr,
+              H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
+              K: gl.constexpr, BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, BLOCK_E: gl.constexpr,
+              GB: gl.constexpr, PULL_SPLIT: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr,
+              ROWS_P: gl.constexpr, BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr,
+              EPI_TMA: gl.constexpr, PULL_COMBINE: gl.constexpr, ALIGNED: gl.constexpr, WG: gl.constexpr):
+    """Consumer warpgroup WG: rows WG * 64 .. WG * 64 + 63 of every item's block (module docstring)."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    pl: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    e_idx, starts, cnts, nblk, cum, nb = _schedule(offs_ptr, E_l, 1, BM, 1, BLOCK_E, lay)
+    T1 = gl.cdiv(I, BN1)
+    T2 = gl.cdiv(H, BN2)
+    PS = GB * (PULL_SPLIT + T1 + T2)
+    rdy = ctr_ptr + 1
+    g1 = rdy + NB_MAX
+    g2 = g1 + NB_MAX
+    call = gl.load(_ctrl(tab, W, rank) + SEQ, volatile=True)
+    ok = _wait_ready(tab, W, rank, call, timeout_ns, WP2, lay)  # peers' tokens staged (the pulls read them)
+    k1 = gl.cdiv(H, 64)
+    k2 = gl.cdiv(I, 64)
+    qp = q_ptr + gl.program_id(0) * QD_
+    n = 0
+    it = 0
+    nst = 0
+    go = nb >= 0
+    while go:
+        qs = n % QD_
+        mbarrier.wait(q_full.index(qs), (n // QD_) & 1)
+        v = gl.load(qp + qs, volatile=True)
+        gl.thread_barrier()
+        mbarrier.arrive(q_empty.index(qs), count=1)
+        fine = v >= 0
+        item = gl.where(fine, v, -1 - v)
+        s, kind, b, j = _decode(item, PS, T1, L1, L2, GB, PULL_SPLIT)
+        n_steps = gl.where(nb > 0, gl.cdiv(nb, GB) + L1 + L2, 0)
+        go = (s < n_steps) & fine
+        if go & (b >= 0) & (b < nb):
+            e, row0, nrows, base = _locate_block(b, e_idx, starts, cnts, nblk, cum, NS, BM)
+            if kind == 0:  # PULL(b, part j): this consumer's half of the part's rows
+                part: gl.constexpr = BM // PULL_SPLIT
+                half: gl.constexpr = (part + 1) // 2
+                r_lo = j * part + WG * half
+                r_end = gl.minimum(gl.minimum(r_lo + half, j * part + part), nrows)
+                if ok:
+                    _pull_rows(tab, W, row0, r_lo, r_end, base, row_src_ptr, row_tok_ptr, x_ptr, H, ROWS_P,
+                               BLOCK_H, ALIGNED, pl)
+                _signal(rdy + b)
+            elif kind == 1:  # GEMM1(b, j): act[rows, j-th BN1 columns] = silu(x @ wg^T) * (x @ wu^T)
+                it, nst = _gemm1_item(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc, hu_desc, act_ptr,
+                                      h_ptr, base, nrows, j, I, k1, it, nst, BM, BN1, STAGES, STORE_H, EPI_TMA, WG)
+                _signal(g1 + b)
+            else:  # GEMM2(b, j): out = act @ w2[e]^T (columns j * BN2 ..), pushed to the owners (or kept local)
+                it, nst = _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_ptr,
+                                      row_src_ptr, row_tok_ptr, row_slot_ptr, row0, base, nrows, j, H, k2, it, nst,
+                                      K, BM, BN2, STAGES, EPI_TMA, PULL_COMBINE, ALIGNED, WG)
+                _signal(g2 + b)
+        n += 1
+    if EPI_TMA:  # the staging buffers stay allocated until the last store has read them
+        tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["W", "rank", "E_l", "NS", "L1", "L2"])
+def _gluon_fused_fwd_kernel(
+    tab, W, rank,
+    x_desc,             # xbuf [NROWS, H] bf16, block [BM, 64]
+    w13_desc,           # w13 as [E_l * 2I, H], block [BN1, 64]
+    act_desc,           # act [NROWS, I] as GEMM2's A, block [BM, 64]
+    w2_desc,            # w2 as [E_l * H, I], block [BN2, 64]
+    act_st_desc,        # act [NROWS, I], block [64, 64] (EPI_TMA: GEMM1's stores)
+    hg_desc, hu_desc,   # h's gate / up halves [NROWS, I] of row stride 2I, block [64, 64] (EPI_TMA and STORE_H)
+    rows_desc,          # this rank's ``rows`` region [R_cap, H], block [64, 64] (PULL_COMBINE with EPI_TMA)
+    x_ptr, act_ptr, h_ptr, rows_ptr,
+    offs_ptr, row_src_ptr, row_tok_ptr, row_slot_ptr,  # the schedule (fused_moe._fused_fwd_kernel)
+    ctr_ptr,            # int64 [1 + 3 * NB_MAX] zeroed: queue, ready[NB_MAX], g1[NB_MAX], g2[NB_MAX]
+    q_ptr,              # int64 [P * QD]: the item queue of each program (loader -> consumers)
+    H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
+    K: gl.constexpr, BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, BLOCK_E: gl.constexpr,
+    GB: gl.constexpr, PULL_SPLIT: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr, ROWS_P: gl.constexpr,
+    BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr, EPI_TMA: gl.constexpr,
+    PULL_COMBINE: gl.constexpr, ALIGNED: gl.constexpr, ACQ_GPU: gl.constexpr,
+    CONSUMER_REGS_: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Grid (P,): persistent programs of 4 + 4 + 1 warps (module docstring)."""
+    BW: gl.constexpr = 2 * BN1 if 2 * BN1 > BN2 else BN2  # weight rows of a stage: GEMM1's gate + up, GEMM2's tile
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 64], x_desc.layout)
+    b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BW, 64], w2_desc.layout)
+    epi_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BM // 2, 64], act_st_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(STAGES):
+        mbarrier.init(ready.index(st), count=1)
+        mbarrier.init(empty.index(st), count=2)
+    q_full = gl.allocate_shared_memory(gl.int64, [QD_, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [QD_, 1], mbarrier.MBarrierLayout())
+    for qs in gl.static_range(QD_):
+        mbarrier.init(q_full.index(qs), count=1)
+        mbarrier.init(q_empty.index(qs), count=2)
+    gl.warp_specialize([
+        (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem, act_st_desc,
+                     hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
+                     row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
+                     BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
+                     ALIGNED, 0)),
+        (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem, act_st_desc,
+                     hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
+                     row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
+                     BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
+                     ALIGNED, 1)),
+        (_loader, (tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
+                   q_ptr, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, BM, BN1, BN2, BLOCK_E, GB,
+                   PULL_SPLIT, STAGES, QD_, ACQ_GPU)),
+    ], [4, 1], [CONSUMER_REGS_, LOADER_REGS])
+    for st in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(st))
+        mbarrier.invalidate(empty.index(st))
+    for qs in gl.static_range(QD_):
+        mbarrier.invalidate(q_full.index(qs))
+        mbarrier.invalidate(q_empty.index(qs))
+
+
+# ------------------------------------------------------------------------------------------------- launcher
+def smem_bytes(cfg) -> int:
+    """Shared memory of a launch: the ring (a [BM, 64] + the weight rows of the wider GEMM item per stage), the
+    consumers' staging buffers (4 x [BM / 2, 64] bf16), barriers (rounded up)."""
+    bw = max(2 * cfg.bn1, cfg.bn2)
+    return cfg.num_stages * 2 * 64 * (cfg.block_m + bw) + 4 * (cfg.block_m // 2) * 64 * 2 + 1024
+
+
+def gluon_fused_reason(cfg, *, H: int, I: int, device: torch.device | None = None) -> str | None:
+    """Why ``FusedConfig(kernel="gluon")`` cannot run a forward of these sizes (None: it can)."""
+    if interpreting():
+        return "Gluon kernels do not run under the Triton interpreter (TRITON_INTERPRET=1)"
+    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
+        return (f"the Gluon megakernel is built for Hopper (sm_90: wgmma, TMA), got capability "
+                f"{torch.cuda.get_device_capability(device)}")
+    if (cfg.block_m, cfg.bn1, cfg.block_k) != (128, 128, 64) or cfg.bn2 not in (128, 256):
+        return (f"needs block_m=128, bn1=128, block_k=64 and bn2 128 or 256 (two 64-row consumer warpgroups with at "
+                f"most 128 accumulator registers each), got block_m={cfg.block_m}, bn1={cfg.bn1}, "
+                f"block_k={cfg.block_k}, bn2={cfg.bn2}")
+    if cfg.num_stages < 2:
+        return f"num_stages must be >= 2, got {cfg.num_stages}"
+    if smem_bytes(cfg) > SMEM_LIMIT:
+        return f"{cfg.num_stages} stages need ~{smem_bytes(cfg)} bytes of shared memory, more than {SMEM_LIMIT}"
+    if H % 8 or I % 8:
+        return f"H and I must be multiples of 8 (16-byte TMA row strides), got H={H}, I={I}"
+    off = [n for n in ("timeline", "prologue", "pull_prefetch") if getattr(cfg, n)]
+    if off or cfg.ablate:
+        return f"options {off + (['ablate'] if cfg.ablate else [])} exist on the Triton megakernel only"
+    return None
+
+
+def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: int, nb_max: int, ring_blocks: int,
+                       group: int, lookahead: int, lag: int) -> None:
+    """The items of one forward (fused_moe._launch calls this, then the Triton tail with ITEMS=False)."""
+    sh = heap.shape
+    H, k, E_l = sh.hidden, sh.topk, sh.local_experts
+    why = gluon_fused_reason(cfg, H=H, I=I)
+    if why is not None:
+        raise ValueError(f"fused megakernel (kernel='gluon'): {why}")
+    BM, BN1, BN2 = cfg.block_m, cfg.bn1, cfg.bn2
+    bf = gl.bfloat16
+    bw = max(2 * BN1, BN2)
+    lay_w = gl.NVMMASharedLayout.get_default_for([bw, 64], bf)
+    lay_a = gl.NVMMASharedLayout.get_default_for([BM, 64], bf)
+    lay_e = gl.NVMMASharedLayout.get_default_for([BM // 2, 64], bf)
+    nrows = a.shape[0]
+    x_desc = TensorDescriptor(a, [nrows, H], [a.stride(0), 1], [BM, 64], lay_a)
+    w13v = w1.view(E_l * 2 * I, H)
+    w13_desc = TensorDescriptor(w13v, list(w13v.shape), [H, 1], [BN1, 64], lay_w)
+    act_desc = TensorDescriptor(act, [nrows, I], [act.stride(0), 1], [BM, 64], lay_a)
+    w2v = w2.view(E_l * H, I)
+    w2_desc = TensorDescriptor(w2v, list(w2v.shape), [I, 1], [BN2, 64], lay_w)
+    act_st_desc = TensorDescriptor(act, [nrows, I], [act.stride(0), 1], [BM // 2, 64], lay_e)
+    hg_desc = hu_desc = act_st_desc
+    if h is not None:
+        hg_desc = TensorDescriptor(h, [nrows, I], [h.stride(0), 1], [BM // 2, 64], lay_e)
+        hu_desc = TensorDescriptor(h[:, I:], [nrows, I], [h.stride(0), 1], [BM // 2, 64], lay_e)
+    rows = heap.rows_buffer()
+    pull = cfg.combine == "pull"
+    rows_desc = TensorDescriptor(rows, [rows.shape[0], H], [rows.stride(0), 1], [BM // 2, 64], lay_e) if pull \
+        else act_st_desc
+    epi_tma = all(t.data_ptr() % 16 == 0 for t in [act] + ([h] if h is not None else []) + ([rows] if pull else []))
+    block_h = min(triton.next_power_of_2(H), 2048)
+    q = torch.empty(P * QD, dtype=torch.int64, device=a.device)
+    k_ = _gluon_fused_fwd_kernel[(P,)](
+        heap.tab, heap.world, heap.rank, x_desc, w13_desc, act_desc, w2_desc, act_st_desc, hg_desc, hu_desc,
+        rows_desc, a, act, h if h is not None else act, rows, sched.offs, sched.row_src, sched.row_tok,
+        sched.row_slot, ctr, q, H, I, E_l, nb_max, ring_blocks, lookahead, lag, heap.timeout_ns,
+        K=k, BM=BM, BN1=BN1, BN2=BN2, BLOCK_E=triton.next_power_of_2(max(E_l, 2)), GB=group,
+        PULL_SPLIT=cfg.pull_split, STAGES=cfg.num_stages, QD_=QD, ROWS_P=max(1, min(BM // 2, 8192 // block_h)),
+        BLOCK_H=block_h, WP2=max(2, heap.wp2), STORE_H=h is not None, EPI_TMA=epi_tma, PULL_COMBINE=pull,
+        ALIGNED=(H * 2) % 16 == 0, ACQ_GPU=cfg.counter_scope == "gpu", CONSUMER_REGS_=CONSUMER_REGS,
+        LOADER_REGS=REG_POOL - 2 * CONSUMER_REGS, num_warps=4, maxnreg=REG_POOL // 3,
+    )
+    record("_gluon_fused_fwd_kernel", k_)
+
+
+__all__ = ["gluon_fused_reason", "launch_gluon_fused", "smem_bytes"]
