@@ -156,6 +156,8 @@ LAYERS = [
     (2, "mixtral-8x7b", 2, 64, "fused", {}),
     (1, "qwen3-30b-a3b", 8, 64, "split", {}),
     (1, "qwen3-30b-a3b", 8, 64, "fused", {}),
+    (1, "qwen3-30b-a3b", 8, 64, "fused", {"kernel": "gluon"}),
+    (2, "qwen3-30b-a3b", 8, 64, "fused", {"kernel": "gluon", "ring_blocks": 8, "combine": "pull"}),
 ]
 
 

@@ -305,7 +305,7 @@ def _bad_options(rank, world):
         msgs.append(str(exc))
     for kw in ({"stages": 5}, {"counter_scope": "cta"}, {"lag": 0}, {"lag": 2, "ring_blocks": 4}, {"prologue": 2},
                {"pull_prefetch": "yes"}, {"fp8": 2}, {"fp8": True, "fused_backward": True},
-               {"fp8": True, "hidden": 20}):
+               {"fp8": True, "hidden": 20}, {"kernel": "cuda"}, {"kernel": "gluon"}, {"kernel": "gluon", "fp8": True}):
         cfg_kw = {"hidden": kw.pop("hidden")} if "hidden" in kw else {}  # a layer-config field, not an option
         try:
             MoE(preset("tiny", **cfg_kw), backend="fused", **kw)
@@ -336,3 +336,27 @@ def test_fused_rejects_bad_options():
     assert msgs[16] is not None and "fp8" in msgs[16]
     assert msgs[17] is not None and "fused_backward" in msgs[17] and "bf16 only" in msgs[17]
     assert msgs[18] is not None and "packed FP8 row" in msgs[18] and "hidden = 20" in msgs[18]
+    assert msgs[19] is not None and "kernel must be 'triton' or 'gluon'" in msgs[19]
+    if os.environ.get("TRITON_INTERPRET") == "1":  # (a GPU machine runs the layer's kernels: no error there)
+        assert msgs[20] is not None and "kernel='gluon'" in msgs[20] and "interpreter" in msgs[20]
+    assert msgs[21] is not None and "fp8=1 runs on kernel='triton' only" in msgs[21]
+
+
+def test_gluon_fused_reasons(monkeypatch):
+    """kernel='gluon' names what it cannot run: the interpreter, then sizes and options (checked here as on a GPU)."""
+    from megamoe.kernels import gluon_fused
+    from megamoe.kernels.fused_moe import FusedConfig
+    from megamoe.kernels.gluon_fused import gluon_fused_reason
+
+    ok = FusedConfig()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert "interpreter" in gluon_fused_reason(ok, H=2048, I=768)
+    monkeypatch.setattr(gluon_fused, "interpreting", lambda: False)
+    assert gluon_fused_reason(ok, H=2048, I=768) is None
+    assert "block_m=128" in gluon_fused_reason(ok.with_(bn1=64), H=2048, I=768)
+    assert "bn2" in gluon_fused_reason(ok.with_(bn2=64), H=2048, I=768)
+    assert "multiples of 8" in gluon_fused_reason(ok, H=100, I=40)
+    assert "shared memory" in gluon_fused_reason(ok.with_(num_stages=5), H=2048, I=768)
+    assert "num_stages" in gluon_fused_reason(ok.with_(num_stages=1), H=2048, I=768)
+    assert "Triton megakernel only" in gluon_fused_reason(ok.with_(timeline=True), H=2048, I=768)
+    assert "Triton megakernel only" in gluon_fused_reason(ok.with_(ablate=2), H=2048, I=768)

@@ -24,7 +24,7 @@ from megamoe.sm90 import run_report_subprocess
 
 NO_SPILLS = ("_fused_fwd_kernel", "_grouped_gemm_kernel", "_grouped_gemm_fp8_kernel", "_grouped_wgrad_kernel",
              "_dgate_kernel", "_gluon_fp8_grouped_kernel", "_gluon_bf16_grouped_kernel", "_route_fwd_kernel",
-             "_route_bwd_kernel")
+             "_route_bwd_kernel", "_gluon_fused_fwd_kernel")
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +207,17 @@ def test_gluon_wgrad_ws_variants(rep):
         assert v["spill_store_bytes"] == 0, f"{label}: spills {v['spill_store_bytes']} bytes per thread"
         assert v["shared_bytes"] <= 232448, f"{label}: {v['shared_bytes']} bytes of shared memory"
         assert v["tma_stores"] > 0, f"{label}: no TMA stores"
+
+
+def test_gluon_fused_items_compile_pipelined(rep):
+    # fused kernel="gluon" (kernels/gluon_fused.py): dense with h (world 1) and a ring with the pull combine (world 2)
+    # compile; the consumers keep wgmma groups in flight (GEMM1: wait_group 2, the gate and up groups; GEMM2: 1); the
+    # dense variant's GEMM1 epilogue stores by TMA; the tail runs as its own kernel
+    gl = {v["layer"]: v for k, v in rep.items() if k.startswith("_gluon_fused_fwd_kernel")}
+    assert any("kernel=gluon" in lay and lay.startswith("W1/") for lay in gl), f"dense variant missing: {list(gl)}"
+    assert any("ring_blocks=8" in lay for lay in gl), f"ring variant missing: {list(gl)}"
+    for lay, v in gl.items():
+        waits = v["wgmma_wait_groups"]
+        assert waits.get("2", 0) >= 1 and waits.get("1", 0) >= 1, f"{lay}: wgmma waits {waits}"
+        assert v["tma_stores"] > 0, f"{lay}: no TMA stores"
+    assert any(k.startswith("_fused_tail_kernel") for k in rep), "the Gluon path's tail kernel was not compiled"

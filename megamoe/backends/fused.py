@@ -65,7 +65,10 @@ per step whose GEMM tiles run side by side, sharing weight tiles in L2), ``combi
 lookahead steps pull their blocks in finer parts; off, not timed yet), ``pull_prefetch`` (pull items load
 every row's source address before the copy loop; off, not timed yet), ``comm_sms`` (programs of the
 staging / backward communication kernels, default every SM), ``timeout_s`` (bound of every device wait), ``fp8``
-and ``fp8_weight_cache`` (as split's: keep the FP8 weight copies across calls; see megamoe.backends.fp8_weights).
+and ``fp8_weight_cache`` (as split's: keep the FP8 weight copies across calls; see megamoe.backends.fp8_weights),
+``kernel`` ("triton", the default, or "gluon": the forward's work items in kernels/gluon_fused.py, warp-specialised
+like split's Gluon GEMMs, with the same items, order, waits and results, then the tail as its own Triton kernel;
+Hopper and bf16 only, H and I multiples of 8; the backward is unchanged).
 
 Capacity: no token is ever dropped: dense buffers hold the worst case (every token of every rank routed
 here); a ring cycles as many times as the routing needs. With ``combine="push"`` the symmetric heap adds a

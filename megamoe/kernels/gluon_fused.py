@@ -67,8 +67,10 @@ from megamoe.kernels.gluon_fp8_ws import REG_POOL, _epi_swiglu_slice, _put
 
 PURPOSE_TILE = gl.constexpr(3)
 QD = 4  # depth of the loader -> consumers item queue
-CONSUMER_REGS = 208  # sm_90a: 224 left the loader 56 registers (28 B of spills at 8 experts), 208 leaves 88 (0 B at 8 and
-#                     16 experts, 20 B at 128: the loader's schedule vectors); the consumers do not spill at 208
+# registers per thread of each consumer warpgroup (the loader gets the rest of REG_POOL): on sm_90a 224 left the loader
+# 56 and 28 B of spills (8 experts); 208 leaves 88: 0 B at 8 and 16 experts, 20 B at 128 (the loader's schedule
+# vectors); the consumers do not spill at 208
+CONSUMER_REGS = 208
 
 
 # ----------------------------------------------------------------------------------------- signals (Gluon)
@@ -570,7 +572,7 @@ def smem_bytes(cfg) -> int:
 
 
 def gluon_fused_reason(cfg, *, H: int, I: int, device: torch.device | None = None) -> str | None:
-    """Why ``FusedConfig(kernel="gluon")`` cannot run a forward of these sizes (None: it can)."""
+    """Why ``FusedConfig(kernel="gluon")`` cannot run a forward of these sizes on ``device`` (None: it can)."""
     if interpreting():
         return "Gluon kernels do not run under the Triton interpreter (TRITON_INTERPRET=1)"
     if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
