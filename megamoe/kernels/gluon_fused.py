@@ -20,8 +20,10 @@ tensor cores. Here the same items run with gluon_bf16_ws's structure:
                counter itself, so the targets are 2x the Triton kernel's (2 per pull part, 2 per GEMM tile).
 
 Deadlock freedom is the Triton kernel's argument: every wait is on an earlier item, and items are taken only by
-running programs. Within a program the consumers run the items in claim order, and every item handed to them has
-all its loads issued, so a loader waiting on a counter never waits on a consumer that waits on that loader. The
+running programs. Within a program the consumers run the items in claim order; the loader hands an item over as soon
+as its inputs are ready and then issues its loads (the consumers free the ring's stages only once they know the
+item), and it waits for the next item's inputs only after all of this item's loads are issued, so a loader waiting
+on a counter never waits on a consumer that waits on that loader. The
 loader does every wait (the consumers wait only on mbarriers that the loader always completes), so a timeout
 cannot leave one partition stopped while another waits for it.
 
@@ -66,6 +68,9 @@ from megamoe.kernels.gluon_fp8 import _schedule
 from megamoe.kernels.gluon_fp8_ws import REG_POOL, _epi_swiglu_slice, _put
 
 PURPOSE_TILE = gl.constexpr(3)
+#: the last launch's queue counter and per-block counters (``ctr``: int64 [1 + 3 * nb_max]: items claimed, ready[],
+#: g1[], g2[]), item queue (``q``: int64 [P * QD]) and sizes, for diagnostics (benchmarks/gluon_fused_debug.py)
+LAST_LAUNCH: dict = {}
 QD = 4  # depth of the loader -> consumers item queue
 # registers per thread of each consumer warpgroup (the loader gets the rest of REG_POOL): on sm_90a 224 left the loader
 # 56 and 28 B of spills (8 experts); 208 leaves 88: 0 B at 8 and 16 experts, 20 B at 128 (the loader's schedule
@@ -231,8 +236,9 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
         s, kind, b, j = _decode(item, PS, T1, L1, L2, GB, PULL_SPLIT)
         go = s < n_steps
         fine = nb >= 0
-        if go & (b >= 0) & (b < nb):
-            e, row0, nrows, base = _locate_block(b, e_idx, starts, cnts, nblk, cum, NS, BM)
+        live = go & (b >= 0) & (b < nb)
+        e, row0, nrows, base = _locate_block(b, e_idx, starts, cnts, nblk, cum, NS, BM)
+        if live:  # the item's inputs
             if kind == 0:  # PULL(b): the ring slot's previous block has been read by all its GEMM1 tiles
                 if (NS > 0) & (b >= NS):
                     fine = _wait_counter(g1 + b - NS, 2 * T1, tab, W, rank, call, timeout_ns, ACQ_GPU)
@@ -240,35 +246,37 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
                 fine = _wait_counter(rdy + b, 2 * PULL_SPLIT, tab, W, rank, call, timeout_ns, ACQ_GPU)
                 if (NS > 0) & (b >= NS):
                     fine = fine & _wait_counter(g2 + b - NS, 2 * T2, tab, W, rank, call, timeout_ns, ACQ_GPU)
-                if fine:
-                    _fence_proxy_async()
-                    wrow = e * (2 * I) + j * BN1
-                    for ki in range(k1):
-                        st = it % STAGES
-                        mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
-                        mbarrier.expect(ready.index(st), nbytes1)
-                        tma.async_copy_global_to_shared(x_desc, [base, ki * BK], ready.index(st), a_smem.index(st))
-                        tma.async_copy_global_to_shared(w13_desc, [wrow, ki * BK], ready.index(st),
-                                                        b_smem.index(st).slice(0, BN1))
-                        tma.async_copy_global_to_shared(w13_desc, [wrow + I, ki * BK], ready.index(st),
-                                                        b_smem.index(st).slice(BN1, BN1))
-                        it += 1
             else:  # GEMM2(b, j): every GEMM1 tile of b done
                 fine = _wait_counter(g1 + b, 2 * T1, tab, W, rank, call, timeout_ns, ACQ_GPU)
-                if fine:
-                    _fence_proxy_async()
-                    wrow = e * H + j * BN2
-                    for ki in range(k2):
-                        st = it % STAGES
-                        mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
-                        mbarrier.expect(ready.index(st), nbytes2)
-                        tma.async_copy_global_to_shared(act_desc, [base, ki * BK], ready.index(st), a_smem.index(st))
-                        tma.async_copy_global_to_shared(w2_desc, [wrow, ki * BK], ready.index(st),
-                                                        b_smem.index(st).slice(0, BN2))
-                        it += 1
+        # hand the item over before its loads: the consumers free the ring's stages only once they know the item
+        # (publishing after the loads deadlocked as soon as an item had more k-steps than the ring has stages)
         gl.store(qp + qs, gl.where(fine, item, -1 - item))
         gl.thread_barrier()
         mbarrier.arrive(q_full.index(qs), count=1)
+        if live & fine & (kind != 0):
+            _fence_proxy_async()
+            if kind == 1:
+                wrow = e * (2 * I) + j * BN1
+                for ki in range(k1):
+                    st = it % STAGES
+                    mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
+                    mbarrier.expect(ready.index(st), nbytes1)
+                    tma.async_copy_global_to_shared(x_desc, [base, ki * BK], ready.index(st), a_smem.index(st))
+                    tma.async_copy_global_to_shared(w13_desc, [wrow, ki * BK], ready.index(st),
+                                                    b_smem.index(st).slice(0, BN1))
+                    tma.async_copy_global_to_shared(w13_desc, [wrow + I, ki * BK], ready.index(st),
+                                                    b_smem.index(st).slice(BN1, BN1))
+                    it += 1
+            else:
+                wrow = e * H + j * BN2
+                for ki in range(k2):
+                    st = it % STAGES
+                    mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
+                    mbarrier.expect(ready.index(st), nbytes2)
+                    tma.async_copy_global_to_shared(act_desc, [base, ki * BK], ready.index(st), a_smem.index(st))
+                    tma.async_copy_global_to_shared(w2_desc, [wrow, ki * BK], ready.index(st),
+                                                    b_smem.index(st).slice(0, BN2))
+                    it += 1
         go = go & fine
         n += 1
 
@@ -638,6 +646,8 @@ def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: i
         LOADER_REGS=REG_POOL - 2 * CONSUMER_REGS, num_warps=4, maxnreg=REG_POOL // 3,
     )
     record("_gluon_fused_fwd_kernel", k_)
+    LAST_LAUNCH.clear()
+    LAST_LAUNCH.update(ctr=ctr, q=q, nb_max=nb_max, programs=P, group=group, lookahead=lookahead, lag=lag)
 
 
 __all__ = ["gluon_fused_reason", "launch_gluon_fused", "smem_bytes"]
