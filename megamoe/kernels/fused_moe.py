@@ -708,7 +708,7 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
         record("_fused_tail_kernel", compiled)
         heap.after_launch()
         return
-    if cfg.kernel != "triton":
+    if cfg.kernel not in ("triton", "gluon"):  # (the backward megakernel runs here with either)
         raise ValueError(f"FusedConfig.kernel must be 'triton' or 'gluon', got {cfg.kernel!r}")
     compiled = _fused_fwd_kernel[(P,)](
         heap.tab, heap.world, heap.rank,
