@@ -230,10 +230,12 @@ done
 fi
 
 if want gf; then
-echo "== gf. Gluon megakernel items (fused:kernel=gluon): smoke (vs the Triton megakernel), GPU tests, layer bench"
-timeout "${GF_SMOKE_TIMEOUT:-240}" python3 benchmarks/gluon_fused_smoke.py 2>&1 | grep -v "^W1\|UserWarn" | tail -8
+echo "== gf. Gluon megakernel items (fused:kernel=gluon): a forward with a watchdog (vs the Triton megakernel), GPU"
+echo "   tests, layer bench (GF_PRESETS, GF_BACKENDS; GF_TESTS=0 skips the tests)"
+timeout 120 python3 benchmarks/gluon_fused_debug.py --tokens 4096 --experts 128 --wait 15 2>&1 \
+  | grep -v "^W1\|UserWarn\|resource_tracker\|warnings.warn" | tail -6
 [ "${GF_TESTS:-1}" = 1 ] && gpu_tests_par gpu_fused_gluon "${GF_TIMEOUT:-400}" "${GF_PROCS:-2}" -k gluon tests/test_gpu_fused.py
-for p in ${GF_PRESETS:-qwen3-30b-a3b mixtral-8x7b}; do echo "-- $p"
+for p in ${GF_PRESETS-qwen3-30b-a3b mixtral-8x7b}; do echo "-- $p"
   bench "$p" 4096 "${GF_BACKENDS:-split,fused,fused:kernel=gluon}" gluon --cuda-graph
 done
 fi
