@@ -65,6 +65,8 @@ VARIANTS = [
     ("nocomm", {"ablate": 3}, None),
     ("ring16", {}, 16),
     ("ring64", {}, 64),
+    ("gluon", {"kernel": "gluon"}, None),  # the items in kernels/gluon_fused.py (warp-specialised), Hopper only
+    ("gluon-ring16", {"kernel": "gluon"}, 16),
 ]
 
 
@@ -82,9 +84,12 @@ def profile(fn, iters=3) -> list[tuple[str, float]]:
 
 
 def timeline_report(info: dict) -> str:
-    """Where the megakernel's program time went, from fused_moe.LAST_TIMELINE (us; one rank)."""
-    it = info["items"].cpu()
-    it = it[it[:, 7] > 0]
+    """Where the megakernel's program time went, from fused_moe.LAST_TIMELINE (us; one rank). kernel "gluon": the
+    columns are consumer 0's view (claim: waiting for the loader to hand the item over; wait: for its first stage)
+    and a second table has the loader's claim, input wait and load issue per kind."""
+    gluon = info.get("kernel") == "gluon"
+    mask = info["items"].cpu()[:, 7] > 0
+    it = info["items"].cpu()[mask]
     t0 = int(it[:, 3].min())
     span = (int(it[:, 7].max()) - t0) / 1e3
     P = info["programs"]
@@ -102,7 +107,20 @@ def timeline_report(info: dict) -> str:
         tot = (r[:, 7] - r[:, 3]).double() / 1e3
         lines.append(f"   {name:6s} {len(r):6d} {m[0]:7.2f} {m[1]:7.2f} {m[2]:8.2f} {m[3]:7.2f} {tot.mean():8.2f} "
                      f"{tot.sum() / 1e3:7.3f} {(r[:, 3].min() - t0) / 1e3:8.1f} {(r[:, 7].max() - t0) / 1e3:8.1f}")
-    pp = info.get("per_program")
+    if gluon:  # the loader: claim, inputs (counters) ready and handed over, loads issued
+        lo = info["loader"].cpu()[mask].double()
+        lines.append(f"   loader {'kind':6s} {'claim':>7s} {'inputs':>7s} {'issue':>7s}   (mean us per item)")
+        for k, name in enumerate(("PULL", "GEMM1", "GEMM2", "none")):
+            r = lo[it[:, 1] == k]
+            if len(r):
+                d = (r[:, 1:4] - r[:, 0:3]) / 1e3
+                m = d.mean(0).tolist()
+                lines.append(f"   loader {name:6s} {m[0]:7.2f} {m[1]:7.2f} {m[2]:7.2f}")
+        pp = info["per_program"].cpu().double()
+        d = (pp[:, 1:3] - pp[:, 0:2]) / 1e3
+        lines.append(f"   per program (mean / max us): READY wait {d[:, 0].mean():.1f} / {d[:, 0].max():.1f}, items "
+                     f"{d[:, 1].mean():.1f} / {d[:, 1].max():.1f} (the tail is its own kernel)")
+    pp = None if gluon else info.get("per_program")
     if pp is not None:
         pp = pp.cpu().double()
         e0 = pp[:, 0].min()
@@ -178,7 +196,7 @@ def main() -> None:
                     torch.cuda.synchronize()
                     err = ((y - ref).norm() / ref.norm()).item()
                     t = timed(lambda m=fused, x=x: m(x))
-                k = LAST_COMPILED.get("_fused_fwd_kernel")
+                k = LAST_COMPILED.get("_gluon_fused_fwd_kernel" if kw.get("kernel") == "gluon" else "_fused_fwd_kernel")
                 rep = (f"regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')} "
                        f"smem {k.metadata.shared if k is not None else '?'}")
                 kt = ""

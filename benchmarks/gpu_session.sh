@@ -7,7 +7,8 @@
 # (~6 min), 6 (~5 min), t (deepseek forward timeline, ~2 min), 7 (training, torch / split / fused, ~2 min cold),
 # 7g (7 with --graph-moe --compile, ~2 min), 7t (GPU training tests, ~1 min), 8 (Gluon FP8 GEMM, every epilogue, ~5 min),
 # 9 (Gluon bf16 GEMM tests and bench, ~4 min), r (router tests on CUDA + layer A/B of the router impls, ~5 min),
-# g (layer A/B of the 2026-12-01 backward and fused defaults, ~4 min), p (fused per-item timeline, ~2 min),
+# g (layer A/B of the 2026-12-01 backward and fused defaults, ~4 min), p (fused per-item timeline, P_VARIANTS
+# default,gluon: the Triton and the Gluon items side by side, ~2 min),
 # w (warp-specialised FP8 GEMM: tests, bench, bench-gemm forward; ~6 min cold), b (warp-specialised bf16 GEMM tests in 8
 # parallel processes), b2 (its variants' bench, forward and the two dgrads, 4096 and 16384 tokens, ~5 min), f (FP8
 # backward on pull_grad: tests, then the layer A/B, ~8 min on one GPU), q (fused / layer GPU tests, then the FP8
@@ -162,7 +163,8 @@ if want p; then
 echo "== p. megakernel per-item timeline (forward, no autograd; phases per item kind, rank 0)"
 mkdir -p /tmp/tl
 timeout 200 torchrun --nproc_per_node "$NGPU" benchmarks/fused_probe.py --timeline --out /tmp/tl \
-  --variants default,prologue,pullpf,pf+pro 2>&1 | quiet | grep -v "kind  " | tee "$OUT/probe-timeline.txt" | tail -30
+  --variants "${P_VARIANTS:-default,gluon}" --presets "${P_PRESETS:-qwen3-30b-a3b,deepseek-v3}" 2>&1 | quiet \
+  | tee "$OUT/probe-timeline.txt" | tail -40
 fi
 
 if want w; then

@@ -58,6 +58,10 @@ split's backward on CPU ranks; timed on 2x H200 (slower than split's backward ke
 
 Visibility: generic-proxy stores (the pull, the SwiGLU epilogue) are released with a CTA barrier and a
 release atomic; the consumer acquires the counter and issues ``fence.proxy.async`` before its TMA loads.
+
+``FusedConfig.kernel = "gluon"`` (forward only): the same items, in the same order with the same waits, run in
+kernels/gluon_fused.py (warp-specialised: a TMA loader warp and two consumer warpgroups), then the tail above (DONE,
+the tokens' sums) runs as :func:`_fused_tail_kernel`. The outputs are bitwise this kernel's (one H200, 2026-12-02).
 """
 
 from __future__ import annotations
@@ -697,8 +701,12 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
     if cfg.kernel == "gluon" and not bwd:  # the items in Gluon, then the tail (DONE, the tokens' sums) in Triton
         if fp8 is not None:
             raise ValueError("the FP8 megakernel runs on kernel='triton' only")
+        timeline = None
+        if cfg.timeline:  # the same items / per-program records (consumer 0's view) and the loader's
+            timeline = (tl_buf, tlp_buf, torch.zeros(tl_buf.shape[0], 4, dtype=torch.int64, device=heap.device))
+            LAST_TIMELINE.update(kernel="gluon", loader=timeline[2])
         launch_gluon_fused(heap, cfg, sched, P, a=a, w1=w1, act=act, w2=w2, h=h, ctr=ctr, I=I, nb_max=nb_max,
-                           ring_blocks=ring_blocks, group=group, lookahead=lookahead, lag=lag)
+                           ring_blocks=ring_blocks, group=group, lookahead=lookahead, lag=lag, timeline=timeline)
         compiled = _fused_tail_kernel[(P,)](
             heap.tab, heap.world, heap.rank, gate, y if T > 0 else heap.rows_buffer(),
             save if save is not None else act, heap.buffer("slots") if sh.slots else heap.rows_buffer(),

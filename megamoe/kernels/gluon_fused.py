@@ -209,7 +209,9 @@ def _locate_block(b, e_idx, starts, cnts, nblk, cum, NS, BM: gl.constexpr):
 def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr,
             offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
             BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, BLOCK_E: gl.constexpr, GB: gl.constexpr,
-            PULL_SPLIT: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr, ACQ_GPU: gl.constexpr):
+            PULL_SPLIT: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr, ACQ_GPU: gl.constexpr,
+            tll_ptr, TIMELINE: gl.constexpr):
+    """TIMELINE: per item [claim, claimed, inputs ready and handed over, loads issued] into tll_ptr [items, 4]."""
     BK: gl.constexpr = 64
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     e_idx, starts, cnts, nblk, cum, nb = _schedule(offs_ptr, E_l, 1, BM, 1, BLOCK_E, lay)
@@ -232,7 +234,11 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
     while go:
         qs = n % QD_
         mbarrier.wait(q_empty.index(qs), ((n // QD_) & 1) ^ 1)  # (the first pass finds every slot free)
+        if TIMELINE:
+            t_claim = _now()
         item = gl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
+        if TIMELINE:
+            t_claimed = _now()
         s, kind, b, j = _decode(item, PS, T1, L1, L2, GB, PULL_SPLIT)
         go = s < n_steps
         fine = nb >= 0
@@ -253,6 +259,8 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
         gl.store(qp + qs, gl.where(fine, item, -1 - item))
         gl.thread_barrier()
         mbarrier.arrive(q_full.index(qs), count=1)
+        if TIMELINE:
+            t_handed = _now()
         if live & fine & (kind != 0):
             _fence_proxy_async()
             if kind == 1:
@@ -277,6 +285,13 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
                     tma.async_copy_global_to_shared(w2_desc, [wrow, ki * BK], ready.index(st),
                                                     b_smem.index(st).slice(0, BN2))
                     it += 1
+        if TIMELINE:
+            if go:
+                lrec = tll_ptr + item * 4
+                gl.store(lrec, t_claim)
+                gl.store(lrec + 1, t_claimed)
+                gl.store(lrec + 2, t_handed)
+                gl.store(lrec + 3, _now())
         go = go & fine
         n += 1
 
@@ -341,10 +356,11 @@ def _push_slice(val, rp, rvalid, col, H, epi_smem, buf, HM: gl.constexpr, store_
 @gluon.jit
 def _gemm1_item(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc, hu_desc, act_ptr, h_ptr, base, nrows, j,
                 I, k1, it, nst, BM: gl.constexpr, BN1: gl.constexpr, STAGES: gl.constexpr, STORE_H: gl.constexpr,
-                EPI_TMA: gl.constexpr, WG: gl.constexpr):
+                EPI_TMA: gl.constexpr, WG: gl.constexpr, TIMELINE: gl.constexpr):
     """Consumer WG's half of GEMM1(b, j): 64 x (BN1 gate + BN1 up) async wgmmas over the ring, then the SwiGLU
     epilogue (act, and h with STORE_H) through the staging buffers; returns the ring and staged-store counts. The
-    stores are complete (and ordered before the async proxy's later reads) on return."""
+    stores are complete (and ordered before the async proxy's later reads) on return. TIMELINE: also the times the
+    first stage landed and the k-loop ended (else 0)."""
     HM: gl.constexpr = BM // 2
     mma1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN1, 16])
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
@@ -352,9 +368,14 @@ def _gemm1_item(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc, hu
     NSL1: gl.constexpr = BN1 // 64
     acc = gl.zeros((HM, BN1), dtype=gl.float32, layout=mma1)
     acc2 = acc
+    t_first = (it * 0).to(gl.int64)
+    t_loop = t_first
     for ki in range(k1):
         st = it % STAGES
         mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        if TIMELINE:
+            if ki == 0:
+                t_first = _now()
         a_v = a_smem.index(st).slice(WG * HM, HM)
         acc = warpgroup_mma(a_v, b_smem.index(st).slice(0, BN1).permute((1, 0)), acc, is_async=True)
         acc2 = warpgroup_mma(a_v, b_smem.index(st).slice(BN1, BN1).permute((1, 0)), acc2, is_async=True)
@@ -364,6 +385,8 @@ def _gemm1_item(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc, hu
         it += 1
     acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
     mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+    if TIMELINE:
+        t_loop = _now()
     off_m = base + WG * HM
     row_end = base + nrows
     tma_ok = off_m + HM <= row_end
@@ -380,14 +403,14 @@ def _gemm1_item(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc, hu
     if EPI_TMA:  # act / h complete before the counter says so (GEMM2 reads them by TMA)
         tma.store_wait(0)
     _fence_proxy_async()
-    return it, nst
+    return it, nst, t_first, t_loop
 
 
 @gluon.jit
 def _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_ptr, row_src_ptr, row_tok_ptr,
                 row_slot_ptr, row0, base, nrows, j, H, k2, it, nst, K: gl.constexpr, BM: gl.constexpr,
                 BN2: gl.constexpr, STAGES: gl.constexpr, EPI_TMA: gl.constexpr, PULL_COMBINE: gl.constexpr,
-                ALIGNED: gl.constexpr, WG: gl.constexpr):
+                ALIGNED: gl.constexpr, WG: gl.constexpr, TIMELINE: gl.constexpr):
     """Consumer WG's half of GEMM2(b, j): 64 x BN2 async wgmmas over the ring, then each row pushed into its owner's
     slot (16-byte stores from a staging buffer) or, PULL_COMBINE, stored at its receive row of this rank's ``rows``
     region (TMA where every row is the block's); returns the ring and staged-store counts."""
@@ -407,9 +430,14 @@ def _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_
         if ALIGNED:
             rp = gl.multiple_of(rp, 16)
     acc = gl.zeros((HM, BN2), dtype=gl.float32, layout=mma2)
+    t_first = (it * 0).to(gl.int64)
+    t_loop = t_first
     for ki in range(k2):
         st = it % STAGES
         mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        if TIMELINE:
+            if ki == 0:
+                t_first = _now()
         a_v = a_smem.index(st).slice(WG * HM, HM)
         acc = warpgroup_mma(a_v, b_smem.index(st).slice(0, BN2).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -418,6 +446,8 @@ def _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_
         it += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+    if TIMELINE:
+        t_loop = _now()
     off_n = j * BN2
     a0, a1, a2, a3 = _slices(acc, HM, BN2, mma_s)
     b0 = 2 * WG + (nst & 1)
@@ -445,7 +475,7 @@ def _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_
             _push_slice(a2.to(gl.bfloat16), rp, rvalid, off_n + 128, H, epi_smem, b0, HM, store_l)
             _push_slice(a3.to(gl.bfloat16), rp, rvalid, off_n + 192, H, epi_smem, b0 ^ 1, HM, store_l)
     nst += BN2 // 64
-    return it, nst
+    return it, nst, t_first, t_loop
 
 
 @gluon.jit
@@ -456,8 +486,12 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr
               K: gl.constexpr, BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, BLOCK_E: gl.constexpr,
               GB: gl.constexpr, PULL_SPLIT: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr,
               ROWS_P: gl.constexpr, BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr,
-              EPI_TMA: gl.constexpr, PULL_COMBINE: gl.constexpr, ALIGNED: gl.constexpr, WG: gl.constexpr):
-    """Consumer warpgroup WG: rows WG * 64 .. WG * 64 + 63 of every item's block (module docstring)."""
+              EPI_TMA: gl.constexpr, PULL_COMBINE: gl.constexpr, ALIGNED: gl.constexpr, WG: gl.constexpr,
+              tl_ptr, tlp_ptr, TIMELINE: gl.constexpr):
+    """Consumer warpgroup WG: rows WG * 64 .. WG * 64 + 63 of every item's block (module docstring). TIMELINE
+    (consumer 0): per item [program, kind (3: no block), block, asked for it, got it, first stage landed (pull: got
+    it), k-loop (pull: copy) done, end] into tl_ptr [items, 8]; per program [entry, READY seen, items done] into
+    tlp_ptr [P, 8]."""
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     pl: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     e_idx, starts, cnts, nblk, cum, nb = _schedule(offs_ptr, E_l, 1, BM, 1, BLOCK_E, lay)
@@ -468,7 +502,11 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr
     g1 = rdy + NB_MAX
     g2 = g1 + NB_MAX
     call = gl.load(_ctrl(tab, W, rank) + SEQ, volatile=True)
+    if TIMELINE:
+        t_entry = _now()
     ok = _wait_ready(tab, W, rank, call, timeout_ns, WP2, lay)  # peers' tokens staged (the pulls read them)
+    if TIMELINE:
+        t_ready = _now()
     k1 = gl.cdiv(H, 64)
     k2 = gl.cdiv(I, 64)
     qp = q_ptr + gl.program_id(0) * QD_
@@ -478,6 +516,8 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr
     go = nb >= 0
     while go:
         qs = n % QD_
+        if TIMELINE:
+            t_ask = _now()
         mbarrier.wait(q_full.index(qs), (n // QD_) & 1)
         v = gl.load(qp + qs, volatile=True)
         gl.thread_barrier()
@@ -487,6 +527,10 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr
         s, kind, b, j = _decode(item, PS, T1, L1, L2, GB, PULL_SPLIT)
         n_steps = gl.where(nb > 0, gl.cdiv(nb, GB) + L1 + L2, 0)
         go = (s < n_steps) & fine
+        if TIMELINE:
+            t_got = _now()
+            t_first = t_got
+            t_loop = t_got
         if go & (b >= 0) & (b < nb):
             e, row0, nrows, base = _locate_block(b, e_idx, starts, cnts, nblk, cum, NS, BM)
             if kind == 0:  # PULL(b, part j): this consumer's half of the part's rows
@@ -497,19 +541,48 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr
                 if ok:
                     _pull_rows(tab, W, row0, r_lo, r_end, base, row_src_ptr, row_tok_ptr, x_ptr, H, ROWS_P,
                                BLOCK_H, ALIGNED, pl)
+                if TIMELINE:
+                    t_loop = _now()
                 _signal(rdy + b)
             elif kind == 1:  # GEMM1(b, j): act[rows, j-th BN1 columns] = silu(x @ wg^T) * (x @ wu^T)
-                it, nst = _gemm1_item(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc, hu_desc, act_ptr,
-                                      h_ptr, base, nrows, j, I, k1, it, nst, BM, BN1, STAGES, STORE_H, EPI_TMA, WG)
+                it, nst, t_f, t_l = _gemm1_item(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc, hu_desc,
+                                                act_ptr, h_ptr, base, nrows, j, I, k1, it, nst, BM, BN1, STAGES,
+                                                STORE_H, EPI_TMA, WG, TIMELINE)
+                if TIMELINE:
+                    t_first = t_f
+                    t_loop = t_l
                 _signal(g1 + b)
             else:  # GEMM2(b, j): out = act @ w2[e]^T (columns j * BN2 ..), pushed to the owners (or kept local)
-                it, nst = _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_ptr,
-                                      row_src_ptr, row_tok_ptr, row_slot_ptr, row0, base, nrows, j, H, k2, it, nst,
-                                      K, BM, BN2, STAGES, EPI_TMA, PULL_COMBINE, ALIGNED, WG)
+                it, nst, t_f, t_l = _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_ptr,
+                                                row_src_ptr, row_tok_ptr, row_slot_ptr, row0, base, nrows, j, H, k2,
+                                                it, nst, K, BM, BN2, STAGES, EPI_TMA, PULL_COMBINE, ALIGNED, WG,
+                                                TIMELINE)
+                if TIMELINE:
+                    t_first = t_f
+                    t_loop = t_l
                 _signal(g2 + b)
+        if TIMELINE:
+            if (WG == 0) & (s < n_steps):
+                rec = tl_ptr + item * 8
+                live = (b >= 0) & (b < nb)
+                gl.store(rec, gl.program_id(0).to(gl.int64))
+                gl.store(rec + 1, gl.where(live, kind, 3).to(gl.int64))
+                gl.store(rec + 2, gl.where(live, b, -1).to(gl.int64))
+                gl.store(rec + 3, t_ask)
+                gl.store(rec + 4, t_got)
+                gl.store(rec + 5, t_first)
+                gl.store(rec + 6, t_loop)
+                gl.store(rec + 7, _now())
         n += 1
     if EPI_TMA:  # the staging buffers stay allocated until the last store has read them
         tma.store_wait(0)
+    if TIMELINE:
+        if WG == 0:
+            t_done = _now()
+            prec = tlp_ptr + gl.program_id(0) * 8
+            gl.store(prec, t_entry)
+            gl.store(prec + 1, t_ready)
+            gl.store(prec + 2, t_done)
 
 
 @gluon.jit(do_not_specialize=["W", "rank", "E_l", "NS", "L1", "L2"])
@@ -526,12 +599,13 @@ def _gluon_fused_fwd_kernel(
     offs_ptr, row_src_ptr, row_tok_ptr, row_slot_ptr,  # the schedule (fused_moe._fused_fwd_kernel)
     ctr_ptr,            # int64 [1 + 3 * NB_MAX] zeroed: queue, ready[NB_MAX], g1[NB_MAX], g2[NB_MAX]
     q_ptr,              # int64 [P * QD]: the item queue of each program (loader -> consumers)
+    tl_ptr, tlp_ptr, tll_ptr,  # TIMELINE: int64 [items, 8] (consumer 0), [P, 8], [items, 4] (loader)
     H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
     K: gl.constexpr, BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, BLOCK_E: gl.constexpr,
     GB: gl.constexpr, PULL_SPLIT: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr, ROWS_P: gl.constexpr,
     BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr, EPI_TMA: gl.constexpr,
     PULL_COMBINE: gl.constexpr, ALIGNED: gl.constexpr, ACQ_GPU: gl.constexpr,
-    CONSUMER_REGS_: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    CONSUMER_REGS_: gl.constexpr, LOADER_REGS: gl.constexpr, TIMELINE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid (P,): persistent programs of 4 + 4 + 1 warps (module docstring)."""
     BW: gl.constexpr = 2 * BN1 if 2 * BN1 > BN2 else BN2  # weight rows of a stage: GEMM1's gate + up, GEMM2's tile
@@ -553,15 +627,15 @@ def _gluon_fused_fwd_kernel(
                      hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
                      row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
                      BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
-                     ALIGNED, 0)),
+                     ALIGNED, 0, tl_ptr, tlp_ptr, TIMELINE)),
         (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem, act_st_desc,
                      hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
                      row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
                      BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
-                     ALIGNED, 1)),
+                     ALIGNED, 1, tl_ptr, tlp_ptr, TIMELINE)),
         (_loader, (tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
                    q_ptr, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, BM, BN1, BN2, BLOCK_E, GB,
-                   PULL_SPLIT, STAGES, QD_, ACQ_GPU)),
+                   PULL_SPLIT, STAGES, QD_, ACQ_GPU, tll_ptr, TIMELINE)),
     ], [4, 1], [CONSUMER_REGS_, LOADER_REGS])
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(st))
@@ -596,15 +670,16 @@ def gluon_fused_reason(cfg, *, H: int, I: int, device: torch.device | None = Non
         return f"{cfg.num_stages} stages need ~{smem_bytes(cfg)} bytes of shared memory, more than {SMEM_LIMIT}"
     if H % 8 or I % 8:
         return f"H and I must be multiples of 8 (16-byte TMA row strides), got H={H}, I={I}"
-    off = [n for n in ("timeline", "prologue", "pull_prefetch") if getattr(cfg, n)]
+    off = [n for n in ("prologue", "pull_prefetch") if getattr(cfg, n)]
     if off or cfg.ablate:
         return f"options {off + (['ablate'] if cfg.ablate else [])} exist on the Triton megakernel only"
     return None
 
 
 def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: int, nb_max: int, ring_blocks: int,
-                       group: int, lookahead: int, lag: int) -> None:
-    """The items of one forward (fused_moe._launch calls this, then the Triton tail with ITEMS=False)."""
+                       group: int, lookahead: int, lag: int, timeline: tuple | None = None) -> None:
+    """The items of one forward (fused_moe._launch calls this, then fused_moe._fused_tail_kernel). ``timeline``:
+    (items [n, 8], per program [P, 8], loader [n, 4]) int64 buffers for FusedConfig.timeline (see _consumer)."""
     sh = heap.shape
     H, k, E_l = sh.hidden, sh.topk, sh.local_experts
     why = gluon_fused_reason(cfg, H=H, I=I)
@@ -638,12 +713,14 @@ def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: i
     k_ = _gluon_fused_fwd_kernel[(P,)](
         heap.tab, heap.world, heap.rank, x_desc, w13_desc, act_desc, w2_desc, act_st_desc, hg_desc, hu_desc,
         rows_desc, a, act, h if h is not None else act, rows, sched.offs, sched.row_src, sched.row_tok,
-        sched.row_slot, ctr, q, H, I, E_l, nb_max, ring_blocks, lookahead, lag, heap.timeout_ns,
+        sched.row_slot, ctr, q, *(timeline if timeline is not None else (ctr, ctr, ctr)), H, I, E_l, nb_max,
+        ring_blocks, lookahead, lag, heap.timeout_ns,
         K=k, BM=BM, BN1=BN1, BN2=BN2, BLOCK_E=triton.next_power_of_2(max(E_l, 2)), GB=group,
         PULL_SPLIT=cfg.pull_split, STAGES=cfg.num_stages, QD_=QD, ROWS_P=max(1, min(BM // 2, 8192 // block_h)),
         BLOCK_H=block_h, WP2=max(2, heap.wp2), STORE_H=h is not None, EPI_TMA=epi_tma, PULL_COMBINE=pull,
         ALIGNED=(H * 2) % 16 == 0, ACQ_GPU=cfg.counter_scope == "gpu", CONSUMER_REGS_=CONSUMER_REGS,
-        LOADER_REGS=REG_POOL - 2 * CONSUMER_REGS, num_warps=4, maxnreg=REG_POOL // 3,
+        LOADER_REGS=REG_POOL - 2 * CONSUMER_REGS, TIMELINE=timeline is not None, num_warps=4,
+        maxnreg=REG_POOL // 3,
     )
     record("_gluon_fused_fwd_kernel", k_)
     LAST_LAUNCH.clear()
