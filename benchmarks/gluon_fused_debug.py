@@ -24,6 +24,8 @@ def _rank(rank: int, world: int, args) -> int:
     dev = torch.device("cuda", rank)
     cfg = preset(args.preset, num_experts=args.experts, max_tokens_per_rank=max(args.tokens, 1))
     opts = {"kernel": "gluon", **({"ring_blocks": args.ring} if args.ring else {})}
+    if args.fp8:
+        opts["fp8"] = True
     t0 = time.time()
     moe = MoE(cfg, backend="fused", device=dev, seed=0, **opts)
     x = torch.randn(args.tokens, cfg.hidden, generator=torch.Generator().manual_seed(1)).to(cfg.dtype).to(dev)
@@ -86,6 +88,7 @@ def main() -> None:
     ap.add_argument("--ring", type=int, default=0)
     ap.add_argument("--wait", type=float, default=10.0)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--fp8", action="store_true", help="the FP8 items (against the Triton FP8 megakernel)")
     args = ap.parse_args()
     spawn(_rank, 1, args, device="cuda", timeout_s=600)
 

@@ -158,6 +158,7 @@ LAYERS = [
     (1, "qwen3-30b-a3b", 8, 64, "fused", {}),
     (1, "qwen3-30b-a3b", 8, 64, "fused", {"kernel": "gluon"}),
     (2, "qwen3-30b-a3b", 8, 64, "fused", {"kernel": "gluon", "ring_blocks": 8, "combine": "pull"}),
+    (1, "qwen3-30b-a3b", 8, 64, "fused", {"kernel": "gluon", "fp8": True}),
 ]
 
 

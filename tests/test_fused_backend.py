@@ -339,7 +339,8 @@ def test_fused_rejects_bad_options():
     assert msgs[19] is not None and "kernel must be 'triton' or 'gluon'" in msgs[19]
     if os.environ.get("TRITON_INTERPRET") == "1":  # (a GPU machine runs the layer's kernels: no error there)
         assert msgs[20] is not None and "kernel='gluon'" in msgs[20] and "interpreter" in msgs[20]
-    assert msgs[21] is not None and "fp8=1 runs on kernel='triton' only" in msgs[21]
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert msgs[21] is not None and "kernel='gluon'" in msgs[21] and "interpreter" in msgs[21]
 
 
 def test_gluon_fused_reasons(monkeypatch):
@@ -347,6 +348,7 @@ def test_gluon_fused_reasons(monkeypatch):
     from megamoe.kernels import gluon_fused
     from megamoe.kernels.fused_moe import FusedConfig
     from megamoe.kernels.gluon_fused import gluon_fused_reason
+    from megamoe.kernels.gluon_fused import stages_of as gluon_fused_stages
 
     ok = FusedConfig()
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -358,5 +360,11 @@ def test_gluon_fused_reasons(monkeypatch):
     assert "multiples of 8" in gluon_fused_reason(ok, H=100, I=40)
     assert "shared memory" in gluon_fused_reason(ok.with_(num_stages=5), H=2048, I=768)
     assert "num_stages" in gluon_fused_reason(ok.with_(num_stages=1), H=2048, I=768)
-    assert "Triton megakernel only" in gluon_fused_reason(ok.with_(timeline=True), H=2048, I=768)
+    assert gluon_fused_reason(ok.with_(timeline=True), H=2048, I=768) is None  # (the timeline works on both)
     assert "Triton megakernel only" in gluon_fused_reason(ok.with_(ablate=2), H=2048, I=768)
+    f8 = ok.with_(bn2=128)  # the FP8 items: GEMM2 tiles inside one weight scale block, I % 128, at most 3 stages
+    assert gluon_fused_reason(f8, H=2048, I=768, fp8=True) is None
+    assert gluon_fused_stages(f8.with_(num_stages=6), fp8=True) == 4 and gluon_fused_stages(f8) == 4
+    assert "bn2 128" in gluon_fused_reason(ok, H=2048, I=768, fp8=True)
+    assert "I of 128" in gluon_fused_reason(f8, H=2880, I=2880, fp8=True)
+    assert "H must be a multiple of 16" in gluon_fused_reason(f8, H=2056, I=768, fp8=True)

@@ -224,3 +224,43 @@ def test_fused_gluon_sync_free_and_graph_capturable():
     for r in spawn(_gluon_step_checks, min(NGPU, 4), device="cuda", timeout_s=600):
         assert r["graph_out_equal"], "graph replay output differs from eager"
         assert r["graph_w_equal"], "graph replay parameters differ from eager"
+
+
+def _rank_gluon_fp8(rank: int, world: int) -> tuple[list[dict], list, list[bool]]:
+    dev = torch.device("cuda", rank)
+    g = {"kernel": "gluon", "fp8": True}
+    cases = gpu_cases(world)
+    refs = [dict(layer_case(c, "fused", dev, **g), case="gluon-fp8:" + c.name) for c in cases]
+    twins = [(c.name, twin_runs(c, dev, ("fused", {"fp8": True}), ("fused", g))) for c in cases]
+    sk = _skewed(world)
+    r = layer_case(sk, "fused", dev, ring_blocks=4, **g)
+    e_l = len(r["counts"]) // world
+    r.update(case=f"gluon-fp8-ring4:{r['case']}", ring=4,
+             blocks=sum(-(-c // BM) for c in r["counts"][rank * e_l:(rank + 1) * e_l]))
+    refs.append(r)
+    twins.append(("ring4", twin_runs(sk, dev, ("fused", {"fp8": True, "ring_blocks": 4}),
+                                     ("fused", {"ring_blocks": 4, **g}))))
+    det_case = LayerCase("det", preset="qwen3-30b-a3b", dtype="bf16", tokens=tuple([1024] * world),
+                         overrides={"num_experts": qwen3_experts(world)})
+    dets = [determinism_case(det_case, "fused", dev, **g)]
+    return refs, twins, dets
+
+
+@pytest.mark.skipif(not _gluon_ok(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_fused_gluon_fp8_on_gpus(world):
+    # the FP8 items (fused:kernel=gluon:fp8=1) against float64 (FP8 bounds) and against the Triton FP8 megakernel on
+    # the same weights and inputs (the same arithmetic per element: expected equal or within FP8_TWIN_REL)
+    if world > NGPU:
+        pytest.skip(f"needs {world} GPUs, {NGPU} visible")
+    cycled = 0
+    for refs, twins, dets in spawn(_rank_gluon_fp8, world, device="cuda", timeout_s=900):
+        assert all(dets), "fused kernel=gluon fp8: two runs differ bitwise"
+        cycled += check_reference(refs, FP8_TOLERANCE)
+        for name, t in twins:
+            for key, (_, rel, cos) in t.items():
+                assert rel < FP8_TWIN_REL and cos > FP8_TWIN_COSINE, \
+                    f"{name}: gluon fp8 vs triton fp8 megakernel {key}: rel {rel:.3g}, cosine {cos:.6f}"
+            print(f"gluon fp8 vs triton fp8 {name}: bitwise {all(eq for eq, _, _ in t.values())}, "
+                  f"max rel {max(rel for _, rel, _ in t.values()):.3g}")
+    assert cycled >= 1, "the skewed case should make the smallest ring cycle"

@@ -68,7 +68,9 @@ staging / backward communication kernels, default every SM), ``timeout_s`` (boun
 and ``fp8_weight_cache`` (as split's: keep the FP8 weight copies across calls; see megamoe.backends.fp8_weights),
 ``kernel`` ("triton", the default, or "gluon": the forward's work items in kernels/gluon_fused.py, warp-specialised
 like split's Gluon GEMMs, with the same items, order, waits and results, then the tail as its own Triton kernel;
-Hopper and bf16 only, H and I multiples of 8; the backward is unchanged).
+Hopper only, H and I multiples of 8; the backward is unchanged. bf16: bitwise the Triton kernel's on one H200. With
+``fp8=1`` (I a multiple of 128, combine "push"): the FP8 items, each promotion overlapping the other consumer's
+wgmma; compiled for sm_90a, not yet run on a GPU).
 
 Capacity: no token is ever dropped: dense buffers hold the worst case (every token of every rank routed
 here); a ring cycles as many times as the routing needs. With ``combine="push"`` the symmetric heap adds a
@@ -251,8 +253,9 @@ class FusedBackend(Fp8WeightCache):
         if kernel not in ("triton", "gluon"):
             raise ValueError(f"kernel must be 'triton' or 'gluon', got {kernel!r}")
         if kernel == "gluon":
-            why = "fp8=1 runs on kernel='triton' only" if fp8 else gluon_fused_reason(
-                self.config, H=cfg.hidden, I=cfg.intermediate, device=moe.device)
+            why = gluon_fused_reason(self.config, H=cfg.hidden, I=cfg.intermediate, device=moe.device, fp8=bool(fp8))
+            if why is None and fp8 and combine != "push":
+                why = "the FP8 items push their rows (combine='push')"
             if why is not None:
                 raise ValueError(f"backend 'fused' with kernel='gluon': {why}")
             self.config = self.config.with_(kernel="gluon")

@@ -699,14 +699,13 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
     else:
         tl_buf = tlp_buf = ctr
     if cfg.kernel == "gluon" and not bwd:  # the items in Gluon, then the tail (DONE, the tokens' sums) in Triton
-        if fp8 is not None:
-            raise ValueError("the FP8 megakernel runs on kernel='triton' only")
         timeline = None
         if cfg.timeline:  # the same items / per-program records (consumer 0's view) and the loader's
             timeline = (tl_buf, tlp_buf, torch.zeros(tl_buf.shape[0], 4, dtype=torch.int64, device=heap.device))
             LAST_TIMELINE.update(kernel="gluon", loader=timeline[2])
         launch_gluon_fused(heap, cfg, sched, P, a=a, w1=w1, act=act, w2=w2, h=h, ctr=ctr, I=I, nb_max=nb_max,
-                           ring_blocks=ring_blocks, group=group, lookahead=lookahead, lag=lag, timeline=timeline)
+                           ring_blocks=ring_blocks, group=group, lookahead=lookahead, lag=lag, timeline=timeline,
+                           fp8=fp8)
         compiled = _fused_tail_kernel[(P,)](
             heap.tab, heap.world, heap.rank, gate, y if T > 0 else heap.rows_buffer(),
             save if save is not None else act, heap.buffer("slots") if sh.slots else heap.rows_buffer(),
@@ -799,8 +798,9 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     if wq is not None:  # everything checked before anything is staged (a staged call must be followed by a kernel)
         _check_fp8(cfg, wq, E_l, H, I)
     if cfg.kernel == "gluon":
-        why = "FP8 runs on kernel='triton' only" if wq is not None else gluon_fused_reason(cfg, H=H, I=I,
-                                                                                           device=heap.device)
+        why = gluon_fused_reason(cfg, H=H, I=I, device=heap.device, fp8=wq is not None)
+        if why is None and wq is not None and cfg.combine != "push":
+            why = "the FP8 items push their rows (combine='push')"
         if why is not None:
             raise ValueError(f"fused_forward (kernel='gluon'): {why}")
     BM = cfg.block_m

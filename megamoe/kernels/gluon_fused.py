@@ -29,8 +29,16 @@ cannot leave one partition stopped while another waits for it.
 
 The tail (after every item: DONE, then each token's k rows summed with the gates; SAVE) is the Triton kernel's,
 launched right after this one with ``ITEMS=False`` (fused_moe._launch): this kernel ends when its items are done, and
-stream order makes every push complete before the tail publishes DONE. Backward, FP8, the timeline, the prologue,
-the prefetching pull and the ablations stay on the Triton kernel (ValueError here).
+stream order makes every push complete before the tail publishes DONE. Backward, the prologue, the prefetching pull
+and the ablations stay on the Triton kernel (ValueError here); ``FusedConfig.timeline`` works on both.
+
+FP8 (``FP8``, ``fused:kernel=gluon:fp8=1``; 2026-12-02, compiled for sm_90a, NOT yet run on a GPU): the Triton FP8
+megakernel's arithmetic on this structure. The pull moves packed FP8 rows (HP words each); GEMM1 runs each 128-column
+tile as two 64-column halves (a stage: 128 x rows of e4m3 x and the gate and up halves' 64 weight rows, 128 of K),
+every product a fresh wgmma that its consumer waits for before the promotion acc += P * (x_scale * w_scale) (the
+other consumer's wgmma runs meanwhile, as in gluon_fp8_ws), h in bf16 by TMA, act rounded to bf16 and quantised
+per row over the tile's 128 columns into e4m3 with its 1x128 scale; GEMM2 on e4m3 act and w2 in 128-column tiles
+(one weight scale block), promoted likewise, rows pushed in bf16. I must be a multiple of 128.
 """
 
 from __future__ import annotations
@@ -76,6 +84,8 @@ QD = 4  # depth of the loader -> consumers item queue
 # 56 and 28 B of spills (8 experts); 208 leaves 88: 0 B at 8 and 16 experts, 20 B at 128 (the loader's schedule
 # vectors); the consumers do not spill at 208
 CONSUMER_REGS = 208
+CONSUMER_REGS_FP8 = 216  # the FP8 items (serial promotion in 64-column halves): on sm_90a (qwen3, 8 experts) 36 B
+#                          of spills in all; 208 gave 84, 224 60 (the loader short), 232 128
 
 
 # ----------------------------------------------------------------------------------------- signals (Gluon)
@@ -210,9 +220,10 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
             offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
             BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, BLOCK_E: gl.constexpr, GB: gl.constexpr,
             PULL_SPLIT: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr, ACQ_GPU: gl.constexpr,
-            tll_ptr, TIMELINE: gl.constexpr):
-    """TIMELINE: per item [claim, claimed, inputs ready and handed over, loads issued] into tll_ptr [items, 4]."""
-    BK: gl.constexpr = 64
+            tll_ptr, TIMELINE: gl.constexpr, FP8: gl.constexpr):
+    """TIMELINE: per item [claim, claimed, inputs ready and handed over, loads issued] into tll_ptr [items, 4]. FP8: the
+    descriptors are the e4m3 operands' and a k-step is 128 deep (one scale block)."""
+    BK: gl.constexpr = 128 if FP8 else 64
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     e_idx, starts, cnts, nblk, cum, nb = _schedule(offs_ptr, E_l, 1, BM, 1, BLOCK_E, lay)
     T1 = gl.cdiv(I, BN1)
@@ -264,17 +275,20 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
         if live & fine & (kind != 0):
             _fence_proxy_async()
             if kind == 1:
-                wrow = e * (2 * I) + j * BN1
-                for ki in range(k1):
-                    st = it % STAGES
-                    mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
-                    mbarrier.expect(ready.index(st), nbytes1)
-                    tma.async_copy_global_to_shared(x_desc, [base, ki * BK], ready.index(st), a_smem.index(st))
-                    tma.async_copy_global_to_shared(w13_desc, [wrow, ki * BK], ready.index(st),
-                                                    b_smem.index(st).slice(0, BN1))
-                    tma.async_copy_global_to_shared(w13_desc, [wrow + I, ki * BK], ready.index(st),
-                                                    b_smem.index(st).slice(BN1, BN1))
-                    it += 1
+                # FP8: two 64-column halves, each its own k-loop (w13_desc's block is [BN1 / 2, 128] then)
+                TN: gl.constexpr = BN1 // 2 if FP8 else BN1
+                for hf in gl.static_range(2 if FP8 else 1):
+                    wrow = e * (2 * I) + j * BN1 + hf * TN
+                    for ki in range(k1):
+                        st = it % STAGES
+                        mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
+                        mbarrier.expect(ready.index(st), nbytes1)
+                        tma.async_copy_global_to_shared(x_desc, [base, ki * BK], ready.index(st), a_smem.index(st))
+                        tma.async_copy_global_to_shared(w13_desc, [wrow, ki * BK], ready.index(st),
+                                                        b_smem.index(st).slice(0, TN))
+                        tma.async_copy_global_to_shared(w13_desc, [wrow + I, ki * BK], ready.index(st),
+                                                        b_smem.index(st).slice(TN, TN))
+                        it += 1
             else:
                 wrow = e * H + j * BN2
                 for ki in range(k2):
@@ -298,13 +312,14 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
 
 # ----------------------------------------------------------------------------------------------- consumers
 @gluon.jit
-def _pull_rows(tab, W, row0, r_lo, r_end, base, row_src_ptr, row_tok_ptr, x_ptr, H, ROWS_P: gl.constexpr,
+def _pull_rows(tab, W, row0, r_lo, r_end, base, row_src_ptr, row_tok_ptr, x_ptr, H, HP, ROWS_P: gl.constexpr,
                BLOCK_H: gl.constexpr, ALIGNED: gl.constexpr, pl: gl.constexpr):
-    """xbuf[base + r] = tok_{src(r)}[tok(r)] for block rows r in [r_lo, r_end): [ROWS_P, BLOCK_H] chunks, the next
-    chunk's (NVLink) loads issued before the current chunk's stores (fused_parts._pull_block)."""
+    """xbuf[base + r][:HP] = tok_{src(r)}[tok(r)][:HP] (source rows of H elements, destination rows of HP: the packed
+    FP8 rows are narrower) for block rows r in [r_lo, r_end): [ROWS_P, BLOCK_H] chunks, the next chunk's (NVLink)
+    loads issued before the current chunk's stores (fused_parts._pull_block)."""
     rr = gl.arange(0, ROWS_P, layout=gl.SliceLayout(1, pl))
     hh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, pl))
-    n_h = gl.cdiv(H, BLOCK_H)
+    n_h = gl.cdiv(HP, BLOCK_H)
     n_chunks = gl.cdiv(r_end - r_lo, ROWS_P) * n_h
     if n_chunks > 0:
         r = r_lo + rr
@@ -315,7 +330,7 @@ def _pull_rows(tab, W, row0, r_lo, r_end, base, row_src_ptr, row_tok_ptr, x_ptr,
             gl.pointer_type(gl.bfloat16))
         if ALIGNED:
             sp = gl.multiple_of(sp, 16)
-        m = valid[:, None] & (hh < H)[None, :]
+        m = valid[:, None] & (hh < HP)[None, :]
         v = gl.load(sp[:, None] + hh[None, :], mask=m)
         for c in range(1, n_chunks):
             ri = c // n_h
@@ -328,15 +343,15 @@ def _pull_rows(tab, W, row0, r_lo, r_end, base, row_src_ptr, row_tok_ptr, x_ptr,
                 gl.pointer_type(gl.bfloat16))
             if ALIGNED:
                 sp2 = gl.multiple_of(sp2, 16)
-            m2 = valid2[:, None] & (oh < H)[None, :]
+            m2 = valid2[:, None] & (oh < HP)[None, :]
             v2 = gl.load(sp2[:, None] + oh[None, :], mask=m2)
             cp = c - 1
-            dp = x_ptr + (base + r_lo + (cp // n_h) * ROWS_P + rr).to(gl.int64) * H
+            dp = x_ptr + (base + r_lo + (cp // n_h) * ROWS_P + rr).to(gl.int64) * HP
             gl.store(dp[:, None] + ((cp % n_h) * BLOCK_H + hh)[None, :], v, mask=m)
             v = v2
             m = m2
         cl = n_chunks - 1
-        dp = x_ptr + (base + r_lo + (cl // n_h) * ROWS_P + rr).to(gl.int64) * H
+        dp = x_ptr + (base + r_lo + (cl // n_h) * ROWS_P + rr).to(gl.int64) * HP
         gl.store(dp[:, None] + ((cl % n_h) * BLOCK_H + hh)[None, :], v, mask=m)
 
 
@@ -479,6 +494,171 @@ def _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_
 
 
 @gluon.jit
+def _fp8_g1_half(a_smem, b_smem, ready, empty, sa_row, mmask, sg_p, su_p, k1, it, WG: gl.constexpr,
+                 HM: gl.constexpr, HN: gl.constexpr, STAGES: gl.constexpr, TIMELINE: gl.constexpr):
+    """One 64-column half of an FP8 GEMM1 tile for consumer WG's rows: per 128 of K, g += (xq @ q13g^T) *
+    (x_scale[r] * w_scale) and u likewise, each product a fresh wgmma waited for before its promotion (the other
+    consumer's wgmma runs meanwhile, as in gluon_fp8_ws). Stage: the x rows, then the gate and up halves' rows at
+    [0, HN) and [HN, 2 HN) of the weight buffer. Returns (g, u, ring count, time the first stage landed)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HN, 32])
+    zero = gl.zeros((HM, HN), dtype=gl.float32, layout=mma)
+    g = zero
+    u = zero
+    t_first = (it * 0).to(gl.int64)
+    for ki in range(k1):
+        st = it % STAGES
+        sa = gl.load(sa_row + ki, mask=mmask, other=0.0)
+        sg = gl.load(sg_p + ki)
+        su = gl.load(su_p + ki)
+        mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        if TIMELINE:
+            if ki == 0:
+                t_first = _now()
+        a_v = a_smem.index(st).slice(WG * HM, HM)
+        p = warpgroup_mma(a_v, b_smem.index(st).slice(0, HN).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+        g = g + p * (sa * sg)[:, None]
+        p2 = warpgroup_mma(a_v, b_smem.index(st).slice(HN, HN).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p2 = warpgroup_mma_wait(num_outstanding=0, deps=(p2,))
+        mbarrier.arrive(empty.index(st), count=1)
+        u = u + p2 * (sa * su)[:, None]
+        it += 1
+    return g, u, it, t_first
+
+
+@gluon.jit
+def _fp8_h_act(g, u, hg_desc, hu_desc, h_ptr, off_m, col, row_end, I, epi_smem, b0, tma_ok, HM: gl.constexpr,
+               STORE_H: gl.constexpr, EPI_TMA: gl.constexpr, store_l: gl.constexpr, mma: gl.constexpr):
+    """h = (g, u) in bf16 at columns col.. (STORE_H, two staged stores from buffer b0); returns act = silu(g) * u
+    rounded to bf16 (as split stores it before quantising), 0 at rows >= row_end and columns >= I, in fp32 (held in
+    bf16 instead while the other half runs, sm_90a spilled 4-8x more)."""
+    if STORE_H:
+        _put(g.to(gl.bfloat16), hg_desc, h_ptr, 2 * I, off_m, col, row_end, I, epi_smem, b0, tma_ok, HM, EPI_TMA,
+             store_l)
+        _put(u.to(gl.bfloat16), hu_desc, h_ptr + I, 2 * I, off_m, col, row_end, I, epi_smem, b0 ^ 1, tma_ok, HM,
+             EPI_TMA, store_l)
+    rs = off_m + gl.arange(0, HM, layout=gl.SliceLayout(1, mma))
+    cs = col + gl.arange(0, 64, layout=gl.SliceLayout(0, mma))
+    m = (rs < row_end)[:, None] & (cs < I)[None, :]
+    return gl.where(m, (g / (1.0 + gl.exp(-g)) * u).to(gl.bfloat16).to(gl.float32), 0.0)
+
+
+@gluon.jit
+def _gemm1_item_fp8(a_smem, b_smem, ready, empty, epi_smem, hg_desc, hu_desc, h_ptr, act_ptr, xs_ptr, stride_xs,
+                    s13_ptr, acs_ptr, e, base, nrows, j, H, I, k1, it, nst, BM: gl.constexpr, BN1: gl.constexpr,
+                    STAGES: gl.constexpr, STORE_H: gl.constexpr, EPI_TMA: gl.constexpr, WG: gl.constexpr,
+                    TIMELINE: gl.constexpr):
+    """FP8 GEMM1(b, j), consumer WG's 64 rows, as the Triton FP8 megakernel computes it (fused_moe._fp8_gemm1_half):
+    the 128-column tile as two 64-column halves, one k-loop each (I % 128 == 0: one weight scale per half and
+    k-step); h in bf16 (STORE_H); act = silu(g) * u rounded to bf16 and quantised per row over the tile's 128 columns
+    (act's 1x128 block j: s = amax / 448, e4m3(act / s)) into act_ptr (e4m3 [NROWS, I]) and acs_ptr (fp32 [NROWS,
+    cdiv(I, 128)]). The two halves keep two 64 x 64 accumulators and one product live (96 fp32 registers)."""
+    HM: gl.constexpr = BM // 2
+    HN: gl.constexpr = BN1 // 2
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HN, 32])
+    store_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    ql: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])  # e4m3 [HM, 64]: 16-byte stores
+    kbh = gl.cdiv(H, 128)
+    off_m = base + WG * HM
+    row_end = base + nrows
+    rm = off_m + gl.arange(0, HM, layout=gl.SliceLayout(1, mma))
+    mmask = rm < row_end
+    sa_row = xs_ptr + rm.to(gl.int64) * stride_xs
+    sw = s13_ptr + e.to(gl.int64) * (gl.cdiv(2 * I, 128) * kbh)
+    sg_p = sw + j * kbh                          # the gate tile's 128-row weight block
+    su_p = sw + ((I + j * BN1) // 128) * kbh     # the up tile's
+    off_n = j * BN1
+    tma_ok = off_m + HM <= row_end
+    g, u, it, t_first = _fp8_g1_half(a_smem, b_smem, ready, empty, sa_row, mmask, sg_p, su_p, k1, it, WG, HM, HN,
+                                     STAGES, TIMELINE)
+    a0 = _fp8_h_act(g, u, hg_desc, hu_desc, h_ptr, off_m, off_n, row_end, I, epi_smem, 2 * WG + (nst & 1), tma_ok, HM,
+                    STORE_H, EPI_TMA, store_l, mma)
+    g, u, it, t_f1 = _fp8_g1_half(a_smem, b_smem, ready, empty, sa_row, mmask, sg_p, su_p, k1, it, WG, HM, HN, STAGES,
+                                  TIMELINE)
+    t_loop = (it * 0).to(gl.int64)
+    if TIMELINE:
+        t_loop = _now()
+    a1 = _fp8_h_act(g, u, hg_desc, hu_desc, h_ptr, off_m, off_n + HN, row_end, I, epi_smem, 2 * WG + (nst & 1),
+                    tma_ok, HM, STORE_H, EPI_TMA, store_l, mma)
+    if STORE_H:
+        nst += 4
+    amax = gl.maximum(gl.max(gl.abs(a0), axis=1), gl.max(gl.abs(a1), axis=1))
+    sc = gl.div_rn(gl.maximum(amax, 1e-12), 448.0)
+    q0 = gl.minimum(gl.maximum(gl.div_rn(a0, sc[:, None]), -448.0), 448.0).to(gl.float8e4nv)
+    q1 = gl.minimum(gl.maximum(gl.div_rn(a1, sc[:, None]), -448.0), 448.0).to(gl.float8e4nv)
+    rq = off_m + gl.arange(0, HM, layout=gl.SliceLayout(1, ql))
+    cq = off_n + gl.arange(0, HN, layout=gl.SliceLayout(0, ql))
+    qp = act_ptr + rq.to(gl.int64)[:, None] * I + cq[None, :]
+    rqm = (rq < row_end)[:, None]
+    gl.store(qp, gl.convert_layout(q0, ql), mask=rqm & (cq < I)[None, :])
+    gl.store(qp + HN, gl.convert_layout(q1, ql), mask=rqm & ((cq + HN) < I)[None, :])
+    gl.store(acs_ptr + rm.to(gl.int64) * gl.cdiv(I, 128) + j, sc, mask=mmask)
+    if EPI_TMA:
+        if STORE_H:
+            tma.store_wait(0)
+    _fence_proxy_async()
+    return it, nst, t_first, t_loop
+
+
+@gluon.jit
+def _gemm2_item_fp8(tab, W, a_smem, b_smem, ready, empty, epi_smem, acs_ptr, s2_ptr, row_src_ptr, row_tok_ptr,
+                    row_slot_ptr, e, row0, base, nrows, j, H, I, k2, it, nst, K: gl.constexpr, BM: gl.constexpr,
+                    BN2: gl.constexpr, STAGES: gl.constexpr, ALIGNED: gl.constexpr, WG: gl.constexpr,
+                    TIMELINE: gl.constexpr):
+    """FP8 GEMM2(b, j), consumer WG's 64 rows: per 128 of K, acc += (act_q @ q2^T) * (act_scale[r] * w_scale) (BN2 <=
+    128: one 128-row weight block per tile), then the rows pushed into their owners' slots as bf16 (as the bf16
+    GEMM2)."""
+    HM: gl.constexpr = BM // 2
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN2, 32])
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
+    store_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    kbi = gl.cdiv(I, 128)
+    rm = base + WG * HM + gl.arange(0, HM, layout=rows_l)
+    mmask = rm < base + nrows
+    sa_row = acs_ptr + rm.to(gl.int64) * kbi
+    sw_p = s2_ptr + e.to(gl.int64) * (gl.cdiv(H, 128) * kbi) + ((j * BN2) // 128) * kbi
+    rr = gl.arange(0, HM, layout=gl.SliceLayout(1, store_l))
+    rloc = WG * HM + rr
+    rvalid = rloc < nrows
+    src = gl.load(row_src_ptr + row0 + rloc, mask=rvalid, other=0)
+    tok = gl.load(row_tok_ptr + row0 + rloc, mask=rvalid, other=0)
+    slot = gl.load(row_slot_ptr + row0 + rloc, mask=rvalid, other=0)
+    rp = (gl.load(tab + REG_SLOTS * W + src, mask=rvalid, other=0)
+          + (tok * K + slot).to(gl.int64) * H * 2).to(gl.pointer_type(gl.bfloat16))
+    if ALIGNED:
+        rp = gl.multiple_of(rp, 16)
+    zero = gl.zeros((HM, BN2), dtype=gl.float32, layout=mma)
+    acc = zero
+    t_first = (it * 0).to(gl.int64)
+    t_loop = t_first
+    for ki in range(k2):
+        st = it % STAGES
+        sa = gl.load(sa_row + ki, mask=mmask, other=0.0)
+        sb = gl.load(sw_p + ki)
+        mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        if TIMELINE:
+            if ki == 0:
+                t_first = _now()
+        a_v = a_smem.index(st).slice(WG * HM, HM)
+        p = warpgroup_mma(a_v, b_smem.index(st).slice(0, BN2).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+        mbarrier.arrive(empty.index(st), count=1)
+        acc = acc + p * (sa * sb)[:, None]
+        it += 1
+    if TIMELINE:
+        t_loop = _now()
+    off_n = j * BN2
+    a0, a1, a2, a3 = _slices(acc, HM, BN2, mma_s)
+    b0 = 2 * WG + (nst & 1)
+    _push_slice(a0.to(gl.bfloat16), rp, rvalid, off_n, H, epi_smem, b0, HM, store_l)
+    if BN2 > 64:
+        _push_slice(a1.to(gl.bfloat16), rp, rvalid, off_n + 64, H, epi_smem, b0 ^ 1, HM, store_l)
+    nst += BN2 // 64
+    return it, nst, t_first, t_loop
+
+
+@gluon.jit
 def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem,
               act_st_desc, hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr,
               offs_ptr, row_src_ptr, row_tok_ptr, row_slot_ptr, ctr_ptr,
@@ -487,7 +667,8 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr
               GB: gl.constexpr, PULL_SPLIT: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr,
               ROWS_P: gl.constexpr, BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr,
               EPI_TMA: gl.constexpr, PULL_COMBINE: gl.constexpr, ALIGNED: gl.constexpr, WG: gl.constexpr,
-              tl_ptr, tlp_ptr, TIMELINE: gl.constexpr):
+              tl_ptr, tlp_ptr, TIMELINE: gl.constexpr, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr,
+              FP8: gl.constexpr):
     """Consumer warpgroup WG: rows WG * 64 .. WG * 64 + 63 of every item's block (module docstring). TIMELINE
     (consumer 0): per item [program, kind (3: no block), block, asked for it, got it, first stage landed (pull: got
     it), k-loop (pull: copy) done, end] into tl_ptr [items, 8]; per program [entry, READY seen, items done] into
@@ -507,8 +688,9 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr
     ok = _wait_ready(tab, W, rank, call, timeout_ns, WP2, lay)  # peers' tokens staged (the pulls read them)
     if TIMELINE:
         t_ready = _now()
-    k1 = gl.cdiv(H, 64)
-    k2 = gl.cdiv(I, 64)
+    BK: gl.constexpr = 128 if FP8 else 64
+    k1 = gl.cdiv(H, BK)
+    k2 = gl.cdiv(I, BK)
     qp = q_ptr + gl.program_id(0) * QD_
     n = 0
     it = 0
@@ -539,24 +721,36 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr
                 r_lo = j * part + WG * half
                 r_end = gl.minimum(gl.minimum(r_lo + half, j * part + part), nrows)
                 if ok:
-                    _pull_rows(tab, W, row0, r_lo, r_end, base, row_src_ptr, row_tok_ptr, x_ptr, H, ROWS_P,
+                    _pull_rows(tab, W, row0, r_lo, r_end, base, row_src_ptr, row_tok_ptr, x_ptr, H, HP, ROWS_P,
                                BLOCK_H, ALIGNED, pl)
                 if TIMELINE:
                     t_loop = _now()
                 _signal(rdy + b)
             elif kind == 1:  # GEMM1(b, j): act[rows, j-th BN1 columns] = silu(x @ wg^T) * (x @ wu^T)
-                it, nst, t_f, t_l = _gemm1_item(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc, hu_desc,
-                                                act_ptr, h_ptr, base, nrows, j, I, k1, it, nst, BM, BN1, STAGES,
-                                                STORE_H, EPI_TMA, WG, TIMELINE)
+                if FP8:
+                    it, nst, t_f, t_l = _gemm1_item_fp8(a_smem, b_smem, ready, empty, epi_smem, hg_desc, hu_desc,
+                                                        h_ptr, act_ptr, xs_ptr, stride_xs, s13_ptr, acs_ptr, e, base,
+                                                        nrows, j, H, I, k1, it, nst, BM, BN1, STAGES, STORE_H,
+                                                        EPI_TMA, WG, TIMELINE)
+                else:
+                    it, nst, t_f, t_l = _gemm1_item(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc,
+                                                    hu_desc, act_ptr, h_ptr, base, nrows, j, I, k1, it, nst, BM, BN1,
+                                                    STAGES, STORE_H, EPI_TMA, WG, TIMELINE)
                 if TIMELINE:
                     t_first = t_f
                     t_loop = t_l
                 _signal(g1 + b)
             else:  # GEMM2(b, j): out = act @ w2[e]^T (columns j * BN2 ..), pushed to the owners (or kept local)
-                it, nst, t_f, t_l = _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_ptr,
-                                                row_src_ptr, row_tok_ptr, row_slot_ptr, row0, base, nrows, j, H, k2,
-                                                it, nst, K, BM, BN2, STAGES, EPI_TMA, PULL_COMBINE, ALIGNED, WG,
-                                                TIMELINE)
+                if FP8:
+                    it, nst, t_f, t_l = _gemm2_item_fp8(tab, W, a_smem, b_smem, ready, empty, epi_smem, acs_ptr,
+                                                        s2_ptr, row_src_ptr, row_tok_ptr, row_slot_ptr, e, row0, base,
+                                                        nrows, j, H, I, k2, it, nst, K, BM, BN2, STAGES, ALIGNED, WG,
+                                                        TIMELINE)
+                else:
+                    it, nst, t_f, t_l = _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc,
+                                                    rows_ptr, row_src_ptr, row_tok_ptr, row_slot_ptr, row0, base,
+                                                    nrows, j, H, k2, it, nst, K, BM, BN2, STAGES, EPI_TMA,
+                                                    PULL_COMBINE, ALIGNED, WG, TIMELINE)
                 if TIMELINE:
                     t_first = t_f
                     t_loop = t_l
@@ -600,17 +794,27 @@ def _gluon_fused_fwd_kernel(
     ctr_ptr,            # int64 [1 + 3 * NB_MAX] zeroed: queue, ready[NB_MAX], g1[NB_MAX], g2[NB_MAX]
     q_ptr,              # int64 [P * QD]: the item queue of each program (loader -> consumers)
     tl_ptr, tlp_ptr, tll_ptr,  # TIMELINE: int64 [items, 8] (consumer 0), [P, 8], [items, 4] (loader)
-    H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
+    xs_ptr, s13_ptr, s2_ptr, acs_ptr,  # FP8: x's 1x128 scales (row stride stride_xs floats: views of the packed rows),
+    #                     the weights' 128x128 block scales, act's 1x128 scales [NROWS, cdiv(I, 128)]
+    H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, HP, stride_xs,
     K: gl.constexpr, BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, BLOCK_E: gl.constexpr,
     GB: gl.constexpr, PULL_SPLIT: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr, ROWS_P: gl.constexpr,
     BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr, EPI_TMA: gl.constexpr,
     PULL_COMBINE: gl.constexpr, ALIGNED: gl.constexpr, ACQ_GPU: gl.constexpr,
-    CONSUMER_REGS_: gl.constexpr, LOADER_REGS: gl.constexpr, TIMELINE: gl.constexpr, num_warps: gl.constexpr,
+    CONSUMER_REGS_: gl.constexpr, LOADER_REGS: gl.constexpr, TIMELINE: gl.constexpr, FP8: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
-    """Grid (P,): persistent programs of 4 + 4 + 1 warps (module docstring)."""
+    """Grid (P,): persistent programs of 4 + 4 + 1 warps (module docstring). FP8: x_desc, w13_desc, act_desc, w2_desc
+    are the e4m3 operands' (blocks [BM, 128], [BN1, 128], [BM, 128], [BN2, 128]), x_ptr the packed rows (HP words
+    each), act_ptr e4m3 act."""
     BW: gl.constexpr = 2 * BN1 if 2 * BN1 > BN2 else BN2  # weight rows of a stage: GEMM1's gate + up, GEMM2's tile
-    a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 64], x_desc.layout)
-    b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BW, 64], w2_desc.layout)
+    if FP8:  # 128 e4m3 bytes of K per row; GEMM1's stage holds a 64-column half (gate + up: BN1 rows)
+        BW8: gl.constexpr = BN1 if BN1 > BN2 else BN2
+        a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, 128], x_desc.layout)
+        b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BW8, 128], w2_desc.layout)
+    else:
+        a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 64], x_desc.layout)
+        b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BW, 64], w2_desc.layout)
     epi_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BM // 2, 64], act_st_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -627,15 +831,15 @@ def _gluon_fused_fwd_kernel(
                      hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
                      row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
                      BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
-                     ALIGNED, 0, tl_ptr, tlp_ptr, TIMELINE)),
+                     ALIGNED, 0, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8)),
         (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem, act_st_desc,
                      hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
                      row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
                      BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
-                     ALIGNED, 1, tl_ptr, tlp_ptr, TIMELINE)),
+                     ALIGNED, 1, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8)),
         (_loader, (tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
                    q_ptr, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, BM, BN1, BN2, BLOCK_E, GB,
-                   PULL_SPLIT, STAGES, QD_, ACQ_GPU, tll_ptr, TIMELINE)),
+                   PULL_SPLIT, STAGES, QD_, ACQ_GPU, tll_ptr, TIMELINE, FP8)),
     ], [4, 1], [CONSUMER_REGS_, LOADER_REGS])
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(st))
@@ -646,30 +850,46 @@ def _gluon_fused_fwd_kernel(
 
 
 # ------------------------------------------------------------------------------------------------- launcher
-def smem_bytes(cfg) -> int:
-    """Shared memory of a launch: the ring (a [BM, 64] + the weight rows of the wider GEMM item per stage), the
-    consumers' staging buffers (4 x [BM / 2, 64] bf16), barriers (rounded up)."""
-    bw = max(2 * cfg.bn1, cfg.bn2)
-    return cfg.num_stages * 2 * 64 * (cfg.block_m + bw) + 4 * (cfg.block_m // 2) * 64 * 2 + 1024
+FP8_MAX_STAGES = 4  # (FP8 stages are 32 KB: GEMM1's 64-column halves, GEMM2's 128-column tiles)
 
 
-def gluon_fused_reason(cfg, *, H: int, I: int, device: torch.device | None = None) -> str | None:
-    """Why ``FusedConfig(kernel="gluon")`` cannot run a forward of these sizes on ``device`` (None: it can)."""
+def stages_of(cfg, fp8: bool = False) -> int:
+    """Ring stages of a launch: the config's, at most FP8_MAX_STAGES with FP8."""
+    return min(cfg.num_stages, FP8_MAX_STAGES) if fp8 else cfg.num_stages
+
+
+def smem_bytes(cfg, fp8: bool = False) -> int:
+    """Shared memory of a launch: the ring (a [BM, 64] bf16 or [BM, 128] e4m3 tile + the weight rows of the wider
+    GEMM item per stage: 128 bytes of K per row either way; FP8's GEMM1 stage holds a 64-column half), the
+    consumers' staging buffers (4 x [BM / 2, 64] bf16), FP8's conversion scratch, barriers (rounded up)."""
+    bw = max(cfg.bn1 if fp8 else 2 * cfg.bn1, cfg.bn2)
+    scratch = (cfg.block_m // 2) * 64 * 2 if fp8 else 0
+    return stages_of(cfg, fp8) * 128 * (cfg.block_m + bw) + 4 * (cfg.block_m // 2) * 64 * 2 + scratch + 1024
+
+
+def gluon_fused_reason(cfg, *, H: int, I: int, device: torch.device | None = None, fp8: bool = False) -> str | None:
+    """Why ``FusedConfig(kernel="gluon")`` cannot run a forward of these sizes on ``device`` (None: it can); ``fp8``:
+    the FP8 forward's items (``fused:fp8=1``)."""
     if interpreting():
         return "Gluon kernels do not run under the Triton interpreter (TRITON_INTERPRET=1)"
     if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
         return (f"the Gluon megakernel is built for Hopper (sm_90: wgmma, TMA), got capability "
                 f"{torch.cuda.get_device_capability(device)}")
-    if (cfg.block_m, cfg.bn1, cfg.block_k) != (128, 128, 64) or cfg.bn2 not in (128, 256):
-        return (f"needs block_m=128, bn1=128, block_k=64 and bn2 128 or 256 (two 64-row consumer warpgroups with at "
-                f"most 128 accumulator registers each), got block_m={cfg.block_m}, bn1={cfg.bn1}, "
-                f"block_k={cfg.block_k}, bn2={cfg.bn2}")
+    if (cfg.block_m, cfg.bn1, cfg.block_k) != (128, 128, 64) or cfg.bn2 not in ((128,) if fp8 else (128, 256)):
+        why = "; FP8: one weight scale block per GEMM2 tile" if fp8 else ""
+        return (f"needs block_m=128, bn1=128, block_k=64 and bn2 {'128' if fp8 else '128 or 256'} (two 64-row "
+                f"consumer warpgroups with at most 128 accumulator registers each{why}), got block_m={cfg.block_m}, "
+                f"bn1={cfg.bn1}, block_k={cfg.block_k}, bn2={cfg.bn2}")
     if cfg.num_stages < 2:
         return f"num_stages must be >= 2, got {cfg.num_stages}"
-    if smem_bytes(cfg) > SMEM_LIMIT:
-        return f"{cfg.num_stages} stages need ~{smem_bytes(cfg)} bytes of shared memory, more than {SMEM_LIMIT}"
+    if smem_bytes(cfg, fp8) > SMEM_LIMIT:
+        return (f"{stages_of(cfg, fp8)} stages need ~{smem_bytes(cfg, fp8)} bytes of shared memory, more than "
+                f"{SMEM_LIMIT}")
     if H % 8 or I % 8:
         return f"H and I must be multiples of 8 (16-byte TMA row strides), got H={H}, I={I}"
+    if fp8 and (H % 16 or I % 128):
+        return (f"FP8: H must be a multiple of 16 (e4m3 weight rows for TMA) and I of 128 (GEMM1's up tile inside one "
+                f"128-row weight scale block), got H={H}, I={I}")
     off = [n for n in ("prologue", "pull_prefetch") if getattr(cfg, n)]
     if off or cfg.ablate:
         return f"options {off + (['ablate'] if cfg.ablate else [])} exist on the Triton megakernel only"
@@ -677,54 +897,78 @@ def gluon_fused_reason(cfg, *, H: int, I: int, device: torch.device | None = Non
 
 
 def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: int, nb_max: int, ring_blocks: int,
-                       group: int, lookahead: int, lag: int, timeline: tuple | None = None) -> None:
+                       group: int, lookahead: int, lag: int, timeline: tuple | None = None, fp8=None) -> None:
     """The items of one forward (fused_moe._launch calls this, then fused_moe._fused_tail_kernel). ``timeline``:
-    (items [n, 8], per program [P, 8], loader [n, 4]) int64 buffers for FusedConfig.timeline (see _consumer)."""
+    (items [n, 8], per program [P, 8], loader [n, 4]) int64 buffers for FusedConfig.timeline (see _consumer).
+    ``fp8`` (fused_moe.Fp8Operands): the FP8 forward; then a = the packed rows [NROWS, HP] the pull fills, w1 / w2
+    the e4m3 weights, act e4m3 [NROWS, I]."""
     sh = heap.shape
     H, k, E_l = sh.hidden, sh.topk, sh.local_experts
-    why = gluon_fused_reason(cfg, H=H, I=I)
+    why = gluon_fused_reason(cfg, H=H, I=I, fp8=fp8 is not None)
     if why is not None:
         raise ValueError(f"fused megakernel (kernel='gluon'): {why}")
     BM, BN1, BN2 = cfg.block_m, cfg.bn1, cfg.bn2
     bf = gl.bfloat16
     bw = max(2 * BN1, BN2)
-    lay_w = gl.NVMMASharedLayout.get_default_for([bw, 64], bf)
-    lay_a = gl.NVMMASharedLayout.get_default_for([BM, 64], bf)
-    lay_e = gl.NVMMASharedLayout.get_default_for([BM // 2, 64], bf)
     nrows = a.shape[0]
-    x_desc = TensorDescriptor(a, [nrows, H], [a.stride(0), 1], [BM, 64], lay_a)
-    w13v = w1.view(E_l * 2 * I, H)
-    w13_desc = TensorDescriptor(w13v, list(w13v.shape), [H, 1], [BN1, 64], lay_w)
-    act_desc = TensorDescriptor(act, [nrows, I], [act.stride(0), 1], [BM, 64], lay_a)
-    w2v = w2.view(E_l * H, I)
-    w2_desc = TensorDescriptor(w2v, list(w2v.shape), [I, 1], [BN2, 64], lay_w)
-    act_st_desc = TensorDescriptor(act, [nrows, I], [act.stride(0), 1], [BM // 2, 64], lay_e)
+    hp = a.shape[1]  # elements the pull moves per row (H; the packed FP8 rows: fewer)
+    lay_e = gl.NVMMASharedLayout.get_default_for([BM // 2, 64], bf)
+    if fp8 is not None:  # e4m3 operands, 128 of K per k-step; GEMM1 in 64-column halves
+        f8 = gl.float8e4nv
+        lay_w = gl.NVMMASharedLayout.get_default_for([max(BN1, BN2), 128], f8)
+        lay_a = gl.NVMMASharedLayout.get_default_for([BM, 128], f8)
+        xq = fp8.xq
+        x_desc = TensorDescriptor(xq, [nrows, H], [xq.stride(0), 1], [BM, 128], lay_a)
+        w13v = w1.view(E_l * 2 * I, H)
+        w13_desc = TensorDescriptor(w13v, list(w13v.shape), [H, 1], [BN1 // 2, 128], lay_w)
+        act_desc = TensorDescriptor(act, [nrows, I], [act.stride(0), 1], [BM, 128], lay_a)
+        w2v = w2.view(E_l * H, I)
+        w2_desc = TensorDescriptor(w2v, list(w2v.shape), [I, 1], [BN2, 128], lay_w)
+        # (no bf16 act: its staging layout from a descriptor of the packed rows, never stored through)
+        act_st_desc = TensorDescriptor(a, [nrows, hp], [a.stride(0), 1], [BM // 2, 64], lay_e)
+        f8_args = (fp8.xs, fp8.s13, fp8.s2, fp8.acs)
+        stride_xs = fp8.xs.stride(0)
+    else:
+        lay_w = gl.NVMMASharedLayout.get_default_for([bw, 64], bf)
+        lay_a = gl.NVMMASharedLayout.get_default_for([BM, 64], bf)
+        x_desc = TensorDescriptor(a, [nrows, H], [a.stride(0), 1], [BM, 64], lay_a)
+        w13v = w1.view(E_l * 2 * I, H)
+        w13_desc = TensorDescriptor(w13v, list(w13v.shape), [H, 1], [BN1, 64], lay_w)
+        act_desc = TensorDescriptor(act, [nrows, I], [act.stride(0), 1], [BM, 64], lay_a)
+        w2v = w2.view(E_l * H, I)
+        w2_desc = TensorDescriptor(w2v, list(w2v.shape), [I, 1], [BN2, 64], lay_w)
+        act_st_desc = TensorDescriptor(act, [nrows, I], [act.stride(0), 1], [BM // 2, 64], lay_e)
+        f8_args = (ctr, ctr, ctr, ctr)
+        stride_xs = 0
     hg_desc = hu_desc = act_st_desc
     if h is not None:
         hg_desc = TensorDescriptor(h, [nrows, I], [h.stride(0), 1], [BM // 2, 64], lay_e)
         hu_desc = TensorDescriptor(h[:, I:], [nrows, I], [h.stride(0), 1], [BM // 2, 64], lay_e)
     rows = heap.rows_buffer()
     pull = cfg.combine == "pull"
+    if pull and fp8 is not None:
+        raise ValueError("fused megakernel (kernel='gluon'): the FP8 items push their rows (combine='push')")
     rows_desc = TensorDescriptor(rows, [rows.shape[0], H], [rows.stride(0), 1], [BM // 2, 64], lay_e) if pull \
         else act_st_desc
     epi_tma = all(t.data_ptr() % 16 == 0 for t in [act] + ([h] if h is not None else []) + ([rows] if pull else []))
-    block_h = min(triton.next_power_of_2(H), 2048)
+    block_h = min(triton.next_power_of_2(hp), 2048)
     q = torch.empty(P * QD, dtype=torch.int64, device=a.device)
+    consumer_regs = CONSUMER_REGS_FP8 if fp8 is not None else CONSUMER_REGS
     k_ = _gluon_fused_fwd_kernel[(P,)](
         heap.tab, heap.world, heap.rank, x_desc, w13_desc, act_desc, w2_desc, act_st_desc, hg_desc, hu_desc,
-        rows_desc, a, act, h if h is not None else act, rows, sched.offs, sched.row_src, sched.row_tok,
-        sched.row_slot, ctr, q, *(timeline if timeline is not None else (ctr, ctr, ctr)), H, I, E_l, nb_max,
-        ring_blocks, lookahead, lag, heap.timeout_ns,
+        rows_desc, a, act, h if h is not None else a, rows, sched.offs, sched.row_src, sched.row_tok,
+        sched.row_slot, ctr, q, *(timeline if timeline is not None else (ctr, ctr, ctr)), *f8_args, H, I, E_l, nb_max,
+        ring_blocks, lookahead, lag, heap.timeout_ns, hp, stride_xs,
         K=k, BM=BM, BN1=BN1, BN2=BN2, BLOCK_E=triton.next_power_of_2(max(E_l, 2)), GB=group,
-        PULL_SPLIT=cfg.pull_split, STAGES=cfg.num_stages, QD_=QD, ROWS_P=max(1, min(BM // 2, 8192 // block_h)),
-        BLOCK_H=block_h, WP2=max(2, heap.wp2), STORE_H=h is not None, EPI_TMA=epi_tma, PULL_COMBINE=pull,
-        ALIGNED=(H * 2) % 16 == 0, ACQ_GPU=cfg.counter_scope == "gpu", CONSUMER_REGS_=CONSUMER_REGS,
-        LOADER_REGS=REG_POOL - 2 * CONSUMER_REGS, TIMELINE=timeline is not None, num_warps=4,
-        maxnreg=REG_POOL // 3,
+        PULL_SPLIT=cfg.pull_split, STAGES=stages_of(cfg, fp8 is not None), QD_=QD,
+        ROWS_P=max(1, min(BM // 2, 8192 // block_h)), BLOCK_H=block_h, WP2=max(2, heap.wp2), STORE_H=h is not None,
+        EPI_TMA=epi_tma, PULL_COMBINE=pull, ALIGNED=(H * 2) % 16 == 0 and (hp * 2) % 16 == 0,
+        ACQ_GPU=cfg.counter_scope == "gpu", CONSUMER_REGS_=consumer_regs, LOADER_REGS=REG_POOL - 2 * consumer_regs,
+        TIMELINE=timeline is not None, FP8=fp8 is not None, num_warps=4, maxnreg=REG_POOL // 3,
     )
     record("_gluon_fused_fwd_kernel", k_)
     LAST_LAUNCH.clear()
     LAST_LAUNCH.update(ctr=ctr, q=q, nb_max=nb_max, programs=P, group=group, lookahead=lookahead, lag=lag)
 
 
-__all__ = ["gluon_fused_reason", "launch_gluon_fused", "smem_bytes"]
+__all__ = ["gluon_fused_reason", "launch_gluon_fused", "smem_bytes", "stages_of"]
