@@ -202,7 +202,11 @@ def main() -> None:
                 kt = ""
                 if args.profile:
                     with torch.no_grad():
-                        kt = dict(profile(lambda m=fused, x=x: m(x))).get("_fused_fwd_kernel", float("nan"))
+                        prof = dict(profile(lambda m=fused, x=x: m(x)))
+                    if kw.get("kernel") == "gluon":  # the items kernel, then the tail kernel
+                        kt = prof.get("_gluon_fused_fwd_kernel", float("nan")) + prof.get("_fused_tail_kernel", 0.0)
+                    else:
+                        kt = prof.get("_fused_fwd_kernel", float("nan"))
                     kt = f" kernel {kt:.3f} ms"
                 line = f"{vname:10s} fwd {t:8.3f} ms{kt}  vs split {err:.2e}  {rep}"
                 if args.timeline:

@@ -362,7 +362,7 @@ def test_gluon_fused_reasons(monkeypatch):
     assert "num_stages" in gluon_fused_reason(ok.with_(num_stages=1), H=2048, I=768)
     assert gluon_fused_reason(ok.with_(timeline=True), H=2048, I=768) is None  # (the timeline works on both)
     assert "Triton megakernel only" in gluon_fused_reason(ok.with_(ablate=2), H=2048, I=768)
-    f8 = ok.with_(bn2=128)  # the FP8 items: GEMM2 tiles inside one weight scale block, I % 128, at most 3 stages
+    f8 = ok.with_(bn2=128)  # the FP8 items: GEMM2 tiles inside one weight scale block, I % 128, at most 4 stages
     assert gluon_fused_reason(f8, H=2048, I=768, fp8=True) is None
     assert gluon_fused_stages(f8.with_(num_stages=6), fp8=True) == 4 and gluon_fused_stages(f8) == 4
     assert "bn2 128" in gluon_fused_reason(ok, H=2048, I=768, fp8=True)

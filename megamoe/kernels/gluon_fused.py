@@ -113,6 +113,14 @@ def _fence_proxy_async():
 
 
 @gluon.jit
+def _bulk_writes_done():
+    """``cp.async.bulk.wait_group 0``: this thread's TMA stores have written global memory (``tma.store_wait`` lowers
+    to the ``.read`` form, which only says their shared-memory sources were read)."""
+    return gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
 def _ctrl(tab, W, rank):
     return gl.load(tab + REG_CTRL * W + rank).to(gl.pointer_type(gl.int64))
 
@@ -244,9 +252,9 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
     go = nb >= 0  # (a runtime True: the loop-carried flags must not start as constexprs)
     while go:
         qs = n % QD_
-        mbarrier.wait(q_empty.index(qs), ((n // QD_) & 1) ^ 1)  # (the first pass finds every slot free)
-        if TIMELINE:
+        if TIMELINE:  # (before the wait: a full queue, the consumers' back-pressure, counts as claim time)
             t_claim = _now()
+        mbarrier.wait(q_empty.index(qs), ((n // QD_) & 1) ^ 1)  # (the first pass finds every slot free)
         item = gl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
         if TIMELINE:
             t_claimed = _now()
@@ -415,8 +423,8 @@ def _gemm1_item(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc, hu
         _epi_swiglu_slice(a1, u1, off_m, off_n + 64, row_end, I, act_st_desc, hg_desc, hu_desc, act_ptr, I, h_ptr,
                           2 * I, epi_smem, b0 ^ 1, tma_ok, HM, STORE_H, EPI_TMA, store_l)
     nst += NSL1 * (3 if STORE_H else 1)
-    if EPI_TMA:  # act / h complete before the counter says so (GEMM2 reads them by TMA)
-        tma.store_wait(0)
+    if EPI_TMA:  # act / h written before the counter says so (GEMM2, maybe on another SM, reads them by TMA)
+        _bulk_writes_done()
     _fence_proxy_async()
     return it, nst, t_first, t_loop
 
