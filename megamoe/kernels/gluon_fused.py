@@ -320,6 +320,19 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
 
 # ----------------------------------------------------------------------------------------------- consumers
 @gluon.jit
+def _row_src(tab, W, row0, r, valid, row_src_ptr, row_tok_ptr, H, ALIGNED: gl.constexpr):
+    """Source pointers of block rows r (valid: to be read): row tok(r) of rank src(r)'s ``tok`` region (rows of H
+    bf16 elements; fused_parts._pull_rows_ptrs)."""
+    src = gl.load(row_src_ptr + row0 + r, mask=valid, other=0)
+    tok = gl.load(row_tok_ptr + row0 + r, mask=valid, other=0)
+    sp = (gl.load(tab + REG_TOK * W + src, mask=valid, other=0) + tok.to(gl.int64) * H * 2).to(
+        gl.pointer_type(gl.bfloat16))
+    if ALIGNED:
+        sp = gl.multiple_of(sp, 16)
+    return sp
+
+
+@gluon.jit
 def _pull_rows(tab, W, row0, r_lo, r_end, base, row_src_ptr, row_tok_ptr, x_ptr, H, HP, ROWS_P: gl.constexpr,
                BLOCK_H: gl.constexpr, ALIGNED: gl.constexpr, pl: gl.constexpr):
     """xbuf[base + r][:HP] = tok_{src(r)}[tok(r)][:HP] (source rows of H elements, destination rows of HP: the packed
@@ -332,12 +345,7 @@ def _pull_rows(tab, W, row0, r_lo, r_end, base, row_src_ptr, row_tok_ptr, x_ptr,
     if n_chunks > 0:
         r = r_lo + rr
         valid = r < r_end
-        src = gl.load(row_src_ptr + row0 + r, mask=valid, other=0)
-        tok = gl.load(row_tok_ptr + row0 + r, mask=valid, other=0)
-        sp = (gl.load(tab + REG_TOK * W + src, mask=valid, other=0) + tok.to(gl.int64) * H * 2).to(
-            gl.pointer_type(gl.bfloat16))
-        if ALIGNED:
-            sp = gl.multiple_of(sp, 16)
+        sp = _row_src(tab, W, row0, r, valid, row_src_ptr, row_tok_ptr, H, ALIGNED)
         m = valid[:, None] & (hh < HP)[None, :]
         v = gl.load(sp[:, None] + hh[None, :], mask=m)
         for c in range(1, n_chunks):
@@ -345,12 +353,7 @@ def _pull_rows(tab, W, row0, r_lo, r_end, base, row_src_ptr, row_tok_ptr, x_ptr,
             oh = (c % n_h) * BLOCK_H + hh
             r2 = r_lo + ri * ROWS_P + rr
             valid2 = r2 < r_end
-            src2 = gl.load(row_src_ptr + row0 + r2, mask=valid2, other=0)
-            tok2 = gl.load(row_tok_ptr + row0 + r2, mask=valid2, other=0)
-            sp2 = (gl.load(tab + REG_TOK * W + src2, mask=valid2, other=0) + tok2.to(gl.int64) * H * 2).to(
-                gl.pointer_type(gl.bfloat16))
-            if ALIGNED:
-                sp2 = gl.multiple_of(sp2, 16)
+            sp2 = _row_src(tab, W, row0, r2, valid2, row_src_ptr, row_tok_ptr, H, ALIGNED)
             m2 = valid2[:, None] & (oh < HP)[None, :]
             v2 = gl.load(sp2[:, None] + oh[None, :], mask=m2)
             cp = c - 1
@@ -361,6 +364,24 @@ def _pull_rows(tab, W, row0, r_lo, r_end, base, row_src_ptr, row_tok_ptr, x_ptr,
         cl = n_chunks - 1
         dp = x_ptr + (base + r_lo + (cl // n_h) * ROWS_P + rr).to(gl.int64) * HP
         gl.store(dp[:, None] + ((cl % n_h) * BLOCK_H + hh)[None, :], v, mask=m)
+
+
+@gluon.jit
+def _push_rows(tab, W, row0, nrows, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K: gl.constexpr, HM: gl.constexpr,
+               WG: gl.constexpr, ALIGNED: gl.constexpr, store_l: gl.constexpr):
+    """(row pointers, valid) of consumer WG's 64 rows of a block, in SliceLayout(1, store_l): each row's owner's
+    ``slots[tok, slot]`` row (fused_parts._push_rows); loaded before the k-loop, whose time hides the two dependent
+    loads."""
+    rloc = WG * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, store_l))
+    rvalid = rloc < nrows
+    src = gl.load(row_src_ptr + row0 + rloc, mask=rvalid, other=0)
+    tok = gl.load(row_tok_ptr + row0 + rloc, mask=rvalid, other=0)
+    slot = gl.load(row_slot_ptr + row0 + rloc, mask=rvalid, other=0)
+    rp = (gl.load(tab + REG_SLOTS * W + src, mask=rvalid, other=0)
+          + (tok * K + slot).to(gl.int64) * H * 2).to(gl.pointer_type(gl.bfloat16))
+    if ALIGNED:
+        rp = gl.multiple_of(rp, 16)
+    return rp, rvalid
 
 
 @gluon.jit
@@ -441,17 +462,9 @@ def _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_
     mma2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN2, 16])
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     store_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    rr = gl.arange(0, HM, layout=gl.SliceLayout(1, store_l))
-    rloc = WG * HM + rr
-    rvalid = rloc < nrows
     if not PULL_COMBINE:  # the rows' owner addresses, loaded under the k-loop
-        src = gl.load(row_src_ptr + row0 + rloc, mask=rvalid, other=0)
-        tok = gl.load(row_tok_ptr + row0 + rloc, mask=rvalid, other=0)
-        slot = gl.load(row_slot_ptr + row0 + rloc, mask=rvalid, other=0)
-        rp = (gl.load(tab + REG_SLOTS * W + src, mask=rvalid, other=0)
-              + (tok * K + slot).to(gl.int64) * H * 2).to(gl.pointer_type(gl.bfloat16))
-        if ALIGNED:
-            rp = gl.multiple_of(rp, 16)
+        rp, rvalid = _push_rows(tab, W, row0, nrows, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, HM, WG, ALIGNED,
+                                store_l)
     acc = gl.zeros((HM, BN2), dtype=gl.float32, layout=mma2)
     t_first = (it * 0).to(gl.int64)
     t_loop = t_first
@@ -626,16 +639,8 @@ def _gemm2_item_fp8(tab, W, a_smem, b_smem, ready, empty, epi_smem, acs_ptr, s2_
     mmask = rm < base + nrows
     sa_row = acs_ptr + rm.to(gl.int64) * kbi
     sw_p = s2_ptr + e.to(gl.int64) * (gl.cdiv(H, 128) * kbi) + ((j * BN2) // 128) * kbi
-    rr = gl.arange(0, HM, layout=gl.SliceLayout(1, store_l))
-    rloc = WG * HM + rr
-    rvalid = rloc < nrows
-    src = gl.load(row_src_ptr + row0 + rloc, mask=rvalid, other=0)
-    tok = gl.load(row_tok_ptr + row0 + rloc, mask=rvalid, other=0)
-    slot = gl.load(row_slot_ptr + row0 + rloc, mask=rvalid, other=0)
-    rp = (gl.load(tab + REG_SLOTS * W + src, mask=rvalid, other=0)
-          + (tok * K + slot).to(gl.int64) * H * 2).to(gl.pointer_type(gl.bfloat16))
-    if ALIGNED:
-        rp = gl.multiple_of(rp, 16)
+    rp, rvalid = _push_rows(tab, W, row0, nrows, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, HM, WG, ALIGNED,
+                            store_l)
     zero = gl.zeros((HM, BN2), dtype=gl.float32, layout=mma)
     acc = zero
     t_first = (it * 0).to(gl.int64)
@@ -700,6 +705,7 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr
     k1 = gl.cdiv(H, BK)
     k2 = gl.cdiv(I, BK)
     qp = q_ptr + gl.program_id(0) * QD_
+    n_steps = gl.where(nb > 0, gl.cdiv(nb, GB) + L1 + L2, 0)
     n = 0
     it = 0
     nst = 0
@@ -715,7 +721,6 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr
         fine = v >= 0
         item = gl.where(fine, v, -1 - v)
         s, kind, b, j = _decode(item, PS, T1, L1, L2, GB, PULL_SPLIT)
-        n_steps = gl.where(nb > 0, gl.cdiv(nb, GB) + L1 + L2, 0)
         go = (s < n_steps) & fine
         if TIMELINE:
             t_got = _now()
@@ -921,30 +926,22 @@ def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: i
     nrows = a.shape[0]
     hp = a.shape[1]  # elements the pull moves per row (H; the packed FP8 rows: fewer)
     lay_e = gl.NVMMASharedLayout.get_default_for([BM // 2, 64], bf)
-    if fp8 is not None:  # e4m3 operands, 128 of K per k-step; GEMM1 in 64-column halves
-        f8 = gl.float8e4nv
-        lay_w = gl.NVMMASharedLayout.get_default_for([max(BN1, BN2), 128], f8)
-        lay_a = gl.NVMMASharedLayout.get_default_for([BM, 128], f8)
-        xq = fp8.xq
-        x_desc = TensorDescriptor(xq, [nrows, H], [xq.stride(0), 1], [BM, 128], lay_a)
-        w13v = w1.view(E_l * 2 * I, H)
-        w13_desc = TensorDescriptor(w13v, list(w13v.shape), [H, 1], [BN1 // 2, 128], lay_w)
-        act_desc = TensorDescriptor(act, [nrows, I], [act.stride(0), 1], [BM, 128], lay_a)
-        w2v = w2.view(E_l * H, I)
-        w2_desc = TensorDescriptor(w2v, list(w2v.shape), [I, 1], [BN2, 128], lay_w)
-        # (no bf16 act: its staging layout from a descriptor of the packed rows, never stored through)
+    # operands: bf16 with 64 of K per k-step, or e4m3 with 128 (FP8: GEMM1 in 64-column halves); 128 bytes either way
+    dt, bk, w1_rows = (gl.float8e4nv, 128, BN1 // 2) if fp8 is not None else (bf, 64, BN1)
+    lay_w = gl.NVMMASharedLayout.get_default_for([max(BN1, BN2) if fp8 is not None else bw, bk], dt)
+    lay_a = gl.NVMMASharedLayout.get_default_for([BM, bk], dt)
+    xa = fp8.xq if fp8 is not None else a  # GEMM1's A: the e4m3 view of the packed rows, or the rows
+    x_desc = TensorDescriptor(xa, [nrows, H], [xa.stride(0), 1], [BM, bk], lay_a)
+    w13v = w1.view(E_l * 2 * I, H)
+    w13_desc = TensorDescriptor(w13v, list(w13v.shape), [H, 1], [w1_rows, bk], lay_w)
+    act_desc = TensorDescriptor(act, [nrows, I], [act.stride(0), 1], [BM, bk], lay_a)
+    w2v = w2.view(E_l * H, I)
+    w2_desc = TensorDescriptor(w2v, list(w2v.shape), [I, 1], [BN2, bk], lay_w)
+    if fp8 is not None:  # (no bf16 act: the staging buffers' layout from a descriptor of the packed rows, never stored)
         act_st_desc = TensorDescriptor(a, [nrows, hp], [a.stride(0), 1], [BM // 2, 64], lay_e)
         f8_args = (fp8.xs, fp8.s13, fp8.s2, fp8.acs)
         stride_xs = fp8.xs.stride(0)
     else:
-        lay_w = gl.NVMMASharedLayout.get_default_for([bw, 64], bf)
-        lay_a = gl.NVMMASharedLayout.get_default_for([BM, 64], bf)
-        x_desc = TensorDescriptor(a, [nrows, H], [a.stride(0), 1], [BM, 64], lay_a)
-        w13v = w1.view(E_l * 2 * I, H)
-        w13_desc = TensorDescriptor(w13v, list(w13v.shape), [H, 1], [BN1, 64], lay_w)
-        act_desc = TensorDescriptor(act, [nrows, I], [act.stride(0), 1], [BM, 64], lay_a)
-        w2v = w2.view(E_l * H, I)
-        w2_desc = TensorDescriptor(w2v, list(w2v.shape), [I, 1], [BN2, 64], lay_w)
         act_st_desc = TensorDescriptor(act, [nrows, I], [act.stride(0), 1], [BM // 2, 64], lay_e)
         f8_args = (ctr, ctr, ctr, ctr)
         stride_xs = 0
