@@ -35,6 +35,25 @@ def _skewed(world: int) -> LayerCase:
                      overrides={"num_experts": qwen3_experts(world)}, offset={e: 3.0 for e in range(8)})
 
 
+MINI = 2048 * 8 // BM  # a minibatch: the blocks uniform routing gives a rank in the skewed case
+
+
+def _ring_case(rank: int, world: int, dev: torch.device, ring: int, label: str, **opts) -> dict:
+    """The skewed case on a ring of ``ring`` blocks: layer_case's result with the ring size and this rank's block
+    count (check_reference counts the runs whose ring cycled)."""
+    r = layer_case(_skewed(world), "fused", dev, ring_blocks=ring, **opts)
+    e_l = len(r["counts"]) // world
+    r.update(case=f"{label}ring{ring}:{r['case']}", ring=ring,
+             blocks=sum(-(-c // BM) for c in r["counts"][rank * e_l:(rank + 1) * e_l]))
+    return r
+
+
+def _det_case(world: int) -> LayerCase:
+    """The determinism case: qwen3 experts, 1024 tokens per rank."""
+    return LayerCase("det", preset="qwen3-30b-a3b", dtype="bf16", tokens=tuple([1024] * world),
+                     overrides={"num_experts": qwen3_experts(world)})
+
+
 def _rank_cases(rank: int, world: int) -> tuple[list[dict], list[bool]]:
     dev = torch.device("cuda", rank)
     results = [layer_case(c, "fused", dev) for c in bf16_cases(world) + gpu_cases(world)]
@@ -43,16 +62,9 @@ def _rank_cases(rank: int, world: int) -> tuple[list[dict], list[bool]]:
     results += [dict(layer_case(c, "fused", dev, fused_backward=True, combine="pull"),
                      case="pull-combine:" + c.name) for c in gpu_cases(world)]
     sk = _skewed(world)
-    mini = 2048 * 8 // BM  # a minibatch: the blocks uniform routing gives a rank
-    for ring in (4, mini, 2 * mini, 4 * mini):  # 4 = the smallest ring; 1x, 2x, 4x a minibatch
-        r = layer_case(sk, "fused", dev, ring_blocks=ring)
-        e_l = len(r["counts"]) // world
-        r["blocks"] = sum(-(-c // BM) for c in r["counts"][rank * e_l:(rank + 1) * e_l])
-        r["ring"] = ring
-        r["case"] = f"ring{ring}:{r['case']}"
-        results.append(r)
-    det_case = LayerCase("det", preset="qwen3-30b-a3b", dtype="bf16", tokens=tuple([1024] * world),
-                         overrides={"num_experts": qwen3_experts(world)})
+    # 4 = the smallest ring; 1x, 2x, 4x a minibatch
+    results += [_ring_case(rank, world, dev, ring, "") for ring in (4, MINI, 2 * MINI, 4 * MINI)]
+    det_case = _det_case(world)
     dets = [determinism_case(det_case, "fused", dev), determinism_case(sk, "fused", dev, ring_blocks=8),
             determinism_case(det_case, "fused", dev, fused_backward=True)]
     return results, dets
@@ -112,16 +124,9 @@ def _rank_fp8(rank: int, world: int) -> tuple[list[dict], list, list[bool]]:
     refs = [dict(layer_case(c, "fused", dev, fp8=True), case="fp8:" + c.name) for c in cases]
     twins = [(c.name, twin_runs(c, dev, ("fused", {"fp8": True}), split_fp8)) for c in cases]
     sk = _skewed(world)
-    for ring in (4, 2 * 2048 * 8 // BM):
-        r = layer_case(sk, "fused", dev, fp8=True, ring_blocks=ring)
-        e_l = len(r["counts"]) // world
-        r.update(case=f"fp8-ring{ring}:{r['case']}", ring=ring,
-                 blocks=sum(-(-c // BM) for c in r["counts"][rank * e_l:(rank + 1) * e_l]))
-        refs.append(r)
+    refs += [_ring_case(rank, world, dev, ring, "fp8-", fp8=True) for ring in (4, 2 * MINI)]
     twins.append(("ring4", twin_runs(sk, dev, ("fused", {"fp8": True, "ring_blocks": 4}), split_fp8)))
-    det_case = LayerCase("det", preset="qwen3-30b-a3b", dtype="bf16", tokens=tuple([1024] * world),
-                         overrides={"num_experts": qwen3_experts(world)})
-    dets = [determinism_case(det_case, "fused", dev, fp8=True),
+    dets = [determinism_case(_det_case(world), "fused", dev, fp8=True),
             determinism_case(sk, "fused", dev, fp8=True, ring_blocks=8)]
     return refs, twins, dets
 
@@ -181,18 +186,11 @@ def _rank_gluon(rank: int, world: int) -> tuple[list[dict], list, list[bool]]:
     refs += [dict(layer_case(c, "fused", dev, fused_backward=True, **g), case="gluon-bwd-megakernel:" + c.name)
              for c in gpu_cases(world)[:1]]
     sk = _skewed(world)
-    mini = 2048 * 8 // BM
-    for ring in (4, mini, 4 * mini):
-        r = layer_case(sk, "fused", dev, ring_blocks=ring, **g)
-        e_l = len(r["counts"]) // world
-        r.update(case=f"gluon-ring{ring}:{r['case']}", ring=ring,
-                 blocks=sum(-(-c // BM) for c in r["counts"][rank * e_l:(rank + 1) * e_l]))
-        refs.append(r)
+    refs += [_ring_case(rank, world, dev, ring, "gluon-", **g) for ring in (4, MINI, 4 * MINI)]
     twins = [(c.name, twin_runs(c, dev, ("fused", {}), ("fused", g))) for c in gpu_cases(world)]
     twins.append(("ring4", twin_runs(sk, dev, ("fused", {"ring_blocks": 4}), ("fused", {"ring_blocks": 4, **g}))))
-    det_case = LayerCase("det", preset="qwen3-30b-a3b", dtype="bf16", tokens=tuple([1024] * world),
-                         overrides={"num_experts": qwen3_experts(world)})
-    dets = [determinism_case(det_case, "fused", dev, **g), determinism_case(sk, "fused", dev, ring_blocks=8, **g)]
+    dets = [determinism_case(_det_case(world), "fused", dev, **g),
+            determinism_case(sk, "fused", dev, ring_blocks=8, **g)]
     return refs, twins, dets
 
 
@@ -233,16 +231,10 @@ def _rank_gluon_fp8(rank: int, world: int) -> tuple[list[dict], list, list[bool]
     refs = [dict(layer_case(c, "fused", dev, **g), case="gluon-fp8:" + c.name) for c in cases]
     twins = [(c.name, twin_runs(c, dev, ("fused", {"fp8": True}), ("fused", g))) for c in cases]
     sk = _skewed(world)
-    r = layer_case(sk, "fused", dev, ring_blocks=4, **g)
-    e_l = len(r["counts"]) // world
-    r.update(case=f"gluon-fp8-ring4:{r['case']}", ring=4,
-             blocks=sum(-(-c // BM) for c in r["counts"][rank * e_l:(rank + 1) * e_l]))
-    refs.append(r)
+    refs.append(_ring_case(rank, world, dev, 4, "gluon-fp8-", **g))
     twins.append(("ring4", twin_runs(sk, dev, ("fused", {"fp8": True, "ring_blocks": 4}),
                                      ("fused", {"ring_blocks": 4, **g}))))
-    det_case = LayerCase("det", preset="qwen3-30b-a3b", dtype="bf16", tokens=tuple([1024] * world),
-                         overrides={"num_experts": qwen3_experts(world)})
-    dets = [determinism_case(det_case, "fused", dev, **g)]
+    dets = [determinism_case(_det_case(world), "fused", dev, **g)]
     return refs, twins, dets
 
 
