@@ -368,3 +368,4 @@ def test_gluon_fused_reasons(monkeypatch):
     assert "bn2 128" in gluon_fused_reason(ok, H=2048, I=768, fp8=True)
     assert "I of 128" in gluon_fused_reason(f8, H=2880, I=2880, fp8=True)
     assert "H must be a multiple of 16" in gluon_fused_reason(f8, H=2056, I=768, fp8=True)
+    assert "push their rows" in gluon_fused_reason(f8.with_(combine="pull"), H=2048, I=768, fp8=True)

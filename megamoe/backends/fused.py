@@ -254,8 +254,6 @@ class FusedBackend(Fp8WeightCache):
             raise ValueError(f"kernel must be 'triton' or 'gluon', got {kernel!r}")
         if kernel == "gluon":
             why = gluon_fused_reason(self.config, H=cfg.hidden, I=cfg.intermediate, device=moe.device, fp8=bool(fp8))
-            if why is None and fp8 and combine != "push":
-                why = "the FP8 items push their rows (combine='push')"
             if why is not None:
                 raise ValueError(f"backend 'fused' with kernel='gluon': {why}")
             self.config = self.config.with_(kernel="gluon")

@@ -799,8 +799,6 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
         _check_fp8(cfg, wq, E_l, H, I)
     if cfg.kernel == "gluon":
         why = gluon_fused_reason(cfg, H=H, I=I, device=heap.device, fp8=wq is not None)
-        if why is None and wq is not None and cfg.combine != "push":
-            why = "the FP8 items push their rows (combine='push')"
         if why is not None:
             raise ValueError(f"fused_forward (kernel='gluon'): {why}")
     BM = cfg.block_m

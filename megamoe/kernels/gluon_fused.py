@@ -906,20 +906,20 @@ def gluon_fused_reason(cfg, *, H: int, I: int, device: torch.device | None = Non
     off = [n for n in ("prologue", "pull_prefetch") if getattr(cfg, n)]
     if off or cfg.ablate:
         return f"options {off + (['ablate'] if cfg.ablate else [])} exist on the Triton megakernel only"
+    if fp8 and cfg.combine != "push":
+        return "the FP8 items push their rows (combine='push')"
     return None
 
 
 def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: int, nb_max: int, ring_blocks: int,
                        group: int, lookahead: int, lag: int, timeline: tuple | None = None, fp8=None) -> None:
-    """The items of one forward (fused_moe._launch calls this, then fused_moe._fused_tail_kernel). ``timeline``:
+    """The items of one forward (fused_moe._launch calls this, then fused_moe._fused_tail_kernel; fused_forward
+    has checked gluon_fused_reason before staging anything). ``timeline``:
     (items [n, 8], per program [P, 8], loader [n, 4]) int64 buffers for FusedConfig.timeline (see _consumer).
     ``fp8`` (fused_moe.Fp8Operands): the FP8 forward; then a = the packed rows [NROWS, HP] the pull fills, w1 / w2
     the e4m3 weights, act e4m3 [NROWS, I]."""
     sh = heap.shape
     H, k, E_l = sh.hidden, sh.topk, sh.local_experts
-    why = gluon_fused_reason(cfg, H=H, I=I, fp8=fp8 is not None)
-    if why is not None:
-        raise ValueError(f"fused megakernel (kernel='gluon'): {why}")
     BM, BN1, BN2 = cfg.block_m, cfg.bn1, cfg.bn2
     bf = gl.bfloat16
     bw = max(2 * BN1, BN2)
@@ -951,8 +951,6 @@ def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: i
         hu_desc = TensorDescriptor(h[:, I:], [nrows, I], [h.stride(0), 1], [BM // 2, 64], lay_e)
     rows = heap.rows_buffer()
     pull = cfg.combine == "pull"
-    if pull and fp8 is not None:
-        raise ValueError("fused megakernel (kernel='gluon'): the FP8 items push their rows (combine='push')")
     rows_desc = TensorDescriptor(rows, [rows.shape[0], H], [rows.stride(0), 1], [BM // 2, 64], lay_e) if pull \
         else act_st_desc
     epi_tma = all(t.data_ptr() % 16 == 0 for t in [act] + ([h] if h is not None else []) + ([rows] if pull else []))
