@@ -583,8 +583,8 @@ class FusedConfig:
                              # G) parts, so every program helps and GEMM1 starts after a fraction of a pull (not timed
                              # yet: the 2026-12-01 timeline showed deepseek's programs waiting ~100 us at the start)
     kernel: str = "triton"   # "gluon": the forward's items in kernels/gluon_fused.py (warp-specialised: a TMA loader
-                             # warp, two consumer warpgroups, TMA-store epilogue; Hopper, bf16), then
-                             # _fused_tail_kernel; the backward megakernel and FP8 stay on "triton"
+                             # warp, two consumer warpgroups, TMA-store epilogue; Hopper; bf16 and FP8), then
+                             # _fused_tail_kernel; the backward megakernel stays on this kernel
     timeline: bool = False   # diagnostics: every item's program, kind, block and %globaltimer stamps (claim, claimed,
                              # wait done, loop done, end) into LAST_TIMELINE (benchmarks/fused_probe.py --timeline)
 
@@ -670,9 +670,13 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
         raise ValueError(f"pull_split={cfg.pull_split} must divide the block's {BM} rows")
     if fp8 is not None and bwd:
         raise ValueError("the FP8 megakernel is forward only")
+    if cfg.kernel not in ("triton", "gluon"):
+        raise ValueError(f"FusedConfig.kernel must be 'triton' or 'gluon', got {cfg.kernel!r}")
+    gluon_items = cfg.kernel == "gluon" and not bwd  # (the backward megakernel runs on this kernel with either)
     ka = 128 if fp8 is not None else BK  # k-step of the GEMMs (TMA boxes)
     a_gemm = fp8.xq if fp8 is not None else a  # GEMM1's A operand
-    use_tma = cfg.use_tma if cfg.use_tma is not None else tma_ok([a_gemm, act, w1, w2])
+    # (the Gluon items build their own descriptors)
+    use_tma = not gluon_items and (cfg.use_tma if cfg.use_tma is not None else tma_ok([a_gemm, act, w1, w2]))
     if use_tma:
         a_desc = TensorDescriptor.from_tensor(a_gemm, [BM, ka])
         act_desc = TensorDescriptor.from_tensor(act, [BM, ka])
@@ -698,7 +702,7 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
                              lag=lag, bwd=bwd)
     else:
         tl_buf = tlp_buf = ctr
-    if cfg.kernel == "gluon" and not bwd:  # the items in Gluon, then the tail (DONE, the tokens' sums) in Triton
+    if gluon_items:  # the items in Gluon, then the tail (DONE, the tokens' sums) in Triton
         timeline = None
         if cfg.timeline:  # the same items / per-program records (consumer 0's view) and the loader's
             timeline = (tl_buf, tlp_buf, torch.zeros(tl_buf.shape[0], 4, dtype=torch.int64, device=heap.device))
@@ -716,8 +720,6 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
         record("_fused_tail_kernel", compiled)
         heap.after_launch()
         return
-    if cfg.kernel not in ("triton", "gluon"):  # (the backward megakernel runs here with either)
-        raise ValueError(f"FusedConfig.kernel must be 'triton' or 'gluon', got {cfg.kernel!r}")
     compiled = _fused_fwd_kernel[(P,)](
         heap.tab, heap.world, heap.rank,
         a_desc, a, w1_desc, w1, act_desc, act, w2_desc, w2, h if h is not None else act,
