@@ -67,6 +67,16 @@ VARIANTS = [
     ("ring64", {}, 64),
     ("gluon", {"kernel": "gluon"}, None),  # the items in kernels/gluon_fused.py (warp-specialised), Hopper only
     ("gluon-ring16", {"kernel": "gluon"}, 16),
+    ("gluon-lag5", {"kernel": "gluon", "lag": 5}, None),  # the Gluon items' schedule knobs (the loader claims ahead of
+    ("gluon-lag8", {"kernel": "gluon", "lag": 8}, None),  # its consumers, so its input waits come earlier)
+    ("gluon-la12", {"kernel": "gluon", "lookahead": 12}, None),
+    ("gluon-g16", {"kernel": "gluon", "group": 16}, None),
+    ("gluon-g4", {"kernel": "gluon", "group": 4}, None),
+    ("gluon-split2", {"kernel": "gluon", "pull_split": 2}, None),
+    ("gluon-g16lag5", {"kernel": "gluon", "group": 16, "lag": 5}, None),
+    ("gluon-g16la12lag5", {"kernel": "gluon", "group": 16, "lookahead": 12, "lag": 5}, None),
+    ("lag5", {"lag": 5}, None),
+    ("g16lag5", {"group": 16, "lag": 5}, None),
 ]
 
 

@@ -462,23 +462,29 @@ def _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_
     mma2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN2, 16])
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     store_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    if not PULL_COMBINE:  # the rows' owner addresses, loaded under the k-loop
-        rp, rvalid = _push_rows(tab, W, row0, nrows, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, HM, WG, ALIGNED,
-                                store_l)
     acc = gl.zeros((HM, BN2), dtype=gl.float32, layout=mma2)
     t_first = (it * 0).to(gl.int64)
     t_loop = t_first
-    for ki in range(k2):
+    # k-step 0 peeled: the rows' owner addresses (two dependent loads) are loaded while its wgmma runs (loaded before
+    # the loop, they held the first wgmma back by their latency)
+    st = it % STAGES
+    mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+    if TIMELINE:
+        t_first = _now()
+    acc = warpgroup_mma(a_smem.index(st).slice(WG * HM, HM), b_smem.index(st).slice(0, BN2).permute((1, 0)), acc,
+                        is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # (none older in flight: waits for nothing)
+    it += 1
+    if not PULL_COMBINE:
+        rp, rvalid = _push_rows(tab, W, row0, nrows, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, HM, WG, ALIGNED,
+                                store_l)
+    for ki in range(1, k2):
         st = it % STAGES
         mbarrier.wait(ready.index(st), (it // STAGES) & 1)
-        if TIMELINE:
-            if ki == 0:
-                t_first = _now()
         a_v = a_smem.index(st).slice(WG * HM, HM)
         acc = warpgroup_mma(a_v, b_smem.index(st).slice(0, BN2).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        if ki > 0:
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
         it += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
@@ -639,20 +645,30 @@ def _gemm2_item_fp8(tab, W, a_smem, b_smem, ready, empty, epi_smem, acs_ptr, s2_
     mmask = rm < base + nrows
     sa_row = acs_ptr + rm.to(gl.int64) * kbi
     sw_p = s2_ptr + e.to(gl.int64) * (gl.cdiv(H, 128) * kbi) + ((j * BN2) // 128) * kbi
-    rp, rvalid = _push_rows(tab, W, row0, nrows, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, HM, WG, ALIGNED,
-                            store_l)
     zero = gl.zeros((HM, BN2), dtype=gl.float32, layout=mma)
     acc = zero
     t_first = (it * 0).to(gl.int64)
     t_loop = t_first
-    for ki in range(k2):
+    # k-step 0 peeled: the rows' owner addresses load under its wgmma (as the bf16 GEMM2)
+    st = it % STAGES
+    sa = gl.load(sa_row, mask=mmask, other=0.0)
+    sb = gl.load(sw_p)
+    mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+    if TIMELINE:
+        t_first = _now()
+    p = warpgroup_mma(a_smem.index(st).slice(WG * HM, HM), b_smem.index(st).slice(0, BN2).permute((1, 0)), zero,
+                      use_acc=False, is_async=True)
+    rp, rvalid = _push_rows(tab, W, row0, nrows, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, HM, WG, ALIGNED,
+                            store_l)
+    p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+    mbarrier.arrive(empty.index(st), count=1)
+    acc = acc + p * (sa * sb)[:, None]
+    it += 1
+    for ki in range(1, k2):
         st = it % STAGES
         sa = gl.load(sa_row + ki, mask=mmask, other=0.0)
         sb = gl.load(sw_p + ki)
         mbarrier.wait(ready.index(st), (it // STAGES) & 1)
-        if TIMELINE:
-            if ki == 0:
-                t_first = _now()
         a_v = a_smem.index(st).slice(WG * HM, HM)
         p = warpgroup_mma(a_v, b_smem.index(st).slice(0, BN2).permute((1, 0)), zero, use_acc=False, is_async=True)
         p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
