@@ -7,6 +7,7 @@ times of both. Run it under `timeout`."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -26,6 +27,7 @@ def _rank(rank: int, world: int, args) -> int:
     opts = {"kernel": "gluon", **({"ring_blocks": args.ring} if args.ring else {})}
     if args.fp8:
         opts["fp8"] = True
+    opts.update(json.loads(args.opts))
     t0 = time.time()
     moe = MoE(cfg, backend="fused", device=dev, seed=0, **opts)
     x = torch.randn(args.tokens, cfg.hidden, generator=torch.Generator().manual_seed(1)).to(cfg.dtype).to(dev)
@@ -58,7 +60,8 @@ def _rank(rank: int, world: int, args) -> int:
         sys.stdout.flush()
         os._exit(3)
     print(f"[{time.time() - t0:6.1f}s] done", flush=True)
-    ref = MoE(cfg, backend="fused", device=dev, seed=0, **{k: v for k, v in opts.items() if k != "kernel"})
+    ref = MoE(cfg, backend="fused", device=dev, seed=0,
+              **{k: v for k, v in opts.items() if k not in ("kernel", "claim_ahead")})
     with torch.no_grad():
         yr = ref(x).out
     torch.cuda.synchronize()
@@ -89,6 +92,7 @@ def main() -> None:
     ap.add_argument("--wait", type=float, default=10.0)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--fp8", action="store_true", help="the FP8 items (against the Triton FP8 megakernel)")
+    ap.add_argument("--opts", default="{}", help='more backend options, JSON (e.g. \'{"claim_ahead": 8}\')')
     args = ap.parse_args()
     spawn(_rank, 1, args, device="cuda", timeout_s=600)
 

@@ -224,13 +224,53 @@ def _locate_block(b, e_idx, starts, cnts, nblk, cum, NS, BM: gl.constexpr):
 
 # ------------------------------------------------------------------------------------------------- loader
 @gluon.jit
+def _issue_loads(x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, kind, e, base, j, H, I, k1, k2, it,
+                 BN1: gl.constexpr, BN2: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr):
+    """The TMA loads of GEMM item (kind 1 / 2, expert e, first buffer row base, column tile j) into the ring from ring
+    count it on (each stage once the consumers have freed it); returns the new ring count."""
+    BK: gl.constexpr = 128 if FP8 else 64
+    nbytes1: gl.constexpr = x_desc.block_type.nbytes + 2 * w13_desc.block_type.nbytes
+    nbytes2: gl.constexpr = act_desc.block_type.nbytes + w2_desc.block_type.nbytes
+    _fence_proxy_async()
+    if kind == 1:
+        # FP8: two 64-column halves, each its own k-loop (w13_desc's block is [BN1 / 2, 128] then)
+        TN: gl.constexpr = BN1 // 2 if FP8 else BN1
+        for hf in gl.static_range(2 if FP8 else 1):
+            wrow = e * (2 * I) + j * BN1 + hf * TN
+            for ki in range(k1):
+                st = it % STAGES
+                mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(st), nbytes1)
+                tma.async_copy_global_to_shared(x_desc, [base, ki * BK], ready.index(st), a_smem.index(st))
+                tma.async_copy_global_to_shared(w13_desc, [wrow, ki * BK], ready.index(st),
+                                                b_smem.index(st).slice(0, TN))
+                tma.async_copy_global_to_shared(w13_desc, [wrow + I, ki * BK], ready.index(st),
+                                                b_smem.index(st).slice(TN, TN))
+                it += 1
+    else:
+        wrow = e * H + j * BN2
+        for ki in range(k2):
+            st = it % STAGES
+            mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(st), nbytes2)
+            tma.async_copy_global_to_shared(act_desc, [base, ki * BK], ready.index(st), a_smem.index(st))
+            tma.async_copy_global_to_shared(w2_desc, [wrow, ki * BK], ready.index(st),
+                                            b_smem.index(st).slice(0, BN2))
+            it += 1
+    return it
+
+
+@gluon.jit
 def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr,
             offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
             BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, BLOCK_E: gl.constexpr, GB: gl.constexpr,
             PULL_SPLIT: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr, ACQ_GPU: gl.constexpr,
-            tll_ptr, TIMELINE: gl.constexpr, FP8: gl.constexpr):
-    """TIMELINE: per item [claim, claimed, inputs ready and handed over, loads issued] into tll_ptr [items, 4]. FP8: the
-    descriptors are the e4m3 operands' and a k-step is 128 deep (one scale block)."""
+            tll_ptr, TIMELINE: gl.constexpr, FP8: gl.constexpr, SPLIT: gl.constexpr):
+    """Claims the items, waits for their inputs, hands them over and (not SPLIT) issues their loads. SPLIT
+    (``FusedConfig.claim_ahead``): only the claims, the waits and the hand-over; _issuer issues the loads, so the
+    waits run up to QD_ items ahead of the consumers. TIMELINE: per item [claim, claimed, inputs ready and handed
+    over, loads issued (_issuer's with SPLIT)] into tll_ptr [items, 4]. FP8: the descriptors are the e4m3 operands'
+    and a k-step is 128 deep (one scale block)."""
     BK: gl.constexpr = 128 if FP8 else 64
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     e_idx, starts, cnts, nblk, cum, nb = _schedule(offs_ptr, E_l, 1, BM, 1, BLOCK_E, lay)
@@ -244,8 +284,6 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
     call = gl.load(_ctrl(tab, W, rank) + SEQ, volatile=True)
     k1 = gl.cdiv(H, BK)
     k2 = gl.cdiv(I, BK)
-    nbytes1: gl.constexpr = x_desc.block_type.nbytes + 2 * w13_desc.block_type.nbytes
-    nbytes2: gl.constexpr = act_desc.block_type.nbytes + w2_desc.block_type.nbytes
     qp = q_ptr + gl.program_id(0) * QD_
     n = 0
     it = 0
@@ -262,7 +300,6 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
         go = s < n_steps
         fine = nb >= 0
         live = go & (b >= 0) & (b < nb)
-        e, row0, nrows, base = _locate_block(b, e_idx, starts, cnts, nblk, cum, NS, BM)
         if live:  # the item's inputs
             if kind == 0:  # PULL(b): the ring slot's previous block has been read by all its GEMM1 tiles
                 if (NS > 0) & (b >= NS):
@@ -280,41 +317,60 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
         mbarrier.arrive(q_full.index(qs), count=1)
         if TIMELINE:
             t_handed = _now()
-        if live & fine & (kind != 0):
-            _fence_proxy_async()
-            if kind == 1:
-                # FP8: two 64-column halves, each its own k-loop (w13_desc's block is [BN1 / 2, 128] then)
-                TN: gl.constexpr = BN1 // 2 if FP8 else BN1
-                for hf in gl.static_range(2 if FP8 else 1):
-                    wrow = e * (2 * I) + j * BN1 + hf * TN
-                    for ki in range(k1):
-                        st = it % STAGES
-                        mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
-                        mbarrier.expect(ready.index(st), nbytes1)
-                        tma.async_copy_global_to_shared(x_desc, [base, ki * BK], ready.index(st), a_smem.index(st))
-                        tma.async_copy_global_to_shared(w13_desc, [wrow, ki * BK], ready.index(st),
-                                                        b_smem.index(st).slice(0, TN))
-                        tma.async_copy_global_to_shared(w13_desc, [wrow + I, ki * BK], ready.index(st),
-                                                        b_smem.index(st).slice(TN, TN))
-                        it += 1
-            else:
-                wrow = e * H + j * BN2
-                for ki in range(k2):
-                    st = it % STAGES
-                    mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
-                    mbarrier.expect(ready.index(st), nbytes2)
-                    tma.async_copy_global_to_shared(act_desc, [base, ki * BK], ready.index(st), a_smem.index(st))
-                    tma.async_copy_global_to_shared(w2_desc, [wrow, ki * BK], ready.index(st),
-                                                    b_smem.index(st).slice(0, BN2))
-                    it += 1
+        if not SPLIT:
+            if live & fine & (kind != 0):
+                e, row0, nrows, base = _locate_block(b, e_idx, starts, cnts, nblk, cum, NS, BM)
+                it = _issue_loads(x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, kind, e, base,
+                                  j, H, I, k1, k2, it, BN1, BN2, STAGES, FP8)
         if TIMELINE:
             if go:
                 lrec = tll_ptr + item * 4
                 gl.store(lrec, t_claim)
                 gl.store(lrec + 1, t_claimed)
                 gl.store(lrec + 2, t_handed)
-                gl.store(lrec + 3, _now())
+                if not SPLIT:
+                    gl.store(lrec + 3, _now())
         go = go & fine
+        n += 1
+
+
+@gluon.jit
+def _issuer(x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, offs_ptr, H,
+            I, E_l, NS, L1, L2, BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, BLOCK_E: gl.constexpr,
+            GB: gl.constexpr, PULL_SPLIT: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr, tll_ptr,
+            TIMELINE: gl.constexpr, FP8: gl.constexpr):
+    """With ``claim_ahead`` (_loader's SPLIT): takes each item from the queue as the consumers do (its inputs are
+    ready: _loader waited for them and acquired) and issues its TMA loads into the ring."""
+    BK: gl.constexpr = 128 if FP8 else 64
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    e_idx, starts, cnts, nblk, cum, nb = _schedule(offs_ptr, E_l, 1, BM, 1, BLOCK_E, lay)
+    T1 = gl.cdiv(I, BN1)
+    T2 = gl.cdiv(H, BN2)
+    PS = GB * (PULL_SPLIT + T1 + T2)
+    n_steps = gl.where(nb > 0, gl.cdiv(nb, GB) + L1 + L2, 0)
+    k1 = gl.cdiv(H, BK)
+    k2 = gl.cdiv(I, BK)
+    qp = q_ptr + gl.program_id(0) * QD_
+    n = 0
+    it = 0
+    go = nb >= 0
+    while go:
+        qs = n % QD_
+        mbarrier.wait(q_full.index(qs), (n // QD_) & 1)
+        v = gl.load(qp + qs, volatile=True)
+        gl.thread_barrier()
+        mbarrier.arrive(q_empty.index(qs), count=1)
+        fine = v >= 0
+        item = gl.where(fine, v, -1 - v)
+        s, kind, b, j = _decode(item, PS, T1, L1, L2, GB, PULL_SPLIT)
+        go = (s < n_steps) & fine
+        if go & (b >= 0) & (b < nb) & (kind != 0):
+            e, row0, nrows, base = _locate_block(b, e_idx, starts, cnts, nblk, cum, NS, BM)
+            it = _issue_loads(x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, kind, e, base, j,
+                              H, I, k1, k2, it, BN1, BN2, STAGES, FP8)
+        if TIMELINE:
+            if s < n_steps:
+                gl.store(tll_ptr + item * 4 + 3, _now())
         n += 1
 
 
@@ -478,7 +534,7 @@ def _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_
     if not PULL_COMBINE:
         rp, rvalid = _push_rows(tab, W, row0, nrows, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, HM, WG, ALIGNED,
                                 store_l)
-    for ki in range(1, k2):
+    for _ki in range(1, k2):
         st = it % STAGES
         mbarrier.wait(ready.index(st), (it // STAGES) & 1)
         a_v = a_smem.index(st).slice(WG * HM, HM)
@@ -831,7 +887,7 @@ def _gluon_fused_fwd_kernel(
     BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr, EPI_TMA: gl.constexpr,
     PULL_COMBINE: gl.constexpr, ALIGNED: gl.constexpr, ACQ_GPU: gl.constexpr,
     CONSUMER_REGS_: gl.constexpr, LOADER_REGS: gl.constexpr, TIMELINE: gl.constexpr, FP8: gl.constexpr,
-    num_warps: gl.constexpr,
+    SPLIT: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid (P,): persistent programs of 4 + 4 + 1 warps (module docstring). FP8: x_desc, w13_desc, act_desc, w2_desc
     are the e4m3 operands' (blocks [BM, 128], [BN1, 128], [BM, 128], [BN2, 128]), x_ptr the packed rows (HP words
@@ -854,22 +910,45 @@ def _gluon_fused_fwd_kernel(
     q_empty = gl.allocate_shared_memory(gl.int64, [QD_, 1], mbarrier.MBarrierLayout())
     for qs in gl.static_range(QD_):
         mbarrier.init(q_full.index(qs), count=1)
-        mbarrier.init(q_empty.index(qs), count=2)
-    gl.warp_specialize([
-        (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem, act_st_desc,
-                     hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
-                     row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
-                     BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
-                     ALIGNED, 0, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8)),
-        (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem, act_st_desc,
-                     hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
-                     row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
-                     BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
-                     ALIGNED, 1, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8)),
-        (_loader, (tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
-                   q_ptr, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, BM, BN1, BN2, BLOCK_E, GB,
-                   PULL_SPLIT, STAGES, QD_, ACQ_GPU, tll_ptr, TIMELINE, FP8)),
-    ], [4, 1], [CONSUMER_REGS_, LOADER_REGS])
+        if SPLIT:  # the consumers and the issue warp read each queue slot
+            mbarrier.init(q_empty.index(qs), count=3)
+        else:
+            mbarrier.init(q_empty.index(qs), count=2)
+    if SPLIT:  # a claim warp (the loader without its loads) and an issue warp
+        gl.warp_specialize([
+            (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem, act_st_desc,
+                         hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
+                         row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
+                         BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
+                         ALIGNED, 0, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8)),
+            (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem, act_st_desc,
+                         hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
+                         row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
+                         BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
+                         ALIGNED, 1, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8)),
+            (_loader, (tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
+                       q_ptr, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, BM, BN1, BN2, BLOCK_E, GB,
+                       PULL_SPLIT, STAGES, QD_, ACQ_GPU, tll_ptr, TIMELINE, FP8, SPLIT)),
+            (_issuer, (x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr,
+                       offs_ptr, H, I, E_l, NS, L1, L2, BM, BN1, BN2, BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, tll_ptr,
+                       TIMELINE, FP8)),
+        ], [4, 1, 1], [CONSUMER_REGS_, LOADER_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem, act_st_desc,
+                         hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
+                         row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
+                         BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
+                         ALIGNED, 0, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8)),
+            (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem, act_st_desc,
+                         hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
+                         row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
+                         BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
+                         ALIGNED, 1, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8)),
+            (_loader, (tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
+                       q_ptr, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, BM, BN1, BN2, BLOCK_E, GB,
+                       PULL_SPLIT, STAGES, QD_, ACQ_GPU, tll_ptr, TIMELINE, FP8, SPLIT)),
+        ], [4, 1], [CONSUMER_REGS_, LOADER_REGS])
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(st))
         mbarrier.invalidate(empty.index(st))
@@ -971,7 +1050,8 @@ def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: i
         else act_st_desc
     epi_tma = all(t.data_ptr() % 16 == 0 for t in [act] + ([h] if h is not None else []) + ([rows] if pull else []))
     block_h = min(triton.next_power_of_2(hp), 2048)
-    q = torch.empty(P * QD, dtype=torch.int64, device=a.device)
+    qd = cfg.claim_ahead if cfg.claim_ahead else QD
+    q = torch.empty(P * qd, dtype=torch.int64, device=a.device)
     consumer_regs = CONSUMER_REGS_FP8 if fp8 is not None else CONSUMER_REGS
     k_ = _gluon_fused_fwd_kernel[(P,)](
         heap.tab, heap.world, heap.rank, x_desc, w13_desc, act_desc, w2_desc, act_st_desc, hg_desc, hu_desc,
@@ -979,11 +1059,12 @@ def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: i
         sched.row_slot, ctr, q, *(timeline if timeline is not None else (ctr, ctr, ctr)), *f8_args, H, I, E_l, nb_max,
         ring_blocks, lookahead, lag, heap.timeout_ns, hp, stride_xs,
         K=k, BM=BM, BN1=BN1, BN2=BN2, BLOCK_E=triton.next_power_of_2(max(E_l, 2)), GB=group,
-        PULL_SPLIT=cfg.pull_split, STAGES=stages_of(cfg, fp8 is not None), QD_=QD,
+        PULL_SPLIT=cfg.pull_split, STAGES=stages_of(cfg, fp8 is not None), QD_=qd,
         ROWS_P=max(1, min(BM // 2, 8192 // block_h)), BLOCK_H=block_h, WP2=max(2, heap.wp2), STORE_H=h is not None,
         EPI_TMA=epi_tma, PULL_COMBINE=pull, ALIGNED=(H * 2) % 16 == 0 and (hp * 2) % 16 == 0,
         ACQ_GPU=cfg.counter_scope == "gpu", CONSUMER_REGS_=consumer_regs, LOADER_REGS=REG_POOL - 2 * consumer_regs,
-        TIMELINE=timeline is not None, FP8=fp8 is not None, num_warps=4, maxnreg=REG_POOL // 3,
+        TIMELINE=timeline is not None, FP8=fp8 is not None, SPLIT=cfg.claim_ahead > 0, num_warps=4,
+        maxnreg=REG_POOL // 3,
     )
     record("_gluon_fused_fwd_kernel", k_)
     LAST_LAUNCH.clear()
