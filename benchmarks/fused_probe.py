@@ -75,12 +75,6 @@ VARIANTS = [
     ("gluon-split2", {"kernel": "gluon", "pull_split": 2}, None),
     ("gluon-g16lag5", {"kernel": "gluon", "group": 16, "lag": 5}, None),
     ("gluon-g16la12lag5", {"kernel": "gluon", "group": 16, "lookahead": 12, "lag": 5}, None),
-    ("gluon-ca4", {"kernel": "gluon", "claim_ahead": 4}, None),  # a claim warp up to n items ahead, an issue warp
-    ("gluon-ca8", {"kernel": "gluon", "claim_ahead": 8}, None),
-    ("gluon-ca8lag8", {"kernel": "gluon", "claim_ahead": 8, "lag": 8}, None),
-    ("gluon-ca8g16lag8", {"kernel": "gluon", "claim_ahead": 8, "group": 16, "lag": 8}, None),
-    ("gluon-ca4g16lag5", {"kernel": "gluon", "claim_ahead": 4, "group": 16, "lag": 5}, None),
-    ("gluon-ca16g16lag8", {"kernel": "gluon", "claim_ahead": 16, "group": 16, "lag": 8}, None),
     ("lag5", {"lag": 5}, None),
     ("g16lag5", {"group": 16, "lag": 5}, None),
 ]

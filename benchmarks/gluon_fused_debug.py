@@ -61,7 +61,7 @@ def _rank(rank: int, world: int, args) -> int:
         os._exit(3)
     print(f"[{time.time() - t0:6.1f}s] done", flush=True)
     ref = MoE(cfg, backend="fused", device=dev, seed=0,
-              **{k: v for k, v in opts.items() if k not in ("kernel", "claim_ahead")})
+              **{k: v for k, v in opts.items() if k != "kernel"})
     with torch.no_grad():
         yr = ref(x).out
     torch.cuda.synchronize()
@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--wait", type=float, default=10.0)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--fp8", action="store_true", help="the FP8 items (against the Triton FP8 megakernel)")
-    ap.add_argument("--opts", default="{}", help='more backend options, JSON (e.g. \'{"claim_ahead": 8}\')')
+    ap.add_argument("--opts", default="{}", help='more backend options, JSON (e.g. \'{"group_blocks": 16}\')')
     args = ap.parse_args()
     spawn(_rank, 1, args, device="cuda", timeout_s=600)
 

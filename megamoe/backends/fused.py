@@ -70,9 +70,7 @@ and ``fp8_weight_cache`` (as split's: keep the FP8 weight copies across calls; s
 like split's Gluon GEMMs, with the same items, order, waits and results, then the tail as its own Triton kernel;
 Hopper only, H and I multiples of 8; the backward is unchanged. bf16: bitwise the Triton kernel's on one H200. With
 ``fp8=1`` (I a multiple of 128, combine "push"): the FP8 items, each promotion overlapping the other consumer's
-wgmma; bitwise the Triton FP8 megakernel's on one H200), ``claim_ahead`` (kernel "gluon" only, 1..64: a claim warp
-takes the items and waits for their inputs up to that many items ahead of the consumers, and an issue warp issues
-their loads; default off: one loader warp does both).
+wgmma; bitwise the Triton FP8 megakernel's on one H200).
 
 Capacity: no token is ever dropped: dense buffers hold the worst case (every token of every rank routed
 here); a ring cycles as many times as the routing needs. With ``combine="push"`` the symmetric heap adds a
@@ -179,7 +177,7 @@ class FusedBackend(Fp8WeightCache):
                  comm_sms: int | None = None, timeout_s: float = 60.0, fused_backward: bool = False,
                  combine: str = "push", stages: int | None = None, counter_scope: str | None = None,
                  lag: int | None = None, prologue: bool = False, pull_prefetch: bool = False, fp8: bool = False,
-                 fp8_weight_cache: bool = True, kernel: str = "triton", claim_ahead: int | None = None):
+                 fp8_weight_cache: bool = True, kernel: str = "triton"):
         cfg = moe.config
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"backend 'fused' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
@@ -254,12 +252,6 @@ class FusedBackend(Fp8WeightCache):
                              "the forward's rows, which the backward recomputes with split's kernels")
         if kernel not in ("triton", "gluon"):
             raise ValueError(f"kernel must be 'triton' or 'gluon', got {kernel!r}")
-        if claim_ahead is not None:
-            if kernel != "gluon":
-                raise ValueError("claim_ahead is an option of kernel='gluon' (its claim warp's queue depth)")
-            if not 1 <= int(claim_ahead) <= 64:
-                raise ValueError(f"claim_ahead must be 1..64 (items the claim warp runs ahead), got {claim_ahead}")
-            self.config = self.config.with_(claim_ahead=int(claim_ahead))
         if kernel == "gluon":
             why = gluon_fused_reason(self.config, H=cfg.hidden, I=cfg.intermediate, device=moe.device, fp8=bool(fp8))
             if why is not None:

@@ -585,9 +585,6 @@ class FusedConfig:
     kernel: str = "triton"   # "gluon": the forward's items in kernels/gluon_fused.py (warp-specialised: a TMA loader
                              # warp, two consumer warpgroups, TMA-store epilogue; Hopper; bf16 and FP8), then
                              # _fused_tail_kernel; the backward megakernel stays on this kernel
-    claim_ahead: int = 0     # kernel "gluon": 0: one loader warp claims an item, waits for its inputs and issues its
-                             # loads; n > 0: a claim warp does the claims and waits up to n items ahead of the
-                             # consumers (an n-deep queue) and an issue warp the loads
     timeline: bool = False   # diagnostics: every item's program, kind, block and %globaltimer stamps (claim, claimed,
                              # wait done, loop done, end) into LAST_TIMELINE (benchmarks/fused_probe.py --timeline)
 

@@ -265,12 +265,10 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
             offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
             BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, BLOCK_E: gl.constexpr, GB: gl.constexpr,
             PULL_SPLIT: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr, ACQ_GPU: gl.constexpr,
-            tll_ptr, TIMELINE: gl.constexpr, FP8: gl.constexpr, SPLIT: gl.constexpr):
-    """Claims the items, waits for their inputs, hands them over and (not SPLIT) issues their loads. SPLIT
-    (``FusedConfig.claim_ahead``): only the claims, the waits and the hand-over; _issuer issues the loads, so the
-    waits run up to QD_ items ahead of the consumers. TIMELINE: per item [claim, claimed, inputs ready and handed
-    over, loads issued (_issuer's with SPLIT)] into tll_ptr [items, 4]. FP8: the descriptors are the e4m3 operands'
-    and a k-step is 128 deep (one scale block)."""
+            tll_ptr, TIMELINE: gl.constexpr, FP8: gl.constexpr):
+    """Claims the items, waits for their inputs, hands them over, then issues their loads. TIMELINE: per item [claim,
+    claimed, inputs ready and handed over, loads issued] into tll_ptr [items, 4]. FP8: the descriptors are the e4m3
+    operands' and a k-step is 128 deep (one scale block)."""
     BK: gl.constexpr = 128 if FP8 else 64
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     e_idx, starts, cnts, nblk, cum, nb = _schedule(offs_ptr, E_l, 1, BM, 1, BLOCK_E, lay)
@@ -317,60 +315,18 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
         mbarrier.arrive(q_full.index(qs), count=1)
         if TIMELINE:
             t_handed = _now()
-        if not SPLIT:
-            if live & fine & (kind != 0):
-                e, row0, nrows, base = _locate_block(b, e_idx, starts, cnts, nblk, cum, NS, BM)
-                it = _issue_loads(x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, kind, e, base,
-                                  j, H, I, k1, k2, it, BN1, BN2, STAGES, FP8)
+        if live & fine & (kind != 0):
+            e, row0, nrows, base = _locate_block(b, e_idx, starts, cnts, nblk, cum, NS, BM)
+            it = _issue_loads(x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, kind, e, base, j, H,
+                              I, k1, k2, it, BN1, BN2, STAGES, FP8)
         if TIMELINE:
             if go:
                 lrec = tll_ptr + item * 4
                 gl.store(lrec, t_claim)
                 gl.store(lrec + 1, t_claimed)
                 gl.store(lrec + 2, t_handed)
-                if not SPLIT:
-                    gl.store(lrec + 3, _now())
+                gl.store(lrec + 3, _now())
         go = go & fine
-        n += 1
-
-
-@gluon.jit
-def _issuer(x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, offs_ptr, H,
-            I, E_l, NS, L1, L2, BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, BLOCK_E: gl.constexpr,
-            GB: gl.constexpr, PULL_SPLIT: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr, tll_ptr,
-            TIMELINE: gl.constexpr, FP8: gl.constexpr):
-    """With ``claim_ahead`` (_loader's SPLIT): takes each item from the queue as the consumers do (its inputs are
-    ready: _loader waited for them and acquired) and issues its TMA loads into the ring."""
-    BK: gl.constexpr = 128 if FP8 else 64
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    e_idx, starts, cnts, nblk, cum, nb = _schedule(offs_ptr, E_l, 1, BM, 1, BLOCK_E, lay)
-    T1 = gl.cdiv(I, BN1)
-    T2 = gl.cdiv(H, BN2)
-    PS = GB * (PULL_SPLIT + T1 + T2)
-    n_steps = gl.where(nb > 0, gl.cdiv(nb, GB) + L1 + L2, 0)
-    k1 = gl.cdiv(H, BK)
-    k2 = gl.cdiv(I, BK)
-    qp = q_ptr + gl.program_id(0) * QD_
-    n = 0
-    it = 0
-    go = nb >= 0
-    while go:
-        qs = n % QD_
-        mbarrier.wait(q_full.index(qs), (n // QD_) & 1)
-        v = gl.load(qp + qs, volatile=True)
-        gl.thread_barrier()
-        mbarrier.arrive(q_empty.index(qs), count=1)
-        fine = v >= 0
-        item = gl.where(fine, v, -1 - v)
-        s, kind, b, j = _decode(item, PS, T1, L1, L2, GB, PULL_SPLIT)
-        go = (s < n_steps) & fine
-        if go & (b >= 0) & (b < nb) & (kind != 0):
-            e, row0, nrows, base = _locate_block(b, e_idx, starts, cnts, nblk, cum, NS, BM)
-            it = _issue_loads(x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, kind, e, base, j,
-                              H, I, k1, k2, it, BN1, BN2, STAGES, FP8)
-        if TIMELINE:
-            if s < n_steps:
-                gl.store(tll_ptr + item * 4 + 3, _now())
         n += 1
 
 
@@ -423,21 +379,32 @@ def _pull_rows(tab, W, row0, r_lo, r_end, base, row_src_ptr, row_tok_ptr, x_ptr,
 
 
 @gluon.jit
-def _push_rows(tab, W, row0, nrows, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K: gl.constexpr, HM: gl.constexpr,
-               WG: gl.constexpr, ALIGNED: gl.constexpr, store_l: gl.constexpr):
-    """(row pointers, valid) of consumer WG's 64 rows of a block, in SliceLayout(1, store_l): each row's owner's
-    ``slots[tok, slot]`` row (fused_parts._push_rows); loaded before the k-loop, whose time hides the two dependent
-    loads."""
+def _push_rows_idx(row0, nrows, row_src_ptr, row_tok_ptr, row_slot_ptr, HM: gl.constexpr, WG: gl.constexpr,
+                   store_l: gl.constexpr):
+    """Consumer WG's 64 rows of a block (fused_parts._push_rows), first part: (src, tok, slot, valid) loads issued, in
+    SliceLayout(1, store_l). GEMM2 issues them before its first stage's wait, _push_rows_base uses them under the first
+    wgmma and _push_rows_ptrs after the k-loop, so no load's latency stops the wgmmas."""
     rloc = WG * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, store_l))
     rvalid = rloc < nrows
     src = gl.load(row_src_ptr + row0 + rloc, mask=rvalid, other=0)
     tok = gl.load(row_tok_ptr + row0 + rloc, mask=rvalid, other=0)
     slot = gl.load(row_slot_ptr + row0 + rloc, mask=rvalid, other=0)
-    rp = (gl.load(tab + REG_SLOTS * W + src, mask=rvalid, other=0)
-          + (tok * K + slot).to(gl.int64) * H * 2).to(gl.pointer_type(gl.bfloat16))
+    return src, tok, slot, rvalid
+
+
+@gluon.jit
+def _push_rows_base(tab, W, src, tok, slot, rvalid, K: gl.constexpr):
+    """Second part: (the owner's ``slots`` region address (a load), the row's index in it tok * K + slot)."""
+    return gl.load(tab + REG_SLOTS * W + src, mask=rvalid, other=0), (tok * K + slot).to(gl.int64)
+
+
+@gluon.jit
+def _push_rows_ptrs(sbase, sidx, H, ALIGNED: gl.constexpr):
+    """Last part: each row's owner ``slots[tok, slot]`` row pointer."""
+    rp = (sbase + sidx * H * 2).to(gl.pointer_type(gl.bfloat16))
     if ALIGNED:
         rp = gl.multiple_of(rp, 16)
-    return rp, rvalid
+    return rp
 
 
 @gluon.jit
@@ -521,8 +488,11 @@ def _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_
     acc = gl.zeros((HM, BN2), dtype=gl.float32, layout=mma2)
     t_first = (it * 0).to(gl.int64)
     t_loop = t_first
-    # k-step 0 peeled: the rows' owner addresses (two dependent loads) are loaded while its wgmma runs (loaded before
-    # the loop, they held the first wgmma back by their latency)
+    if not PULL_COMBINE:  # the rows' owner addresses: two dependent loads, their latency under the first wgmma (made
+        # before the loop, they held the first wgmma back ~1.4 us per item: qwen3 timeline, one H200, 2026-12-02)
+        src, tok, slot, rvalid = _push_rows_idx(row0, nrows, row_src_ptr, row_tok_ptr, row_slot_ptr, HM, WG,
+                                                store_l)
+    # k-step 0 peeled
     st = it % STAGES
     mbarrier.wait(ready.index(st), (it // STAGES) & 1)
     if TIMELINE:
@@ -532,8 +502,7 @@ def _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # (none older in flight: waits for nothing)
     it += 1
     if not PULL_COMBINE:
-        rp, rvalid = _push_rows(tab, W, row0, nrows, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, HM, WG, ALIGNED,
-                                store_l)
+        sbase, sidx = _push_rows_base(tab, W, src, tok, slot, rvalid, K)
     for _ki in range(1, k2):
         st = it % STAGES
         mbarrier.wait(ready.index(st), (it // STAGES) & 1)
@@ -566,6 +535,7 @@ def _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_
         if EPI_TMA:
             tma.store_wait(0)
     else:
+        rp = _push_rows_ptrs(sbase, sidx, H, ALIGNED)
         _push_slice(a0.to(gl.bfloat16), rp, rvalid, off_n, H, epi_smem, b0, HM, store_l)
         if BN2 > 64:
             _push_slice(a1.to(gl.bfloat16), rp, rvalid, off_n + 64, H, epi_smem, b0 ^ 1, HM, store_l)
@@ -705,7 +675,8 @@ def _gemm2_item_fp8(tab, W, a_smem, b_smem, ready, empty, epi_smem, acs_ptr, s2_
     acc = zero
     t_first = (it * 0).to(gl.int64)
     t_loop = t_first
-    # k-step 0 peeled: the rows' owner addresses load under its wgmma (as the bf16 GEMM2)
+    # the rows' owner addresses as the bf16 GEMM2: loads issued, the dependent one under k-step 0's wgmma (peeled)
+    src, tok, slot, rvalid = _push_rows_idx(row0, nrows, row_src_ptr, row_tok_ptr, row_slot_ptr, HM, WG, store_l)
     st = it % STAGES
     sa = gl.load(sa_row, mask=mmask, other=0.0)
     sb = gl.load(sw_p)
@@ -714,8 +685,7 @@ def _gemm2_item_fp8(tab, W, a_smem, b_smem, ready, empty, epi_smem, acs_ptr, s2_
         t_first = _now()
     p = warpgroup_mma(a_smem.index(st).slice(WG * HM, HM), b_smem.index(st).slice(0, BN2).permute((1, 0)), zero,
                       use_acc=False, is_async=True)
-    rp, rvalid = _push_rows(tab, W, row0, nrows, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K, HM, WG, ALIGNED,
-                            store_l)
+    sbase, sidx = _push_rows_base(tab, W, src, tok, slot, rvalid, K)
     p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
     mbarrier.arrive(empty.index(st), count=1)
     acc = acc + p * (sa * sb)[:, None]
@@ -736,6 +706,7 @@ def _gemm2_item_fp8(tab, W, a_smem, b_smem, ready, empty, epi_smem, acs_ptr, s2_
     off_n = j * BN2
     a0, a1, a2, a3 = _slices(acc, HM, BN2, mma_s)
     b0 = 2 * WG + (nst & 1)
+    rp = _push_rows_ptrs(sbase, sidx, H, ALIGNED)
     _push_slice(a0.to(gl.bfloat16), rp, rvalid, off_n, H, epi_smem, b0, HM, store_l)
     if BN2 > 64:
         _push_slice(a1.to(gl.bfloat16), rp, rvalid, off_n + 64, H, epi_smem, b0 ^ 1, HM, store_l)
@@ -887,7 +858,7 @@ def _gluon_fused_fwd_kernel(
     BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr, EPI_TMA: gl.constexpr,
     PULL_COMBINE: gl.constexpr, ALIGNED: gl.constexpr, ACQ_GPU: gl.constexpr,
     CONSUMER_REGS_: gl.constexpr, LOADER_REGS: gl.constexpr, TIMELINE: gl.constexpr, FP8: gl.constexpr,
-    SPLIT: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """Grid (P,): persistent programs of 4 + 4 + 1 warps (module docstring). FP8: x_desc, w13_desc, act_desc, w2_desc
     are the e4m3 operands' (blocks [BM, 128], [BN1, 128], [BM, 128], [BN2, 128]), x_ptr the packed rows (HP words
@@ -910,45 +881,22 @@ def _gluon_fused_fwd_kernel(
     q_empty = gl.allocate_shared_memory(gl.int64, [QD_, 1], mbarrier.MBarrierLayout())
     for qs in gl.static_range(QD_):
         mbarrier.init(q_full.index(qs), count=1)
-        if SPLIT:  # the consumers and the issue warp read each queue slot
-            mbarrier.init(q_empty.index(qs), count=3)
-        else:
-            mbarrier.init(q_empty.index(qs), count=2)
-    if SPLIT:  # a claim warp (the loader without its loads) and an issue warp
-        gl.warp_specialize([
-            (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem, act_st_desc,
-                         hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
-                         row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
-                         BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
-                         ALIGNED, 0, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8)),
-            (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem, act_st_desc,
-                         hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
-                         row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
-                         BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
-                         ALIGNED, 1, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8)),
-            (_loader, (tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
-                       q_ptr, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, BM, BN1, BN2, BLOCK_E, GB,
-                       PULL_SPLIT, STAGES, QD_, ACQ_GPU, tll_ptr, TIMELINE, FP8, SPLIT)),
-            (_issuer, (x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr,
-                       offs_ptr, H, I, E_l, NS, L1, L2, BM, BN1, BN2, BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, tll_ptr,
-                       TIMELINE, FP8)),
-        ], [4, 1, 1], [CONSUMER_REGS_, LOADER_REGS, LOADER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem, act_st_desc,
-                         hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
-                         row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
-                         BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
-                         ALIGNED, 0, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8)),
-            (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem, act_st_desc,
-                         hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
-                         row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
-                         BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
-                         ALIGNED, 1, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8)),
-            (_loader, (tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
-                       q_ptr, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, BM, BN1, BN2, BLOCK_E, GB,
-                       PULL_SPLIT, STAGES, QD_, ACQ_GPU, tll_ptr, TIMELINE, FP8, SPLIT)),
-        ], [4, 1], [CONSUMER_REGS_, LOADER_REGS])
+        mbarrier.init(q_empty.index(qs), count=2)
+    gl.warp_specialize([
+        (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem, act_st_desc,
+                     hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
+                     row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
+                     BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
+                     ALIGNED, 0, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8)),
+        (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem, act_st_desc,
+                     hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
+                     row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
+                     BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
+                     ALIGNED, 1, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8)),
+        (_loader, (tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
+                   q_ptr, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, BM, BN1, BN2, BLOCK_E, GB,
+                   PULL_SPLIT, STAGES, QD_, ACQ_GPU, tll_ptr, TIMELINE, FP8)),
+    ], [4, 1], [CONSUMER_REGS_, LOADER_REGS])
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(st))
         mbarrier.invalidate(empty.index(st))
@@ -1050,8 +998,7 @@ def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: i
         else act_st_desc
     epi_tma = all(t.data_ptr() % 16 == 0 for t in [act] + ([h] if h is not None else []) + ([rows] if pull else []))
     block_h = min(triton.next_power_of_2(hp), 2048)
-    qd = cfg.claim_ahead if cfg.claim_ahead else QD
-    q = torch.empty(P * qd, dtype=torch.int64, device=a.device)
+    q = torch.empty(P * QD, dtype=torch.int64, device=a.device)
     consumer_regs = CONSUMER_REGS_FP8 if fp8 is not None else CONSUMER_REGS
     k_ = _gluon_fused_fwd_kernel[(P,)](
         heap.tab, heap.world, heap.rank, x_desc, w13_desc, act_desc, w2_desc, act_st_desc, hg_desc, hu_desc,
@@ -1059,12 +1006,11 @@ def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: i
         sched.row_slot, ctr, q, *(timeline if timeline is not None else (ctr, ctr, ctr)), *f8_args, H, I, E_l, nb_max,
         ring_blocks, lookahead, lag, heap.timeout_ns, hp, stride_xs,
         K=k, BM=BM, BN1=BN1, BN2=BN2, BLOCK_E=triton.next_power_of_2(max(E_l, 2)), GB=group,
-        PULL_SPLIT=cfg.pull_split, STAGES=stages_of(cfg, fp8 is not None), QD_=qd,
+        PULL_SPLIT=cfg.pull_split, STAGES=stages_of(cfg, fp8 is not None), QD_=QD,
         ROWS_P=max(1, min(BM // 2, 8192 // block_h)), BLOCK_H=block_h, WP2=max(2, heap.wp2), STORE_H=h is not None,
         EPI_TMA=epi_tma, PULL_COMBINE=pull, ALIGNED=(H * 2) % 16 == 0 and (hp * 2) % 16 == 0,
         ACQ_GPU=cfg.counter_scope == "gpu", CONSUMER_REGS_=consumer_regs, LOADER_REGS=REG_POOL - 2 * consumer_regs,
-        TIMELINE=timeline is not None, FP8=fp8 is not None, SPLIT=cfg.claim_ahead > 0, num_warps=4,
-        maxnreg=REG_POOL // 3,
+        TIMELINE=timeline is not None, FP8=fp8 is not None, num_warps=4, maxnreg=REG_POOL // 3,
     )
     record("_gluon_fused_fwd_kernel", k_)
     LAST_LAUNCH.clear()
