@@ -395,13 +395,13 @@ def _push_rows_idx(row0, nrows, row_src_ptr, row_tok_ptr, row_slot_ptr, HM: gl.c
 @gluon.jit
 def _push_rows_base(tab, W, src, tok, slot, rvalid, K: gl.constexpr):
     """Second part: (the owner's ``slots`` region address (a load), the row's index in it tok * K + slot)."""
-    return gl.load(tab + REG_SLOTS * W + src, mask=rvalid, other=0), (tok * K + slot).to(gl.int64)
+    return gl.load(tab + REG_SLOTS * W + src, mask=rvalid, other=0), tok * K + slot  # (int32: < T_max * k rows)
 
 
 @gluon.jit
 def _push_rows_ptrs(sbase, sidx, H, ALIGNED: gl.constexpr):
     """Last part: each row's owner ``slots[tok, slot]`` row pointer."""
-    rp = (sbase + sidx * H * 2).to(gl.pointer_type(gl.bfloat16))
+    rp = (sbase + sidx.to(gl.int64) * H * 2).to(gl.pointer_type(gl.bfloat16))
     if ALIGNED:
         rp = gl.multiple_of(rp, 16)
     return rp
@@ -671,30 +671,21 @@ def _gemm2_item_fp8(tab, W, a_smem, b_smem, ready, empty, epi_smem, acs_ptr, s2_
     mmask = rm < base + nrows
     sa_row = acs_ptr + rm.to(gl.int64) * kbi
     sw_p = s2_ptr + e.to(gl.int64) * (gl.cdiv(H, 128) * kbi) + ((j * BN2) // 128) * kbi
+    # the rows' owner addresses: the index loads issued here, the dependent slot-base load after the k-loop (the
+    # bf16 item's peeled first k-step cost this one 20 B more spills)
+    src, tok, slot, rvalid = _push_rows_idx(row0, nrows, row_src_ptr, row_tok_ptr, row_slot_ptr, HM, WG, store_l)
     zero = gl.zeros((HM, BN2), dtype=gl.float32, layout=mma)
     acc = zero
     t_first = (it * 0).to(gl.int64)
     t_loop = t_first
-    # the rows' owner addresses as the bf16 GEMM2: loads issued, the dependent one under k-step 0's wgmma (peeled)
-    src, tok, slot, rvalid = _push_rows_idx(row0, nrows, row_src_ptr, row_tok_ptr, row_slot_ptr, HM, WG, store_l)
-    st = it % STAGES
-    sa = gl.load(sa_row, mask=mmask, other=0.0)
-    sb = gl.load(sw_p)
-    mbarrier.wait(ready.index(st), (it // STAGES) & 1)
-    if TIMELINE:
-        t_first = _now()
-    p = warpgroup_mma(a_smem.index(st).slice(WG * HM, HM), b_smem.index(st).slice(0, BN2).permute((1, 0)), zero,
-                      use_acc=False, is_async=True)
-    sbase, sidx = _push_rows_base(tab, W, src, tok, slot, rvalid, K)
-    p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-    mbarrier.arrive(empty.index(st), count=1)
-    acc = acc + p * (sa * sb)[:, None]
-    it += 1
-    for ki in range(1, k2):
+    for ki in range(k2):
         st = it % STAGES
         sa = gl.load(sa_row + ki, mask=mmask, other=0.0)
         sb = gl.load(sw_p + ki)
         mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        if TIMELINE:
+            if ki == 0:
+                t_first = _now()
         a_v = a_smem.index(st).slice(WG * HM, HM)
         p = warpgroup_mma(a_v, b_smem.index(st).slice(0, BN2).permute((1, 0)), zero, use_acc=False, is_async=True)
         p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
@@ -706,6 +697,7 @@ def _gemm2_item_fp8(tab, W, a_smem, b_smem, ready, empty, epi_smem, acs_ptr, s2_
     off_n = j * BN2
     a0, a1, a2, a3 = _slices(acc, HM, BN2, mma_s)
     b0 = 2 * WG + (nst & 1)
+    sbase, sidx = _push_rows_base(tab, W, src, tok, slot, rvalid, K)
     rp = _push_rows_ptrs(sbase, sidx, H, ALIGNED)
     _push_slice(a0.to(gl.bfloat16), rp, rvalid, off_n, H, epi_smem, b0, HM, store_l)
     if BN2 > 64:
