@@ -93,6 +93,24 @@ def profile(fn, iters=3) -> list[tuple[str, float]]:
     return sorted(rows, key=lambda r: -r[1])[:8]
 
 
+def loop_share(it: torch.Tensor, P: int, t0: int, window_us: float = 100.0) -> str:
+    """Share of the programs' time in GEMM k-loops (first stage landed .. loop done; pull items: the copy) in
+    consecutive windows from t0: where the schedule leaves the tensor cores idle (start, steady state, drain)."""
+    a = (it[:, 5] - t0).double() / 1e3
+    b = (it[:, 6] - t0).double() / 1e3
+    live = it[:, 1] < 3
+    a, b = a[live], b[live]
+    end = float((it[:, 7].max() - t0) / 1e3)
+    out = []
+    w0 = 0.0
+    while w0 < end:
+        w1 = min(w0 + window_us, end)
+        ov = (torch.minimum(b, torch.tensor(w1)) - torch.maximum(a, torch.tensor(w0))).clamp(min=0).sum().item()
+        out.append(f"{ov / (P * max(w1 - w0, 1e-9)):.0%}")
+        w0 = w1
+    return " ".join(out)
+
+
 def timeline_report(info: dict) -> str:
     """Where the megakernel's program time went, from fused_moe.LAST_TIMELINE (us; one rank). kernel "gluon": the
     columns are consumer 0's view (claim: waiting for the loader to hand the item over; wait: for its first stage)
@@ -139,6 +157,7 @@ def timeline_report(info: dict) -> str:
                      f"items {d[:, 1].mean():.1f}, DONE wait {d[:, 2].mean():.1f} / {d[:, 2].max():.1f}, "
                      f"slot sum {d[:, 3].mean():.1f} / {d[:, 3].max():.1f}; kernel entry to last end "
                      f"{(pp[:, 4].max() - e0) / 1e3:.1f} us, entries spread over {(pp[:, 0].max() - e0) / 1e3:.1f} us")
+    lines.append("   k-loop share of P x window, per 100 us from the first claim: " + loop_share(it, P, t0))
     g = it[it[:, 1] > 0]
     g = g[g[:, 1] < 3]
     if len(g):

@@ -161,8 +161,8 @@ fi
 
 if want p; then
 echo "== p. megakernel per-item timeline (forward, no autograd; phases per item kind, rank 0)"
-mkdir -p /tmp/tl
-timeout 200 torchrun --nproc_per_node "$NGPU" benchmarks/fused_probe.py --timeline --out /tmp/tl \
+mkdir -p "$OUT/tl"  # the raw records come back with the call (fused_probe.timeline_report reads them on the CPU)
+timeout 200 torchrun --nproc_per_node "$NGPU" benchmarks/fused_probe.py --timeline --out "$OUT/tl" \
   --variants "${P_VARIANTS:-default,gluon}" --presets "${P_PRESETS:-qwen3-30b-a3b,deepseek-v3}" 2>&1 | quiet \
   | tee "$OUT/probe-timeline.txt" | tail -40
 fi
