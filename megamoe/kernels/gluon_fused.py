@@ -32,13 +32,13 @@ launched right after this one with ``ITEMS=False`` (fused_moe._launch): this ker
 stream order makes every push complete before the tail publishes DONE. Backward, the prologue, the prefetching pull
 and the ablations stay on the Triton kernel (ValueError here); ``FusedConfig.timeline`` works on both.
 
-FP8 (``FP8``, ``fused:kernel=gluon:fp8=1``; 2026-12-02, compiled for sm_90a, NOT yet run on a GPU): the Triton FP8
+FP8 (``FP8``, ``fused:kernel=gluon:fp8=1``; bitwise the Triton FP8 megakernel's on one H200, 2026-12-02): the Triton FP8
 megakernel's arithmetic on this structure. The pull moves packed FP8 rows (HP words each); GEMM1 runs each 128-column
-tile as two 64-column halves (a stage: 128 x rows of e4m3 x and the gate and up halves' 64 weight rows, 128 of K),
-every product a fresh wgmma that its consumer waits for before the promotion acc += P * (x_scale * w_scale) (the
-other consumer's wgmma runs meanwhile, as in gluon_fp8_ws), h in bf16 by TMA, act rounded to bf16 and quantised
-per row over the tile's 128 columns into e4m3 with its 1x128 scale; GEMM2 on e4m3 act and w2 in 128-column tiles
-(one weight scale block), promoted likewise, rows pushed in bf16. I must be a multiple of 128.
+tile as two 64-column halves (a stage: 128 x rows of e4m3 x and the gate and up halves' 64 weight rows, 128 of K), every
+product a fresh wgmma that its consumer waits for before the promotion acc += P * (x_scale * w_scale) (the other
+consumer's wgmma runs meanwhile, as in gluon_fp8_ws), h in bf16 by TMA, act rounded to bf16 and quantised per row over
+the tile's 128 columns into e4m3 with its 1x128 scale; GEMM2 on e4m3 act and w2 in 128-column tiles (one weight scale
+block), promoted likewise, rows pushed in bf16. I must be a multiple of 128.
 """
 
 from __future__ import annotations
