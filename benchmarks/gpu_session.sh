@@ -15,7 +15,7 @@
 # weight-quantisation variants), o (FP8 copies kept by the optimizer: tests + bench, ~6 min), o2 (training A/B of it,
 # ~6 min), o3 (graphed FP8 layer, managed copies vs per-replay quantisation, ~3 min), v (the GPU tests of V_TESTS),
 # f8 (the FP8 megakernel: its GPU tests, then the layer bench, ~8 min on one GPU), gf (the Gluon megakernel items:
-# smoke, GPU tests, layer bench).
+# smoke, GPU tests, layer bench), gs (the Gluon items' schedule knobs, layer bench, qwen3 and mixtral, ~4-8 min on one GPU).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -239,6 +239,15 @@ timeout 120 python3 benchmarks/gluon_fused_debug.py --tokens 4096 --experts 128 
 [ "${GF_TESTS:-1}" = 1 ] && gpu_tests_par gpu_fused_gluon "${GF_TIMEOUT:-400}" "${GF_PROCS:-2}" -k gluon tests/test_gpu_fused.py
 for p in ${GF_PRESETS-qwen3-30b-a3b mixtral-8x7b}; do echo "-- $p"
   bench "$p" 4096 "${GF_BACKENDS:-split,fused,fused:kernel=gluon}" gluon --cuda-graph
+done
+fi
+
+if want gs; then
+echo "== gs. the Gluon items' schedule (fused:kernel=gluon): default vs group 16 + lag 5 (the best qwen3 EP 1 timeline,"
+echo "   2026-12-02) vs the same with gpu-scope counter acquires, split and the Triton megakernel beside, graphed"
+for p in ${GS_PRESETS:-qwen3-30b-a3b mixtral-8x7b}; do echo "-- $p"
+  bench "$p" 4096 "split:presum_combine=1,fused,fused:kernel=gluon,fused:kernel=gluon:group_blocks=16:lag=5,\
+fused:kernel=gluon:group_blocks=16:lag=5:counter_scope=gpu,fused:group_blocks=16:lag=5" gluonsched --cuda-graph
 done
 fi
 
