@@ -60,8 +60,7 @@ def _rank(rank: int, world: int, args) -> int:
         sys.stdout.flush()
         os._exit(3)
     print(f"[{time.time() - t0:6.1f}s] done", flush=True)
-    ref = MoE(cfg, backend="fused", device=dev, seed=0,
-              **{k: v for k, v in opts.items() if k != "kernel"})
+    ref = MoE(cfg, backend="fused", device=dev, seed=0, **{k: v for k, v in opts.items() if k != "kernel"})
     with torch.no_grad():
         yr = ref(x).out
     torch.cuda.synchronize()

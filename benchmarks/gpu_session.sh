@@ -15,7 +15,8 @@
 # weight-quantisation variants), o (FP8 copies kept by the optimizer: tests + bench, ~6 min), o2 (training A/B of it,
 # ~6 min), o3 (graphed FP8 layer, managed copies vs per-replay quantisation, ~3 min), v (the GPU tests of V_TESTS),
 # f8 (the FP8 megakernel: its GPU tests, then the layer bench, ~8 min on one GPU), gf (the Gluon megakernel items:
-# smoke, GPU tests, layer bench), gs (the Gluon items' schedule knobs, layer bench, qwen3 and mixtral, ~4-8 min on one GPU).
+# smoke, GPU tests, layer bench), gs (the Gluon items' schedule knobs, layer bench, qwen3 and mixtral, ~4-8 min on
+# one GPU).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}

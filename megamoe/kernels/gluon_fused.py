@@ -382,8 +382,8 @@ def _pull_rows(tab, W, row0, r_lo, r_end, base, row_src_ptr, row_tok_ptr, x_ptr,
 def _push_rows_idx(row0, nrows, row_src_ptr, row_tok_ptr, row_slot_ptr, HM: gl.constexpr, WG: gl.constexpr,
                    store_l: gl.constexpr):
     """Consumer WG's 64 rows of a block (fused_parts._push_rows), first part: (src, tok, slot, valid) loads issued, in
-    SliceLayout(1, store_l). GEMM2 issues them before its first stage's wait, _push_rows_base uses them under the first
-    wgmma and _push_rows_ptrs after the k-loop, so no load's latency stops the wgmmas."""
+    SliceLayout(1, store_l). The GEMM2 items issue them before their k-loop and call _push_rows_base under the first
+    wgmma (bf16) or after the k-loop (FP8), and _push_rows_ptrs after it, so no load's latency stops the wgmmas."""
     rloc = WG * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, store_l))
     rvalid = rloc < nrows
     src = gl.load(row_src_ptr + row0 + rloc, mask=rvalid, other=0)
