@@ -27,6 +27,7 @@ import torch.distributed as dist  # noqa: E402
 from megamoe.comm.signals import barrier  # noqa: E402
 from megamoe.config import preset  # noqa: E402
 from megamoe.dist import init_from_env  # noqa: E402
+from megamoe.kernels import gluon_fused  # noqa: E402
 from megamoe.kernels.gemm_config import LAST_COMPILED  # noqa: E402
 from megamoe.layer import MoE  # noqa: E402
 
@@ -75,6 +76,8 @@ VARIANTS = [
     ("gluon-split2", {"kernel": "gluon", "pull_split": 2}, None),
     ("gluon-g16lag5", {"kernel": "gluon", "group": 16, "lag": 5}, None),
     ("gluon-g16la12lag5", {"kernel": "gluon", "group": 16, "lookahead": 12, "lag": 5}, None),
+    ("gluon-nopair", {"kernel": "gluon"}, None, {"PUSH_PAIR": False}),  # 4th: kernels.gluon_fused attributes set
+    ("gluon-g16lag5-nopair", {"kernel": "gluon", "group": 16, "lag": 5}, None, {"PUSH_PAIR": False}),  # for the run
     ("lag5", {"lag": 5}, None),
     ("g16lag5", {"group": 16, "lag": 5}, None),
 ]
@@ -214,11 +217,14 @@ def main() -> None:
                     rows = profile(lambda m=m, x=x: m(x))
                     if rank == 0:
                         print(f"-- {label} kernels (ms/iter): " + ", ".join(f"{k} {v:.3f}" for k, v in rows))
-        for vname, kw, ring in VARIANTS:
+        for vname, kw, ring, *mods in VARIANTS:
             if names and vname not in names:
                 continue
             fused.backend.config = base.with_(**kw)
             fused.backend.ring_blocks = ring
+            saved = {a: getattr(gluon_fused, a) for a in (mods[0] if mods else {})}
+            for a, v in (mods[0] if mods else {}).items():
+                setattr(gluon_fused, a, v)
             try:
                 with torch.no_grad():
                     y = fused(x).out.float()
@@ -254,6 +260,8 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 - report and go on to the next variant
                 line = f"{vname:10s} FAILED: {type(exc).__name__}: {str(exc)[:300]}"
                 barrier(fused.backend.heap)  # the failed call never published DONE: close it on every rank
+            for a, v in saved.items():
+                setattr(gluon_fused, a, v)
             if rank == 0:
                 print(line, flush=True)
     dist.barrier()
