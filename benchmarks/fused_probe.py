@@ -78,6 +78,11 @@ VARIANTS = [
     ("gluon-g16la12lag5", {"kernel": "gluon", "group": 16, "lookahead": 12, "lag": 5}, None),
     ("gluon-nopair", {"kernel": "gluon"}, None, {"PUSH_PAIR": False}),  # 4th: kernels.gluon_fused attributes set
     ("gluon-g16lag5-nopair", {"kernel": "gluon", "group": 16, "lag": 5}, None, {"PUSH_PAIR": False}),  # for the run
+    ("gluon-qd1", {"kernel": "gluon"}, None, {"QD": 1}),  # the loader's queue depth (items it may claim ahead)
+    ("gluon-qd2", {"kernel": "gluon"}, None, {"QD": 2}),
+    ("gluon-qd4", {"kernel": "gluon"}, None, {"QD": 4}),
+    ("gluon-qd1-lag5", {"kernel": "gluon", "lag": 5}, None, {"QD": 1}),
+    ("gluon-qd1-g16", {"kernel": "gluon", "group": 16}, None, {"QD": 1}),
     ("lag5", {"lag": 5}, None),
     ("g16lag5", {"group": 16, "lag": 5}, None),
 ]
@@ -147,6 +152,10 @@ def timeline_report(info: dict) -> str:
                 d = (r[:, 1:4] - r[:, 0:3]) / 1e3
                 m = d.mean(0).tolist()
                 lines.append(f"   loader {name:6s} {m[0]:7.2f} {m[1]:7.2f} {m[2]:7.2f}")
+        w = (lo[:, 2] - lo[:, 1]) / 1e3  # input waits (counters) of the GEMM items: the long ones stop a program
+        w = w[(it[:, 1] == 1) | (it[:, 1] == 2)]
+        lines.append(f"   loader GEMM input waits > 10 us: {(w > 10).sum().item()} of {len(w)}, "
+                     f"{w[w > 10].sum() / 1e3:.3f} ms of program time (all waits {w.sum() / 1e3:.3f} ms)")
         pp = info["per_program"].cpu().double()
         d = (pp[:, 1:3] - pp[:, 0:2]) / 1e3
         lines.append(f"   per program (mean / max us): READY wait {d[:, 0].mean():.1f} / {d[:, 0].max():.1f}, items "

@@ -310,10 +310,13 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
             else:  # GEMM2(b, j): every GEMM1 tile of b done
                 fine = _wait_counter(g1 + b, 2 * T1, tab, W, rank, call, timeout_ns, ACQ_GPU)
         # hand the item over before its loads: the consumers free the ring's stages only once they know the item
-        # (publishing after the loads deadlocked as soon as an item had more k-steps than the ring has stages)
-        gl.store(qp + qs, gl.where(fine, item, -1 - item))
-        gl.thread_barrier()
-        mbarrier.arrive(q_full.index(qs), count=1)
+        # (publishing after the loads deadlocked as soon as an item had more k-steps than the ring has stages). An
+        # item with no block (the schedule's padding) is not handed over: the consumers have nothing to do for it
+        hand = live | (go == 0) | (fine == 0)
+        if hand:
+            gl.store(qp + qs, gl.where(fine, item, -1 - item))
+            gl.thread_barrier()
+            mbarrier.arrive(q_full.index(qs), count=1)
         if TIMELINE:
             t_handed = _now()
         if live & fine & (kind != 0):
@@ -328,7 +331,7 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
                 gl.store(lrec + 2, t_handed)
                 gl.store(lrec + 3, _now())
         go = go & fine
-        n += 1
+        n += hand.to(gl.int32)
 
 
 # ----------------------------------------------------------------------------------------------- consumers
