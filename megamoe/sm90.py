@@ -24,6 +24,7 @@ the test starts it as a subprocess.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -66,18 +67,22 @@ def ptxas_usage(compiled) -> dict[str, int]:
     from triton import knobs
     from triton.backends.nvidia.compiler import get_ptxas
 
+    text = _PTXAS_LOGS.get(compiled.hash)
     with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "k.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        res = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp) / "k.o")],
-                             capture_output=True, text=True, check=True)
+        if text is None:  # (from the cache: ptxas again)
+            ptx = Path(tmp) / "k.ptx"
+            ptx.write_text(compiled.asm["ptx"])
+            res = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp) / "k.o")],
+                                 capture_output=True, text=True, check=True)
+            text = res.stdout + res.stderr
+        else:
+            (Path(tmp) / "k.o").write_bytes(compiled.asm["cubin"])
         try:
             sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", str(Path(tmp) / "k.o")],
                                   capture_output=True, text=True, check=True).stdout
             overlapped = ffma_under_wgmma(sass)
         except Exception:  # noqa: BLE001 - a triton install without its bundled cuobjdump
             overlapped = -1
-    text = res.stdout + res.stderr
     regs = re.search(r"Used (\d+) registers", text)
     spill_st = re.search(r"(\d+) bytes spill stores", text)
     spill_ld = re.search(r"(\d+) bytes spill loads", text)
@@ -106,12 +111,18 @@ class _HopperTarget:
         return 0
 
 
+#: the ptxas -v output of each kernel compiled under :func:`compile_only` in this process, by its hash: ptxas_usage
+#: reads it (and disassembles the kernel's cubin) instead of running ptxas on the PTX again
+_PTXAS_LOGS: dict[str, str] = {}
+
+
 @contextlib.contextmanager
 def compile_only(compiled: dict[str, dict[str, object]]):
     """Inside the block every Triton launch compiles its kernel for sm_90a with the launch's real argument
     specialisation (ints equal to 1 as constexprs, 16-byte alignment of each pointer) and launches nothing;
     ``compiled[kernel name][cache key]`` collects the kernels. Outputs are left unwritten, so only code whose
     host side never reads device results (megamoe's sync-free backends) runs through unchanged."""
+    from triton import knobs
     from triton.runtime import driver as drv
     from triton.runtime.jit import JITFunction
 
@@ -119,7 +130,19 @@ def compile_only(compiled: dict[str, dict[str, object]]):
     prev = drv._active
 
     def run(self, *args, grid, warmup, **kwargs):
-        k = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
+        log, env = io.StringIO(), os.environ.get("TRITON_DUMP_PTXAS_LOG")
+        knobs.nvidia.dump_ptxas_log = True  # Triton prints its own ptxas -v output: kept for ptxas_usage
+        try:
+            with contextlib.redirect_stdout(log):
+                k = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
+        finally:
+            del knobs.nvidia.dump_ptxas_log
+            if env is None:
+                os.environ.pop("TRITON_DUMP_PTXAS_LOG", None)
+            else:
+                os.environ["TRITON_DUMP_PTXAS_LOG"] = env
+        if "registers" in log.getvalue():  # compiled now (not from the cache)
+            _PTXAS_LOGS[k.hash] = log.getvalue()
         compiled.setdefault(self.fn.__name__, {})[k.hash] = k
         return k
 
@@ -497,14 +520,10 @@ def _layer_rank(rank: int, world: int) -> dict:
         if world == 1:
             extra = [extra[0] + extra[1]]
         if rank < len(extra):
-            if rank != 0:  # this rank reports only its own kernels (rank 0 reports the layers')
-                compiled, where = {}, {}
             for fn in extra[rank]:
                 fn(compiled, where)
-            return {f"{n}#{key[:8]}": {"layer": where.get(f"{n}#{key[:8]}", ""), **_summary(k)}
-                    for n, ks in compiled.items() for key, k in ks.items()}
-    if rank != 0:
-        return {}
+    # every rank reports what it compiled: a rank's own specialisations (rank 1 arrives as a constexpr) are checked
+    # too (the report is the union; the kernels both ranks compiled are the same)
     return {f"{n}#{key[:8]}": {"layer": where.get(f"{n}#{key[:8]}", ""), **_summary(k)}
             for n, ks in compiled.items() for key, k in ks.items()}
 

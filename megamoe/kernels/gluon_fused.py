@@ -79,7 +79,11 @@ PURPOSE_TILE = gl.constexpr(3)
 #: the last launch's queue counter and per-block counters (``ctr``: int64 [1 + 3 * nb_max]: items claimed, ready[],
 #: g1[], g2[]), item queue (``q``: int64 [P * QD]) and sizes, for diagnostics (benchmarks/gluon_fused_debug.py)
 LAST_LAUNCH: dict = {}
-QD = 4  # depth of the loader -> consumers item queue
+# depth of the loader -> consumers item queue: how many items the loader may claim before the consumers start them. 4
+# let it claim up to 4 pulls (no loads to issue) and then a GEMM1 tile, which waited ~100 us behind them while the
+# GEMM2 items of its block, claimed on other programs, waited for it (qwen3 EP 1 timeline, 2026-12-02: 364 of 4438
+# GEMM items waited > 10 us for their inputs); an item is bound to its program when claimed, so claim late
+QD = 1
 PUSH_PAIR = True  # GEMM2's push: two 64-column slices per pair of barriers (False: one; fused_probe's A/B)
 # registers per thread of each consumer warpgroup (the loader gets the rest of REG_POOL): on sm_90a 224 left the loader
 # 56 and 28 B of spills (8 experts); 208 leaves 88: 0 B at 8 and 16 experts, 20 B at 128 (the loader's schedule
