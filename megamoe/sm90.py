@@ -516,7 +516,7 @@ def _layer_rank(rank: int, world: int) -> dict:
                 where.setdefault(f"{n}#{key[:8]}", label)
         del moe
     if world == max(entry[0] for entry in LAYERS):  # the standalone kernels, split between the first two ranks
-        extra = [(_gluon_fp8, _gluon_fp8_ws, _gluon_wgrad_ws), (_gluon_bf16, _gluon_bf16_ws, _wgrad_outputs, _router)]
+        extra = [(_gluon_fp8, _gluon_fp8_ws, _gluon_wgrad_ws, _wgrad_outputs, _router), (_gluon_bf16, _gluon_bf16_ws)]
         if world == 1:
             extra = [extra[0] + extra[1]]
         if rank < len(extra):
