@@ -10,6 +10,14 @@ interpreter's float converter so that float32 -> bfloat16 rounds to nearest even
 Runtime loop bounds (triton 3.6 + numpy >= 2.3): scalars are 1-element arrays in the interpreter and
 ``int(np.array([3]))`` now raises, so ``for i in range(n)`` with a runtime ``n`` fails there. :func:`apply`
 re-binds the interpreter's ``tensor.__index__`` to read the single element.
+
+Speed (triton 3.6.0): the interpreter re-patches ``triton.language`` (``_patch_lang``: ``inspect.getmembers`` over
+tl, tl.core, tl.math and the tensor classes) on every call of a ``@triton.jit`` helper inside a kernel, although the
+kernel's launch has patched the same modules already; that was ~30% of the CPU test suite's interpreter time
+(py-spy, 2026-12-02). :func:`apply` skips the repeat while a launch's patch is in place and covers the helper's
+modules (the launch restores everything when it ends, as before). And every int32 add / sub / mul computed its int64
+overflow check (``sanitize_overflow``, ~30% of the remaining time) for a ``device_assert`` that the interpreter drops
+(its options never set ``debug``): :func:`apply` turns the check off while ``debug`` is off, which changes no result.
 """
 
 from __future__ import annotations
@@ -55,4 +63,40 @@ def apply() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = patch_tensor_with_index
+
+    patch_lang = interpreter._patch_lang
+    active: list[frozenset] = []  # the modules the running launch has patched (empty: no launch running)
+
+    class _Kept:  # a helper call's scope: upstream never restores those either
+        def restore(self) -> None:
+            pass
+
+    seen: dict = {}  # fn -> the language modules its globals hold (the interpreter's _patch_lang test)
+
+    def patch_lang_once(fn):
+        langs = seen.get(fn)
+        if langs is None:
+            langs = seen[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        if active and langs <= active[0]:  # a helper inside a launch whose patch covers its modules
+            return _Kept()
+        scope = patch_lang(fn)
+        if active:  # a helper that sees another module: patched as upstream does (kept until the launch ends)
+            active[0] = active[0] | langs
+            return scope
+        active.append(langs)  # a launch (GridExecutor): its restore() ends the window
+        restore = scope.restore
+
+        def restore_and_close() -> None:
+            active.clear()
+            restore()
+
+        scope.restore = restore_and_close
+        return scope
+
+    interpreter._patch_lang = patch_lang_once
+    import dataclasses
+
+    b = interpreter.interpreter_builder
+    if not b.options.debug:  # (semantic.device_assert returns at once without debug: the check's result goes nowhere)
+        b.options = dataclasses.replace(b.options, sanitize_overflow=False)
     _applied = True
