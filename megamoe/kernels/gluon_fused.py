@@ -10,7 +10,10 @@ tensor cores. Here the same items run with gluon_bf16_ws's structure:
                item's inputs (the per-block counters, bounded, acquire + ``fence.proxy.async``), issues its GEMM
                k-steps' TMA loads into a STAGES-deep ring (GEMM1: x rows + the gate and up tiles; GEMM2: act rows +
                a w2 tile), and hands the item to the consumers through a QD-deep queue (the item index in global
-               memory, per program, behind an mbarrier; negative when its wait failed: every partition stops there)
+               memory, per program, behind an mbarrier; negative when its wait failed: every partition stops there).
+               QD = 1: it claims an item only once the consumers have taken the one before (a claimed item is bound
+               to this program, and items queued behind pulls held other programs' GEMM2 items back); items with
+               no block (the schedule's padding) are claimed and dropped, never handed over
     consumer 0 4 warps (the default partition): rows 0..63 of the item's block
     consumer 1 4 warps (a worker partition):    rows 64..127
                PULL: half of the part's rows from their owners' ``tok`` regions; GEMM1: 64 x (128 gate + 128 up)
