@@ -101,11 +101,31 @@ def git_commit() -> str:
         return "unknown"
 
 
+def source_digest(root: str | None = None) -> str:
+    """sha1 over the package's Python sources (each ``megamoe/**/*.py`` path relative to the package, then its bytes,
+    in path order): names the code a result ran, whatever git says on the machine that ran it (a copied tree's HEAD
+    can be stale; 2026-12-02). ``git archive <commit> megamoe`` unpacked elsewhere gives the same digest."""
+    import hashlib
+
+    root = root or os.path.dirname(os.path.abspath(__file__))
+    paths = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+        paths += [os.path.join(d, f) for f in files if f.endswith(".py")]
+    h = hashlib.sha1()
+    for p in sorted(paths, key=lambda q: os.path.relpath(q, root).replace(os.sep, "/")):
+        h.update(os.path.relpath(p, root).replace(os.sep, "/").encode() + b"\0")
+        with open(p, "rb") as f:
+            h.update(f.read() + b"\0")
+    return h.hexdigest()
+
+
 def run_metadata(device: torch.device, world: int) -> dict:
     import triton
 
     meta = {
         "commit": git_commit(),
+        "source_sha1": source_digest(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "triton": triton.__version__,

@@ -134,3 +134,22 @@ def test_import_does_no_work():
     code = "import sys, megamoe; print('megamoe.layer' in sys.modules, 'triton' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_results_name_the_code_they_ran(tmp_path):
+    # benchmark JSON carries a digest of the package sources: the same for a copy of the tree (a GPU machine's copy,
+    # whose git HEAD can be stale), different once any source changes
+    import os
+    import shutil
+
+    import megamoe
+    from megamoe.perf import run_metadata, source_digest
+
+    pkg = os.path.dirname(megamoe.__file__)
+    copy = tmp_path / "megamoe"
+    shutil.copytree(pkg, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    live = source_digest()
+    assert len(live) == 40 and source_digest(str(copy)) == live
+    (copy / "perf.py").write_text((copy / "perf.py").read_text() + "\n# changed\n")
+    assert source_digest(str(copy)) != live
+    assert run_metadata(torch.device("cpu"), 1)["source_sha1"] == live
