@@ -16,7 +16,7 @@
 # ~6 min), o3 (graphed FP8 layer, managed copies vs per-replay quantisation, ~3 min), v (the GPU tests of V_TESTS),
 # f8 (the FP8 megakernel: its GPU tests, then the layer bench, ~8 min on one GPU), gf (the Gluon megakernel items:
 # smoke, GPU tests, layer bench), gs (the Gluon items' schedule knobs, layer bench, qwen3 and mixtral, ~4-8 min on
-# one GPU).
+# one GPU), gt (the Gluon items' GPU tests one after another, ~6-8 min on one GPU).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -250,6 +250,15 @@ for p in ${GS_PRESETS:-qwen3-30b-a3b mixtral-8x7b}; do echo "-- $p"
   bench "$p" 4096 "split:presum_combine=1,fused,fused:kernel=gluon,fused:kernel=gluon:group_blocks=16:lag=5,\
 fused:kernel=gluon:group_blocks=16:lag=5:counter_scope=gpu,fused:group_blocks=16:lag=5" gluonsched --cuda-graph
 done
+fi
+
+if want gt; then
+echo "== gt. the bf16 Gluon items' GPU test alone (test_fused_gluon_on_gpus at this GPU count: ~230 s cold on one"
+echo "   H200; it did not finish in a 3-way parallel chunk on 2026-12-02), then the FP8 one and the sync-free one"
+W=1; [ "$NGPU" -ge 2 ] && W=2; [ "$NGPU" -ge 4 ] && W=4  # (the tests' world sizes: 1, 2, 4)
+gpu_tests gpu_gluon_bf16 "${GT_TIMEOUT:-420}" "tests/test_gpu_fused.py::test_fused_gluon_on_gpus[$W]"
+gpu_tests gpu_gluon_rest 300 "tests/test_gpu_fused.py::test_fused_gluon_fp8_on_gpus[$W]" \
+  tests/test_gpu_fused.py::test_fused_gluon_sync_free_and_graph_capturable
 fi
 
 if want o; then
