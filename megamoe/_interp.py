@@ -96,7 +96,9 @@ def apply() -> None:
     interpreter._patch_lang = patch_lang_once
     import dataclasses
 
-    b = interpreter.interpreter_builder
-    if not b.options.debug:  # (semantic.device_assert returns at once without debug: the check's result goes nowhere)
-        b.options = dataclasses.replace(b.options, sanitize_overflow=False)
+    # (speed only: skipped where a later triton has no such options)
+    b = getattr(interpreter, "interpreter_builder", None)
+    opts = getattr(b, "options", None)
+    if dataclasses.is_dataclass(opts) and hasattr(opts, "sanitize_overflow") and not getattr(opts, "debug", True):
+        b.options = dataclasses.replace(opts, sanitize_overflow=False)  # (device_assert returns at once without debug)
     _applied = True
