@@ -76,9 +76,8 @@ VARIANTS = [
     ("gluon-split2", {"kernel": "gluon", "pull_split": 2}, None),
     ("gluon-g16lag5", {"kernel": "gluon", "group": 16, "lag": 5}, None),
     ("gluon-g16la12lag5", {"kernel": "gluon", "group": 16, "lookahead": 12, "lag": 5}, None),
-    ("gluon-nopair", {"kernel": "gluon"}, None, {"PUSH_PAIR": False}),  # 4th: kernels.gluon_fused attributes set
-    ("gluon-g16lag5-nopair", {"kernel": "gluon", "group": 16, "lag": 5}, None, {"PUSH_PAIR": False}),  # for the run
-    ("gluon-qd1", {"kernel": "gluon"}, None, {"QD": 1}),  # the loader's queue depth (items it may claim ahead)
+    # 4th: kernels.gluon_fused attributes set for the run; QD: the loader's queue depth (items it may claim ahead)
+    ("gluon-qd1", {"kernel": "gluon"}, None, {"QD": 1}),
     ("gluon-qd2", {"kernel": "gluon"}, None, {"QD": 2}),
     ("gluon-qd4", {"kernel": "gluon"}, None, {"QD": 4}),
     ("gluon-qd1-lag5", {"kernel": "gluon", "lag": 5}, None, {"QD": 1}),
@@ -231,8 +230,9 @@ def main() -> None:
                 continue
             fused.backend.config = base.with_(**kw)
             fused.backend.ring_blocks = ring
-            saved = {a: getattr(gluon_fused, a) for a in (mods[0] if mods else {})}
-            for a, v in (mods[0] if mods else {}).items():
+            mods = mods[0] if mods else {}
+            saved = {a: getattr(gluon_fused, a) for a in mods}
+            for a, v in mods.items():
                 setattr(gluon_fused, a, v)
             try:
                 with torch.no_grad():

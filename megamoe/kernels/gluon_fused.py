@@ -87,7 +87,6 @@ LAST_LAUNCH: dict = {}
 # GEMM2 items of its block, claimed on other programs, waited for it (qwen3 EP 1 timeline, 2026-12-02: 364 of 4438
 # GEMM items waited > 10 us for their inputs); an item is bound to its program when claimed, so claim late
 QD = 1
-PUSH_PAIR = True  # GEMM2's push: two 64-column slices per pair of barriers (False: one; fused_probe's A/B)
 # registers per thread of each consumer warpgroup (the loader gets the rest of REG_POOL): on sm_90a 224 left the loader
 # 56 and 28 B of spills (8 experts); 208 leaves 88: 0 B at 8 and 16 experts, 20 B at 128 (the loader's schedule
 # vectors); the consumers do not spill at 208
@@ -434,7 +433,8 @@ def _push_slice(val, rp, rvalid, col, H, epi_smem, buf, HM: gl.constexpr, store_
 @gluon.jit
 def _push_pair(v0, v1, rp, rvalid, col, H, epi_smem, b0, HM: gl.constexpr, store_l: gl.constexpr):
     """_push_slice for two adjacent slices (columns col .. col + 127) through both of the WG's staging buffers: two
-    barriers where two _push_slice calls take four (the WG's other buffer is b0 ^ 1)."""
+    barriers where two _push_slice calls take four (the WG's other buffer is b0 ^ 1). The GEMM2 items push in pairs
+    (one H200, 2026-12-02: bitwise the same, the epilogue 2.74 us against 2.85 with single slices)."""
     gl.thread_barrier()
     epi_smem.index(b0).store(v0)
     epi_smem.index(b0 ^ 1).store(v1)
@@ -503,7 +503,7 @@ def _gemm1_item(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc, hu
 def _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_ptr, row_src_ptr, row_tok_ptr,
                 row_slot_ptr, row0, base, nrows, j, H, k2, it, nst, K: gl.constexpr, BM: gl.constexpr,
                 BN2: gl.constexpr, STAGES: gl.constexpr, EPI_TMA: gl.constexpr, PULL_COMBINE: gl.constexpr,
-                ALIGNED: gl.constexpr, WG: gl.constexpr, TIMELINE: gl.constexpr, PUSH_PAIR: gl.constexpr):
+                ALIGNED: gl.constexpr, WG: gl.constexpr, TIMELINE: gl.constexpr):
     """Consumer WG's half of GEMM2(b, j): 64 x BN2 async wgmmas over the ring, then each row pushed into its owner's
     slot (16-byte stores from a staging buffer) or, PULL_COMBINE, stored at its receive row of this rank's ``rows``
     region (TMA where every row is the block's); returns the ring and staged-store counts."""
@@ -562,18 +562,13 @@ def _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_
             tma.store_wait(0)
     else:
         rp = _push_rows_ptrs(sbase, sidx, H, ALIGNED)
-        if PUSH_PAIR and BN2 > 64:
+        if BN2 > 64:
             _push_pair(a0.to(gl.bfloat16), a1.to(gl.bfloat16), rp, rvalid, off_n, H, epi_smem, b0, HM, store_l)
             if BN2 > 128:
                 _push_pair(a2.to(gl.bfloat16), a3.to(gl.bfloat16), rp, rvalid, off_n + 128, H, epi_smem, b0, HM,
                            store_l)
         else:
             _push_slice(a0.to(gl.bfloat16), rp, rvalid, off_n, H, epi_smem, b0, HM, store_l)
-            if BN2 > 64:
-                _push_slice(a1.to(gl.bfloat16), rp, rvalid, off_n + 64, H, epi_smem, b0 ^ 1, HM, store_l)
-            if BN2 > 128:
-                _push_slice(a2.to(gl.bfloat16), rp, rvalid, off_n + 128, H, epi_smem, b0, HM, store_l)
-                _push_slice(a3.to(gl.bfloat16), rp, rvalid, off_n + 192, H, epi_smem, b0 ^ 1, HM, store_l)
     nst += BN2 // 64
     return it, nst, t_first, t_loop
 
@@ -689,7 +684,7 @@ def _gemm1_item_fp8(a_smem, b_smem, ready, empty, epi_smem, hg_desc, hu_desc, h_
 def _gemm2_item_fp8(tab, W, a_smem, b_smem, ready, empty, epi_smem, acs_ptr, s2_ptr, row_src_ptr, row_tok_ptr,
                     row_slot_ptr, e, row0, base, nrows, j, H, I, k2, it, nst, K: gl.constexpr, BM: gl.constexpr,
                     BN2: gl.constexpr, STAGES: gl.constexpr, ALIGNED: gl.constexpr, WG: gl.constexpr,
-                    TIMELINE: gl.constexpr, PUSH_PAIR: gl.constexpr):
+                    TIMELINE: gl.constexpr):
     """FP8 GEMM2(b, j), consumer WG's 64 rows: per 128 of K, acc += (act_q @ q2^T) * (act_scale[r] * w_scale) (BN2 <=
     128: one 128-row weight block per tile), then the rows pushed into their owners' slots as bf16 (as the bf16
     GEMM2)."""
@@ -731,12 +726,10 @@ def _gemm2_item_fp8(tab, W, a_smem, b_smem, ready, empty, epi_smem, acs_ptr, s2_
     b0 = 2 * WG + (nst & 1)
     sbase, sidx = _push_rows_base(tab, W, src, tok, slot, rvalid, K)
     rp = _push_rows_ptrs(sbase, sidx, H, ALIGNED)
-    if PUSH_PAIR and BN2 > 64:
+    if BN2 > 64:
         _push_pair(a0.to(gl.bfloat16), a1.to(gl.bfloat16), rp, rvalid, off_n, H, epi_smem, b0, HM, store_l)
     else:
         _push_slice(a0.to(gl.bfloat16), rp, rvalid, off_n, H, epi_smem, b0, HM, store_l)
-        if BN2 > 64:
-            _push_slice(a1.to(gl.bfloat16), rp, rvalid, off_n + 64, H, epi_smem, b0 ^ 1, HM, store_l)
     nst += BN2 // 64
     return it, nst, t_first, t_loop
 
@@ -751,7 +744,7 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr
               ROWS_P: gl.constexpr, BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr,
               EPI_TMA: gl.constexpr, PULL_COMBINE: gl.constexpr, ALIGNED: gl.constexpr, WG: gl.constexpr,
               tl_ptr, tlp_ptr, TIMELINE: gl.constexpr, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr,
-              FP8: gl.constexpr, PUSH_PAIR: gl.constexpr):
+              FP8: gl.constexpr):
     """Consumer warpgroup WG: rows WG * 64 .. WG * 64 + 63 of every item's block (module docstring). TIMELINE
     (consumer 0): per item [program, kind (3: no block), block, asked for it, got it, first stage landed (pull: got
     it), k-loop (pull: copy) done, end] into tl_ptr [items, 8]; per program [entry, READY seen, items done] into
@@ -828,12 +821,12 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr
                     it, nst, t_f, t_l = _gemm2_item_fp8(tab, W, a_smem, b_smem, ready, empty, epi_smem, acs_ptr,
                                                         s2_ptr, row_src_ptr, row_tok_ptr, row_slot_ptr, e, row0, base,
                                                         nrows, j, H, I, k2, it, nst, K, BM, BN2, STAGES, ALIGNED, WG,
-                                                        TIMELINE, PUSH_PAIR)
+                                                        TIMELINE)
                 else:
                     it, nst, t_f, t_l = _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc,
                                                     rows_ptr, row_src_ptr, row_tok_ptr, row_slot_ptr, row0, base,
                                                     nrows, j, H, k2, it, nst, K, BM, BN2, STAGES, EPI_TMA,
-                                                    PULL_COMBINE, ALIGNED, WG, TIMELINE, PUSH_PAIR)
+                                                    PULL_COMBINE, ALIGNED, WG, TIMELINE)
                 if TIMELINE:
                     t_first = t_f
                     t_loop = t_l
@@ -885,7 +878,7 @@ def _gluon_fused_fwd_kernel(
     BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr, EPI_TMA: gl.constexpr,
     PULL_COMBINE: gl.constexpr, ALIGNED: gl.constexpr, ACQ_GPU: gl.constexpr,
     CONSUMER_REGS_: gl.constexpr, LOADER_REGS: gl.constexpr, TIMELINE: gl.constexpr, FP8: gl.constexpr,
-    PUSH_PAIR: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """Grid (P,): persistent programs of 4 + 4 + 1 warps (module docstring). FP8: x_desc, w13_desc, act_desc, w2_desc
     are the e4m3 operands' (blocks [BM, 128], [BN1, 128], [BM, 128], [BN2, 128]), x_ptr the packed rows (HP words
@@ -914,14 +907,12 @@ def _gluon_fused_fwd_kernel(
                      hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
                      row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
                      BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
-                     ALIGNED, 0, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8,
-                     PUSH_PAIR)),
+                     ALIGNED, 0, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8)),
         (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem, act_st_desc,
                      hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
                      row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
                      BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
-                     ALIGNED, 1, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8,
-                     PUSH_PAIR)),
+                     ALIGNED, 1, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8)),
         (_loader, (tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
                    q_ptr, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, BM, BN1, BN2, BLOCK_E, GB,
                    PULL_SPLIT, STAGES, QD_, ACQ_GPU, tll_ptr, TIMELINE, FP8)),
@@ -1039,7 +1030,7 @@ def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: i
         ROWS_P=max(1, min(BM // 2, 8192 // block_h)), BLOCK_H=block_h, WP2=max(2, heap.wp2), STORE_H=h is not None,
         EPI_TMA=epi_tma, PULL_COMBINE=pull, ALIGNED=(H * 2) % 16 == 0 and (hp * 2) % 16 == 0,
         ACQ_GPU=cfg.counter_scope == "gpu", CONSUMER_REGS_=consumer_regs, LOADER_REGS=REG_POOL - 2 * consumer_regs,
-        TIMELINE=timeline is not None, FP8=fp8 is not None, PUSH_PAIR=PUSH_PAIR, num_warps=4, maxnreg=REG_POOL // 3,
+        TIMELINE=timeline is not None, FP8=fp8 is not None, num_warps=4, maxnreg=REG_POOL // 3,
     )
     record("_gluon_fused_fwd_kernel", k_)
     LAST_LAUNCH.clear()
