@@ -129,18 +129,12 @@ def compile_only(compiled: dict[str, dict[str, object]]):
     orig_run = JITFunction.run
     prev = drv._active
 
+    env = os.environ.get("TRITON_DUMP_PTXAS_LOG")
+
     def run(self, *args, grid, warmup, **kwargs):
-        log, env = io.StringIO(), os.environ.get("TRITON_DUMP_PTXAS_LOG")
-        knobs.nvidia.dump_ptxas_log = True  # Triton prints its own ptxas -v output: kept for ptxas_usage
-        try:
-            with contextlib.redirect_stdout(log):
-                k = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
-        finally:
-            del knobs.nvidia.dump_ptxas_log
-            if env is None:
-                os.environ.pop("TRITON_DUMP_PTXAS_LOG", None)
-            else:
-                os.environ["TRITON_DUMP_PTXAS_LOG"] = env
+        log = io.StringIO()
+        with contextlib.redirect_stdout(log):  # (a compile prints its ptxas -v output: kept for ptxas_usage)
+            k = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
         if "registers" in log.getvalue():  # compiled now (not from the cache)
             _PTXAS_LOGS[k.hash] = log.getvalue()
         compiled.setdefault(self.fn.__name__, {})[k.hash] = k
@@ -148,11 +142,17 @@ def compile_only(compiled: dict[str, dict[str, object]]):
 
     drv.set_active(_HopperTarget())
     JITFunction.run = run
+    knobs.nvidia.dump_ptxas_log = True
     try:
         yield compiled
     finally:
         JITFunction.run = orig_run
         drv._active = prev
+        del knobs.nvidia.dump_ptxas_log  # (and its environment variable as it was: setting the knob exports it)
+        if env is None:
+            os.environ.pop("TRITON_DUMP_PTXAS_LOG", None)
+        else:
+            os.environ["TRITON_DUMP_PTXAS_LOG"] = env
 
 
 #: the layers whose kernels :func:`layer_report` compiles:
@@ -523,9 +523,16 @@ def _layer_rank(rank: int, world: int) -> dict:
             for fn in extra[rank]:
                 fn(compiled, where)
     # every rank reports what it compiled: a rank's own specialisations (rank 1 arrives as a constexpr) are checked
-    # too (the report is the union; the kernels both ranks compiled are the same)
-    return {f"{n}#{key[:8]}": {"layer": where.get(f"{n}#{key[:8]}", ""), **_summary(k)}
-            for n, ks in compiled.items() for key, k in ks.items()}
+    # too. The report is the union: a kernel a lower rank compiled as well is summarised there only
+    mine = {f"{n}#{key[:8]}": k for n, ks in compiled.items() for key, k in ks.items()}
+    if world > 1:
+        import torch.distributed as dist
+
+        keys = [None] * world
+        dist.all_gather_object(keys, sorted(mine))
+        lower = set().union(*keys[:rank])
+        mine = {name: k for name, k in mine.items() if name not in lower}
+    return {name: {"layer": where.get(name, ""), **_summary(k)} for name, k in mine.items()}
 
 
 def layer_report() -> dict[str, dict]:
