@@ -22,6 +22,7 @@ overflow check (``sanitize_overflow``, ~30% of the remaining time) for a ``devic
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -94,8 +95,6 @@ def apply() -> None:
         return scope
 
     interpreter._patch_lang = patch_lang_once
-    import dataclasses
-
     # (speed only: skipped where a later triton has no such options)
     b = getattr(interpreter, "interpreter_builder", None)
     opts = getattr(b, "options", None)
