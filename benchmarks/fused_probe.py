@@ -82,6 +82,11 @@ VARIANTS = [
     ("gluon-qd4", {"kernel": "gluon"}, None, {"QD": 4}),
     ("gluon-qd1-lag5", {"kernel": "gluon", "lag": 5}, None, {"QD": 1}),
     ("gluon-qd1-g16", {"kernel": "gluon", "group": 16}, None, {"QD": 1}),
+    # timing probes (results may be wrong): GEMM1 does not wait for its TMA stores to land (1), the GEMM items
+    # signal with relaxed atomics (2): what the signalling costs the consumers
+    ("gluon-p1", {"kernel": "gluon"}, None, {"PROBE": 1}),
+    ("gluon-p2", {"kernel": "gluon"}, None, {"PROBE": 2}),
+    ("gluon-p3", {"kernel": "gluon"}, None, {"PROBE": 3}),
     ("lag5", {"lag": 5}, None),
     ("g16lag5", {"group": 16, "lag": 5}, None),
 ]
@@ -202,6 +207,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="per-kernel device times of split and fused (default)")
     p.add_argument("--timeline", action="store_true", help="per-item phase times of every variant (rank 0)")
     p.add_argument("--out", default=".", help="directory for the --timeline records")
+    p.add_argument("--grad", action="store_true", help="the variants' forwards with autograd on (the input requires "
+                   "grad, so GEMM1 also stores h, as in training and the layer benchmark)")
     args = p.parse_args()
     dev = init_from_env()
     rank = dist.get_rank()
@@ -235,11 +242,12 @@ def main() -> None:
             for a, v in mods.items():
                 setattr(gluon_fused, a, v)
             try:
-                with torch.no_grad():
-                    y = fused(x).out.float()
+                xg = x.detach().requires_grad_() if args.grad else x
+                with torch.set_grad_enabled(args.grad):
+                    y = fused(xg).out.detach().float()
                     torch.cuda.synchronize()
                     err = ((y - ref).norm() / ref.norm()).item()
-                    t = timed(lambda m=fused, x=x: m(x))
+                    t = timed(lambda m=fused, x=xg: m(x))
                 k = LAST_COMPILED.get("_gluon_fused_fwd_kernel" if kw.get("kernel") == "gluon" else "_fused_fwd_kernel")
                 rep = (f"regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')} "
                        f"smem {k.metadata.shared if k is not None else '?'}")
@@ -257,8 +265,8 @@ def main() -> None:
                     from megamoe.kernels import fused_moe
 
                     fused.backend.config = fused.backend.config.with_(timeline=True)
-                    with torch.no_grad():
-                        yt = fused(x).out.float()
+                    with torch.set_grad_enabled(args.grad):
+                        yt = fused(xg).out.detach().float()
                         torch.cuda.synchronize()
                     same = bool(torch.equal(yt, y))
                     info = dict(fused_moe.LAST_TIMELINE)

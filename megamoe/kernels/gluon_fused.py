@@ -87,6 +87,9 @@ LAST_LAUNCH: dict = {}
 # GEMM2 items of its block, claimed on other programs, waited for it (qwen3 EP 1 timeline, 2026-12-02: 364 of 4438
 # GEMM items waited > 10 us for their inputs); an item is bound to its program when claimed, so claim late
 QD = 1
+# timing probes only (benchmarks/fused_probe.py; results may be wrong): bit 1: GEMM1 does not wait for its TMA stores to
+# land before signalling; bit 2: the GEMM items signal with a relaxed atomic (no barrier, no release)
+PROBE = 0
 # registers per thread of each consumer warpgroup (the loader gets the rest of REG_POOL): on sm_90a 224 left the loader
 # 56 and 28 B of spills (8 experts); 208 leaves 88: 0 B at 8 and 16 experts, 20 B at 128 (the loader's schedule
 # vectors); the consumers do not spill at 208
@@ -449,7 +452,7 @@ def _push_pair(v0, v1, rp, rvalid, col, H, epi_smem, b0, HM: gl.constexpr, store
 @gluon.jit
 def _gemm1_item(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc, hu_desc, act_ptr, h_ptr, base, nrows, j,
                 I, k1, it, nst, BM: gl.constexpr, BN1: gl.constexpr, STAGES: gl.constexpr, STORE_H: gl.constexpr,
-                EPI_TMA: gl.constexpr, WG: gl.constexpr, TIMELINE: gl.constexpr):
+                EPI_TMA: gl.constexpr, WG: gl.constexpr, TIMELINE: gl.constexpr, PROBE_: gl.constexpr = 0):
     """Consumer WG's half of GEMM1(b, j): 64 x (BN1 gate + BN1 up) async wgmmas over the ring, then the SwiGLU
     epilogue (act, and h with STORE_H) through the staging buffers; returns the ring and staged-store counts. The
     stores are complete (and ordered before the async proxy's later reads) on return. TIMELINE: also the times the
@@ -493,8 +496,8 @@ def _gemm1_item(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc, hu
         _epi_swiglu_slice(a1, u1, off_m, off_n + 64, row_end, I, act_st_desc, hg_desc, hu_desc, act_ptr, I, h_ptr,
                           2 * I, epi_smem, b0 ^ 1, tma_ok, HM, STORE_H, EPI_TMA, store_l)
     nst += NSL1 * (3 if STORE_H else 1)
-    if EPI_TMA:  # act / h written before the counter says so (GEMM2, maybe on another SM, reads them by TMA)
-        _bulk_writes_done()
+    if EPI_TMA and (PROBE_ & 1) == 0:  # act / h written before the counter says so (GEMM2, maybe on another SM,
+        _bulk_writes_done()  # reads them by TMA)
     _fence_proxy_async()
     return it, nst, t_first, t_loop
 
@@ -744,7 +747,7 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr
               ROWS_P: gl.constexpr, BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr,
               EPI_TMA: gl.constexpr, PULL_COMBINE: gl.constexpr, ALIGNED: gl.constexpr, WG: gl.constexpr,
               tl_ptr, tlp_ptr, TIMELINE: gl.constexpr, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr,
-              FP8: gl.constexpr):
+              FP8: gl.constexpr, PROBE_: gl.constexpr):
     """Consumer warpgroup WG: rows WG * 64 .. WG * 64 + 63 of every item's block (module docstring). TIMELINE
     (consumer 0): per item [program, kind (3: no block), block, asked for it, got it, first stage landed (pull: got
     it), k-loop (pull: copy) done, end] into tl_ptr [items, 8]; per program [entry, READY seen, items done] into
@@ -811,11 +814,14 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr
                 else:
                     it, nst, t_f, t_l = _gemm1_item(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc,
                                                     hu_desc, act_ptr, h_ptr, base, nrows, j, I, k1, it, nst, BM, BN1,
-                                                    STAGES, STORE_H, EPI_TMA, WG, TIMELINE)
+                                                    STAGES, STORE_H, EPI_TMA, WG, TIMELINE, PROBE_)
                 if TIMELINE:
                     t_first = t_f
                     t_loop = t_l
-                _signal(g1 + b)
+                if (PROBE_ & 2) != 0:
+                    gl.atomic_add(g1 + b, 1, sem="relaxed", scope="gpu")
+                else:
+                    _signal(g1 + b)
             else:  # GEMM2(b, j): out = act @ w2[e]^T (columns j * BN2 ..), pushed to the owners (or kept local)
                 if FP8:
                     it, nst, t_f, t_l = _gemm2_item_fp8(tab, W, a_smem, b_smem, ready, empty, epi_smem, acs_ptr,
@@ -830,7 +836,10 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr
                 if TIMELINE:
                     t_first = t_f
                     t_loop = t_l
-                _signal(g2 + b)
+                if (PROBE_ & 2) != 0:
+                    gl.atomic_add(g2 + b, 1, sem="relaxed", scope="gpu")
+                else:
+                    _signal(g2 + b)
         if TIMELINE:
             if (WG == 0) & (s < n_steps):
                 rec = tl_ptr + item * 8
@@ -878,7 +887,7 @@ def _gluon_fused_fwd_kernel(
     BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr, EPI_TMA: gl.constexpr,
     PULL_COMBINE: gl.constexpr, ALIGNED: gl.constexpr, ACQ_GPU: gl.constexpr,
     CONSUMER_REGS_: gl.constexpr, LOADER_REGS: gl.constexpr, TIMELINE: gl.constexpr, FP8: gl.constexpr,
-    num_warps: gl.constexpr,
+    PROBE_: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid (P,): persistent programs of 4 + 4 + 1 warps (module docstring). FP8: x_desc, w13_desc, act_desc, w2_desc
     are the e4m3 operands' (blocks [BM, 128], [BN1, 128], [BM, 128], [BN2, 128]), x_ptr the packed rows (HP words
@@ -907,12 +916,14 @@ def _gluon_fused_fwd_kernel(
                      hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
                      row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
                      BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
-                     ALIGNED, 0, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8)),
+                     ALIGNED, 0, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8,
+                     PROBE_)),
         (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem, act_st_desc,
                      hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
                      row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
                      BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
-                     ALIGNED, 1, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8)),
+                     ALIGNED, 1, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8,
+                     PROBE_)),
         (_loader, (tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
                    q_ptr, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, BM, BN1, BN2, BLOCK_E, GB,
                    PULL_SPLIT, STAGES, QD_, ACQ_GPU, tll_ptr, TIMELINE, FP8)),
@@ -1030,7 +1041,7 @@ def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: i
         ROWS_P=max(1, min(BM // 2, 8192 // block_h)), BLOCK_H=block_h, WP2=max(2, heap.wp2), STORE_H=h is not None,
         EPI_TMA=epi_tma, PULL_COMBINE=pull, ALIGNED=(H * 2) % 16 == 0 and (hp * 2) % 16 == 0,
         ACQ_GPU=cfg.counter_scope == "gpu", CONSUMER_REGS_=consumer_regs, LOADER_REGS=REG_POOL - 2 * consumer_regs,
-        TIMELINE=timeline is not None, FP8=fp8 is not None, num_warps=4, maxnreg=REG_POOL // 3,
+        TIMELINE=timeline is not None, FP8=fp8 is not None, PROBE_=PROBE, num_warps=4, maxnreg=REG_POOL // 3,
     )
     record("_gluon_fused_fwd_kernel", k_)
     LAST_LAUNCH.clear()
