@@ -87,6 +87,9 @@ VARIANTS = [
     ("gluon-p1", {"kernel": "gluon"}, None, {"PROBE": 1}),
     ("gluon-p2", {"kernel": "gluon"}, None, {"PROBE": 2}),
     ("gluon-p3", {"kernel": "gluon"}, None, {"PROBE": 3}),
+    # SQ: the consumers' counter signals through a signaller warp (SQ-deep queue) or by the consumers (0)
+    ("gluon-sq0", {"kernel": "gluon"}, None, {"SQ": 0}),
+    ("gluon-sq0-p2", {"kernel": "gluon"}, None, {"SQ": 0, "PROBE": 2}),
     ("lag5", {"lag": 5}, None),
     ("g16lag5", {"group": 16, "lag": 5}, None),
 ]

@@ -16,7 +16,8 @@
 # ~6 min), o3 (graphed FP8 layer, managed copies vs per-replay quantisation, ~3 min), v (the GPU tests of V_TESTS),
 # f8 (the FP8 megakernel: its GPU tests, then the layer bench, ~8 min on one GPU), gf (the Gluon megakernel items:
 # smoke, GPU tests, layer bench), gs (the Gluon items' schedule knobs, layer bench, qwen3 and mixtral, ~4-8 min on
-# one GPU), gt (the Gluon items' GPU tests one after another, ~6-8 min on one GPU).
+# one GPU), gt (the Gluon items' GPU tests one after another, ~6-8 min on one GPU), ab (the Gluon items against a
+# baseline tree AB_OLD: bitwise checks, timelines, layer bench; ~6-8 min on one GPU).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -249,6 +250,28 @@ echo "   2026-12-02) vs the same with gpu-scope counter acquires, split and the 
 for p in ${GS_PRESETS:-qwen3-30b-a3b mixtral-8x7b}; do echo "-- $p"
   bench "$p" 4096 "split:presum_combine=1,fused,fused:kernel=gluon,fused:kernel=gluon:group_blocks=16:lag=5,\
 fused:kernel=gluon:group_blocks=16:lag=5:counter_scope=gpu,fused:group_blocks=16:lag=5" gluonsched --cuda-graph
+done
+fi
+
+if want ab; then
+echo "== ab. the Gluon items against a baseline tree (AB_OLD: a directory holding the baseline's megamoe package), one"
+echo "   GPU: bitwise checks (bf16, FP8) against the Triton megakernel, per-item timelines (AB_PRESETS, AB_VARIANTS; the"
+echo "   baseline's: gluon), graphed layer bench (split, new and baseline Gluon items)"
+timeout 120 python3 benchmarks/gluon_fused_debug.py --tokens 4096 --experts 128 --wait 15 2>&1 \
+  | grep -v "^W1\|UserWarn\|resource_tracker\|warnings.warn" | tail -4
+timeout 120 python3 benchmarks/gluon_fused_debug.py --fp8 --tokens 4096 --experts 128 --wait 15 2>&1 \
+  | grep -v "^W1\|UserWarn\|resource_tracker\|warnings.warn" | tail -4
+mkdir -p "$OUT/tl" "$OUT/tl-old"
+for p in ${AB_PRESETS:-qwen3-30b-a3b}; do
+  timeout 200 torchrun --nproc_per_node "$NGPU" benchmarks/fused_probe.py --timeline --out "$OUT/tl" --presets "$p" \
+    --variants "${AB_VARIANTS:-gluon}" 2>&1 | quiet | tee "$OUT/ab-new-$p.txt" | grep "fwd\|span\|FAIL\|DIFF"
+  PYTHONPATH="$AB_OLD" timeout 200 torchrun --nproc_per_node "$NGPU" benchmarks/fused_probe.py --timeline \
+    --out "$OUT/tl-old" --presets "$p" --variants gluon 2>&1 | quiet | tee "$OUT/ab-old-$p.txt" \
+    | grep "fwd\|span\|FAIL\|DIFF"
+done
+for p in ${AB_BENCH:-qwen3-30b-a3b}; do echo "-- $p"
+  bench "$p" 4096 "split:presum_combine=1,fused:kernel=gluon" ab-new --cuda-graph
+  PYTHONPATH="$AB_OLD" bench "$p" 4096 "fused:kernel=gluon" ab-old --cuda-graph
 done
 fi
 

@@ -90,6 +90,10 @@ QD = 1
 # timing probes only (benchmarks/fused_probe.py; results may be wrong): bit 1: GEMM1 does not wait for its TMA stores to
 # land before signalling; bit 2: the GEMM items signal with a relaxed atomic (no barrier, no release)
 PROBE = 0
+# the consumers' counter signals: 0: each consumer warpgroup signals itself (a barrier and a GPU-scope release atomic,
+# which waits until the item's stores are performed); SQ > 0: they post them into an SQ-deep queue to a signaller warp
+# that does the atomics, so the next item starts without that wait
+SQ = 4
 # registers per thread of each consumer warpgroup (the loader gets the rest of REG_POOL): on sm_90a 224 left the loader
 # 56 and 28 B of spills (8 experts); 208 leaves 88: 0 B at 8 and 16 experts, 20 B at 128 (the loader's schedule
 # vectors); the consumers do not spill at 208
@@ -203,6 +207,40 @@ def _signal(ptr):
     gl.atomic_add(ptr, 1, sem="release", scope="gpu")
 
 
+@gluon.jit
+def _post(s_full, s_empty, s_smem, ns, off, ml: gl.constexpr, SQ: gl.constexpr, WG: gl.constexpr):
+    """Consumer WG's part of signalling counter ``ctr_ptr[off]`` (off < 0: the end) through the signaller: slot ns % SQ
+    of its queue once free; WG 0 writes off; each WG's arrival (after a barrier of its threads, release at CTA scope)
+    says its stores so far are done; the signaller adds 2 once both arrived (_signaller)."""
+    ss = ns % SQ
+    mbarrier.wait(s_empty.index(ss), ((ns // SQ) & 1) ^ 1)  # (the first pass finds every slot free)
+    if WG == 0:
+        s_smem.index(ss).store(gl.where(gl.arange(0, MSG, layout=ml) == 0, off, 0))
+    gl.thread_barrier()
+    mbarrier.arrive(s_full.index(ss), count=1)
+
+
+@gluon.jit
+def _signaller(s_full, s_empty, s_smem, ctr_ptr, E_l, SQ: gl.constexpr):
+    """1 warp: the consumers' counter signals, in order: ``ctr_ptr[off] += 2`` (release, GPU scope: the consumers'
+    stores reached this warp through the slot's mbarrier, acquire at CTA scope, and a release is cumulative) until
+    the end (off < 0). The release waits until those stores are performed; here it does not hold the consumers'
+    next item back (qwen3 timeline, one H200, 2026-12-02: the GEMM items' epilogues 0.4-0.8 us shorter without it)."""
+    ml: gl.constexpr = gl.BlockedLayout([MSG], [32], [1], [0])
+    n = 0
+    go = E_l >= 0  # (a runtime True)
+    while go:
+        ss = n % SQ
+        mbarrier.wait(s_full.index(ss), (n // SQ) & 1)
+        off = _word(s_smem.index(ss).load(ml), 0, ml)
+        gl.thread_barrier()
+        mbarrier.arrive(s_empty.index(ss), count=1)
+        go = off >= 0
+        if go:
+            gl.atomic_add(ctr_ptr + off, 2, sem="release", scope="gpu")
+        n += 1
+
+
 # ------------------------------------------------------------------------------------------ item bookkeeping
 @gluon.jit
 def _decode(item, PS, T1, L1, L2, GB: gl.constexpr, PULL_SPLIT: gl.constexpr):
@@ -230,6 +268,32 @@ def _locate_block(b, e_idx, starts, cnts, nblk, cum, NS, BM: gl.constexpr):
     nrows = gl.minimum(gl.sum(gl.where(sel, cnts, 0), axis=0) - (b - first_blk) * BM, BM)
     base = gl.where(NS > 0, (b % gl.maximum(NS, 1)) * BM, row0)
     return e, row0, nrows, base
+
+
+MSG = gl.constexpr(16)  # int32 words of an item message in shared memory (10 used)
+
+
+@gluon.jit
+def _pack(item, go, fine, kind, b, j, e, row0, nrows, base, ml: gl.constexpr):
+    """The loader's message for one item: [item, go, fine, kind, block, part / tile, expert, first receive row, rows,
+    first buffer row] as int32, every thread of the partition holding all MSG words (ml: [MSG] per thread)."""
+    w = gl.arange(0, MSG, layout=ml)
+    v = gl.where(w == 0, item.to(gl.int32), 0)
+    v = gl.where(w == 1, go.to(gl.int32), v)
+    v = gl.where(w == 2, fine.to(gl.int32), v)
+    v = gl.where(w == 3, kind, v)
+    v = gl.where(w == 4, b, v)
+    v = gl.where(w == 5, j, v)
+    v = gl.where(w == 6, e, v)
+    v = gl.where(w == 7, row0, v)
+    v = gl.where(w == 8, nrows, v)
+    return gl.where(w == 9, base, v)
+
+
+@gluon.jit
+def _word(v, i: gl.constexpr, ml: gl.constexpr):
+    """Word i of a message held whole by every thread (a reduction in registers: no shared memory, no barrier)."""
+    return gl.sum(gl.where(gl.arange(0, MSG, layout=ml) == i, v, 0), axis=0)
 
 
 # ------------------------------------------------------------------------------------------------- loader
@@ -272,7 +336,7 @@ def _issue_loads(x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, emp
 
 @gluon.jit
 def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr,
-            offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
+            q_smem, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
             BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, BLOCK_E: gl.constexpr, GB: gl.constexpr,
             PULL_SPLIT: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr, ACQ_GPU: gl.constexpr,
             tll_ptr, TIMELINE: gl.constexpr, FP8: gl.constexpr):
@@ -281,6 +345,7 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
     operands' and a k-step is 128 deep (one scale block)."""
     BK: gl.constexpr = 128 if FP8 else 64
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    ml: gl.constexpr = gl.BlockedLayout([MSG], [32], [1], [0])
     e_idx, starts, cnts, nblk, cum, nb = _schedule(offs_ptr, E_l, 1, BM, 1, BLOCK_E, lay)
     T1 = gl.cdiv(I, BN1)
     T2 = gl.cdiv(H, BN2)
@@ -322,14 +387,18 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
         # (publishing after the loads deadlocked as soon as an item had more k-steps than the ring has stages). An
         # item with no block (the schedule's padding) is not handed over: the consumers have nothing to do for it
         hand = live | (go == 0) | (fine == 0)
+        # the consumers read the decoded item from shared memory (the global copy is for diagnostics:
+        # benchmarks/gluon_fused_debug.py): a global load and the schedule's cross-warp reductions cost each consumer
+        # ~1-2 us per item (qwen3 timeline, one H200, 2026-12-02); here the reductions are in one warp
+        e, row0, nrows, base = _locate_block(b, e_idx, starts, cnts, nblk, cum, NS, BM)
         if hand:
             gl.store(qp + qs, gl.where(fine, item, -1 - item))
+            q_smem.index(qs).store(_pack(item, go, fine, kind, b, j, e, row0, nrows, base, ml))
             gl.thread_barrier()
             mbarrier.arrive(q_full.index(qs), count=1)
         if TIMELINE:
             t_handed = _now()
         if live & fine & (kind != 0):
-            e, row0, nrows, base = _locate_block(b, e_idx, starts, cnts, nblk, cum, NS, BM)
             it = _issue_loads(x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, kind, e, base, j, H,
                               I, k1, k2, it, BN1, BN2, STAGES, FP8)
         if TIMELINE:
@@ -738,7 +807,7 @@ def _gemm2_item_fp8(tab, W, a_smem, b_smem, ready, empty, epi_smem, acs_ptr, s2_
 
 
 @gluon.jit
-def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem,
+def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_smem, s_full, s_empty, s_smem, epi_smem,
               act_st_desc, hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr,
               offs_ptr, row_src_ptr, row_tok_ptr, row_slot_ptr, ctr_ptr,
               H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
@@ -747,20 +816,14 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr
               ROWS_P: gl.constexpr, BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr,
               EPI_TMA: gl.constexpr, PULL_COMBINE: gl.constexpr, ALIGNED: gl.constexpr, WG: gl.constexpr,
               tl_ptr, tlp_ptr, TIMELINE: gl.constexpr, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr,
-              FP8: gl.constexpr, PROBE_: gl.constexpr):
+              FP8: gl.constexpr, PROBE_: gl.constexpr, SQ: gl.constexpr):
     """Consumer warpgroup WG: rows WG * 64 .. WG * 64 + 63 of every item's block (module docstring). TIMELINE
     (consumer 0): per item [program, kind (3: no block), block, asked for it, got it, first stage landed (pull: got
     it), k-loop (pull: copy) done, end] into tl_ptr [items, 8]; per program [entry, READY seen, items done] into
     tlp_ptr [P, 8]."""
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    ml: gl.constexpr = gl.BlockedLayout([MSG], [32], [4], [0])
     pl: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    e_idx, starts, cnts, nblk, cum, nb = _schedule(offs_ptr, E_l, 1, BM, 1, BLOCK_E, lay)
-    T1 = gl.cdiv(I, BN1)
-    T2 = gl.cdiv(H, BN2)
-    PS = GB * (PULL_SPLIT + T1 + T2)
-    rdy = ctr_ptr + 1
-    g1 = rdy + NB_MAX
-    g2 = g1 + NB_MAX
     call = gl.load(_ctrl(tab, W, rank) + SEQ, volatile=True)
     if TIMELINE:
         t_entry = _now()
@@ -770,30 +833,33 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr
     BK: gl.constexpr = 128 if FP8 else 64
     k1 = gl.cdiv(H, BK)
     k2 = gl.cdiv(I, BK)
-    qp = q_ptr + gl.program_id(0) * QD_
-    n_steps = gl.where(nb > 0, gl.cdiv(nb, GB) + L1 + L2, 0)
     n = 0
     it = 0
     nst = 0
-    go = nb >= 0
+    ns = 0  # signals posted (SQ > 0: the signaller's queue)
+    go = E_l >= 0  # (a runtime True)
     while go:
         qs = n % QD_
         if TIMELINE:
             t_ask = _now()
         mbarrier.wait(q_full.index(qs), (n // QD_) & 1)
-        v = gl.load(qp + qs, volatile=True)
+        v = q_smem.index(qs).load(ml)  # the loader's message (_pack): only live items, the end, or a failed wait
         gl.thread_barrier()
         mbarrier.arrive(q_empty.index(qs), count=1)
-        fine = v >= 0
-        item = gl.where(fine, v, -1 - v)
-        s, kind, b, j = _decode(item, PS, T1, L1, L2, GB, PULL_SPLIT)
-        go = (s < n_steps) & fine
+        item = _word(v, 0, ml)
+        go = (_word(v, 1, ml) != 0) & (_word(v, 2, ml) != 0)
+        kind = _word(v, 3, ml)
+        b = _word(v, 4, ml)
+        j = _word(v, 5, ml)
         if TIMELINE:
             t_got = _now()
             t_first = t_got
             t_loop = t_got
-        if go & (b >= 0) & (b < nb):
-            e, row0, nrows, base = _locate_block(b, e_idx, starts, cnts, nblk, cum, NS, BM)
+        if go:
+            e = _word(v, 6, ml)
+            row0 = _word(v, 7, ml)
+            nrows = _word(v, 8, ml)
+            base = _word(v, 9, ml)
             if kind == 0:  # PULL(b, part j): this consumer's half of the part's rows
                 part: gl.constexpr = BM // PULL_SPLIT
                 half: gl.constexpr = (part + 1) // 2
@@ -804,7 +870,7 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr
                                BLOCK_H, ALIGNED, pl)
                 if TIMELINE:
                     t_loop = _now()
-                _signal(rdy + b)
+                off = 1 + b
             elif kind == 1:  # GEMM1(b, j): act[rows, j-th BN1 columns] = silu(x @ wg^T) * (x @ wu^T)
                 if FP8:
                     it, nst, t_f, t_l = _gemm1_item_fp8(a_smem, b_smem, ready, empty, epi_smem, hg_desc, hu_desc,
@@ -818,10 +884,7 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr
                 if TIMELINE:
                     t_first = t_f
                     t_loop = t_l
-                if (PROBE_ & 2) != 0:
-                    gl.atomic_add(g1 + b, 1, sem="relaxed", scope="gpu")
-                else:
-                    _signal(g1 + b)
+                off = 1 + NB_MAX + b
             else:  # GEMM2(b, j): out = act @ w2[e]^T (columns j * BN2 ..), pushed to the owners (or kept local)
                 if FP8:
                     it, nst, t_f, t_l = _gemm2_item_fp8(tab, W, a_smem, b_smem, ready, empty, epi_smem, acs_ptr,
@@ -836,23 +899,28 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr
                 if TIMELINE:
                     t_first = t_f
                     t_loop = t_l
-                if (PROBE_ & 2) != 0:
-                    gl.atomic_add(g2 + b, 1, sem="relaxed", scope="gpu")
-                else:
-                    _signal(g2 + b)
+                off = 1 + 2 * NB_MAX + b
+            if SQ > 0:
+                _post(s_full, s_empty, s_smem, ns, off, ml, SQ, WG)
+                ns += 1
+            elif (PROBE_ & 2) != 0:
+                gl.atomic_add(ctr_ptr + off, 1, sem="relaxed", scope="gpu")
+            else:
+                _signal(ctr_ptr + off)
         if TIMELINE:
-            if (WG == 0) & (s < n_steps):
-                rec = tl_ptr + item * 8
-                live = (b >= 0) & (b < nb)
+            if (WG == 0) & go:
+                rec = tl_ptr + item.to(gl.int64) * 8
                 gl.store(rec, gl.program_id(0).to(gl.int64))
-                gl.store(rec + 1, gl.where(live, kind, 3).to(gl.int64))
-                gl.store(rec + 2, gl.where(live, b, -1).to(gl.int64))
+                gl.store(rec + 1, kind.to(gl.int64))
+                gl.store(rec + 2, b.to(gl.int64))
                 gl.store(rec + 3, t_ask)
                 gl.store(rec + 4, t_got)
                 gl.store(rec + 5, t_first)
                 gl.store(rec + 6, t_loop)
                 gl.store(rec + 7, _now())
         n += 1
+    if SQ > 0:
+        _post(s_full, s_empty, s_smem, ns, -1, ml, SQ, WG)
     if EPI_TMA:  # the staging buffers stay allocated until the last store has read them
         tma.store_wait(0)
     if TIMELINE:
@@ -887,7 +955,7 @@ def _gluon_fused_fwd_kernel(
     BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr, EPI_TMA: gl.constexpr,
     PULL_COMBINE: gl.constexpr, ALIGNED: gl.constexpr, ACQ_GPU: gl.constexpr,
     CONSUMER_REGS_: gl.constexpr, LOADER_REGS: gl.constexpr, TIMELINE: gl.constexpr, FP8: gl.constexpr,
-    PROBE_: gl.constexpr, num_warps: gl.constexpr,
+    PROBE_: gl.constexpr, SQ_: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid (P,): persistent programs of 4 + 4 + 1 warps (module docstring). FP8: x_desc, w13_desc, act_desc, w2_desc
     are the e4m3 operands' (blocks [BM, 128], [BN1, 128], [BM, 128], [BN2, 128]), x_ptr the packed rows (HP words
@@ -906,34 +974,66 @@ def _gluon_fused_fwd_kernel(
     for st in gl.static_range(STAGES):
         mbarrier.init(ready.index(st), count=1)
         mbarrier.init(empty.index(st), count=2)
+    q_smem = gl.allocate_shared_memory(gl.int32, [QD_, MSG], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_full = gl.allocate_shared_memory(gl.int64, [QD_, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [QD_, 1], mbarrier.MBarrierLayout())
     for qs in gl.static_range(QD_):
         mbarrier.init(q_full.index(qs), count=1)
         mbarrier.init(q_empty.index(qs), count=2)
-    gl.warp_specialize([
-        (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem, act_st_desc,
-                     hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
-                     row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
-                     BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
-                     ALIGNED, 0, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8,
-                     PROBE_)),
-        (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_ptr, epi_smem, act_st_desc,
-                     hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr, row_src_ptr,
-                     row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
-                     BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, PULL_COMBINE,
-                     ALIGNED, 1, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr, FP8,
-                     PROBE_)),
-        (_loader, (tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
-                   q_ptr, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, BM, BN1, BN2, BLOCK_E, GB,
-                   PULL_SPLIT, STAGES, QD_, ACQ_GPU, tll_ptr, TIMELINE, FP8)),
-    ], [4, 1], [CONSUMER_REGS_, LOADER_REGS])
+    SQB: gl.constexpr = SQ_ if SQ_ > 0 else 1  # (the signaller's queue: allocated either way)
+    s_smem = gl.allocate_shared_memory(gl.int32, [SQB, MSG], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    s_full = gl.allocate_shared_memory(gl.int64, [SQB, 1], mbarrier.MBarrierLayout())
+    s_empty = gl.allocate_shared_memory(gl.int64, [SQB, 1], mbarrier.MBarrierLayout())
+    for ss in gl.static_range(SQB):
+        mbarrier.init(s_full.index(ss), count=2)
+        mbarrier.init(s_empty.index(ss), count=1)
+    # (the partitions' argument lists written out: constexprs packed into a tuple lose their constexpr-ness)
+    if SQ_ > 0:
+        gl.warp_specialize([
+            (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_smem, s_full, s_empty, s_smem,
+                         epi_smem, act_st_desc, hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr,
+                         row_src_ptr, row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K,
+                         BM, BN1, BN2, BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA,
+                         PULL_COMBINE, ALIGNED, 0, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr,
+                         acs_ptr, FP8, PROBE_, SQ_)),
+            (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_smem, s_full, s_empty, s_smem,
+                         epi_smem, act_st_desc, hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr,
+                         row_src_ptr, row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K,
+                         BM, BN1, BN2, BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA,
+                         PULL_COMBINE, ALIGNED, 1, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr,
+                         acs_ptr, FP8, PROBE_, SQ_)),
+            (_loader, (tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
+                       q_ptr, q_smem, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, BM, BN1, BN2,
+                       BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ACQ_GPU, tll_ptr, TIMELINE, FP8)),
+            (_signaller, (s_full, s_empty, s_smem, ctr_ptr, E_l, SQ_)),
+        ], [4, 1, 1], [CONSUMER_REGS_, LOADER_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_smem, s_full, s_empty, s_smem,
+                         epi_smem, act_st_desc, hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr,
+                         row_src_ptr, row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K,
+                         BM, BN1, BN2, BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA,
+                         PULL_COMBINE, ALIGNED, 0, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr,
+                         acs_ptr, FP8, PROBE_, SQ_)),
+            (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_smem, s_full, s_empty, s_smem,
+                         epi_smem, act_st_desc, hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr,
+                         row_src_ptr, row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K,
+                         BM, BN1, BN2, BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA,
+                         PULL_COMBINE, ALIGNED, 1, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr,
+                         acs_ptr, FP8, PROBE_, SQ_)),
+            (_loader, (tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
+                       q_ptr, q_smem, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, BM, BN1, BN2,
+                       BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ACQ_GPU, tll_ptr, TIMELINE, FP8)),
+        ], [4, 1], [CONSUMER_REGS_, LOADER_REGS])
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(st))
         mbarrier.invalidate(empty.index(st))
     for qs in gl.static_range(QD_):
         mbarrier.invalidate(q_full.index(qs))
         mbarrier.invalidate(q_empty.index(qs))
+    for ss in gl.static_range(SQB):
+        mbarrier.invalidate(s_full.index(ss))
+        mbarrier.invalidate(s_empty.index(ss))
 
 
 # ------------------------------------------------------------------------------------------------- launcher
@@ -1041,7 +1141,7 @@ def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: i
         ROWS_P=max(1, min(BM // 2, 8192 // block_h)), BLOCK_H=block_h, WP2=max(2, heap.wp2), STORE_H=h is not None,
         EPI_TMA=epi_tma, PULL_COMBINE=pull, ALIGNED=(H * 2) % 16 == 0 and (hp * 2) % 16 == 0,
         ACQ_GPU=cfg.counter_scope == "gpu", CONSUMER_REGS_=consumer_regs, LOADER_REGS=REG_POOL - 2 * consumer_regs,
-        TIMELINE=timeline is not None, FP8=fp8 is not None, PROBE_=PROBE, num_warps=4, maxnreg=REG_POOL // 3,
+        TIMELINE=timeline is not None, FP8=fp8 is not None, PROBE_=PROBE, SQ_=SQ, num_warps=4, maxnreg=REG_POOL // 3,
     )
     record("_gluon_fused_fwd_kernel", k_)
     LAST_LAUNCH.clear()
