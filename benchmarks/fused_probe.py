@@ -68,6 +68,7 @@ VARIANTS = [
     ("ring64", {}, 64),
     ("gluon", {"kernel": "gluon"}, None),  # the items in kernels/gluon_fused.py (warp-specialised), Hopper only
     ("gluon-ring16", {"kernel": "gluon"}, 16),
+    ("gluon-lag4", {"kernel": "gluon", "lag": 4}, None),
     ("gluon-lag5", {"kernel": "gluon", "lag": 5}, None),  # the Gluon items' schedule knobs (the loader claims ahead of
     ("gluon-lag8", {"kernel": "gluon", "lag": 8}, None),  # its consumers, so its input waits come earlier)
     ("gluon-la12", {"kernel": "gluon", "lookahead": 12}, None),
@@ -95,7 +96,7 @@ VARIANTS = [
 ]
 
 
-def profile(fn, iters=3) -> list[tuple[str, float]]:
+def profile(fn, iters=10) -> list[tuple[str, float]]:
     """Device time per iteration of every kernel of ``fn`` (torch.profiler), largest first."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
@@ -256,8 +257,8 @@ def main() -> None:
                        f"smem {k.metadata.shared if k is not None else '?'}")
                 kt = ""
                 if args.profile:
-                    with torch.no_grad():
-                        prof = dict(profile(lambda m=fused, x=x: m(x)))
+                    with torch.set_grad_enabled(args.grad):
+                        prof = dict(profile(lambda m=fused, x=xg: m(x)))
                     if kw.get("kernel") == "gluon":  # the items kernel, then the tail kernel
                         kt = prof.get("_gluon_fused_fwd_kernel", float("nan")) + prof.get("_fused_tail_kernel", 0.0)
                     else:
