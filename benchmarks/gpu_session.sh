@@ -256,7 +256,7 @@ fi
 if want ab; then
 echo "== ab. the Gluon items against a baseline tree (AB_OLD: a directory holding the baseline's megamoe package), one"
 echo "   GPU: bitwise checks (bf16, FP8) against the Triton megakernel, per-item timelines (AB_PRESETS, AB_VARIANTS; the"
-echo "   baseline's: gluon), graphed layer bench (split, new and baseline Gluon items)"
+echo "   baseline's: gluon), graphed layer steps per kernel (split, new and baseline Gluon items; AB_MORE: more backends)"
 timeout 120 python3 benchmarks/gluon_fused_debug.py --tokens 4096 --experts 128 --wait 15 2>&1 \
   | grep -v "^W1\|UserWarn\|resource_tracker\|warnings.warn" | tail -4
 timeout 120 python3 benchmarks/gluon_fused_debug.py --fp8 --tokens 4096 --experts 128 --wait 15 2>&1 \
@@ -269,9 +269,13 @@ for p in ${AB_PRESETS:-qwen3-30b-a3b}; do
     --out "$OUT/tl-old" --presets "$p" --variants gluon 2>&1 | quiet | tee "$OUT/ab-old-$p.txt" \
     | grep "fwd\|span\|FAIL\|DIFF"
 done
+# graphed steps of the two trees, per kernel (a `python -m megamoe` would import the package from the working
+# directory before PYTHONPATH's: the baseline must be a script's import)
 for p in ${AB_BENCH:-qwen3-30b-a3b}; do echo "-- $p"
-  bench "$p" 4096 "split:presum_combine=1,fused:kernel=gluon" ab-new --cuda-graph
-  PYTHONPATH="$AB_OLD" bench "$p" 4096 "fused:kernel=gluon" ab-old --cuda-graph
+  timeout 200 torchrun --nproc_per_node "$NGPU" benchmarks/graph_profile.py --preset "$p" \
+    --backends "split:presum_combine=1,fused:kernel=gluon${AB_MORE:+,$AB_MORE}" 2>&1 | quiet | tee "$OUT/ab-graph-new-$p.txt"
+  PYTHONPATH="$AB_OLD:." timeout 200 torchrun --nproc_per_node "$NGPU" benchmarks/graph_profile.py --preset "$p" \
+    --backends fused:kernel=gluon 2>&1 | quiet | tee "$OUT/ab-graph-old-$p.txt"
 done
 fi
 
