@@ -91,6 +91,8 @@ VARIANTS = [
     # SQ: the consumers' counter signals through a signaller warp (SQ-deep queue) or by the consumers (0)
     ("gluon-sq0", {"kernel": "gluon"}, None, {"SQ": 0}),
     ("gluon-sq0-p2", {"kernel": "gluon"}, None, {"SQ": 0, "PROBE": 2}),
+    ("gluon-pe16k", {"kernel": "gluon"}, None, {"PULL_ELEMS": 16384}),  # pull chunks per consumer warpgroup
+    ("gluon-pe4k", {"kernel": "gluon"}, None, {"PULL_ELEMS": 4096}),
     ("lag5", {"lag": 5}, None),
     ("g16lag5", {"group": 16, "lag": 5}, None),
 ]

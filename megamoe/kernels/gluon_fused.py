@@ -94,6 +94,8 @@ PROBE = 0
 # which waits until the item's stores are performed); SQ > 0: they post them into an SQ-deep queue to a signaller warp
 # that does the atomics, so the next item starts without that wait
 SQ = 4
+# elements of one pull chunk per consumer warpgroup (ROWS_P x BLOCK_H; each thread holds two chunks' 1 / 128)
+PULL_ELEMS = 8192
 # registers per thread of each consumer warpgroup (the loader gets the rest of REG_POOL): on sm_90a 224 left the loader
 # 56 and 28 B of spills (8 experts); 208 leaves 88: 0 B at 8 and 16 experts, 20 B at 128 (the loader's schedule
 # vectors); the consumers do not spill at 208
@@ -1138,7 +1140,8 @@ def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: i
         ring_blocks, lookahead, lag, heap.timeout_ns, hp, stride_xs,
         K=k, BM=BM, BN1=BN1, BN2=BN2, BLOCK_E=triton.next_power_of_2(max(E_l, 2)), GB=group,
         PULL_SPLIT=cfg.pull_split, STAGES=stages_of(cfg, fp8 is not None), QD_=QD,
-        ROWS_P=max(1, min(BM // 2, 8192 // block_h)), BLOCK_H=block_h, WP2=max(2, heap.wp2), STORE_H=h is not None,
+        ROWS_P=max(1, min(BM // 2, PULL_ELEMS // block_h)), BLOCK_H=block_h, WP2=max(2, heap.wp2),
+        STORE_H=h is not None,
         EPI_TMA=epi_tma, PULL_COMBINE=pull, ALIGNED=(H * 2) % 16 == 0 and (hp * 2) % 16 == 0,
         ACQ_GPU=cfg.counter_scope == "gpu", CONSUMER_REGS_=consumer_regs, LOADER_REGS=REG_POOL - 2 * consumer_regs,
         TIMELINE=timeline is not None, FP8=fp8 is not None, PROBE_=PROBE, SQ_=SQ, num_warps=4, maxnreg=REG_POOL // 3,
