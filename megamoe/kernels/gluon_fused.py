@@ -94,8 +94,10 @@ PROBE = 0
 # which waits until the item's stores are performed); SQ > 0: they post them into an SQ-deep queue to a signaller warp
 # that does the atomics, so the next item starts without that wait
 SQ = 4
-# elements of one pull chunk per consumer warpgroup (ROWS_P x BLOCK_H; each thread holds two chunks' 1 / 128)
-PULL_ELEMS = 8192
+# elements of one pull chunk per consumer warpgroup (ROWS_P x BLOCK_H; each thread holds two chunks' 1 / 128): the
+# pulls are latency-bound (qwen3 EP 1 timeline, one H200, 2026-12-02: a 128-row pull item took 42.7 us at 4096, 27.8
+# at 8192, 24.6 at 16384; the items kernel 0.757 -> 0.748 ms from 8192 to 16384)
+PULL_ELEMS = 16384
 # registers per thread of each consumer warpgroup (the loader gets the rest of REG_POOL): on sm_90a 224 left the loader
 # 56 and 28 B of spills (8 experts); 208 leaves 88: 0 B at 8 and 16 experts, 20 B at 128 (the loader's schedule
 # vectors); the consumers do not spill at 208
