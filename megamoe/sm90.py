@@ -63,7 +63,8 @@ def ffma_under_wgmma(sass: str) -> int:
 
 def ptxas_usage(compiled) -> dict[str, int]:
     """Registers per thread, spill bytes, shared memory and wgmma-serialisation warnings of the kernel, from the
-    bundled ptxas -v; and from its SASS (bundled cuobjdump) the FFMAs issued under an in-flight wgmma."""
+    bundled ptxas -v; and from its SASS (bundled cuobjdump) the FFMAs issued under an in-flight wgmma and the spills
+    of each setmaxnreg region."""
     from triton import knobs
     from triton.backends.nvidia.compiler import get_ptxas
 
@@ -81,8 +82,9 @@ def ptxas_usage(compiled) -> dict[str, int]:
             sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", str(Path(tmp) / "k.o")],
                                   capture_output=True, text=True, check=True).stdout
             overlapped = ffma_under_wgmma(sass)
+            by_regs = {str(r): n for r, n in sorted(spills_by_regs(sass).items())}
         except Exception:  # noqa: BLE001 - a triton install without its bundled cuobjdump
-            overlapped = -1
+            overlapped, by_regs = -1, None
     regs = re.search(r"Used (\d+) registers", text)
     spill_st = re.search(r"(\d+) bytes spill stores", text)
     spill_ld = re.search(r"(\d+) bytes spill loads", text)
@@ -93,7 +95,27 @@ def ptxas_usage(compiled) -> dict[str, int]:
             "spill_store_bytes": int(spill_st.group(1)) if spill_st else 0,
             "spill_load_bytes": int(spill_ld.group(1)) if spill_ld else 0,
             "shared_bytes": int(compiled.metadata.shared),
-            "ffma_under_wgmma": overlapped}
+            "ffma_under_wgmma": overlapped,
+            # spill-store bytes by the registers per thread where they are (spills_by_regs; None: no cuobjdump)
+            "spill_store_bytes_by_regs": by_regs}
+
+
+def spills_by_regs(sass: str) -> dict[int, int]:
+    """Spill-store bytes of the SASS by the register count in effect where they are: the last ``setmaxnreg`` before
+    them in layout order (``USETMAXREG ... 0xd0``: 208; 0: before any), which tells the partitions of a
+    warp-specialised kernel apart (ptxas -v only gives the kernel's total): each partition's code is laid out after
+    its own ``setmaxnreg``. -1: after the kernel's last EXIT, the out-of-line blocks (e.g. the paths a warp takes
+    when it is diverged at a collective), which this cannot attribute."""
+    last_exit = max((m.start() for m in re.finditer(r"\bEXIT\b", sass)), default=len(sass))
+    out: dict[int, int] = {}
+    regs = 0
+    for m in re.finditer(r"USETMAXREG\.\S+\s+(?:\w+\s*,\s*)?0x([0-9a-f]+)|\bSTL(\.(?:64|128))?\b", sass):
+        if m.group(1) is not None:
+            regs = int(m.group(1), 16)
+        else:
+            key = -1 if m.start() > last_exit else regs
+            out[key] = out.get(key, 0) + {".64": 8, ".128": 16}.get(m.group(2) or "", 4)
+    return out
 
 
 class _HopperTarget:
