@@ -83,14 +83,8 @@ VARIANTS = [
     ("gluon-qd4", {"kernel": "gluon"}, None, {"QD": 4}),
     ("gluon-qd1-lag5", {"kernel": "gluon", "lag": 5}, None, {"QD": 1}),
     ("gluon-qd1-g16", {"kernel": "gluon", "group": 16}, None, {"QD": 1}),
-    # timing probes (results may be wrong): GEMM1 does not wait for its TMA stores to land (1), the GEMM items
-    # signal with relaxed atomics (2): what the signalling costs the consumers
+    # timing probe (results may be wrong): GEMM1 does not wait for its TMA stores to land before signalling
     ("gluon-p1", {"kernel": "gluon"}, None, {"PROBE": 1}),
-    ("gluon-p2", {"kernel": "gluon"}, None, {"PROBE": 2}),
-    ("gluon-p3", {"kernel": "gluon"}, None, {"PROBE": 3}),
-    # SQ: the consumers' counter signals through a signaller warp (SQ-deep queue) or by the consumers (0)
-    ("gluon-sq0", {"kernel": "gluon"}, None, {"SQ": 0}),
-    ("gluon-sq0-p2", {"kernel": "gluon"}, None, {"SQ": 0, "PROBE": 2}),
     ("gluon-pe16k", {"kernel": "gluon"}, None, {"PULL_ELEMS": 16384}),  # pull chunks per consumer warpgroup
     ("gluon-pe4k", {"kernel": "gluon"}, None, {"PULL_ELEMS": 4096}),
     ("lag5", {"lag": 5}, None),

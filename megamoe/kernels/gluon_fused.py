@@ -27,8 +27,8 @@ tensor cores. Here the same items run with gluon_bf16_ws's structure:
     signaller  1 warp: once both consumers posted an item, ``counter += 2`` (release, GPU scope: cumulative, so it
                publishes the consumers' stores, which reached this warp through the mbarrier), in posting order.
                The targets are 2x the Triton kernel's (2 per pull part, 2 per GEMM tile). A release waits until the
-               stores before it are performed; done by the consumers, it held each one's next item back (SQ = 0
-               keeps that: qwen3 EP 1, one H200, 2026-12-02: items kernel 0.776 ms with it, 0.763 without).
+               stores before it are performed; done by the consumers (before 2026-12-02), it held each one's next
+               item back (qwen3 EP 1, one H200: items kernel 0.776 ms that way, 0.763 with the signaller).
 
 Deadlock freedom is the Triton kernel's argument: every wait is on an earlier item, and items are taken only by
 running programs. Within a program the consumers run the items in claim order; the loader hands an item over as soon
@@ -96,12 +96,10 @@ LAST_LAUNCH: dict = {}
 # GEMM2 items of its block, claimed on other programs, waited for it (qwen3 EP 1 timeline, 2026-12-02: 364 of 4438
 # GEMM items waited > 10 us for their inputs); an item is bound to its program when claimed, so claim late
 QD = 1
-# timing probes only (benchmarks/fused_probe.py; results may be wrong): bit 1: GEMM1 does not wait for its TMA stores to
-# land before signalling; bit 2: the GEMM items signal with a relaxed atomic (no barrier, no release)
+# timing probe only (benchmarks/fused_probe.py; results may be wrong): bit 1: GEMM1 does not wait for its TMA stores to
+# land before signalling
 PROBE = 0
-# the consumers' counter signals: 0: each consumer warpgroup signals itself (a barrier and a GPU-scope release atomic,
-# which waits until the item's stores are performed); SQ > 0: they post them into an SQ-deep queue to a signaller warp
-# that does the atomics, so the next item starts without that wait
+# depth of the consumers -> signaller queue of counter signals (the signaller's atomics take ~1 us, items >= 8 us)
 SQ = 4
 # elements of one pull chunk per consumer warpgroup (ROWS_P x BLOCK_H; each thread holds two chunks' 1 / 128): the
 # pulls are latency-bound (qwen3 EP 1 timeline, one H200, 2026-12-02: a 128-row pull item took 42.7 us at 4096, 27.8
@@ -211,13 +209,6 @@ def _wait_ready(tab, W, rank, call, timeout_ns, WP2: gl.constexpr, lay: gl.const
         got = gl.sum(gl.where(offs == peer, seen, 0), axis=0)
         _record_timeout(tab, W, rank, call, peer, call, got, READY)
     return ok
-
-
-@gluon.jit
-def _signal(ptr):
-    """Every thread's stores of this partition so far, then ``*ptr += 1`` (release, GPU scope)."""
-    gl.thread_barrier()
-    gl.atomic_add(ptr, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -831,8 +822,8 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_sme
               tl_ptr, tlp_ptr, TIMELINE: gl.constexpr, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr,
               FP8: gl.constexpr, PROBE_: gl.constexpr, SQ: gl.constexpr):
     """Consumer warpgroup WG: rows WG * 64 .. WG * 64 + 63 of every item's block (module docstring). TIMELINE
-    (consumer 0): per item [program, kind (3: no block), block, asked for it, got it, first stage landed (pull: got
-    it), k-loop (pull: copy) done, end] into tl_ptr [items, 8]; per program [entry, READY seen, items done] into
+    (consumer 0): per item handed over [program, kind, block, asked for it, got it, first stage landed (pull:
+    got it), k-loop (pull: copy) done, end] into tl_ptr [items, 8]; per program [entry, READY seen, items done] into
     tlp_ptr [P, 8]."""
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     ml: gl.constexpr = gl.BlockedLayout([MSG], [32], [4], [0])
@@ -849,7 +840,7 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_sme
     n = 0
     it = 0
     nst = 0
-    ns = 0  # signals posted (SQ > 0: the signaller's queue)
+    ns = 0  # signals posted to the signaller
     go = E_l >= 0  # (a runtime True)
     while go:
         qs = n % QD_
@@ -913,13 +904,8 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_sme
                     t_first = t_f
                     t_loop = t_l
                 off = 1 + 2 * NB_MAX + b
-            if SQ > 0:
-                _post(s_full, s_empty, s_smem, ns, off, ml, SQ, WG)
-                ns += 1
-            elif (PROBE_ & 2) != 0:
-                gl.atomic_add(ctr_ptr + off, 1, sem="relaxed", scope="gpu")
-            else:
-                _signal(ctr_ptr + off)
+            _post(s_full, s_empty, s_smem, ns, off, ml, SQ, WG)
+            ns += 1
         if TIMELINE:
             if (WG == 0) & go:
                 rec = tl_ptr + item.to(gl.int64) * 8
@@ -932,8 +918,7 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_sme
                 gl.store(rec + 6, t_loop)
                 gl.store(rec + 7, _now())
         n += 1
-    if SQ > 0:
-        _post(s_full, s_empty, s_smem, ns, -1, ml, SQ, WG)
+    _post(s_full, s_empty, s_smem, ns, -1, ml, SQ, WG)
     if EPI_TMA:  # the staging buffers stay allocated until the last store has read them
         tma.store_wait(0)
     if TIMELINE:
@@ -993,58 +978,38 @@ def _gluon_fused_fwd_kernel(
     for qs in gl.static_range(QD_):
         mbarrier.init(q_full.index(qs), count=1)
         mbarrier.init(q_empty.index(qs), count=2)
-    SQB: gl.constexpr = SQ_ if SQ_ > 0 else 1  # (the signaller's queue: allocated either way)
-    s_smem = gl.allocate_shared_memory(gl.int32, [SQB, MSG], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    s_full = gl.allocate_shared_memory(gl.int64, [SQB, 1], mbarrier.MBarrierLayout())
-    s_empty = gl.allocate_shared_memory(gl.int64, [SQB, 1], mbarrier.MBarrierLayout())
-    for ss in gl.static_range(SQB):
+    s_smem = gl.allocate_shared_memory(gl.int32, [SQ_, MSG], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    s_full = gl.allocate_shared_memory(gl.int64, [SQ_, 1], mbarrier.MBarrierLayout())
+    s_empty = gl.allocate_shared_memory(gl.int64, [SQ_, 1], mbarrier.MBarrierLayout())
+    for ss in gl.static_range(SQ_):
         mbarrier.init(s_full.index(ss), count=2)
         mbarrier.init(s_empty.index(ss), count=1)
     # (the partitions' argument lists written out: constexprs packed into a tuple lose their constexpr-ness)
-    if SQ_ > 0:
-        gl.warp_specialize([
-            (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_smem, s_full, s_empty, s_smem,
-                         epi_smem, act_st_desc, hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr,
-                         row_src_ptr, row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K,
-                         BM, BN1, BN2, BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA,
-                         PULL_COMBINE, ALIGNED, 0, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr,
-                         acs_ptr, FP8, PROBE_, SQ_)),
-            (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_smem, s_full, s_empty, s_smem,
-                         epi_smem, act_st_desc, hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr,
-                         row_src_ptr, row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K,
-                         BM, BN1, BN2, BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA,
-                         PULL_COMBINE, ALIGNED, 1, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr,
-                         acs_ptr, FP8, PROBE_, SQ_)),
-            (_loader, (tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
-                       q_ptr, q_smem, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, BM, BN1, BN2,
-                       BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ACQ_GPU, tll_ptr, TIMELINE, FP8)),
-            (_signaller, (s_full, s_empty, s_smem, ctr_ptr, E_l, SQ_)),
-        ], [4, 1, 1], [CONSUMER_REGS_, LOADER_REGS, LOADER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_smem, s_full, s_empty, s_smem,
-                         epi_smem, act_st_desc, hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr,
-                         row_src_ptr, row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K,
-                         BM, BN1, BN2, BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA,
-                         PULL_COMBINE, ALIGNED, 0, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr,
-                         acs_ptr, FP8, PROBE_, SQ_)),
-            (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_smem, s_full, s_empty, s_smem,
-                         epi_smem, act_st_desc, hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr,
-                         row_src_ptr, row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K,
-                         BM, BN1, BN2, BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA,
-                         PULL_COMBINE, ALIGNED, 1, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr,
-                         acs_ptr, FP8, PROBE_, SQ_)),
-            (_loader, (tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
-                       q_ptr, q_smem, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, BM, BN1, BN2,
-                       BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ACQ_GPU, tll_ptr, TIMELINE, FP8)),
-        ], [4, 1], [CONSUMER_REGS_, LOADER_REGS])
+    gl.warp_specialize([
+        (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_smem, s_full, s_empty, s_smem,
+                     epi_smem, act_st_desc, hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr,
+                     row_src_ptr, row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K,
+                     BM, BN1, BN2, BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA,
+                     PULL_COMBINE, ALIGNED, 0, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr,
+                     acs_ptr, FP8, PROBE_, SQ_)),
+        (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_smem, s_full, s_empty, s_smem,
+                     epi_smem, act_st_desc, hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr,
+                     row_src_ptr, row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K,
+                     BM, BN1, BN2, BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA,
+                     PULL_COMBINE, ALIGNED, 1, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr,
+                     acs_ptr, FP8, PROBE_, SQ_)),
+        (_loader, (tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
+                   q_ptr, q_smem, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, BM, BN1, BN2,
+                   BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ACQ_GPU, tll_ptr, TIMELINE, FP8)),
+        (_signaller, (s_full, s_empty, s_smem, ctr_ptr, E_l, SQ_)),
+    ], [4, 1, 1], [CONSUMER_REGS_, LOADER_REGS, LOADER_REGS])
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(st))
         mbarrier.invalidate(empty.index(st))
     for qs in gl.static_range(QD_):
         mbarrier.invalidate(q_full.index(qs))
         mbarrier.invalidate(q_empty.index(qs))
-    for ss in gl.static_range(SQB):
+    for ss in gl.static_range(SQ_):
         mbarrier.invalidate(s_full.index(ss))
         mbarrier.invalidate(s_empty.index(ss))
 
