@@ -32,6 +32,10 @@ bench() {  # bench <preset> <tokens> <backends> <tag> [extra args]
 echo "== GPUs: $NGPU, commit ${MEGAMOE_COMMIT:-unknown}"
 SECTIONS=",${1:-1},"
 want() { [[ "$SECTIONS" == *",$1,"* ]]; }
+gdebug() {  # gdebug [--fp8]: one Gluon megakernel forward with a watchdog, against the Triton megakernel
+  timeout 120 python3 benchmarks/gluon_fused_debug.py --tokens 4096 --experts 128 --wait 15 "$@" 2>&1 \
+    | grep -v "^W1\|UserWarn\|resource_tracker\|warnings.warn" | tail -6
+}
 
 if want 1; then
 echo "== 1. layer bench, 4096 tokens/GPU, eager and CUDA graph"
@@ -236,8 +240,7 @@ fi
 if want gf; then
 echo "== gf. Gluon megakernel items (fused:kernel=gluon): a forward with a watchdog (vs the Triton megakernel), GPU"
 echo "   tests, layer bench (GF_PRESETS, GF_BACKENDS; GF_TESTS=0 skips the tests)"
-timeout 120 python3 benchmarks/gluon_fused_debug.py --tokens 4096 --experts 128 --wait 15 2>&1 \
-  | grep -v "^W1\|UserWarn\|resource_tracker\|warnings.warn" | tail -6
+gdebug
 [ "${GF_TESTS:-1}" = 1 ] && gpu_tests_par gpu_fused_gluon "${GF_TIMEOUT:-400}" "${GF_PROCS:-2}" -k gluon tests/test_gpu_fused.py
 for p in ${GF_PRESETS-qwen3-30b-a3b mixtral-8x7b}; do echo "-- $p"
   bench "$p" 4096 "${GF_BACKENDS:-split,fused,fused:kernel=gluon}" gluon --cuda-graph
@@ -257,10 +260,8 @@ if want ab; then
 echo "== ab. the Gluon items against a baseline tree (AB_OLD: a directory holding the baseline's megamoe package), one"
 echo "   GPU: bitwise checks (bf16, FP8) against the Triton megakernel, per-item timelines (AB_PRESETS, AB_VARIANTS; the"
 echo "   baseline's: gluon), graphed layer steps per kernel (split, new and baseline Gluon items; AB_MORE: more backends)"
-timeout 120 python3 benchmarks/gluon_fused_debug.py --tokens 4096 --experts 128 --wait 15 2>&1 \
-  | grep -v "^W1\|UserWarn\|resource_tracker\|warnings.warn" | tail -4
-timeout 120 python3 benchmarks/gluon_fused_debug.py --fp8 --tokens 4096 --experts 128 --wait 15 2>&1 \
-  | grep -v "^W1\|UserWarn\|resource_tracker\|warnings.warn" | tail -4
+gdebug
+gdebug --fp8
 mkdir -p "$OUT/tl" "$OUT/tl-old"
 for p in ${AB_PRESETS:-qwen3-30b-a3b}; do
   timeout 200 torchrun --nproc_per_node "$NGPU" benchmarks/fused_probe.py --timeline --out "$OUT/tl" --presets "$p" \

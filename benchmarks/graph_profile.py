@@ -1,5 +1,6 @@
-"""Per-kernel device times of a CUDA-graph replay of one layer step (as `megamoe bench --cuda-graph` captures it), one
-GPU: where a graphed forward's time goes, beside the replay's wall time (CUDA events).
+"""Per-kernel device times of a CUDA-graph replay of one layer step (captured as `megamoe bench --cuda-graph` does:
+megamoe.bench.capture_step), one GPU: where a graphed forward's time goes, beside the replay's wall time (CUDA
+events).
 
     python benchmarks/graph_profile.py --preset qwen3-30b-a3b --tokens 4096 --backends split,fused:kernel=gluon
         [--mode forward|forward+backward] [--iters 20]
@@ -17,6 +18,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from megamoe.backends import parse_backend  # noqa: E402
+from megamoe.bench import capture_step  # noqa: E402
 from megamoe.config import preset  # noqa: E402
 from megamoe.dist import init_from_env  # noqa: E402
 from megamoe.layer import MoE  # noqa: E402
@@ -36,26 +38,8 @@ def main() -> None:
     x0 = torch.randn(args.tokens, cfg.hidden, device=dev, dtype=cfg.dtype, generator=gen)
     for spec in args.backends.split(","):
         name, opts = parse_backend(spec)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            moe = MoE(cfg, backend=name, device=dev, seed=0, **opts)
-            x = x0.detach().clone().requires_grad_()
-            dy = torch.randn_like(x0)
-
-            def body(moe=moe, x=x, dy=dy):
-                out = moe(x)
-                if args.mode == "forward+backward":
-                    out.out.backward(dy)
-
-            for _ in range(2):
-                body()
-            moe.zero_grad(set_to_none=True)
-            x.grad = None
-        side.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            body()
+        graph, moe, _, _ = capture_step(lambda name=name, opts=opts: MoE(cfg, backend=name, device=dev, seed=0, **opts),
+                                        x0, torch.randn_like(x0), dev, args.mode)
         ts = []
         for _ in range(args.iters):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -76,7 +60,7 @@ def main() -> None:
               flush=True)
         for k, t, n in rows[:10]:
             print(f"   {t:7.3f} ms  x{n:<3d} {k}")
-        del graph, moe, body
+        del graph, moe
 
 
 if __name__ == "__main__":

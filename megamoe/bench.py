@@ -161,22 +161,23 @@ def _reference_error(moe, x: torch.Tensor, y: torch.Tensor) -> float:
         return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
 
 
-def _graph_times(make_moe, xs, dys, args, timer, device, mode: str) -> list[float]:
-    """Per-iteration times of ``mode`` captured once in a CUDA graph and replayed on rotating inputs.
+def capture_step(make_moe, x0: torch.Tensor, dy0: torch.Tensor, device, mode: str):
+    """A fresh module's ``mode`` step ("forward" or "forward+backward") captured once in a CUDA graph; returns
+    (graph, module, x, dy): replay after copying inputs into the static ``x`` / ``dy`` (keep the module alive while
+    the graph is).
 
-    A fresh module (same seed, same weights) is built, warmed up and captured on one side stream from the
-    start: seen 2026-11-29, a module first run on the legacy default stream failed to capture later
-    ("operation would make the legacy stream depend on a capturing blocking stream"), while the same step run
-    on a side stream from the start captured and replayed on 1, 2 and 4 ranks. The gradients are set to None
-    before the capture, so each replay writes them fresh, as each eager iteration does. The inputs are copied
-    into the graph's static tensors outside the timed region.
+    The module (same seed, same weights) is built, warmed up and captured on one side stream from the start: seen
+    2026-11-29, a module first run on the legacy default stream failed to capture later ("operation would make the
+    legacy stream depend on a capturing blocking stream"), while the same step run on a side stream from the start
+    captured and replayed on 1, 2 and 4 ranks. The gradients are set to None before the capture, so each replay
+    writes them fresh, as each eager iteration does.
     """
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         moe = make_moe()
-        x = xs[0].detach().clone().requires_grad_()
-        dy = dys[0].clone()
+        x = x0.detach().clone().requires_grad_()
+        dy = dy0.clone()
 
         def body():
             out = moe(x)
@@ -194,6 +195,13 @@ def _graph_times(make_moe, xs, dys, args, timer, device, mode: str) -> list[floa
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side):
         body()
+    return graph, moe, x, dy
+
+
+def _graph_times(make_moe, xs, dys, args, timer, device, mode: str) -> list[float]:
+    """Per-iteration times of ``mode`` captured once in a CUDA graph (capture_step) and replayed on rotating inputs,
+    copied into the graph's static tensors outside the timed region."""
+    graph, moe, x, dy = capture_step(make_moe, xs[0], dys[0], device, mode)
     times = []
     for it in range(args.warmup + args.iters):
         with torch.no_grad():
@@ -204,7 +212,7 @@ def _graph_times(make_moe, xs, dys, args, timer, device, mode: str) -> list[floa
         dt = timer.stop(t0)
         if it >= args.warmup:
             times.append(dt)
-    del graph
+    del graph, moe
     return times
 
 
