@@ -87,6 +87,8 @@ VARIANTS = [
     ("gluon-p1", {"kernel": "gluon"}, None, {"PROBE": 1}),
     ("gluon-pe16k", {"kernel": "gluon"}, None, {"PULL_ELEMS": 16384}),  # pull chunks per consumer warpgroup
     ("gluon-pe4k", {"kernel": "gluon"}, None, {"PULL_ELEMS": 4096}),
+    ("gluon-reg", {"kernel": "gluon"}, None, {"BULK_PULL": 0}),  # the pulls in the consumers' registers (before TMA)
+    ("gluon-reg-ring16", {"kernel": "gluon"}, 16, {"BULK_PULL": 0}),
     ("lag5", {"lag": 5}, None),
     ("g16lag5", {"group": 16, "lag": 5}, None),
 ]

@@ -293,6 +293,20 @@ class SymmetricHeap:
         """int64 [W]: this process's addresses of every rank's copy of region ``name``."""
         return self.tab[_REG_INDEX[name]]
 
+    def peer_buffer(self, name: str, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s copy of region ``name`` as a tensor of this process (its own: :meth:`buffer`), e.g. for
+        the TMA descriptors of the peers' ``tok`` regions. Read it only as the region's protocol allows."""
+        if rank == self.rank:
+            return self._views[name]
+        off, dims, dtype = self.layout[name]
+        if self.backend == "cuda":
+            return self._handle.get_buffer(rank, tuple(dims), dtype, off // dtype.itemsize)
+        buf = torch.frombuffer(self._maps[rank], dtype=torch.uint8)
+        n = dtype.itemsize
+        for d in dims:
+            n *= d
+        return buf[off : off + n].view(dtype).view(dims)
+
     @property
     def timeout_ns(self) -> int:
         return int(self.timeout_s * 1e9)

@@ -105,6 +105,10 @@ SQ = 4
 # pulls are latency-bound (qwen3 EP 1 timeline, one H200, 2026-12-02: a 128-row pull item took 42.7 us at 4096, 27.8
 # at 8192, 24.6 at 16384; the items kernel 0.757 -> 0.748 ms from 8192 to 16384)
 PULL_ELEMS = 16384
+# pulls by TMA through the ring (_issue_pull / _store_pull) where the rows allow it (bf16, H % 64 == 0): the loader
+# loads each row from its owner's ``tok`` region into a ring stage, a consumer stores the stage's rows into the
+# receive buffer; 0: every pull in the consumers' registers (_pull_rows, the FP8 items' path)
+BULK_PULL = 1
 # registers per thread of each consumer warpgroup (the loader gets the rest of REG_POOL): on sm_90a 224 left the loader
 # 56 and 28 B of spills (8 experts); 208 leaves 88: 0 B at 8 and 16 experts, 20 B at 128 (the loader's schedule
 # vectors); the consumers do not spill at 208
@@ -300,7 +304,63 @@ def _word(v, i: gl.constexpr, ml: gl.constexpr):
     return gl.sum(gl.where(gl.arange(0, MSG, layout=ml) == i, v, 0), axis=0)
 
 
+@gluon.jit
+def _rd(m, i: gl.constexpr, lay: gl.constexpr):
+    """Word i of message m in shared memory, every thread loading it (one broadcast ld.shared)."""
+    return gl.sum(m.slice(i, 1).load(lay), axis=0)
+
+
 # ------------------------------------------------------------------------------------------------- loader
+@gluon.jit
+def _pull_views(a_smem, b_smem, st, RA: gl.constexpr, RB: gl.constexpr, RV: gl.constexpr, C: gl.constexpr):
+    """Ring stage st as the pull's row buffers: RA rows in its A tile, RB in its weight tile, each token row RV x C
+    bf16 (unswizzled: a row is one TMA box)."""
+    lay_p: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    AV: gl.constexpr = a_smem.shape[1] * a_smem.shape[2] // C  # (the whole tile: shapes are powers of 2)
+    BV: gl.constexpr = b_smem.shape[1] * b_smem.shape[2] // C
+    av = a_smem.index(st)._reinterpret(gl.bfloat16, [AV, C], lay_p)
+    bv = b_smem.index(st)._reinterpret(gl.bfloat16, [BV, C], lay_p)
+    return av, bv
+
+
+@gluon.jit
+def _issue_pull(tok_descs, a_smem, b_smem, ready, empty, row_src_ptr, row_tok_ptr, row0, r_lo, r_end, it,
+                RA: gl.constexpr, RB: gl.constexpr, RV: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr,
+                NP: gl.constexpr, BR: gl.constexpr):
+    """The loads of PULL rows [r_lo, r_end) of the block at receive row row0: RA + RB rows per ring stage, each row
+    RV / BR TMA loads from its owner's ``tok`` region (tok_descs[src], src < NP: [T_max * RV, C] views, box [BR, C]);
+    the part's last stage loads its last row again into the unused slots (the barrier expects a constant byte
+    count). Returns the new ring count."""
+    R: gl.constexpr = RA + RB
+    nbytes: gl.constexpr = R * RV * C * 2
+    _fence_proxy_async()  # (the rows were published to the generic proxy: READY, acquired before)
+    for r_c in range(r_lo, r_end, R):
+        st = it % STAGES
+        last = gl.minimum(r_end - r_c, R) - 1
+        mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(st), nbytes)
+        av, bv = _pull_views(a_smem, b_smem, st, RA, RB, RV, C)
+        for q in gl.static_range(R):
+            ridx = row0 + r_c + gl.minimum(last, q)
+            tok = gl.load(row_tok_ptr + ridx)
+            if NP > 1:
+                src = gl.load(row_src_ptr + ridx)
+            for i in gl.static_range(RV // BR):  # (a row: RV / BR boxes of [BR, C])
+                if q < RA:
+                    dst = av.slice(q * RV + i * BR, BR)
+                else:
+                    dst = bv.slice((q - RA) * RV + i * BR, BR)
+                if NP == 1:
+                    tma.async_copy_global_to_shared(tok_descs[0], [tok * RV + i * BR, 0], ready.index(st), dst)
+                else:
+                    for p in gl.static_range(NP):
+                        if src == p:
+                            tma.async_copy_global_to_shared(tok_descs[p], [tok * RV + i * BR, 0], ready.index(st),
+                                                            dst)
+        it += 1
+    return it
+
+
 @gluon.jit
 def _issue_loads(x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, kind, e, base, j, H, I, k1, k2, it,
                  BN1: gl.constexpr, BN2: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr):
@@ -343,10 +403,13 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
             q_smem, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
             BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, BLOCK_E: gl.constexpr, GB: gl.constexpr,
             PULL_SPLIT: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr, ACQ_GPU: gl.constexpr,
-            tll_ptr, TIMELINE: gl.constexpr, FP8: gl.constexpr):
+            tll_ptr, TIMELINE: gl.constexpr, FP8: gl.constexpr, tok_descs, row_src_ptr, row_tok_ptr,
+            BULK: gl.constexpr, RA: gl.constexpr, RB: gl.constexpr, RV: gl.constexpr, C: gl.constexpr,
+            WP2: gl.constexpr, NP: gl.constexpr, BR: gl.constexpr):
     """Claims the items, waits for their inputs, hands them over, then issues their loads. TIMELINE: per item [claim,
     claimed, inputs ready and handed over, loads issued] into tll_ptr [items, 4]. FP8: the descriptors are the e4m3
-    operands' and a k-step is 128 deep (one scale block)."""
+    operands' and a k-step is 128 deep (one scale block). BULK: the PULL items' loads too (_issue_pull), after READY
+    of every rank (the peers' tokens staged)."""
     BK: gl.constexpr = 128 if FP8 else 64
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     ml: gl.constexpr = gl.BlockedLayout([MSG], [32], [1], [0])
@@ -362,6 +425,9 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
     k1 = gl.cdiv(H, BK)
     k2 = gl.cdiv(I, BK)
     qp = q_ptr + gl.program_id(0) * QD_
+    rok = nb >= 0  # (a runtime True)
+    if BULK:
+        rok = _wait_ready(tab, W, rank, call, timeout_ns, WP2, lay)
     n = 0
     it = 0
     go = nb >= 0  # (a runtime True: the loop-carried flags must not start as constexprs)
@@ -379,8 +445,9 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
         live = go & (b >= 0) & (b < nb)
         if live:  # the item's inputs
             if kind == 0:  # PULL(b): the ring slot's previous block has been read by all its GEMM1 tiles
+                fine = rok
                 if (NS > 0) & (b >= NS):
-                    fine = _wait_counter(g1 + b - NS, 2 * T1, tab, W, rank, call, timeout_ns, ACQ_GPU)
+                    fine = fine & _wait_counter(g1 + b - NS, 2 * T1, tab, W, rank, call, timeout_ns, ACQ_GPU)
             elif kind == 1:  # GEMM1(b, j): b pulled; with a ring, the act slot's previous block's GEMM2 done
                 fine = _wait_counter(rdy + b, 2 * PULL_SPLIT, tab, W, rank, call, timeout_ns, ACQ_GPU)
                 if (NS > 0) & (b >= NS):
@@ -405,6 +472,11 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
         if live & fine & (kind != 0):
             it = _issue_loads(x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, kind, e, base, j, H,
                               I, k1, k2, it, BN1, BN2, STAGES, FP8)
+        if BULK:
+            if live & fine & (kind == 0):
+                part: gl.constexpr = BM // PULL_SPLIT
+                it = _issue_pull(tok_descs, a_smem, b_smem, ready, empty, row_src_ptr, row_tok_ptr, row0, j * part,
+                                 gl.minimum(j * part + part, nrows), it, RA, RB, RV, C, STAGES, NP, BR)
         if TIMELINE:
             if go:
                 lrec = tll_ptr + item * 4
@@ -462,6 +534,40 @@ def _pull_rows(tab, W, row0, r_lo, r_end, base, row_src_ptr, row_tok_ptr, x_ptr,
         cl = n_chunks - 1
         dp = x_ptr + (base + r_lo + (cl // n_h) * ROWS_P + rr).to(gl.int64) * HP
         gl.store(dp[:, None] + ((cl % n_h) * BLOCK_H + hh)[None, :], v, mask=m)
+
+
+@gluon.jit
+def _store_pull(xv_desc, a_smem, b_smem, ready, empty, base, r_lo, r_end, it, RA: gl.constexpr, RB: gl.constexpr,
+                RV: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr, BR: gl.constexpr):
+    """Consumer WG's part of PULL rows [r_lo, r_end) loaded by _issue_pull: every stage's rows stored by TMA into the
+    receive buffer at rows base + r (xv_desc: [NROWS * RV, C], box [BR, C]), the even stages by consumer 0, the odd
+    ones by consumer 1; a stage is freed once its stores have read it. On return this WG's stores are written and
+    ordered before the async proxy's later reads. Returns the new ring count."""
+    R: gl.constexpr = RA + RB
+    c = 0
+    for r_c in range(r_lo, r_end, R):
+        st = it % STAGES
+        mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        if c % 2 == WG:
+            nr = gl.minimum(r_end - r_c, R)
+            av, bv = _pull_views(a_smem, b_smem, st, RA, RB, RV, C)
+            for q in gl.static_range(R):
+                if q < nr:
+                    for i in gl.static_range(RV // BR):
+                        if q < RA:
+                            tma.async_copy_shared_to_global(xv_desc, [(base + r_c + q) * RV + i * BR, 0],
+                                                            av.slice(q * RV + i * BR, BR))
+                        else:
+                            tma.async_copy_shared_to_global(xv_desc, [(base + r_c + q) * RV + i * BR, 0],
+                                                            bv.slice((q - RA) * RV + i * BR, BR))
+            tma.store_wait(0)
+        gl.thread_barrier()  # (the stores' issuing thread has seen them read)
+        mbarrier.arrive(empty.index(st), count=1)
+        it += 1
+        c += 1
+    _bulk_writes_done()
+    _fence_proxy_async()
+    return it
 
 
 @gluon.jit
@@ -820,7 +926,8 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_sme
               ROWS_P: gl.constexpr, BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr,
               EPI_TMA: gl.constexpr, PULL_COMBINE: gl.constexpr, ALIGNED: gl.constexpr, WG: gl.constexpr,
               tl_ptr, tlp_ptr, TIMELINE: gl.constexpr, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr,
-              FP8: gl.constexpr, PROBE_: gl.constexpr, SQ: gl.constexpr):
+              FP8: gl.constexpr, PROBE_: gl.constexpr, SQ: gl.constexpr, xv_desc, BULK: gl.constexpr,
+              RA: gl.constexpr, RB: gl.constexpr, RV: gl.constexpr, C: gl.constexpr, BR: gl.constexpr):
     """Consumer warpgroup WG: rows WG * 64 .. WG * 64 + 63 of every item's block (module docstring). TIMELINE
     (consumer 0): per item handed over [program, kind, block, asked for it, got it, first stage landed (pull:
     got it), k-loop (pull: copy) done, end] into tl_ptr [items, 8]; per program [entry, READY seen, items done] into
@@ -847,31 +954,35 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_sme
         if TIMELINE:
             t_ask = _now()
         mbarrier.wait(q_full.index(qs), (n // QD_) & 1)
-        v = q_smem.index(qs).load(ml)  # the loader's message (_pack): only live items, the end, or a failed wait
+        m = q_smem.index(qs)  # the loader's message (_pack): only live items, the end, or a failed wait
+        item = _rd(m, 0, lay)
+        go = (_rd(m, 1, lay) != 0) & (_rd(m, 2, lay) != 0)
+        kind = _rd(m, 3, lay)
+        b = _rd(m, 4, lay)
+        j = _rd(m, 5, lay)
+        e = _rd(m, 6, lay)
+        row0 = _rd(m, 7, lay)
+        nrows = _rd(m, 8, lay)
+        base = _rd(m, 9, lay)
         gl.thread_barrier()
         mbarrier.arrive(q_empty.index(qs), count=1)
-        item = _word(v, 0, ml)
-        go = (_word(v, 1, ml) != 0) & (_word(v, 2, ml) != 0)
-        kind = _word(v, 3, ml)
-        b = _word(v, 4, ml)
-        j = _word(v, 5, ml)
         if TIMELINE:
             t_got = _now()
             t_first = t_got
             t_loop = t_got
         if go:
-            e = _word(v, 6, ml)
-            row0 = _word(v, 7, ml)
-            nrows = _word(v, 8, ml)
-            base = _word(v, 9, ml)
-            if kind == 0:  # PULL(b, part j): this consumer's half of the part's rows
+            if kind == 0:  # PULL(b, part j)
                 part: gl.constexpr = BM // PULL_SPLIT
-                half: gl.constexpr = (part + 1) // 2
-                r_lo = j * part + WG * half
-                r_end = gl.minimum(gl.minimum(r_lo + half, j * part + part), nrows)
-                if ok:
-                    _pull_rows(tab, W, row0, r_lo, r_end, base, row_src_ptr, row_tok_ptr, x_ptr, H, HP, ROWS_P,
-                               BLOCK_H, ALIGNED, pl)
+                if BULK:  # the part's rows, loaded by the loader into the ring: stored from there
+                    it = _store_pull(xv_desc, a_smem, b_smem, ready, empty, base, j * part,
+                                     gl.minimum(j * part + part, nrows), it, RA, RB, RV, C, STAGES, WG, BR)
+                else:  # this consumer's half of the part's rows, through its registers
+                    half: gl.constexpr = (part + 1) // 2
+                    r_lo = j * part + WG * half
+                    r_end = gl.minimum(gl.minimum(r_lo + half, j * part + part), nrows)
+                    if ok:
+                        _pull_rows(tab, W, row0, r_lo, r_end, base, row_src_ptr, row_tok_ptr, x_ptr, H, HP, ROWS_P,
+                                   BLOCK_H, ALIGNED, pl)
                 if TIMELINE:
                     t_loop = _now()
                 off = 1 + b
@@ -953,11 +1064,14 @@ def _gluon_fused_fwd_kernel(
     BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr, EPI_TMA: gl.constexpr,
     PULL_COMBINE: gl.constexpr, ALIGNED: gl.constexpr, ACQ_GPU: gl.constexpr,
     CONSUMER_REGS_: gl.constexpr, LOADER_REGS: gl.constexpr, TIMELINE: gl.constexpr, FP8: gl.constexpr,
-    PROBE_: gl.constexpr, SQ_: gl.constexpr, num_warps: gl.constexpr,
+    PROBE_: gl.constexpr, SQ_: gl.constexpr, xv_desc, tok0, tok1, tok2, tok3, tok4, tok5, tok6, tok7,
+    BULK: gl.constexpr, RA: gl.constexpr, RB: gl.constexpr, RV: gl.constexpr, C: gl.constexpr, NP: gl.constexpr,
+    BR: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid (P,): persistent programs of 4 + 4 + 1 warps (module docstring). FP8: x_desc, w13_desc, act_desc, w2_desc
     are the e4m3 operands' (blocks [BM, 128], [BN1, 128], [BM, 128], [BN2, 128]), x_ptr the packed rows (HP words
     each), act_ptr e4m3 act."""
+    tok_descs = (tok0, tok1, tok2, tok3, tok4, tok5, tok6, tok7)  # BULK: every rank's ``tok`` view (NP of them)
     BW: gl.constexpr = 2 * BN1 if 2 * BN1 > BN2 else BN2  # weight rows of a stage: GEMM1's gate + up, GEMM2's tile
     if FP8:  # 128 e4m3 bytes of K per row; GEMM1's stage holds a 64-column half (gate + up: BN1 rows)
         BW8: gl.constexpr = BN1 if BN1 > BN2 else BN2
@@ -991,16 +1105,17 @@ def _gluon_fused_fwd_kernel(
                      row_src_ptr, row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K,
                      BM, BN1, BN2, BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA,
                      PULL_COMBINE, ALIGNED, 0, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr,
-                     acs_ptr, FP8, PROBE_, SQ_)),
+                     acs_ptr, FP8, PROBE_, SQ_, xv_desc, BULK, RA, RB, RV, C, BR)),
         (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_smem, s_full, s_empty, s_smem,
                      epi_smem, act_st_desc, hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr,
                      row_src_ptr, row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K,
                      BM, BN1, BN2, BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA,
                      PULL_COMBINE, ALIGNED, 1, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr,
-                     acs_ptr, FP8, PROBE_, SQ_)),
+                     acs_ptr, FP8, PROBE_, SQ_, xv_desc, BULK, RA, RB, RV, C, BR)),
         (_loader, (tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
                    q_ptr, q_smem, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, BM, BN1, BN2,
-                   BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ACQ_GPU, tll_ptr, TIMELINE, FP8)),
+                   BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ACQ_GPU, tll_ptr, TIMELINE, FP8, tok_descs, row_src_ptr,
+                   row_tok_ptr, BULK, RA, RB, RV, C, WP2, NP, BR)),
         (_signaller, (s_full, s_empty, s_smem, ctr_ptr, E_l, SQ_)),
     ], [4, 1, 1], [CONSUMER_REGS_, LOADER_REGS, LOADER_REGS])
     for st in gl.static_range(STAGES):
@@ -1063,6 +1178,38 @@ def gluon_fused_reason(cfg, *, H: int, I: int, device: torch.device | None = Non
     return None
 
 
+def _bulk_pull_plan(heap, cfg, a, fp8: bool):
+    """(receive-buffer view descriptor, every rank's ``tok`` view descriptor, rows per stage in the A tile and in the
+    weight tile, RV, C) for the TMA pull (BULK_PULL), or None where the register pull runs: FP8 (packed rows of
+    2 H + scale bytes are not 128-byte multiples), H % 64 (a row in a stage starts 128-byte aligned), a receive
+    buffer that is not dense, more than 8 ranks. A row of H bf16 is RV = H / C rows of C <= 256 elements, loaded
+    and stored as RV / BR boxes of [BR, C] (box dimensions are powers of 2 <= 256: deepseek-v3's 7168 is 7 boxes of
+    [4, 256]; at most 8 boxes per row)."""
+    H = heap.shape.hidden
+    if not BULK_PULL or fp8 or heap.world > 8 or H % 64 or not a.is_contiguous() or a.shape[1] != H:
+        return None
+    c = 256 if H % 256 == 0 else (128 if H % 128 == 0 else 64)
+    rv = H // c
+    br = rv & -rv  # (a box's rows are a power of 2: a row is rv / br boxes)
+    while br > 256 or rv // br > 8:  # (at most 8 boxes per row)
+        if br > 256:
+            br //= 2
+        else:
+            return None
+    bw = max(2 * cfg.bn1, cfg.bn2)
+    ra = min(cfg.block_m * 64 // H, 8)  # (rows of a stage's tiles; at most 16 in all: each is an unrolled TMA issue)
+    rb = min(bw * 64 // H, 16 - ra)
+    if ra + rb < 1:
+        return None
+    lay_p = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    xv = TensorDescriptor(a, [a.shape[0] * rv, c], [c, 1], [br, c], lay_p)
+    toks = []
+    for r in range(heap.world):
+        t = heap.peer_buffer("tok", r)
+        toks.append(TensorDescriptor(t, [t.shape[0] * rv, c], [c, 1], [br, c], lay_p))
+    return xv, toks, ra, rb, rv, c, br
+
+
 def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: int, nb_max: int, ring_blocks: int,
                        group: int, lookahead: int, lag: int, timeline: tuple | None = None, fp8=None) -> None:
     """The items of one forward (fused_moe._launch calls this, then fused_moe._fused_tail_kernel; fused_forward
@@ -1108,6 +1255,9 @@ def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: i
     epi_tma = all(t.data_ptr() % 16 == 0 for t in [act] + ([h] if h is not None else []) + ([rows] if pull else []))
     block_h = min(triton.next_power_of_2(hp), 2048)
     q = torch.empty(P * QD, dtype=torch.int64, device=a.device)
+    bulk = _bulk_pull_plan(heap, cfg, a, fp8 is not None)
+    xv_desc, toks, ra, rb, rv, cw, br = bulk if bulk is not None else (x_desc, (), 0, 0, 1, 64, 1)
+    toks8 = tuple(toks) + (xv_desc,) * (8 - len(toks))
     consumer_regs = CONSUMER_REGS_FP8 if fp8 is not None else CONSUMER_REGS
     k_ = _gluon_fused_fwd_kernel[(P,)](
         heap.tab, heap.world, heap.rank, x_desc, w13_desc, act_desc, w2_desc, act_st_desc, hg_desc, hu_desc,
@@ -1120,7 +1270,10 @@ def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: i
         STORE_H=h is not None,
         EPI_TMA=epi_tma, PULL_COMBINE=pull, ALIGNED=(H * 2) % 16 == 0 and (hp * 2) % 16 == 0,
         ACQ_GPU=cfg.counter_scope == "gpu", CONSUMER_REGS_=consumer_regs, LOADER_REGS=REG_POOL - 2 * consumer_regs,
-        TIMELINE=timeline is not None, FP8=fp8 is not None, PROBE_=PROBE, SQ_=SQ, num_warps=4, maxnreg=REG_POOL // 3,
+        TIMELINE=timeline is not None, FP8=fp8 is not None, PROBE_=PROBE, SQ_=SQ, xv_desc=xv_desc,
+        tok0=toks8[0], tok1=toks8[1], tok2=toks8[2], tok3=toks8[3], tok4=toks8[4], tok5=toks8[5], tok6=toks8[6],
+        tok7=toks8[7], BULK=bulk is not None, RA=ra, RB=rb, RV=rv, C=cw, NP=max(len(toks), 1), BR=br, num_warps=4,
+        maxnreg=REG_POOL // 3,
     )
     record("_gluon_fused_fwd_kernel", k_)
     LAST_LAUNCH.clear()
