@@ -17,7 +17,8 @@
 # f8 (the FP8 megakernel: its GPU tests, then the layer bench, ~8 min on one GPU), gf (the Gluon megakernel items:
 # smoke, GPU tests, layer bench), gs (the Gluon items' schedule knobs, layer bench, qwen3 and mixtral, ~4-8 min on
 # one GPU), gt (the Gluon items' GPU tests one after another, ~6-8 min on one GPU), ab (the Gluon items against a
-# baseline tree AB_OLD: bitwise checks, timelines, layer bench; ~6-8 min on one GPU).
+# baseline tree AB_OLD: bitwise checks, timelines, layer bench; ~6-8 min on one GPU), bp (the Gluon items' TMA pull:
+# bitwise checks, then against the register pull; ~6 min on one GPU).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -278,6 +279,22 @@ for p in ${AB_BENCH:-qwen3-30b-a3b}; do echo "-- $p"
   PYTHONPATH="$AB_OLD:." timeout 200 torchrun --nproc_per_node "$NGPU" benchmarks/graph_profile.py --preset "$p" \
     --backends fused:kernel=gluon 2>&1 | quiet | tee "$OUT/ab-graph-old-$p.txt"
 done
+fi
+
+if want bp; then
+echo "== bp. the Gluon items' TMA pull (BULK_PULL): bitwise checks against the Triton megakernel (qwen3, a cycling ring,"
+echo "   mixtral, deepseek-v3's 7-box rows), then the TMA pull against the register pull (timelines, profile, grad)"
+gdebug
+gdebug --ring 16
+gdebug --preset mixtral-8x7b --experts 8
+gdebug --preset deepseek-v3 --experts 32 --tokens 2048
+mkdir -p "$OUT/tl"
+for p in ${BP_PRESETS:-qwen3-30b-a3b mixtral-8x7b}; do
+  timeout 240 torchrun --nproc_per_node "$NGPU" benchmarks/fused_probe.py --grad --profile --timeline --out "$OUT/tl" \
+    --presets "$p" --variants "${BP_VARIANTS:-gluon,gluon-reg}" 2>&1 | quiet | tee "$OUT/bp-$p.txt"
+done
+timeout 200 torchrun --nproc_per_node "$NGPU" benchmarks/graph_profile.py --preset qwen3-30b-a3b \
+  --backends "split:presum_combine=1,fused:kernel=gluon" 2>&1 | quiet | tee "$OUT/bp-graph-qwen3.txt" | grep "=="
 fi
 
 if want gt; then
