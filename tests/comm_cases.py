@@ -299,3 +299,42 @@ def rank_graph(rank, world, device="cuda"):
     finally:
         heap.close()
     return fails
+
+
+def rank_peer_buffer(rank, world, device="cpu"):
+    """heap.peer_buffer: every rank's copy of a region, as written by that rank; bad names and ranks rejected.
+    Returns failure strings (empty: passed)."""
+    import torch
+    import torch.distributed as dist
+
+    from megamoe.comm import CommShape, SymmetricHeap
+
+    fails = []
+    heap = SymmetricHeap(CommShape(world, 6, 64, 2, 2 * world), device=None, timeout_s=10.0, num_sms=2)
+    try:
+        tok = heap.tokens_buffer()
+        tok.copy_(torch.arange(tok.numel(), dtype=torch.float32).view(tok.shape).to(tok.dtype) + 100 * rank)
+        if heap.device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        for r in range(world):
+            v = heap.peer_buffer("tok", r)
+            want = torch.arange(tok.numel(), dtype=torch.float32).view(tok.shape).to(tok.dtype) + 100 * r
+            if v.shape != tok.shape or v.dtype != tok.dtype or v.device != tok.device:
+                fails.append(f"rank {rank}: peer_buffer('tok', {r}) is {v.shape} {v.dtype} {v.device}")
+            elif not torch.equal(v.cpu(), want):
+                fails.append(f"rank {rank}: peer_buffer('tok', {r}) does not hold rank {r}'s tokens")
+            elif v.data_ptr() != int(heap.peer_ptrs("tok")[r]):
+                fails.append(f"rank {rank}: peer_buffer('tok', {r}) is not at peer_ptrs('tok')[{r}]")
+        if heap.peer_buffer("tok", rank).data_ptr() != tok.data_ptr():
+            fails.append(f"rank {rank}: peer_buffer of its own rank is not its buffer")
+        for bad, exc in ((("tok", world), ValueError), (("tok", -1), ValueError), (("nope", 0), KeyError)):
+            try:
+                heap.peer_buffer(*bad)
+                fails.append(f"rank {rank}: peer_buffer{bad} did not raise")
+            except exc:
+                pass
+        dist.barrier()  # (nobody unmaps while a peer still reads)
+    finally:
+        heap.close()
+    return fails

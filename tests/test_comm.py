@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from comm_cases import rank_absent, rank_cases  # noqa: E402
+from comm_cases import rank_absent, rank_cases, rank_peer_buffer  # noqa: E402
 
 from megamoe.dist import spawn  # noqa: E402
 
@@ -71,6 +71,17 @@ def test_absent_rank_times_out_naming_it(world, absent):
         assert f"on rank {r}" in msg, msg
         assert took < timeout_s + 10, took
     assert wall < 90
+
+
+def test_peer_buffer_two_ranks():
+    # each rank's view of every rank's tok region (the Gluon items' TMA pull builds its descriptors on these)
+    _run_fn(rank_peer_buffer, 2)
+
+
+def _run_fn(fn, world, *args):
+    fails = spawn(fn, world, *args, timeout_s=120)
+    flat = [f for rank_fails in fails for f in rank_fails]
+    assert not flat, "\n".join(flat)
 
 
 def test_heap_bytes_known_before_allocation():

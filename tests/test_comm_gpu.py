@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from comm_cases import rank_cases, rank_graph  # noqa: E402
+from comm_cases import rank_cases, rank_graph, rank_peer_buffer  # noqa: E402
 
 from megamoe.dist import spawn  # noqa: E402
 
@@ -52,3 +52,10 @@ def test_gpu_full_size_and_edges():
 def test_gpu_no_sync_and_cuda_graph():
     W = _world()
     _check(spawn(rank_graph, W, device="cuda", timeout_s=600))
+
+
+@needs_gpus
+def test_gpu_peer_buffer():
+    # torch symmetric memory's get_buffer views of the peers' tok regions (the Gluon items' TMA pull descriptors)
+    W = _world()
+    _check(spawn(rank_peer_buffer, W, "cuda", device="cuda", timeout_s=300))

@@ -369,3 +369,42 @@ def test_gluon_fused_reasons(monkeypatch):
     assert "I of 128" in gluon_fused_reason(f8, H=2880, I=2880, fp8=True)
     assert "H must be a multiple of 16" in gluon_fused_reason(f8, H=2056, I=768, fp8=True)
     assert "push their rows" in gluon_fused_reason(f8.with_(combine="pull"), H=2048, I=768, fp8=True)
+
+
+def test_gluon_bulk_pull_plan(monkeypatch):
+    """The Gluon items' TMA pull plan: rows per ring stage, row boxes, one tok descriptor per rank (over that rank's
+    region), or None (the register pull) where TMA cannot move the rows."""
+    from types import SimpleNamespace
+
+    from megamoe.kernels import gluon_fused
+    from megamoe.kernels.fused_moe import FusedConfig
+
+    cfg = FusedConfig()
+
+    def plan(H, W=1, fp8=False, a=None, c=cfg):
+        bufs = [torch.full((5, H), float(r), dtype=torch.bfloat16) for r in range(W)]
+        heap = SimpleNamespace(shape=SimpleNamespace(hidden=H), world=W, peer_buffer=lambda name, r: bufs[r])
+        p = gluon_fused._bulk_pull_plan(heap, c, torch.zeros(11, H, dtype=torch.bfloat16) if a is None else a, fp8)
+        if p is not None:  # every rank's descriptor is over that rank's region, as [T_max * RV, C] rows
+            xv, toks, ra, rb, rv, cw, br = p
+            assert len(toks) == W and all(t.base is bufs[r] for r, t in enumerate(toks))
+            assert [t.shape for t in toks] == [[5 * rv, cw]] * W and xv.shape == [11 * rv, cw]
+            assert rv * cw == H and rv % br == 0 and rv // br <= 8 and br <= 256 and 1 <= ra + rb <= 16
+            assert xv.block_shape == [br, cw] and all(t.block_shape == [br, cw] for t in toks)
+            # a stage's rows fit its tiles: RA rows in the [BM, 64] A tile, RB in the [2 * BN1, 64] weight tile
+            assert ra * H <= c.block_m * 64 and rb * H <= max(2 * c.bn1, c.bn2) * 64
+            return ra, rb, rv, cw, br
+        return None
+
+    assert plan(2048) == (4, 8, 8, 256, 8)  # qwen3: 12 rows of 4 KB per stage, a row one [8, 256] box
+    assert plan(4096, W=2) == (2, 4, 16, 256, 16)  # mixtral
+    assert plan(7168, W=4) == (1, 2, 28, 256, 4)  # deepseek-v3: a row is 7 boxes of [4, 256]
+    assert plan(1024, W=8) == (8, 8, 4, 256, 4)
+    assert plan(64) == (8, 8, 1, 64, 1)
+    assert plan(2880, W=2) is None  # gpt-oss: 45 boxes of [1, 64] per row, more than 8
+    assert plan(96) is None and plan(9) is None  # H % 64: a row would not start 128-byte aligned in its stage
+    assert plan(2048, fp8=True) is None  # packed FP8 rows: the register pull
+    assert plan(2048, W=9) is None  # at most 8 tok descriptors
+    assert plan(2048, a=torch.zeros(11, 4096, dtype=torch.bfloat16)[:, :2048]) is None  # a strided receive buffer
+    monkeypatch.setattr(gluon_fused, "BULK_PULL", 0)
+    assert plan(2048) is None

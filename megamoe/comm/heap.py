@@ -296,6 +296,10 @@ class SymmetricHeap:
     def peer_buffer(self, name: str, rank: int) -> torch.Tensor:
         """Rank ``rank``'s copy of region ``name`` as a tensor of this process (its own: :meth:`buffer`), e.g. for
         the TMA descriptors of the peers' ``tok`` regions. Read it only as the region's protocol allows."""
+        if name not in self.layout:
+            raise KeyError(f"no heap region {name!r}; regions: {', '.join(self.layout)}")
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} out of range for a heap of {self.world} ranks")
         if rank == self.rank:
             return self._views[name]
         off, dims, dtype = self.layout[name]
