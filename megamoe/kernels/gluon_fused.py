@@ -6,24 +6,29 @@ across tiles, two consumer warpgroups, an asynchronous TMA-store epilogue). In a
 item refills its pipeline from empty after the claim, the wait and the fence, and the epilogue's stores stop the
 tensor cores. Here the same items run with gluon_bf16_ws's structure:
 
-    loader     1 warp: claims the items (the same atomic queue and item order as fused_moe.py), waits for each
-               item's inputs (the per-block counters, bounded, acquire + ``fence.proxy.async``), issues its GEMM
-               k-steps' TMA loads into a STAGES-deep ring (GEMM1: x rows + the gate and up tiles; GEMM2: act rows +
-               a w2 tile), and hands the item to the consumers through a QD-deep queue: a message in shared memory
-               behind an mbarrier (_pack: the item decoded and its block located, so a consumer spends no global load
-               or cross-warp reduction on it; "go" off at the end, "fine" off when a wait failed: every partition
-               stops there; the item index also goes to global memory, for benchmarks/gluon_fused_debug.py).
-               QD = 1: it claims an item only once the consumers have taken the one before (a claimed item is bound
-               to this program, and items queued behind pulls held other programs' GEMM2 items back); items with
-               no block (the schedule's padding) are claimed and dropped, never handed over
+    loader     1 warp: claims the items (the same atomic queue and item order as fused_moe.py), waits for each item's
+               inputs (the per-block counters, bounded, acquire + ``fence.proxy.async``), issues its GEMM k-steps' TMA
+               loads into a STAGES-deep ring (GEMM1: x rows + the gate and up tiles; GEMM2: act rows + a w2 tile) or,
+               for a PULL item (BULK_PULL, since 2026-12-02), TMA loads of the part's token rows from their owners'
+               ``tok`` regions into the ring's stages (_issue_pull: one descriptor per rank, a stage holding RA + RB
+               whole rows; the loader waits for READY itself), and hands the item to the consumers through a QD-deep
+               queue: a message in shared memory behind an mbarrier (_pack: the item decoded and its block located, so a
+               consumer spends no global load or cross-warp reduction on it; "go" off at the end, "fine" off when a wait
+               failed: every partition stops there; the item index also goes to global memory, for
+               benchmarks/gluon_fused_debug.py). QD = 1: it claims an item only once the consumers have taken the one
+               before (a claimed item is bound to this program, and items queued behind pulls held other programs' GEMM2
+               items back); items with no block (the schedule's padding) are claimed and dropped, never handed over
     consumer 0 4 warps (the default partition): rows 0..63 of the item's block
     consumer 1 4 warps (a worker partition):    rows 64..127
-               PULL: half of the part's rows from their owners' ``tok`` regions; GEMM1: 64 x (128 gate + 128 up)
-               async wgmmas, SwiGLU epilogue through gluon_fp8_ws._put (TMA stores into act / h where every row
-               is the block's); GEMM2: 64 x BN2 (256), epilogue pushing each row into its owner's slot (or, combine
-               "pull", TMA / masked stores into this rank's ``rows`` region). Each consumer posts the item's
-               counter into the signaller's SQ-deep queue once its stores are done (a barrier of its threads, then an
-               mbarrier arrival, release at CTA scope) and goes on to its next item
+               PULL: the stages the loader filled, TMA-stored into the receive buffer (_store_pull: even stages by
+               consumer 0, odd by consumer 1, each stage freed once its stores have read it, the writes waited for
+               before the signal); where _bulk_pull_plan has no plan (FP8's packed rows, H % 64, more than 8 boxes per
+               row or 8 ranks) half of the part's rows through its registers (_pull_rows); GEMM1: 64 x (128 gate + 128
+               up) async wgmmas, SwiGLU epilogue through gluon_fp8_ws._put (TMA stores into act / h where every row is
+               the block's); GEMM2: 64 x BN2 (256), epilogue pushing each row into its owner's slot (or, combine "pull",
+               TMA / masked stores into this rank's ``rows`` region). Each consumer posts the item's counter into the
+               signaller's SQ-deep queue once its stores are done (a barrier of its threads, then an mbarrier arrival,
+               release at CTA scope) and goes on to its next item
     signaller  1 warp: once both consumers posted an item, ``counter += 2`` (release, GPU scope: cumulative, so it
                publishes the consumers' stores, which reached this warp through the mbarrier), in posting order.
                The targets are 2x the Triton kernel's (2 per pull part, 2 per GEMM tile). A release waits until the
