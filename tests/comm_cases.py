@@ -301,9 +301,9 @@ def rank_graph(rank, world, device="cuda"):
     return fails
 
 
-def rank_peer_buffer(rank, world, device="cpu"):
-    """heap.peer_buffer: every rank's copy of a region, as written by that rank; bad names and ranks rejected.
-    Returns failure strings (empty: passed)."""
+def rank_peer_buffer(rank, world):
+    """heap.peer_buffer: every rank's copy of a region, as written by that rank; bad names and ranks rejected (the
+    heap's backend follows the process group's: host on gloo, cuda on nccl). Returns failure strings (empty: passed)."""
     import torch
     import torch.distributed as dist
 
@@ -313,16 +313,19 @@ def rank_peer_buffer(rank, world, device="cpu"):
     heap = SymmetricHeap(CommShape(world, 6, 64, 2, 2 * world), device=None, timeout_s=10.0, num_sms=2)
     try:
         tok = heap.tokens_buffer()
-        tok.copy_(torch.arange(tok.numel(), dtype=torch.float32).view(tok.shape).to(tok.dtype) + 100 * rank)
+
+        def written_by(r):
+            return torch.arange(tok.numel(), dtype=torch.float32).view(tok.shape).to(tok.dtype) + 100 * r
+
+        tok.copy_(written_by(rank))
         if heap.device.type == "cuda":
             torch.cuda.synchronize()
         dist.barrier()
         for r in range(world):
             v = heap.peer_buffer("tok", r)
-            want = torch.arange(tok.numel(), dtype=torch.float32).view(tok.shape).to(tok.dtype) + 100 * r
             if v.shape != tok.shape or v.dtype != tok.dtype or v.device != tok.device:
                 fails.append(f"rank {rank}: peer_buffer('tok', {r}) is {v.shape} {v.dtype} {v.device}")
-            elif not torch.equal(v.cpu(), want):
+            elif not torch.equal(v.cpu(), written_by(r).cpu()):
                 fails.append(f"rank {rank}: peer_buffer('tok', {r}) does not hold rank {r}'s tokens")
             elif v.data_ptr() != int(heap.peer_ptrs("tok")[r]):
                 fails.append(f"rank {rank}: peer_buffer('tok', {r}) is not at peer_ptrs('tok')[{r}]")

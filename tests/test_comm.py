@@ -44,10 +44,13 @@ CASES_W4 = [
 ]
 
 
-def _run(world, cases):
-    fails = spawn(rank_cases, world, cases, timeout_s=600)
-    flat = [f for rank_fails in fails for f in rank_fails]
+def _check(results):
+    flat = [f for rank_fails in results for f in rank_fails]
     assert not flat, "\n".join(flat)
+
+
+def _run(world, cases):
+    _check(spawn(rank_cases, world, cases, timeout_s=600))
 
 
 def test_dispatch_combine_two_ranks():
@@ -75,13 +78,7 @@ def test_absent_rank_times_out_naming_it(world, absent):
 
 def test_peer_buffer_two_ranks():
     # each rank's view of every rank's tok region (the Gluon items' TMA pull builds its descriptors on these)
-    _run_fn(rank_peer_buffer, 2)
-
-
-def _run_fn(fn, world, *args):
-    fails = spawn(fn, world, *args, timeout_s=120)
-    flat = [f for rank_fails in fails for f in rank_fails]
-    assert not flat, "\n".join(flat)
+    _check(spawn(rank_peer_buffer, 2, timeout_s=120))
 
 
 def test_heap_bytes_known_before_allocation():

@@ -58,4 +58,4 @@ def test_gpu_no_sync_and_cuda_graph():
 def test_gpu_peer_buffer():
     # torch symmetric memory's get_buffer views of the peers' tok regions (the Gluon items' TMA pull descriptors)
     W = _world()
-    _check(spawn(rank_peer_buffer, W, "cuda", device="cuda", timeout_s=300))
+    _check(spawn(rank_peer_buffer, W, device="cuda", timeout_s=300))
