@@ -89,6 +89,8 @@ VARIANTS = [
     ("gluon-pe4k", {"kernel": "gluon"}, None, {"PULL_ELEMS": 4096}),
     ("gluon-reg", {"kernel": "gluon"}, None, {"BULK_PULL": 0}),  # the pulls in the consumers' registers (before TMA)
     ("gluon-reg-ring16", {"kernel": "gluon"}, 16, {"BULK_PULL": 0}),
+    ("gluon-hreg", {"kernel": "gluon"}, None, {"H_STORE": 2}),  # h from registers (plain stores), not staged TMA
+    ("gluon-htma", {"kernel": "gluon"}, None, {"H_STORE": 1}),
     ("lag5", {"lag": 5}, None),
     ("g16lag5", {"group": 16, "lag": 5}, None),
 ]
@@ -210,7 +212,8 @@ def main() -> None:
     p.add_argument("--timeline", action="store_true", help="per-item phase times of every variant (rank 0)")
     p.add_argument("--out", default=".", help="directory for the --timeline records")
     p.add_argument("--grad", action="store_true", help="the variants' forwards with autograd on (the input requires "
-                   "grad, so GEMM1 also stores h, as in training and the layer benchmark)")
+                   "grad, so GEMM1 also stores h, as in training and the layer benchmark); each variant's gradients "
+                   "(input, w13, w2; the backward reads h) are compared bitwise with the first variant's")
     args = p.parse_args()
     dev = init_from_env()
     rank = dist.get_rank()
@@ -227,6 +230,8 @@ def main() -> None:
             print(f"== {name} {args.tokens} tok/rank, W={dist.get_world_size()}: split forward {t_split:.3f} ms")
         fused = MoE(cfg, backend="fused", device=dev, seed=1, timeout_s=20)  # push combine: its heap serves both
         base = fused.backend.config
+        dy = torch.randn(x.shape, device=dev, dtype=cfg.dtype, generator=gen)
+        grads0 = None
         if args.profile:
             with torch.no_grad():
                 fused(x)
@@ -263,6 +268,17 @@ def main() -> None:
                         kt = prof.get("_fused_fwd_kernel", float("nan"))
                     kt = f" kernel {kt:.3f} ms"
                 line = f"{vname:10s} fwd {t:8.3f} ms{kt}  vs split {err:.2e}  {rep}"
+                if args.grad:  # one backward: the gradients against the first variant's
+                    xg = x.detach().requires_grad_()
+                    fused.zero_grad(set_to_none=True)
+                    fused(xg).out.backward(dy)
+                    grads = [xg.grad, fused.w13.grad, fused.w2.grad]
+                    if grads0 is None:
+                        grads0 = [g.clone() for g in grads]
+                        line += "  grads: first variant (the reference)"
+                    else:
+                        same = all(torch.equal(a, b) for a, b in zip(grads, grads0, strict=True))
+                        line += f"  grads {'bitwise equal to' if same else 'DIFFER from'} the first variant's"
                 if args.timeline:
                     from megamoe.kernels import fused_moe
 
