@@ -102,7 +102,7 @@ LAST_LAUNCH: dict = {}
 # GEMM items waited > 10 us for their inputs); an item is bound to its program when claimed, so claim late
 QD = 1
 # timing probe only (benchmarks/fused_probe.py; results may be wrong): bit 1: GEMM1 does not wait for its TMA stores to
-# land before signalling
+# land before signalling; bits 4 / 8: consumer 1 starts 1.5 / 3 us after consumer 0 (results right)
 PROBE = 0
 # depth of the consumers -> signaller queue of counter signals (the signaller's atomics take ~1 us, items >= 8 us)
 SQ = 4
@@ -114,10 +114,6 @@ PULL_ELEMS = 16384
 # loads each row from its owner's ``tok`` region into a ring stage, a consumer stores the stage's rows into the
 # receive buffer; 0: every pull in the consumers' registers (_pull_rows, the FP8 items' path)
 BULK_PULL = 1
-# how the bf16 GEMM1 epilogue writes h (autograd's saved pre-activations, read only after the kernel): 1: staged TMA
-# stores beside act's (two staging buffers per consumer, so each store waits for the one before the previous); 2: plain
-# stores from the accumulators' registers, issued after act's TMA stores (the FP8 items always stage)
-H_STORE = 1
 # registers per thread of each consumer warpgroup (the loader gets the rest of REG_POOL): on sm_90a 224 left the loader
 # 56 and 28 B of spills (8 experts); 208 leaves 88: 0 B at 8 and 16 experts, 20 B at 128 (the loader's schedule
 # vectors); the consumers do not spill at 208
@@ -653,19 +649,6 @@ def _push_pair(v0, v1, rp, rvalid, col, H, epi_smem, b0, HM: gl.constexpr, store
 
 
 @gluon.jit
-def _h_from_regs(g, u, h_ptr, off_m, col, row_end, I, HM: gl.constexpr, mma_s: gl.constexpr):
-    """h's gate and up values (fp32 [HM, 64] in the accumulator's slice layout) -> h[rows, col..] and
-    h[rows, I + col..] in bf16 by plain stores from registers (4 bytes per thread and row piece: the layout's two
-    adjacent columns), rows < row_end and columns < I; no staging buffer, no wait."""
-    rm = off_m + gl.arange(0, HM, layout=gl.SliceLayout(1, mma_s))
-    rn = col + gl.arange(0, 64, layout=gl.SliceLayout(0, mma_s))
-    p = h_ptr + rm.to(gl.int64)[:, None] * (2 * I) + rn[None, :]
-    m = (rm < row_end)[:, None] & (rn < I)[None, :]
-    gl.store(p, g.to(gl.bfloat16), mask=m)
-    gl.store(p + I, u.to(gl.bfloat16), mask=m)
-
-
-@gluon.jit
 def _gemm1_item(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc, hu_desc, act_ptr, h_ptr, base, nrows, j,
                 I, k1, it, nst, BM: gl.constexpr, BN1: gl.constexpr, STAGES: gl.constexpr, STORE_H: gl.constexpr,
                 EPI_TMA: gl.constexpr, WG: gl.constexpr, TIMELINE: gl.constexpr, PROBE_: gl.constexpr = 0):
@@ -706,17 +689,12 @@ def _gemm1_item(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc, hu
     b0 = 2 * WG + (nst & 1)
     a0, a1, a2, a3 = _slices(acc, HM, BN1, mma_s)
     u0, u1, u2, u3 = _slices(acc2, HM, BN1, mma_s)
-    H_TMA: gl.constexpr = STORE_H == 1
     _epi_swiglu_slice(a0, u0, off_m, off_n, row_end, I, act_st_desc, hg_desc, hu_desc, act_ptr, I, h_ptr, 2 * I,
-                      epi_smem, b0, tma_ok, HM, H_TMA, EPI_TMA, store_l)
+                      epi_smem, b0, tma_ok, HM, STORE_H, EPI_TMA, store_l)
     if NSL1 > 1:
         _epi_swiglu_slice(a1, u1, off_m, off_n + 64, row_end, I, act_st_desc, hg_desc, hu_desc, act_ptr, I, h_ptr,
-                          2 * I, epi_smem, b0 ^ 1, tma_ok, HM, H_TMA, EPI_TMA, store_l)
-    if STORE_H == 2:  # h from the accumulators' registers, under act's TMA stores (nothing waits for them here)
-        _h_from_regs(a0, u0, h_ptr, off_m, off_n, row_end, I, HM, mma_s)
-        if NSL1 > 1:
-            _h_from_regs(a1, u1, h_ptr, off_m, off_n + 64, row_end, I, HM, mma_s)
-    nst += NSL1 * (3 if H_TMA else 1)
+                          2 * I, epi_smem, b0 ^ 1, tma_ok, HM, STORE_H, EPI_TMA, store_l)
+    nst += NSL1 * (3 if STORE_H else 1)
     if EPI_TMA and (PROBE_ & 1) == 0:  # act / h written before the counter says so (GEMM2, maybe on another SM,
         _bulk_writes_done()  # reads them by TMA)
     _fence_proxy_async()
@@ -983,6 +961,12 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_sme
     ok = _wait_ready(tab, W, rank, call, timeout_ns, WP2, lay)  # peers' tokens staged (the pulls read them)
     if TIMELINE:
         t_ready = _now()
+    if (PROBE_ & 12) != 0:  # timing probe: consumer 1 starts 1.5 (bit 4) or 3 us (bit 8) late (staggered consumers)
+        if WG == 1:
+            t_sp = _now()
+            dl = 1500 if (PROBE_ & 4) != 0 else 3000
+            while _now() - t_sp < dl:
+                pass
     BK: gl.constexpr = 128 if FP8 else 64
     k1 = gl.cdiv(H, BK)
     k2 = gl.cdiv(I, BK)
@@ -1309,7 +1293,7 @@ def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: i
         K=k, BM=BM, BN1=BN1, BN2=BN2, BLOCK_E=triton.next_power_of_2(max(E_l, 2)), GB=group,
         PULL_SPLIT=cfg.pull_split, STAGES=stages_of(cfg, fp8 is not None), QD_=QD,
         ROWS_P=max(1, min(BM // 2, PULL_ELEMS // block_h)), BLOCK_H=block_h, WP2=max(2, heap.wp2),
-        STORE_H=0 if h is None else (1 if fp8 is not None else H_STORE),
+        STORE_H=h is not None,
         EPI_TMA=epi_tma, PULL_COMBINE=pull, ALIGNED=(H * 2) % 16 == 0 and (hp * 2) % 16 == 0,
         ACQ_GPU=cfg.counter_scope == "gpu", CONSUMER_REGS_=consumer_regs, LOADER_REGS=REG_POOL - 2 * consumer_regs,
         TIMELINE=timeline is not None, FP8=fp8 is not None, PROBE_=PROBE, SQ_=SQ, xv_desc=xv_desc,
