@@ -89,8 +89,6 @@ VARIANTS = [
     ("gluon-pe4k", {"kernel": "gluon"}, None, {"PULL_ELEMS": 4096}),
     ("gluon-reg", {"kernel": "gluon"}, None, {"BULK_PULL": 0}),  # the pulls in the consumers' registers (before TMA)
     ("gluon-reg-ring16", {"kernel": "gluon"}, 16, {"BULK_PULL": 0}),
-    ("gluon-stag15", {"kernel": "gluon"}, None, {"PROBE": 4}),  # consumer 1 starts 1.5 us late (staggered)
-    ("gluon-stag30", {"kernel": "gluon"}, None, {"PROBE": 8}),
     ("lag5", {"lag": 5}, None),
     ("g16lag5", {"group": 16, "lag": 5}, None),
 ]

@@ -102,7 +102,7 @@ LAST_LAUNCH: dict = {}
 # GEMM items waited > 10 us for their inputs); an item is bound to its program when claimed, so claim late
 QD = 1
 # timing probe only (benchmarks/fused_probe.py; results may be wrong): bit 1: GEMM1 does not wait for its TMA stores to
-# land before signalling; bits 4 / 8: consumer 1 starts 1.5 / 3 us after consumer 0 (results right)
+# land before signalling
 PROBE = 0
 # depth of the consumers -> signaller queue of counter signals (the signaller's atomics take ~1 us, items >= 8 us)
 SQ = 4
@@ -961,12 +961,6 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_sme
     ok = _wait_ready(tab, W, rank, call, timeout_ns, WP2, lay)  # peers' tokens staged (the pulls read them)
     if TIMELINE:
         t_ready = _now()
-    if (PROBE_ & 12) != 0:  # timing probe: consumer 1 starts 1.5 (bit 4) or 3 us (bit 8) late (staggered consumers)
-        if WG == 1:
-            t_sp = _now()
-            dl = 1500 if (PROBE_ & 4) != 0 else 3000
-            while _now() - t_sp < dl:
-                pass
     BK: gl.constexpr = 128 if FP8 else 64
     k1 = gl.cdiv(H, BK)
     k2 = gl.cdiv(I, BK)
