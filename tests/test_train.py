@@ -81,11 +81,12 @@ def test_train_backends_agree(tmp_path):
     # bf16 MoE layers (split needs them; fp32 master weights), same seed and data: the first losses agree to
     # bf16 tolerance (later steps drift apart as bf16 rounding differences compound, as on the GPU)
     out = tmp_path / "both"
-    args = SMALL[:1] + ["3"] + SMALL[2:] + ["--dtype", "bf16", "--backends", "torch,split,fused", "--out", str(out)]
+    # (two steps: the second loss is after one optimizer update)
+    args = SMALL[:1] + ["2"] + SMALL[2:] + ["--dtype", "bf16", "--backends", "torch,split,fused", "--out", str(out)]
     assert train_main(args) == 0
     torch_res, split_res, fused_res = _summary(out)["results"]
     for res in (split_res, fused_res):
-        assert len(res["history"]["loss"]) == 3
+        assert len(res["history"]["loss"]) == 2
         assert res["history"]["loss"] == pytest.approx(torch_res["history"]["loss"], rel=1e-2), res["backend"]
 
 
