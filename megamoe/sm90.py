@@ -568,8 +568,9 @@ def layer_report() -> dict[str, dict]:
     """Every Triton kernel that the split and fused layers (forward + backward, the LAYERS variants) launch on
     their gloo ranks, compiled for sm_90a with its real specialisation: access widths, registers, spills; and the
     standalone kernels' variants. The world sizes' groups run at once (the standalone kernels on the one-rank group,
-    which has the least else to do): on 2 CPU cores with a cold Triton cache 205 s, against 285 s with the groups one
-    after the other and every kernel's SASS disassembled (2026-12-03)."""
+    which has the least else to do): tests/test_sm90_compile.py on 2 CPU cores with a cold Triton cache took 331 s,
+    against 499 s with the groups one after the other and every kernel's SASS disassembled (back to back,
+    2026-12-03)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from megamoe.dist import spawn

@@ -203,6 +203,13 @@ def _presum_checks(name, rank, world, x, idx, w, xs, idxs, ws, heap, recv_plain,
     return fails
 
 
+def assert_no_failures(results):
+    """The spawned ranks' failure strings (one list per rank, as the rank_* functions return): none, or all in the
+    assertion message."""
+    flat = [f for rank_fails in results for f in rank_fails]
+    assert not flat, "\n".join(flat)
+
+
 def rank_cases(rank, world, cases, device="cpu"):
     """Run ``cases`` (see run_case) on this rank; returns the failure strings."""
     if device == "cpu":

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from comm_cases import rank_absent, rank_cases, rank_peer_buffer  # noqa: E402
+from comm_cases import assert_no_failures, rank_absent, rank_cases, rank_peer_buffer  # noqa: E402
 
 from megamoe.dist import spawn  # noqa: E402
 
@@ -44,13 +44,8 @@ CASES_W4 = [
 ]
 
 
-def _check(results):
-    flat = [f for rank_fails in results for f in rank_fails]
-    assert not flat, "\n".join(flat)
-
-
 def _run(world, cases):
-    _check(spawn(rank_cases, world, cases, timeout_s=600))
+    assert_no_failures(spawn(rank_cases, world, cases, timeout_s=600))
 
 
 def test_dispatch_combine_two_ranks():
@@ -78,7 +73,7 @@ def test_absent_rank_times_out_naming_it(world, absent):
 
 def test_peer_buffer_two_ranks():
     # each rank's view of every rank's tok region (the Gluon items' TMA pull builds its descriptors on these)
-    _check(spawn(rank_peer_buffer, 2, timeout_s=120))
+    assert_no_failures(spawn(rank_peer_buffer, 2, timeout_s=120))
 
 
 def test_heap_bytes_known_before_allocation():

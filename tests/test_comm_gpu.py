@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from comm_cases import rank_cases, rank_graph, rank_peer_buffer  # noqa: E402
+from comm_cases import assert_no_failures, rank_cases, rank_graph, rank_peer_buffer  # noqa: E402
 
 from megamoe.dist import spawn  # noqa: E402
 
@@ -28,11 +28,6 @@ def _world():
     return min(4, torch.cuda.device_count())
 
 
-def _check(results):
-    flat = [f for rank_fails in results for f in rank_fails]
-    assert not flat, "\n".join(flat)
-
-
 @needs_gpus
 def test_gpu_full_size_and_edges():
     W = _world()
@@ -45,17 +40,17 @@ def test_gpu_full_size_and_edges():
         dict(name="gpu-k1-hot-H100", T=[33] * W, H=100, k=1, E=4 * W, routing="hot", seed=13),
         dict(name="gpu-narrow", T=[40] * W, H=96, k=2, E=2 * W, routing="narrow", seed=14),
     ]
-    _check(spawn(rank_cases, W, cases, "cuda", device="cuda", timeout_s=600))
+    assert_no_failures(spawn(rank_cases, W, cases, "cuda", device="cuda", timeout_s=600))
 
 
 @needs_gpus
 def test_gpu_no_sync_and_cuda_graph():
     W = _world()
-    _check(spawn(rank_graph, W, device="cuda", timeout_s=600))
+    assert_no_failures(spawn(rank_graph, W, device="cuda", timeout_s=600))
 
 
 @needs_gpus
 def test_gpu_peer_buffer():
     # torch symmetric memory's get_buffer views of the peers' tok regions (the Gluon items' TMA pull descriptors)
     W = _world()
-    _check(spawn(rank_peer_buffer, W, device="cuda", timeout_s=300))
+    assert_no_failures(spawn(rank_peer_buffer, W, device="cuda", timeout_s=300))

@@ -13,8 +13,8 @@ specialisation its real launch gets (megamoe/sm90.py): what the interpreter cann
 - every variant of the Gluon bf16 GEMM (megamoe.sm90.BF16_VARIANTS) compiles without spills, keeps one wgmma
   group in flight (SwiGLU: the gate and up groups of one k-step) and reads h (SwiGLU backward) from shared memory.
 Runs the layers under megamoe.sm90.compile_only on 2 gloo ranks in a subprocess without TRITON_INTERPRET
-(3.4 minutes on 2 cores with a cold Triton cache, 2026-12-03: the one- and two-rank groups at once; every
-rank's kernels are checked).
+(3.4-5.5 minutes on 2 cores with a cold Triton cache, 2026-12-03, with the machine's load: the one- and two-rank
+groups at once; every rank's kernels are checked).
 """
 
 from __future__ import annotations

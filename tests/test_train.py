@@ -99,7 +99,7 @@ def test_train_fp8_weights_kept_by_the_optimizer(tmp_path):
     runs = {}
     for q in ("optimizer", "layer"):
         out = tmp_path / q
-        assert train_main(SMALL[:1] + ["2", "--layers", "1"] + SMALL[4:] + ["--dtype", "bf16", "--backends",
+        assert train_main(SMALL[:1] + ["2"] + SMALL[2:] + ["--layers", "1", "--dtype", "bf16", "--backends",
                                                            "split:fp8=1:fp8_dispatch=1,fused:fp8=1",
                                                            "--fp8-quant", q, "--out", str(out)]) == 0
         runs[q] = _summary(out)["results"]
