@@ -89,6 +89,9 @@ VARIANTS = [
     ("gluon-pe4k", {"kernel": "gluon"}, None, {"PULL_ELEMS": 4096}),
     ("gluon-reg", {"kernel": "gluon"}, None, {"BULK_PULL": 0}),  # the pulls in the consumers' registers (before TMA)
     ("gluon-reg-ring16", {"kernel": "gluon"}, 16, {"BULK_PULL": 0}),
+    # consumer 1 runs its empty half of the blocks of <= 64 rows (before 2026-12-03), then idles on them (the default)
+    ("gluon-noidle", {"kernel": "gluon"}, None, {"IDLE_HALF": 0}),
+    ("gluon-idle", {"kernel": "gluon"}, None, {"IDLE_HALF": 1}),
     ("lag5", {"lag": 5}, None),
     ("g16lag5", {"group": 16, "lag": 5}, None),
 ]

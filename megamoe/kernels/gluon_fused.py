@@ -104,6 +104,9 @@ QD = 1
 # timing probe only (benchmarks/fused_probe.py; results may be wrong): bit 1: GEMM1 does not wait for its TMA stores to
 # land before signalling
 PROBE = 0
+# 1: consumer 1 idles (frees the ring stages, no wgmma, no epilogue) on the items of blocks of <= 64 rows (an expert's
+# last block), so consumer 0 runs their k-loops with the tensor cores to itself; 0: it runs its empty half
+IDLE_HALF = 1
 # depth of the consumers -> signaller queue of counter signals (the signaller's atomics take ~1 us, items >= 8 us)
 SQ = 4
 # elements of one pull chunk per consumer warpgroup (ROWS_P x BLOCK_H; each thread holds two chunks' 1 / 128): the
@@ -649,7 +652,7 @@ def _push_pair(v0, v1, rp, rvalid, col, H, epi_smem, b0, HM: gl.constexpr, store
 
 
 @gluon.jit
-def _gemm1_item(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc, hu_desc, act_ptr, h_ptr, base, nrows, j,
+def _gemm1_half(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc, hu_desc, act_ptr, h_ptr, base, nrows, j,
                 I, k1, it, nst, BM: gl.constexpr, BN1: gl.constexpr, STAGES: gl.constexpr, STORE_H: gl.constexpr,
                 EPI_TMA: gl.constexpr, WG: gl.constexpr, TIMELINE: gl.constexpr, PROBE_: gl.constexpr = 0):
     """Consumer WG's half of GEMM1(b, j): 64 x (BN1 gate + BN1 up) async wgmmas over the ring, then the SwiGLU
@@ -702,7 +705,7 @@ def _gemm1_item(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc, hu
 
 
 @gluon.jit
-def _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_ptr, row_src_ptr, row_tok_ptr,
+def _gemm2_half(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_ptr, row_src_ptr, row_tok_ptr,
                 row_slot_ptr, row0, base, nrows, j, H, k2, it, nst, K: gl.constexpr, BM: gl.constexpr,
                 BN2: gl.constexpr, STAGES: gl.constexpr, EPI_TMA: gl.constexpr, PULL_COMBINE: gl.constexpr,
                 ALIGNED: gl.constexpr, WG: gl.constexpr, TIMELINE: gl.constexpr):
@@ -773,6 +776,31 @@ def _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_
             _push_slice(a0.to(gl.bfloat16), rp, rvalid, off_n, H, epi_smem, b0, HM, store_l)
     nst += BN2 // 64
     return it, nst, t_first, t_loop
+
+
+@gluon.jit
+def _idle_item(ready, empty, it, k, STAGES: gl.constexpr):
+    """A consumer whose half of the item's block holds no row (the block's rows all lie in consumer 0's half: an
+    expert's last block of <= 64 rows): it frees each of the item's k ring stages as soon as it has landed, with no
+    wgmma and no epilogue, so consumer 0 runs the item's k-loop with the tensor cores to itself. (It must wait for
+    each stage: the stage's empty barrier counts one arrival per consumer per pass, so an arrival ahead of the ring
+    would complete a later pass's phase early.) Returns the new ring count."""
+    for _ki in range(k):
+        st = it % STAGES
+        mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        mbarrier.arrive(empty.index(st), count=1)
+        it += 1
+    return it
+
+
+@gluon.jit
+def _idles(nrows, BM: gl.constexpr, WG: gl.constexpr, IDLE_: gl.constexpr):
+    """Whether consumer WG has no row of a block of nrows rows to work on (IDLE_: consumer 1 then idles)."""
+    idle = nrows < 0  # (a runtime False)
+    if WG == 1:
+        if IDLE_ != 0:
+            idle = nrows <= BM // 2
+    return idle
 
 
 @gluon.jit
@@ -947,7 +975,8 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_sme
               EPI_TMA: gl.constexpr, PULL_COMBINE: gl.constexpr, ALIGNED: gl.constexpr, WG: gl.constexpr,
               tl_ptr, tlp_ptr, TIMELINE: gl.constexpr, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr, acs_ptr,
               FP8: gl.constexpr, PROBE_: gl.constexpr, SQ: gl.constexpr, xv_desc, BULK: gl.constexpr,
-              RA: gl.constexpr, RB: gl.constexpr, RV: gl.constexpr, C: gl.constexpr, BR: gl.constexpr):
+              RA: gl.constexpr, RB: gl.constexpr, RV: gl.constexpr, C: gl.constexpr, BR: gl.constexpr,
+              IDLE_: gl.constexpr):
     """Consumer warpgroup WG: rows WG * 64 .. WG * 64 + 63 of every item's block (module docstring). TIMELINE
     (consumer 0): per item handed over [program, kind, block, asked for it, got it, first stage landed (pull:
     got it), k-loop (pull: copy) done, end] into tl_ptr [items, 8]; per program [entry, READY seen, items done] into
@@ -1007,13 +1036,17 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_sme
                     t_loop = _now()
                 off = 1 + b
             elif kind == 1:  # GEMM1(b, j): act[rows, j-th BN1 columns] = silu(x @ wg^T) * (x @ wu^T)
-                if FP8:
+                if _idles(nrows, BM, WG, IDLE_):  # (FP8: two 64-column halves, each a k-loop)
+                    it = _idle_item(ready, empty, it, k1 * 2 if FP8 else k1, STAGES)
+                    t_f = (it * 0).to(gl.int64)
+                    t_l = t_f
+                elif FP8:
                     it, nst, t_f, t_l = _gemm1_item_fp8(a_smem, b_smem, ready, empty, epi_smem, hg_desc, hu_desc,
                                                         h_ptr, act_ptr, xs_ptr, stride_xs, s13_ptr, acs_ptr, e, base,
                                                         nrows, j, H, I, k1, it, nst, BM, BN1, STAGES, STORE_H,
                                                         EPI_TMA, WG, TIMELINE)
                 else:
-                    it, nst, t_f, t_l = _gemm1_item(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc,
+                    it, nst, t_f, t_l = _gemm1_half(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc,
                                                     hu_desc, act_ptr, h_ptr, base, nrows, j, I, k1, it, nst, BM, BN1,
                                                     STAGES, STORE_H, EPI_TMA, WG, TIMELINE, PROBE_)
                 if TIMELINE:
@@ -1021,13 +1054,17 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_sme
                     t_loop = t_l
                 off = 1 + NB_MAX + b
             else:  # GEMM2(b, j): out = act @ w2[e]^T (columns j * BN2 ..), pushed to the owners (or kept local)
-                if FP8:
+                if _idles(nrows, BM, WG, IDLE_):
+                    it = _idle_item(ready, empty, it, k2, STAGES)
+                    t_f = (it * 0).to(gl.int64)
+                    t_l = t_f
+                elif FP8:
                     it, nst, t_f, t_l = _gemm2_item_fp8(tab, W, a_smem, b_smem, ready, empty, epi_smem, acs_ptr,
                                                         s2_ptr, row_src_ptr, row_tok_ptr, row_slot_ptr, e, row0, base,
                                                         nrows, j, H, I, k2, it, nst, K, BM, BN2, STAGES, ALIGNED, WG,
                                                         TIMELINE)
                 else:
-                    it, nst, t_f, t_l = _gemm2_item(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc,
+                    it, nst, t_f, t_l = _gemm2_half(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc,
                                                     rows_ptr, row_src_ptr, row_tok_ptr, row_slot_ptr, row0, base,
                                                     nrows, j, H, k2, it, nst, K, BM, BN2, STAGES, EPI_TMA,
                                                     PULL_COMBINE, ALIGNED, WG, TIMELINE)
@@ -1086,7 +1123,7 @@ def _gluon_fused_fwd_kernel(
     CONSUMER_REGS_: gl.constexpr, LOADER_REGS: gl.constexpr, TIMELINE: gl.constexpr, FP8: gl.constexpr,
     PROBE_: gl.constexpr, SQ_: gl.constexpr, xv_desc, tok0, tok1, tok2, tok3, tok4, tok5, tok6, tok7,
     BULK: gl.constexpr, RA: gl.constexpr, RB: gl.constexpr, RV: gl.constexpr, C: gl.constexpr, NP: gl.constexpr,
-    BR: gl.constexpr, num_warps: gl.constexpr,
+    BR: gl.constexpr, IDLE_: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid (P,): persistent programs of 4 + 4 + 1 warps (module docstring). FP8: x_desc, w13_desc, act_desc, w2_desc
     are the e4m3 operands' (blocks [BM, 128], [BN1, 128], [BM, 128], [BN2, 128]), x_ptr the packed rows (HP words
@@ -1125,13 +1162,13 @@ def _gluon_fused_fwd_kernel(
                      row_src_ptr, row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K,
                      BM, BN1, BN2, BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA,
                      PULL_COMBINE, ALIGNED, 0, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr,
-                     acs_ptr, FP8, PROBE_, SQ_, xv_desc, BULK, RA, RB, RV, C, BR)),
+                     acs_ptr, FP8, PROBE_, SQ_, xv_desc, BULK, RA, RB, RV, C, BR, IDLE_)),
         (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_smem, s_full, s_empty, s_smem,
                      epi_smem, act_st_desc, hg_desc, hu_desc, rows_desc, x_ptr, act_ptr, h_ptr, rows_ptr, offs_ptr,
                      row_src_ptr, row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K,
                      BM, BN1, BN2, BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA,
                      PULL_COMBINE, ALIGNED, 1, tl_ptr, tlp_ptr, TIMELINE, HP, xs_ptr, stride_xs, s13_ptr, s2_ptr,
-                     acs_ptr, FP8, PROBE_, SQ_, xv_desc, BULK, RA, RB, RV, C, BR)),
+                     acs_ptr, FP8, PROBE_, SQ_, xv_desc, BULK, RA, RB, RV, C, BR, IDLE_)),
         (_loader, (tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
                    q_ptr, q_smem, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, BM, BN1, BN2,
                    BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ACQ_GPU, tll_ptr, TIMELINE, FP8, tok_descs, row_src_ptr,
@@ -1292,7 +1329,8 @@ def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: i
         ACQ_GPU=cfg.counter_scope == "gpu", CONSUMER_REGS_=consumer_regs, LOADER_REGS=REG_POOL - 2 * consumer_regs,
         TIMELINE=timeline is not None, FP8=fp8 is not None, PROBE_=PROBE, SQ_=SQ, xv_desc=xv_desc,
         tok0=toks8[0], tok1=toks8[1], tok2=toks8[2], tok3=toks8[3], tok4=toks8[4], tok5=toks8[5], tok6=toks8[6],
-        tok7=toks8[7], BULK=bulk is not None, RA=ra, RB=rb, RV=rv, C=cw, NP=max(len(toks), 1), BR=br, num_warps=4,
+        tok7=toks8[7], BULK=bulk is not None, RA=ra, RB=rb, RV=rv, C=cw, NP=max(len(toks), 1), BR=br, IDLE_=IDLE_HALF,
+        num_warps=4,
         maxnreg=REG_POOL // 3,
     )
     record("_gluon_fused_fwd_kernel", k_)
