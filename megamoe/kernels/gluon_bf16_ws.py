@@ -79,6 +79,11 @@ from megamoe.kernels.gluon_fp8_ws import (
 )
 from megamoe.kernels.grouped_gemm import EPI_DSWIGLU, EPI_NONE, EPI_SWIGLU
 
+# 1: in the cooperative schedule, consumer 1 idles on the tiles where its 64 rows hold none of the expert's (the
+# expert's last m-tile of <= 64 rows): it frees the stages without wgmma or epilogue, so consumer 0 runs the k-loop
+# with the tensor cores to itself (2026-12-03: the fused items' twin cut their k-loop ~0.78x, docs/perf-notes.md);
+# 0: it runs its empty half as before
+IDLE_HALF = 1
 BLOCK_K = 64  # one 128-byte swizzled row of bf16 per k-step
 #: (ping-pong, epilogue) -> allowed block_n: cooperative 64-row halves of 256 plain / 128 + 128 SwiGLU columns at
 #: most (128 accumulator registers per thread), the SwiGLU backward 128 (its epilogue holds g and u besides);
@@ -127,15 +132,30 @@ def _epi_dswiglu_slice(dact, g_buf, u_buf, off_m, col, row_end, N, dg_desc, du_d
 
 
 @gluon.jit
+def _idle_tile(ready, empty, it, k_tiles, STAGES: gl.constexpr):
+    """Cooperative consumer 1 on a tile where it has no row: it frees each of the tile's k_tiles ring stages once the
+    stage has landed (no wgmma, no epilogue), so consumer 0 runs the tile's k-loop with the tensor cores to itself.
+    (It must wait for each stage: a stage's empty barrier counts one arrival per consumer per pass, so an arrival ahead
+    of the ring would complete a later pass's phase early.) Returns the new ring count."""
+    for _ki in range(k_tiles):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        mbarrier.arrive(empty.index(s), count=1)
+        it += 1
+    return it
+
+
+@gluon.jit
 def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, h_smem, h_bar, out_desc, hg_desc,
                    hu_desc, du_desc, acts_desc, out_ptr, h_ptr, scale_ptr, acts_ptr, dsp_ptr, offs_ptr,
                    R, N, K, E_l, num_progs, stride_om, stride_hm,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
                    STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, SWIGLU: gl.constexpr, STORE_H: gl.constexpr,
                    PINGPONG: gl.constexpr, EPI_TMA: gl.constexpr, W_KN: gl.constexpr, DSWIGLU: gl.constexpr,
-                   ACTS: gl.constexpr, WG: gl.constexpr):
+                   ACTS: gl.constexpr, WG: gl.constexpr, IDLE: gl.constexpr):
     """One consumer warpgroup (module docstring): cooperative: rows WG * 64 .. WG * 64 + 63 of every tile of this
-    program; ping-pong: the program's local tiles WG, WG + 2, ... whole. Epilogue through the staging buffers
+    program (IDLE: consumer 1 skips the tiles where it has no row, _idle_tile); ping-pong: the program's local
+    tiles WG, WG + 2, ... whole. Epilogue through the staging buffers
     2 WG, 2 WG + 1 of epi_smem (``_put``): with EPI_TMA by TMA stores where every row belongs to the tile's expert.
     DSWIGLU (cooperative only): the tile's h slices (gate, then up) are loaded by TMA into this consumer's part of
     h_smem on h_bar[WG] at the start of the tile, so the epilogue reads no global memory but the scale."""
@@ -169,91 +189,99 @@ def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, h_sme
             off_m += WG * HM
         off_n = ni * BLOCK_N
         it = ((tile - pid) // num_progs) * k_tiles  # ring position of the tile's first k-step
-        hph = nt & 1  # DSWIGLU: the phase of this tile's h load on h_bar[WG]
-        if DSWIGLU:  # the tile's h (the previous epilogue is done reading h_smem: barrier + fence at its end)
-            mbarrier.expect(h_bar.index(WG), 2 * NSL * hg_desc.block_type.nbytes)
-            for c in gl.static_range(NSL):
-                tma.async_copy_global_to_shared(hg_desc, [off_m, off_n + c * 64], h_bar.index(WG),
-                                                h_smem.index(WG * 2 * NSL + c))
-                tma.async_copy_global_to_shared(hu_desc, [off_m, off_n + c * 64], h_bar.index(WG),
-                                                h_smem.index(WG * 2 * NSL + NSL + c))
-        if PINGPONG:  # wait for the turn: the other consumer has issued its previous tile's k-loop
-            if WG == 0:
-                if nt > 0:
-                    mbarrier.wait(order.index(0), (nt - 1) & 1)
-            else:
-                mbarrier.wait(order.index(1), nt & 1)
-        acc = gl.zeros((HM, BLOCK_N), dtype=gl.float32, layout=mma)
-        acc2 = acc
-        for ki in range(k_tiles):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            if PINGPONG:
-                a_v = a_smem.index(s)
-            else:
-                a_v = a_smem.index(s).slice(WG * HM, HM)
-            if W_KN:  # the [BK, BLOCK_N] tile as it is
-                acc = warpgroup_mma(a_v, b_smem.index(s), acc, is_async=True)
-            else:  # the [BLOCK_N, BK] tile transposed
-                acc = warpgroup_mma(a_v, b_smem.index(s).permute((1, 0)), acc, is_async=True)
+        idle = off_m > off_m  # (a runtime False)
+        if not PINGPONG:
+            if WG == 1:
+                if IDLE != 0:  # consumer 1's half of the tile holds no row (the expert's last tile, <= 64 rows)
+                    idle = off_m >= row_end
+        if idle:  # free the tile's stages as they land (consumer 0 has the tensor cores to itself)
+            it = _idle_tile(ready, empty, it, k_tiles, STAGES)
+        else:
+            hph = nt & 1  # DSWIGLU: the phase of this tile's h load on h_bar[WG]
+            if DSWIGLU:  # the tile's h (the previous epilogue is done reading h_smem: barrier + fence at its end)
+                mbarrier.expect(h_bar.index(WG), 2 * NSL * hg_desc.block_type.nbytes)
+                for c in gl.static_range(NSL):
+                    tma.async_copy_global_to_shared(hg_desc, [off_m, off_n + c * 64], h_bar.index(WG),
+                                                    h_smem.index(WG * 2 * NSL + c))
+                    tma.async_copy_global_to_shared(hu_desc, [off_m, off_n + c * 64], h_bar.index(WG),
+                                                    h_smem.index(WG * 2 * NSL + NSL + c))
+            if PINGPONG:  # wait for the turn: the other consumer has issued its previous tile's k-loop
+                if WG == 0:
+                    if nt > 0:
+                        mbarrier.wait(order.index(0), (nt - 1) & 1)
+                else:
+                    mbarrier.wait(order.index(1), nt & 1)
+            acc = gl.zeros((HM, BLOCK_N), dtype=gl.float32, layout=mma)
+            acc2 = acc
+            for ki in range(k_tiles):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                if PINGPONG:
+                    a_v = a_smem.index(s)
+                else:
+                    a_v = a_smem.index(s).slice(WG * HM, HM)
+                if W_KN:  # the [BK, BLOCK_N] tile as it is
+                    acc = warpgroup_mma(a_v, b_smem.index(s), acc, is_async=True)
+                else:  # the [BLOCK_N, BK] tile transposed
+                    acc = warpgroup_mma(a_v, b_smem.index(s).permute((1, 0)), acc, is_async=True)
+                if SWIGLU:
+                    acc2 = warpgroup_mma(a_v, b2_smem.index(s).permute((1, 0)), acc2, is_async=True)
+                    acc, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc2))
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                if ki > 0:  # the previous k-step's products are done: its stage can be refilled
+                    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+                it += 1
+            if PINGPONG:  # the other consumer's turn (its waits on the ring are now at most one pass ahead)
+                mbarrier.arrive(order.index(1 - WG), count=1)
             if SWIGLU:
-                acc2 = warpgroup_mma(a_v, b2_smem.index(s).permute((1, 0)), acc2, is_async=True)
-                acc, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc2))
+                acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
             else:
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            if ki > 0:  # the previous k-step's products are done: its stage can be refilled
-                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
-            it += 1
-        if PINGPONG:  # the other consumer's turn (its waits on the ring are now at most one pass ahead)
-            mbarrier.arrive(order.index(1 - WG), count=1)
-        if SWIGLU:
-            acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
-        nt += 1
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+            nt += 1
 
-        a0, a1, a2, a3 = _slices(acc, HM, BLOCK_N, mma_s)
-        tma_ok = off_m + HM <= row_end  # TMA stores cannot stop at the expert's last row
-        b0 = 2 * WG + (nst & 1)
-        # (1 or 3 stores per slice: each slice starts on the buffer after the previous slice's last)
-        if DSWIGLU:
-            hb = WG * 2 * NSL
-            mbarrier.wait(h_bar.index(WG), hph)
-            part = _epi_dswiglu_slice(a0, h_smem.index(hb), h_smem.index(hb + NSL), off_m, off_n, row_end, N,
-                                      out_desc, du_desc, acts_desc, out_ptr, stride_om, acts_ptr, scale_ptr,
-                                      epi_smem, b0, tma_ok, HM, HAS_SCALE, ACTS, EPI_TMA, mma_s, store_l)
-            if NSL > 1:
-                part += _epi_dswiglu_slice(a1, h_smem.index(hb + 1), h_smem.index(hb + NSL + 1), off_m, off_n + 64,
-                                           row_end, N, out_desc, du_desc, acts_desc, out_ptr, stride_om, acts_ptr,
-                                           scale_ptr, epi_smem, b0 ^ (PER_SLICE & 1), tma_ok, HM, HAS_SCALE, ACTS,
-                                           EPI_TMA, mma_s, store_l)
-            if HAS_SCALE:  # this tile's column block's share of the gate's gradient, per row
-                rm = off_m + gl.arange(0, HM, layout=gl.SliceLayout(1, mma_s))
-                gl.store(dsp_ptr + ni.to(gl.int64) * R + rm, part, mask=rm < row_end)
-            # every thread is done reading h_smem before the next tile's TMA rewrites it (async after generic)
-            gl.thread_barrier()
-            fence_async_shared()
-        elif SWIGLU:
-            u0, u1, u2, u3 = _slices(acc2, HM, BLOCK_N, mma_s)
-            _epi_swiglu_slice(a0, u0, off_m, off_n, row_end, N, out_desc, hg_desc, hu_desc, out_ptr, stride_om, h_ptr,
-                              stride_hm, epi_smem, b0, tma_ok, HM, STORE_H, EPI_TMA, store_l)
-            if NSL > 1:
-                _epi_swiglu_slice(a1, u1, off_m, off_n + 64, row_end, N, out_desc, hg_desc, hu_desc, out_ptr,
-                                  stride_om, h_ptr, stride_hm, epi_smem, b0 ^ 1, tma_ok, HM, STORE_H, EPI_TMA,
-                                  store_l)
-        else:
-            _epi_none_slice(a0, off_m, off_n, row_end, N, out_desc, out_ptr, stride_om, scale_ptr, epi_smem, b0,
-                            tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
-            if NSL > 1:
-                _epi_none_slice(a1, off_m, off_n + 64, row_end, N, out_desc, out_ptr, stride_om, scale_ptr, epi_smem,
-                                b0 ^ 1, tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
-            if NSL > 2:
-                _epi_none_slice(a2, off_m, off_n + 128, row_end, N, out_desc, out_ptr, stride_om, scale_ptr,
-                                epi_smem, b0, tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
-                _epi_none_slice(a3, off_m, off_n + 192, row_end, N, out_desc, out_ptr, stride_om, scale_ptr,
-                                epi_smem, b0 ^ 1, tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
-        nst += PER_TILE
+            a0, a1, a2, a3 = _slices(acc, HM, BLOCK_N, mma_s)
+            tma_ok = off_m + HM <= row_end  # TMA stores cannot stop at the expert's last row
+            b0 = 2 * WG + (nst & 1)
+            # (1 or 3 stores per slice: each slice starts on the buffer after the previous slice's last)
+            if DSWIGLU:
+                hb = WG * 2 * NSL
+                mbarrier.wait(h_bar.index(WG), hph)
+                part = _epi_dswiglu_slice(a0, h_smem.index(hb), h_smem.index(hb + NSL), off_m, off_n, row_end, N,
+                                          out_desc, du_desc, acts_desc, out_ptr, stride_om, acts_ptr, scale_ptr,
+                                          epi_smem, b0, tma_ok, HM, HAS_SCALE, ACTS, EPI_TMA, mma_s, store_l)
+                if NSL > 1:
+                    part += _epi_dswiglu_slice(a1, h_smem.index(hb + 1), h_smem.index(hb + NSL + 1), off_m, off_n + 64,
+                                               row_end, N, out_desc, du_desc, acts_desc, out_ptr, stride_om, acts_ptr,
+                                               scale_ptr, epi_smem, b0 ^ (PER_SLICE & 1), tma_ok, HM, HAS_SCALE, ACTS,
+                                               EPI_TMA, mma_s, store_l)
+                if HAS_SCALE:  # this tile's column block's share of the gate's gradient, per row
+                    rm = off_m + gl.arange(0, HM, layout=gl.SliceLayout(1, mma_s))
+                    gl.store(dsp_ptr + ni.to(gl.int64) * R + rm, part, mask=rm < row_end)
+                # every thread is done reading h_smem before the next tile's TMA rewrites it (async after generic)
+                gl.thread_barrier()
+                fence_async_shared()
+            elif SWIGLU:
+                u0, u1, u2, u3 = _slices(acc2, HM, BLOCK_N, mma_s)
+                _epi_swiglu_slice(a0, u0, off_m, off_n, row_end, N, out_desc, hg_desc, hu_desc, out_ptr, stride_om,
+                                  h_ptr, stride_hm, epi_smem, b0, tma_ok, HM, STORE_H, EPI_TMA, store_l)
+                if NSL > 1:
+                    _epi_swiglu_slice(a1, u1, off_m, off_n + 64, row_end, N, out_desc, hg_desc, hu_desc, out_ptr,
+                                      stride_om, h_ptr, stride_hm, epi_smem, b0 ^ 1, tma_ok, HM, STORE_H, EPI_TMA,
+                                      store_l)
+            else:
+                _epi_none_slice(a0, off_m, off_n, row_end, N, out_desc, out_ptr, stride_om, scale_ptr, epi_smem, b0,
+                                tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
+                if NSL > 1:
+                    _epi_none_slice(a1, off_m, off_n + 64, row_end, N, out_desc, out_ptr, stride_om, scale_ptr,
+                                    epi_smem, b0 ^ 1, tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
+                if NSL > 2:
+                    _epi_none_slice(a2, off_m, off_n + 128, row_end, N, out_desc, out_ptr, stride_om, scale_ptr,
+                                    epi_smem, b0, tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
+                    _epi_none_slice(a3, off_m, off_n + 192, row_end, N, out_desc, out_ptr, stride_om, scale_ptr,
+                                    epi_smem, b0 ^ 1, tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
+            nst += PER_TILE
     if EPI_TMA:  # the staging buffers stay allocated until the last store has read them
         tma.store_wait(0)
 
@@ -278,7 +306,7 @@ def _gluon_bf16_ws_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
     STAGES: gl.constexpr, HAS_SCALE: gl.constexpr, SWIGLU: gl.constexpr, STORE_H: gl.constexpr,
     PINGPONG: gl.constexpr, EPI_TMA: gl.constexpr, W_KN: gl.constexpr, DSWIGLU: gl.constexpr, ACTS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, IDLE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid: (P,) persistent programs of 4 + 4 + 1 warps (module docstring)."""
     BK: gl.constexpr = 64
@@ -312,11 +340,11 @@ def _gluon_bf16_ws_kernel(
         (_bf16_consumer, (a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, h_smem, h_bar, out_desc, hg_desc,
                           hu_desc, du_desc, acts_desc, out_ptr, h_ptr, scale_ptr, acts_ptr, dsp_ptr, offs_ptr, R, N,
                           K, E_l, num_progs, stride_om, stride_hm, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES,
-                          HAS_SCALE, SWIGLU, STORE_H, PINGPONG, EPI_TMA, W_KN, DSWIGLU, ACTS, 0)),
+                          HAS_SCALE, SWIGLU, STORE_H, PINGPONG, EPI_TMA, W_KN, DSWIGLU, ACTS, 0, IDLE)),
         (_bf16_consumer, (a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, h_smem, h_bar, out_desc, hg_desc,
                           hu_desc, du_desc, acts_desc, out_ptr, h_ptr, scale_ptr, acts_ptr, dsp_ptr, offs_ptr, R, N,
                           K, E_l, num_progs, stride_om, stride_hm, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES,
-                          HAS_SCALE, SWIGLU, STORE_H, PINGPONG, EPI_TMA, W_KN, DSWIGLU, ACTS, 1)),
+                          HAS_SCALE, SWIGLU, STORE_H, PINGPONG, EPI_TMA, W_KN, DSWIGLU, ACTS, 1, IDLE)),
         (_ws_loader, (a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, N, K, E_l, num_progs, N_W,
                       N_UP, BLOCK_M, BLOCK_N, GROUP_M, BLOCK_E, STAGES, MODE, BK)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -454,7 +482,7 @@ def launch_gluon_bf16_ws(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, o
         STAGES=cfg.num_stages, HAS_SCALE=scale is not None, SWIGLU=epilogue == EPI_SWIGLU, STORE_H=store_h,
         PINGPONG=cfg.pingpong, EPI_TMA=epi_tma, W_KN=w_kn, DSWIGLU=back, ACTS=acts is not None,
         CONSUMER_REGS=consumer_regs,
-        LOADER_REGS=REG_POOL - 2 * consumer_regs, num_warps=4, maxnreg=REG_POOL // 3,
+        LOADER_REGS=REG_POOL - 2 * consumer_regs, IDLE=IDLE_HALF, num_warps=4, maxnreg=REG_POOL // 3,
     )
     record("_gluon_bf16_ws_kernel", k)
 
