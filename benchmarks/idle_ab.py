@@ -30,8 +30,8 @@ from megamoe.layer import MoE  # noqa: E402
 GEMMS = ("_gluon_bf16_ws_kernel", "_gluon_fused_fwd_kernel", "_grouped_gemm_kernel", "_gluon_wgrad")
 
 
-def kernel_ms(fn, iters: int = 10) -> tuple[float, float]:
-    """(all kernels, GEMM kernels) device ms per iteration of fn."""
+def kernel_ms(fn, iters: int = 10) -> tuple[float, float, list[float]]:
+    """(all kernels, GEMM kernels) device ms per iteration of fn, and the GEMM launches' mean us in launch order."""
     fn()
     torch.cuda.synchronize()
     with prof(activities=[ProfilerActivity.CUDA]) as p:
@@ -39,13 +39,22 @@ def kernel_ms(fn, iters: int = 10) -> tuple[float, float]:
             fn()
         torch.cuda.synchronize()
     rows = [(e.key, e.device_time_total / 1e3 / iters) for e in p.key_averages() if e.device_time_total > 0]
-    return sum(t for _, t in rows), sum(t for k, t in rows if k.startswith(GEMMS))
+    try:
+        gemm = sorted((e.time_range.start, e.time_range.elapsed_us()) for e in p.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith(GEMMS))
+    except Exception as exc:  # noqa: BLE001 - a profiler without these fields: totals only
+        print(f"(no per-launch times: {type(exc).__name__}: {exc})")
+        gemm = []
+    per = len(gemm) // iters
+    launches = [sum(gemm[i * per + j][1] for i in range(iters)) / iters for j in range(per)] if per else []
+    return sum(t for _, t in rows), sum(t for k, t in rows if k.startswith(GEMMS)), launches
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--presets", default="qwen3-30b-a3b,mixtral-8x7b")
     p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--layers", default="split,fused-gluon")
     args = p.parse_args()
     dev = init_from_env()
     rank = dist.get_rank()
@@ -55,6 +64,8 @@ def main() -> None:
         x = torch.randn(args.tokens, cfg.hidden, device=dev, dtype=cfg.dtype, generator=gen)
         dy = torch.randn(x.shape, device=dev, dtype=cfg.dtype, generator=gen)
         for lname, opts in (("split", {"backend": "split"}), ("fused-gluon", {"backend": "fused", "kernel": "gluon"})):
+            if lname not in args.layers.split(","):
+                continue
             m = MoE(cfg, device=dev, seed=1, **opts)
             xg = x.detach().requires_grad_()
 
@@ -79,11 +90,12 @@ def main() -> None:
                 else:
                     eq = torch.equal(y, ref[0]) and all(torch.equal(a, b) for a, b in zip(grads, ref[1], strict=True))
                     same = "bitwise equal" if eq else "DIFFER"
-                f_all, f_gemm = kernel_ms(fwd)
-                b_all, b_gemm = kernel_ms(step)
+                f_all, f_gemm, _ = kernel_ms(fwd)
+                b_all, b_gemm, launches = kernel_ms(step)
                 if rank == 0:
                     print(f"{name:14s} {lname:11s} idle {idle}: fwd {f_all:7.3f} ms (GEMMs {f_gemm:7.3f})  fwd+bwd "
-                          f"{b_all:7.3f} ms (GEMMs {b_gemm:7.3f})  out+grads {same}", flush=True)
+                          f"{b_all:7.3f} ms (GEMMs {b_gemm:7.3f})  out+grads {same}\n    GEMM launches of fwd+bwd "
+                          f"(us, in order): " + ", ".join(f"{t:.0f}" for t in launches), flush=True)
             del m
             torch.cuda.empty_cache()
     gluon_bf16_ws.IDLE_HALF = gluon_fused.IDLE_HALF = 1
