@@ -81,9 +81,10 @@ from megamoe.kernels.grouped_gemm import EPI_DSWIGLU, EPI_NONE, EPI_SWIGLU
 
 # 1: in the cooperative schedule, consumer 1 idles on the tiles where its 64 rows hold none of the expert's (the
 # expert's last m-tile of <= 64 rows): it frees the stages without wgmma or epilogue, so consumer 0 runs the k-loop
-# with the tensor cores to itself (2026-12-03: the fused items' twin cut their k-loop ~0.78x, docs/perf-notes.md);
-# 0: it runs its empty half as before
-IDLE_HALF = 1
+# with the tensor cores to itself. The fused items' twin (gluon_fused.IDLE_HALF) is faster; here it was slower on one
+# H200 (2026-12-03, benchmarks/idle_ab.py, split forward GEMMs: qwen3 0.620 -> 0.668 ms, deepseek-v3 7.3 -> 9.7 ms;
+# outputs bitwise equal), so 0 (consumer 1 runs its empty half) stays the default; docs/perf-notes.md
+IDLE_HALF = 0
 BLOCK_K = 64  # one 128-byte swizzled row of bf16 per k-step
 #: (ping-pong, epilogue) -> allowed block_n: cooperative 64-row halves of 256 plain / 128 + 128 SwiGLU columns at
 #: most (128 accumulator registers per thread), the SwiGLU backward 128 (its epilogue holds g and u besides);
