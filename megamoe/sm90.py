@@ -271,7 +271,7 @@ def _gluon_fp8_ws(compiled: dict, where: dict) -> None:
     f8, bf = torch.float8_e4m3fn, torch.bfloat16
     for label, epi, bn, stages, E, R in WS_VARIANTS:
         N, K, N_w = (H, I, H) if epi == 0 else (I, H, 2 * I)
-        aq, wq = torch.zeros(R, K, dtype=f8), torch.zeros(E, N_w, K, dtype=f8)
+        aq, wq = torch.empty(R, K, dtype=f8), torch.empty(E, N_w, K, dtype=f8)  # (never read: compiled only)
         a_s, w_s = torch.ones(R, K // 128), torch.ones(E, N_w // 128, K // 128)
         offs = torch.arange(0, E + 1, dtype=torch.int32) * (R // E)
         cfg = GemmConfig(block_m=128, block_n=bn, block_k=128, num_stages=stages, num_warps=4, num_sms=132,
@@ -323,8 +323,9 @@ def _gluon_bf16_ws(compiled: dict, where: dict) -> None:
         N, K, N_w = (H if aligned else H - 4, I, H if aligned else H - 4) if epi == 0 else (I, H, 2 * I)
         if kn:  # GEMM1's dgrad (K = 2I, N = H) or the SwiGLU backward (w2 as [E, H, I]: K = H, N = I)
             N, K, N_w = (I, H, I) if epi == 2 else (H, 2 * I, H)
-        a = torch.zeros(R, K, dtype=bf)
-        w = torch.zeros(E, K, N_w, dtype=bf) if kn else torch.zeros(E, N_w, K, dtype=bf)
+        a = torch.empty(R, K, dtype=bf)  # (the operands are never read: compiled only; zero-filling the GBs of
+        # weights took ~1 s per variant on 2 CPU cores)
+        w = torch.empty(E, K, N_w, dtype=bf) if kn else torch.empty(E, N_w, K, dtype=bf)
         offs = torch.arange(0, E + 1, dtype=torch.int32) * (R // E)
         cfg = GemmConfig(block_m=128, block_n=bn, block_k=64, num_stages=stages, num_warps=4, num_sms=132,
                          kernel="gluon_ws", pingpong=pp)
@@ -355,7 +356,7 @@ def _gluon_fp8(compiled: dict, where: dict) -> None:
     for label, epi, (bm, bn, stages, warps), flag, edge in GLUON_VARIANTS:
         E, R = (1, 1) if edge else (8, 1024)
         N, K, N_w = {0: (H, I, H), 1: (I, H, 2 * I), 2: (I, H, I)}[epi]
-        aq, wq = torch.zeros(R, K, dtype=f8), torch.zeros(E, N_w, K, dtype=f8)
+        aq, wq = torch.empty(R, K, dtype=f8), torch.empty(E, N_w, K, dtype=f8)  # (never read: compiled only)
         a_s, w_s = torch.ones(R, K // 128), torch.ones(E, N_w // 128, K // 128)
         offs = torch.arange(0, E + 1, dtype=torch.int32) * (R // E)
         cfg = GemmConfig(block_m=bm, block_n=bn, block_k=128, num_stages=stages, num_warps=warps, num_sms=132,
@@ -418,10 +419,10 @@ def _gluon_bf16(compiled: dict, where: dict) -> None:
         else:
             N, K = I, H
         if epi == 1:
-            w = torch.zeros(E, 2 * I, H, dtype=bf)
+            w = torch.empty(E, 2 * I, H, dtype=bf)  # (never read: compiled only)
         else:
-            w = torch.zeros(E, K, N, dtype=bf) if kn else torch.zeros(E, N, K, dtype=bf)
-        a = torch.zeros(R, K, dtype=bf)
+            w = torch.empty(E, K, N, dtype=bf) if kn else torch.empty(E, N, K, dtype=bf)
+        a = torch.empty(R, K, dtype=bf)
         offs = torch.arange(0, E + 1, dtype=torch.int32) * (R // E)
         cfg = GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_stages=stages, num_warps=warps, num_sms=132,
                          kernel="gluon")
@@ -479,7 +480,7 @@ def _gluon_wgrad_ws(compiled: dict, where: dict) -> None:
     from megamoe.kernels.gluon_wgrad_ws import launch_gluon_wgrad_ws
 
     for label, M, N, E, R, dt, bk, stages in WGRAD_WS_VARIANTS:
-        x, y = torch.zeros(R, M, dtype=torch.bfloat16), torch.zeros(R, N, dtype=torch.bfloat16)
+        x, y = torch.empty(R, M, dtype=torch.bfloat16), torch.empty(R, N, dtype=torch.bfloat16)  # (compiled only)
         out = torch.empty(E, M, N, dtype=getattr(torch, dt))
         offs = torch.arange(0, E + 1, dtype=torch.int32) * (R // E)
         cfg = dataclasses.replace(default_config("wgrad", R, N, M, kernel="gluon_ws"), num_sms=132)
