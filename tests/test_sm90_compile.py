@@ -14,7 +14,7 @@ specialisation its real launch gets (megamoe/sm90.py): what the interpreter cann
   group in flight (SwiGLU: the gate and up groups of one k-step) and reads h (SwiGLU backward) from shared memory.
 Runs the layers under megamoe.sm90.compile_only on 2 gloo ranks in a subprocess without TRITON_INTERPRET
 (3.4-5.5 minutes on 2 cores with a cold Triton cache, 2026-12-03, with the machine's load: the one- and two-rank
-groups at once; every rank's kernels are checked).
+groups at once; rank 1's own specialisations are checked for the layers without options, megamoe.sm90.LAYERS).
 """
 
 from __future__ import annotations
