@@ -470,6 +470,7 @@ def test_quantize_weight_both_equals_the_twin(shape, dtype, path, monkeypatch):
     # fp8_quant.one_pass_ok; forced here, since the interpreter allows one pass for every dtype)
     from megamoe.kernels import fp8_quant
 
+    monkeypatch.setattr(fp8_quant, "INTERPRETER_TILES", False)  # the tiling the GPU runs (CHUNK < 128)
     for mode in ("one", "both"):
         chunk, warps, _ = fp8_quant.WEIGHT_QUANT_CONFIG[mode]
         monkeypatch.setitem(fp8_quant.WEIGHT_QUANT_CONFIG, mode, (chunk, warps, path == "column-slices"))
@@ -482,3 +483,24 @@ def test_quantize_weight_both_equals_the_twin(shape, dtype, path, monkeypatch):
     for name, a, b in zip(("q", "s", "qt", "st"), got, want, strict=True):
         a8, b8 = fp8_bits(a), fp8_bits(b)
         assert torch.equal(a8, b8), f"{name}: {int((a8 != b8).sum())} of {a.numel()} elements differ"
+
+
+@pytest.mark.parametrize("tiles", [True, False], ids=["interpreter-tiles", "gpu-tiles"])
+def test_quantize_act_tilings_equal_the_twin(tiles, monkeypatch):
+    # the activations' quantisation and its inverse against the torch twins, bitwise, with the row tiles the GPU
+    # runs (32 rows per program) and those the interpreter takes (fp8_quant.INTERPRETER_TILES: 128; on a GPU both
+    # ids run the GPU's): 200 rows (several tiles, a partial last one), K = 300 (a partial last scale block), and a
+    # device-side row count that ends inside a tile
+    from megamoe.kernels import fp8_quant
+
+    monkeypatch.setattr(fp8_quant, "INTERPRETER_TILES", tiles)
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(200, 300, generator=gen) * 4).to(DEV, torch.bfloat16)
+    for pow2 in (False, True):
+        q, s = X.quantize_act(x, pow2_scale=pow2)
+        rq, rs = X.quantize_act_ref(x, pow2_scale=pow2)
+        assert torch.equal(fp8_bits(q), fp8_bits(rq)) and torch.equal(s, rs)
+        qn, sn = X.quantize_act(x, pow2_scale=pow2, nrows=torch.tensor([150], dtype=torch.int32, device=DEV))
+        assert torch.equal(fp8_bits(qn[:150]), fp8_bits(rq[:150])) and torch.equal(sn[:150], rs[:150])
+        back = X.dequantize_act(q, s)
+        assert torch.equal(back, X.dequantize_act_ref(q, s, torch.float32).to(torch.bfloat16))
