@@ -4,7 +4,8 @@ running its empty half (``gluon_bf16_ws.IDLE_HALF``: split's GEMMs; ``gluon_fuse
 items). For each preset and layer (split; fused with the Gluon items), settings 0, 1, 0, 1 in turn: the device time
 per iteration of the forward (with autograd on: GEMM1 also stores h) and of forward + backward, summed over the
 kernels (torch.profiler, 10 iterations) and for the GEMM kernels alone, and whether the output and the gradients
-(input, w13, w2) are bitwise equal to the first setting's.
+(input, w13, w2) are bitwise equal to the first setting's. Both flags change together: the fused layer's backward
+runs split's GEMMs (gluon_bf16_ws), so only its forward column isolates gluon_fused.IDLE_HALF.
 
     torchrun --nproc_per_node 1 benchmarks/idle_ab.py [--presets qwen3-30b-a3b,mixtral-8x7b] [--tokens 4096]
 """
@@ -58,6 +59,7 @@ def main() -> None:
     args = p.parse_args()
     dev = init_from_env()
     rank = dist.get_rank()
+    defaults = gluon_bf16_ws.IDLE_HALF, gluon_fused.IDLE_HALF
     for name in args.presets.split(","):
         cfg = preset(name, max_tokens_per_rank=args.tokens)
         gen = torch.Generator(device=dev).manual_seed(rank)
@@ -98,7 +100,7 @@ def main() -> None:
                           f"(us, in order): " + ", ".join(f"{t:.0f}" for t in launches), flush=True)
             del m
             torch.cuda.empty_cache()
-    gluon_bf16_ws.IDLE_HALF = gluon_fused.IDLE_HALF = 1
+    gluon_bf16_ws.IDLE_HALF, gluon_fused.IDLE_HALF = defaults
     dist.barrier()
     dist.destroy_process_group()
 

@@ -52,7 +52,11 @@ class _Lazy:
     def __get__(self, obj, cls=None):
         if obj is None:
             return self
-        v = obj.__dict__[self.name] = self.make(obj)
+        try:
+            v = self.make(obj)
+        except AttributeError as exc:  # (as TypeError: an AttributeError would fall into tl.tuple.__getattr__)
+            raise TypeError(f"{type(obj).__name__}.{self.name}: {exc}") from exc
+        obj.__dict__[self.name] = v
         return v
 
 
@@ -61,8 +65,9 @@ def _lazy_frontend_types(core) -> None:
     ``tuple_type`` (one ``constexpr_type`` per dimension) and both types format their ``name`` strings, eagerly, and
     almost none of it is ever read (py-spy over an FP8 layer test, 2026-12-03: ~15% of the interpreter's time in
     ``tuple_type.__init__``, ``_type_for_tuple_values`` and the ``name`` f-strings). Here each is computed on its first
-    read from the values the object was built with (copied where a caller could mutate them), so every read gives
-    what the eager code gave."""
+    read from the values the object was built with (copied where a caller could mutate them), so every read of valid
+    values gives what the eager code gave (a tuple of values without a type now fails at its first ``type`` read, as
+    a TypeError, instead of at construction)."""
     tup, tup_type, block_type = core.tuple, core.tuple_type, core.block_type
     type_for = core._type_for_tuple_values
 
@@ -76,7 +81,7 @@ def _lazy_frontend_types(core) -> None:
             self.__dict__["_type_src"] = builtins_list(self.values)
 
     def tuple_type_of(self):
-        return type_for(self.__dict__.pop("_type_src"))
+        return type_for(self.__dict__["_type_src"])
 
     def tuple_type_init(self, types, fields=None):
         self.types = types

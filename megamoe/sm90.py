@@ -190,9 +190,11 @@ def compile_only(compiled: dict[str, dict[str, object]]):
 #: (world, preset, experts, tokens per rank, backend, options). An int argument equal to 1 (one rank, one local
 #: expert, one token) becomes a constexpr, hence the W = 1, E_l = 1 (mixtral dims with 2 experts on 2 ranks)
 #: and 1-token entries. Rank 1 of a two-rank entry (its ``rank`` argument a constexpr 1) compiles its kernels only
-#: for the entries without options (the backends' defaults); for the others it runs the layer with its launches
-#: skipped (``launch_nothing``), so rank 0 compiles them as a two-rank layer launches them (2026-12-03: the CPU
-#: suite's time; rank 1 compiled ~35% of the report's kernels, about a third of them rank 0's too).
+#: for the entries without options (the backends' defaults) and those in RANK1_OPTIONS (kernels no default layer
+#: launches: the presummed combine's stage kernel, the Gluon items' pull combine and tail); for the others it runs
+#: the layer with its launches skipped (``launch_nothing``), so rank 0 compiles them as a two-rank layer launches them
+#: (2026-12-03: the CPU suite's time; rank 1 compiled ~35% of the report's kernels, about a third of them rank 0's
+#: too). Not checked for rank 1 since: the other option variants' rank-1 specialisations.
 LAYERS = [
     (2, "qwen3-30b-a3b", 8, 64, "split", {}),
     (2, "qwen3-30b-a3b", 8, 64, "split", {"presum_combine": True, "overlap_backward": False}),
@@ -567,6 +569,10 @@ def _experts_uninitialised(moe_cls):
     finally:
         moe_cls.reset_parameters = orig
 
+#: the option sets whose two-rank layers rank 1 compiles too (LAYERS)
+RANK1_OPTIONS = [{"presum_combine": True, "overlap_backward": False},
+                 {"kernel": "gluon", "ring_blocks": 8, "combine": "pull"}]
+
 
 def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
     """The LAYERS entries of this world size on this rank, compiled under compile_only; standalone: also the
@@ -584,7 +590,8 @@ def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
         cfg = preset(name, num_experts=experts, max_tokens_per_rank=max(tokens, 1))
         label = f"W{w}/{name}/{tokens}tok/{backend}" + "".join(f":{k}={v}" for k, v in opts.items())
         before = {n: set(v) for n, v in compiled.items()}
-        ctx = launch_nothing() if rank > 0 and opts else compile_only(compiled)
+        rank1 = not opts or opts in RANK1_OPTIONS
+        ctx = launch_nothing() if rank > 0 and not rank1 else compile_only(compiled)
         with ctx, _experts_uninitialised(MoE):
             moe = MoE(cfg, backend=backend, device=torch.device("cpu"), seed=0, **opts)
             x = torch.zeros(tokens, cfg.hidden, dtype=cfg.dtype).requires_grad_()

@@ -136,8 +136,9 @@ def _epi_dswiglu_slice(dact, g_buf, u_buf, off_m, col, row_end, N, dg_desc, du_d
 def _idle_tile(ready, empty, it, k_tiles, STAGES: gl.constexpr):
     """Cooperative consumer 1 on a tile where it has no row: it frees each of the tile's k_tiles ring stages once the
     stage has landed (no wgmma, no epilogue), so consumer 0 runs the tile's k-loop with the tensor cores to itself.
-    (It must wait for each stage: a stage's empty barrier counts one arrival per consumer per pass, so an arrival ahead
-    of the ring would complete a later pass's phase early.) Returns the new ring count."""
+    (It must wait for each stage: a stage's empty barrier counts one arrival per consumer per pass, so a second
+    arrival of this consumer ahead of the ring would complete the current pass's phase before consumer 0 has released
+    the stage.) Returns the new ring count."""
     for _ki in range(k_tiles):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)

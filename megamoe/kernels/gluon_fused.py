@@ -785,8 +785,9 @@ def _idle_item(ready, empty, it, k, STAGES: gl.constexpr):
     """A consumer whose half of the item's block holds no row (the block's rows all lie in consumer 0's half: an
     expert's last block of <= 64 rows): it frees each of the item's k ring stages as soon as it has landed, with no
     wgmma and no epilogue, so consumer 0 runs the item's k-loop with the tensor cores to itself. (It must wait for
-    each stage: the stage's empty barrier counts one arrival per consumer per pass, so an arrival ahead of the ring
-    would complete a later pass's phase early.) Returns the new ring count."""
+    each stage: the stage's empty barrier counts one arrival per consumer per pass, so a second arrival of this
+    consumer ahead of the ring would complete the current pass's phase before consumer 0 has released the stage.)
+    Returns the new ring count."""
     for _ki in range(k):
         st = it % STAGES
         mbarrier.wait(ready.index(st), (it // STAGES) & 1)
@@ -797,7 +798,9 @@ def _idle_item(ready, empty, it, k, STAGES: gl.constexpr):
 
 @gluon.jit
 def _idles(nrows, BM: gl.constexpr, WG: gl.constexpr, IDLE_: gl.constexpr):
-    """Whether consumer WG has no row of a block of nrows rows to work on (IDLE_: consumer 1 then idles)."""
+    """Whether consumer WG has no row of a block of nrows rows to work on (IDLE_: consumer 1 then idles). (For
+    consumer 0, or with IDLE_ 0, a runtime False the compiler does not fold: the idle branch stays in the code unrun,
+    so the IDLE_HALF = 0 variant is not byte-for-byte the code before 2026-12-03; review, same day.)"""
     idle = nrows < 0  # (a runtime False)
     if WG == 1:
         if IDLE_ != 0:
