@@ -74,6 +74,7 @@ from megamoe.kernels.gluon_fp8_ws import (
     _put,
     _ring,
     _ring_done,
+    _ring_skip,
     _ws_loader,
     consumer_regs_reason,
 )
@@ -133,21 +134,6 @@ def _epi_dswiglu_slice(dact, g_buf, u_buf, off_m, col, row_end, N, dg_desc, du_d
 
 
 @gluon.jit
-def _idle_tile(ready, empty, it, k_tiles, STAGES: gl.constexpr):
-    """Cooperative consumer 1 on a tile where it has no row: it frees each of the tile's k_tiles ring stages once the
-    stage has landed (no wgmma, no epilogue), so consumer 0 runs the tile's k-loop with the tensor cores to itself.
-    (It must wait for each stage: a stage's empty barrier counts one arrival per consumer per pass, so a second
-    arrival of this consumer ahead of the ring would complete the current pass's phase before consumer 0 has released
-    the stage.) Returns the new ring count."""
-    for _ki in range(k_tiles):
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        mbarrier.arrive(empty.index(s), count=1)
-        it += 1
-    return it
-
-
-@gluon.jit
 def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, h_smem, h_bar, out_desc, hg_desc,
                    hu_desc, du_desc, acts_desc, out_ptr, h_ptr, scale_ptr, acts_ptr, dsp_ptr, offs_ptr,
                    R, N, K, E_l, num_progs, stride_om, stride_hm,
@@ -156,8 +142,8 @@ def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, h_sme
                    PINGPONG: gl.constexpr, EPI_TMA: gl.constexpr, W_KN: gl.constexpr, DSWIGLU: gl.constexpr,
                    ACTS: gl.constexpr, WG: gl.constexpr, IDLE: gl.constexpr):
     """One consumer warpgroup (module docstring): cooperative: rows WG * 64 .. WG * 64 + 63 of every tile of this
-    program (IDLE: consumer 1 skips the tiles where it has no row, _idle_tile); ping-pong: the program's local
-    tiles WG, WG + 2, ... whole. Epilogue through the staging buffers
+    program (IDLE: consumer 1 skips the tiles where it has no row, gluon_fp8_ws._ring_skip); ping-pong: the
+    program's local tiles WG, WG + 2, ... whole. Epilogue through the staging buffers
     2 WG, 2 WG + 1 of epi_smem (``_put``): with EPI_TMA by TMA stores where every row belongs to the tile's expert.
     DSWIGLU (cooperative only): the tile's h slices (gate, then up) are loaded by TMA into this consumer's part of
     h_smem on h_bar[WG] at the start of the tile, so the epilogue reads no global memory but the scale."""
@@ -197,7 +183,7 @@ def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, order, epi_smem, h_sme
                 if IDLE != 0:  # consumer 1's half of the tile holds no row (the expert's last tile, <= 64 rows)
                     idle = off_m >= row_end
         if idle:  # free the tile's stages as they land (consumer 0 has the tensor cores to itself)
-            it = _idle_tile(ready, empty, it, k_tiles, STAGES)
+            it = _ring_skip(ready, empty, it, k_tiles, STAGES)
         else:
             hph = nt & 1  # DSWIGLU: the phase of this tile's h load on h_bar[WG]
             if DSWIGLU:  # the tile's h (the previous epilogue is done reading h_smem: barrier + fence at its end)

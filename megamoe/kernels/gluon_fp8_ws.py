@@ -94,6 +94,22 @@ def _ring_done(ready, empty, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _ring_skip(ready, empty, it, k, STAGES: gl.constexpr):
+    """A consumer warpgroup with no row in a tile or item (the idle consumer of gluon_bf16_ws.py and gluon_fused.py:
+    its 64 rows all lie past the block's end) takes the next k ring stages from ring count it: it frees each as soon
+    as it has landed, with no wgmma and no epilogue, so the other consumer runs the k-loop with the tensor cores to
+    itself. (It must wait for each stage: a stage's empty barrier counts one arrival per consumer per pass, so a
+    second arrival of this consumer ahead of the ring would complete the current pass's phase before the other
+    consumer has released the stage.) Returns the new ring count."""
+    for _ki in range(k):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        mbarrier.arrive(empty.index(s), count=1)
+        it += 1
+    return it
+
+
+@gluon.jit
 def _put(val, desc, ptr, stride, row, col, row_end, N, epi_smem, buf, tma_ok, HM: gl.constexpr,
          EPI_TMA: gl.constexpr, store_l: gl.constexpr):
     """(The TMA-store epilogue of both warp-specialised kernels.) val (bf16, [HM, 64] in the accumulator's layout) ->

@@ -27,10 +27,10 @@ tensor cores. Here the same items run with gluon_bf16_ws's structure:
                up) async wgmmas, SwiGLU epilogue through gluon_fp8_ws._put (TMA stores into act / h where every row is
                the block's); GEMM2: 64 x BN2 (256), epilogue pushing each row into its owner's slot (or, combine "pull",
                TMA / masked stores into this rank's ``rows`` region). On a GEMM item of a block of <= 64 rows consumer 1
-               only frees the ring stages as they land (_idle_item, IDLE_HALF), so consumer 0 has the tensor cores to
-               itself (qwen3 EP 1 items 0.742 -> 0.720 ms, one H200, 2026-12-03). Each consumer posts the item's
-               counter into the signaller's SQ-deep queue once its stores are done (a barrier of its threads, then an
-               mbarrier arrival, release at CTA scope) and goes on to its next item
+               only frees the ring stages as they land (gluon_fp8_ws._ring_skip, IDLE_HALF), so consumer 0 has the
+               tensor cores to itself (qwen3 EP 1 items 0.742 -> 0.720 ms, one H200, 2026-12-03). Each consumer posts
+               the item's counter into the signaller's SQ-deep queue once its stores are done (a barrier of its
+               threads, then an mbarrier arrival, release at CTA scope) and goes on to its next item
     signaller  1 warp: once both consumers posted an item, ``counter += 2`` (release, GPU scope: cumulative, so it
                publishes the consumers' stores, which reached this warp through the mbarrier), in posting order.
                The targets are 2x the Triton kernel's (2 per pull part, 2 per GEMM tile). A release waits until the
@@ -92,7 +92,7 @@ from megamoe.comm.signals import (
 from megamoe.kernels.gemm_config import interpreting, record
 from megamoe.kernels.gluon_bf16 import SMEM_LIMIT, _slices
 from megamoe.kernels.gluon_fp8 import _schedule
-from megamoe.kernels.gluon_fp8_ws import REG_POOL, _epi_swiglu_slice, _put
+from megamoe.kernels.gluon_fp8_ws import REG_POOL, _epi_swiglu_slice, _put, _ring_skip
 
 PURPOSE_TILE = gl.constexpr(3)
 #: the last launch's queue counter and per-block counters (``ctr``: int64 [1 + 3 * nb_max]: items claimed, ready[],
@@ -781,22 +781,6 @@ def _gemm2_half(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_
 
 
 @gluon.jit
-def _idle_item(ready, empty, it, k, STAGES: gl.constexpr):
-    """A consumer whose half of the item's block holds no row (the block's rows all lie in consumer 0's half: an
-    expert's last block of <= 64 rows): it frees each of the item's k ring stages as soon as it has landed, with no
-    wgmma and no epilogue, so consumer 0 runs the item's k-loop with the tensor cores to itself. (It must wait for
-    each stage: the stage's empty barrier counts one arrival per consumer per pass, so a second arrival of this
-    consumer ahead of the ring would complete the current pass's phase before consumer 0 has released the stage.)
-    Returns the new ring count."""
-    for _ki in range(k):
-        st = it % STAGES
-        mbarrier.wait(ready.index(st), (it // STAGES) & 1)
-        mbarrier.arrive(empty.index(st), count=1)
-        it += 1
-    return it
-
-
-@gluon.jit
 def _idles(nrows, BM: gl.constexpr, WG: gl.constexpr, IDLE_: gl.constexpr):
     """Whether consumer WG has no row of a block of nrows rows to work on (IDLE_: consumer 1 then idles). (For
     consumer 0, or with IDLE_ 0, a runtime False the compiler does not fold: the idle branch stays in the code unrun,
@@ -1042,7 +1026,7 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_sme
                 off = 1 + b
             elif kind == 1:  # GEMM1(b, j): act[rows, j-th BN1 columns] = silu(x @ wg^T) * (x @ wu^T)
                 if _idles(nrows, BM, WG, IDLE_):  # (FP8: two 64-column halves, each a k-loop)
-                    it = _idle_item(ready, empty, it, k1 * 2 if FP8 else k1, STAGES)
+                    it = _ring_skip(ready, empty, it, k1 * 2 if FP8 else k1, STAGES)
                     t_f = (it * 0).to(gl.int64)
                     t_l = t_f
                 elif FP8:
@@ -1060,7 +1044,7 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_sme
                 off = 1 + NB_MAX + b
             else:  # GEMM2(b, j): out = act @ w2[e]^T (columns j * BN2 ..), pushed to the owners (or kept local)
                 if _idles(nrows, BM, WG, IDLE_):
-                    it = _idle_item(ready, empty, it, k2, STAGES)
+                    it = _ring_skip(ready, empty, it, k2, STAGES)
                     t_f = (it * 0).to(gl.int64)
                     t_l = t_f
                 elif FP8:
