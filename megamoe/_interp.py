@@ -78,7 +78,7 @@ def _lazy_frontend_types(core) -> None:
         elif type is not None:  # make_template in ASTFunction.deserialize may pass a list / tuple
             self.type = tup_type(type)
         else:  # (computed from the values as they were: a copy, since _setitem and callers may change the list)
-            self.__dict__["_type_src"] = builtins_list(self.values)
+            self.__dict__["_type_src"] = list(self.values)
 
     def tuple_type_of(self):
         return type_for(self.__dict__["_type_src"])
@@ -86,7 +86,7 @@ def _lazy_frontend_types(core) -> None:
     def tuple_type_init(self, types, fields=None):
         self.types = types
         self.fields = fields or [""] * len(types)
-        self.__dict__["_name_src"] = (builtins_list(self.fields), builtins_list(self.types))
+        self.__dict__["_name_src"] = (list(self.fields), list(self.types))
 
     def tuple_type_name(self):
         fields, types = self.__dict__.pop("_name_src")
@@ -114,9 +114,6 @@ def _lazy_frontend_types(core) -> None:
     tup_type.name = _Lazy("name", tuple_type_name)
     block_type.__init__ = block_type_init
     block_type.name = _Lazy("name", block_type_name)
-
-
-builtins_list = list
 
 
 def apply() -> None:

@@ -148,18 +148,33 @@ _PTXAS_LOGS: dict[str, str] = {}
 
 
 @contextlib.contextmanager
+def _launches_to(run):
+    """Inside the block every Triton launch calls ``run(self, *args, grid=, warmup=, **kwargs)`` instead, with the
+    Hopper stand-in as the driver's target (compile_only, launch_nothing)."""
+    from triton.runtime import driver as drv
+    from triton.runtime.jit import JITFunction
+
+    orig_run = JITFunction.run
+    prev = drv._active
+    drv.set_active(_HopperTarget())
+    JITFunction.run = run
+    try:
+        yield
+    finally:
+        JITFunction.run = orig_run
+        drv._active = prev
+
+
+@contextlib.contextmanager
 def compile_only(compiled: dict[str, dict[str, object]]):
     """Inside the block every Triton launch compiles its kernel for sm_90a with the launch's real argument
     specialisation (ints equal to 1 as constexprs, 16-byte alignment of each pointer) and launches nothing;
     ``compiled[kernel name][cache key]`` collects the kernels. Outputs are left unwritten, so only code whose
     host side never reads device results (megamoe's sync-free backends) runs through unchanged."""
     from triton import knobs
-    from triton.runtime import driver as drv
     from triton.runtime.jit import JITFunction
 
     orig_run = JITFunction.run
-    prev = drv._active
-
     env = os.environ.get("TRITON_DUMP_PTXAS_LOG")
 
     def run(self, *args, grid, warmup, **kwargs):
@@ -171,14 +186,11 @@ def compile_only(compiled: dict[str, dict[str, object]]):
         compiled.setdefault(self.fn.__name__, {})[k.hash] = k
         return k
 
-    drv.set_active(_HopperTarget())
-    JITFunction.run = run
     knobs.nvidia.dump_ptxas_log = True
     try:
-        yield compiled
+        with _launches_to(run):
+            yield compiled
     finally:
-        JITFunction.run = orig_run
-        drv._active = prev
         del knobs.nvidia.dump_ptxas_log  # (and its environment variable as it was: setting the knob exports it)
         if env is None:
             os.environ.pop("TRITON_DUMP_PTXAS_LOG", None)
@@ -529,26 +541,10 @@ def _router(compiled: dict, where: dict) -> None:
                 where[f"{n}#{key[:8]}"] = f"router/{label}"
 
 
-@contextlib.contextmanager
 def launch_nothing():
-    """Inside the block every Triton launch is skipped (nothing compiled, nothing run; the launch returns None), as
+    """A context in which every Triton launch is skipped (nothing compiled, nothing run; the launch returns None), as
     under compile_only a rank whose kernels are not wanted."""
-    from triton.runtime import driver as drv
-    from triton.runtime.jit import JITFunction
-
-    orig_run = JITFunction.run
-    prev = drv._active
-
-    def run(self, *args, grid, warmup, **kwargs):
-        return None
-
-    drv.set_active(_HopperTarget())
-    JITFunction.run = run
-    try:
-        yield
-    finally:
-        JITFunction.run = orig_run
-        drv._active = prev
+    return _launches_to(lambda self, *args, grid, warmup, **kwargs: None)
 
 
 @contextlib.contextmanager
@@ -568,6 +564,7 @@ def _experts_uninitialised(moe_cls):
         yield
     finally:
         moe_cls.reset_parameters = orig
+
 
 #: the option sets whose two-rank layers rank 1 compiles too (LAYERS)
 RANK1_OPTIONS = [{"presum_combine": True, "overlap_backward": False},
