@@ -781,18 +781,6 @@ def _gemm2_half(tab, W, a_smem, b_smem, ready, empty, epi_smem, rows_desc, rows_
 
 
 @gluon.jit
-def _idles(nrows, BM: gl.constexpr, WG: gl.constexpr, IDLE_: gl.constexpr):
-    """Whether consumer WG has no row of a block of nrows rows to work on (IDLE_: consumer 1 then idles). (For
-    consumer 0, or with IDLE_ 0, a runtime False the compiler does not fold: the idle branch stays in the code unrun,
-    so the IDLE_HALF = 0 variant is not byte-for-byte the code before 2026-12-03; review, same day.)"""
-    idle = nrows < 0  # (a runtime False)
-    if WG == 1:
-        if IDLE_ != 0:
-            idle = nrows <= BM // 2
-    return idle
-
-
-@gluon.jit
 def _fp8_g1_half(a_smem, b_smem, ready, empty, sa_row, mmask, sg_p, su_p, k1, it, WG: gl.constexpr,
                  HM: gl.constexpr, HN: gl.constexpr, STAGES: gl.constexpr, TIMELINE: gl.constexpr):
     """One 64-column half of an FP8 GEMM1 tile for consumer WG's rows: per 128 of K, g += (xq @ q13g^T) *
@@ -1025,7 +1013,9 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_sme
                     t_loop = _now()
                 off = 1 + b
             elif kind == 1:  # GEMM1(b, j): act[rows, j-th BN1 columns] = silu(x @ wg^T) * (x @ wu^T)
-                if _idles(nrows, BM, WG, IDLE_):  # (FP8: two 64-column halves, each a k-loop)
+                # (a constexpr False for consumer 0 or IDLE_ 0: the branch is not compiled; FP8: two 64-column
+                # halves, each a k-loop)
+                if (WG == 1) and (IDLE_ != 0) and (nrows <= BM // 2):
                     it = _ring_skip(ready, empty, it, k1 * 2 if FP8 else k1, STAGES)
                     t_f = (it * 0).to(gl.int64)
                     t_l = t_f
@@ -1043,7 +1033,7 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_sme
                     t_loop = t_l
                 off = 1 + NB_MAX + b
             else:  # GEMM2(b, j): out = act @ w2[e]^T (columns j * BN2 ..), pushed to the owners (or kept local)
-                if _idles(nrows, BM, WG, IDLE_):
+                if (WG == 1) and (IDLE_ != 0) and (nrows <= BM // 2):
                     it = _ring_skip(ready, empty, it, k2, STAGES)
                     t_f = (it * 0).to(gl.int64)
                     t_l = t_f
