@@ -18,7 +18,8 @@
 # smoke, GPU tests, layer bench), gs (the Gluon items' schedule knobs, layer bench, qwen3 and mixtral, ~4-8 min on
 # one GPU), gt (the Gluon items' GPU tests one after another, ~6-8 min on one GPU), ab (the Gluon items against a
 # baseline tree AB_OLD: bitwise checks, timelines, layer bench; ~6-8 min on one GPU), bp (the Gluon items' TMA pull:
-# bitwise checks, then against the register pull; ~6 min on one GPU).
+# bitwise checks, then against the register pull; ~6 min on one GPU), di (d_recv in the heap: split / fused GPU
+# tests + per-kernel profile, ~6 min on one GPU), dib (graphed layer bench of it, ~3 min).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -347,4 +348,26 @@ timeout 300 python3 -m pytest -q -m gpu tests --ignore tests/test_gpu_split.py -
   --ignore tests/test_gpu_train.py --ignore tests/test_gpu_gluon_fp8.py --ignore tests/test_gpu_gluon_bf16.py \
   --ignore tests/test_optim.py \
   2>&1 | grep -v "^frame\|^E *frame" > "$OUT/gpu_rest.log"; grep -E "passed|failed" "$OUT/gpu_rest.log" | tail -3
+fi
+
+if want di; then
+echo "== di. d_recv written into the heap's rows region (dispatch_backward without its staging copy): split / fused GPU"
+echo "   tests, then the per-kernel profile of qwen3 at DI_TOKENS (default 16384) for split (presum or not) and fused"
+timeout "${DI_TEST_S:-300}" python3 -m pytest -q -m gpu "tests/test_gpu_split.py::test_split_on_gpus[1]" \
+  tests/test_gpu_split.py::test_split_graph_capturable tests/test_gpu_split.py::test_split_fp8_on_gpus \
+  "tests/test_gpu_fused.py::test_fused_on_gpus[1]" 2>&1 | grep -v "^frame\|^E *frame" > "$OUT/di-tests.log"
+grep -E "passed|failed|error" "$OUT/di-tests.log" | tail -3
+for be in split:presum_combine=1 split fused:kernel=gluon; do
+  n="di-prof-${be//[:=]/-}"
+  timeout 120 torchrun --nproc_per_node "$NGPU" benchmarks/profile_layer.py --preset qwen3-30b-a3b \
+    --tokens "${DI_TOKENS:-16384}" --backend "$be" --iters 3 --out /tmp/di-prof > "$OUT/$n.txt" 2>&1
+  grep -A12 "tok/rank" "$OUT/$n.txt" | cut -c1-95
+done
+fi
+
+if want dib; then
+echo "== dib. graphed layer bench, split (presum or not) and the Gluon fused layer; DIB_SPECS preset:tokens"
+for spec in ${DIB_SPECS:-qwen3-30b-a3b:4096 qwen3-30b-a3b:16384 mixtral-8x7b:4096}; do
+  bench "${spec%%:*}" "${spec##*:}" "split:presum_combine=1,split,fused:kernel=gluon" dib --cuda-graph
+done
 fi

@@ -31,6 +31,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -145,6 +146,8 @@ class _HopperTarget:
 #: the ptxas -v output of each kernel compiled under :func:`compile_only` in this process, by its hash: ptxas_usage
 #: reads it (and disassembles the kernel's cubin) instead of running ptxas on the PTX again
 _PTXAS_LOGS: dict[str, str] = {}
+#: seconds each kernel compiled under compile_only took (hash -> s; absent: taken from the cache)
+_COMPILE_S: dict[str, float] = {}
 
 
 @contextlib.contextmanager
@@ -179,10 +182,12 @@ def compile_only(compiled: dict[str, dict[str, object]]):
 
     def run(self, *args, grid, warmup, **kwargs):
         log = io.StringIO()
+        t0 = time.perf_counter()
         with contextlib.redirect_stdout(log):  # (a compile prints its ptxas -v output: kept for ptxas_usage)
             k = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
         if "registers" in log.getvalue():  # compiled now (not from the cache)
             _PTXAS_LOGS[k.hash] = log.getvalue()
+            _COMPILE_S[k.hash] = time.perf_counter() - t0
         compiled.setdefault(self.fn.__name__, {})[k.hash] = k
         return k
 
@@ -238,7 +243,8 @@ def _summary(k) -> dict:
     waits = Counter(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", k.asm["ptx"]))
     tma_st = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", k.asm["ptx"]))
     return {"ld": dict(widths["ld"]), "st": dict(widths["st"]), "tma_stores": tma_st, "wgmma_wait_groups": dict(waits),
-            **ptxas_usage(k, sass_always=k.metadata.name in SASS_KERNELS)}
+            **ptxas_usage(k, sass_always=k.metadata.name in SASS_KERNELS),
+            "compile_s": round(_COMPILE_S.get(k.hash, 0.0), 2)}  # (0: taken from Triton's cache)
 
 
 #: the Gluon FP8 kernel's variants that :func:`_gluon_fp8` compiles: (label, epilogue, (block_m, block_n, stages,

@@ -141,13 +141,25 @@ def _expert_forward(recv, w13, w2, offs, wq, recv_q=None):
 POISON_PADDING = False
 
 
-def dgrad_buffer(recv: torch.Tensor) -> torch.Tensor:
+def dgrad_buffer(recv: torch.Tensor, heap=None) -> torch.Tensor:
     """Storage for d_recv [R_cap, H]: only its first offs[E_l] rows are written (gemm1_dgrad) and read
     (dispatch_backward), so it is not zero-filled (R_cap = W * T * min(k, E_l) rows: a 268 MB fill, 80 us, for
-    qwen3-30b-a3b at 4096 tokens on 2 ranks, measured 2026-11-30). POISON_PADDING: NaN-filled instead."""
+    qwen3-30b-a3b at 4096 tokens on 2 ranks, measured 2026-11-30). POISON_PADDING: NaN-filled instead.
+
+    ``heap``: the GEMM writes straight into ``heap.rows_buffer()`` (when it has recv's shape and dtype), so that
+    dispatch_backward's gather reads it in place instead of staging a copy (qwen3-30b-a3b, 16384 tokens, one H200:
+    the copy cost ~0.3 ms of a 5 ms backward, 2026-12-03). Only for the gather without presum (presum's stage
+    kernel writes its sums into the same region while it reads the rows) and only after the backward's first call
+    is open (pull_grad / combine_backward): that call's stage waited until every peer finished reading this rank's
+    regions in earlier calls (the forward's combine read ``rows``), and no peer reads ``rows`` in it."""
+    buf = None
+    if heap is not None:
+        rb = heap.rows_buffer()
+        if rb.shape == recv.shape and rb.dtype == recv.dtype:
+            buf = rb
     if POISON_PADDING:
-        return torch.full_like(recv, float("nan"))
-    return torch.empty_like(recv)
+        return torch.full_like(recv, float("nan")) if buf is None else buf.fill_(float("nan"))
+    return torch.empty_like(recv) if buf is None else buf
 
 
 def _dgrad_swiglu(dy_rows, h, w2, offs, wq, scale=None, acts_out=None):
@@ -160,29 +172,33 @@ def _dgrad_swiglu(dy_rows, h, w2, offs, wq, scale=None, acts_out=None):
                                   acts_out=acts_out)
 
 
-def _dgrad1(dh, recv, w13, offs, wq):
-    """d_recv [R_cap, H] = GEMM1's dgrad into dgrad_buffer(recv) (padding rows unwritten); with ``wq`` on e4m3
-    operands (dh quantised, w13^T: the FP8 kernel wants both operands K-major)."""
+def _dgrad1(dh, recv, w13, offs, wq, heap=None):
+    """d_recv [R_cap, H] = GEMM1's dgrad into dgrad_buffer(recv, heap) (padding rows unwritten); with ``wq`` on
+    e4m3 operands (dh quantised, w13^T: the FP8 kernel wants both operands K-major)."""
+    out = dgrad_buffer(recv, heap)
     if wq is None:
-        return gemm1_dgrad(dh, w13, offs, out=dgrad_buffer(recv))
+        return gemm1_dgrad(dh, w13, offs, out=out)
     q13t, s13t = _transposed_fp8(wq, w13, 2)
-    return gemm1_dgrad_fp8(*quantize_act(dh, nrows=offs[-1:]), q13t, s13t, offs, out=dgrad_buffer(recv))
+    return gemm1_dgrad_fp8(*quantize_act(dh, nrows=offs[-1:]), q13t, s13t, offs, out=out)
 
 
-def _expert_dgrad(g_out, h, recv, w13, w2, offs, wq):
-    """(dh [R, 2I], d_recv [R, H]) bf16 for gate_grad="pull" (g_out already gated), bf16 or FP8 (``wq``)."""
+def _expert_dgrad(g_out, h, recv, w13, w2, offs, wq, heap=None):
+    """(dh [R, 2I], d_recv [R, H]) bf16 for gate_grad="pull" (g_out already gated), bf16 or FP8 (``wq``); heap: see
+    dgrad_buffer."""
     dh, _ = _dgrad_swiglu(g_out, h, w2, offs, wq)
-    return dh, _dgrad1(dh, recv, w13, offs, wq)
+    return dh, _dgrad1(dh, recv, w13, offs, wq, heap)
 
 
-def bf16_dgrad(dy, topk_w, handle, h, recv, w13, w2, num_sms, wq=None):
+def bf16_dgrad(dy, topk_w, handle, h, recv, w13, w2, num_sms, wq=None, presum=False):
     """The backward up to dx's send (shared with the fused backend): pull dy rows unscaled with their gates
     (comm.combine.pull_grad), then one dgrad GEMM through SwiGLU whose epilogue applies the gate, gives each row's
     d(topk_w) = <dy, act @ w2^T> (fp32 accumulator) and writes the gated activation acts = gate * silu(g) * u;
     send d(topk_w) home; dgrad GEMM1. Returns (dy_rows [R_cap, H], acts [R_cap, I], dh [R_cap, 2I], d_recv
     [R_cap, H], d_topk_w [T, k] fp32); dW2 = dy_rows^T acts, dW13 = dh^T recv. With ``wq`` (the FP8 weights of
     SplitBackend.fp8_weights) both dgrad GEMMs run on e4m3 operands: dy_rows and dh quantised (only the rows
-    received), the transposed weights; the same epilogue outputs.
+    received), the transposed weights; the same epilogue outputs. d_recv is written into the heap's ``rows`` region
+    (dgrad_buffer), where dispatch_backward gathers it without a staging copy, unless ``presum`` (dx will be
+    gathered with presum=True, whose stage writes that region).
 
     Replaces combine_backward for bf16 (2026-12-01) and FP8 (2026-12-01, thirteenth session): that pull read the
     forward's expert outputs [R_cap, H] (kept alive from the forward) to form <dy, out> and could not use the
@@ -192,7 +208,7 @@ def bf16_dgrad(dy, topk_w, handle, h, recv, w13, w2, num_sms, wq=None):
     acts = torch.empty(dy_rows.shape[0], w2.shape[2], dtype=dy_rows.dtype, device=dy_rows.device)
     dh, ds = _dgrad_swiglu(dy_rows, h, w2, offs, wq, scale=gate, acts_out=acts)
     d_topk_w = send_gate_grad(ds, handle, num_sms=num_sms)
-    d_recv = _dgrad1(dh, recv, w13, offs, wq)
+    d_recv = _dgrad1(dh, recv, w13, offs, wq, None if presum else handle.heap)
     return dy_rows, acts, dh, d_recv, d_topk_w
 
 
@@ -244,10 +260,10 @@ class _SplitMoE(torch.autograd.Function):
         if ctx.epilogue_gate_grad:
             # g_out here is dy pulled without its gate and act the gated activation: dW2 = g_out^T act either way
             g_out, act, dh, d_recv, d_topk_w = bf16_dgrad(dy.contiguous(), topk_w, handle, h, recv, w13, w2,
-                                                          num_sms, wq=ctx.wq)
+                                                          num_sms, wq=ctx.wq, presum=ctx.presum)
         else:
             g_out, d_topk_w = combine_backward(dy.contiguous(), out, topk_w, handle, num_sms=num_sms)
-            dh, d_recv = _expert_dgrad(g_out, h, recv, w13, w2, offs, ctx.wq)
+            dh, d_recv = _expert_dgrad(g_out, h, recv, w13, w2, offs, ctx.wq, None if ctx.presum else handle.heap)
         if ctx.overlap and d_recv.is_cuda:
             # dx goes home on a side stream (num_sms programs) while the weight gradients run
             main = torch.cuda.current_stream(d_recv.device)
