@@ -206,12 +206,12 @@ def compile_only(compiled: dict[str, dict[str, object]]):
 #: the layers whose kernels :func:`layer_report` compiles:
 #: (world, preset, experts, tokens per rank, backend, options). An int argument equal to 1 (one rank, one local
 #: expert, one token) becomes a constexpr, hence the W = 1, E_l = 1 (mixtral dims with 2 experts on 2 ranks)
-#: and 1-token entries. Rank 1 of a two-rank entry (its ``rank`` argument a constexpr 1) compiles its kernels only
-#: for the entries without options (the backends' defaults) and those in RANK1_OPTIONS (kernels no default layer
-#: launches: the presummed combine's stage kernel, the Gluon items' pull combine and tail); for the others it runs
-#: the layer with its launches skipped (``launch_nothing``), so rank 0 compiles them as a two-rank layer launches them
-#: (2026-12-03: the CPU suite's time; rank 1 compiled ~35% of the report's kernels, about a third of them rank 0's
-#: too). Not checked for rank 1 since: the other option variants' rank-1 specialisations.
+#: and 1-token entries. The communication kernels take ``rank`` unspecialised (``do_not_specialize``, since
+#: 2026-12-03: rank 1 used to arrive as a constexpr, rank 0 as a multiple of 16, so every rank compiled its own
+#: copies, ~20% of this report's compile time): on a two-rank entry rank 0 compiles first while rank 1 runs the
+#: layer with its launches skipped, then rank 1 runs every entry under compile_only, which finds rank 0's kernels
+#: in Triton's cache wherever its launches specialise alike; a kernel it compiles anew is its own (the report
+#: keeps it).
 LAYERS = [
     (2, "qwen3-30b-a3b", 8, 64, "split", {}),
     (2, "qwen3-30b-a3b", 8, 64, "split", {"presum_combine": True, "overlap_backward": False}),
@@ -572,11 +572,6 @@ def _experts_uninitialised(moe_cls):
         moe_cls.reset_parameters = orig
 
 
-#: the option sets whose two-rank layers rank 1 compiles too (LAYERS)
-RANK1_OPTIONS = [{"presum_combine": True, "overlap_backward": False},
-                 {"kernel": "gluon", "ring_blocks": 8, "combine": "pull"}]
-
-
 def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
     """The LAYERS entries of this world size on this rank, compiled under compile_only; standalone: also the
     standalone kernels' variants (the Gluon GEMMs, the wgrad outputs, the router cases)."""
@@ -587,28 +582,30 @@ def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
 
     compiled: dict[str, dict[str, object]] = {}
     where: dict[str, str] = {}
-    for w, name, experts, tokens, backend, opts in LAYERS:
-        if w != world:
-            continue
-        cfg = preset(name, num_experts=experts, max_tokens_per_rank=max(tokens, 1))
-        label = f"W{w}/{name}/{tokens}tok/{backend}" + "".join(f":{k}={v}" for k, v in opts.items())
-        before = {n: set(v) for n, v in compiled.items()}
-        rank1 = not opts or opts in RANK1_OPTIONS
-        ctx = launch_nothing() if rank > 0 and not rank1 else compile_only(compiled)
-        with ctx, _experts_uninitialised(MoE):
-            moe = MoE(cfg, backend=backend, device=torch.device("cpu"), seed=0, **opts)
-            x = torch.zeros(tokens, cfg.hidden, dtype=cfg.dtype).requires_grad_()
-            out = moe(x).out
-            out.backward(torch.zeros_like(out))
-        for n, keys in compiled.items():
-            for key in set(keys) - before.get(n, set()):
-                where.setdefault(f"{n}#{key[:8]}", label)
-        del moe
+    entries = [e for e in LAYERS if e[0] == world]
+    # pass 0: rank 0 compiles, the other ranks skip their launches; pass 1 (two or more ranks): the reverse, every
+    # kernel rank 0 already compiled with the same specialisation comes from Triton's cache
+    for compiling in range(min(world, 2)):
+        for w, name, experts, tokens, backend, opts in entries:
+            cfg = preset(name, num_experts=experts, max_tokens_per_rank=max(tokens, 1))
+            label = f"W{w}/{name}/{tokens}tok/{backend}" + "".join(f":{k}={v}" for k, v in opts.items())
+            before = {n: set(v) for n, v in compiled.items()}
+            ctx = compile_only(compiled) if (rank > 0) == (compiling == 1) else launch_nothing()
+            with ctx, _experts_uninitialised(MoE):
+                moe = MoE(cfg, backend=backend, device=torch.device("cpu"), seed=0, **opts)
+                x = torch.zeros(tokens, cfg.hidden, dtype=cfg.dtype).requires_grad_()
+                out = moe(x).out
+                out.backward(torch.zeros_like(out))
+            for n, keys in compiled.items():
+                for key in set(keys) - before.get(n, set()):
+                    where.setdefault(f"{n}#{key[:8]}", label)
+            del moe
     if standalone:
         for fn in (_gluon_fp8, _gluon_fp8_ws, _gluon_wgrad_ws, _wgrad_outputs, _router, _gluon_bf16, _gluon_bf16_ws):
             fn(compiled, where)
-    # every rank reports what it compiled: a rank's own specialisations (rank 1 arrives as a constexpr) are checked
-    # too. The report is the union: a kernel a lower rank compiled as well is summarised there only
+    # every rank reports what it compiled: a rank's own specialisations (an argument that differs from rank 0's in
+    # value class) are checked too. The report is the union: a kernel a lower rank compiled as well is summarised
+    # there only
     mine = {f"{n}#{key[:8]}": k for n, ks in compiled.items() for key, k in ks.items()}
     if world > 1:
         import torch.distributed as dist
@@ -617,7 +614,7 @@ def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
         dist.all_gather_object(keys, sorted(mine))
         lower = set().union(*keys[:rank])
         mine = {name: k for name, k in mine.items() if name not in lower}
-    return {name: {"layer": where.get(name, ""), **_summary(k)} for name, k in mine.items()}
+    return {name: {"layer": where.get(name, ""), "rank": rank, **_summary(k)} for name, k in mine.items()}
 
 
 def layer_report() -> dict[str, dict]:

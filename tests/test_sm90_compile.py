@@ -14,7 +14,8 @@ specialisation its real launch gets (megamoe/sm90.py): what the interpreter cann
   group in flight (SwiGLU: the gate and up groups of one k-step) and reads h (SwiGLU backward) from shared memory.
 Runs the layers under megamoe.sm90.compile_only on 2 gloo ranks in a subprocess without TRITON_INTERPRET
 (3.4-5.5 minutes on 2 cores with a cold Triton cache, 2026-12-03, with the machine's load: the one- and two-rank
-groups at once; rank 1's own specialisations are checked for the layers without options, megamoe.sm90.LAYERS).
+groups at once). Rank 1 runs every two-rank layer after rank 0 and compiles only what rank 0 did not: nothing, since
+the communication kernels take ``rank`` unspecialised (test_no_kernel_is_specialised_per_rank).
 """
 
 from __future__ import annotations
@@ -249,3 +250,11 @@ def test_gluon_fused_items_compile_pipelined(rep):
                 assert v["spill_store_bytes"] <= GLUON_FUSED_MAX_SPILL, f"{lay}: spills {v['spill_store_bytes']} B"
         assert v["tma_stores"] > 0, f"{lay}: no TMA stores"
     assert any(k.startswith("_fused_tail_kernel") for k in rep), "the Gluon path's tail kernel was not compiled"
+
+
+def test_no_kernel_is_specialised_per_rank(rep):
+    # rank 1 runs every two-rank layer after rank 0 (megamoe.sm90._layer_rank): a kernel it compiles anew was
+    # specialised on something that differs between the ranks (before 2026-12-03 the ``rank`` argument itself: a
+    # constexpr 1 on rank 1, a multiple of 16 on rank 0), so every rank of a job compiles its own copy
+    own = {k: v["layer"] for k, v in rep.items() if v["rank"] > 0}
+    assert not own, f"kernels rank 1 compiled that rank 0 did not (an argument specialised per rank?): {own}"

@@ -60,7 +60,7 @@ from .signals import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def _gather_sum_kernel(
     tab, W, rank,
     src_reg,  # heap region holding the rows on every rank: rows [R_cap, H]
@@ -239,7 +239,7 @@ def combine_backward(dy: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor, 
     return grad_out, grad_w
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def _send_dw_kernel(tab, W, rank, offs_ptr, E_l, row_src_ptr, row_tok_ptr, row_slot_ptr, ds_ptr,
                     K: tl.constexpr, BLOCK: tl.constexpr, WP2: tl.constexpr):
     """grid (P,): for every received row r < offs[E_l]: dw_{src(r)}[tok(r) * K + slot(r)] = ds[r] (one fp32

@@ -167,7 +167,7 @@ def _pull_store(dst_w, gate_ptr, rows, wv, v, h0, HW,
             tl.store(dst_w + o2, v, mask=m2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def _pull_kernel(
     tab, W, rank,
     src_reg,  # heap region the rows come from: tok [T_max, H] of every source rank

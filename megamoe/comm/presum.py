@@ -49,7 +49,7 @@ from .signals import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def _presum_stage_kernel(
     tab, W, rank,
     out_ptr,  # [R_cap, H] expert outputs (or gradients of received rows), local, heap dtype
@@ -118,7 +118,7 @@ def _presum_stage_kernel(
         tl.store(ctrl + SEQ, prev + 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def _rank_gather_kernel(
     tab, W, rank,
     dest_rank_ptr,  # int32 [T_max, K] expert rank of own (t, j)

@@ -63,7 +63,7 @@ class Schedule:
     tokens_per_rank: torch.Tensor
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def _hist_kernel(
     tab, W, rank,
     cnt_ptr,  # int32 [W, NCH, E] per-chunk expert counts (out)
@@ -114,7 +114,7 @@ def _prefix_kernel(
     tl.store(tot_ptr + s * E + ee, carry, mask=me)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def _base_kernel(
     tab, W, rank,
     tot_ptr,  # int32 [W, E]
@@ -157,7 +157,7 @@ def _base_kernel(
     tl.store(ntok_ptr + ss, T_all, mask=ms)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def _place_kernel(
     tab, W, rank,
     cnt_ptr,  # int32 [W, NCH, E] exclusive prefix over chunks

@@ -233,7 +233,7 @@ def current_call(tab, W, rank):
     return tl.load(ctrl + SEQ, volatile=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def _barrier_kernel(tab, W, rank, timeout_ns, WP2: tl.constexpr):
     """grid (1,): call s = seq+1; publish READY=s; wait READY>=s from all; publish DONE=s; seq = s."""
     ctrl = region_ptr(tab, REG_CTRL, W, rank, tl.int64)
@@ -245,7 +245,7 @@ def _barrier_kernel(tab, W, rank, timeout_ns, WP2: tl.constexpr):
     tl.store(ctrl + SEQ, s)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def _finish_kernel(tab, W, rank, src_reg, dst_ptr, n, timeout_ns, BLOCK: tl.constexpr, WP2: tl.constexpr,
                    PURPOSE: tl.constexpr):
     """grid (P,): wait flag PURPOSE (DONE or DW_DONE) >= seq from every peer, then copy region ``src_reg`` [n]
@@ -296,7 +296,7 @@ def _copy_table(tab, W, rank, reg, src_ptr, n, pid, P):
         i0 += P * 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def _stage_kernel(
     tab,  # int64 [9, W] heap pointer table
     W,

@@ -237,7 +237,7 @@ def _sum_tokens(tab, W, pid, P, gate_ptr, y_ptr, save_ptr, slots_ptr, dest_rank_
             tl.store(y_ptr + t.to(tl.int64)[:, None] * H + oh[None, :], acc.to(DT), mask=m2)
 
 
-@triton.jit(do_not_specialize=["W", "T"])
+@triton.jit(do_not_specialize=["W", "T", "rank"])
 def _fused_tail_kernel(tab, W, rank, gate_ptr, y_ptr, save_ptr, slots_ptr, dest_rank_ptr, dest_row_ptr, T, H,
                        timeout_ns, K: tl.constexpr, ROWS_C: tl.constexpr, BLOCK_HC: tl.constexpr, SAVE: tl.constexpr,
                        ALIGNED: tl.constexpr, PULL_COMBINE: tl.constexpr, WP2: tl.constexpr):
@@ -255,7 +255,7 @@ def _fused_tail_kernel(tab, W, rank, gate_ptr, y_ptr, save_ptr, slots_ptr, dest_
 # W, E_l, T: an int argument equal to 1 would be specialised to a constexpr, a different compile with no gain
 # that spilled (48 B/thread at W = 1, 4 B at E_l = 1; megamoe/sm90.py); for the same reason the launcher passes
 # WP2 >= 2 (the peer loops mask lanes >= W)
-@triton.jit(do_not_specialize=["W", "E_l", "T"])
+@triton.jit(do_not_specialize=["W", "E_l", "T", "rank"])
 def _fused_fwd_kernel(
     tab, W, rank,
     x_desc, x_ptr,          # xbuf [NROWS, H] bf16 (ring: NS * BM rows; dense: R_cap rows)
