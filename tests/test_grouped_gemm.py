@@ -504,3 +504,41 @@ def test_quantize_act_tilings_equal_the_twin(tiles, monkeypatch):
         assert torch.equal(fp8_bits(qn[:150]), fp8_bits(rq[:150])) and torch.equal(sn[:150], rs[:150])
         back = X.dequantize_act(q, s)
         assert torch.equal(back, X.dequantize_act_ref(q, s, torch.float32).to(torch.bfloat16))
+
+
+@cpu_only
+def test_interpreter_patches_keep_upstream_answers():
+    """megamoe._interp's speed patches answer as the interpreter's own functions do: the numpy dtype table for every
+    triton dtype; bf16 -> fp32 by a shift, bit for bit upstream's conversion except on bf16 subnormals (where upstream
+    drops the mantissa's leading bit: the GPU's conversion is the exact shift); fp32 -> bf16 rounds to nearest even,
+    as torch does."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    get, conv = interpreter._get_np_dtype, interpreter._convert_float
+    assert hasattr(get, "upstream") and hasattr(conv, "upstream"), "megamoe._interp.apply() did not run"
+    types = [v for v in vars(tl).values() if isinstance(v, tl.dtype) and not isinstance(v, tl.pointer_type)]
+    types += [tl.pointer_type(tl.float32), tl.block_type(tl.bfloat16, [4]),
+              tl.block_type(tl.pointer_type(tl.int8), [2])]
+    known = 0
+    for t in types:
+        try:
+            want = get.upstream(t)
+        except KeyError:
+            with pytest.raises(KeyError):
+                get(t)
+            continue
+        assert get(t) == want, t
+        known += 1
+    assert known >= 19
+    bits = np.random.default_rng(0).integers(0, 2**16, size=(300, 500), dtype=np.uint16)
+    ours, theirs = conv(bits, tl.bfloat16, tl.float32, None), conv.upstream(bits, tl.bfloat16, tl.float32, None)
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+    exact = bits.astype(np.uint32) << np.uint32(16)
+    assert np.array_equal(ours, exact)
+    subnormal = ((bits >> 7) & 0xFF) == 0
+    assert np.array_equal(ours[~subnormal], theirs[~subnormal])
+    f32 = torch.randn(4096, dtype=torch.float32) * 3
+    rne = conv(f32.numpy(), tl.float32, tl.bfloat16, None)
+    assert np.array_equal(rne, f32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
