@@ -209,9 +209,9 @@ def compile_only(compiled: dict[str, dict[str, object]]):
 #: and 1-token entries. The communication kernels take ``rank`` unspecialised (``do_not_specialize``, since
 #: 2026-12-03: rank 1 used to arrive as a constexpr, rank 0 as a multiple of 16, so every rank compiled its own
 #: copies, ~20% of this report's compile time): on a two-rank entry rank 0 compiles first while rank 1 runs the
-#: layer with its launches skipped, then rank 1 runs every entry under compile_only, which finds rank 0's kernels
-#: in Triton's cache wherever its launches specialise alike; a kernel it compiles anew is its own (the report
-#: keeps it).
+#: layer with its launches skipped, then (after a barrier) rank 1 runs every entry under compile_only, which finds
+#: rank 0's kernels in Triton's cache wherever its launches specialise alike; a kernel it compiles anew is its own
+#: (the report keeps it; tests/test_sm90_compile.py asserts there is none).
 LAYERS = [
     (2, "qwen3-30b-a3b", 8, 64, "split", {}),
     (2, "qwen3-30b-a3b", 8, 64, "split", {"presum_combine": True, "overlap_backward": False}),
@@ -576,6 +576,7 @@ def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
     """The LAYERS entries of this world size on this rank, compiled under compile_only; standalone: also the
     standalone kernels' variants (the Gluon GEMMs, the wgrad outputs, the router cases)."""
     import torch
+    import torch.distributed as dist
 
     from megamoe.config import preset
     from megamoe.layer import MoE
@@ -586,6 +587,8 @@ def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
     # pass 0: rank 0 compiles, the other ranks skip their launches; pass 1 (two or more ranks): the reverse, every
     # kernel rank 0 already compiled with the same specialisation comes from Triton's cache
     for compiling in range(min(world, 2)):
+        if compiling:  # (else rank 1, whose launch_nothing layers run ahead, would compile rank 0's last entries too)
+            dist.barrier()
         for w, name, experts, tokens, backend, opts in entries:
             cfg = preset(name, num_experts=experts, max_tokens_per_rank=max(tokens, 1))
             label = f"W{w}/{name}/{tokens}tok/{backend}" + "".join(f":{k}={v}" for k, v in opts.items())
@@ -608,8 +611,6 @@ def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
     # there only
     mine = {f"{n}#{key[:8]}": k for n, ks in compiled.items() for key, k in ks.items()}
     if world > 1:
-        import torch.distributed as dist
-
         keys = [None] * world
         dist.all_gather_object(keys, sorted(mine))
         lower = set().union(*keys[:rank])

@@ -108,6 +108,11 @@ def _rank(rank: int, world: int) -> tuple[list[dict], list[bool]]:
         r = layer_case(sk, "fused", dev, combine="pull", ring_blocks=4)
         r["case"] = "pull-combine-ring4:" + r["case"]
         results.append(r)
+        # dense pull combine with the default backward: the forward reads peers' rows after its DONE, and the
+        # backward's dgrad then writes d_recv into this rank's rows region (split.dgrad_buffer)
+        r = layer_case(cases[1], "fused", dev, combine="pull")
+        r["case"] = "pull-combine-default-bwd:" + r["case"]
+        results.append(r)
     return results, dets
 
 

@@ -150,8 +150,10 @@ def dgrad_buffer(recv: torch.Tensor, heap=None) -> torch.Tensor:
     dispatch_backward's gather reads it in place instead of staging a copy (qwen3-30b-a3b, 16384 tokens, one H200:
     the copy cost ~0.3 ms of a 5 ms backward, 2026-12-03). Only for the gather without presum (presum's stage
     kernel writes its sums into the same region while it reads the rows) and only after the backward's first call
-    is open (pull_grad / combine_backward): that call's stage waited until every peer finished reading this rank's
-    regions in earlier calls (the forward's combine read ``rows``), and no peer reads ``rows`` in it."""
+    (pull_grad / combine_backward): its pull kernel waits for that call's READY from *every* peer (comm/dispatch.py
+    _pull_kernel), which a peer publishes only once all its earlier kernels have finished, including any read of
+    this rank's ``rows`` (split's combine; the fused megakernel's pull combine, which reads after publishing DONE,
+    so the stage's DONE wait alone would not cover it); and no peer reads ``rows`` in that call."""
     buf = None
     if heap is not None:
         rb = heap.rows_buffer()

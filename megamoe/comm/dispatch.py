@@ -215,6 +215,8 @@ def _pull_kernel(
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     call = current_call(tab, W, rank)
+    # READY from *every* peer, not only those pulled from: backends/split.dgrad_buffer relies on it (after this
+    # kernel no peer still reads this rank's ``rows`` from an earlier call)
     ok = wait_flags(tab, W, rank, READY, 0, W, call, OP, timeout_ns, WP2)
     if ok:
         wo = tl.arange(0, WP2)

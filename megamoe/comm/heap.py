@@ -285,7 +285,11 @@ class SymmetricHeap:
         """[R_cap, H] symmetric buffer: let the expert GEMM write here and combine skips its staging copy.
 
         Same rule as :meth:`tokens_buffer`: peers read it during combine / dispatch_backward; writing it after
-        the next dispatch has been enqueued (the usual dispatch -> GEMM -> combine order) is safe.
+        the next dispatch has been enqueued (the usual dispatch -> GEMM -> combine order) is safe. The backends'
+        backward also writes d_recv here (backends/split.dgrad_buffer) after pull_grad / combine_backward: their
+        pull kernel waits for READY of that call from every peer, which a peer publishes only after all its earlier
+        kernels finished, including reads of this region (the fused megakernel's pull combine reads peers' rows
+        *after* publishing DONE, so DONE alone would not do).
         """
         return self._views["rows"]
 

@@ -139,7 +139,7 @@ def _rank_gather_kernel(
         jj = tl.arange(0, KP2)
         DT = y_ptr.dtype.element_ty
         ITEM: tl.constexpr = SRC_DT.primitive_bitwidth // 8
-        row_off = (tl.full([], 0, tl.int64) + rank * T_max) * H * ITEM  # rank/T_max may be constexpr 1
+        row_off = (tl.full([], 0, tl.int64) + rank * T_max) * H * ITEM  # (T_max may be a constexpr 1)
         t0 = pid * ROWS
         while t0 < T:
             t = t0 + tl.arange(0, ROWS)

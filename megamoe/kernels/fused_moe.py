@@ -254,7 +254,8 @@ def _fused_tail_kernel(tab, W, rank, gate_ptr, y_ptr, save_ptr, slots_ptr, dest_
 
 # W, E_l, T: an int argument equal to 1 would be specialised to a constexpr, a different compile with no gain
 # that spilled (48 B/thread at W = 1, 4 B at E_l = 1; megamoe/sm90.py); for the same reason the launcher passes
-# WP2 >= 2 (the peer loops mask lanes >= W)
+# WP2 >= 2 (the peer loops mask lanes >= W). rank: so that every rank compiles the same kernel (1 was a constexpr,
+# 0 a multiple of 16: a compile per rank; 2026-12-03)
 @triton.jit(do_not_specialize=["W", "E_l", "T", "rank"])
 def _fused_fwd_kernel(
     tab, W, rank,
