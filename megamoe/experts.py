@@ -284,9 +284,9 @@ def gemm1_swiglu_fp8(xq, x_s, w13q, w13_s, offs, *, store_h=True, out=None, h_ou
     return act, h
 
 
-def gemm2_fp8(aq, a_s, w2q, w2_s, offs, *, scale=None, config=None) -> torch.Tensor:
-    """FP8 GEMM2: out [R, H] bf16 = s[r] * act @ w2[e]^T."""
-    return _gemm_fp8("gemm2_fp8", "gemm2_fp8", aq, a_s, w2q, w2_s, offs, scale, None, config)
+def gemm2_fp8(aq, a_s, w2q, w2_s, offs, *, scale=None, out=None, config=None) -> torch.Tensor:
+    """FP8 GEMM2: out [R, H] bf16 = s[r] * act @ w2[e]^T; out: preallocated."""
+    return _gemm_fp8("gemm2_fp8", "gemm2_fp8", aq, a_s, w2q, w2_s, offs, scale, out, config)
 
 
 def gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, out=None, config=None, acts_out=None):

@@ -37,13 +37,33 @@ SUBSET = {1: ("bf16:bf16-ragged", "bf16:fp64-one-expert-k1"),
 PRESUM = ("bf16:bf16-ragged", "bf16:fp32-empty-rank", "bf16:fp32-k5")
 
 
+def _count_row_copies():
+    """Wrap comm.signals.stage: returns a list that gets one entry per call staging a copy into the ``rows``
+    region (combine's forward gather, dispatch_backward) from a buffer other than heap.rows_buffer()."""
+    import megamoe.comm.signals as S
+
+    copies, stage = [], S.stage
+
+    def counting(heap, act=None, act_reg=0, *args, **kw):
+        if act_reg == S.REG_ROWS.value and act is not None and act.numel() > 0:
+            copies.append(tuple(act.shape))
+        return stage(heap, act, act_reg, *args, **kw)
+
+    S.stage = counting
+    return copies
+
+
 def _rank(rank: int, world: int) -> tuple[list[dict], bool]:
     import megamoe.backends.split as split_backend
 
     split_backend.POISON_PADDING = True  # d_recv's padding rows NaN: a read of one would show in dx
     dev = torch.device("cpu")
     cases = [c for c in bf16_cases(world) if world not in SUBSET or c.name in SUBSET[world]]
+    copies = _count_row_copies()
     results = [layer_case(c, "split", dev) for c in cases]
+    # the default options stage no copy into ``rows``: GEMM2 (forward_rows_buffer) and the dgrad GEMM1
+    # (dgrad_buffer) write there, and combine / dispatch_backward gather in place
+    assert not copies, f"split default: {len(copies)} staging copies into the rows region, shapes {copies[:4]}"
     if world == 2:
         results += [dict(layer_case(c, "split", dev, presum_combine=True), case="presum:" + c.name)
                     for c in bf16_cases(world) if c.name in PRESUM]
