@@ -19,7 +19,8 @@
 # one GPU), gt (the Gluon items' GPU tests one after another, ~6-8 min on one GPU), ab (the Gluon items against a
 # baseline tree AB_OLD: bitwise checks, timelines, layer bench; ~6-8 min on one GPU), bp (the Gluon items' TMA pull:
 # bitwise checks, then against the register pull; ~6 min on one GPU), di (d_recv in the heap: split / fused GPU
-# tests + per-kernel profile, ~6 min on one GPU), dib (graphed layer bench of it, ~3 min).
+# tests + per-kernel profile, ~6 min on one GPU), dib (graphed layer bench of it, ~3 min), gp (per-kernel times
+# in a graphed forward+backward, benchmarks/graph_profile.py, ~2 min).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -369,5 +370,15 @@ if want dib; then
 echo "== dib. graphed layer bench, split (presum or not) and the Gluon fused layer; DIB_SPECS preset:tokens"
 for spec in ${DIB_SPECS:-qwen3-30b-a3b:4096 qwen3-30b-a3b:16384 mixtral-8x7b:4096}; do
   bench "${spec%%:*}" "${spec##*:}" "split:presum_combine=1,split,fused:kernel=gluon" dib --cuda-graph
+done
+fi
+
+if want gp; then
+echo "== gp. per-kernel times in a CUDA-graph replay of forward+backward (GP_SPECS preset:tokens; GP_BACKENDS)"
+for spec in ${GP_SPECS:-qwen3-30b-a3b:16384}; do
+  timeout 200 torchrun --nproc_per_node 1 benchmarks/graph_profile.py --preset "${spec%%:*}" --tokens "${spec##*:}" \
+    --backends "${GP_BACKENDS:-split,split:presum_combine=1,fused:kernel=gluon}" --mode forward+backward --iters 10 \
+    > "$OUT/gp-${spec//:/-}.txt" 2>&1
+  quiet < "$OUT/gp-${spec//:/-}.txt" | tail -60
 done
 fi
