@@ -369,7 +369,7 @@ fi
 if want dib; then
 echo "== dib. graphed layer bench, split (presum or not) and the Gluon fused layer; DIB_SPECS preset:tokens"
 for spec in ${DIB_SPECS:-qwen3-30b-a3b:4096 qwen3-30b-a3b:16384 mixtral-8x7b:4096}; do
-  bench "${spec%%:*}" "${spec##*:}" "split:presum_combine=1,split,fused:kernel=gluon" dib --cuda-graph
+  bench "${spec%%:*}" "${spec##*:}" "split:presum_combine=1,split,fused:kernel=gluon" dib --cuda-graph --interleave
 done
 fi
 

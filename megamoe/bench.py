@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "the layer alone, as in training with MasterAdamW.maintain_fp8 or inference")
     p.add_argument("--cuda-graph", action="store_true",
                    help="also time graph-capturable backends (split) as CUDA-graph replays: no launch latency")
+    p.add_argument("--interleave", action="store_true",
+                   help="with --cuda-graph: capture every backend's graph first, then replay them in turn "
+                        "(A B C A B C ...), so that a drift of the GPU's state during the run (clocks under the "
+                        "power limit, temperature) falls on each backend alike; needs the memory of all graphs at "
+                        "once")
     p.add_argument("--json", default=None, help="write results here (default: benchmarks/results/<auto>.json "
                                                  "on GPU, nothing on CPU)")
     p.add_argument("--png", default=None, help="draw a bar chart here (needs matplotlib)")
@@ -79,6 +84,8 @@ def _defaults(args, on_gpu: bool) -> argparse.Namespace:
         args.warmup = 5 if on_gpu else 1
     if args.cuda_graph and not on_gpu:
         raise ValueError("--cuda-graph needs CUDA GPUs")
+    if args.interleave and not args.cuda_graph:
+        raise SystemExit("megamoe bench: --interleave orders CUDA-graph replays; it needs --cuda-graph")
     if args.tokens < 0 or args.iters < 1 or args.warmup < 0:
         raise SystemExit("megamoe bench: --tokens must be >= 0, --iters >= 1, --warmup >= 0")
     return args
@@ -198,22 +205,53 @@ def capture_step(make_moe, x0: torch.Tensor, dy0: torch.Tensor, device, mode: st
     return graph, moe, x, dy
 
 
-def _graph_times(make_moe, xs, dys, args, timer, device, mode: str) -> list[float]:
-    """Per-iteration times of ``mode`` captured once in a CUDA graph (capture_step) and replayed on rotating inputs,
-    copied into the graph's static tensors outside the timed region."""
-    graph, moe, x, dy = capture_step(make_moe, xs[0], dys[0], device, mode)
-    times = []
+def _replay_times(captured: list, xs, dys, args, timer) -> list[list[float]]:
+    """Per-iteration replay times of captured steps (capture_step's tuples), on rotating inputs copied into each
+    graph's static tensors outside the timed region. Several steps replay in turn (A B C A B C ...), so that a drift
+    of the GPU's state during the run (clocks, temperature) falls on each alike."""
+    times: list[list[float]] = [[] for _ in captured]
     for it in range(args.warmup + args.iters):
-        with torch.no_grad():
-            x.copy_(xs[it % len(xs)])
-            dy.copy_(dys[it % len(dys)])
-        t0 = timer.start()
-        graph.replay()
-        dt = timer.stop(t0)
-        if it >= args.warmup:
-            times.append(dt)
-    del graph, moe
+        for i, (graph, _moe, x, dy) in enumerate(captured):
+            with torch.no_grad():
+                x.copy_(xs[it % len(xs)])
+                dy.copy_(dys[it % len(dys)])
+            t0 = timer.start()
+            graph.replay()
+            dt = timer.stop(t0)
+            if it >= args.warmup:
+                times[i].append(dt)
     return times
+
+
+def _graph_times(make_moe, xs, dys, args, timer, device, mode: str) -> list[float]:
+    """Per-iteration times of ``mode`` captured once in a CUDA graph (capture_step) and replayed on rotating inputs."""
+    captured = [capture_step(make_moe, xs[0], dys[0], device, mode)]
+    times = _replay_times(captured, xs, dys, args, timer)[0]
+    del captured
+    return times
+
+
+def _interleaved_graph_times(makers: list, xs, dys, args, timer, device, show: bool) -> list[dict]:
+    """``--interleave``: for each mode, every backend's step captured first, then all replayed in turn; returns
+    {mode: per-iteration times (max over ranks)} per maker. All graphs of one mode are alive at once."""
+    out: list[dict] = [{} for _ in makers]
+    for mode in ("forward", "forward+backward"):
+        captured = []
+        for spec, make in makers:
+            _progress(f"{spec} {mode} (CUDA graph, captured for interleaving)", show)
+            captured.append(capture_step(make, xs[0], dys[0], device, mode))
+        _progress(f"{len(captured)} graphs {mode}: replays interleaved", show)
+        for i, times in enumerate(_replay_times(captured, xs, dys, args, timer)):
+            out[i][mode] = _max_over_ranks(times, device)
+        del captured
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def _stats(per_iter: list[float]) -> dict:
+    return {"median_s": statistics.median(per_iter), "min_s": min(per_iter), "max_s": max(per_iter),
+            "iters": len(per_iter)}
 
 
 def _pin(moe, args: argparse.Namespace):
@@ -249,6 +287,7 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
 
     timer = _Timer(device)
     results = []
+    interleaved = []  # --interleave: (graphed entry to fill, (spec, make_moe)) per graph-capturable backend
     rows_per_rank = None
     for spec in backends:
         name, options = parse_backend(spec)
@@ -277,9 +316,7 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
                     times.append(dt)
                 _progress(f"{spec} {mode} {it + 1}/{args.warmup + args.iters}", show, step=it > 0)
                 del out
-            per_iter = _max_over_ranks(times, device)
-            entry[mode] = {"median_s": statistics.median(per_iter), "min_s": min(per_iter),
-                           "max_s": max(per_iter), "iters": len(per_iter)}
+            entry[mode] = _stats(_max_over_ranks(times, device))
         if not args.no_check:
             _progress(f"{spec} reference check", show)
             with torch.no_grad():
@@ -296,15 +333,23 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
                     m.router.set_logit_offset(offset)
                 return m
 
-            for mode in ("forward", "forward+backward"):
-                _progress(f"{spec} {mode} (CUDA graph)", show)
-                per_iter = _max_over_ranks(_graph_times(make_moe, xs, dys, args, timer, device, mode), device)
-                graphed[mode] = {"median_s": statistics.median(per_iter), "min_s": min(per_iter),
-                                 "max_s": max(per_iter), "iters": len(per_iter)}
+            if args.interleave:  # timed after the loop, all backends' replays in turn
+                graphed["interleaved"] = True
+                interleaved.append((graphed, (spec, make_moe)))
+            else:
+                for mode in ("forward", "forward+backward"):
+                    _progress(f"{spec} {mode} (CUDA graph)", show)
+                    graphed[mode] = _stats(_max_over_ranks(_graph_times(make_moe, xs, dys, args, timer, device, mode),
+                                                           device))
             results.append(graphed)
         del moe
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if interleaved:
+        per_backend = _interleaved_graph_times([m for _, m in interleaved], xs, dys, args, timer, device, show)
+        for (graphed, _), modes in zip(interleaved, per_backend, strict=True):
+            for mode, per_iter in modes.items():
+                graphed[mode] = _stats(per_iter)
     if show and sys.stderr.isatty():
         sys.stderr.write("\n")
 
@@ -325,9 +370,11 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
                    "dtype": str(cfg.dtype).replace("torch.", ""), "world": W, "iters": args.iters,
                    "warmup": args.warmup, "seed": args.seed, "hidden": cfg.hidden,
                    "intermediate": cfg.intermediate, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
-                   "rows_per_rank": rows_per_rank, "fp8_weights": getattr(args, "fp8_weights", "layer")},
+                   "rows_per_rank": rows_per_rank, "fp8_weights": getattr(args, "fp8_weights", "layer"),
+                   "interleave": bool(getattr(args, "interleave", False))},
         "timing": "CUDA events (CPU: perf_counter) per iteration after device sync + barrier; "
-                  "max over ranks per iteration; median over iterations",
+                  "max over ranks per iteration; median over iterations; entries with interleaved: true were "
+                  "replayed in turn with the other backends' graphs (--interleave)",
         "results": results,
     }
 

@@ -47,6 +47,45 @@ def test_bench_rejects_bad_world():
     assert "divisible by the world size" in proc.stderr
 
 
+def test_bench_interleave_needs_cuda_graph():
+    proc = _run("bench", "--cpu", "--interleave", "--iters", "1")
+    assert proc.returncode != 0 and "--interleave" in proc.stderr and "--cuda-graph" in proc.stderr
+
+
+def test_bench_interleaved_replays_take_turns():
+    """_replay_times replays several captured steps in turn (A B A B ...), copies each step's inputs before its
+    replay, and keeps only the timed iterations after the warm-up, per step."""
+    import argparse
+
+    from megamoe.bench import _replay_times
+
+    order = []
+
+    class Graph:
+        def __init__(self, name, x):
+            self.name, self.x = name, x
+
+        def replay(self):
+            order.append((self.name, float(self.x[0])))
+
+    class Timer:
+        def start(self):
+            return len(order)
+
+        def stop(self, t0):
+            return float(len(order))
+
+    xs = [torch.full((2,), float(i)) for i in range(3)]
+    captured = []
+    for name in "AB":
+        x, dy = torch.zeros(2), torch.zeros(2)
+        captured.append((Graph(name, x), None, x, dy))
+    times = _replay_times(captured, xs, xs, argparse.Namespace(warmup=1, iters=3), Timer())
+    assert [n for n, _ in order] == ["A", "B"] * 4
+    assert [v for _, v in order] == [0, 0, 1, 1, 2, 2, 0, 0]  # inputs rotate per iteration, same for each step
+    assert times == [[3.0, 5.0, 7.0], [4.0, 6.0, 8.0]]
+
+
 def test_cli_usage_and_info():
     proc = _run("--help")
     assert proc.returncode == 0 and "bench" in proc.stdout
