@@ -16,6 +16,14 @@ Protocol of one op (call s), every rank running the same sequence of ops:
                          last program to arrive: publish DONE=s into every peer's flags[DONE, me]
     finish (optional):   wait flags[DONE, p] >= s (only where peers *write* into my memory)
 
+What each wait guards. The stage's DONE wait covers the ops whose work phase finishes its reads of peers' memory
+before publishing DONE (every op of comm/ and the split backend). The fused megakernel's pull combine does not: it
+reads peers' ``rows`` after its DONE, so DONE alone does not free a peer's ``rows``. What every writer of ``rows``
+also follows, in stream order, is a kernel that waited for a *later* call's READY from every peer (the dispatch's
+and the backward's ``_pull_kernel``): a peer publishes that READY from its stage kernel, after all its earlier
+kernels finished, its reads included. The writers that are no stage kernel rely on that alone: GEMM2's output in
+the split forward (backends/split.forward_rows_buffer) and d_recv in the backward (split.dgrad_buffer).
+
 Polling uses acquire loads (``ld.acquire.sys`` through inline PTX on the GPU, a volatile ``tl.load`` in the
 interpreter), never an atomic read-modify-write (measured 38 us against 7-8 us per round trip, MEASURED.md).
 Publishing is one ``atomic_xchg(sem="release", scope="sys")`` per peer slot (a store, not a poll).
