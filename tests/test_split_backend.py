@@ -95,6 +95,53 @@ def test_split_matches_reference_cpu(world):
     check(spawn(_rank, world, timeout_s=900), world)
 
 
+def _rank_two_layers(rank: int, world: int) -> dict:
+    """Two layers on one heap, run fwd A, fwd B, bwd B, bwd A (as in a model) against each layer's fwd+bwd alone:
+    B's forward overwrites the heap's ``rows`` region between A's forward and backward, so whatever A's backward
+    still needs must not live there (GEMM2's outputs with gate_grad="pull", split.forward_rows_buffer)."""
+    from megamoe.layer import MoE
+
+    dev = torch.device("cpu")
+    case = LayerCase("two-layers", dtype="bf16", tokens=(13, 9)[:world],
+                     overrides={"num_experts": tiny_experts(world)})
+    cfg = case.config()
+    gen = torch.Generator().manual_seed(5 + rank)
+    xs = [torch.randn(case.tokens[rank], cfg.hidden, generator=gen).to(cfg.dtype) for _ in range(2)]
+    gs = [torch.randn(case.tokens[rank], cfg.hidden, generator=gen).to(cfg.dtype) for _ in range(2)]
+
+    def grads(m, out, x, g):
+        return [out.detach(), *torch.autograd.grad((out.float() * g.float()).sum(), (x, m.w13, m.w2))]
+
+    same = {}
+    for gate_grad in ("epilogue", "pull"):
+        def build(gate_grad=gate_grad):
+            a = MoE(cfg, backend="split", device=dev, seed=1, gate_grad=gate_grad)
+            b = MoE(cfg, backend="split", device=dev, seed=2, gate_grad=gate_grad)
+            assert a.backend.heap is b.backend.heap  # one heap per shape: the case under test
+            return a, b
+
+        alone = []
+        for m, x, g in zip(build(), xs, gs, strict=True):
+            xi = x.clone().requires_grad_()
+            alone.append(grads(m, m(xi).out, xi, g))
+        a, b = build()
+        xa, xb = (x.clone().requires_grad_() for x in xs)
+        oa, ob = a(xa).out, b(xb).out
+        gb = grads(b, ob, xb, gs[1])
+        ga = grads(a, oa, xa, gs[0])
+        same[gate_grad] = [all(torch.equal(p, q) for p, q in zip(s, t, strict=True))
+                           for s, t in zip(alone, (ga, gb), strict=True)]
+    return same
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test; GPUs run tests/test_gpu_split.py")
+def test_split_two_layers_on_one_heap_cpu():
+    for rank, same in enumerate(spawn(_rank_two_layers, 2, timeout_s=900)):
+        for gate_grad, (a_ok, b_ok) in same.items():
+            assert a_ok and b_ok, (f"gate_grad={gate_grad} rank {rank}: interleaved layers differ from each alone "
+                                   f"(layer A {a_ok}, layer B {b_ok})")
+
+
 # ------------------------------------------------------------------------------------------------ FP8
 # fp8=1: the measured accuracy and the bounds FP8_TOLERANCE / FP8_MIN_COSINE_VS_BF16 are in megamoe/testing.py
 

@@ -17,12 +17,14 @@ Protocol of one op (call s), every rank running the same sequence of ops:
     finish (optional):   wait flags[DONE, p] >= s (only where peers *write* into my memory)
 
 What each wait guards. The stage's DONE wait covers the ops whose work phase finishes its reads of peers' memory
-before publishing DONE (every op of comm/ and the split backend). The fused megakernel's pull combine does not: it
-reads peers' ``rows`` after its DONE, so DONE alone does not free a peer's ``rows``. What every writer of ``rows``
-also follows, in stream order, is a kernel that waited for a *later* call's READY from every peer (the dispatch's
-and the backward's ``_pull_kernel``): a peer publishes that READY from its stage kernel, after all its earlier
+before publishing DONE (the reading ops of comm/ and the split backend; send_gate_grad writes peers' memory and
+publishes DW_DONE instead). The fused megakernel's pull combine does not: it reads peers' ``rows`` after its DONE, so
+DONE alone does not free a peer's ``rows``. What every writer of ``rows`` also follows, or itself begins with, is a
+wait for a *later* call's READY from every peer (the dispatch's and the backward's ``_pull_kernel``, the schedule
+kernel, the fused megakernel's entry): a peer publishes that READY from its stage kernel, after all its earlier
 kernels finished, its reads included. The writers that are no stage kernel rely on that alone: GEMM2's output in
-the split forward (backends/split.forward_rows_buffer) and d_recv in the backward (split.dgrad_buffer).
+the split forward (backends/split.forward_rows_buffer), d_recv in the backward (split.dgrad_buffer), and the fused
+megakernel with ``combine="pull"`` (its GEMM2 epilogue, and its backward's dgrad1, keep rows there).
 
 Polling uses acquire loads (``ld.acquire.sys`` through inline PTX on the GPU, a volatile ``tl.load`` in the
 interpreter), never an atomic read-modify-write (measured 38 us against 7-8 us per round trip, MEASURED.md).
