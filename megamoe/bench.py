@@ -223,26 +223,20 @@ def _replay_times(captured: list, xs, dys, args, timer) -> list[list[float]]:
     return times
 
 
-def _graph_times(make_moe, xs, dys, args, timer, device, mode: str) -> list[float]:
-    """Per-iteration times of ``mode`` captured once in a CUDA graph (capture_step) and replayed on rotating inputs."""
-    captured = [capture_step(make_moe, xs[0], dys[0], device, mode)]
-    times = _replay_times(captured, xs, dys, args, timer)[0]
-    del captured
-    return times
-
-
-def _interleaved_graph_times(makers: list, xs, dys, args, timer, device, show: bool) -> list[dict]:
-    """``--interleave``: for each mode, every backend's step captured first, then all replayed in turn; returns
-    {mode: per-iteration times (max over ranks)} per maker. All graphs of one mode are alive at once."""
+def _graph_times(makers: list, xs, dys, args, timer, device, show: bool) -> list[dict]:
+    """For each mode, every (spec, make_moe) of ``makers`` captured in a CUDA graph (capture_step), then all replayed
+    in turn (_replay_times; ``--interleave`` passes every graph-capturable backend, otherwise one); returns {mode:
+    _stats of the per-iteration times, max over ranks} per maker. All graphs of one mode are alive at once."""
     out: list[dict] = [{} for _ in makers]
     for mode in ("forward", "forward+backward"):
         captured = []
         for spec, make in makers:
-            _progress(f"{spec} {mode} (CUDA graph, captured for interleaving)", show)
+            _progress(f"{spec} {mode} (CUDA graph)", show)
             captured.append(capture_step(make, xs[0], dys[0], device, mode))
-        _progress(f"{len(captured)} graphs {mode}: replays interleaved", show)
+        if len(captured) > 1:
+            _progress(f"{len(captured)} graphs {mode}: replays in turn", show)
         for i, times in enumerate(_replay_times(captured, xs, dys, args, timer)):
-            out[i][mode] = _max_over_ranks(times, device)
+            out[i][mode] = _stats(_max_over_ranks(times, device))
         del captured
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -337,19 +331,15 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
                 graphed["interleaved"] = True
                 interleaved.append((graphed, (spec, make_moe)))
             else:
-                for mode in ("forward", "forward+backward"):
-                    _progress(f"{spec} {mode} (CUDA graph)", show)
-                    graphed[mode] = _stats(_max_over_ranks(_graph_times(make_moe, xs, dys, args, timer, device, mode),
-                                                           device))
+                graphed.update(_graph_times([(spec, make_moe)], xs, dys, args, timer, device, show)[0])
             results.append(graphed)
         del moe
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if interleaved:
-        per_backend = _interleaved_graph_times([m for _, m in interleaved], xs, dys, args, timer, device, show)
+        per_backend = _graph_times([m for _, m in interleaved], xs, dys, args, timer, device, show)
         for (graphed, _), modes in zip(interleaved, per_backend, strict=True):
-            for mode, per_iter in modes.items():
-                graphed[mode] = _stats(per_iter)
+            graphed.update(modes)
     if show and sys.stderr.isatty():
         sys.stderr.write("\n")
 

@@ -86,6 +86,47 @@ def test_bench_interleaved_replays_take_turns():
     assert times == [[3.0, 5.0, 7.0], [4.0, 6.0, 8.0]]
 
 
+def test_bench_graph_times_per_mode_and_maker(monkeypatch):
+    """_graph_times captures each maker's step per mode (forward, then forward+backward) and returns per maker the
+    stats of its own replays, in the makers' order (one maker: the non-interleaved bench; several: --interleave)."""
+    import argparse
+
+    import megamoe.bench as B
+
+    calls = []
+
+    class Graph:
+        def __init__(self, spec, mode):
+            self.spec, self.mode = spec, mode
+
+        def replay(self):
+            calls.append(("replay", self.spec, self.mode))
+
+    def capture(make, x0, dy0, device, mode):
+        calls.append(("capture", make(), mode))
+        return Graph(make(), mode), None, torch.zeros(2), torch.zeros(2)
+
+    class Timer:
+        def start(self):
+            return None
+
+        def stop(self, t0):  # A's replays take 1 s, B's 2 s (forward) / 10 s, 20 s (forward+backward)
+            _, spec, mode = calls[-1]
+            return (1.0 if spec == "A" else 2.0) * (10 if mode == "forward+backward" else 1)
+
+    monkeypatch.setattr(B, "capture_step", capture)
+    monkeypatch.setattr(B, "_max_over_ranks", lambda times, device: times)
+    xs = [torch.ones(2)]
+    args = argparse.Namespace(warmup=1, iters=2)
+    out = B._graph_times([("a", lambda: "A"), ("b", lambda: "B")], xs, xs, args, Timer(), torch.device("cpu"), False)
+    assert [c[:3] for c in calls if c[0] == "capture"] == [("capture", "A", "forward"), ("capture", "B", "forward"),
+                                                           ("capture", "A", "forward+backward"),
+                                                           ("capture", "B", "forward+backward")]
+    assert out[0]["forward"]["median_s"] == 1.0 and out[1]["forward"]["median_s"] == 2.0
+    assert out[0]["forward+backward"]["min_s"] == 10.0 and out[1]["forward+backward"]["max_s"] == 20.0
+    assert all(m["iters"] == 2 for o in out for m in o.values())
+
+
 def test_cli_usage_and_info():
     proc = _run("--help")
     assert proc.returncode == 0 and "bench" in proc.stdout
