@@ -14,6 +14,7 @@ import argparse
 import json
 import subprocess
 import time
+from datetime import datetime
 
 import torch
 
@@ -53,14 +54,12 @@ def main() -> None:
     for line in smi.stdout.read().splitlines():
         parts = [x.strip() for x in line.split(",")]
         if len(parts) == 4 and parts[1].isdigit():
-            hh, mm, ss = parts[0].split()[1].split(":")
-            samples.append((int(hh) * 3600 + int(mm) * 60 + float(ss), int(parts[1]), float(parts[2]), parts[3]))
-    t0_wall = time.localtime(t_start)
-    t0 = t0_wall.tm_hour * 3600 + t0_wall.tm_min * 60 + t0_wall.tm_sec + (t_start % 1)
+            at = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp() - t_start  # local time, as time()
+            samples.append((at, int(parts[1]), float(parts[2]), parts[3]))
     rows = []
     for sec in range(int(args.seconds) + 1):
         w = [t for (s, t) in windows if sec <= s < sec + 1]
-        sm = [x for x in samples if sec <= x[0] - t0 < sec + 1]
+        sm = [x for x in samples if sec <= x[0] < sec + 1]
         if not w:
             continue
         rows.append({"second": sec, "tflops": sum(w) / len(w),

@@ -137,20 +137,21 @@ def _expert_forward(recv, w13, w2, offs, wq, recv_q=None, out=None):
     return act, h, gemm2_fp8(*quantize_act(act, nrows=n), q2, s2, offs, out=out)
 
 
+def _heap_rows(heap, shape, dtype) -> torch.Tensor | None:
+    """``heap.rows_buffer()`` if it has this shape and dtype, else None. The GEMMs that write there (GEMM2 in the
+    forward, forward_rows_buffer; GEMM1's dgrad, dgrad_buffer) save a staging copy: combine and dispatch_backward
+    gather the region in place. Why writing it is safe: comm/signals.py, "What each wait guards"."""
+    rb = heap.rows_buffer()
+    return rb if tuple(rb.shape) == tuple(shape) and rb.dtype == dtype else None
+
+
 def forward_rows_buffer(heap, rows: int, w2: torch.Tensor) -> torch.Tensor | None:
-    """GEMM2's output buffer in the forward: ``heap.rows_buffer()``, from which combine's gather reads in place
-    (no staging copy: ~0.3 ms of qwen3-30b-a3b's forward at 16384 tokens on one H200, 2026-12-03 profile), when it
-    has GEMM2's output shape [rows, H] and dtype. The caller uses it only when nothing keeps the expert outputs past
+    """GEMM2's output buffer in the forward (_heap_rows: ~0.3 ms of qwen3-30b-a3b's forward at 16384 tokens on one
+    H200 was the staging copy, 2026-12-03 profile). The caller uses it only when nothing keeps the expert outputs past
     this call (not with pull_gate_grad, which saves them for combine_backward, and a later layer's forward on the
     same heap overwrites the region) and not with presum (its stage kernel writes the sums into this region while
-    reading the rows). Safe to write after this call's dispatch: its pull kernel waited for this call's READY from
-    every peer, which a peer publishes only after all its earlier kernels finished, including reads of this rank's
-    ``rows`` (an earlier combine or dispatch_backward, split's or the fused megakernel's); and no peer reads
-    ``rows`` before this call's combine (see dgrad_buffer for the backward's side)."""
-    rb = heap.rows_buffer()
-    if tuple(rb.shape) == (rows, w2.shape[1]) and rb.dtype == w2.dtype:
-        return rb
-    return None
+    reading the rows)."""
+    return _heap_rows(heap, (rows, w2.shape[1]), w2.dtype)
 
 
 #: tests set this (in their ranks) to fill d_recv's padding rows with NaN, so that a read of one shows in dx
@@ -162,19 +163,13 @@ def dgrad_buffer(recv: torch.Tensor, heap=None) -> torch.Tensor:
     (dispatch_backward), so it is not zero-filled (R_cap = W * T * min(k, E_l) rows: a 268 MB fill, 80 us, for
     qwen3-30b-a3b at 4096 tokens on 2 ranks, measured 2026-11-30). POISON_PADDING: NaN-filled instead.
 
-    ``heap``: the GEMM writes straight into ``heap.rows_buffer()`` (when it has recv's shape and dtype), so that
-    dispatch_backward's gather reads it in place instead of staging a copy (qwen3-30b-a3b, 16384 tokens, one H200:
-    the copy cost ~0.3 ms of a 5 ms backward, 2026-12-03). Only for the gather without presum (presum's stage
-    kernel writes its sums into the same region while it reads the rows) and only after the backward's first call
-    (pull_grad / combine_backward): its pull kernel waits for that call's READY from *every* peer (comm/dispatch.py
-    _pull_kernel), which a peer publishes only once all its earlier kernels have finished, including any read of
-    this rank's ``rows`` (split's combine; the fused megakernel's pull combine, which reads after publishing DONE,
-    so the stage's DONE wait alone would not cover it); and no peer reads ``rows`` in that call."""
-    buf = None
-    if heap is not None:
-        rb = heap.rows_buffer()
-        if rb.shape == recv.shape and rb.dtype == recv.dtype:
-            buf = rb
+    ``heap``: the GEMM writes straight into the heap's ``rows`` region (_heap_rows, when it has recv's shape and
+    dtype; qwen3-30b-a3b, 16384 tokens, one H200: the staging copy cost ~0.3 ms of a 5 ms backward, 2026-12-03). Only
+    for the gather without presum (presum's stage kernel writes its sums into the same region while it reads the
+    rows) and only after the backward's first call (pull_grad / combine_backward), whose pull kernel waits for that
+    call's READY from *every* peer (comm/dispatch.py _pull_kernel; comm/signals.py, "What each wait guards"); no
+    peer reads ``rows`` in that call."""
+    buf = None if heap is None else _heap_rows(heap, recv.shape, recv.dtype)
     if POISON_PADDING:
         return torch.full_like(recv, float("nan")) if buf is None else buf.fill_(float("nan"))
     return torch.empty_like(recv) if buf is None else buf
