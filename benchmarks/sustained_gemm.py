@@ -18,6 +18,8 @@ from datetime import datetime
 
 import torch
 
+from megamoe.perf import run_metadata
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -77,7 +79,8 @@ def main() -> None:
           f"first second {rows[0]['tflops']:.1f}, last {rows[-1]['tflops']:.1f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "n": n,
+            json.dump({"meta": run_metadata(torch.device("cuda", torch.cuda.current_device()), 1),
+                       "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "n": n,
                        "window": args.window, "seconds": args.seconds, "per_second": rows,
                        "windows_tflops": [t for _, t in windows]}, f, indent=1)
 
