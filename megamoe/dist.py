@@ -10,6 +10,12 @@ Two ways a megamoe program gets its ranks:
   machine use this.
 
 Every process sets the NVLink-multicast switches off before torch touches a GPU (see :data:`NO_MULTICAST`).
+
+Ranks sharing GPUs (``MEGAMOE_SHARE_GPUS=1``, for correctness runs only): rank r uses GPU r mod the GPUs visible,
+and the group is gloo (NCCL refuses two ranks on one device). The symmetric heap still lives in device memory and the
+kernels still wait on each other across processes: the GPU time-slices the ranks' contexts, so spin waits progress,
+slowly. This is how the multi-rank GPU tests run on a machine with fewer GPUs than ranks; it says nothing about
+NVLink speed, and same-device peers share one L2, so it is weaker evidence of the memory ordering than real peers.
 """
 
 from __future__ import annotations
@@ -39,6 +45,19 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
+def share_gpus() -> bool:
+    """True when ``MEGAMOE_SHARE_GPUS=1``: more ranks than GPUs allowed (see the module docstring)."""
+    return os.environ.get("MEGAMOE_SHARE_GPUS", "0") == "1"
+
+
+def gpu_ranks_possible(world: int) -> bool:
+    """Whether ``world`` GPU ranks can run here: one GPU each, or any number sharing GPUs (MEGAMOE_SHARE_GPUS=1)."""
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return n >= world or (n > 0 and share_gpus())
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -59,9 +78,19 @@ def init_from_env(device: str | None = None, timeout_s: float = 300.0):
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if device == "cuda":
+        ngpu = torch.cuda.device_count()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        backend = "nccl"
+        if ngpu == 0:
+            raise RuntimeError("device 'cuda' asked for, but no CUDA GPU is visible")
+        if local_world > ngpu:
+            if not share_gpus():
+                raise RuntimeError(f"{local_world} ranks on this host, {ngpu} GPUs visible: set "
+                                   "MEGAMOE_SHARE_GPUS=1 to let ranks share GPUs (correctness runs only)")
+            backend = "gloo"  # NCCL refuses two ranks on one device
+        local_rank %= ngpu
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
-        backend = "nccl"
     else:
         dev = torch.device("cpu")
         backend = "gloo"

@@ -319,6 +319,24 @@ def training_step(rank: int, backend: str, tokens: int = 2048, **backend_options
     return dev, moe, step
 
 
+def rank_device() -> torch.device:
+    """This GPU rank's device (set by megamoe.dist when the rank joined: GPU r, or r mod the GPUs visible when
+    ranks share GPUs under MEGAMOE_SHARE_GPUS=1)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def gpu_world(most: int = 4, least: int = 1) -> int:
+    """Ranks for a GPU test that runs on the GPUs there are, up to ``most``: one rank per GPU, or ``least`` ranks
+    sharing GPUs when there are fewer GPUs and MEGAMOE_SHARE_GPUS=1 (megamoe.dist). 0: the test cannot run here."""
+    from megamoe.dist import share_gpus
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    w = min(n, most)
+    if w >= least:
+        return w
+    return least if n > 0 and share_gpus() else 0
+
+
 def sync_free_step(step) -> bool:
     """After two warm-up steps (compile every kernel, allocate gradients), one step under
     ``torch.cuda.set_sync_debug_mode("error")``: raises if anything in it synchronises with the host."""

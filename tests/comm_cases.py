@@ -310,7 +310,8 @@ def rank_graph(rank, world, device="cuda"):
 
 def rank_peer_buffer(rank, world):
     """heap.peer_buffer: every rank's copy of a region, as written by that rank; bad names and ranks rejected (the
-    heap's backend follows the process group's: host on gloo, cuda on nccl). Returns failure strings (empty: passed)."""
+    heap's backend follows the process group's: host on gloo, cuda on nccl or when GPU ranks share GPUs).
+    Returns failure strings (empty: passed)."""
     import torch
     import torch.distributed as dist
 

@@ -9,23 +9,21 @@ import os
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 from comm_cases import assert_no_failures, rank_cases, rank_graph, rank_peer_buffer  # noqa: E402
 
 from megamoe.dist import spawn  # noqa: E402
+from megamoe.testing import gpu_world  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-needs_gpus = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs at least 2 CUDA GPUs"
-)
+needs_gpus = pytest.mark.skipif(gpu_world(4, 2) == 0, reason="needs at least 2 CUDA GPUs (or MEGAMOE_SHARE_GPUS=1)")
 
 
 def _world():
-    return min(4, torch.cuda.device_count())
+    return gpu_world(4, 2)
 
 
 @needs_gpus

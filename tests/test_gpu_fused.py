@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.dist import spawn
+from megamoe.dist import gpu_ranks_possible, spawn
 from megamoe.testing import (
     FP8_TOLERANCE,
     TOLERANCE,
@@ -19,6 +19,7 @@ from megamoe.testing import (
     graph_replay_vs_eager,
     layer_case,
     qwen3_experts,
+    rank_device,
     sync_free_step,
     training_step,
     twin_runs,
@@ -55,7 +56,7 @@ def _det_case(world: int) -> LayerCase:
 
 
 def _rank_cases(rank: int, world: int) -> tuple[list[dict], list[bool]]:
-    dev = torch.device("cuda", rank)
+    dev = rank_device()
     results = [layer_case(c, "fused", dev) for c in bf16_cases(world) + gpu_cases(world)]
     results += [dict(layer_case(c, "fused", dev, fused_backward=True), case="bwd-megakernel:" + c.name)
                 for c in gpu_cases(world)]
@@ -73,8 +74,8 @@ def _rank_cases(rank: int, world: int) -> tuple[list[dict], list[bool]]:
 @pytest.mark.skipif(NGPU == 0, reason="needs CUDA GPUs")
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_fused_on_gpus(world):
-    if world > NGPU:
-        pytest.skip(f"needs {world} GPUs, {NGPU} visible")
+    if not gpu_ranks_possible(world):
+        pytest.skip(f"needs {world} GPUs (or MEGAMOE_SHARE_GPUS=1), {NGPU} visible")
     cycled = 0
     for rank_results, dets in spawn(_rank_cases, world, device="cuda", timeout_s=900):
         assert all(dets), "fused backend: two runs differ bitwise"
@@ -118,7 +119,7 @@ FP8_TWIN_COSINE = 0.9998
 
 
 def _rank_fp8(rank: int, world: int) -> tuple[list[dict], list, list[bool]]:
-    dev = torch.device("cuda", rank)
+    dev = rank_device()
     split_fp8 = ("split", {"fp8": True, "fp8_dispatch": True})
     cases = gpu_cases(world)
     refs = [dict(layer_case(c, "fused", dev, fp8=True), case="fp8:" + c.name) for c in cases]
@@ -134,8 +135,8 @@ def _rank_fp8(rank: int, world: int) -> tuple[list[dict], list, list[bool]]:
 @pytest.mark.skipif(NGPU == 0, reason="needs CUDA GPUs")
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_fused_fp8_on_gpus(world):
-    if world > NGPU:
-        pytest.skip(f"needs {world} GPUs, {NGPU} visible")
+    if not gpu_ranks_possible(world):
+        pytest.skip(f"needs {world} GPUs (or MEGAMOE_SHARE_GPUS=1), {NGPU} visible")
     cycled = 0
     for refs, twins, dets in spawn(_rank_fp8, world, device="cuda", timeout_s=900):
         assert all(dets), "fused fp8: two runs differ bitwise"
@@ -172,7 +173,7 @@ def _gluon_ok() -> bool:
 
 
 def _rank_gluon(rank: int, world: int) -> tuple[list[dict], list, list[bool]]:
-    dev = torch.device("cuda", rank)
+    dev = rank_device()
     g = {"kernel": "gluon"}
     # (H, I must be multiples of 8 for its TMA descriptors: the odd-widths case H = 100 must raise instead)
     odd = [c for c in bf16_cases(world) if c.overrides.get("hidden", 96) % 8]
@@ -197,8 +198,8 @@ def _rank_gluon(rank: int, world: int) -> tuple[list[dict], list, list[bool]]:
 @pytest.mark.skipif(not _gluon_ok(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_fused_gluon_on_gpus(world):
-    if world > NGPU:
-        pytest.skip(f"needs {world} GPUs, {NGPU} visible")
+    if not gpu_ranks_possible(world):
+        pytest.skip(f"needs {world} GPUs (or MEGAMOE_SHARE_GPUS=1), {NGPU} visible")
     cycled = 0
     for refs, twins, dets in spawn(_rank_gluon, world, device="cuda", timeout_s=900):
         assert all(dets), "fused kernel=gluon: two runs differ bitwise"
@@ -225,7 +226,7 @@ def test_fused_gluon_sync_free_and_graph_capturable():
 
 
 def _rank_gluon_fp8(rank: int, world: int) -> tuple[list[dict], list, list[bool]]:
-    dev = torch.device("cuda", rank)
+    dev = rank_device()
     g = {"kernel": "gluon", "fp8": True}
     cases = gpu_cases(world)
     refs = [dict(layer_case(c, "fused", dev, **g), case="gluon-fp8:" + c.name) for c in cases]
@@ -243,8 +244,8 @@ def _rank_gluon_fp8(rank: int, world: int) -> tuple[list[dict], list, list[bool]
 def test_fused_gluon_fp8_on_gpus(world):
     # the FP8 items (fused:kernel=gluon:fp8=1) against float64 (FP8 bounds) and against the Triton FP8 megakernel on
     # the same weights and inputs (the same arithmetic per element: expected equal or within FP8_TWIN_REL)
-    if world > NGPU:
-        pytest.skip(f"needs {world} GPUs, {NGPU} visible")
+    if not gpu_ranks_possible(world):
+        pytest.skip(f"needs {world} GPUs (or MEGAMOE_SHARE_GPUS=1), {NGPU} visible")
     cycled = 0
     for refs, twins, dets in spawn(_rank_gluon_fp8, world, device="cuda", timeout_s=900):
         assert all(dets), "fused kernel=gluon fp8: two runs differ bitwise"

@@ -6,16 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.dist import spawn
+from megamoe.dist import gpu_ranks_possible, spawn
 from megamoe.testing import (
     TOLERANCE,
     LayerCase,
     bf16_cases,
     determinism_case,
     gpu_cases,
+    gpu_world,
     graph_replay_vs_eager,
     layer_case,
     qwen3_experts,
+    rank_device,
     sync_free_step,
     training_step,
 )
@@ -25,7 +27,7 @@ NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _rank_cases(rank: int, world: int) -> tuple[list[dict], bool]:
-    dev = torch.device("cuda", rank)
+    dev = rank_device()
     results = [layer_case(c, "split", dev) for c in bf16_cases(world) + gpu_cases(world)]
     results += [layer_case(c, "split", dev, presum_combine=True) for c in gpu_cases(world)]  # comm/presum.py
     det = determinism_case(LayerCase("det", preset="qwen3-30b-a3b", dtype="bf16", tokens=tuple([1024] * world),
@@ -36,8 +38,8 @@ def _rank_cases(rank: int, world: int) -> tuple[list[dict], bool]:
 @pytest.mark.skipif(NGPU == 0, reason="needs CUDA GPUs")
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_split_on_gpus(world):
-    if world > NGPU:
-        pytest.skip(f"needs {world} GPUs, {NGPU} visible")
+    if not gpu_ranks_possible(world):
+        pytest.skip(f"needs {world} GPUs (or MEGAMOE_SHARE_GPUS=1), {NGPU} visible")
     for rank_results, det in spawn(_rank_cases, world, device="cuda", timeout_s=900):
         assert det, "split backend: two runs differ bitwise"
         for r in rank_results:
@@ -55,14 +57,14 @@ def _graph_step(rank: int, world: int) -> dict:
     return graph_replay_vs_eager(*training_step(rank, "split"))
 
 
-@pytest.mark.skipif(NGPU < 2, reason="needs 2+ GPUs")
+@pytest.mark.skipif(gpu_world(4, 2) == 0, reason="needs 2+ GPUs (or MEGAMOE_SHARE_GPUS=1)")
 def test_split_sync_free():
-    assert all(spawn(_sync_free, min(NGPU, 4), device="cuda", timeout_s=600))
+    assert all(spawn(_sync_free, gpu_world(4, 2), device="cuda", timeout_s=600))
 
 
-@pytest.mark.skipif(NGPU < 2, reason="needs 2+ GPUs")
+@pytest.mark.skipif(gpu_world(4, 2) == 0, reason="needs 2+ GPUs (or MEGAMOE_SHARE_GPUS=1)")
 def test_split_graph_capturable():
-    for r in spawn(_graph_step, min(NGPU, 4), device="cuda", timeout_s=600):
+    for r in spawn(_graph_step, gpu_world(4, 2), device="cuda", timeout_s=600):
         assert r["graph_out_equal"], "graph replay output differs from eager"
         assert r["graph_w_equal"], "graph replay parameters differ from eager"
 
@@ -71,7 +73,7 @@ def _overlap_equal(rank: int, world: int) -> bool:
     """overlap_backward (dx on a side stream while the wgrads run) gives bitwise the same gradients."""
     from megamoe import MoE, preset
 
-    dev = torch.device("cuda", rank)
+    dev = rank_device()
     cfg = preset("qwen3-30b-a3b", max_tokens_per_rank=1024)
     gen = torch.Generator(device=dev).manual_seed(rank + 5)
     x = torch.randn(1024, cfg.hidden, device=dev, dtype=cfg.dtype, generator=gen)
@@ -86,9 +88,9 @@ def _overlap_equal(rank: int, world: int) -> bool:
     return all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
-@pytest.mark.skipif(NGPU < 2, reason="needs 2+ GPUs")
+@pytest.mark.skipif(gpu_world(4, 2) == 0, reason="needs 2+ GPUs (or MEGAMOE_SHARE_GPUS=1)")
 def test_split_overlap_backward_same_gradients():
-    assert all(spawn(_overlap_equal, min(NGPU, 4), device="cuda", timeout_s=600))
+    assert all(spawn(_overlap_equal, gpu_world(4, 2), device="cuda", timeout_s=600))
 
 
 def _rank_fp8(rank: int, world: int):
@@ -96,7 +98,7 @@ def _rank_fp8(rank: int, world: int):
     at full width, and no host sync in an fp8 training step (per-call weight quantisation included)."""
     from test_split_backend import fp8_vs_bf16
 
-    dev = torch.device("cuda", rank)
+    dev = rank_device()
     results = [dict(layer_case(c, "split", dev, fp8=True), case="fp8:" + c.name)
                for c in bf16_cases(world) + gpu_cases(world)]
     det = fp8_vs_bf16(LayerCase("det", preset="qwen3-30b-a3b", dtype="bf16", tokens=tuple([1024] * world),
@@ -125,7 +127,7 @@ def _rank_fp8_dispatch(rank: int, world: int):
 
     from megamoe import preset
 
-    dev = torch.device("cuda", rank)
+    dev = rank_device()
     torch.cuda.set_device(dev)
     cfg = preset("qwen3-30b-a3b", num_experts=qwen3_experts(world), max_tokens_per_rank=1024)
     pair = fp8_dispatch_pair(cfg, 1024, dev, seed=31)
@@ -150,7 +152,7 @@ def _rank_fp8_graph_update(rank: int, world: int) -> dict:
     update a replay must equal an eager call of the updated layer (no stale cached weights), bitwise."""
     from megamoe import MoE, preset
 
-    dev = torch.device("cuda", rank)
+    dev = rank_device()
     torch.cuda.set_device(dev)
     cfg = preset("qwen3-30b-a3b", num_experts=qwen3_experts(world), max_tokens_per_rank=256)
     gen = torch.Generator(device=dev).manual_seed(11 + rank)
@@ -198,7 +200,7 @@ def _rank_fp8_managed(rank: int, world: int) -> dict:
     from megamoe.optim import MasterAdamW
     from megamoe.testing import counting_weight_quantisations, fp8_bits
 
-    dev = torch.device("cuda", rank)
+    dev = rank_device()
     torch.cuda.set_device(dev)
     cfg = preset("qwen3-30b-a3b", num_experts=qwen3_experts(world), max_tokens_per_rank=1024)
     gen = torch.Generator(device=dev).manual_seed(7 + rank)

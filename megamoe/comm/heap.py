@@ -24,6 +24,8 @@ Backends:
 * ``cuda``: ``torch.distributed._symmetric_memory`` (CUDA backend): one uint8 allocation, ``rendezvous``
   once, peer addresses from ``handle.buffer_ptrs``. The error record is pinned host memory (device-mapped
   under UVA) that a watchdog thread polls, so the host learns of a timeout without synchronising.
+  When two ranks of the group share a GPU (``MEGAMOE_SHARE_GPUS=1``, correctness runs; torch's symmetric memory
+  refuses that), each rank's buffer is an ordinary allocation that the peers map through CUDA IPC instead.
 * ``host``: one POSIX shared-memory file per rank in /dev/shm, mapped by every CPU rank (names agreed over
   the gloo group, unlinked as soon as all ranks have mapped them, so a crash leaks nothing); addresses are
   this process's mappings of the peers' files. The same Triton kernels then run under TRITON_INTERPRET=1.
@@ -161,8 +163,15 @@ class SymmetricHeap:
         self.world = dist.get_world_size(self.group)
         if self.world != shape.world:
             raise ValueError(f"shape.world={shape.world} but the process group has {self.world} ranks")
-        if backend == "auto":
-            backend = "cuda" if torch.cuda.is_available() and dist.get_backend(self.group) == "nccl" else "host"
+        if backend == "auto":  # by the device the buffers serve; with none given, by the group (nccl: CUDA) or
+            # MEGAMOE_SHARE_GPUS=1 (GPU ranks on a gloo group, see megamoe.dist)
+            if device is not None:
+                backend = "cuda" if torch.device(device).type == "cuda" else "host"
+            else:
+                from megamoe.dist import share_gpus
+
+                gpu_group = dist.get_backend(self.group) == "nccl" or share_gpus()
+                backend = "cuda" if torch.cuda.is_available() and gpu_group else "host"
         if backend not in ("cuda", "host"):
             raise ValueError(f"backend must be 'cuda', 'host' or 'auto', got {backend!r}")
         self.shape = shape
@@ -198,6 +207,43 @@ class SymmetricHeap:
 
     # ---------------------------------------------------------------- allocation
     def _alloc_cuda(self) -> list[int]:
+        if self._ranks_share_a_gpu():
+            bases = self._alloc_cuda_ipc()
+        else:
+            bases = self._alloc_symm_mem()
+        self._err_host = torch.zeros(S.ERR_SLOTS, dtype=torch.int64, pin_memory=True)
+        self._err_addr = self._err_host.data_ptr()
+        torch.cuda.synchronize(self.device)
+        dist.barrier(self.group)
+        self._views = self._make_views(self._buf)
+        self._watchdog_stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="megamoe-comm-watchdog", daemon=True)
+        self._watchdog.start()
+        return bases
+
+    def _ranks_share_a_gpu(self) -> bool:
+        """Whether two ranks of the group run on one GPU (MEGAMOE_SHARE_GPUS=1, see megamoe.dist)."""
+        if self.world == 1:
+            return False
+        mine = str(torch.cuda.get_device_properties(self.device).uuid)
+        uuids: list = [None] * self.world
+        dist.all_gather_object(uuids, mine, group=self.group)
+        return len(set(uuids)) < self.world
+
+    def _alloc_cuda_ipc(self) -> list[int]:
+        """Ranks sharing a GPU: torch's symmetric memory refuses overlapping devices, so each rank allocates an
+        ordinary device buffer and the peers map it through CUDA IPC (torch.multiprocessing's tensor sharing)."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        self._buf = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
+        torch.cuda.synchronize(self.device)
+        handles: list = [None] * self.world
+        dist.all_gather_object(handles, reduce_tensor(self._buf), group=self.group)
+        self._peers = [self._buf if r == self.rank else fn(*args) for r, (fn, args) in enumerate(handles)]
+        self._handle = None
+        return [int(t.data_ptr()) for t in self._peers]
+
+    def _alloc_symm_mem(self) -> list[int]:
         import torch.distributed._symmetric_memory as symm_mem
 
         try:
@@ -213,16 +259,8 @@ class SymmetricHeap:
         self._buf = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self._buf.zero_()
         self._handle = symm_mem.rendezvous(self._buf, self.group)
-        bases = [int(p) for p in self._handle.buffer_ptrs]
-        self._err_host = torch.zeros(S.ERR_SLOTS, dtype=torch.int64, pin_memory=True)
-        self._err_addr = self._err_host.data_ptr()
-        torch.cuda.synchronize(self.device)
-        dist.barrier(self.group)
-        self._views = self._make_views(self._buf)
-        self._watchdog_stop = threading.Event()
-        self._watchdog = threading.Thread(target=self._watch, name="megamoe-comm-watchdog", daemon=True)
-        self._watchdog.start()
-        return bases
+        self._peers = None
+        return [int(p) for p in self._handle.buffer_ptrs]
 
     def _alloc_host(self) -> list[int]:
         token = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
@@ -307,9 +345,9 @@ class SymmetricHeap:
         if rank == self.rank:
             return self._views[name]
         off, dims, dtype = self.layout[name]
-        if self.backend == "cuda":
+        if self.backend == "cuda" and self._peers is None:
             return self._handle.get_buffer(rank, tuple(dims), dtype, off // dtype.itemsize)
-        buf = torch.frombuffer(self._maps[rank], dtype=torch.uint8)
+        buf = self._peers[rank] if self.backend == "cuda" else torch.frombuffer(self._maps[rank], dtype=torch.uint8)
         n = dtype.itemsize
         for d in dims:
             n *= d
@@ -366,6 +404,7 @@ class SymmetricHeap:
         self._views = {}
         if self.backend == "cuda":
             self._handle = None
+            self._peers = None
             self._buf = None
         else:
             self._unlink_own()
