@@ -153,3 +153,24 @@ def test_results_name_the_code_they_ran(tmp_path):
     (copy / "perf.py").write_text((copy / "perf.py").read_text() + "\n# changed\n")
     assert source_digest(str(copy)) != live
     assert run_metadata(torch.device("cpu"), 1)["source_sha1"] == live
+
+
+def test_ranks_share_gpus_only_when_asked(monkeypatch):
+    # more GPU ranks than GPUs: a clear error unless MEGAMOE_SHARE_GPUS=1, which the GPU tests' world helpers follow
+    from megamoe.dist import gpu_ranks_possible, init_from_env
+    from megamoe.testing import gpu_world
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("MEGAMOE_SHARE_GPUS", raising=False)
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                 "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(k, v)
+    assert gpu_ranks_possible(1) and not gpu_ranks_possible(2)
+    assert gpu_world(4, 1) == 1 and gpu_world(4, 2) == 0
+    with pytest.raises(RuntimeError, match="MEGAMOE_SHARE_GPUS=1"):
+        init_from_env("cuda")
+    monkeypatch.setenv("MEGAMOE_SHARE_GPUS", "1")
+    assert gpu_ranks_possible(4) and gpu_world(4, 2) == 2 and gpu_world(4, 1) == 1
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert not gpu_ranks_possible(1) and gpu_world(4, 2) == 0
