@@ -426,7 +426,8 @@ def draw_png(report: dict, path: str) -> None:
 
 
 def _spawned_rank(rank: int, world: int, args: argparse.Namespace, device_type: str):
-    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    # the rank's GPU as megamoe.dist set it (GPU rank, or rank mod the GPUs when ranks share them)
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     return run_rank(args, device)
 
 

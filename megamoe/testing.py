@@ -299,9 +299,9 @@ def twin_runs(case: LayerCase, device: torch.device, a: tuple[str, dict], b: tup
 
 
 def training_step(rank: int, backend: str, tokens: int = 2048, **backend_options):
-    """A qwen3-30b-a3b layer on GPU ``rank`` and a closure running one forward + backward + SGD step on fixed
+    """A qwen3-30b-a3b layer on this rank's GPU and a closure running one forward + backward + SGD step on fixed
     inputs (returns the layer output); for the GPU tests' sync-free and CUDA-graph checks."""
-    dev = torch.device("cuda", rank)
+    dev = rank_device()  # GPU rank, or rank mod the GPUs when ranks share them (megamoe.dist)
     cfg = preset("qwen3-30b-a3b", max_tokens_per_rank=tokens)
     moe = MoE(cfg, backend=backend, device=dev, seed=1, **backend_options)
     opt = torch.optim.SGD(moe.parameters(), lr=1e-3)

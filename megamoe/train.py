@@ -420,7 +420,9 @@ def _finish(report: dict, args) -> None:
 
 
 def _spawned(rank, world, args, device_type):
-    return run_rank(args, torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu"))
+    # the rank's GPU as megamoe.dist set it (GPU rank, or rank mod the GPUs when ranks share them)
+    dev = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    return run_rank(args, dev)
 
 
 def main(argv: list[str] | None = None) -> int:
