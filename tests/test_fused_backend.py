@@ -18,8 +18,10 @@ from megamoe.testing import (
     LayerCase,
     bf16_cases,
     check_reference,
+    compare_runs,
     determinism_case,
     layer_case,
+    layer_runs,
     tiny_experts,
     twin_runs,
 )
@@ -187,6 +189,50 @@ def test_fused_fp8_matches_split_fp8_cpu():
     assert cycled >= 1, "the skewed case should make the smallest ring cycle"
 
 
+def _presum_backward(rank: int, world: int) -> tuple[dict, dict, dict]:
+    """fused:presum_backward=1 (dx gathered with split's presum) against float64 on a cycling ring with the
+    owner-pull combine (the forward's rows stay in the heap's rows region, which presum's stage then writes), and on
+    the same weights and inputs against split:presum_combine=1 (the same backward kernels) and fused's default."""
+    import megamoe.comm.presum as presum
+
+    dev = torch.device("cpu")
+    sk = skewed_case(world)
+    gather, calls = presum.presum_gather, []
+
+    def counted(*args, **kwargs):  # dx's gather must go through presum (its sums can equal the plain gather's bits)
+        calls.append(args[2])  # gated: False in dispatch's backward
+        return gather(*args, **kwargs)
+
+    presum.presum_gather = counted
+    try:
+        ref = layer_case(sk, "fused", dev, presum_backward=True, ring_blocks=4, combine="pull")
+    finally:
+        presum.presum_gather = gather
+    ref.update(ring=4, blocks=blocks_on_rank(ref["counts"], rank, world), presum_calls=calls)
+    case = next(c for c in bf16_cases(world) if c.name == "bf16:bf16-ragged")
+    mine, split, default = layer_runs(case.config(), case.tokens[rank], dev,
+                                      [("fused", {"presum_backward": True}), ("split", {"presum_combine": True}),
+                                       ("fused", {})], input_seed=case.seed + 20 + rank, weight_seed=case.seed)
+    return ref, compare_runs(mine, split), compare_runs(mine, default)
+
+
+@CPU_ONLY
+def test_fused_presum_backward_cpu():
+    cycled = 0
+    for ref, split, default in spawn(_presum_backward, 2, timeout_s=600):
+        for key in ("out", "dx", "drouter", "dw13", "dw2"):
+            assert ref[key] < TOLERANCE["bf16"], f"{ref['case']} rank {ref['rank']}: {key} rel err {ref[key]:.3g}"
+        cycled += ref["blocks"] > ref["ring"]
+        assert ref["presum_calls"] == [False], f"one ungated presum gather (dx) expected, got {ref['presum_calls']}"
+        for key in ("dx", "drouter", "dw13", "dw2"):  # split's presum backward runs the same kernels (its out is
+            # summed differently: split's combine pre-sums too)
+            assert split[key][0], f"fused presum_backward vs split presum_combine: {key} differs ({split[key][1]:.3g})"
+        for key in ("out", "drouter", "dw13", "dw2"):  # against fused's default only dx's summation order changes
+            assert default[key][0], f"presum_backward changed {key}"
+        assert default["dx"][1] < 1e-2  # (here even bitwise: hence the count of presum calls above)
+    assert cycled >= 1, "the skewed case should make the ring cycle on rank 0"
+
+
 def _absent(rank: int, world: int):
     """Rank 1 builds the layer but never runs it; rank 0 must raise naming it, within the timeout."""
     from megamoe import MoE, preset
@@ -310,7 +356,8 @@ def _bad_options(rank, world):
         msgs.append(str(exc))
     for kw in ({"stages": 5}, {"counter_scope": "cta"}, {"lag": 0}, {"lag": 2, "ring_blocks": 4}, {"prologue": 2},
                {"pull_prefetch": "yes"}, {"fp8": 2}, {"fp8": True, "fused_backward": True},
-               {"fp8": True, "hidden": 20}, {"kernel": "cuda"}, {"kernel": "gluon"}, {"kernel": "gluon", "fp8": True}):
+               {"fp8": True, "hidden": 20}, {"kernel": "cuda"}, {"kernel": "gluon"}, {"kernel": "gluon", "fp8": True},
+               {"presum_backward": 2}, {"presum_backward": True, "fused_backward": True}):
         cfg_kw = {"hidden": kw.pop("hidden")} if "hidden" in kw else {}  # a layer-config field, not an option
         try:
             MoE(preset("tiny", **cfg_kw), backend="fused", **kw)
@@ -346,6 +393,8 @@ def test_fused_rejects_bad_options():
         assert msgs[20] is not None and "kernel='gluon'" in msgs[20] and "interpreter" in msgs[20]
     if os.environ.get("TRITON_INTERPRET") == "1":
         assert msgs[21] is not None and "kernel='gluon'" in msgs[21] and "interpreter" in msgs[21]
+    assert msgs[22] is not None and "presum_backward must be a flag" in msgs[22]
+    assert msgs[23] is not None and "presum_backward" in msgs[23] and "fused_backward" in msgs[23]
 
 
 def test_gluon_fused_reasons(monkeypatch):

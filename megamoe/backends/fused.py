@@ -60,10 +60,13 @@ to whole blocks), ``programs`` (persistent programs of the megakernel; default t
 -> GEMM1 distance in steps; default max(8, programs / items per step + 1), capped by a ring), ``lag`` (GEMM1 ->
 GEMM2 distance in steps; default 3, 1 with a ring), ``pull_split`` (pull items per block), ``group_blocks`` (blocks
 per step whose GEMM tiles run side by side, sharing weight tiles in L2), ``combine`` ("pull" or "push"),
-``fused_backward``, ``stages`` (pipeline depth of the GEMM k-loops, 1-4, default 4), ``counter_scope`` ("sys" or
-"gpu": the scope of the megakernel's tile-counter acquire loads, default "sys"), ``prologue`` (the first
-lookahead steps pull their blocks in finer parts; off, not timed yet), ``pull_prefetch`` (pull items load
-every row's source address before the copy loop; off, not timed yet), ``comm_sms`` (programs of the
+``fused_backward``, ``presum_backward`` (the default backward's dx gather with split's presum: each expert rank
+sums a token's rows before the owner pulls one row per rank, comm/presum.py; fewer NVLink bytes at EP >= 2, where
+it is not yet measured, so off; not with ``fused_backward``), ``stages`` (pipeline depth of the GEMM k-loops, 1-4,
+default 4), ``counter_scope`` ("sys" or "gpu": the scope of the megakernel's tile-counter acquire loads, default
+"sys"), ``prologue`` (the first lookahead steps pull their blocks in finer parts; off, not timed yet),
+``pull_prefetch`` (pull items load every row's source address before the copy loop; off, not timed yet),
+``comm_sms`` (programs of the
 staging / backward communication kernels, default every SM), ``timeout_s`` (bound of every device wait), ``fp8``
 and ``fp8_weight_cache`` (as split's: keep the FP8 weight copies across calls; see megamoe.backends.fp8_weights),
 ``kernel`` ("triton", the default, or "gluon": the forward's work items in kernels/gluon_fused.py, warp-specialised
@@ -154,8 +157,11 @@ class _FusedMoE(torch.autograd.Function):
             return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None, None
         # split's bf16 backward: dy pulled unscaled with its gates, d(topk_w) and the gated activation from the
         # dgrad GEMM's epilogue (no saved expert outputs, no d(topk_w) kernel)
-        dy_rows, acts, dh, d_recv, d_topk_w = bf16_dgrad(dy, topk_w, handle, h, recv, w13, w2, b.comm_sms, wq=wq)
-        dx = dispatch_backward(d_recv, handle, num_sms=b.comm_sms, out_dtype=dy.dtype)
+        # (presum_backward: each expert rank sums a token's d_recv rows first, so the owner pulls one row per rank;
+        # d_recv then stays out of the heap's rows region, which presum's stage writes)
+        dy_rows, acts, dh, d_recv, d_topk_w = bf16_dgrad(dy, topk_w, handle, h, recv, w13, w2, b.comm_sms, wq=wq,
+                                                         presum=b.presum_backward)
+        dx = dispatch_backward(d_recv, handle, num_sms=b.comm_sms, out_dtype=dy.dtype, presum=b.presum_backward)
         dw13, dw2 = _wgrads(dy_rows, acts, dh, recv, offs, w13, w2)
         return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None, None
 
@@ -177,7 +183,7 @@ class FusedBackend(Fp8WeightCache):
                  comm_sms: int | None = None, timeout_s: float = 60.0, fused_backward: bool = False,
                  combine: str = "push", stages: int | None = None, counter_scope: str | None = None,
                  lag: int | None = None, prologue: bool = False, pull_prefetch: bool = False, fp8: bool = False,
-                 fp8_weight_cache: bool = True, kernel: str = "triton"):
+                 fp8_weight_cache: bool = True, kernel: str = "triton", presum_backward: bool = False):
         cfg = moe.config
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"backend 'fused' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
@@ -250,6 +256,11 @@ class FusedBackend(Fp8WeightCache):
         if fused_backward and ring_blocks:
             raise ValueError("fused_backward needs the dense buffers (ring_blocks=None): a cycling ring overwrote "
                              "the forward's rows, which the backward recomputes with split's kernels")
+        if presum_backward not in (True, False, 0, 1):
+            raise ValueError(f"presum_backward must be a flag (True/False or 1/0), got {presum_backward!r}")
+        if presum_backward and fused_backward:
+            raise ValueError("presum_backward applies to the default backward (split's kernels); the backward "
+                             "megakernel (fused_backward=1) sums dx in its own kernel")
         if kernel not in ("triton", "gluon"):
             raise ValueError(f"kernel must be 'triton' or 'gluon', got {kernel!r}")
         if kernel == "gluon":
@@ -259,6 +270,7 @@ class FusedBackend(Fp8WeightCache):
             self.config = self.config.with_(kernel="gluon")
         self.moe = moe
         self.fused_backward = bool(fused_backward)
+        self.presum_backward = bool(presum_backward)
         self.ring_blocks = ring_blocks
         self.comm_sms = comm_sms
         self.shape = CommShape(world=moe.world, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden,
