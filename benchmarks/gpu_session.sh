@@ -20,7 +20,8 @@
 # baseline tree AB_OLD: bitwise checks, timelines, layer bench; ~6-8 min on one GPU), bp (the Gluon items' TMA pull:
 # bitwise checks, then against the register pull; ~6 min on one GPU), di (d_recv in the heap: split / fused GPU
 # tests + per-kernel profile, ~6 min on one GPU), dib (graphed layer bench of it, ~3 min), gp (per-kernel times
-# in a graphed forward+backward, benchmarks/graph_profile.py, ~2 min).
+# in a graphed forward+backward, benchmarks/graph_profile.py, ~2 min), sh, sh2 (EP 2 tests on ranks sharing the
+# GPU(s), MEGAMOE_SHARE_GPUS=1: correctness where fewer GPUs than ranks are lent, ~6 and ~5 min on one H200).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -381,4 +382,31 @@ for spec in ${GP_SPECS:-qwen3-30b-a3b:16384}; do
     > "$OUT/gp-${spec//:/-}.txt" 2>&1
   quiet < "$OUT/gp-${spec//:/-}.txt" | tail -60
 done
+fi
+
+if want sh || want sh2; then
+# ranks sharing one GPU (megamoe.dist, MEGAMOE_SHARE_GPUS=1): correctness of the EP >= 2 paths where fewer GPUs than
+# ranks are lent; the GPU time-slices the ranks (a cross-rank wait costs ~a time slice), so no timing here. On one
+# H200 (2026-12-03): probe 98 s; comm 74 s; split[2] + overlap 128 s; fused[2] 240 s; gluon[2] 196 s; fp8 / gluon
+# fp8 [2] 120 s each; split graph + sync-free 28 s; split[3] 125 s. Two pytest processes at a time.
+export MEGAMOE_SHARE_GPUS=1
+shq() { grep -v "^W1\|UserWarn\|warn_once\|CudaIPCTypes\|^frame\|^E *frame"; }
+sh_pair() {  # sh_pair <log> <timeout> <ids...> ; runs in the background
+  ( timeout "$2" python3 -m pytest -q -m gpu "${@:3}" 2>&1 | shq > "$OUT/$1.log"
+    echo "$1: $(grep -E "passed|failed" "$OUT/$1.log" | tail -1)" ) &
+}
+if want sh; then
+echo "== sh. EP 2 on ranks sharing the GPU(s): probe, comm, split, fused (MEGAMOE_SHARE_GPUS=1; ~6 min on one H200)"
+timeout 200 python3 benchmarks/shared_gpu_probe.py 2>&1 | shq | grep "rank 0" | tail -8
+sh_pair sh-comm-split 300 tests/test_comm_gpu.py "$S::test_split_on_gpus[2]" \
+  $S::test_split_overlap_backward_same_gradients $S::test_split_graph_capturable $S::test_split_sync_free
+sh_pair sh-fused 300 "$F::test_fused_on_gpus[2]"; wait
+fi
+if want sh2; then
+echo "== sh2. EP 2 on ranks sharing the GPU(s): Gluon, FP8 (MEGAMOE_SHARE_GPUS=1; ~5 min on one H200)"
+sh_pair sh-gluon 330 "$F::test_fused_gluon_on_gpus[2]" $F::test_fused_gluon_sync_free_and_graph_capturable \
+  $F::test_fused_sync_free $F::test_fused_graph_capturable
+sh_pair sh-fp8 330 "$F::test_fused_fp8_on_gpus[2]" "$F::test_fused_gluon_fp8_on_gpus[2]"; wait
+fi
+unset MEGAMOE_SHARE_GPUS
 fi

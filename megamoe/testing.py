@@ -327,7 +327,8 @@ def rank_device() -> torch.device:
 
 def gpu_world(most: int = 4, least: int = 1) -> int:
     """Ranks for a GPU test that runs on the GPUs there are, up to ``most``: one rank per GPU, or ``least`` ranks
-    sharing GPUs when there are fewer GPUs and MEGAMOE_SHARE_GPUS=1 (megamoe.dist). 0: the test cannot run here."""
+    sharing GPUs when there are fewer GPUs and MEGAMOE_SHARE_GPUS=1 (megamoe.dist). 0: the test cannot run here.
+    ``gpu_world(4, 2) or NGPU``: every GPU up to 4, and on one GPU a single rank, or two sharing it when allowed."""
     from megamoe.dist import share_gpus
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0

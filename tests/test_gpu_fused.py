@@ -16,6 +16,7 @@ from megamoe.testing import (
     check_reference,
     determinism_case,
     gpu_cases,
+    gpu_world,
     graph_replay_vs_eager,
     layer_case,
     qwen3_experts,
@@ -99,12 +100,12 @@ def _graph_step(rank: int, world: int) -> dict:
 
 @pytest.mark.skipif(NGPU < 1, reason="needs a GPU")
 def test_fused_sync_free():
-    assert all(spawn(_sync_free, min(NGPU, 4), device="cuda", timeout_s=600))
+    assert all(spawn(_sync_free, gpu_world(4, 2) or NGPU, device="cuda", timeout_s=600))
 
 
 @pytest.mark.skipif(NGPU < 1, reason="needs a GPU")
 def test_fused_graph_capturable():
-    for r in spawn(_graph_step, min(NGPU, 4), device="cuda", timeout_s=600):
+    for r in spawn(_graph_step, gpu_world(4, 2) or NGPU, device="cuda", timeout_s=600):
         assert r["graph_out_equal"], "graph replay output differs from eager"
         assert r["graph_w_equal"], "graph replay parameters differ from eager"
 
@@ -156,7 +157,7 @@ def _fp8_step_checks(rank: int, world: int) -> dict:
 
 @pytest.mark.skipif(NGPU < 1, reason="needs a GPU")
 def test_fused_fp8_sync_free_and_graph_capturable():
-    for r in spawn(_fp8_step_checks, min(NGPU, 4), device="cuda", timeout_s=600):
+    for r in spawn(_fp8_step_checks, gpu_world(4, 2) or NGPU, device="cuda", timeout_s=600):
         assert r["graph_out_equal"], "graph replay output differs from eager"
         assert r["graph_w_equal"], "graph replay parameters differ from eager"
 
@@ -220,7 +221,7 @@ def _gluon_step_checks(rank: int, world: int) -> dict:
 
 @pytest.mark.skipif(not _gluon_ok(), reason="needs a Hopper GPU")
 def test_fused_gluon_sync_free_and_graph_capturable():
-    for r in spawn(_gluon_step_checks, min(NGPU, 4), device="cuda", timeout_s=600):
+    for r in spawn(_gluon_step_checks, gpu_world(4, 2) or NGPU, device="cuda", timeout_s=600):
         assert r["graph_out_equal"], "graph replay output differs from eager"
         assert r["graph_w_equal"], "graph replay parameters differ from eager"
 

@@ -141,7 +141,7 @@ def test_split_fp8_dispatch_on_gpus():
 
     if torch.cuda.get_device_capability(0) < (8, 9):
         pytest.skip("FP8 tensor cores need compute capability >= 8.9")
-    for pair, sync_free, graph in spawn(_rank_fp8_dispatch, min(NGPU, 4), device="cuda", timeout_s=900):
+    for pair, sync_free, graph in spawn(_rank_fp8_dispatch, gpu_world(4, 2) or NGPU, device="cuda", timeout_s=900):
         check_fp8_dispatch(pair)
         assert sync_free, "fp8_dispatch: a host sync in the training step"
         assert graph["graph_out_equal"] and graph["graph_w_equal"], graph
@@ -275,5 +275,5 @@ def _rank_fp8_managed(rank: int, world: int) -> dict:
 def test_split_fp8_copies_kept_by_the_optimizer():
     if torch.cuda.get_device_capability(0) < (8, 9):
         pytest.skip("FP8 tensor cores need compute capability >= 8.9")
-    for r in spawn(_rank_fp8_managed, min(NGPU, 2), device="cuda", timeout_s=600):
+    for r in spawn(_rank_fp8_managed, gpu_world(2, 2) or NGPU, device="cuda", timeout_s=600):
         assert all(r.values()), r
