@@ -222,8 +222,11 @@ class SymmetricHeap:
         return bases
 
     def _ranks_share_a_gpu(self) -> bool:
-        """Whether two ranks of the group run on one GPU (MEGAMOE_SHARE_GPUS=1, see megamoe.dist)."""
-        if self.world == 1:
+        """Whether two ranks of the group run on one GPU (only asked under MEGAMOE_SHARE_GPUS=1, see megamoe.dist:
+        without it the usual one-GPU-per-rank path runs no extra collective)."""
+        from megamoe.dist import share_gpus
+
+        if self.world == 1 or not share_gpus():
             return False
         mine = str(torch.cuda.get_device_properties(self.device).uuid)
         uuids: list = [None] * self.world
