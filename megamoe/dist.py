@@ -50,6 +50,14 @@ def share_gpus() -> bool:
     return os.environ.get("MEGAMOE_SHARE_GPUS", "0") == "1"
 
 
+_GPU_RANKS_ON_GLOO = False
+
+
+def gpu_ranks_on_gloo() -> bool:
+    """True when :func:`init_from_env` put this process's GPU rank on a gloo group (ranks sharing GPUs)."""
+    return _GPU_RANKS_ON_GLOO
+
+
 def gpu_ranks_possible(world: int) -> bool:
     """Whether ``world`` GPU ranks can run here: one GPU each, or any number sharing GPUs (MEGAMOE_SHARE_GPUS=1)."""
     import torch
@@ -79,18 +87,28 @@ def init_from_env(device: str | None = None, timeout_s: float = 300.0):
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if device == "cuda":
         ngpu = torch.cuda.device_count()
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         backend = "nccl"
         if ngpu == 0:
             raise RuntimeError("device 'cuda' asked for, but no CUDA GPU is visible")
-        if local_world > ngpu:
-            if not share_gpus():
-                raise RuntimeError(f"{local_world} ranks on this host, {ngpu} GPUs visible: set "
-                                   "MEGAMOE_SHARE_GPUS=1 to let ranks share GPUs (correctness runs only)")
-            backend = "gloo"  # NCCL refuses two ranks on one device
+        local_world = os.environ.get("LOCAL_WORLD_SIZE")
+        if share_gpus():
+            if local_world is None:
+                raise RuntimeError("MEGAMOE_SHARE_GPUS=1 needs LOCAL_WORLD_SIZE (the ranks on this host; torchrun and "
+                                   "megamoe.dist.spawn set it) so that every rank picks the same process group")
+            if int(local_world) > ngpu:
+                backend = "gloo"  # NCCL refuses two ranks on one device
+        elif local_rank >= ngpu or (local_world is not None and int(local_world) > ngpu):
+            # (every rank raises when LOCAL_WORLD_SIZE says so; without it, e.g. srun / mpirun wrappers, a rank only
+            # knows its own index)
+            raise RuntimeError(f"local rank {local_rank} of {local_world or '?'} on this host, but this process sees "
+                               f"{ngpu} GPU(s) (CUDA_VISIBLE_DEVICES?): one GPU per rank expected, GPU <local rank>; "
+                               "MEGAMOE_SHARE_GPUS=1 lets more ranks than GPUs share them, on gloo, for correctness "
+                               "runs only")
         local_rank %= ngpu
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
+        global _GPU_RANKS_ON_GLOO
+        _GPU_RANKS_ON_GLOO = backend == "gloo"
     else:
         dev = torch.device("cpu")
         backend = "gloo"

@@ -156,21 +156,50 @@ def test_results_name_the_code_they_ran(tmp_path):
 
 
 def test_ranks_share_gpus_only_when_asked(monkeypatch):
-    # more GPU ranks than GPUs: a clear error unless MEGAMOE_SHARE_GPUS=1, which the GPU tests' world helpers follow
-    from megamoe.dist import gpu_ranks_possible, init_from_env
+    # more GPU ranks than GPUs: a clear error unless MEGAMOE_SHARE_GPUS=1 (then gloo, rank r on GPU r mod n); one GPU
+    # per rank stays on NCCL; the GPU tests' world helpers follow the same switch
+    import torch.distributed as dist
+
+    import megamoe.dist as mdist
+    from megamoe.dist import NO_MULTICAST, gpu_ranks_on_gloo, gpu_ranks_possible, init_from_env
     from megamoe.testing import gpu_world
 
+    for k, v in NO_MULTICAST.items():  # init_from_env sets them; restored after the test
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(mdist, "_GPU_RANKS_ON_GLOO", False)
+    gpus, joined = [], []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", gpus.append)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: joined.append((backend, kw)))
     monkeypatch.delenv("MEGAMOE_SHARE_GPUS", raising=False)
-    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-                 "MASTER_ADDR": "127.0.0.1"}.items():
-        monkeypatch.setenv(k, v)
+
+    def env(rank, local_world):
+        for k, v in {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                     "LOCAL_WORLD_SIZE": None if local_world is None else str(local_world)}.items():
+            if v is None:
+                monkeypatch.delenv(k, raising=False)
+            else:
+                monkeypatch.setenv(k, v)
+
+    env(0, 1)  # one rank per GPU (e.g. two hosts of one GPU each): NCCL, GPU 0
+    assert init_from_env("cuda") == torch.device("cuda", 0)
+    assert joined[-1][0] == "nccl" and "device_id" in joined[-1][1] and gpus[-1] == 0 and not gpu_ranks_on_gloo()
+    for rank, local_world in ((0, 2), (1, 2), (1, None)):  # two ranks, one GPU: every rank refuses
+        env(rank, local_world)
+        with pytest.raises(RuntimeError, match="MEGAMOE_SHARE_GPUS=1"):
+            init_from_env("cuda")
     assert gpu_ranks_possible(1) and not gpu_ranks_possible(2)
     assert gpu_world(4, 1) == 1 and gpu_world(4, 2) == 0
-    with pytest.raises(RuntimeError, match="MEGAMOE_SHARE_GPUS=1"):
-        init_from_env("cuda")
+
     monkeypatch.setenv("MEGAMOE_SHARE_GPUS", "1")
+    env(1, 2)  # shared: gloo, rank 1 on GPU 0
+    assert init_from_env("cuda") == torch.device("cuda", 0)
+    assert joined[-1] == ("gloo", {"timeout": joined[-1][1]["timeout"]}) and gpus[-1] == 0 and gpu_ranks_on_gloo()
+    env(1, None)  # without LOCAL_WORLD_SIZE the ranks could pick different groups
+    with pytest.raises(RuntimeError, match="LOCAL_WORLD_SIZE"):
+        init_from_env("cuda")
     assert gpu_ranks_possible(4) and gpu_world(4, 2) == 2 and gpu_world(4, 1) == 1
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert not gpu_ranks_possible(1) and gpu_world(4, 2) == 0

@@ -189,44 +189,54 @@ def test_fused_fp8_matches_split_fp8_cpu():
     assert cycled >= 1, "the skewed case should make the smallest ring cycle"
 
 
-def _presum_backward(rank: int, world: int) -> tuple[dict, dict, dict]:
+def _presum_backward(rank: int, world: int) -> tuple[dict, dict, dict, dict, list]:
     """fused:presum_backward=1 (dx gathered with split's presum) against float64 on a cycling ring with the
     owner-pull combine (the forward's rows stay in the heap's rows region, which presum's stage then writes), and on
-    the same weights and inputs against split:presum_combine=1 (the same backward kernels) and fused's default."""
+    the same weights and inputs against split:presum_combine=1 (the same backward kernels) and fused's default; FP8
+    against split's FP8 layer with presum. Also returns every presum gather's ``gated`` flag, in call order (a
+    presum dx can equal the plain gather's bits, so only the calls show that the option took effect)."""
     import megamoe.comm.presum as presum
 
     dev = torch.device("cpu")
     sk = skewed_case(world)
+    case = next(c for c in bf16_cases(world) if c.name == "bf16:bf16-ragged")
     gather, calls = presum.presum_gather, []
 
-    def counted(*args, **kwargs):  # dx's gather must go through presum (its sums can equal the plain gather's bits)
-        calls.append(args[2])  # gated: False in dispatch's backward
+    def counted(*args, **kwargs):
+        calls.append(args[2])  # gated: True in combine's forward, False in dispatch's backward (dx)
         return gather(*args, **kwargs)
+
+    def runs(specs):
+        return layer_runs(case.config(), case.tokens[rank], dev, specs, input_seed=case.seed + 20 + rank,
+                          weight_seed=case.seed)
 
     presum.presum_gather = counted
     try:
         ref = layer_case(sk, "fused", dev, presum_backward=True, ring_blocks=4, combine="pull")
+        mine, split, default = runs([("fused", {"presum_backward": True}), ("split", {"presum_combine": True}),
+                                     ("fused", {})])
+        fp8, split_fp8 = runs([("fused", {"presum_backward": True, "fp8": True}),
+                               ("split", {"presum_combine": True, "fp8": True, "fp8_dispatch": True})])
     finally:
         presum.presum_gather = gather
-    ref.update(ring=4, blocks=blocks_on_rank(ref["counts"], rank, world), presum_calls=calls)
-    case = next(c for c in bf16_cases(world) if c.name == "bf16:bf16-ragged")
-    mine, split, default = layer_runs(case.config(), case.tokens[rank], dev,
-                                      [("fused", {"presum_backward": True}), ("split", {"presum_combine": True}),
-                                       ("fused", {})], input_seed=case.seed + 20 + rank, weight_seed=case.seed)
-    return ref, compare_runs(mine, split), compare_runs(mine, default)
+    ref.update(ring=4, blocks=blocks_on_rank(ref["counts"], rank, world))
+    return ref, compare_runs(mine, split), compare_runs(mine, default), compare_runs(fp8, split_fp8), calls
 
 
 @CPU_ONLY
 def test_fused_presum_backward_cpu():
     cycled = 0
-    for ref, split, default in spawn(_presum_backward, 2, timeout_s=600):
+    for ref, split, default, fp8, calls in spawn(_presum_backward, 2, timeout_s=600):
         for key in ("out", "dx", "drouter", "dw13", "dw2"):
             assert ref[key] < TOLERANCE["bf16"], f"{ref['case']} rank {ref['rank']}: {key} rel err {ref[key]:.3g}"
         cycled += ref["blocks"] > ref["ring"]
-        assert ref["presum_calls"] == [False], f"one ungated presum gather (dx) expected, got {ref['presum_calls']}"
-        for key in ("dx", "drouter", "dw13", "dw2"):  # split's presum backward runs the same kernels (its out is
-            # summed differently: split's combine pre-sums too)
-            assert split[key][0], f"fused presum_backward vs split presum_combine: {key} differs ({split[key][1]:.3g})"
+        # one ungated gather (dx) per fused presum_backward run (ring, dense, FP8), none in fused's default; split's
+        # presum runs a gated one (combine) and an ungated one (dx)
+        assert calls == [False, False, True, False, False, True, False], calls
+        for twin, what in ((split, "split presum_combine"), (fp8, "split fp8 + fp8_dispatch + presum_combine")):
+            for key in ("dx", "drouter", "dw13", "dw2"):  # the same backward kernels (out is summed differently:
+                # split's combine pre-sums too)
+                assert twin[key][0], f"fused presum_backward vs {what}: {key} differs ({twin[key][1]:.3g})"
         for key in ("out", "drouter", "dw13", "dw2"):  # against fused's default only dx's summation order changes
             assert default[key][0], f"presum_backward changed {key}"
         assert default["dx"][1] < 1e-2  # (here even bitwise: hence the count of presum calls above)

@@ -164,13 +164,13 @@ class SymmetricHeap:
         if self.world != shape.world:
             raise ValueError(f"shape.world={shape.world} but the process group has {self.world} ranks")
         if backend == "auto":  # by the device the buffers serve; with none given, by the group (nccl: CUDA) or
-            # MEGAMOE_SHARE_GPUS=1 (GPU ranks on a gloo group, see megamoe.dist)
+            # by how this process joined it (GPU ranks sharing GPUs on gloo, see megamoe.dist)
             if device is not None:
                 backend = "cuda" if torch.device(device).type == "cuda" else "host"
             else:
-                from megamoe.dist import share_gpus
+                from megamoe.dist import gpu_ranks_on_gloo
 
-                gpu_group = dist.get_backend(self.group) == "nccl" or share_gpus()
+                gpu_group = dist.get_backend(self.group) == "nccl" or gpu_ranks_on_gloo()
                 backend = "cuda" if torch.cuda.is_available() and gpu_group else "host"
         if backend not in ("cuda", "host"):
             raise ValueError(f"backend must be 'cuda', 'host' or 'auto', got {backend!r}")
@@ -240,9 +240,14 @@ class SymmetricHeap:
 
         self._buf = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
         torch.cuda.synchronize(self.device)
+        # one reduction per peer: each carries its own reference counter, which the one peer mapping it releases
+        # (a single reduction sent to W - 1 peers would be released W - 1 times, and the producer could free the
+        # buffer while a peer still maps it)
+        mine = [None if r == self.rank else reduce_tensor(self._buf) for r in range(self.world)]
         handles: list = [None] * self.world
-        dist.all_gather_object(handles, reduce_tensor(self._buf), group=self.group)
-        self._peers = [self._buf if r == self.rank else fn(*args) for r, (fn, args) in enumerate(handles)]
+        dist.all_gather_object(handles, mine, group=self.group)
+        self._peers = [self._buf if r == self.rank else handles[r][self.rank][0](*handles[r][self.rank][1])
+                       for r in range(self.world)]
         self._handle = None
         return [int(t.data_ptr()) for t in self._peers]
 
