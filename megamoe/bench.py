@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megamoe.backends import parse_backend  # also imported from here by older scripts
 from megamoe.config import PRESETS, parse_dtype, preset
-from megamoe.dist import init_from_env, spawn, under_torchrun
+from megamoe.dist import init_from_env, rank_device, spawn, under_torchrun
 from megamoe.perf import ceilings_for, floor_seconds, forward_flops, run_metadata
 
 
@@ -426,8 +426,7 @@ def draw_png(report: dict, path: str) -> None:
 
 
 def _spawned_rank(rank: int, world: int, args: argparse.Namespace, device_type: str):
-    # the rank's GPU as megamoe.dist set it (GPU rank, or rank mod the GPUs when ranks share them)
-    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    device = rank_device() if device_type == "cuda" else torch.device("cpu")
     return run_rank(args, device)
 
 

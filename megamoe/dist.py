@@ -58,12 +58,30 @@ def gpu_ranks_on_gloo() -> bool:
     return _GPU_RANKS_ON_GLOO
 
 
-def gpu_ranks_possible(world: int) -> bool:
-    """Whether ``world`` GPU ranks can run here: one GPU each, or any number sharing GPUs (MEGAMOE_SHARE_GPUS=1)."""
+def gpu_world(most: int = 4, least: int = 1) -> int:
+    """Ranks for a GPU run on the GPUs there are, up to ``most``: one rank per GPU, or ``least`` ranks sharing GPUs
+    when there are fewer GPUs and MEGAMOE_SHARE_GPUS=1. 0: it cannot run here. ``gpu_world(4, 2) or NGPU``: every
+    GPU up to 4, and on one GPU a single rank, or two sharing it when allowed."""
     import torch
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return n >= world or (n > 0 and share_gpus())
+    w = min(n, most)
+    if w >= least:
+        return w
+    return least if n > 0 and share_gpus() else 0
+
+
+def gpu_ranks_possible(world: int) -> bool:
+    """Whether ``world`` GPU ranks can run here: one GPU each, or any number sharing GPUs (MEGAMOE_SHARE_GPUS=1)."""
+    return gpu_world(world, world) > 0
+
+
+def rank_device():
+    """This GPU rank's device, as :func:`init_from_env` set it: GPU <local rank>, or local rank mod the GPUs visible
+    when ranks share GPUs."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _free_port() -> int:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe.config import MoEConfig, parse_dtype, preset
+from megamoe.dist import gpu_world, rank_device  # noqa: F401 - the GPU tests take them from here
 from megamoe.layer import MoE, gather_experts, load_full_weights
 from megamoe.reference import moe_forward
 
@@ -301,7 +302,7 @@ def twin_runs(case: LayerCase, device: torch.device, a: tuple[str, dict], b: tup
 def training_step(rank: int, backend: str, tokens: int = 2048, **backend_options):
     """A qwen3-30b-a3b layer on this rank's GPU and a closure running one forward + backward + SGD step on fixed
     inputs (returns the layer output); for the GPU tests' sync-free and CUDA-graph checks."""
-    dev = rank_device()  # GPU rank, or rank mod the GPUs when ranks share them (megamoe.dist)
+    dev = rank_device()
     cfg = preset("qwen3-30b-a3b", max_tokens_per_rank=tokens)
     moe = MoE(cfg, backend=backend, device=dev, seed=1, **backend_options)
     opt = torch.optim.SGD(moe.parameters(), lr=1e-3)
@@ -317,25 +318,6 @@ def training_step(rank: int, backend: str, tokens: int = 2048, **backend_options
         return out.out
 
     return dev, moe, step
-
-
-def rank_device() -> torch.device:
-    """This GPU rank's device (set by megamoe.dist when the rank joined: GPU r, or r mod the GPUs visible when
-    ranks share GPUs under MEGAMOE_SHARE_GPUS=1)."""
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def gpu_world(most: int = 4, least: int = 1) -> int:
-    """Ranks for a GPU test that runs on the GPUs there are, up to ``most``: one rank per GPU, or ``least`` ranks
-    sharing GPUs when there are fewer GPUs and MEGAMOE_SHARE_GPUS=1 (megamoe.dist). 0: the test cannot run here.
-    ``gpu_world(4, 2) or NGPU``: every GPU up to 4, and on one GPU a single rank, or two sharing it when allowed."""
-    from megamoe.dist import share_gpus
-
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    w = min(n, most)
-    if w >= least:
-        return w
-    return least if n > 0 and share_gpus() else 0
 
 
 def sync_free_step(step) -> bool:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from megamoe.config import PRESETS, parse_dtype, preset
 from megamoe.data import ByteCorpus
-from megamoe.dist import init_from_env, spawn, under_torchrun
+from megamoe.dist import init_from_env, rank_device, spawn, under_torchrun
 from megamoe.layer import capture_moe_layers
 from megamoe.model import ModelConfig, MoETransformer
 from megamoe.optim import MasterAdamW
@@ -420,8 +420,7 @@ def _finish(report: dict, args) -> None:
 
 
 def _spawned(rank, world, args, device_type):
-    # the rank's GPU as megamoe.dist set it (GPU rank, or rank mod the GPUs when ranks share them)
-    dev = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    dev = rank_device() if device_type == "cuda" else torch.device("cpu")
     return run_rank(args, dev)
 
 
