@@ -390,7 +390,7 @@ if want sh || want sh2; then
 # H200 (2026-12-03): probe 98 s; comm 74 s; split[2] + overlap 128 s; fused[2] 240 s; gluon[2] 196 s; fp8 / gluon
 # fp8 [2] 120 s each; split graph + sync-free 28 s; split[3] 125 s. Two pytest processes at a time.
 export MEGAMOE_SHARE_GPUS=1
-shq() { grep -v "^W1\|UserWarn\|warn_once\|CudaIPCTypes\|^frame\|^E *frame"; }
+shq() { quiet | grep -v "CudaIPCTypes\|^frame\|^E *frame"; }  # + torch's IPC teardown notice, C++ frames
 sh_pair() {  # sh_pair <log> <timeout> <ids...> ; runs in the background
   ( timeout "$2" python3 -m pytest -q -m gpu "${@:3}" 2>&1 | shq > "$OUT/$1.log"
     echo "$1: $(grep -E "passed|failed" "$OUT/$1.log" | tail -1)" ) &

@@ -16,16 +16,8 @@ import time
 
 import torch
 
-from megamoe.dist import spawn
-
-
-def _parse(spec: str) -> tuple[str, dict]:
-    name, *opts = spec.split(":")
-    kw = {}
-    for o in opts:
-        k, v = o.split("=")
-        kw[k] = int(v) if v.isdigit() else v
-    return name, kw
+from megamoe.backends import parse_backend
+from megamoe.dist import rank_device, spawn
 
 
 def _rank(rank: int, world: int, specs: list[str]) -> list[str]:
@@ -35,7 +27,7 @@ def _rank(rank: int, world: int, specs: list[str]) -> list[str]:
     from megamoe.comm.heap import CommShape, SymmetricHeap
     from megamoe.testing import TOLERANCE, gpu_cases, layer_case
 
-    dev = torch.device("cuda", torch.cuda.current_device())
+    dev = rank_device()
     lines = [f"rank {rank}: device {dev}, group {dist.get_backend()}"]
     heap = SymmetricHeap(CommShape(world, 64, 256, 2, 4 * world), device=dev, timeout_s=30)
     heap.buffer("tok").fill_(rank + 1)
@@ -53,7 +45,7 @@ def _rank(rank: int, world: int, specs: list[str]) -> list[str]:
     heap.close()
     case = gpu_cases(world)[0]
     for spec in specs:
-        name, kw = _parse(spec)
+        name, kw = parse_backend(spec)
         t = time.perf_counter()
         try:
             r = layer_case(case, name, dev, **kw)
