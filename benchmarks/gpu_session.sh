@@ -21,7 +21,8 @@
 # bitwise checks, then against the register pull; ~6 min on one GPU), di (d_recv in the heap: split / fused GPU
 # tests + per-kernel profile, ~6 min on one GPU), dib (graphed layer bench of it, ~3 min), gp (per-kernel times
 # in a graphed forward+backward, benchmarks/graph_profile.py, ~2 min), sh, sh2 (EP 2 tests on ranks sharing the
-# GPU(s), MEGAMOE_SHARE_GPUS=1: correctness where fewer GPUs than ranks are lent, ~6 and ~5 min on one H200).
+# GPU(s), MEGAMOE_SHARE_GPUS=1: correctness where fewer GPUs than ranks are lent, ~6 and ~5 min on one H200), sh4
+# (split and fused at world 4 shared), sh4g (Gluon at world 4 shared; torch backend and training at world 2 shared).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -384,7 +385,7 @@ for spec in ${GP_SPECS:-qwen3-30b-a3b:16384}; do
 done
 fi
 
-if want sh || want sh2; then
+if want sh || want sh2 || want sh4 || want sh4g; then
 # ranks sharing one GPU (megamoe.dist, MEGAMOE_SHARE_GPUS=1): correctness of the EP >= 2 paths where fewer GPUs than
 # ranks are lent; the GPU time-slices the ranks (a cross-rank wait costs ~a time slice), so no timing here. On one
 # H200 (2026-12-03): probe 98 s; comm 74 s; split[2] + overlap 128 s; fused[2] 240 s; gluon[2] 196 s; fp8 / gluon
@@ -407,6 +408,17 @@ echo "== sh2. EP 2 on ranks sharing the GPU(s): Gluon, FP8 (MEGAMOE_SHARE_GPUS=1
 sh_pair sh-gluon 330 "$F::test_fused_gluon_on_gpus[2]" $F::test_fused_gluon_sync_free_and_graph_capturable \
   $F::test_fused_sync_free $F::test_fused_graph_capturable
 sh_pair sh-fp8 330 "$F::test_fused_fp8_on_gpus[2]" "$F::test_fused_gluon_fp8_on_gpus[2]"; wait
+fi
+if want sh4; then
+echo "== sh4. EP 4 on ranks sharing the GPU(s): split, fused (Triton) at world 4 (MEGAMOE_SHARE_GPUS=1)"
+sh_pair sh4-split 560 "$S::test_split_on_gpus[4]" --durations=3
+sh_pair sh4-fused 560 "$F::test_fused_on_gpus[4]" --durations=3; wait
+fi
+if want sh4g; then
+echo "== sh4g. world 4 shared: the Gluon items; world 2 shared: the torch backend (gloo all_to_all on CUDA), training"
+sh_pair sh4-gluon 560 "$F::test_fused_gluon_on_gpus[4]" --durations=3
+sh_pair sh-torch-train 560 "tests/test_gpu_layer.py::test_torch_backend_on_gpus[2]" \
+  tests/test_gpu_train.py --durations=3; wait
 fi
 unset MEGAMOE_SHARE_GPUS
 fi

@@ -5,18 +5,17 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
+from megamoe.dist import gpu_world
 from megamoe.train import main as train_main
 
 pytestmark = pytest.mark.gpu
-NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 SMALL = ["--steps", "4", "--lr", "3e-4", "--warmup", "2", "--layers", "2", "--seq", "256", "--batch", "2",
          "--heads", "4", "--preset", "qwen3-30b-a3b", "--eval-every", "4", "--timing-skip", "2", "--quiet",
          "--world", "2"]
 
 
-@pytest.mark.skipif(NGPU < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.skipif(gpu_world(2, 2) == 0, reason="needs 2 CUDA GPUs (or MEGAMOE_SHARE_GPUS=1)")
 def test_graphed_moe_layers_train_like_eager(tmp_path):
     runs = {}
     for tag, extra in (("eager", []), ("graph", ["--graph-moe"])):
