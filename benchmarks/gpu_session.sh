@@ -22,7 +22,8 @@
 # tests + per-kernel profile, ~6 min on one GPU), dib (graphed layer bench of it, ~3 min), gp (per-kernel times
 # in a graphed forward+backward, benchmarks/graph_profile.py, ~2 min), sh, sh2 (EP 2 tests on ranks sharing the
 # GPU(s), MEGAMOE_SHARE_GPUS=1: correctness where fewer GPUs than ranks are lent, ~6 and ~5 min on one H200), sh4
-# (split and fused at world 4 shared), sh4g (Gluon at world 4 shared; torch backend and training at world 2 shared).
+# (split and fused at world 4 shared, ~6.5 min), sh4g (Gluon at world 4 shared; torch backend and training at world 2
+# shared, ~6.5 min), sh4f (FP8 megakernels and the torch backend at world 4 shared, ~5 min).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -385,7 +386,7 @@ for spec in ${GP_SPECS:-qwen3-30b-a3b:16384}; do
 done
 fi
 
-if want sh || want sh2 || want sh4 || want sh4g; then
+if want sh || want sh2 || want sh4 || want sh4g || want sh4f; then
 # ranks sharing one GPU (megamoe.dist, MEGAMOE_SHARE_GPUS=1): correctness of the EP >= 2 paths where fewer GPUs than
 # ranks are lent; the GPU time-slices the ranks (a cross-rank wait costs ~a time slice), so no timing here. On one
 # H200 (2026-12-03): probe 98 s; comm 74 s; split[2] + overlap 128 s; fused[2] 240 s; gluon[2] 196 s; fp8 / gluon
@@ -409,16 +410,28 @@ sh_pair sh-gluon 330 "$F::test_fused_gluon_on_gpus[2]" $F::test_fused_gluon_sync
   $F::test_fused_sync_free $F::test_fused_graph_capturable
 sh_pair sh-fp8 330 "$F::test_fused_fp8_on_gpus[2]" "$F::test_fused_gluon_fp8_on_gpus[2]"; wait
 fi
+# world 4 on one GPU: each rank holds ~20 GB (the deepseek-size cases), so one world-4 test at a time (two at once ran
+# out of the H200's 140 GB, 2026-12-03). Walls then (71e98b5, one H200): split[4] 109 s, fused[4] 256 s, gluon[4]
+# 262 s, fp8[4] 131 s, gluon fp8[4] 114 s, torch[4] 57 s; torch[2] 53 s, training 57 s.
+sh_seq() {  # sh_seq <log> <timeout> <ids...>: in the foreground
+  timeout "$2" python3 -m pytest -q -m gpu "${@:3}" --durations=3 2>&1 | shq > "$OUT/$1.log"
+  echo "$1: $(grep -E "passed|failed" "$OUT/$1.log" | tail -1)"
+}
 if want sh4; then
-echo "== sh4. EP 4 on ranks sharing the GPU(s): split, fused (Triton) at world 4 (MEGAMOE_SHARE_GPUS=1)"
-sh_pair sh4-split 560 "$S::test_split_on_gpus[4]" --durations=3
-sh_pair sh4-fused 560 "$F::test_fused_on_gpus[4]" --durations=3; wait
+echo "== sh4. world 4 on ranks sharing the GPU(s): split, fused (Triton) (MEGAMOE_SHARE_GPUS=1; ~6.5 min on one H200)"
+sh_seq sh4-split 200 "$S::test_split_on_gpus[4]"
+sh_seq sh4-fused 380 "$F::test_fused_on_gpus[4]"
 fi
 if want sh4g; then
-echo "== sh4g. world 4 shared: the Gluon items; world 2 shared: the torch backend (gloo all_to_all on CUDA), training"
-sh_pair sh4-gluon 560 "$F::test_fused_gluon_on_gpus[4]" --durations=3
-sh_pair sh-torch-train 560 "tests/test_gpu_layer.py::test_torch_backend_on_gpus[2]" \
-  tests/test_gpu_train.py --durations=3; wait
+echo "== sh4g. world 4 shared: the Gluon items; world 2 shared: the torch backend, training (~6.5 min on one H200)"
+sh_seq sh4-gluon 380 "$F::test_fused_gluon_on_gpus[4]"
+sh_seq sh-torch-train 200 "tests/test_gpu_layer.py::test_torch_backend_on_gpus[2]" tests/test_gpu_train.py
+fi
+if want sh4f; then
+echo "== sh4f. world 4 shared: FP8 megakernels (Triton, Gluon), the torch backend (~5 min on one H200)"
+sh_seq sh4-fp8 200 "$F::test_fused_fp8_on_gpus[4]"
+sh_seq sh4-gluon-fp8 200 "$F::test_fused_gluon_fp8_on_gpus[4]"
+sh_seq sh4-torch 120 "tests/test_gpu_layer.py::test_torch_backend_on_gpus[4]"
 fi
 unset MEGAMOE_SHARE_GPUS
 fi
