@@ -10,7 +10,8 @@ Per backend it reports, from the same weights and the same rotating inputs:
   started together (device sync + barrier before each iteration), the max over ranks per iteration, then the
   median over iterations;
 * TFLOP/s: the forward expert flops of all ranks / W / time (x3 for forward+backward), see megamoe.perf;
-* ratio to the floor: time / floor, the floor of the busiest rank (megamoe.perf, measured ceilings);
+* ratio to the floor: time / floor, the largest rank floor (megamoe.perf.layer_floor_seconds, measured ceilings:
+  the rank's rows and the weights of the experts its rows use, so a small batch is not charged every expert);
 * relative error of the forward output against the float64 reference on the global batch (each rank
   evaluates its own experts in float64 on every rank's routed tokens, the partial sums are all-reduced).
 """
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from megamoe.backends import parse_backend  # also imported from here by older scripts
 from megamoe.config import PRESETS, parse_dtype, preset
 from megamoe.dist import init_from_env, rank_device, spawn, under_torchrun
-from megamoe.perf import ceilings_for, floor_seconds, forward_flops, run_metadata
+from megamoe.perf import ceilings_for, forward_flops, layer_floor_seconds, run_metadata
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -282,7 +283,7 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
     timer = _Timer(device)
     results = []
     interleaved = []  # --interleave: (graphed entry to fill, (spec, make_moe)) per graph-capturable backend
-    rows_per_rank = None
+    rows_per_rank = experts_per_rank = None
     for spec in backends:
         name, options = parse_backend(spec)
         router_impl = str(options.pop("router", "auto"))
@@ -295,6 +296,7 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
                 counts = moe.router(xs[0]).tokens_per_expert.clone()
             dist.all_reduce(counts)
             rows_per_rank = counts.view(W, -1).sum(1).tolist()
+            experts_per_rank = (counts.view(W, -1) > 0).sum(1).tolist()
         entry = {"backend": spec, "timing": "eager"}
         for mode in ("forward", "forward+backward"):
             times = []
@@ -343,13 +345,12 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
     if show and sys.stderr.isatty():
         sys.stderr.write("\n")
 
-    busiest = max(rows_per_rank)
     total_rows = sum(rows_per_rank)
     for entry in results:
         for mode, passes in (("forward", 1.0), ("forward+backward", 3.0)):
             m = entry[mode]
             m["tflops"] = passes * forward_flops(cfg, total_rows) / W / m["median_s"] / 1e12
-            floor = floor_seconds(cfg, busiest, W, ceil, passes)
+            floor = layer_floor_seconds(cfg, rows_per_rank, W, ceil, passes, experts_per_rank)
             m["floor_s"] = floor
             m["x_floor"] = m["median_s"] / floor if floor else None
     if rank != 0:
@@ -360,7 +361,8 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
                    "dtype": str(cfg.dtype).replace("torch.", ""), "world": W, "iters": args.iters,
                    "warmup": args.warmup, "seed": args.seed, "hidden": cfg.hidden,
                    "intermediate": cfg.intermediate, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
-                   "rows_per_rank": rows_per_rank, "fp8_weights": getattr(args, "fp8_weights", "layer"),
+                   "rows_per_rank": rows_per_rank, "experts_per_rank": experts_per_rank,
+                   "fp8_weights": getattr(args, "fp8_weights", "layer"),
                    "interleave": bool(getattr(args, "interleave", False))},
         "timing": "CUDA events (CPU: perf_counter) per iteration after device sync + barrier; "
                   "max over ranks per iteration; median over iterations; entries with interleaved: true were "
@@ -390,7 +392,7 @@ def format_table(report: dict) -> str:
                      f"{(f'{err:9.2e}' if err is not None else 'skipped'):>9}")
     floor = report["results"][0]["forward"]["floor_s"] if report["results"] else None
     if floor:
-        lines.append(f"floor (busiest rank, measured ceilings): forward {floor * 1e3:.3f} ms, "
+        lines.append(f"floor (largest rank floor, measured ceilings): forward {floor * 1e3:.3f} ms, "
                      f"forward+backward {report['results'][0]['forward+backward']['floor_s'] * 1e3:.3f} ms")
     else:
         lines.append("floor: n/a (no measured ceilings for this device)")

@@ -55,18 +55,39 @@ def forward_flops(cfg: MoEConfig, rows: int) -> float:
     return float(cfg.flops_forward(rows))
 
 
-def forward_bytes(cfg: MoEConfig, rows: int, world: int) -> float:
+def forward_bytes(cfg: MoEConfig, rows: int, world: int, experts: int | None = None) -> float:
+    """HBM bytes of one forward on a rank: the weights of the ``experts`` it uses (default: all its local experts)
+    read once, and its ``rows`` read and written once."""
     elem = torch.empty((), dtype=cfg.dtype).element_size()
-    return float(cfg.expert_weight_bytes(world) + rows * 2 * cfg.hidden * elem)
+    local = cfg.local_experts(world)
+    if experts is None:
+        experts = local
+    if not 0 <= experts <= local:
+        raise ValueError(f"experts used on a rank must be in [0, {local}], got {experts}")
+    weights = cfg.expert_weight_bytes(world) * experts // local
+    return float(weights + rows * 2 * cfg.hidden * elem)
 
 
-def floor_seconds(cfg: MoEConfig, rows: int, world: int, ceil: Ceilings | None, passes: float = 1.0) -> float | None:
-    """Roofline floor of ``passes`` x the forward work on one rank (passes=3 for forward+backward)."""
+def floor_seconds(cfg: MoEConfig, rows: int, world: int, ceil: Ceilings | None, passes: float = 1.0,
+                  experts: int | None = None) -> float | None:
+    """Roofline floor of ``passes`` x the forward work on one rank (passes=3 for forward+backward) that receives
+    ``rows`` rows for ``experts`` of its local experts (default all: the weights of experts no row uses need not
+    be read, which matters only for small batches)."""
     if ceil is None:
         return None
     flops = passes * forward_flops(cfg, rows)
-    nbytes = passes * forward_bytes(cfg, rows, world)
+    nbytes = passes * forward_bytes(cfg, rows, world, experts)
     return max(flops / ceil.matmul_bf16, nbytes / ceil.hbm)
+
+
+def layer_floor_seconds(cfg: MoEConfig, rows_per_rank: list[int], world: int, ceil: Ceilings | None,
+                        passes: float = 1.0, experts_per_rank: list[int] | None = None) -> float | None:
+    """The layer's floor: the largest of its ranks' floors (the ranks wait for each other in the combine). With
+    every local expert used this is the busiest rank's floor."""
+    if ceil is None:
+        return None
+    experts = experts_per_rank if experts_per_rank is not None else [None] * len(rows_per_rank)
+    return max(floor_seconds(cfg, r, world, ceil, passes, e) for r, e in zip(rows_per_rank, experts, strict=True))
 
 
 def event_median_s(fn, iters: int, warmup: int = 3) -> float:

@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from megamoe.config import preset
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -38,6 +40,8 @@ def test_bench_cpu_default_writes_report(tmp_path):
         for mode in ("forward", "forward+backward"):
             assert entry[mode]["median_s"] > 0 and entry[mode]["iters"] == 2
     assert sum(report["config"]["rows_per_rank"]) == 2 * 64 * 2  # ranks x tokens x top-k
+    local = report["config"]["num_experts"] // 2
+    assert all(1 <= e <= local for e in report["config"]["experts_per_rank"])
     assert out_png.stat().st_size > 1000
 
 
@@ -144,3 +148,24 @@ def test_backend_spec_parsing():
     assert spec == ("split", {"comm_sms": 24, "overlap_backward": True})
     with pytest.raises(ValueError, match="key=value"):
         parse_backend("split:fast")
+
+
+def test_floor_counts_the_experts_a_rank_uses():
+    from megamoe.perf import CEILINGS, floor_seconds, forward_bytes, layer_floor_seconds
+
+    cfg, ceil = preset("qwen3-30b-a3b"), CEILINGS["H200"]
+    w = cfg.expert_weight_bytes(4)  # 32 local experts at EP 4
+    assert forward_bytes(cfg, 10, 4) == forward_bytes(cfg, 10, 4, 32) == w + 10 * 2 * cfg.hidden * 2
+    assert forward_bytes(cfg, 10, 4, 8) == w // 4 + 10 * 2 * cfg.hidden * 2
+    # one token per GPU: 8 experts' weights, not 32; the bytes bound the floor
+    assert floor_seconds(cfg, 8, 4, ceil, experts=8) == pytest.approx(forward_bytes(cfg, 8, 4, 8) / ceil.hbm)
+    assert floor_seconds(cfg, 8, 4, ceil, experts=8) < floor_seconds(cfg, 8, 4, ceil) / 3.9
+    # every expert used: the busiest rank's floor, as before
+    rows = [30000, 32768, 35000, 33000]
+    assert layer_floor_seconds(cfg, rows, 4, ceil, 3.0) == floor_seconds(cfg, 35000, 4, ceil, 3.0)
+    assert layer_floor_seconds(cfg, rows, 4, ceil, 3.0, [32] * 4) == floor_seconds(cfg, 35000, 4, ceil, 3.0)
+    # a rank with fewer rows but more experts can set the floor of a small batch
+    assert layer_floor_seconds(cfg, [9, 6], 4, ceil, 1.0, [3, 6]) == floor_seconds(cfg, 6, 4, ceil, experts=6)
+    assert layer_floor_seconds(cfg, rows, 4, None) is None
+    with pytest.raises(ValueError, match="experts used"):
+        forward_bytes(cfg, 10, 4, 33)
