@@ -23,7 +23,8 @@
 # in a graphed forward+backward, benchmarks/graph_profile.py, ~2 min), sh, sh2 (EP 2 tests on ranks sharing the
 # GPU(s), MEGAMOE_SHARE_GPUS=1: correctness where fewer GPUs than ranks are lent, ~6 and ~5 min on one H200), sh4
 # (split and fused at world 4 shared, ~6.5 min), sh4g (Gluon at world 4 shared; torch backend and training at world 2
-# shared, ~6.5 min), sh4f (FP8 megakernels and the torch backend at world 4 shared, ~5 min).
+# shared, ~6.5 min), sh4f (FP8 megakernels and the torch backend at world 4 shared, ~5 min), i6a, i6b (issue 6's
+# benchmark goals on 4x H200, then benchmarks/issue6_check.py's table and chart, ~8 min each).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -90,6 +91,31 @@ fi
 if want 2c; then
 echo "== 2c. GPU tests: split"
 gpu_tests gpu_split 560 $S
+fi
+
+# Issue 6's benchmark goals on 4x H200 (two calls): i6a the 4096-token presets, i6b 512 tokens, skew, 1 token; each
+# ends with benchmarks/issue6_check.py over the call's JSON (a table of every goal, met or not, and a chart).
+I6_BACKENDS=${I6_BACKENDS:-split,split:presum_combine=1,fused,fused:kernel=gluon}
+i6_check() {  # i6_check <tag>
+  python3 benchmarks/issue6_check.py "$OUT"/bench-*-i6*-ep"$NGPU".json --png "$OUT/issue6-$1-ep$NGPU.png" \
+    | tee "$OUT/issue6-$1-ep$NGPU.md" | tail -30
+}
+if want i6a; then
+echo "== i6a. issue 6 at 4096 tokens/GPU: torch, split, fused; graphs replayed in turn (~8 min on 4x H200)"
+for p in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
+  echo "-- $p"; bench "$p" 4096 "torch,$I6_BACKENDS" i6 --cuda-graph --interleave
+done
+i6_check a
+fi
+if want i6b; then
+echo "== i6b. issue 6 at 512 and 1 token/GPU, skewed routing; fused presum_backward (~8 min on 4x H200)"
+for p in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
+  echo "-- $p 512"; bench "$p" 512 "$I6_BACKENDS" i6small --cuda-graph --interleave
+done
+bench deepseek-v3 4096 "$I6_BACKENDS,fused:ring_blocks=64" i6skew --skew 4 --cuda-graph --interleave
+for p in qwen3-30b-a3b deepseek-v3; do echo "-- $p 1"; bench "$p" 1 "$I6_BACKENDS" i6one --cuda-graph --interleave; done
+bench qwen3-30b-a3b 4096 "split:presum_combine=1,fused,fused:presum_backward=1" presumbwd --cuda-graph --interleave
+i6_check b
 fi
 
 if want 3; then
