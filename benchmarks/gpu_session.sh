@@ -23,8 +23,8 @@
 # in a graphed forward+backward, benchmarks/graph_profile.py, ~2 min), sh, sh2 (EP 2 tests on ranks sharing the
 # GPU(s), MEGAMOE_SHARE_GPUS=1: correctness where fewer GPUs than ranks are lent, ~6 and ~5 min on one H200), sh4
 # (split and fused at world 4 shared, ~6.5 min), sh4g (Gluon at world 4 shared; torch backend and training at world 2
-# shared, ~6.5 min), sh4f (FP8 megakernels and the torch backend at world 4 shared, ~5 min), i6a, i6b (issue 6's
-# benchmark goals on 4x H200, then benchmarks/issue6_check.py's table and chart, ~8 min each).
+# shared, ~6.5 min), sh4f (FP8 megakernels and the torch backend at world 4 shared, ~5 min), i6a, i6d, i6b, i6c
+# (issue 6's benchmark goals on 4x H200, then benchmarks/issue6_check.py's table and chart; < 10 min each).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -33,7 +33,7 @@ mkdir -p "$OUT"
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 quiet() { grep -v "^W1\|OMP_NUM\|^\*\*\*\*\|UserWarn\|_warn_once" ; }
 bench() {  # bench <preset> <tokens> <backends> <tag> [extra args]
-  timeout 240 torchrun --nproc_per_node "$NGPU" -m megamoe bench --preset "$1" --tokens "$2" --backends "$3" \
+  timeout "${BENCH_TIMEOUT:-240}" torchrun --nproc_per_node "$NGPU" -m megamoe bench --preset "$1" --tokens "$2" --backends "$3" \
     --iters 10 --warmup 3 --quiet --json "$OUT/bench-$1-$2-$4-ep$NGPU.json" "${@:5}" 2>&1 | quiet | tail -10
 }
 echo "== GPUs: $NGPU, commit ${MEGAMOE_COMMIT:-unknown}"
@@ -93,29 +93,46 @@ echo "== 2c. GPU tests: split"
 gpu_tests gpu_split 560 $S
 fi
 
-# Issue 6's benchmark goals on 4x H200 (two calls): i6a the 4096-token presets, i6b 512 tokens, skew, 1 token; each
-# ends with benchmarks/issue6_check.py over the call's JSON (a table of every goal, met or not, and a chart).
+# Issue 6's benchmark goals on 4x H200, in four calls of < 10 min (each bench's timeout keeps the call's check in
+# time): i6a qwen3 + mixtral at 4096 tokens/GPU, i6d deepseek at 4096, i6b 512 tokens, i6c skew + 1 token; each
+# ends with benchmarks/issue6_check.py over its own JSON (a table of every goal, met or not, and a chart). i6c also
+# runs the fused presum_backward A/B (an A/B, not a goal; not in the check).
 I6_BACKENDS=${I6_BACKENDS:-split,split:presum_combine=1,fused,fused:kernel=gluon}
-i6_check() {  # i6_check <tag>
-  python3 benchmarks/issue6_check.py "$OUT"/bench-*-i6*-ep"$NGPU".json --png "$OUT/issue6-$1-ep$NGPU.png" \
+i6_check() {  # i6_check <name> <tag...>: the check over this call's bench JSON of those tags
+  local files=() t f
+  for t in "${@:2}"; do for f in "$OUT"/bench-*-"$t"-ep"$NGPU".json; do [ -f "$f" ] && files+=("$f"); done; done
+  if [ ${#files[@]} -eq 0 ]; then echo "i6 check $1: no bench JSON (every bench failed?)"; return; fi
+  python3 benchmarks/issue6_check.py "${files[@]}" --png "$OUT/issue6-$1-ep$NGPU.png" \
     | tee "$OUT/issue6-$1-ep$NGPU.md" | tail -30
 }
 if want i6a; then
-echo "== i6a. issue 6 at 4096 tokens/GPU: torch, split, fused; graphs replayed in turn (~8 min on 4x H200)"
-for p in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
-  echo "-- $p"; bench "$p" 4096 "torch,$I6_BACKENDS" i6 --cuda-graph --interleave
+echo "== i6a. issue 6 at 4096 tokens/GPU, qwen3 + mixtral: torch, split, fused; graphs replayed in turn"
+for p in qwen3-30b-a3b mixtral-8x7b; do
+  echo "-- $p"; BENCH_TIMEOUT=270 bench "$p" 4096 "torch,$I6_BACKENDS" i6 --cuda-graph --interleave
 done
-i6_check a
+i6_check a i6
+fi
+if want i6d; then
+echo "== i6d. issue 6 at 4096 tokens/GPU, deepseek-v3"
+BENCH_TIMEOUT=540 bench deepseek-v3 4096 "torch,$I6_BACKENDS" i6 --cuda-graph --interleave
+i6_check d i6
 fi
 if want i6b; then
-echo "== i6b. issue 6 at 512 and 1 token/GPU, skewed routing; fused presum_backward (~8 min on 4x H200)"
+echo "== i6b. issue 6 at 512 tokens/GPU"
 for p in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
-  echo "-- $p 512"; bench "$p" 512 "$I6_BACKENDS" i6small --cuda-graph --interleave
+  echo "-- $p 512"; BENCH_TIMEOUT=180 bench "$p" 512 "$I6_BACKENDS" i6small --cuda-graph --interleave
 done
-bench deepseek-v3 4096 "$I6_BACKENDS,fused:ring_blocks=64" i6skew --skew 4 --cuda-graph --interleave
-for p in qwen3-30b-a3b deepseek-v3; do echo "-- $p 1"; bench "$p" 1 "$I6_BACKENDS" i6one --cuda-graph --interleave; done
-bench qwen3-30b-a3b 4096 "split:presum_combine=1,fused,fused:presum_backward=1" presumbwd --cuda-graph --interleave
-i6_check b
+i6_check b i6small
+fi
+if want i6c; then
+echo "== i6c. issue 6: deepseek skewed routing (skew 4, and a 64-block ring), 1 token/GPU; presum_backward A/B"
+BENCH_TIMEOUT=200 bench deepseek-v3 4096 "$I6_BACKENDS,fused:ring_blocks=64" i6skew --skew 4 --cuda-graph --interleave
+for p in qwen3-30b-a3b deepseek-v3; do
+  echo "-- $p 1"; BENCH_TIMEOUT=100 bench "$p" 1 "$I6_BACKENDS" i6one --cuda-graph --interleave
+done
+BENCH_TIMEOUT=150 bench qwen3-30b-a3b 4096 "split:presum_combine=1,fused,fused:presum_backward=1" presumbwd \
+  --cuda-graph --interleave
+i6_check c i6skew i6one
 fi
 
 if want 3; then

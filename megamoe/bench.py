@@ -11,7 +11,8 @@ Per backend it reports, from the same weights and the same rotating inputs:
   median over iterations;
 * TFLOP/s: the forward expert flops of all ranks / W / time (x3 for forward+backward), see megamoe.perf;
 * ratio to the floor: time / floor, the largest rank floor (megamoe.perf.layer_floor_seconds, measured ceilings:
-  the rank's rows and the weights of the experts its rows use, so a small batch is not charged every expert);
+  the rank's rows and the weights of the experts its rows use, so a small batch is not charged every expert), the
+  lowest over the rotating input sets (a bound for every timed iteration);
 * relative error of the forward output against the float64 reference on the global batch (each rank
   evaluates its own experts in float64 on every rank's routed tokens, the partial sums are all-reduced).
 """
@@ -291,12 +292,12 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
         moe.router.impl = router_impl
         if offset is not None:
             moe.router.set_logit_offset(offset)
-        if rows_per_rank is None:
+        if rows_per_rank is None:  # per input set: the timings rotate over all of them
             with torch.no_grad():
-                counts = moe.router(xs[0]).tokens_per_expert.clone()
+                counts = torch.stack([moe.router(x).tokens_per_expert for x in xs])
             dist.all_reduce(counts)
-            rows_per_rank = counts.view(W, -1).sum(1).tolist()
-            experts_per_rank = (counts.view(W, -1) > 0).sum(1).tolist()
+            rows_per_rank = counts.view(len(xs), W, -1).sum(2).tolist()
+            experts_per_rank = (counts.view(len(xs), W, -1) > 0).sum(2).tolist()
         entry = {"backend": spec, "timing": "eager"}
         for mode in ("forward", "forward+backward"):
             times = []
@@ -345,12 +346,15 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
     if show and sys.stderr.isatty():
         sys.stderr.write("\n")
 
-    total_rows = sum(rows_per_rank)
+    total_rows = sum(rows_per_rank[0])  # the same in every input set: tokens x k x W
     for entry in results:
         for mode, passes in (("forward", 1.0), ("forward+backward", 3.0)):
             m = entry[mode]
             m["tflops"] = passes * forward_flops(cfg, total_rows) / W / m["median_s"] / 1e12
-            floor = layer_floor_seconds(cfg, rows_per_rank, W, ceil, passes, experts_per_rank)
+            # the lowest input set's floor: a bound for every iteration the median is taken over
+            floors = [layer_floor_seconds(cfg, r, W, ceil, passes, e)
+                      for r, e in zip(rows_per_rank, experts_per_rank, strict=True)]
+            floor = None if ceil is None else min(floors)
             m["floor_s"] = floor
             m["x_floor"] = m["median_s"] / floor if floor else None
     if rank != 0:
@@ -361,7 +365,9 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
                    "dtype": str(cfg.dtype).replace("torch.", ""), "world": W, "iters": args.iters,
                    "warmup": args.warmup, "seed": args.seed, "hidden": cfg.hidden,
                    "intermediate": cfg.intermediate, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
-                   "rows_per_rank": rows_per_rank, "experts_per_rank": experts_per_rank,
+                   "rows_per_rank": rows_per_rank[0], "experts_per_rank": experts_per_rank[0],
+                   "rows_per_rank_sets": rows_per_rank, "experts_per_rank_sets": experts_per_rank,
+                   "floor": "the lowest over the input sets of the largest rank floor (perf.layer_floor_seconds)",
                    "fp8_weights": getattr(args, "fp8_weights", "layer"),
                    "interleave": bool(getattr(args, "interleave", False))},
         "timing": "CUDA events (CPU: perf_counter) per iteration after device sync + barrier; "

@@ -42,6 +42,11 @@ def test_bench_cpu_default_writes_report(tmp_path):
     assert sum(report["config"]["rows_per_rank"]) == 2 * 64 * 2  # ranks x tokens x top-k
     local = report["config"]["num_experts"] // 2
     assert all(1 <= e <= local for e in report["config"]["experts_per_rank"])
+    # the floor's inputs per rotating input set (the timings rotate over them; the floor is the lowest set's)
+    sets, esets = report["config"]["rows_per_rank_sets"], report["config"]["experts_per_rank_sets"]
+    assert len(sets) == len(esets) > 1 and sets[0] == report["config"]["rows_per_rank"]
+    assert all(sum(r) == 2 * 64 * 2 and len(r) == 2 for r in sets)
+    assert all(1 <= e <= local for es in esets for e in es)
     assert out_png.stat().st_size > 1000
 
 
