@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated backends (default: every backend available here); options after a "
                         "colon, e.g. split:comm_sms=24:overlap_backward=1; router=torch|triton|auto (any "
                         "backend) picks the router's implementation (megamoe.router, default auto)")
-    p.add_argument("--iters", type=int, default=None, help="timed iterations (default: 20 GPU, 5 CPU)")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (default: 20 GPU, 3 CPU)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default: 5 GPU, 1 CPU)")
     p.add_argument("--world", type=int, default=None,
                    help="ranks to spawn when not under torchrun (CPU default 2; GPU default: all GPUs)")
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "replay; 'pinned' quantises them once (backend.pin_fp8_weights()), so graph replays time "
                         "the layer alone, as in training with MasterAdamW.maintain_fp8 or inference")
     p.add_argument("--cuda-graph", action="store_true",
-                   help="also time graph-capturable backends (split) as CUDA-graph replays: no launch latency")
+                   help="also time graph-capturable backends (split, fused) as CUDA-graph replays: no launch latency")
     p.add_argument("--interleave", action="store_true",
                    help="with --cuda-graph: capture every backend's graph first, then replay them in turn "
                         "(A B C A B C ...), so that a drift of the GPU's state during the run (clocks under the "

@@ -1,4 +1,4 @@
-"""The ``megamoe`` command: ``bench``, ``bench-comm``, ``bench-gemm``, ``info``.
+"""The ``megamoe`` command: ``bench``, ``bench-comm``, ``bench-gemm``, ``info``, ``train``.
 
 ``python -m megamoe <command> ...`` is the same program (use that form under ``torchrun -m``).
 """

@@ -179,8 +179,19 @@ class Router(nn.Module):
             "logit_offset", torch.zeros(config.num_experts, device=device, dtype=torch.float32), persistent=False
         )
         self._offset_set = False
-        self.impl = "auto"
+        self._impl = "auto"
         self.reset_parameters()
+
+    @property
+    def impl(self) -> str:
+        """The router implementation: "auto", "torch" or "triton" (route's ``impl``); checked when set."""
+        return self._impl
+
+    @impl.setter
+    def impl(self, value: str) -> None:
+        if value not in IMPLS:  # at once, not at the first forward
+            raise ValueError(f"router impl must be one of {IMPLS}, got {value!r}")
+        self._impl = value
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         # Same values on every rank for the same generator state: drawn on the CPU, then copied.
@@ -191,7 +202,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
         offset = self.logit_offset if self._offset_set else None
-        return route(x, self.weight, self.config, self.bias, offset, self.impl)
+        return route(x, self.weight, self.config, self.bias, offset, self._impl)
 
     def set_logit_offset(self, offset: torch.Tensor | None) -> None:
         """Add ``offset`` [E] to every logit from now on (None: remove it)."""

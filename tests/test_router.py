@@ -115,8 +115,9 @@ def test_router_impl_choice_and_errors():
     # no tokens: the torch path's exact zero loss, whatever the impl
     r0 = route(x[:0], w, cfg, impl="triton")
     assert r0.aux_loss.item() == 0.0 and r0.topk_idx.shape == (0, cfg.top_k)
-    # the module's attribute reaches route()
+    # the module's attribute is checked when set, and reaches route()
     rm = Router(cfg)
-    rm.impl = "bogus"
     with pytest.raises(ValueError, match="impl"):
-        rm(x)
+        rm.impl = "bogus"
+    rm.impl = "torch"
+    assert rm.impl == "torch" and torch.equal(rm(x).topk_idx, route(x, rm.weight, cfg, impl="torch").topk_idx)

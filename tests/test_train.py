@@ -183,3 +183,18 @@ def test_capture_moe_layers_validates_its_input():
         capture_moe_layers([torch.nn.Linear(2, 2)], 8)
     with pytest.raises(ValueError, match="no layers"):
         capture_moe_layers([], 8)
+
+
+def test_model_takes_the_router_option_like_bench():
+    # "backend:router=torch" picks the router's implementation (as in megamoe bench), it is no backend option; a bad
+    # value fails at construction
+    import torch
+
+    from megamoe.config import preset
+    from megamoe.model import ModelConfig, MoETransformer
+
+    cfg = ModelConfig(preset("tiny").replace(dtype=torch.float32), layers=1, heads=2, max_seq=64)
+    m = MoETransformer(cfg, None, "torch:router=torch", "cpu", 0)
+    assert m.blocks[0].moe.router.impl == "torch"
+    with pytest.raises(ValueError, match="router impl"):
+        MoETransformer(cfg, None, "torch:router=bogus", "cpu", 0)
