@@ -436,10 +436,11 @@ if want sh || want sh2 || want sh4 || want sh4g || want sh4f; then
 # fp8 [2] 120 s each; split graph + sync-free 28 s; split[3] 125 s. Two pytest processes at a time.
 export MEGAMOE_SHARE_GPUS=1
 shq() { quiet | grep -v "CudaIPCTypes\|^frame\|^E *frame"; }  # + torch's IPC teardown notice, C++ frames
-sh_pair() {  # sh_pair <log> <timeout> <ids...> ; runs in the background
-  ( timeout "$2" python3 -m pytest -q -m gpu "${@:3}" 2>&1 | shq > "$OUT/$1.log"
-    echo "$1: $(grep -E "passed|failed" "$OUT/$1.log" | tail -1)" ) &
+sh_seq() {  # sh_seq <log> <timeout> <ids...>: in the foreground
+  timeout "$2" python3 -m pytest -q -m gpu "${@:3}" --durations=3 2>&1 | shq > "$OUT/$1.log"
+  echo "$1: $(grep -E "passed|failed" "$OUT/$1.log" | tail -1)"
 }
+sh_pair() { sh_seq "$@" & }  # the same in the background (two at a time; `wait` after the pair)
 if want sh; then
 echo "== sh. EP 2 on ranks sharing the GPU(s): probe, comm, split, fused (MEGAMOE_SHARE_GPUS=1; ~6 min on one H200)"
 timeout 200 python3 benchmarks/shared_gpu_probe.py 2>&1 | shq | grep "rank 0" | tail -8
@@ -456,10 +457,6 @@ fi
 # world 4 on one GPU: each rank holds ~20 GB (the deepseek-size cases), so one world-4 test at a time (two at once ran
 # out of the H200's 140 GB, 2026-12-03). Walls then (71e98b5, one H200): split[4] 109 s, fused[4] 256 s, gluon[4]
 # 262 s, fp8[4] 131 s, gluon fp8[4] 114 s, torch[4] 57 s; torch[2] 53 s, training 57 s.
-sh_seq() {  # sh_seq <log> <timeout> <ids...>: in the foreground
-  timeout "$2" python3 -m pytest -q -m gpu "${@:3}" --durations=3 2>&1 | shq > "$OUT/$1.log"
-  echo "$1: $(grep -E "passed|failed" "$OUT/$1.log" | tail -1)"
-}
 if want sh4; then
 echo "== sh4. world 4 on ranks sharing the GPU(s): split, fused (Triton) (MEGAMOE_SHARE_GPUS=1; ~6.5 min on one H200)"
 sh_seq sh4-split 200 "$S::test_split_on_gpus[4]"

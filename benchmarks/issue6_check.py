@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import sys
+
+from megamoe.backends import parse_backend
 
 FWD_LIMIT_MS = {"deepseek-v3": 4.6, "mixtral-8x7b": 4.6, "qwen3-30b-a3b": 0.6}
 GOAL_WORLD = 4
@@ -44,9 +47,8 @@ def _timing_rank(entry: dict) -> int:
 
 def _kind(backend: str) -> tuple[str, bool]:
     """(backend name, whether it runs FP8) of a spec such as ``split:presum_combine=1:fp8=1``."""
-    name, *opts = backend.split(":")
-    fp8 = any(o.split("=", 1)[0] == "fp8" and o.split("=", 1)[-1] not in ("0", "false", "False") for o in opts)
-    return name, fp8
+    name, options = parse_backend(backend)
+    return name, bool(options.get("fp8", False))
 
 
 def pick(report: dict) -> tuple[str, list[dict], list[dict]]:
@@ -78,13 +80,13 @@ def _ms(m: dict) -> float:
     return m["median_s"] * 1e3
 
 
-def _goal_adder(goals: list[dict]):
-    def goal(name: str, value: float | None, limit: float, sign: str, unit: str) -> None:
-        ops = {"<=": lambda v: v <= limit, "<": lambda v: v < limit, ">=": lambda v: v >= limit,
-               ">": lambda v: v > limit}
-        met = None if value is None else ops[sign](value)
-        goals.append({"goal": name, "value": value, "limit": limit, "sign": sign, "met": met, "unit": unit})
-    return goal
+OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt}
+
+
+def _goal(name: str, value: float | None, limit: float, sign: str, unit: str) -> dict:
+    """One goal: ``value sign limit`` met (True / False), or None when the value is unknown."""
+    met = None if value is None else OPS[sign](value, limit)
+    return {"goal": name, "value": value, "limit": limit, "sign": sign, "met": met, "unit": unit}
 
 
 def judge(report: dict, world: int = GOAL_WORLD, file: str = "") -> list[dict]:
@@ -94,31 +96,29 @@ def judge(report: dict, world: int = GOAL_WORLD, file: str = "") -> list[dict]:
     sf = min(splits, key=lambda e: e["forward"]["median_s"]) if splits else None
     sb = min(splits, key=lambda e: e["forward+backward"]["median_s"]) if splits else None
     problem = setup_problem(report, world)
+    tokens, skew = c["tokens_per_rank"], c.get("skew", 0.0) or 0.0
+    fp8_left_out = sum(1 for x in report["results"] if _kind(x["backend"])[1])
     rows = []
     for e in fused:
         f, b = e["forward"], e["forward+backward"]
+        ratio_f = sf["forward"]["median_s"] / f["median_s"] if sf else None  # split time / fused time
+        ratio_b = sb["forward+backward"]["median_s"] / b["median_s"] if sb else None
         goals = []
-        goal = _goal_adder(goals)
-
-        def vs_split(limit: float, sign: str, goal=goal, f=f, b=b) -> None:
-            goal("split/fused fwd", sf["forward"]["median_s"] / f["median_s"] if sf else None, limit, sign, "x")
-            goal("split/fused fwd+bwd", sb["forward+backward"]["median_s"] / b["median_s"] if sb else None, limit,
-                 sign, "x")
-
-        tokens, skew = c["tokens_per_rank"], c.get("skew", 0.0) or 0.0
         if tokens == 4096 and skew == 0:
-            goal("fwd x floor", f["x_floor"], 1.25, "<=", "x")
+            goals.append(_goal("fwd x floor", f["x_floor"], 1.25, "<=", "x"))
             if c["preset"] in FWD_LIMIT_MS:
-                goal("fwd ms", _ms(f), FWD_LIMIT_MS[c["preset"]], "<=", "ms")
-            goal("fwd+bwd x floor", b["x_floor"], 1.35, "<=", "x")
-            vs_split(1.0, ">")
+                goals.append(_goal("fwd ms", _ms(f), FWD_LIMIT_MS[c["preset"]], "<=", "ms"))
+            goals.append(_goal("fwd+bwd x floor", b["x_floor"], 1.35, "<=", "x"))
+            goals += [_goal("split/fused fwd", ratio_f, 1.0, ">", "x"),
+                      _goal("split/fused fwd+bwd", ratio_b, 1.0, ">", "x")]
         if tokens == 512 and skew == 0:
-            vs_split(1.3, ">=")
+            goals += [_goal("split/fused fwd", ratio_f, 1.3, ">=", "x"),
+                      _goal("split/fused fwd+bwd", ratio_b, 1.3, ">=", "x")]
         if skew != 0:
-            goal("fwd x floor (skew)", f["x_floor"], 1.2, "<=", "x")
+            goals.append(_goal("fwd x floor (skew)", f["x_floor"], 1.2, "<=", "x"))
         if tokens == 1 and skew == 0:
             ok = "rows_per_rank_sets" in c and f["floor_s"] is not None
-            goal("fwd - floor", (f["median_s"] - f["floor_s"]) * 1e6 if ok else None, 20.0, "<", "us")
+            goals.append(_goal("fwd - floor", (f["median_s"] - f["floor_s"]) * 1e6 if ok else None, 20.0, "<", "us"))
         rows.append({"preset": c["preset"], "tokens": tokens, "world": c["world"], "skew": skew, "timing": label,
                      "backend": e["backend"], "fwd_ms": _ms(f), "fwd_x": f["x_floor"], "both_ms": _ms(b),
                      "both_x": b["x_floor"], "split": sf["backend"] if sf else None,
@@ -127,7 +127,7 @@ def judge(report: dict, world: int = GOAL_WORLD, file: str = "") -> list[dict]:
                      "split_both_ms": _ms(sb["forward+backward"]) if sb else None,
                      "goals": goals, "problem": problem, "commit": report["meta"].get("commit", "?"),
                      "gpu": report["meta"].get("gpu") or report["meta"].get("device", "?"), "file": file,
-                     "fp8_left_out": sum(1 for x in report["results"] if _kind(x["backend"])[1])})
+                     "fp8_left_out": fp8_left_out})
     return rows
 
 

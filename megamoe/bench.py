@@ -287,9 +287,7 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
     rows_per_rank = experts_per_rank = None
     for spec in backends:
         name, options = parse_backend(spec)
-        router_impl = str(options.pop("router", "auto"))
         moe = _pin(MoE(cfg, backend=name, device=device, seed=args.seed, **options), args)
-        moe.router.impl = router_impl
         if offset is not None:
             moe.router.set_logit_offset(offset)
         if rows_per_rank is None:  # per input set: the timings rotate over all of them
@@ -323,9 +321,8 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
         if args.cuda_graph and getattr(moe.backend, "graph_capturable", False):
             graphed = {"backend": spec, "timing": "cuda-graph", "rel_err": entry.get("rel_err")}
 
-            def make_moe(name=name, options=options, router_impl=router_impl):
+            def make_moe(name=name, options=options):
                 m = _pin(MoE(cfg, backend=name, device=device, seed=args.seed, **options), args)
-                m.router.impl = router_impl
                 if offset is not None:
                     m.router.set_logit_offset(offset)
                 return m

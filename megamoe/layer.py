@@ -55,11 +55,13 @@ class MoE(nn.Module):
         device: where parameters live (default: the current CUDA device if available, else CPU).
         seed: parameters are drawn from this seed (router identical on every rank; expert e drawn from
             seed and e, so the layer's weights do not depend on the world size).
+        router: the router's implementation, ``"auto"``, ``"torch"`` or ``"triton"`` (``self.router.impl``; the
+            ``router=`` option of a backend spec such as ``"split:router=torch"``).
         backend_options: passed to the backend's constructor.
     """
 
     def __init__(self, config: MoEConfig, group=None, backend: str = "torch", device=None, seed: int = 0,
-                 **backend_options):
+                 router: str = "auto", **backend_options):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
@@ -72,6 +74,7 @@ class MoE(nn.Module):
         self.device = torch.device(device)
         E_l, H, I = self.local_experts, config.hidden, config.intermediate
         self.router = Router(config, device=self.device)
+        self.router.impl = router  # checked when set
         self.w13 = nn.Parameter(torch.empty(E_l, 2 * I, H, device=self.device, dtype=config.dtype))
         self.w2 = nn.Parameter(torch.empty(E_l, H, I, device=self.device, dtype=config.dtype))
         self.seed = seed

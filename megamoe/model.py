@@ -92,9 +92,7 @@ class Block(nn.Module):
         self.attn = Attention(D, cfg.heads)
         self.norm2 = RMSNorm(D)
         name, options = parse_backend(backend)  # "split:presum_combine=1" -> ("split", {...})
-        router_impl = str(options.pop("router", "auto"))  # the router's, not the backend's (as in megamoe bench)
         self.moe = MoE(cfg.moe, group=group, backend=name, device=device, seed=seed, **options)
-        self.moe.router.impl = router_impl
 
     def dense(self, x, cos, sin):
         """The block up to the MoE layer: (residual stream after attention, the MoE layer's input [B*S, D]).
