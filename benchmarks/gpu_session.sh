@@ -24,7 +24,9 @@
 # GPU(s), MEGAMOE_SHARE_GPUS=1: correctness where fewer GPUs than ranks are lent, ~6 and ~5 min on one H200), sh4
 # (split and fused at world 4 shared, ~6.5 min), sh4g (Gluon at world 4 shared; torch backend and training at world 2
 # shared, ~6.5 min), sh4f (FP8 megakernels and the torch backend at world 4 shared, ~5 min), i6a, i6d, i6b, i6c
-# (issue 6's benchmark goals on 4x H200, then benchmarks/issue6_check.py's table and chart; < 10 min each).
+# (issue 6's benchmark goals on 4x H200, then benchmarks/issue6_check.py's table and chart; < 10 min each), px, px2
+# (one rank's share of an EP 4 run on one GPU, E/4 experts: the compute side of issue 6's goals, at 4096 and at 512 /
+# 1 tokens; a proxy, never counted).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -32,9 +34,10 @@ OUT=${OUT:-out/gpu_session}
 mkdir -p "$OUT"
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 quiet() { grep -v "^W1\|OMP_NUM\|^\*\*\*\*\|UserWarn\|_warn_once" ; }
-bench() {  # bench <preset> <tokens> <backends> <tag> [extra args]
-  timeout "${BENCH_TIMEOUT:-240}" torchrun --nproc_per_node "$NGPU" -m megamoe bench --preset "$1" --tokens "$2" --backends "$3" \
-    --iters 10 --warmup 3 --quiet --json "$OUT/bench-$1-$2-$4-ep$NGPU.json" "${@:5}" 2>&1 | quiet | tail -10
+bench() {  # bench <preset> <tokens> <backends> <tag> [extra args]; ranks: BENCH_NPROC, default one per GPU
+  local np=${BENCH_NPROC:-$NGPU}
+  timeout "${BENCH_TIMEOUT:-240}" torchrun --nproc_per_node "$np" -m megamoe bench --preset "$1" --tokens "$2" --backends "$3" \
+    --iters 10 --warmup 3 --quiet --json "$OUT/bench-$1-$2-$4-ep$np.json" "${@:5}" 2>&1 | quiet | tail -10
 }
 echo "== GPUs: $NGPU, commit ${MEGAMOE_COMMIT:-unknown}"
 SECTIONS=",${1:-1},"
@@ -100,10 +103,10 @@ fi
 I6_BACKENDS=${I6_BACKENDS:-split,split:presum_combine=1,fused,fused:kernel=gluon}
 i6_check() {  # i6_check <name> <tag...>: the check over this call's bench JSON of those tags
   local files=() t f
-  for t in "${@:2}"; do for f in "$OUT"/bench-*-"$t"-ep"$NGPU".json; do [ -f "$f" ] && files+=("$f"); done; done
+  for t in "${@:2}"; do for f in "$OUT"/bench-*-"$t"-ep"${BENCH_NPROC:-$NGPU}".json; do [ -f "$f" ] && files+=("$f"); done; done
   if [ ${#files[@]} -eq 0 ]; then echo "i6 check $1: no bench JSON (every bench failed?)"; return; fi
-  python3 benchmarks/issue6_check.py "${files[@]}" --png "$OUT/issue6-$1-ep$NGPU.png" \
-    | tee "$OUT/issue6-$1-ep$NGPU.md" | tail -30
+  python3 benchmarks/issue6_check.py "${files[@]}" --png "$OUT/issue6-$1-ep${BENCH_NPROC:-$NGPU}.png" \
+    | tee "$OUT/issue6-$1-ep${BENCH_NPROC:-$NGPU}.md" | tail -30
 }
 if want i6a; then
 echo "== i6a. issue 6 at 4096 tokens/GPU, qwen3 + mixtral: torch, split, fused; graphs replayed in turn"
@@ -133,6 +136,33 @@ done
 BENCH_TIMEOUT=150 bench qwen3-30b-a3b 4096 "split:presum_combine=1,fused,fused:presum_backward=1" presumbwd \
   --cuda-graph --interleave
 i6_check c i6skew i6one
+fi
+
+# The compute side of issue 6's EP 4 goals on one GPU: W 1 with a quarter of each preset's experts (bench --experts)
+# gives one rank of an EP 4 run its rows, experts and weights under uniform routing, with nothing to communicate.
+# A per-rank proxy, not the goals' setup (issue6_check shows it as not counted): a lower bound of the EP 4 layer.
+PX_BACKENDS=${PX_BACKENDS:-split,fused,fused:kernel=gluon}
+if want px; then
+echo "== px. EP 4 per-rank proxy on one GPU: 4096 tokens, E/4 experts (~6 min on one H200, cold)"
+export BENCH_NPROC=1
+for pe in qwen3-30b-a3b:32 mixtral-8x7b:2 deepseek-v3:64; do
+  echo "-- ${pe%%:*} E ${pe##*:}"; BENCH_TIMEOUT=200 bench "${pe%%:*}" 4096 "$PX_BACKENDS" px4 --experts "${pe##*:}" \
+    --cuda-graph --interleave
+done
+i6_check px px4
+unset BENCH_NPROC
+fi
+if want px2; then
+echo "== px2. EP 4 per-rank proxy on one GPU: 512 and 1 token(s), E/4 experts"
+export BENCH_NPROC=1
+for pe in qwen3-30b-a3b:32 mixtral-8x7b:2 deepseek-v3:64; do
+  for t in 512 1; do
+    echo "-- ${pe%%:*} E ${pe##*:} $t tok"; BENCH_TIMEOUT=120 bench "${pe%%:*}" "$t" "$PX_BACKENDS" "px$t" \
+      --experts "${pe##*:}" --cuda-graph --interleave
+  done
+done
+i6_check px2 px512 px1
+unset BENCH_NPROC
 fi
 
 if want 3; then

@@ -73,6 +73,8 @@ def setup_problem(report: dict, world: int = GOAL_WORLD) -> str | None:
         return f"on {m.get('gpu') or m.get('device', '?')}"
     if c.get("dtype") != "bfloat16":
         return f"dtype {c.get('dtype')}"
+    if c.get("num_experts") != c.get("preset_num_experts", c.get("num_experts")):
+        return f"E {c['num_experts']} (the preset has {c['preset_num_experts']}: bench --experts)"
     return None
 
 

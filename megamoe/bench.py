@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="layer shape (default: tiny without GPUs, deepseek-v3 with GPUs)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default: 64 on CPU, 4096 on GPU)")
+    p.add_argument("--experts", type=int, default=None,
+                   help="experts in the layer (E), replacing the preset's; with E/W of a preset on one GPU it times "
+                        "one rank's expert work of an EP W run (same rows, experts and weights per rank under "
+                        "uniform routing) without its communication: a per-rank proxy, not an EP W run")
     p.add_argument("--skew", type=float, default=0.0,
                    help="routing skew: a logit offset falling linearly from SKEW to 0 across the experts")
     p.add_argument("--dtype", default="bf16", help="layer dtype (bf16, fp32, ...)")
@@ -258,14 +262,21 @@ def _pin(moe, args: argparse.Namespace):
     return moe
 
 
+def bench_config(args: argparse.Namespace):
+    """The layer's MoEConfig: the preset, its dtype, ``--experts`` if given (MoEConfig checks top_k <= E)."""
+    cfg = preset(args.preset, dtype=parse_dtype(args.dtype))
+    if getattr(args, "experts", None) is not None:
+        cfg = cfg.replace(num_experts=args.experts)
+    return cfg.replace(max_tokens_per_rank=max(1, args.tokens))  # split/fused size their buffers for this
+
+
 def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
     """The benchmark on one rank of an initialised process group; rank 0 returns the results."""
     from megamoe.backends import available_backends
     from megamoe.layer import MoE
 
     W, rank = dist.get_world_size(), dist.get_rank()
-    cfg = preset(args.preset, dtype=parse_dtype(args.dtype))
-    cfg = cfg.replace(max_tokens_per_rank=max(1, args.tokens))  # split/fused size their buffers for this
+    cfg = bench_config(args)
     cfg.validate_world(W)
     backends = args.backends.split(",") if args.backends else available_backends(device)
     show = rank == 0 and not args.quiet
@@ -362,6 +373,7 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
                    "dtype": str(cfg.dtype).replace("torch.", ""), "world": W, "iters": args.iters,
                    "warmup": args.warmup, "seed": args.seed, "hidden": cfg.hidden,
                    "intermediate": cfg.intermediate, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
+                   "preset_num_experts": PRESETS[args.preset].num_experts,
                    "rows_per_rank": rows_per_rank[0], "experts_per_rank": experts_per_rank[0],
                    "rows_per_rank_sets": rows_per_rank, "experts_per_rank_sets": experts_per_rank,
                    "floor": "the lowest over the input sets of the largest rank floor (perf.layer_floor_seconds)",
@@ -435,13 +447,20 @@ def _spawned_rank(rank: int, world: int, args: argparse.Namespace, device_type: 
     return run_rank(args, device)
 
 
+def _experts_tag(report: dict) -> str:
+    """``-E32`` when ``--experts`` replaced the preset's expert count, else empty."""
+    c = report["config"]
+    return f"-E{c['num_experts']}" if c["num_experts"] != c.get("preset_num_experts", c["num_experts"]) else ""
+
+
 def _finish(report: dict, args, on_gpu: bool) -> None:
     print(format_table(report))
     path = args.json
     if path is None and on_gpu:
         stamp = report["meta"]["date"][:10]
         path = os.path.join("benchmarks", "results",
-                            f"bench-{args.preset}-{args.tokens}-{report['config']['world']}gpu-{stamp}.json")
+                            f"bench-{args.preset}{_experts_tag(report)}-{args.tokens}-{report['config']['world']}gpu-"
+                            f"{stamp}.json")
     if path:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
@@ -472,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         world = args.world or 2
         os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU ranks run the Triton kernels interpreted
-    preset(args.preset).validate_world(world)
+    bench_config(args).validate_world(world)
     reports = spawn(_spawned_rank, world, args, "cuda" if on_gpu else "cpu",
                     device="cuda" if on_gpu else "cpu", timeout_s=3600)
     _finish(reports[0], args, on_gpu)

@@ -56,6 +56,24 @@ def test_bench_rejects_bad_world():
     assert "divisible by the world size" in proc.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU ranks; GPUs run it under torchrun")
+def test_bench_experts_replaces_the_presets(tmp_path):
+    # --experts 4 on 1 rank: one rank's share of the tiny preset (8 experts) at EP 2, without the communication
+    out_json = tmp_path / "bench.json"
+    proc = _run("bench", "--cpu", "--world", "1", "--experts", "4", "--backends", "split", "--iters", "1",
+                "--warmup", "0", "--tokens", "32", "--json", str(out_json))
+    assert proc.returncode == 0, proc.stderr
+    assert "E=4 " in proc.stdout
+    c = json.loads(out_json.read_text())["config"]
+    assert (c["num_experts"], c["preset_num_experts"], c["world"]) == (4, 8, 1)
+    assert c["rows_per_rank"] == [32 * 2] and 1 <= c["experts_per_rank"][0] <= 4
+    # the expert count is checked like any MoEConfig: top_k <= E, W divides E
+    for argv, text in ((("--experts", "1"), "top_k (2) must be <= num_experts (1)"),
+                       (("--experts", "3", "--world", "2"), "divisible by the world size")):
+        proc = _run("bench", "--cpu", "--iters", "1", *argv)
+        assert proc.returncode == 2 and text in proc.stderr, proc.stderr
+
+
 def test_bench_interleave_needs_cuda_graph():
     proc = _run("bench", "--cpu", "--interleave", "--iters", "1")
     assert proc.returncode != 0 and "--interleave" in proc.stderr and "--cuda-graph" in proc.stderr

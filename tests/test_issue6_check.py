@@ -91,6 +91,9 @@ def test_only_the_goals_setup_counts():
         assert reason in rows[0]["problem"]
         assert "0 of 0 met" in check.summary(rows) and "1 fused rows not counted" in check.summary(rows)
         assert "not counted" in check.table(rows)
+    proxy = _report("mixtral-8x7b", 512, 4, entries)  # bench --experts: another layer than the preset's
+    proxy["config"].update(num_experts=2, preset_num_experts=8)
+    assert "E 2 (the preset has 8" in check.judge(proxy)[0]["problem"]
     rows = check.judge(_report("mixtral-8x7b", 512, 4, entries))
     assert rows[0]["problem"] is None and "2 of 2 met" in check.summary(rows)
 
