@@ -3,7 +3,7 @@ megamoe.bench.capture_step), one GPU: where a graphed forward's time goes, besid
 events).
 
     python benchmarks/graph_profile.py --preset qwen3-30b-a3b --tokens 4096 --backends split,fused:kernel=gluon
-        [--mode forward|forward+backward] [--iters 20]
+        [--mode forward|forward+backward] [--iters 20] [--experts N]
 """
 
 from __future__ import annotations
@@ -28,12 +28,15 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--experts", type=int, default=None, help="replace the preset's expert count (bench --experts)")
     p.add_argument("--backends", default="split:presum_combine=1,fused:kernel=gluon")
     p.add_argument("--mode", default="forward", choices=["forward", "forward+backward"])
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args()
     dev = init_from_env()
     cfg = preset(args.preset, max_tokens_per_rank=args.tokens)
+    if args.experts is not None:
+        cfg = cfg.replace(num_experts=args.experts)
     gen = torch.Generator(dev).manual_seed(0)
     x0 = torch.randn(args.tokens, cfg.hidden, device=dev, dtype=cfg.dtype, generator=gen)
     for spec in args.backends.split(","):
