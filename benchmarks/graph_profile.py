@@ -61,7 +61,7 @@ def main() -> None:
         tot = sum(r[1] for r in rows)
         print(f"== {spec} {args.mode}: replay {ts[len(ts) // 2]:.3f} ms (min {ts[0]:.3f}); kernels sum {tot:.3f} ms",
               flush=True)
-        for k, t, n in rows[:10]:
+        for k, t, n in rows[:14]:
             print(f"   {t:7.3f} ms  x{n:<3d} {k}")
         del graph, moe
 
