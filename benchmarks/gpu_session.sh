@@ -102,11 +102,11 @@ fi
 # runs the fused presum_backward A/B (an A/B, not a goal; not in the check).
 I6_BACKENDS=${I6_BACKENDS:-split,split:presum_combine=1,fused,fused:kernel=gluon}
 i6_check() {  # i6_check <name> <tag...>: the check over this call's bench JSON of those tags
-  local files=() t f
-  for t in "${@:2}"; do for f in "$OUT"/bench-*-"$t"-ep"${BENCH_NPROC:-$NGPU}".json; do [ -f "$f" ] && files+=("$f"); done; done
+  local files=() t f np=${BENCH_NPROC:-$NGPU}
+  for t in "${@:2}"; do for f in "$OUT"/bench-*-"$t"-ep"$np".json; do [ -f "$f" ] && files+=("$f"); done; done
   if [ ${#files[@]} -eq 0 ]; then echo "i6 check $1: no bench JSON (every bench failed?)"; return; fi
-  python3 benchmarks/issue6_check.py "${files[@]}" --png "$OUT/issue6-$1-ep${BENCH_NPROC:-$NGPU}.png" \
-    | tee "$OUT/issue6-$1-ep${BENCH_NPROC:-$NGPU}.md" | tail -30
+  python3 benchmarks/issue6_check.py "${files[@]}" --png "$OUT/issue6-$1-ep$np.png" | tee "$OUT/issue6-$1-ep$np.md" \
+    | tail -30
 }
 if want i6a; then
 echo "== i6a. issue 6 at 4096 tokens/GPU, qwen3 + mixtral: torch, split, fused; graphs replayed in turn"

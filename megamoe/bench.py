@@ -447,20 +447,14 @@ def _spawned_rank(rank: int, world: int, args: argparse.Namespace, device_type: 
     return run_rank(args, device)
 
 
-def _experts_tag(report: dict) -> str:
-    """``-E32`` when ``--experts`` replaced the preset's expert count, else empty."""
-    c = report["config"]
-    return f"-E{c['num_experts']}" if c["num_experts"] != c.get("preset_num_experts", c["num_experts"]) else ""
-
-
 def _finish(report: dict, args, on_gpu: bool) -> None:
     print(format_table(report))
     path = args.json
     if path is None and on_gpu:
         stamp = report["meta"]["date"][:10]
         path = os.path.join("benchmarks", "results",
-                            f"bench-{args.preset}{_experts_tag(report)}-{args.tokens}-{report['config']['world']}gpu-"
-                            f"{stamp}.json")
+                            f"bench-{args.preset}{'' if args.experts is None else f'-E{args.experts}'}-{args.tokens}-"
+                            f"{report['config']['world']}gpu-{stamp}.json")
     if path:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
