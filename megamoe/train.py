@@ -146,6 +146,31 @@ def clip_multipliers(replicated: list[torch.Tensor], local: list[torch.Tensor], 
     return norm, coef, coef / world
 
 
+def train_step(ddp, data: torch.Tensor, opt: MasterAdamW, replicated: list[torch.Tensor], experts: list[torch.Tensor],
+               clip: float, world: int, autocast, marks: _Marks | None = None):
+    """One training step on ``data`` int64 [B, S + 1] (inputs [:, :-1], targets [:, 1:]): forward, backward, the
+    clip multipliers (:func:`clip_multipliers`), the optimizer update they scale, grads cleared. Nothing in it
+    reads tensor data on the host (tests/test_sync_free_cpu.py runs it under megamoe.sync_guard.no_host_reads with
+    backends split and fused), so its results come back as detached device tensors for the caller to log:
+    (cross-entropy, aux loss, tokens per expert [L, E], global grad norm). ``marks``: timing marks after the
+    forward, the backward and the update."""
+    with autocast:
+        logits, aux, load = ddp(data[:, :-1])
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), data[:, 1:].reshape(-1))
+        loss = ce + aux
+    if marks is not None:
+        marks.mark()
+    loss.backward()
+    if marks is not None:
+        marks.mark()
+    gnorm, mult_rep, mult_exp = clip_multipliers(replicated, experts, clip, world)
+    opt.step([mult_rep, mult_exp])  # the multipliers scale the grads as the update reads them
+    opt.zero_grad()
+    if marks is not None:
+        marks.mark()
+    return ce.detach(), aux.detach(), load.detach(), gnorm
+
+
 def _evaluates_after(step: int, args) -> bool:
     return (step + 1) % args.eval_every == 0 or step + 1 == args.steps
 
@@ -238,19 +263,10 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
         opt.lr = lr
         data = corpus.batch("train", args.batch, args.seq, args.seed, step, rank).to(device)
         marks = _Marks(device)
-        with autocast:
-            logits, aux, load = ddp(data[:, :-1])
-            ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), data[:, 1:].reshape(-1))
-            loss = ce + aux
-        marks.mark()
-        loss.backward()
-        marks.mark()
-        gnorm, mult_rep, mult_exp = clip_multipliers(replicated, experts, args.clip, W)
-        opt.step([mult_rep, mult_exp])  # the multipliers scale the grads as the update reads them
-        opt.zero_grad()
-        marks.mark()
-        load_sum = load.detach().clone() if load_sum is None else load_sum + load.detach()
-        stats = torch.stack([ce.detach().float(), aux.detach().float()])
+        ce, aux, load, gnorm = train_step(ddp, data, opt, replicated, experts, args.clip, W, autocast, marks)
+        # what follows reads the step's results on the host (logging, timing): kept out of train_step
+        load_sum = load.clone() if load_sum is None else load_sum + load
+        stats = torch.stack([ce.float(), aux.float()])
         dist.all_reduce(stats)
         stats = (stats / W).tolist()
         fwd, bwd, optim = marks.elapsed()

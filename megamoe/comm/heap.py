@@ -37,6 +37,7 @@ import ctypes
 import logging
 import mmap
 import os
+import struct
 import threading
 import uuid
 import warnings
@@ -367,7 +368,11 @@ class SymmetricHeap:
 
     # ---------------------------------------------------------------- errors
     def _read_error(self) -> str | None:
-        rec = self._err_host.tolist() if self.backend == "cuda" else self._views["err"].tolist()
+        if self.backend == "cuda":  # pinned host memory: a host read, no device sync
+            rec = self._err_host.tolist()
+        else:  # the record's bytes in this rank's shared-memory mapping, read without a torch op (megamoe.sync_guard
+            # counts every torch read of tensor data as a sync; on the CPU backend this one is only a memory read)
+            rec = struct.unpack_from(f"={S.ERR_SLOTS}q", self._maps[self.rank], self.layout["err"][0])
         if rec[S.ERR_FLAG.value] == 0:
             return None
         op = S.OPS.get(rec[S.ERR_OP.value], str(rec[S.ERR_OP.value]))
