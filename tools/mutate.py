@@ -1,0 +1,394 @@
+"""Mutation check: plant realistic bugs one at a time in a copy of the repository and see which the CPU tests catch.
+
+    python tools/mutate.py                 # baseline, then every mutation against its own test selection
+    python tools/mutate.py --list          # the mutations, their files and selections
+    python tools/mutate.py --only combine-gate-slot,swiglu-halves
+    python tools/mutate.py --full          # every mutation against the whole CPU suite (slow)
+
+The tracked files of the repository (``git ls-files``, read from the working tree) are copied once into a temporary
+directory; each mutation replaces one exact snippet in one file there, runs
+
+    <python> -m pytest -x -q -p no:cacheprovider -rfE <selection>
+
+in that directory with PYTHONPATH pointing at it, and restores the file. Results:
+
+    caught   pytest exit 1 (a test failed)
+    missed   pytest exit 0 (everything selected passed)
+    error    anything else: the mutated file does not parse, collection / usage error (exit 2-5), timeout, killed;
+             reported apart and never counted as caught
+
+Before the mutations, a baseline run of the union of the selections (``--full``: the whole suite) on the unmutated
+copy must pass: a failing baseline would make every mutation look caught.
+
+Every snippet must occur exactly once in its file, checked for all mutations before anything runs: a site that
+moved or changed stops the script (exit 2) instead of being skipped.
+
+Exit status: 0 when every mutation run was caught; 1 when any was missed or errored; 2 on a harness error
+(snippet not found or not unique, failing baseline, bad option).
+
+Not part of CI. It is for maintainers changing the tests: a mutation reported missed names a real bug class that
+the selection does not pin. A new test file must be tracked by git (``git add``) to be copied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+PYTEST = ["-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE"]  # -rfE: the FAILED/ERROR lines parsed below
+
+COMM = ("tests/test_comm.py",)
+ROUTER = ("tests/test_router.py",)
+GEMM = ("tests/test_grouped_gemm.py", "-k", "test_bf16_ops_interpreter")
+FUSED_W1 = ("tests/test_fused_backend.py::test_fused_matches_reference_cpu[1]",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    bug: str  # the real bug it models, one line
+    path: str  # repo-relative
+    old: str  # exact snippet, must occur once in the file
+    new: str
+    selection: tuple[str, ...]  # pytest arguments: files, node ids, -k expressions
+
+
+MUTATIONS = [
+    Mutation(
+        "combine-gate-slot",
+        "combine weights slot j's row with the gate of slot K-1-j (gates applied to the wrong rows)",
+        "megamoe/comm/combine.py",
+        "wj = tl.sum(tl.where(jj[None, :] == j, wv, 0.0), axis=1)",
+        "wj = tl.sum(tl.where(jj[None, :] == K - 1 - j, wv, 0.0), axis=1)",
+        COMM,
+    ),
+    Mutation(
+        "combine-gate-bf16",
+        "combine rounds the gates to bf16 before weighting (precision loss in the fp32 sum)",
+        "megamoe/comm/combine.py",
+        "wv = tl.load(w_ptr + toff, mask=mk, other=0.0).to(tl.float32)",
+        "wv = tl.load(w_ptr + toff, mask=mk, other=0.0).to(tl.bfloat16).to(tl.float32)",
+        COMM,
+    ),
+    Mutation(
+        "router-no-renorm",
+        "torch router path drops the top-k renormalisation under norm_topk (gates no longer sum to 1)",
+        "megamoe/router.py",
+        "gates = gates / gates.sum(-1, keepdim=True)",
+        "gates = gates",
+        ROUTER,
+    ),
+    Mutation(
+        "swiglu-halves",
+        "GEMM1 epilogue swaps gate and up: silu(u) * g instead of silu(g) * u",
+        "megamoe/kernels/grouped_gemm.py",
+        "act = g / (1.0 + tl.exp(-g)) * u",
+        "act = u / (1.0 + tl.exp(-u)) * g",
+        GEMM,
+    ),
+    Mutation(
+        "gemm-row-mask",
+        "grouped GEMM epilogue writes one row past its expert's group (off-by-one row mask)",
+        "megamoe/kernels/grouped_gemm.py",
+        "mmask = rm < row_end",
+        "mmask = rm <= row_end",
+        GEMM,
+    ),
+    # Latent today: the schedule writes -1 into recv_row for every t >= T_s and the walk stops below max T_s, so
+    # only a pull given a schedule whose rows past T_s are garbage (allowed by Schedule's contract) shows it.
+    Mutation(
+        "pull-token-mask",
+        "dispatch pull takes token t == T_s of a peer (one past its token count)",
+        "megamoe/comm/dispatch.py",
+        "valid = (ii < n_items) & (t < _per_source(T_all, s, WP2))",
+        "valid = (ii < n_items) & (t <= _per_source(T_all, s, WP2))",
+        COMM,
+    ),
+    # The two wait removals are races: the suite catches them only when a peer happens to lag behind, so a run
+    # may report them missed (or caught) by chance; a test that delays one rank before its call catches them always.
+    Mutation(
+        "pull-no-ready-wait",
+        "pull kernel reads peers' buffers without waiting for their READY (reads before the peer staged)",
+        "megamoe/comm/dispatch.py",
+        "ok = wait_flags(tab, W, rank, READY, 0, W, call, OP, timeout_ns, WP2)",
+        "ok = call >= 0",  # a runtime boolean like wait_flags' result, always true
+        COMM,
+    ),
+    Mutation(
+        "stage-no-done-wait",
+        "stage overwrites this rank's source buffers without waiting for the peers' DONE of the previous call",
+        "megamoe/comm/signals.py",
+        "ok = wait_flags(tab, W, rank, DONE, 0, W, prev, OP_STAGE, timeout_ns, WP2)",
+        "ok = prev >= 0",
+        COMM,
+    ),
+    Mutation(
+        "aux-loss-fraction",
+        "torch router path divides the expert load fraction by T instead of T*k (aux loss k times too large)",
+        "megamoe/router.py",
+        "frac = counts.to(cdt) / (T * k)",
+        "frac = counts.to(cdt) / T",
+        ROUTER,
+    ),
+    Mutation(
+        "fused-tail-gate-slot",
+        "fused megakernel's token sum weights slot j's row with the gate of slot K-1-j",
+        "megamoe/kernels/fused_moe.py",
+        "wj = tl.load(gate_ptr + t * K + jk, mask=mt, other=0.0)",
+        "wj = tl.load(gate_ptr + t * K + (K - 1 - jk), mask=mt, other=0.0)",
+        FUSED_W1,
+    ),
+]
+
+
+class HarnessError(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class Outcome:
+    status: str  # caught / missed / error / pass / fail (baseline)
+    seconds: float
+    first_failure: str
+    exit_code: int | None
+    output: str
+
+
+def check_sites(root: Path, mutations: list[Mutation]) -> dict[str, str]:
+    """Original text of every mutated file; raises HarnessError listing every snippet not found exactly once."""
+    texts, problems = {}, []
+    for m in mutations:
+        if m.path not in texts:
+            f = root / m.path
+            if not f.is_file():
+                problems.append(f"{m.name}: {m.path} does not exist")
+                continue
+            texts[m.path] = f.read_text()
+        n = texts[m.path].count(m.old)
+        if n != 1:
+            problems.append(f"{m.name}: snippet occurs {n} times in {m.path} (must be exactly once): {m.old!r}")
+        if m.old == m.new:
+            problems.append(f"{m.name}: replacement equals the snippet")
+    if problems:
+        raise HarnessError("mutation sites changed; update MUTATIONS in tools/mutate.py:\n  " + "\n  ".join(problems))
+    return texts
+
+
+def copy_tracked(root: Path, dest: Path) -> int:
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=root, check=True, capture_output=True).stdout
+    n = 0
+    for rel in out.decode().split("\0"):
+        if not rel or rel.startswith((".venv/", ".git/")):
+            continue
+        src = root / rel
+        if not src.is_file():  # deleted in the working tree, or a submodule
+            continue
+        dst = dest / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dst)
+        n += 1
+    return n
+
+
+_FIRST = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # already gone
+        pass
+
+
+def run_pytest(python: str, cwd: Path, args: list[str], timeout: float) -> tuple[int | None, str, float]:
+    """(exit code or None on timeout, output, seconds). The run gets its own process group, so a timeout also
+    ends the ranks it spawned."""
+    env = dict(os.environ, PYTHONPATH=str(cwd))
+    env.pop("PYTEST_ADDOPTS", None)
+    t0 = time.monotonic()
+    proc = subprocess.Popen([python, *PYTEST, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        out, _ = proc.communicate()
+        out += f"\n[mutate.py: timed out after {timeout:.0f} s, process group killed]\n"
+        code = None
+    except BaseException:
+        _kill_group(proc)
+        proc.wait()
+        raise
+    return code, out, time.monotonic() - t0
+
+
+def classify(code: int | None) -> str:
+    if code == 1:
+        return "caught"
+    if code == 0:
+        return "missed"
+    return "error"  # 2 interrupted, 3 internal error, 4 usage error, 5 nothing collected, <0 killed, None timeout
+
+
+def first_failure(out: str) -> str:
+    m = _FIRST.search(out)
+    return m.group(1) if m else ""
+
+
+def collect(python: str, cwd: Path, selection: tuple[str, ...], timeout: float) -> list[str]:
+    """Node ids a selection runs (so that the baseline covers the union of selections with different -k)."""
+    env = dict(os.environ, PYTHONPATH=str(cwd))
+    env.pop("PYTEST_ADDOPTS", None)
+    r = subprocess.run([python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *selection],
+                       cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise HarnessError(f"collecting {' '.join(selection)} failed (exit {r.returncode}):\n{r.stdout}{r.stderr}")
+    return [line for line in r.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+
+
+def baseline_args(python: str, cwd: Path, mutations: list[Mutation], full: bool, timeout: float) -> list[str]:
+    if full:
+        return []
+    ids: list[str] = []
+    for sel in dict.fromkeys(m.selection for m in mutations):
+        for node in collect(python, cwd, sel, timeout):
+            if node not in ids:
+                ids.append(node)
+    if not ids:
+        raise HarnessError("the selections collect no tests")
+    return ids
+
+
+def tail(text: str, lines: int = 40) -> str:
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def print_table(rows: list[tuple[str, Outcome]]) -> None:
+    w = max([len("mutation")] + [len(n) for n, _ in rows])
+    print(f"\n{'mutation':<{w}}  {'result':<7} {'seconds':>8}  first failing test")
+    print(f"{'-' * w}  {'-' * 7} {'-' * 8}  {'-' * 18}")
+    for name, o in rows:
+        extra = o.first_failure
+        if o.status == "error" and not extra:
+            extra = "timeout" if o.exit_code is None else f"exit {o.exit_code}"
+        print(f"{name:<{w}}  {o.status:<7} {o.seconds:8.1f}  {extra}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+    ap.add_argument("--only", metavar="NAME[,NAME]", help="run only these mutations")
+    ap.add_argument("--full", action="store_true", help="run the whole CPU suite (pytest -q) for every mutation")
+    ap.add_argument("--python", default=sys.executable, help="interpreter that runs pytest (default: this one)")
+    ap.add_argument("--timeout", type=float,
+                    help="seconds per pytest run (default 1800; with --full 3600: the whole suite took 14 min on 2 "
+                         "busy cores)")
+    ap.add_argument("--log-dir", type=Path, help="write each run's pytest output to DIR/<name>.log")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary copy (its path is printed)")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="skip the baseline run (only when it was just checked: a failing baseline fakes catches)")
+    args = ap.parse_args(argv)
+    if args.timeout is None:
+        args.timeout = 3600.0 if args.full else 1800.0
+
+    mutations = MUTATIONS
+    if args.only:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        known = {m.name for m in MUTATIONS}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            print(f"unknown mutation(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}", file=sys.stderr)
+            return 2
+        mutations = [m for m in MUTATIONS if m.name in names]
+
+    if args.list:
+        for m in mutations:
+            print(f"{m.name}\n    bug:       {m.bug}\n    file:      {m.path}\n"
+                  f"    selection: {' '.join(m.selection)}\n    replace:   {m.old}\n    with:      {m.new}")
+        return 0
+
+    try:
+        originals = check_sites(REPO, mutations)
+    except HarnessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    tmp_parent = Path(tempfile.mkdtemp(prefix="megamoe-mutate-"))
+    work = tmp_parent / "repo"  # a fixed name: the rootdir's name is among the words -k matches
+    if args.log_dir:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[tuple[str, Outcome]] = []
+    try:
+        n = copy_tracked(REPO, work)
+        originals = check_sites(work, mutations)  # the copy is what runs (tracked files only)
+        print(f"copied {n} tracked files to {work}; python {args.python}", flush=True)
+
+        if not args.no_baseline:
+            base = baseline_args(args.python, work, mutations, args.full, args.timeout)
+            what = "the whole suite" if args.full else f"{len(base)} tests (union of the selections)"
+            print(f"baseline: {what} on the unmutated copy ...", flush=True)
+            code, out, secs = run_pytest(args.python, work, base, args.timeout)
+            if args.log_dir:
+                (args.log_dir / "baseline.log").write_text(out)
+            if code != 0:
+                print(tail(out), file=sys.stderr)
+                print(f"error: the baseline does not pass (exit {code}, {secs:.0f} s); every mutation would look "
+                      "caught. Fix the tests first.", file=sys.stderr)
+                return 2
+            print(f"baseline passed in {secs:.1f} s", flush=True)
+
+        for i, m in enumerate(mutations, 1):
+            f = work / m.path
+            original = originals[m.path]
+            mutated = original.replace(m.old, m.new, 1)
+            print(f"[{i}/{len(mutations)}] {m.name}: {m.bug}", flush=True)
+            try:
+                f.write_text(mutated)
+                try:
+                    compile(mutated, str(f), "exec")
+                except SyntaxError as e:
+                    o = Outcome("error", 0.0, f"mutated file does not parse: {e}", None, "")
+                else:
+                    sel = [] if args.full else list(m.selection)
+                    code, out, secs = run_pytest(args.python, work, sel, args.timeout)
+                    o = Outcome(classify(code), secs, first_failure(out), code, out)
+            finally:
+                f.write_text(original)
+            if args.log_dir:
+                (args.log_dir / f"{m.name}.log").write_text(o.output)
+            print(f"    {o.status} in {o.seconds:.1f} s {o.first_failure}", flush=True)
+            if o.status == "error":
+                print(tail(o.output, 20), flush=True)
+            rows.append((m.name, o))
+    except HarnessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if args.keep:
+            print(f"kept the copy at {work}")
+        else:
+            shutil.rmtree(tmp_parent, ignore_errors=True)
+
+    print_table(rows)
+    caught = sum(o.status == "caught" for _, o in rows)
+    errors = sum(o.status == "error" for _, o in rows)
+    note = f" ({errors} error{'s' if errors != 1 else ''}, not counted)" if errors else ""
+    print(f"{caught}/{len(rows)} caught{note}")
+    return 0 if caught == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
