@@ -2,22 +2,81 @@
 
 Shape legend: T tokens, H hidden, I expert intermediate, E experts, k top-k.
 
-    route:   (topk_idx [T, k], topk_w [T, k]) = router(x)                       (megamoe.router.route)
+    route:   (topk_idx [T, k], topk_w [T, k], aux_loss, counts [E]) = route_ref(x, router weight)
     expert:  h = x_t @ w13[e]^T  ([2I]);  a = silu(h[:I]) * h[I:];  o = a @ w2[e]^T  ([H])
-    combine: y[t] = sum_j topk_w[t, j] * o_{t, j}      (j = 0..k-1 in order, accumulated in >= float32)
+    combine: y[t] = sum_j topk_w[t, j] * o_{t, j}      (accumulated in >= float32)
 
-Runs in any dtype, float64 included, forward and backward through autograd. ``experts_ref`` evaluates a
-subset of the experts (those numbered ``expert_offset .. expert_offset + E_sub - 1``), so a rank can compute
-its experts' share of the reference output for the global batch without holding every expert.
+Runs in any dtype, float64 included, forward and backward through autograd. The routing here is written apart
+from :mod:`megamoe.router` (no code shared), so a bug in the layer's router cannot hide in its own reference.
+``experts_ref`` evaluates a subset of the experts (those numbered ``expert_offset .. expert_offset + E_sub - 1``),
+so a rank can compute its experts' share of the reference output for the global batch without holding every
+expert. ``store_dtype`` rounds where megamoe's kernels store intermediates (the gated activation, each expert
+output row, the combined row), so a check in float64 against it sees only the kernels' accumulation-order
+differences, not the storage roundings.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from megamoe.config import MoEConfig
-from megamoe.router import RouterOutput, compute_dtype, route
+
+
+class RouteRef(NamedTuple):
+    """topk_idx int64 [T, k]; topk_w [T, k]; aux_loss scalar (coefficient included); counts int64 [E]."""
+
+    topk_idx: torch.Tensor
+    topk_w: torch.Tensor
+    aux_loss: torch.Tensor
+    counts: torch.Tensor
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def route_ref(x: torch.Tensor, weight: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None = None,
+              logit_offset: torch.Tensor | None = None) -> RouteRef:
+    """Top-k routing of x [T, H] by the router weight [E, H], from the definitions:
+
+    * softmax: p = softmax(logits); the k largest p (ties: lower expert id first) are the experts, p their gates;
+    * sigmoid: s = sigmoid(logits); the experts are the k largest s + bias, the gates their s (bias never in a gate);
+    * gates divided by their sum when ``norm_topk``, then multiplied by ``route_scale``;
+    * aux = coef * E * sum_e (routed slots of e / (T k)) * (mean over tokens of p_e), with p for sigmoid the
+      scores normalised over the experts; 0 without tokens.
+
+    Computed in float64 for float64 input, float32 otherwise.
+    """
+    E, k = config.num_experts, config.top_k
+    cdt = _wide(x.dtype)
+    logits = x.to(cdt) @ weight.to(cdt).t()
+    if logit_offset is not None:
+        logits = logits + logit_offset.to(cdt)
+    T = logits.shape[0]
+    if config.router == "softmax":
+        z = torch.exp(logits - logits.max(-1, keepdim=True).values)
+        probs = z / z.sum(-1, keepdim=True)
+        rank_by = probs
+        density = probs
+    else:
+        probs = 1.0 / (1.0 + torch.exp(-logits))
+        rank_by = probs + (0 if bias is None else bias.to(cdt).detach())
+        density = probs / probs.sum(-1, keepdim=True)
+    order = torch.sort(rank_by.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
+    gates = torch.gather(probs, 1, order)
+    if config.norm_topk:
+        gates = gates / gates.sum(-1, keepdim=True)
+    gates = gates * config.route_scale
+    counts = torch.bincount(order.reshape(-1), minlength=E)
+    if T == 0 or config.aux_loss_coef == 0:
+        aux = logits.sum() * 0.0
+    else:
+        load = counts.to(cdt) / (T * k)
+        aux = config.aux_loss_coef * E * torch.dot(load, density.mean(0))
+    return RouteRef(order, gates, aux, counts)
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -26,9 +85,18 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """One SwiGLU expert: x [n, H], w13 [2I, H], w2 [H, I] -> [n, H]."""
-    return swiglu(x @ w13.t()) @ w2.t()
+def _stored(t: torch.Tensor, store_dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` rounded to ``store_dtype`` and back (autograd passes through: the rounding is a value, not a function)."""
+    if store_dtype is None or store_dtype == t.dtype:
+        return t
+    return t + (t.detach().to(store_dtype).to(t.dtype) - t.detach())
+
+
+def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+               store_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One SwiGLU expert: x [n, H], w13 [2I, H], w2 [H, I] -> [n, H] (``store_dtype``: see the module docstring)."""
+    act = _stored(swiglu(x @ w13.t()), store_dtype)
+    return _stored(act @ w2.t(), store_dtype)
 
 
 def experts_ref(
@@ -38,16 +106,19 @@ def experts_ref(
     w13: torch.Tensor,
     w2: torch.Tensor,
     expert_offset: int = 0,
+    store_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """sum_j topk_w[t, j] * expert_{idx[t, j]}(x_t), over the experts held in ``w13``/``w2`` only.
 
     x [T, H]; topk_idx [T, k] global expert ids; topk_w [T, k]; w13 [E_sub, 2I, H]; w2 [E_sub, H, I] holding
     experts ``expert_offset .. expert_offset + E_sub - 1``. Slots routed elsewhere contribute nothing.
-    Returns y [T, H] in x's dtype, accumulated in ``compute_dtype(x.dtype)``. Weights of another dtype are cast to
-    x's one expert at a time (a float64 check of a deepseek-v3-sized layer needs no float64 copy of all weights).
+    Returns y [T, H] in x's dtype, accumulated in float64 for float64 x, else float32. Weights of another dtype
+    are cast to x's one expert at a time (a float64 check of a deepseek-v3-sized layer needs no float64 copy of
+    all weights). Each token's k outputs are summed in expert order, not slot order: equal up to rounding, which
+    float64 makes negligible.
     """
     T, H = x.shape
-    cdt = compute_dtype(x.dtype)
+    cdt = _wide(x.dtype)
     y = torch.zeros(T, H, dtype=cdt, device=x.device)
     for e_local in range(w13.shape[0]):
         e = expert_offset + e_local
@@ -56,9 +127,9 @@ def experts_ref(
         if tok.numel() == 0:
             continue
         gate = (topk_w.to(cdt) * hit.to(cdt)).sum(dim=1)[tok]  # [n]
-        out = expert_mlp(x[tok], w13[e_local].to(x.dtype), w2[e_local].to(x.dtype))
+        out = expert_mlp(x[tok], w13[e_local].to(x.dtype), w2[e_local].to(x.dtype), store_dtype)
         y = y.index_add(0, tok, out.to(cdt) * gate[:, None])
-    return y.to(x.dtype)
+    return _stored(y, store_dtype).to(x.dtype)
 
 
 def moe_forward(
@@ -69,18 +140,16 @@ def moe_forward(
     config: MoEConfig,
     router_bias: torch.Tensor | None = None,
     logit_offset: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, RouterOutput]:
+    store_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, RouteRef]:
     """The whole layer on one process: x [T, H], router_weight [E, H], w13 [E, 2I, H], w2 [E, H, I].
 
-    Returns (y [T, H], RouterOutput). Differentiable w.r.t. x, router_weight, w13 and w2.
-
-    Note: ``experts_ref`` sums each token's k outputs in expert order, not slot order; the result equals
-    the slot-ordered sum up to rounding, which is what the reference is for (float64 makes it exact enough).
+    Returns (y [T, H], RouteRef). Differentiable w.r.t. x, router_weight, w13 and w2.
     """
     if w13.shape[0] != config.num_experts:
         raise ValueError(f"reference needs all {config.num_experts} experts, got w13 with {w13.shape[0]}")
-    r = route(x, router_weight, config, router_bias, logit_offset)
-    y = experts_ref(x, r.topk_idx, r.topk_w, w13, w2)
+    r = route_ref(x, router_weight, config, router_bias, logit_offset)
+    y = experts_ref(x, r.topk_idx, r.topk_w, w13, w2, store_dtype=store_dtype)
     return y, r
 
 
@@ -89,10 +158,10 @@ def moe_forward_loop(
     router_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """An explicit per-token, per-slot loop (slow; tests check :func:`moe_forward` against it)."""
-    r = route(x, router_weight, config, router_bias)
+    r = route_ref(x, router_weight, config, router_bias)
     rows = []
     for t in range(x.shape[0]):
-        acc = torch.zeros(x.shape[1], dtype=compute_dtype(x.dtype), device=x.device)
+        acc = torch.zeros(x.shape[1], dtype=_wide(x.dtype), device=x.device)
         for j in range(config.top_k):
             e = int(r.topk_idx[t, j])
             h = w13[e] @ x[t]

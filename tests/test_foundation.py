@@ -71,33 +71,41 @@ def test_reference_matches_explicit_loop_float64(router):
         assert rel(a, b) < 1e-12
 
 
-def test_routers():
-    torch.manual_seed(0)
-    cfg = preset("tiny", dtype=torch.float32)
-    x = torch.randn(50, cfg.hidden)
-    w = torch.randn(cfg.num_experts, cfg.hidden) * 0.1
-    r = route(x, w, cfg)
-    assert r.topk_idx.shape == (50, cfg.top_k) and r.topk_w.dtype == torch.float32
-    torch.testing.assert_close(r.topk_w.sum(-1), torch.ones(50))  # normalised gates
-    assert int(r.tokens_per_expert.sum()) == 50 * cfg.top_k
-    # distinct experts per token
-    assert (r.topk_idx.sort(-1).values.diff(dim=-1) > 0).all()
-    # softmax-then-top-k picks the largest logits
-    ref_idx = (x @ w.t()).topk(cfg.top_k, -1).indices
-    assert torch.equal(r.topk_idx, ref_idx)
-    assert r.aux_loss.item() > 0
-    # sigmoid router: the bias moves the choice, not the gate values
-    scfg = cfg.replace(router="sigmoid", route_scale=2.5)
-    bias = torch.zeros(cfg.num_experts)
-    bias[4] = 100.0
-    rs = route(x, w, scfg, bias)
-    assert (rs.topk_idx == 4).any(-1).all()
-    torch.testing.assert_close(rs.topk_w.sum(-1), torch.full((50,), 2.5))
-    scores = torch.sigmoid(x @ w.t())
-    g = scores.gather(1, rs.topk_idx)
-    torch.testing.assert_close(rs.topk_w, 2.5 * g / g.sum(-1, keepdim=True))
-    # empty batch: zero loss, no NaN
-    r0 = route(x[:0], w, cfg)
+@pytest.mark.parametrize("router,norm,scale", [("softmax", True, 1.0),   # Qwen3 / Mixtral
+                                               ("softmax", False, 1.0),  # no renormalisation (gate = p)
+                                               ("sigmoid", True, 2.5),   # DeepSeek-V3 (with a selection bias)
+                                               ("sigmoid", False, 1.5)])
+def test_router_matches_the_independent_reference(router, norm, scale):
+    # megamoe.reference.route_ref shares no code with megamoe.router: the same experts, gates, counts and aux loss
+    # (its own formula), and the same gradients of x and the router weight through the gates and the aux loss
+    from megamoe.reference import route_ref
+
+    cfg = preset("tiny", dtype=torch.float32, router=router, norm_topk=norm, route_scale=scale)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(50, cfg.hidden, generator=g, dtype=torch.float64)
+    w = torch.randn(cfg.num_experts, cfg.hidden, generator=g, dtype=torch.float64) * 0.2
+    bias = torch.randn(cfg.num_experts, generator=g, dtype=torch.float64) * 0.3 if router == "sigmoid" else None
+    dg = torch.randn(50, cfg.top_k, generator=g, dtype=torch.float64)
+    got = []
+    for fn in (route, route_ref):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        r = fn(xi, wi, cfg.replace(dtype=torch.float64), bias)
+        ((r.topk_w * dg).sum() + 10.0 * r.aux_loss).backward()
+        got.append((r, xi.grad, wi.grad))
+    (r, dx, dw), (ref, dx_ref, dw_ref) = got
+    assert torch.equal(r.topk_idx, ref.topk_idx) and torch.equal(r.tokens_per_expert, ref.counts)
+    assert rel(r.topk_w, ref.topk_w) < 1e-14 and rel(r.aux_loss, ref.aux_loss) < 1e-14
+    assert rel(dx, dx_ref) < 1e-13 and rel(dw, dw_ref) < 1e-13
+    if norm:
+        torch.testing.assert_close(r.topk_w.sum(-1), torch.full((50,), scale, dtype=torch.float64))
+    if bias is not None:  # the bias moves the choice, never a gate value
+        big = bias.clone()
+        big[4] = 100.0
+        rb = route(x, w, cfg.replace(dtype=torch.float64), big)
+        assert (rb.topk_idx == 4).any(-1).all()
+        s = torch.sigmoid(x @ w.t()).gather(1, rb.topk_idx)
+        torch.testing.assert_close(rb.topk_w, scale * (s / s.sum(-1, keepdim=True) if norm else s))
+    r0 = route(x[:0], w, cfg.replace(dtype=torch.float64))  # empty batch: zero loss, no NaN
     assert r0.aux_loss.item() == 0.0 and r0.topk_idx.shape == (0, cfg.top_k)
 
 
@@ -116,15 +124,18 @@ def test_bad_input_errors():
     assert out.out.shape == (5, H) and torch.isfinite(out.out).all()
 
 
-def test_backend_selection_never_falls_back():
+def test_backend_selection_never_falls_back(monkeypatch):
+    from megamoe.backends.split import SplitBackend
+
     cfg = preset("tiny", dtype=torch.float32)
     with pytest.raises(ValueError, match="unknown backend"):
         MoE(cfg, backend="nccl")
-    assert "torch" in available_backends("cpu")
-    for name in ("split", "fused"):
-        if name not in available_backends("cpu"):
-            with pytest.raises(BackendUnavailable):
-                MoE(cfg, backend=name)
+    assert available_backends("cpu") == ["torch", "split", "fused"]
+    # a backend that cannot run here raises with its reason, and the layer never takes another one instead
+    monkeypatch.setattr(SplitBackend, "why_unavailable", staticmethod(lambda device: "no symmetric memory here"))
+    assert available_backends("cpu") == ["torch", "fused"]
+    with pytest.raises(BackendUnavailable, match="no symmetric memory here"):
+        MoE(cfg.replace(dtype=torch.bfloat16), backend="split")
 
 
 def test_import_does_no_work():

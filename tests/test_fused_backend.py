@@ -5,6 +5,7 @@ waits, clear errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -13,11 +14,9 @@ import torch
 
 from megamoe.dist import spawn
 from megamoe.testing import (
-    FP8_TOLERANCE,
-    TOLERANCE,
     LayerCase,
     bf16_cases,
-    check_reference,
+    check_bounds,
     compare_runs,
     determinism_case,
     layer_case,
@@ -32,7 +31,7 @@ if not torch.cuda.is_available():
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test; GPUs run test_gpu_fused.py")
 
 # the interpreter is slow: every edge case on 2 ranks, a subset on 1, 3, 4 and 8 (CI runs on 2 cores)
-SUBSET = {1: ("bf16:bf16-ragged", "bf16:fp64-one-expert-k1"),
+SUBSET = {1: ("bf16:bf16-ragged", "bf16:fp64-one-expert-k1", "bf16:fp32-empty-rank"),
           3: ("bf16:bf16-ragged",),
           4: ("bf16:bf16-ragged", "bf16:fp32-empty-rank", "bf16:fp32-starved-expert"),
           8: ("bf16:bf16-ragged",)}  # EP = 8 (DeepEP's intranode config) before an 8-GPU machine is lent
@@ -61,7 +60,11 @@ def _rank(rank: int, world: int) -> tuple[list[dict], list[bool]]:
     results = [layer_case(c, "fused", dev) for c in cases]
     det_case = LayerCase("det", dtype="bf16", tokens=tuple(17 + r for r in range(world)),
                          overrides={"num_experts": tiny_experts(world)})
-    dets = [determinism_case(det_case, "fused", dev)] if world != 8 else []  # 8 ranks: time on 2 CI cores
+    if world == 8:  # 8 ranks on 2 CI cores: the determinism check rides on the one case (a second fwd + bwd)
+        results.append(dict(layer_case(dataclasses.replace(cases[0], repeat=True), "fused", dev),
+                            case="repeat:" + cases[0].name))
+        return results, []
+    dets = [determinism_case(det_case, "fused", dev)]
     if world == 2:
         sk = skewed_case(world)
         # a minibatch: the blocks uniform routing gives one rank (T * k rows of 32); rings of 1x, 2x, 4x it
@@ -122,14 +125,10 @@ def check(results) -> None:
     cycled = 0
     for rank_results, dets in results:
         assert all(dets), "fused backend: two runs differ bitwise"
+        cycled += check_bounds(rank_results)
         for r in rank_results:
-            for key in ("out", "dx", "drouter", "dw13", "dw2"):
-                assert r[key] < TOLERANCE["bf16"], f"{r['case']} rank {r['rank']}: {key} rel err {r[key]:.3g}"
-            assert r["counts_ok"]
             if r["case"].endswith("starved-expert"):
                 assert r["counts"][3] == 0 and r["counts"][6] == 0
-            if "ring" in r and r["blocks"] > r["ring"]:
-                cycled += 1
     if any("ring" in r for rr, _ in results for r in rr):
         assert cycled >= 2, "the skewed case should make the smallest rings cycle"
 
@@ -182,7 +181,7 @@ def test_fused_fp8_matches_split_fp8_cpu():
     cycled = 0
     for refs, twins, dets in spawn(_rank_fp8, 2, timeout_s=900):
         assert all(dets), "fused fp8: two runs differ bitwise"
-        cycled += check_reference(refs, FP8_TOLERANCE)
+        cycled += check_bounds(refs)
         for name, t in twins:
             diff = {k: v for k, v in t.items() if not v[0]}
             assert not diff, f"{name}: fused fp8 differs from split fp8 + fp8_dispatch: {diff}"
@@ -227,8 +226,7 @@ def _presum_backward(rank: int, world: int) -> tuple[dict, dict, dict, dict, lis
 def test_fused_presum_backward_cpu():
     cycled = 0
     for ref, split, default, fp8, calls in spawn(_presum_backward, 2, timeout_s=600):
-        for key in ("out", "dx", "drouter", "dw13", "dw2"):
-            assert ref[key] < TOLERANCE["bf16"], f"{ref['case']} rank {ref['rank']}: {key} rel err {ref[key]:.3g}"
+        check_bounds([ref])
         cycled += ref["blocks"] > ref["ring"]
         # one ungated gather (dx) per fused presum_backward run (ring, dense, FP8), none in fused's default; split's
         # presum runs a gated one (combine) and an ungated one (dx)

@@ -9,11 +9,9 @@ import torch
 
 from megamoe.dist import gpu_ranks_possible, spawn
 from megamoe.testing import (
-    FP8_TOLERANCE,
-    TOLERANCE,
     LayerCase,
     bf16_cases,
-    check_reference,
+    check_bounds,
     determinism_case,
     gpu_cases,
     gpu_world,
@@ -80,11 +78,7 @@ def test_fused_on_gpus(world):
     cycled = 0
     for rank_results, dets in spawn(_rank_cases, world, device="cuda", timeout_s=900):
         assert all(dets), "fused backend: two runs differ bitwise"
-        for r in rank_results:
-            for key in ("out", "dx", "drouter", "dw13", "dw2"):
-                assert r[key] < TOLERANCE["bf16"], f"{r['case']} rank {r['rank']}: {key} rel err {r[key]:.3g}"
-            assert r["counts_ok"]
-            cycled += int("ring" in r and r["blocks"] > r["ring"])
+        cycled += check_bounds(rank_results)
     assert cycled >= 1, "the skewed case should make the smallest ring cycle"
 
 
@@ -141,7 +135,7 @@ def test_fused_fp8_on_gpus(world):
     cycled = 0
     for refs, twins, dets in spawn(_rank_fp8, world, device="cuda", timeout_s=900):
         assert all(dets), "fused fp8: two runs differ bitwise"
-        cycled += check_reference(refs, FP8_TOLERANCE)
+        cycled += check_bounds(refs)
         for name, t in twins:
             for key, (_, rel, cos) in t.items():
                 assert rel < FP8_TWIN_REL and cos > FP8_TWIN_COSINE, \
@@ -204,7 +198,7 @@ def test_fused_gluon_on_gpus(world):
     cycled = 0
     for refs, twins, dets in spawn(_rank_gluon, world, device="cuda", timeout_s=900):
         assert all(dets), "fused kernel=gluon: two runs differ bitwise"
-        cycled += check_reference(refs, {k: TOLERANCE["bf16"] for k in ("out", "dx", "drouter", "dw13", "dw2")})
+        cycled += check_bounds(refs)
         for name, t in twins:
             for key, (_, rel, _cos) in t.items():
                 assert rel < GLUON_TWIN_REL, f"{name}: gluon vs triton megakernel {key}: rel {rel:.3g}"
@@ -250,7 +244,7 @@ def test_fused_gluon_fp8_on_gpus(world):
     cycled = 0
     for refs, twins, dets in spawn(_rank_gluon_fp8, world, device="cuda", timeout_s=900):
         assert all(dets), "fused kernel=gluon fp8: two runs differ bitwise"
-        cycled += check_reference(refs, FP8_TOLERANCE)
+        cycled += check_bounds(refs)
         for name, t in twins:
             for key, (_, rel, cos) in t.items():
                 assert rel < FP8_TWIN_REL and cos > FP8_TWIN_COSINE, \

@@ -34,13 +34,43 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+#: Bounds per checked quantity, against float64 twins rounded to the output's dtype (so a bf16 output is compared
+#: with the correctly rounded value: what remains is accumulation order and the rare rounding flip it causes). The
+#: interpreter's: the worst error over three seed sets (``python tools/measure_bounds.py tests/test_grouped_gemm.py``)
+#: plus 30%, and at least 3e-4 for bf16 outputs (a few one-ulp flips in these small tensors; measured worst 2.8e-5)
+#: and 2e-7 for fp32 ones (measured 1.2e-7). ``mlp.*`` (the autograd Function against the float64 MLP, which keeps
+#: every intermediate unrounded) carries the storage roundings: worst 2.6e-3 (out) to 3.5e-3 (dw2). The CUDA
+#: column (tensor cores, larger K) is measured on an H200 the same way.
+GEMM_BOUNDS = {  # quantity: (interpreter, CUDA)
+    "act": (3e-4, 1e-2), "h": (3e-4, 1e-2), "out": (3e-4, 1e-2), "dh": (3e-4, 1e-2), "ds": (2e-7, 1e-2),
+    "acts": (3e-4, 1e-2), "dx": (3e-4, 1e-2), "dw": (2e-7, 1e-2),
+    "mlp.out": (3.5e-3, 1e-2), "mlp.dx": (4.5e-3, 1e-2), "mlp.dw13": (4.6e-3, 1e-2), "mlp.dw2": (4.6e-3, 1e-2),
+    "mlp.ds": (4e-3, 1e-2),
+    "fp8.act": (3e-4, 1e-2), "fp8.h": (3e-4, 1e-2), "fp8.out": (3e-4, 1e-2), "fp8.dh": (3e-4, 1e-2),
+    "fp8.ds": (2e-7, 5e-3), "fp8.acts": (3e-4, 1e-2), "fp8.plain": (3e-4, 1e-2),
+}
+
+
+def check(key: str, got: torch.Tensor, ref: torch.Tensor) -> None:
+    """got against the float64 ``ref`` rounded to got's dtype, within GEMM_BOUNDS[key] (the error is recorded for
+    tools/measure_bounds.py)."""
+    from megamoe.testing import note_error
+
+    err = rel(got, ref.to(got.dtype) if got.dtype != torch.float32 else ref)
+    note_error(f"gemm.{'cuda' if CUDA else 'cpu'}.{key}", err)
+    bound = GEMM_BOUNDS[key][int(CUDA)]
+    assert err < bound, f"{key}: rel err {err:.3g} >= {bound:.3g}"
+
+
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double().flatten().cpu(), b.double().flatten().cpu()
     return (a @ b / (a.norm() * b.norm())).item()
 
 
 def make_problem(sizes: list[int], pad: int, H: int, I: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
+    from megamoe.testing import seed_offset
+
+    g = torch.Generator().manual_seed(seed + 1000 * seed_offset())
     E = len(sizes)
     n = sum(sizes)
     R = n + pad
@@ -74,7 +104,7 @@ CPU_CASES = [
 CPU_CFG = GemmConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_stages=1, num_warps=4)
 
 
-def _forward_backward(p, cfg: GemmConfig, I: int, tol: float = 1e-2):
+def _forward_backward(p, cfg: GemmConfig, I: int):
     n, offs = p["n"], p["offs"]
     x64, w13_64, w2_64, s64 = p["x"].double(), p["w13"].double(), p["w2"].double(), p["s"].double()
     # GEMM1 + SwiGLU
@@ -84,15 +114,15 @@ def _forward_backward(p, cfg: GemmConfig, I: int, tol: float = 1e-2):
     check_padding_untouched(act, n)
     check_padding_untouched(h, n)
     if n:
-        assert rel(act[:n], ract[:n]) < tol
-        assert rel(h[:n], rh[:n]) < tol
+        check("act", act[:n], ract[:n])
+        check("h", h[:n], rh[:n])
     # GEMM2 with and without the gate scale
     for scale in (None, p["s"]):
         out = X.gemm2(act, p["w2"], offs, scale=scale, out=poisoned((p["R"], p["x"].shape[1])), config=cfg)
         rout = X.gemm2_ref(act.double(), w2_64, offs, scale=None if scale is None else s64)
         check_padding_untouched(out, n)
         if n:
-            assert rel(out[:n], rout[:n]) < tol
+            check("out", out[:n], rout[:n])
     # dgrad through SwiGLU (+ gate gradient), dgrad of GEMM1, both wgrads
     dh, ds = X.gemm2_dgrad_swiglu(p["dy"], p["w2"], h, offs, scale=p["s"], out=poisoned((p["R"], 2 * I)),
                                   config=cfg)
@@ -100,23 +130,22 @@ def _forward_backward(p, cfg: GemmConfig, I: int, tol: float = 1e-2):
     check_padding_untouched(dh, n)
     assert (ds[n:] == 0).all()
     if n:
-        assert rel(dh[:n], rdh[:n]) < tol
-        assert rel(ds[:n], rds[:n]) < tol
+        check("dh", dh[:n], rdh[:n])
+        check("ds", ds[:n], rds[:n])
     # the same with the gated activation written too (the bf16 backward's dW2 operand): dh and ds unchanged
     acts = poisoned((p["R"], I))
     dh2, ds2 = X.gemm2_dgrad_swiglu(p["dy"], p["w2"], h, offs, scale=p["s"], config=cfg, acts_out=acts)
     check_padding_untouched(acts, n)
     assert (ds2[n:] == 0).all()
     if n:  # ds is summed in another order with acts (register use), so compared with the reference, not bitwise
-        assert rel(dh2[:n], rdh[:n]) < tol
-        assert rel(ds2[:n], rds[:n]) < tol
+        check("dh", dh2[:n], rdh[:n])
+        check("ds", ds2[:n], rds[:n])
         g64, u64 = h[:n, :I].double(), h[:n, I:].double()
-        racts = s64[:n, None] * g64 * torch.sigmoid(g64) * u64
-        assert rel(acts[:n], racts) < tol
+        check("acts", acts[:n], s64[:n, None] * g64 * torch.sigmoid(g64) * u64)
     dx = X.gemm1_dgrad(dh, p["w13"], offs, out=poisoned(tuple(p["x"].shape)), config=cfg)
     check_padding_untouched(dx, n)
     if n:
-        assert rel(dx[:n], X.gemm1_dgrad_ref(dh.double(), w13_64, offs)[:n]) < tol
+        check("dx", dx[:n], X.gemm1_dgrad_ref(dh.double(), w13_64, offs)[:n])
     dh_clean = torch.where(torch.arange(p["R"], device=DEV)[:, None] < n, dh, 0).double()
     x_clean = torch.nan_to_num(x64, nan=0.0)
     for xa, ya, xr, yr in ((dh, p["x"], dh_clean, x_clean), (act, dh[:, :I].contiguous(), act.double(),
@@ -126,21 +155,23 @@ def _forward_backward(p, cfg: GemmConfig, I: int, tol: float = 1e-2):
         empty = (offs[1:] - offs[:-1]).cpu() == 0
         assert (dw[empty.to(DEV)] == 0).all(), "an empty expert's weight gradient must be zero"
         if n:
-            assert rel(dw, rdw) < tol
+            check("dw", dw, rdw)
         again = X.grouped_wgrad(xa, ya, offs, config=cfg)
         assert torch.equal(dw, again), "wgrad is not bitwise deterministic"
 
 
+# every group-size case on the pointer path and on TMA with the flattened tile loop; the epilogue split in 2 (with
+# two persistent programs per SM: a grid of 8 instead of 4) and in 4 on the mixed-size case only
+BF16_VARIANTS = [pytest.param(*case.values, False, 1, False, id=f"{case.id}-pointers") for case in CPU_CASES] + \
+    [pytest.param(*case.values, True, 1, True, id=f"{case.id}-tma-flatten") for case in CPU_CASES] + \
+    [pytest.param(*CPU_CASES[0].values, True, 2, False, id=f"{CPU_CASES[0].id}-tma-split2"),
+     pytest.param(*CPU_CASES[0].values, False, 4, True, id=f"{CPU_CASES[0].id}-pointers-split4-flatten")]
+
+
 @cpu_only
-@pytest.mark.parametrize("use_tma,epi_split,flatten", [(False, 1, False), (True, 1, True), (True, 2, False),
-                                                       (False, 4, True)],
-                         ids=["pointers", "tma-flatten", "tma-split2", "pointers-split4-flatten"])
-@pytest.mark.parametrize("sizes,pad", CPU_CASES)
+@pytest.mark.parametrize("sizes,pad,use_tma,epi_split,flatten", BF16_VARIANTS)
 def test_bf16_ops_interpreter(sizes, pad, use_tma, epi_split, flatten):
-    if epi_split > 1 and sizes != CPU_CASES[0].values[0]:
-        pytest.skip("the epilogue split is covered on the mixed-size case")
     p = make_problem(sizes, pad, H=40, I=24)
-    # the split-epilogue case also runs two persistent programs per SM (a grid of 8 here instead of 4)
     _forward_backward(p, CPU_CFG.with_(use_tma=use_tma, epi_split=epi_split, flatten=flatten,
                                        programs_per_sm=2 if epi_split == 2 else 1), I=24)
 
@@ -204,12 +235,12 @@ def test_experts_fn_autograd_and_determinism():
     rout = X.experts_mlp_ref(leaves[0], offs, leaves[1], leaves[2], leaves[3])
     rout.backward(dy.double())
     out, dx, dw13, dw2, ds = grads[0]
-    assert rel(out, rout[:n]) < 1e-2
-    assert rel(dx[:n], leaves[0].grad[:n]) < 1e-2
+    check("mlp.out", out, rout[:n])
+    check("mlp.dx", dx[:n], leaves[0].grad[:n])
     assert (dx[n:] == 0).all()
-    assert rel(dw13, leaves[1].grad) < 1e-2
-    assert rel(dw2, leaves[2].grad) < 1e-2
-    assert rel(ds[:n], leaves[3].grad[:n]) < 1e-2
+    check("mlp.dw13", dw13, leaves[1].grad)
+    check("mlp.dw2", dw2, leaves[2].grad)
+    check("mlp.ds", ds[:n], leaves[3].grad[:n])
 
 
 def _fp8_checks(p, cfg: GemmConfig | None, I: int):
@@ -242,7 +273,8 @@ def _fp8_checks(p, cfg: GemmConfig | None, I: int):
     act16, h16 = X.gemm1_swiglu(x, w13, offs)
     if n:
         # against the float64 product of the same quantised operands: only accumulation/rounding error
-        assert rel(act8[:n], ract_q[:n]) < 1e-2 and rel(h8[:n], rh_q[:n]) < 1e-2
+        check("fp8.act", act8[:n], ract_q[:n])
+        check("fp8.h", h8[:n], rh_q[:n])
         # against the bf16 kernel: the e4m3 quantisation error itself
         assert rel(h8[:n], h16[:n]) < 5e-2 and cosine(h8[:n], h16[:n]) >= 0.999
         assert rel(act8[:n], act16[:n]) < 6e-2 and cosine(act8[:n], act16[:n]) >= 0.998
@@ -252,9 +284,9 @@ def _fp8_checks(p, cfg: GemmConfig | None, I: int):
     out16 = X.gemm2(act16, w2, offs, scale=p["s"])
     if n:
         rout8 = X.grouped_gemm_fp8_ref(aq[:n], a_s[:n], w2q, w2s, offs, scale=p["s"][:n].double())
-        assert rel(out8[:n], rout8) < 1e-2
+        check("fp8.out", out8[:n], rout8)
         ract8, _ = X.gemm1_swiglu_fp8_ref(q[:n], s[:n], wq, ws, offs)
-        assert rel(act8[:n], ract8) < 1e-2
+        check("fp8.act", act8[:n], ract8)
     dyq, dys = X.quantize_act(p["dy"])
     w2tq, w2ts = X.quantize_weight(w2.transpose(1, 2))
     dh8 = poisoned((p["R"], 2 * I))
@@ -264,16 +296,18 @@ def _fp8_checks(p, cfg: GemmConfig | None, I: int):
     dh16, ds16 = X.gemm2_dgrad_swiglu(p["dy"], w2, h16, offs, scale=p["s"])
     if n:  # against the float64 twin on the same quantised operands
         rdh8, rds8 = X.gemm2_dgrad_swiglu_fp8_ref(dyq, dys, w2tq, w2ts, h16, offs, scale=p["s"])
-        assert rel(dh8[:n], rdh8[:n]) < 1e-2 and rel(ds8[:n], rds8[:n]) < 5e-3
+        check("fp8.dh", dh8[:n], rdh8[:n])
+        check("fp8.ds", ds8[:n], rds8[:n])
     # with the gated activation written too (the FP8 split backward's dW2 operand): dh and ds as without it
     acts8 = poisoned((p["R"], I))
     dh8a, ds8a = X.gemm2_dgrad_swiglu_fp8(dyq, dys, w2tq, w2ts, h16, offs, scale=p["s"], config=cfg, acts_out=acts8)
     check_padding_untouched(acts8, n)
     assert (ds8a[n:] == 0).all()
     if n:
-        assert rel(dh8a[:n], rdh8[:n]) < 1e-2 and rel(ds8a[:n], rds8[:n]) < 5e-3
+        check("fp8.dh", dh8a[:n], rdh8[:n])
+        check("fp8.ds", ds8a[:n], rds8[:n])
         g64, u64 = h16[:n, :I].double(), h16[:n, I:].double()
-        assert rel(acts8[:n], p["s"][:n, None].double() * g64 * torch.sigmoid(g64) * u64) < 1e-2
+        check("fp8.acts", acts8[:n], p["s"][:n, None].double() * g64 * torch.sigmoid(g64) * u64)
     with pytest.raises(ValueError, match="acts_out"):  # [R, I] bf16 contiguous
         X.gemm2_dgrad_swiglu_fp8(dyq, dys, w2tq, w2ts, h16, offs, scale=p["s"], config=cfg,
                                  acts_out=torch.zeros(p["R"], I, device=h16.device, dtype=torch.float32))
@@ -419,7 +453,7 @@ def test_fp8_kernel_choice_on_cpu():
     assert cfg.kernel is None
     out = X.grouped_gemm_fp8(q, s, wq, ws, p["offs"], config=CPU_CFG.with_(block_k=128, kernel="triton"))
     ref = X.grouped_gemm_fp8_ref(q[:p["n"]], s[:p["n"]], wq, ws, p["offs"])
-    assert rel(out[:p["n"]], ref) < 1e-2
+    check("fp8.plain", out[:p["n"]], ref)
     with pytest.raises(ValueError, match="kernel must be one of"):
         GemmConfig(kernel="cutlass")
     # bf16 ops take kernel="gluon" since the Gluon bf16 kernel (kernels/gluon_bf16.py), but not here

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megamoe.dist import spawn
-from megamoe.testing import TOLERANCE, gpu_cases, layer_case, standard_cases
+from megamoe.testing import check_bounds, layer_case, standard_cases
 
 
 def _rank_cases(rank: int, world: int, backend: str) -> list[dict]:
@@ -15,13 +15,9 @@ def _rank_cases(rank: int, world: int, backend: str) -> list[dict]:
 
 
 def check_results(results: list[list[dict]], world: int) -> None:
-    cases = {c.name: c for c in standard_cases(world) + gpu_cases(world)}
     for rank_results in results:
+        check_bounds(rank_results)
         for r in rank_results:
-            tol = TOLERANCE[cases[r["case"]].dtype]
-            for key in ("out", "dx", "drouter", "dw13", "dw2"):
-                assert r[key] < tol, f"{r['case']} rank {r['rank']}: {key} rel err {r[key]:.3g} >= {tol}"
-            assert r["counts_ok"], f"{r['case']} rank {r['rank']}: tokens_per_expert disagrees with the routing"
             if r["case"] == "fp64-one-expert-k1" and r["tokens"] > 0:
                 assert r["max_expert_share"] == 1.0, "the one-expert case did not route every token to one expert"
             if r["case"] == "fp32-starved-expert":

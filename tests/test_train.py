@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from megamoe.backends import available_backends
 from megamoe.train import main as train_main
 
 SMALL = ["--steps", "30", "--layers", "2", "--seq", "32", "--batch", "2", "--world", "2", "--cpu", "--quiet",
@@ -76,7 +75,6 @@ def test_train_bf16_adam_moments(tmp_path):
     assert bf16[0] == fp32[0] and bf16 == pytest.approx(fp32, rel=1e-2)
 
 
-@pytest.mark.skipif("split" not in available_backends("cpu"), reason="backend 'split' is not built yet")
 def test_train_backends_agree(tmp_path):
     # bf16 MoE layers (split needs them; fp32 master weights), same seed and data: the first losses agree to
     # bf16 tolerance (later steps drift apart as bf16 rounding differences compound, as on the GPU)
@@ -90,7 +88,6 @@ def test_train_backends_agree(tmp_path):
         assert res["history"]["loss"] == pytest.approx(torch_res["history"]["loss"], rel=1e-2), res["backend"]
 
 
-@pytest.mark.skipif("split" not in available_backends("cpu"), reason="backend 'split' is not built yet")
 def test_train_fp8_weights_kept_by_the_optimizer(tmp_path):
     # FP8 layers whose weights the optimizer requantises after each update (--fp8-quant optimizer, the default)
     # train bitwise like layers that quantise them themselves, and the summary says which ran; the FP8 megakernel

@@ -71,8 +71,11 @@ def gather_rows_ref(rows_by_rank: list[torch.Tensor], idxs: list[torch.Tensor], 
 
 
 def combine_ref(topk_w: torch.Tensor | None, out_rows: list[torch.Tensor]) -> torch.Tensor:
-    """fp32 y[t] = sum_j w[t, j] * out_rows[j][t] in j order (w = 1 when topk_w is None)."""
-    acc = torch.zeros(out_rows[0].shape, dtype=torch.float32) if out_rows else None
+    """y[t] = sum_j w[t, j] * out_rows[j][t] in j order (w = 1 when topk_w is None), accumulated in float64 when
+    the rows or gates are float64, else in float32."""
+    wide = any(o.dtype == torch.float64 for o in out_rows) or (topk_w is not None and topk_w.dtype == torch.float64)
+    cdt = torch.float64 if wide else torch.float32
+    acc = torch.zeros(out_rows[0].shape, dtype=cdt) if out_rows else None
     for j, o in enumerate(out_rows):
-        acc = acc + (topk_w[:, j : j + 1].float() * o.float() if topk_w is not None else o.float())
+        acc = acc + (topk_w[:, j : j + 1].to(cdt) * o.to(cdt) if topk_w is not None else o.to(cdt))
     return acc

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The GPU runner: named scenarios for one device call (one H200 unless said), logs under $OUT, a short summary last.
+#   bash benchmarks/gpu.sh twins,bounds
+# Scenarios:
+#   twins   every Hopper default kernel against its Triton twin on every preset's EP-4 share (tests/test_gpu_twins.py,
+#           one pytest process per preset); summary table and $OUT/twins-<preset>.json
+#   bounds  the GPU numeric tests with their errors recorded (MEGAMOE_ERRLOG), then the worst error per quantity: what
+#           the CUDA bounds of megamoe.testing.BOUNDS and tests/test_grouped_gemm.py are set from
+#   tests   every GPU test (pytest -m gpu), in parallel chunks (compiles are CPU-bound; 16 cores)
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+SCEN=",${1:-twins},"
+want() { [[ "$SCEN" == *",$1,"* ]]; }
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+SUMMARY=""
+
+par_pytest() {  # par_pytest <name> <timeout s> <selection per process, ';'-separated> [extra pytest args]
+  local name=$1 tmo=$2 IFS=';' i=0 pids=()
+  for sel in $3; do
+    # shellcheck disable=SC2086  # the selection is several pytest args
+    ( IFS=' '; timeout "$tmo" python3 -m pytest -q -p no:cacheprovider -m gpu $sel "${@:4}" > "$OUT/$name-$i.log" 2>&1 ) &
+    pids+=($!); i=$((i + 1))
+  done
+  wait "${pids[@]}"
+  for f in "$OUT/$name"-*.log; do echo "-- $f: $(grep -E '[0-9]+ (passed|failed|error)' "$f" | tail -1)"; done
+}
+
+if want twins; then
+  echo "== twins"
+  IFS=',' read -ra PRESETS <<< "${TWIN_PRESETS:-qwen3-30b-a3b,deepseek-v3,mixtral-8x7b,gpt-oss-120b}"
+  for p in "${PRESETS[@]}"; do
+    ( MEGAMOE_TWINS_JSON="$OUT/twins-$p.json" timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu \
+        tests/test_gpu_twins.py -k "$p" > "$OUT/twins-$p.log" 2>&1 ) &
+  done
+  wait
+  for p in "${PRESETS[@]}"; do
+    line=$(grep -E '[0-9]+ (passed|failed)' "$OUT/twins-$p.log" | tail -1)
+    echo "-- twins $p: $line"; SUMMARY+="twins $p: $line"$'\n'
+    grep -E "^(FAILED|ERROR)" "$OUT/twins-$p.log" | head -5
+  done
+fi
+
+if want bounds; then
+  echo "== bounds"
+  rm -f "$OUT/errors.jsonl"
+  export MEGAMOE_ERRLOG="$OUT/errors.jsonl"
+  par_pytest bounds 560 "tests/test_grouped_gemm.py;tests/test_gpu_split.py::test_split_on_gpus[1];tests/test_gpu_fused.py::test_fused_on_gpus[1];tests/test_gpu_fused.py::test_fused_gluon_on_gpus[1] tests/test_gpu_fused.py::test_fused_fp8_on_gpus[1];tests/test_gpu_layer.py::test_torch_backend_on_gpus[1]"
+  unset MEGAMOE_ERRLOG
+  python3 - "$OUT/errors.jsonl" <<'EOF'
+import collections, json, sys
+worst = collections.defaultdict(float)
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    worst[r["key"]] = max(worst[r["key"]], r["err"])
+for k in sorted(worst):
+    print(f"{k:<44} {worst[k]:10.3g}  x1.3 {1.3 * worst[k]:10.3g}")
+EOF
+fi
+
+if want tests; then
+  echo "== tests"
+  ids=$(python3 -m pytest -q -p no:cacheprovider --collect-only -m gpu 2>/dev/null | grep "::")
+  n=$(echo "$ids" | wc -l); per=$(( (n + 7) / 8 )); sels=""
+  for s in 0 1 2 3 4 5 6 7; do
+    chunk=$(echo "$ids" | sed -n "$(( s * per + 1 )),$(( (s + 1) * per ))p" | tr '\n' ' ')
+    [ -n "$chunk" ] && sels+="$chunk;"
+  done
+  par_pytest tests 580 "$sels"
+fi
+
+echo "== summary"
+printf "%s" "$SUMMARY"
