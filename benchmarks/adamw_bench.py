@@ -13,9 +13,9 @@ import json
 
 import torch
 
+from megamoe.apps.perf import run_metadata
 from megamoe.config import preset
 from megamoe.optim import MasterAdamW
-from megamoe.perf import run_metadata
 
 
 def _time(fn, iters: int = 10) -> float:

@@ -20,11 +20,11 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from megamoe.apps.perf import write_results
 from megamoe.config import preset
 from megamoe.dist import init_from_env
 from megamoe.layer import MoE
 from megamoe.optim import MasterAdamW
-from megamoe.perf import write_results
 
 
 def graphed(fn, dev, before_capture=None):

@@ -7,6 +7,13 @@
 #   bounds  the GPU numeric tests with their errors recorded (MEGAMOE_ERRLOG), then the worst error per quantity: what
 #           the CUDA bounds of megamoe.testing.BOUNDS and tests/test_grouped_gemm.py are set from
 #   tests   every GPU test (pytest -m gpu), in parallel chunks (compiles are CPU-bound; 16 cores)
+#   bench   megamoe bench --experts E/4 --tokens 4096 --cuda-graph --interleave for qwen3-30b-a3b (32), deepseek-v3 (64),
+#           mixtral-8x7b (2); with BASE=<dir holding another tree's megamoe/> that tree too, runs alternating (new, base,
+#           new, base), then a table of new / base per backend and mode (benchmarks/ab_table.py)
+#   small   the same at 1 and 512 tokens (no base)
+#   gemm    megamoe bench-gemm at the EP-4 shapes, 4096 and 16384 tokens per GPU
+#   profile benchmarks/graph_profile.py: per-kernel device times of a graphed forward+backward (qwen3, deepseek)
+#   train   a short megamoe train (torch, split, fused; qwen3-30b-a3b dims, 2 layers)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -48,7 +55,7 @@ if want bounds; then
   echo "== bounds"
   rm -f "$OUT/errors.jsonl"
   export MEGAMOE_ERRLOG="$OUT/errors.jsonl"
-  par_pytest bounds 560 "tests/test_grouped_gemm.py;tests/test_gpu_split.py::test_split_on_gpus[1];tests/test_gpu_fused.py::test_fused_on_gpus[1];tests/test_gpu_fused.py::test_fused_gluon_on_gpus[1] tests/test_gpu_fused.py::test_fused_fp8_on_gpus[1];tests/test_gpu_layer.py::test_torch_backend_on_gpus[1]"
+  par_pytest bounds 560 "tests/test_grouped_gemm.py;tests/test_gpu_split.py::test_split_on_gpus[1];tests/test_gpu_fused.py::test_fused_on_gpus[1];tests/test_gpu_fused.py::test_fused_triton_items_on_hopper[1] tests/test_gpu_split.py::test_split_fp8_on_gpus;tests/test_gpu_layer.py::test_torch_backend_on_gpus[1]"
   unset MEGAMOE_ERRLOG
   python3 - "$OUT/errors.jsonl" <<'EOF'
 import collections, json, sys
@@ -70,6 +77,62 @@ if want tests; then
     [ -n "$chunk" ] && sels+="$chunk;"
   done
   par_pytest tests 580 "$sels"
+fi
+
+BENCH_SET="qwen3-30b-a3b:32 deepseek-v3:64 mixtral-8x7b:2"
+bench_one() {  # bench_one <tree> <preset> <experts> <tokens> <json>
+  ( cd "$1" && PYTHONPATH=. timeout 560 python3 -m megamoe bench --preset "$2" --experts "$3" --tokens "$4" \
+      --cuda-graph --interleave --quiet --json "$5" )
+}
+
+if want bench; then
+  echo "== bench"
+  for pe in $BENCH_SET; do
+    p=${pe%%:*}; e=${pe##*:}
+    for r in 1 2; do
+      bench_one . "$p" "$e" 4096 "$PWD/$OUT/bench-$p-new$r.json" > "$OUT/bench-$p-new$r.log" 2>&1
+      tail -8 "$OUT/bench-$p-new$r.log"
+      if [ -n "${BASE:-}" ]; then
+        bench_one "$BASE" "$p" "$e" 4096 "$PWD/$OUT/bench-$p-base$r.json" > "$OUT/bench-$p-base$r.log" 2>&1
+        tail -8 "$OUT/bench-$p-base$r.log"
+      fi
+    done
+  done
+  SUMMARY+=$(python3 benchmarks/ab_table.py "$OUT")$'\n'
+fi
+
+if want small; then
+  echo "== small"
+  for pe in $BENCH_SET; do
+    for t in 1 512; do
+      p=${pe%%:*}; e=${pe##*:}
+      bench_one . "$p" "$e" "$t" "$PWD/$OUT/small-$p-$t.json" > "$OUT/small-$p-$t.log" 2>&1
+      tail -8 "$OUT/small-$p-$t.log"
+    done
+  done
+fi
+
+if want gemm; then
+  echo "== gemm"
+  timeout 560 python3 -m megamoe bench-gemm --tokens 4096 16384 --json "$OUT/gemm.json" > "$OUT/gemm.log" 2>&1
+  tail -40 "$OUT/gemm.log"
+fi
+
+if want profile; then
+  echo "== profile"
+  for pe in qwen3-30b-a3b:32 deepseek-v3:64; do
+    p=${pe%%:*}
+    timeout 300 python3 benchmarks/graph_profile.py --preset "$p" --experts "${pe##*:}" --mode forward+backward \
+        > "$OUT/profile-$p.log" 2>&1
+    tail -25 "$OUT/profile-$p.log"
+  done
+fi
+
+if want train; then
+  echo "== train"
+  timeout 560 python3 -m megamoe train --backends torch,split,fused --preset qwen3-30b-a3b --layers 2 --steps 30 \
+      --out "$OUT/train" > "$OUT/train.log" 2>&1
+  tail -15 "$OUT/train.log"
 fi
 
 echo "== summary"

@@ -1,8 +1,8 @@
 """Per-kernel device times of a CUDA-graph replay of one layer step (captured as `megamoe bench --cuda-graph` does:
-megamoe.bench.capture_step), one GPU: where a graphed forward's time goes, beside the replay's wall time (CUDA
+megamoe.apps.bench.capture_step), one GPU: where a graphed forward's time goes, beside the replay's wall time (CUDA
 events).
 
-    python benchmarks/graph_profile.py --preset qwen3-30b-a3b --tokens 4096 --backends split,fused:kernel=gluon
+    python benchmarks/graph_profile.py --preset qwen3-30b-a3b --tokens 4096 --backends split,fused
         [--mode forward|forward+backward] [--iters 20] [--experts N]
 """
 
@@ -17,8 +17,8 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from megamoe.apps.bench import capture_step  # noqa: E402
 from megamoe.backends import parse_backend  # noqa: E402
-from megamoe.bench import capture_step  # noqa: E402
 from megamoe.config import preset  # noqa: E402
 from megamoe.dist import init_from_env  # noqa: E402
 from megamoe.layer import MoE  # noqa: E402
@@ -29,7 +29,7 @@ def main() -> None:
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--experts", type=int, default=None, help="replace the preset's expert count (bench --experts)")
-    p.add_argument("--backends", default="split:presum_combine=1,fused:kernel=gluon")
+    p.add_argument("--backends", default="split,fused")
     p.add_argument("--mode", default="forward", choices=["forward", "forward+backward"])
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args()

@@ -16,9 +16,9 @@ import argparse
 
 import torch
 
+from megamoe.apps.perf import event_median_s, write_results
 from megamoe.config import preset
 from megamoe.kernels import fp8_quant
-from megamoe.perf import event_median_s, write_results
 
 HBM = 4258e9
 #: (CHUNK, num_warps, COLS_T); the first of each mode is the kernel before f4e9d64, the COLS_T ones 2026-12-02's

@@ -14,8 +14,8 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from megamoe.apps.perf import write_results
 from megamoe.config import preset
-from megamoe.perf import write_results
 from megamoe.router import route
 
 

@@ -18,7 +18,7 @@ from datetime import datetime
 
 import torch
 
-from megamoe.perf import run_metadata
+from megamoe.apps.perf import run_metadata
 
 
 def main() -> None:

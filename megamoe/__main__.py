@@ -1,5 +1,5 @@
 import sys
 
-from megamoe.cli import main
+from megamoe.apps.cli import main
 
 sys.exit(main())

@@ -1,10 +1,8 @@
 """MoE layer configuration and the named presets.
 
-Shape legend: T tokens (per rank), H hidden, I expert intermediate, E experts, E_l = E / W local experts,
-k top-k, W world size (expert-parallel degree).
-
-Every constraint is checked when a config is built (``MoEConfig(...)``) or bound to a world size
-(:meth:`MoEConfig.validate_world`), and a violation raises ``ValueError`` naming it.
+Shapes: T tokens per rank, H hidden, I expert intermediate, E experts, W expert-parallel world size,
+E_l = E / W local experts, k top-k. A constraint violated at construction or in
+:meth:`MoEConfig.validate_world` raises ``ValueError`` naming it.
 """
 
 from __future__ import annotations
@@ -45,22 +43,11 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 class MoEConfig:
     """Shape and routing of one MoE layer (SwiGLU experts, top-k routing).
 
-    Attributes:
-        hidden: H, model width.
-        intermediate: I, each expert's SwiGLU width (w13 is [2I, H], w2 is [H, I]).
-        num_experts: E, routed experts in the layer (all ranks together).
-        top_k: k, experts per token.
-        router: ``"softmax"``: softmax over all E logits, then top-k (Mixtral, Qwen3, gpt-oss);
-            ``"sigmoid"``: sigmoid scores, top-k chosen on score + per-expert bias, gates from the scores
-            without the bias (DeepSeek-V3; the bias is a buffer tuned outside autograd).
-        norm_topk: divide the k gates of a token by their sum.
-        route_scale: multiply the gates by this (DeepSeek-V3 uses 2.5).
-        aux_loss_coef: weight of the load-balancing loss returned by the layer.
-        dtype: parameter and activation dtype of the layer (the router always computes in fp32 or better).
-        max_tokens_per_rank: capacity the communication buffers of the ``split``/``fused`` backends are sized
-            for (tokens per rank per call); the ``torch`` backend ignores it.
-        ring_rows: receive-ring rows of the ``fused`` backend, rounded up to its 128-row blocks (None: sized for
-            the worst case); the backend option ``ring_blocks`` is the same in blocks.
+    ``hidden``, ``intermediate``, ``num_experts``, ``top_k``: H, I (w13 [2I, H], w2 [H, I]), E (all ranks), k.
+    ``router``: "softmax" or "sigmoid" (:mod:`megamoe.router`); ``norm_topk``: divide a token's gates by their sum;
+    ``route_scale``: then multiply them by this; ``aux_loss_coef``: weight of the load-balancing loss; ``dtype``:
+    parameters and activations (routing computes in fp32 or better); ``max_tokens_per_rank``: tokens per rank per
+    call the ``split``/``fused`` buffers are sized for (``torch`` ignores it).
     """
 
     hidden: int
@@ -73,7 +60,6 @@ class MoEConfig:
     aux_loss_coef: float = 1e-2
     dtype: torch.dtype = torch.bfloat16
     max_tokens_per_rank: int = 16384
-    ring_rows: int | None = None
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -91,11 +77,8 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.route_scale must be > 0, got {self.route_scale}")
         if self.aux_loss_coef < 0:
             raise ValueError(f"MoEConfig.aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
-        if self.ring_rows is not None and self.ring_rows < 1:
-            raise ValueError(f"MoEConfig.ring_rows must be None or >= 1, got {self.ring_rows}")
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
 
-    # ---- derived quantities -------------------------------------------------------------------
     def local_experts(self, world: int) -> int:
         """E_l = E / W, after checking that W divides E."""
         self.validate_world(world)
@@ -124,28 +107,24 @@ class MoEConfig:
 
 
 PRESETS: dict[str, MoEConfig] = {
-    # Qwen3-30B-A3B: 128 experts, top-8, softmax then top-k with normalised gates.
     "qwen3-30b-a3b": MoEConfig(
         hidden=2048, intermediate=768, num_experts=128, top_k=8, router="softmax", norm_topk=True,
         name="qwen3-30b-a3b",
     ),
-    # DeepSeek-V3: 256 routed experts, top-8, sigmoid scores with a per-expert selection bias, normalised
-    # gates scaled by 2.5. (Group-limited routing and the shared expert are not part of this layer.)
+    # DeepSeek-V3 without group-limited routing and the shared expert (not part of this layer).
     "deepseek-v3": MoEConfig(
         hidden=7168, intermediate=2048, num_experts=256, top_k=8, router="sigmoid", norm_topk=True,
         route_scale=2.5, name="deepseek-v3",
     ),
-    # Mixtral-8x7B: 8 experts, top-2, softmax over the chosen logits (= softmax-top-k renormalised).
     "mixtral-8x7b": MoEConfig(
         hidden=4096, intermediate=14336, num_experts=8, top_k=2, router="softmax", norm_topk=True,
         name="mixtral-8x7b",
     ),
-    # gpt-oss-120b: 128 experts, top-4, softmax over the chosen logits.
     "gpt-oss-120b": MoEConfig(
         hidden=2880, intermediate=2880, num_experts=128, top_k=4, router="softmax", norm_topk=True,
         name="gpt-oss-120b",
     ),
-    # tiny: CPU runs and tests (H not a power of two on purpose).
+    # CPU runs and tests; H not a power of two on purpose.
     "tiny": MoEConfig(
         hidden=96, intermediate=64, num_experts=8, top_k=2, router="softmax", norm_topk=True,
         max_tokens_per_rank=256, name="tiny",

@@ -1,21 +1,13 @@
 """Process-group helpers: run a function on W ranks, on CPUs (gloo) or GPUs (NCCL).
 
-Two ways a megamoe program gets its ranks:
+Under ``torchrun`` :func:`init_from_env` joins the group it describes; otherwise :func:`spawn` starts ``world``
+processes over a free local port (tests, ``megamoe bench`` on CPU). Every process turns NVLink multicast off
+(:data:`NO_MULTICAST`) before torch touches a GPU.
 
-* under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set): :func:`init_from_env` joins the group
-  that torchrun describes, NCCL on GPUs, gloo on CPUs;
-* on its own: :func:`spawn` starts ``world`` fresh processes (``spawn`` start method), gives each a process
-  group over a free local TCP port, runs ``fn(rank, world, *args)`` in each, gathers the return values and
-  re-raises the first failure in the parent with the rank's traceback. Tests and ``megamoe bench`` on a CPU
-  machine use this.
-
-Every process sets the NVLink-multicast switches off before torch touches a GPU (see :data:`NO_MULTICAST`).
-
-Ranks sharing GPUs (``MEGAMOE_SHARE_GPUS=1``, for correctness runs only): rank r uses GPU r mod the GPUs visible,
-and the group is gloo (NCCL refuses two ranks on one device). The symmetric heap still lives in device memory and the
-kernels still wait on each other across processes: the GPU time-slices the ranks' contexts, so spin waits progress,
-slowly. This is how the multi-rank GPU tests run on a machine with fewer GPUs than ranks; it says nothing about
-NVLink speed, and same-device peers share one L2, so it is weaker evidence of the memory ordering than real peers.
+``MEGAMOE_SHARE_GPUS=1`` (correctness runs only): rank r uses GPU r mod the GPUs visible, on gloo (NCCL refuses two
+ranks on one device). The kernels still spin-wait across processes as the GPU time-slices the contexts, so the
+multi-rank GPU tests run on fewer GPUs; same-device peers share one L2, so this is weaker evidence of the memory
+ordering than real peers, and none of NVLink speed.
 """
 
 from __future__ import annotations
@@ -59,9 +51,8 @@ def gpu_ranks_on_gloo() -> bool:
 
 
 def gpu_world(most: int = 4, least: int = 1) -> int:
-    """Ranks for a GPU run on the GPUs there are, up to ``most``: one rank per GPU, or ``least`` ranks sharing GPUs
-    when there are fewer GPUs and MEGAMOE_SHARE_GPUS=1. 0: it cannot run here. ``gpu_world(4, 2) or NGPU``: every
-    GPU up to 4, and on one GPU a single rank, or two sharing it when allowed."""
+    """Ranks for a GPU run here: one per GPU up to ``most``; if that is below ``least``, ``least`` ranks sharing
+    GPUs when MEGAMOE_SHARE_GPUS=1, else 0 (cannot run)."""
     import torch
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -77,8 +68,7 @@ def gpu_ranks_possible(world: int) -> bool:
 
 
 def rank_device():
-    """This GPU rank's device, as :func:`init_from_env` set it: GPU <local rank>, or local rank mod the GPUs visible
-    when ranks share GPUs."""
+    """This GPU rank's device as :func:`init_from_env` set it (local rank, mod the GPUs visible when shared)."""
     import torch
 
     return torch.device("cuda", torch.cuda.current_device())
@@ -91,10 +81,8 @@ def _free_port() -> int:
 
 
 def init_from_env(device: str | None = None, timeout_s: float = 300.0):
-    """Join the process group described by torchrun's environment; returns the torch.device of this rank.
-
-    ``device`` is ``"cuda"``, ``"cpu"`` or None (CUDA when available).
-    """
+    """Join the group torchrun's environment describes; ``device`` "cuda", "cpu" or None (CUDA when available).
+    Returns this rank's torch.device."""
     import torch
     import torch.distributed as dist
 
@@ -116,8 +104,7 @@ def init_from_env(device: str | None = None, timeout_s: float = 300.0):
             if int(local_world) > ngpu:
                 backend = "gloo"  # NCCL refuses two ranks on one device
         elif local_rank >= ngpu or (local_world is not None and int(local_world) > ngpu):
-            # (every rank raises when LOCAL_WORLD_SIZE says so; without it, e.g. srun / mpirun wrappers, a rank only
-            # knows its own index)
+            # without LOCAL_WORLD_SIZE (srun / mpirun wrappers) a rank only knows its own index
             raise RuntimeError(f"local rank {local_rank} of {local_world or '?'} on this host, but this process sees "
                                f"{ngpu} GPU(s) (CUDA_VISIBLE_DEVICES?): one GPU per rank expected, GPU <local rank>; "
                                "MEGAMOE_SHARE_GPUS=1 lets more ranks than GPUs share them, on gloo, for correctness "
@@ -182,12 +169,9 @@ class RankError(RuntimeError):
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any, device: str = "cpu", timeout_s: float = 900.0) -> list:
-    """Run ``fn(rank, world, *args)`` on ``world`` new processes; return the results in rank order.
-
-    ``fn`` must be importable (module level) and its arguments and result picklable. Raises
-    :class:`RankError` naming every rank that failed, and a ``TimeoutError`` if the ranks are not done
-    within ``timeout_s`` (the processes are killed, so nothing hangs).
-    """
+    """Run ``fn(rank, world, *args)`` (importable, picklable arguments and result) on ``world`` new processes;
+    return the results in rank order. Raises :class:`RankError` naming every failed rank, ``TimeoutError``
+    after ``timeout_s`` (the processes are killed)."""
     import multiprocessing as mp
     import queue as queue_mod
 

@@ -1,30 +1,21 @@
-"""Expert SwiGLU MLP over expert-grouped rows: op-level API (Triton launchers), pure-torch twins, autograd.
+"""Expert SwiGLU MLP over expert-grouped rows: the op-level API, the one place that picks a kernel, torch twins,
+autograd.
 
-Shape legend: R received rows (buffer capacity), H hidden, I expert intermediate, E_l local experts.
-Rows are grouped by local expert: group e is rows ``offs[e]:offs[e+1]`` of a [R, ...] buffer, ``offs`` an
-int32 device tensor [E_l+1], offs[0] = 0. Rows at or past offs[E_l] are padding: the kernels never read them
-as data and never write them (outputs allocated here hold garbage there, except gradients w.r.t. inputs of
-ExpertsFn, which are zero-filled). The launchers never read ``offs`` on the host: no sync, graph-capturable.
+Shapes: R received rows (buffer capacity), H hidden, I intermediate, E_l local experts. Group e is rows
+``offs[e]:offs[e+1]``, ``offs`` an int32 device tensor [E_l+1] with offs[0] = 0. Rows from offs[E_l] on are padding,
+never read as data nor written (unspecified in outputs allocated here, except ExpertsFn's input gradients: zero).
+Launchers never read ``offs`` on the host: no sync, graph-capturable.
 
-Weights: w13 [E_l, 2I, H] (rows 0..I-1 gate, I..2I-1 up), w2 [E_l, H, I].
+Weights w13 [E_l, 2I, H] (rows 0..I-1 gate, I..2I-1 up), w2 [E_l, H, I]:
     h   = x @ w13[e]^T               [n, 2I]     g = h[:, :I], u = h[:, I:]
     act = silu(g) * u                [n, I]
     out = s[r] * (act @ w2[e]^T)     [n, H]      s: optional per-row gate scale, fp32 [R]
 
-Launchers (each takes ``config=`` to pin a GemmConfig; default: gemm_config.default_config per shape):
-    grouped_gemm, gemm1_swiglu, gemm2, gemm2_dgrad_swiglu, gemm1_dgrad, grouped_wgrad      (bf16)
-    quantize_act, quantize_weight, quantize_weight_both, grouped_gemm_fp8, gemm1_swiglu_fp8, gemm2_fp8,
-    gemm2_dgrad_swiglu_fp8, gemm1_dgrad_fp8                                             (FP8 e4m3)
-The FP8 GEMMs run on Hopper the warp-specialised Gluon kernel (kernels/gluon_fp8_ws.py: plain and SwiGLU) or the
-single-stream one (kernels/gluon_fp8.py: also the SwiGLU backward), each within its shape limits, and the Triton
-kernel (kernels/grouped_gemm_fp8.py) elsewhere; GemmConfig.kernel ("gluon_ws", "gluon", "triton") forces one
-(kernels.grouped_gemm_fp8.fp8_kernel says which one a launch gets). Without a config (and none pinned) the first
-of those kernels that can run gets its own heuristic config.
-The bf16 forward GEMMs (gemm1_swiglu, gemm2, grouped_gemm with nk weights) run on Hopper the warp-specialised Gluon
-kernel (kernels/gluon_bf16_ws.py) within its limits, the Triton kernel (kernels/grouped_gemm.py) elsewhere and for
-the backward ops; GemmConfig.kernel pins one ("gluon_ws", "triton", or "gluon": the single-stream Gluon kernel).
-Twins (``*_ref``): pure torch, CPU or GPU, any float dtype incl. float64; padding rows of their outputs are 0.
-Autograd: ``ExpertsFn.apply(x, offs, w13, w2, scale)`` / ``experts_mlp(...)``.
+Launchers take ``config=`` to pin a GemmConfig (default: gemm_config.default_config per shape). On Hopper (not
+under the interpreter) every op of gemm_config.GLUON_OPS runs its Gluon kernel (kernels/gluon/) where its limits
+hold; everything else runs the Triton kernels (kernels/grouped_gemm*.py, kernels/wgrad.py), the Gluon kernels'
+references. A given or pinned config runs the kernel it names (``kernel="gluon"`` raises ValueError with the reason
+where it cannot run). Twins (``*_ref``): pure torch, any float dtype, padding rows 0.
 """
 
 from __future__ import annotations
@@ -33,20 +24,25 @@ import torch
 import torch.nn.functional as F
 
 from megamoe.kernels import fp8_quant as _q
-from megamoe.kernels.gemm_config import WS_BF16_OPS, GemmConfig, default_config, pin_config, pinned_config
-from megamoe.kernels.grouped_gemm import (
+from megamoe.kernels.gemm_config import (
     EPI_DSWIGLU,
     EPI_NONE,
     EPI_SWIGLU,
-    check_grouped,
-    gluon_bf16_unavailable,
-    launch_grouped_gemm,
+    GLUON_OPS,
+    GemmConfig,
+    default_config,
+    gluon_device_reason,
+    pin_config,
+    pinned_config,
+    tma_ok,
 )
-from megamoe.kernels.grouped_gemm_bwd import launch_grouped_wgrad, wgrad_ws_unavailable
-from megamoe.kernels.grouped_gemm_fp8 import check_fp8, gluon_unavailable, launch_grouped_gemm_fp8
+from megamoe.kernels.grouped_gemm import check_grouped, launch_grouped_gemm
+from megamoe.kernels.grouped_gemm_fp8 import check_fp8, launch_grouped_gemm_fp8
+from megamoe.kernels.interpreter import row_buffer
+from megamoe.kernels.wgrad import launch_grouped_wgrad
 
 __all__ = [
-    "GemmConfig", "default_config", "pin_config",
+    "GemmConfig", "default_config", "pin_config", "choose_config", "gluon_reason",
     "grouped_gemm", "gemm1_swiglu", "gemm2", "gemm2_dgrad_swiglu", "gemm1_dgrad", "grouped_wgrad",
     "quantize_act", "dequantize_act", "quantize_weight", "quantize_weight_both", "grouped_gemm_fp8", "gemm1_swiglu_fp8",
     "gemm2_fp8",
@@ -82,28 +78,89 @@ def _check_bf16(name: str, *ts: torch.Tensor) -> None:
 
 def _out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
     if out is None:
-        return torch.empty(shape, device=like.device, dtype=dtype)
+        return row_buffer(shape, dtype, like.device)
     if tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {dtype} {shape} tensor, got {out.dtype} {tuple(out.shape)}")
     return out
 
 
-# ---------------------------------------------------------------------------------------------- bf16 ops
-def _bf16_config(op: str, config: GemmConfig | None, a: torch.Tensor, w: torch.Tensor, *, n: int, epilogue: int,
-                 n_up: int = 0, w_kn: bool = False, h: torch.Tensor | None = None) -> GemmConfig:
-    """config if given, else the config pinned for op, else the warp-specialised Gluon kernel's heuristic where it
-    can run (kernels/gluon_bf16_ws.py: Hopper, not the interpreter, its limits; not for grouped_gemm with kn
-    weights, i.e. dgrad1, where it was no faster), else the Triton kernel's."""
+def gluon_reason(op: str, cfg: GemmConfig, a: torch.Tensor, w: torch.Tensor, *, n: int, epilogue: int = EPI_NONE,
+                 n_up: int = 0, w_kn: bool = False, h: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> str | None:
+    """Why ``op``'s Gluon kernel cannot run this launch with ``cfg`` (device, interpreter, TMA alignment, config
+    and shape limits), or None; no device sync. For "wgrad", a = x [R, M] and w = y [R, N]."""
+    why = gluon_device_reason(a, cfg)
+    if why is not None:
+        return why
+    if not tma_ok([a, w] + ([h] if h is not None and epilogue == EPI_DSWIGLU else [])):
+        return "TMA needs 16-byte aligned base pointers and row strides"
+    if op == "wgrad":
+        from megamoe.kernels.gluon.wgrad import ws_wgrad_limits  # Gluon modules are imported only where they run
+
+        return ws_wgrad_limits(cfg, m=a.shape[1], n=w.shape[1], out_dtype=out_dtype)
+    if op == "dgrad_swiglu_fp8":
+        from megamoe.kernels.gluon.fp8_dswiglu import dswiglu_limits
+
+        return dswiglu_limits(cfg, n=n, k=a.shape[1], n_w=w.shape[1])
+    if op.endswith("fp8"):
+        from megamoe.kernels.gluon.fp8 import ws_limits
+
+        return ws_limits(cfg, n=n, k=a.shape[1], n_w=w.shape[1], epilogue=epilogue, n_up=n_up)
+    if op == "dgrad1" or (op == "grouped_gemm" and w_kn):
+        return "GEMM1's dgrad (kn weights) runs the Triton kernel on Hopper too"
+    from megamoe.kernels.gluon.bf16 import ws_bf16_limits
+
+    return ws_bf16_limits(cfg, n=n, k=a.shape[1], n_w=w.shape[2] if w_kn else w.shape[1], epilogue=epilogue,
+                          w_kn=w_kn, n_up=n_up)
+
+
+def choose_config(op: str, config: GemmConfig | None, a: torch.Tensor, w: torch.Tensor, *, n: int,
+                  epilogue: int = EPI_NONE, n_up: int = 0, w_kn: bool = False, h: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> GemmConfig:
+    """``config``, else the one pinned for ``op``, else the Gluon default where it can run, else the Triton one.
+    kernel="gluon" that cannot run raises ValueError. ``a`` [R, K] (for "wgrad" as in gluon_reason)."""
     cfg = config or pinned_config(op)
-    if cfg is not None:
-        return cfg
+    reason = dict(n=n, epilogue=epilogue, n_up=n_up, w_kn=w_kn, h=h, out_dtype=out_dtype)
     R, K = a.shape
-    if op in WS_BF16_OPS and not (op == "grouped_gemm" and w_kn):
-        ws = default_config(op, R, n, K, kernel="gluon_ws")
-        if gluon_bf16_unavailable(ws, a, w, n=n, w_kn=w_kn, epilogue=epilogue, h=h, n_up=n_up,
-                                  kernel="gluon_ws") is None:
-            return ws
-    return default_config(op, R, n, K)
+    if cfg is None:
+        rows_n_k = (R, w.shape[1], K) if op == "wgrad" else (R, n, K)
+        gluon = default_config(op, *rows_n_k, kernel="gluon") if op in GLUON_OPS else None
+        if gluon is not None and gluon_reason(op, gluon, a, w, **reason) is None:
+            return gluon
+        return default_config(op, *rows_n_k, kernel="triton" if op.endswith("fp8") else None)
+    if cfg.kernel == "gluon":
+        why = gluon_reason(op, cfg, a, w, **reason)
+        if why is not None:
+            raise ValueError(f"{op}: the config pins kernel='gluon', but {why}")
+    return cfg
+
+
+def _launch_bf16(cfg: GemmConfig, a, w, offs, out, *, n: int, w_kn: bool, epilogue: int, h=None, scale=None,
+                 dsp=None, store_h: bool = False, n_up: int = 0, acts=None) -> None:
+    if cfg.kernel == "gluon":
+        from megamoe.kernels.gluon.bf16 import launch_gluon_bf16_ws
+
+        launch_gluon_bf16_ws(a, w, offs, out, cfg, n=n, epilogue=epilogue, h=h, scale=scale, store_h=store_h,
+                             n_up=n_up, w_kn=w_kn, dsp=dsp, acts=acts)
+    else:
+        launch_grouped_gemm(a, w, offs, out, cfg, n=n, w_kn=w_kn, epilogue=epilogue, h=h, scale=scale, dsp=dsp,
+                            store_h=store_h, n_up=n_up, acts=acts)
+
+
+def _launch_fp8(cfg: GemmConfig, aq, a_s, wq, w_s, offs, out, *, n: int, epilogue: int, h=None, scale=None,
+                dsp=None, store_h: bool = False, n_up: int = 0, acts=None) -> None:
+    if cfg.kernel != "gluon":
+        launch_grouped_gemm_fp8(aq, a_s, wq, w_s, offs, out, cfg, n=n, epilogue=epilogue, h=h, scale=scale, dsp=dsp,
+                                store_h=store_h, n_up=n_up, acts=acts)
+    elif epilogue == EPI_DSWIGLU:
+        from megamoe.kernels.gluon.fp8_dswiglu import launch_gluon_fp8_dswiglu
+
+        launch_gluon_fp8_dswiglu(aq, a_s, wq, w_s, offs, out, cfg, n=n, h=h, scale=scale, dsp=dsp, acts=acts)
+    else:
+        from megamoe.kernels.gluon.fp8 import launch_gluon_fp8_ws
+
+        launch_gluon_fp8_ws(aq, a_s, wq, w_s, offs, out, cfg, n=n, epilogue=epilogue, h=h, scale=scale,
+                            store_h=store_h, n_up=n_up)
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, w_layout: str = "nk",
@@ -118,8 +175,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, w_layo
     _check_bf16("grouped_gemm", a, w)
     _check_scale(scale, a.shape[0], "grouped_gemm")
     out = _out(out, (a.shape[0], n), a)
-    cfg = _bf16_config("grouped_gemm", config, a, w, n=n, epilogue=EPI_NONE, w_kn=kn)
-    launch_grouped_gemm(a, w, offs, out, cfg, n=n, w_kn=kn, epilogue=EPI_NONE, scale=scale)
+    cfg = choose_config("grouped_gemm", config, a, w, n=n, w_kn=kn)
+    _launch_bf16(cfg, a, w, offs, out, n=n, w_kn=kn, epilogue=EPI_NONE, scale=scale)
     return out
 
 
@@ -134,8 +191,8 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, offs: torch.Tensor, *, stor
     R, I = x.shape[0], w13.shape[1] // 2
     act = _out(out, (R, I), x)
     h = _out(h_out, (R, 2 * I), x) if store_h else None
-    cfg = _bf16_config("gemm1_swiglu", config, x, w13, n=I, epilogue=EPI_SWIGLU, n_up=I)
-    launch_grouped_gemm(x, w13, offs, act, cfg, n=I, w_kn=False, epilogue=EPI_SWIGLU, h=h, store_h=store_h, n_up=I)
+    cfg = choose_config("gemm1_swiglu", config, x, w13, n=I, epilogue=EPI_SWIGLU, n_up=I)
+    _launch_bf16(cfg, x, w13, offs, act, n=I, w_kn=False, epilogue=EPI_SWIGLU, h=h, store_h=store_h, n_up=I)
     return act, h
 
 
@@ -146,8 +203,8 @@ def gemm2(act: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, *, scale: tor
     _check_bf16("gemm2", act, w2)
     _check_scale(scale, act.shape[0], "gemm2")
     out = _out(out, (act.shape[0], w2.shape[1]), act)
-    cfg = _bf16_config("gemm2", config, act, w2, n=w2.shape[1], epilogue=EPI_NONE)
-    launch_grouped_gemm(act, w2, offs, out, cfg, n=w2.shape[1], w_kn=False, epilogue=EPI_NONE, scale=scale)
+    cfg = choose_config("gemm2", config, act, w2, n=w2.shape[1])
+    _launch_bf16(cfg, act, w2, offs, out, n=w2.shape[1], w_kn=False, epilogue=EPI_NONE, scale=scale)
     return out
 
 
@@ -156,8 +213,7 @@ def gemm2_dgrad_swiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, offs
                        config: GemmConfig | None = None,
                        acts_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """dh [R, 2I] = d(silu(g) * u) for dact = s[r] * dy @ w2[e]; with scale also ds [R] = <dy, act @ w2^T>;
-    with acts_out ([R, I] bf16, contiguous) also acts_out = s[r] * silu(g) * u recomputed from h (the operand
-    of dW2 = dy^T @ acts when dy is pulled without its gate)."""
+    acts_out (contiguous bf16 [R, I]) also gets s[r] * silu(g) * u from h, the dW2 operand when dy has no gate."""
     check_grouped(dy, w2, offs, w2.shape[1], "gemm2_dgrad_swiglu")
     _check_bf16("gemm2_dgrad_swiglu", dy, w2, h)
     R, I = dy.shape[0], w2.shape[2]
@@ -165,16 +221,13 @@ def gemm2_dgrad_swiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, offs
         raise ValueError(f"gemm2_dgrad_swiglu: h must be contiguous [R, 2I] = {(R, 2 * I)}, got {tuple(h.shape)}")
     _check_scale(scale, R, "gemm2_dgrad_swiglu")
     dh = _out(out, (R, 2 * I), dy)
-    cfg = _bf16_config("dgrad_swiglu", config, dy, w2, n=I, epilogue=EPI_DSWIGLU, w_kn=True, h=h)
-    # with acts_out the default config's 2 epilogue slices hold 255 registers and spill 2-4 bytes per thread; timed
-    # on one H200 (benchmarks/dgrad_acts_bench.py, caa900b) that is as fast as without acts_out (qwen3 0.561 vs 0.565
-    # ms, deepseek 3.557 vs 3.561), while 4 slices (no spill) took 0.624 / 3.704 ms: the default stays
+    cfg = choose_config("dgrad_swiglu", config, dy, w2, n=I, epilogue=EPI_DSWIGLU, w_kn=True, h=h)
     dsp = None
     if scale is not None:
         dsp = torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dy.device, dtype=torch.float32)
     _check_acts(acts_out, R, I, dy.dtype, "gemm2_dgrad_swiglu")
-    launch_grouped_gemm(dy, w2, offs, dh, cfg, n=I, w_kn=True, epilogue=EPI_DSWIGLU, h=h, scale=scale, dsp=dsp,
-                        acts=acts_out)
+    _launch_bf16(cfg, dy, w2, offs, dh, n=I, w_kn=True, epilogue=EPI_DSWIGLU, h=h, scale=scale, dsp=dsp,
+                 acts=acts_out)
     return dh, (dsp.sum(0) if dsp is not None else None)
 
 
@@ -184,16 +237,14 @@ def gemm1_dgrad(dh: torch.Tensor, w13: torch.Tensor, offs: torch.Tensor, *, out:
     check_grouped(dh, w13, offs, w13.shape[1], "gemm1_dgrad")
     _check_bf16("gemm1_dgrad", dh, w13)
     out = _out(out, (dh.shape[0], w13.shape[2]), dh)
-    cfg = config or default_config("dgrad1", dh.shape[0], w13.shape[2], dh.shape[1])
-    launch_grouped_gemm(dh, w13, offs, out, cfg, n=w13.shape[2], w_kn=True, epilogue=EPI_NONE)
+    cfg = choose_config("dgrad1", config, dh, w13, n=w13.shape[2], w_kn=True)
+    _launch_bf16(cfg, dh, w13, offs, out, n=w13.shape[2], w_kn=True, epilogue=EPI_NONE)
     return out
 
 
 def grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, *, out_dtype: torch.dtype = torch.float32,
                   config: GemmConfig | None = None) -> torch.Tensor:
-    """c [E_l, M, N] with c[e] = x[rows_e]^T @ y[rows_e]; x [R, M], y [R, N]. Deterministic (no atomics). Default
-    kernel: the warp-specialised Gluon one on Hopper where its limits hold (kernels/gluon_wgrad_ws.py), else Triton
-    (kernels/grouped_gemm_bwd.py)."""
+    """c [E_l, M, N] with c[e] = x[rows_e]^T @ y[rows_e]; x [R, M], y [R, N]. Deterministic (no atomics)."""
     _check_bf16("grouped_wgrad", x, y)
     if x.dim() != 2 or y.dim() != 2 or x.shape[0] != y.shape[0] or not (x.is_contiguous() and y.is_contiguous()):
         raise ValueError(f"grouped_wgrad: x [R, M] and y [R, N] must be contiguous with equal R, got "
@@ -202,26 +253,25 @@ def grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, *, out_d
         raise ValueError("grouped_wgrad: offs must be an int32 [E_l + 1] tensor")
     E_l = offs.numel() - 1
     out = torch.empty((E_l, x.shape[1], y.shape[1]), device=x.device, dtype=out_dtype)
-    cfg = config or pinned_config("wgrad")
-    if cfg is None:  # the warp-specialised Gluon kernel where it can run (Hopper), else the Triton kernel
-        ws = default_config("wgrad", x.shape[0], y.shape[1], x.shape[1], kernel="gluon_ws")
-        cfg = ws if wgrad_ws_unavailable(x, y, out_dtype, ws) is None else default_config(
-            "wgrad", x.shape[0], y.shape[1], x.shape[1])
-    launch_grouped_wgrad(x, y, offs, out, cfg)
+    cfg = choose_config("wgrad", config, x, y, n=y.shape[1], out_dtype=out_dtype)
+    if cfg.kernel == "gluon":
+        from megamoe.kernels.gluon.wgrad import launch_gluon_wgrad_ws
+
+        launch_gluon_wgrad_ws(x, y, offs, out, cfg)
+    else:
+        launch_grouped_wgrad(x, y, offs, out, cfg)
     return out
 
 
-# ---------------------------------------------------------------------------------------------- FP8 ops
 def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False,
                  nrows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, K] -> (q [R, K] float8_e4m3fn, s [R, cdiv(K, 128)] fp32), x ~= q * s per 1x128 block. nrows: int32
-    device tensor, its first element the rows holding data (the rest are skipped, left unwritten)."""
+    device tensor whose first element counts the data rows (the rest are left unwritten)."""
     return _q.quantize_act(x, pow2_scale=pow2_scale, nrows=nrows)
 
 
 def dequantize_act(q: torch.Tensor, s: torch.Tensor, *, nrows: torch.Tensor | None = None) -> torch.Tensor:
-    """(q [R, K] float8_e4m3fn, s [R, cdiv(K, 128)] fp32) -> bf16 [R, K] = q * s per 1x128 block; nrows as in
-    quantize_act (rows from there on left unwritten)."""
+    """(q, s) as quantize_act's -> bf16 [R, K] = q * s per 1x128 block; nrows as in quantize_act."""
     return _q.dequantize_act(q, s, nrows=nrows)
 
 
@@ -234,25 +284,9 @@ def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False,
 
 def quantize_weight_both(w: torch.Tensor, *, pow2_scale: bool = False,
                          out: _q.Fp8Weight | None = None) -> tuple[torch.Tensor, ...]:
-    """w [E_l, N, K] contiguous -> (q, s, qt, st): quantize_weight(w) and quantize_weight(w, transpose=True),
-    bitwise, from one read of w (the forward GEMM's weight and the dgrad's); out: an Fp8Weight to fill in place."""
+    """w [E_l, N, K] contiguous -> (q, s, qt, st) bitwise as quantize_weight(w) and (w, transpose=True), from one
+    read of w (forward and dgrad operands); out: an Fp8Weight to fill in place."""
     return _q.quantize_weight_both(w, pow2_scale=pow2_scale, out=out)
-
-
-def _fp8_config(op: str, config: GemmConfig | None, aq: torch.Tensor, wq: torch.Tensor, *, n: int, epilogue: int,
-                n_up: int = 0) -> GemmConfig:
-    """config if given, else the config pinned for op, else the heuristic of the kernel that will run: Gluon's
-    where a Gluon kernel can run with its heuristic config (the warp-specialised one first: kernel "gluon_ws", then
-    "gluon"), else Triton's (kernel "triton")."""
-    cfg = config or pinned_config(op)
-    if cfg is not None:
-        return cfg
-    R, K = aq.shape
-    for kernel in ("gluon_ws", "gluon"):
-        cfg = default_config(op, R, n, K, kernel=kernel)
-        if gluon_unavailable(cfg, aq, wq, n=n, epilogue=epilogue, n_up=n_up, kernel=kernel) is None:
-            return cfg
-    return default_config(op, R, n, K, kernel="triton")
 
 
 def _gemm_fp8(op, name, aq, a_s, wq, w_s, offs, scale, out, config) -> torch.Tensor:
@@ -260,8 +294,8 @@ def _gemm_fp8(op, name, aq, a_s, wq, w_s, offs, scale, out, config) -> torch.Ten
     check_fp8(aq, a_s, wq, w_s, offs, name)
     _check_scale(scale, aq.shape[0], name)
     out = _out(out, (aq.shape[0], wq.shape[1]), aq)
-    cfg = _fp8_config(op, config, aq, wq, n=wq.shape[1], epilogue=EPI_NONE)
-    launch_grouped_gemm_fp8(aq, a_s, wq, w_s, offs, out, cfg, n=wq.shape[1], epilogue=EPI_NONE, scale=scale)
+    cfg = choose_config(op, config, aq, wq, n=wq.shape[1])
+    _launch_fp8(cfg, aq, a_s, wq, w_s, offs, out, n=wq.shape[1], epilogue=EPI_NONE, scale=scale)
     return out
 
 
@@ -278,9 +312,8 @@ def gemm1_swiglu_fp8(xq, x_s, w13q, w13_s, offs, *, store_h=True, out=None, h_ou
     R, I = xq.shape[0], w13q.shape[1] // 2
     act = _out(out, (R, I), xq)
     h = _out(h_out, (R, 2 * I), xq) if store_h else None
-    cfg = _fp8_config("gemm1_swiglu_fp8", config, xq, w13q, n=I, epilogue=EPI_SWIGLU, n_up=I)
-    launch_grouped_gemm_fp8(xq, x_s, w13q, w13_s, offs, act, cfg, n=I, epilogue=EPI_SWIGLU, h=h,
-                            store_h=store_h, n_up=I)
+    cfg = choose_config("gemm1_swiglu_fp8", config, xq, w13q, n=I, epilogue=EPI_SWIGLU, n_up=I)
+    _launch_fp8(cfg, xq, x_s, w13q, w13_s, offs, act, n=I, epilogue=EPI_SWIGLU, h=h, store_h=store_h, n_up=I)
     return act, h
 
 
@@ -290,22 +323,21 @@ def gemm2_fp8(aq, a_s, w2q, w2_s, offs, *, scale=None, out=None, config=None) ->
 
 
 def gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, out=None, config=None, acts_out=None):
-    """FP8 dgrad of GEMM2 through SwiGLU: (dh [R, 2I] bf16, ds [R] fp32 or None, as gemm2_dgrad_swiglu); w2t =
-    quantize_weight(w2.transpose(1, 2)) [E_l, I, H]; out: preallocated dh; acts_out ([R, I] bf16, contiguous): also
-    the gated activation s[r] * silu(g) * u from h, as gemm2_dgrad_swiglu's (the FP8 split backward's dW2 operand)."""
+    """FP8 gemm2_dgrad_swiglu: (dh [R, 2I] bf16, ds [R] fp32 or None); w2t = quantize_weight(w2.transpose(1, 2))
+    [E_l, I, H]; out: preallocated dh; acts_out as in gemm2_dgrad_swiglu."""
     check_fp8(dyq, dy_s, w2tq, w2t_s, offs, "gemm2_dgrad_swiglu_fp8")
     R, I = dyq.shape[0], w2tq.shape[1]
     if tuple(h.shape) != (R, 2 * I) or h.dtype != torch.bfloat16 or not h.is_contiguous():
         raise ValueError(f"gemm2_dgrad_swiglu_fp8: h must be contiguous bf16 [R, 2I] = {(R, 2 * I)}")
     _check_scale(scale, R, "gemm2_dgrad_swiglu_fp8")
-    cfg = _fp8_config("dgrad_swiglu_fp8", config, dyq, w2tq, n=I, epilogue=EPI_DSWIGLU)
+    cfg = choose_config("dgrad_swiglu_fp8", config, dyq, w2tq, n=I, epilogue=EPI_DSWIGLU, h=h)
     dh = _out(out, (R, 2 * I), dyq)
     _check_acts(acts_out, R, I, torch.bfloat16, "gemm2_dgrad_swiglu_fp8")
     dsp = None
     if scale is not None:
         dsp = torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dyq.device, dtype=torch.float32)
-    launch_grouped_gemm_fp8(dyq, dy_s, w2tq, w2t_s, offs, dh, cfg, n=I, epilogue=EPI_DSWIGLU, h=h, scale=scale,
-                            dsp=dsp, acts=acts_out)
+    _launch_fp8(cfg, dyq, dy_s, w2tq, w2t_s, offs, dh, n=I, epilogue=EPI_DSWIGLU, h=h, scale=scale, dsp=dsp,
+                acts=acts_out)
     return dh, (dsp.sum(0) if dsp is not None else None)
 
 
@@ -314,14 +346,10 @@ def gemm1_dgrad_fp8(dhq, dh_s, w13tq, w13t_s, offs, *, out=None, config=None) ->
     return _gemm_fp8("dgrad1_fp8", "gemm1_dgrad_fp8", dhq, dh_s, w13tq, w13t_s, offs, None, out, config)
 
 
-# ---------------------------------------------------------------------------------------------- autograd
 class ExpertsFn(torch.autograd.Function):
-    """out = s[r] * (silu(x @ w13_g^T) * (x @ w13_u^T)) @ w2^T over expert-grouped rows (bf16, Triton).
-
-    forward: gemm1_swiglu (keeps h) + gemm2 (gate scale in the epilogue). Saves x, h, act.
-    backward: dW2 = (s * dy)^T @ act, dh = gemm2_dgrad_swiglu(dy), dx = dh @ w13, dW13 = dh^T @ x,
-    ds = <dy, act @ w2^T>. Weight gradients are deterministic; dx padding rows are zero.
-    """
+    """out = s[r] * (silu(x @ w13_g^T) * (x @ w13_u^T)) @ w2^T over expert-grouped bf16 rows. forward: gemm1_swiglu
+    (keeps h) + gemm2 (gate in the epilogue). backward: dh, ds from gemm2_dgrad_swiglu, dx = dh @ w13 (padding rows
+    zero), dW2 = (s * dy)^T @ act, dW13 = dh^T @ x, deterministic."""
 
     @staticmethod
     def forward(ctx, x, offs, w13, w2, scale=None):
@@ -353,7 +381,6 @@ def experts_mlp(x: torch.Tensor, offs: torch.Tensor, w13: torch.Tensor, w2: torc
     return ExpertsFn.apply(x, offs, w13, w2, scale)
 
 
-# ---------------------------------------------------------------------------------------------- references
 def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
     o = offs.tolist()
     return [(o[e], o[e + 1]) for e in range(len(o) - 1)]

@@ -1,16 +1,9 @@
-"""``megamoe.MoE``: the expert-parallel MoE layer as an nn.Module.
+"""``megamoe.MoE``: the expert-parallel MoE layer (shapes as in :mod:`megamoe.config`).
 
-Shape legend: T tokens on this rank, H hidden, I intermediate, E experts, E_l = E/W local experts, k top-k,
-W world size of the expert-parallel process group.
-
-Each rank holds the replicated router (``router.weight`` [E, H]) and its own E_l experts:
-``w13`` [E_l, 2I, H] (gate rows 0..I-1, up rows I..2I-1) and ``w2`` [E_l, H, I]; rank r holds experts
-r*E_l .. (r+1)*E_l - 1. ``forward(x [T, H])`` returns :class:`MoEOutput` (out [T, H], aux_loss,
-tokens_per_expert [E]). Different ranks may pass different T, including 0.
-
-Gradients: ``w13``/``w2`` gradients are complete on their owning rank (they collect every rank's tokens).
-The router weight is replicated: its gradient on each rank covers that rank's tokens only, so average or
-sum it across the data-parallel group as for any replicated parameter (DDP does this).
+Each rank holds the replicated router (``router.weight`` [E, H]) and experts r*E_l .. (r+1)*E_l - 1:
+``w13`` [E_l, 2I, H] (gate rows 0..I-1, up rows I..2I-1) and ``w2`` [E_l, H, I]. ``forward(x [T, H])`` returns
+:class:`MoEOutput`; T may differ between ranks, including 0. Expert gradients are complete on their owning rank;
+the router's covers this rank's tokens only, so reduce it over the data-parallel group (DDP does).
 """
 
 from __future__ import annotations
@@ -46,22 +39,14 @@ def _group_world_rank(group) -> tuple[int, int]:
 class MoE(nn.Module):
     """Expert-parallel SwiGLU MoE layer.
 
-    Args:
-        config: the layer's :class:`~megamoe.config.MoEConfig`.
-        group: the expert-parallel process group (None: the default group, or a single process when
-            torch.distributed is not initialised).
-        backend: ``"torch"``, ``"split"`` or ``"fused"``; an unavailable backend raises, it is never
-            replaced by another.
-        device: where parameters live (default: the current CUDA device if available, else CPU).
-        seed: parameters are drawn from this seed (router identical on every rank; expert e drawn from
-            seed and e, so the layer's weights do not depend on the world size).
-        router: the router's implementation, ``"auto"``, ``"torch"`` or ``"triton"`` (``self.router.impl``; the
-            ``router=`` option of a backend spec such as ``"split:router=torch"``).
-        backend_options: passed to the backend's constructor.
+    ``group``: the expert-parallel group (None: the default one, or a single process without torch.distributed).
+    ``backend``: ``"torch"``, ``"split"`` or ``"fused"``; an unavailable one raises, never replaced by another.
+    ``device``: default the current CUDA device, else CPU. ``seed``: the router is drawn from it (same on every
+    rank), expert e from seed and e (independent of W). ``backend_options``: the table in the backend's module.
     """
 
     def __init__(self, config: MoEConfig, group=None, backend: str = "torch", device=None, seed: int = 0,
-                 router: str = "auto", **backend_options):
+                 **backend_options):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
@@ -74,7 +59,6 @@ class MoE(nn.Module):
         self.device = torch.device(device)
         E_l, H, I = self.local_experts, config.hidden, config.intermediate
         self.router = Router(config, device=self.device)
-        self.router.impl = router  # checked when set
         self.w13 = nn.Parameter(torch.empty(E_l, 2 * I, H, device=self.device, dtype=config.dtype))
         self.w2 = nn.Parameter(torch.empty(E_l, H, I, device=self.device, dtype=config.dtype))
         self.seed = seed
@@ -133,23 +117,14 @@ class MoE(nn.Module):
 
 
 def capture_moe_layers(layers, tokens: int, autocast=None) -> None:
-    """Capture the forward and backward of MoE layers in CUDA graphs, in place (torch.cuda.make_graphed_callables,
-    one memory pool for all of them): afterwards each call replays one graph instead of the layer's ~25 kernel
-    launches and torch ops, which removes the host launch cost that eager training pays per layer (2x H200,
-    qwen3-30b-a3b experts: 1.16-1.29x -> 1.50x torch's training throughput, docs/perf-notes.md).
+    """Capture MoE layers' forward and backward in CUDA graphs, in place (torch.cuda.make_graphed_callables, one
+    pool): each call then replays one graph instead of ~25 launches, removing eager training's per-layer host cost.
 
-    ``layers``: the model's MoE modules in the order its forward calls them (the backward runs them in reverse);
-    backends split or fused (torch reads split sizes on the host and cannot be captured); ``tokens``: the token
-    count every call will pass; ``autocast``: the autocast context the training step runs under (its cache must
-    be off: ``torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)``), or None. Call on every rank
-    at once (the warm-up runs the layers' communication) and before wrapping the model in DDP.
-
-    Caveats of make_graphed_callables: a layer's outputs and the parameter gradients it hands to autograd live in
-    the graphs' static buffers and are overwritten by the next replay, so consume them within the step
-    (``megamoe train`` copies the gradients to its float32 masters and clears them before the next forward;
-    accumulating gradients over several micro-batches this way would be wrong). Host-side layer state changed
-    after capture (e.g. ``router.set_logit_offset``) is not seen by the graphs. Under ``torch.no_grad()`` the
-    captured forward still replays (fine for evaluation with the same token count).
+    ``layers``: MoE modules in forward order, backend split or fused (torch reads split sizes on the host);
+    ``tokens``: the token count of every call; ``autocast``: the step's autocast context with ``cache_enabled=False``,
+    or None. Call on every rank at once (the warm-up communicates), before wrapping the model in DDP. Outputs and
+    parameter gradients live in static buffers the next replay overwrites: consume them within the step (no gradient
+    accumulation). Host-side state changed after capture (``router.set_logit_offset``) is not seen.
     """
     import contextlib
 
@@ -177,8 +152,6 @@ def capture_moe_layers(layers, tokens: int, autocast=None) -> None:
         m._megamoe_captured = True
 
 
-# ---- sharding helpers (tests and checkpoints) ----------------------------------------------------
-
 def shard_experts(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """Rows of ``full`` [E, ...] that rank ``rank`` of ``world`` holds: experts rank*E_l .. (rank+1)*E_l - 1."""
     E = full.shape[0]
@@ -202,10 +175,7 @@ def load_full_weights(moe: MoE, router_weight: torch.Tensor, w13: torch.Tensor, 
 
 
 def gather_experts(moe: MoE, tensor: torch.Tensor | None = None) -> torch.Tensor:
-    """All ranks' [E_l, ...] shards of ``tensor`` (default ``moe.w13``) concatenated to [E, ...] on every rank.
-
-    Works for gradients too: ``gather_experts(moe, moe.w2.grad)``.
-    """
+    """All ranks' [E_l, ...] shards of ``tensor`` (default ``moe.w13``; gradients too) as [E, ...] on every rank."""
     t = moe.w13 if tensor is None else tensor
     t = t.detach().contiguous()
     if moe.world == 1:

@@ -1,23 +1,14 @@
 """AdamW with float32 master weights in one fused pass per parameter (what `megamoe train` steps with).
 
-Mixed-precision training keeps bf16 parameters for the forward/backward and float32 copies ("master weights")
-plus float32 Adam moments for the update. Done with torch's own pieces (upcast the bf16 grads into fp32 grads of
-the masters, fused AdamW on the masters, which with ``grad_scale`` also writes the scaled grads back, then copy the
-masters down into the bf16 parameters) an update moves ~46 bytes per parameter through HBM; on the GPU one Triton
-kernel per parameter reads the bf16 grad, master, exp_avg and exp_avg_sq and writes master, exp_avg, exp_avg_sq
-and the bf16 parameter: 28 bytes. Measured (2026-11-30, H200): 8.08 ms for the 1.21 G expert parameters per GPU
-of `megamoe train`'s model at EP = 2 (4.19 TB/s; torch's recipe 15.6 ms, benchmarks/adamw_bench.py), and the
-training step's optimizer phase 18.1 -> 10.1 ms (docs/perf-notes.md).
+torch's recipe (upcast bf16 grads, fused AdamW on float32 masters, copy down) moves ~46 bytes per parameter
+through HBM; one Triton kernel per parameter reads grad, master and moments and writes master, moments and the
+bf16 parameter: 28 bytes, ~1.9x faster (benchmarks/adamw_bench.py, docs/performance.md).
 
-The update is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments, ``eps`` outside the square
-root), with two additions: an optional gradient multiplier per parameter set, a device scalar (the clip
-coefficient, and for expert-parallel experts also 1/W), applied to the grad as it is read so clipping needs no
-pass of its own and no host sync; and float32 masters only for parameters stored in lower precision (a float32
-parameter is its own master). Weight decay applies to parameters of 2 or more dims. On CPU tensors the same
-update runs as torch ops (``impl="torch"``); the Triton kernel also runs there under TRITON_INTERPRET=1.
-
-``moments_dtype=torch.bfloat16`` keeps both moments in bf16 (DeepSeek-V3's recipe), stochastically rounded: 20
-bytes per bf16 parameter per step instead of 28, and 4 bytes less optimizer state per parameter.
+The update is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments, ``eps`` outside the root) plus
+an optional per-set gradient multiplier, a device scalar (clip coefficient, 1/W for experts) applied as the grad is
+read, so clipping needs no extra pass and no host sync. float32 parameters are their own masters; weight decay
+applies to parameters of 2+ dims. CPU tensors use torch ops (``impl="torch"``) or the kernel under
+TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -30,40 +21,27 @@ import triton
 import triton.language as tl
 from torch.autograd.graph import increment_version
 
-from megamoe import _interp
+from megamoe.kernels import interpreter
 from megamoe.kernels.fp8_quant import (
     Fp8Weight,
-    _quantise_slice,
-    _scale_of,
-    _weight_block,
-    one_pass_ok,
     quantize_weight_both,
     quantize_weight_ref,
     weight_key,
 )
-from megamoe.kernels.gemm_config import interpreting
 
-_interp.apply()  # under TRITON_INTERPRET=1: bf16 stores round to nearest, as on the GPU
+interpreter.apply()  # under TRITON_INTERPRET=1: bf16 stores round to nearest, as on the GPU
 
 __all__ = ["MasterAdamW"]
 
 FORMAT = "megamoe.optim.MasterAdamW/1"
-_BLOCK = 1024  # with 4 warps: 8.08 ms for 1.21 G bf16 parameters on one H200 (4.19 TB/s), 4096 / 8 warps 8.24 ms
+_BLOCK = 1024  # with 4 warps: 4.19 TB/s on an H200, a little faster than 4096 with 8 warps
 _WARPS = 4
-#: (update slice rows CHUNK, quantisation slice rows CHUNK_Q, num_warps) of _adamw_fp8_kernel per moments dtype
-#: (MasterAdamW(fp8_update="fused")); benchmarks/adamw_fp8_bench.py times the variants. One H200, 2026-12-02
-#: (results/adamw-fp8-h200-2026-12-02-*.json, every preset's expert weights at EP 4): the first version (32, 32, 8)
-#: held 176 registers (242 with bf16 moments), one CTA per SM, 0.58-0.61x the HBM floor (0.42x with bf16 moments);
-#: (16, 32, 16) 49 registers, 0.80-0.83x with float32 moments; (8, 16, 8) 64 registers, 0.60-0.64x with bf16 moments
-#: (its Philox bits per element). The separate path (flat update 0.9x, then quantize_weight_both) is faster still.
-FP8_UPDATE_CONFIG = {torch.float32: (16, 32, 16), torch.bfloat16: (8, 16, 8)}
 
 
 @triton.jit
 def _bf16_stochastic(x, r):
-    """float32 -> bfloat16 rounded up in magnitude with probability (dropped low 16 bits) / 2^16: unbiased, so
-    increments far below a bf16 ulp (v's (1 - beta2) g^2 against v) survive on average instead of being rounded
-    away; r: uint32 random bits. NaN stays NaN."""
+    """float32 -> bfloat16, rounded up in magnitude with probability (dropped low 16 bits) / 2^16 (r: uint32
+    random bits): unbiased, so increments far below a bf16 ulp survive on average. NaN stays NaN."""
     bits = x.to(tl.uint32, bitcast=True)
     rounded = ((bits + (r & 0xFFFF)) & 0xFFFF0000).to(tl.float32, bitcast=True)
     return tl.where(x == x, rounded, x).to(tl.bfloat16)
@@ -73,12 +51,10 @@ def _bf16_stochastic(x, r):
 def _adam_update(p_ptr, g_ptr, x_ptr, m_ptr, v_ptr, mult_ptr, offs, mask,
                  decay, beta1, beta2, step_size, inv_sqrt_bc2, eps, seed,
                  HAS_MASTER: tl.constexpr, HAS_MULT: tl.constexpr, MOM_BF16: tl.constexpr):
-    """The update of the elements at ``offs`` (int64, any shape; masked lanes untouched): x = master (HAS_MASTER)
-    or the float32 parameter itself; g = grad (* mult); x *= decay (1 - lr * wd); m = b1 m + (1 - b1) g;
-    v = b2 v + (1 - b2) g^2; x -= step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps); stores m, v, the master and
-    the parameter (x rounded to its dtype) and returns that rounded value. MOM_BF16: m and v stored as bfloat16,
-    stochastically rounded with Philox bits keyed on (seed, element offset). Both kernels below run this, so the
-    flat and the blockwise update give the same bits."""
+    """Update the elements at ``offs`` (int64; masked lanes untouched): x = master (HAS_MASTER) or the float32
+    parameter; g = grad (* mult); x *= decay (1 - lr * wd); m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+    x -= step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps); stores m, v, master and parameter (x rounded to its dtype)
+    and returns the rounded value. MOM_BF16: m, v stochastically rounded with Philox bits of (seed, offset)."""
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_MULT:
         g = g * tl.load(mult_ptr)
@@ -116,55 +92,11 @@ def _adamw_kernel(p_ptr, g_ptr, x_ptr, m_ptr, v_ptr, mult_ptr, n,
                  inv_sqrt_bc2, eps, seed, HAS_MASTER, HAS_MULT, MOM_BF16)
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _adamw_fp8_kernel(p_ptr, g_ptr, x_ptr, m_ptr, v_ptr, mult_ptr,  # [E_l, N, K] each (mult: fp32 [1])
-                      q_ptr,   # q [E_l, N, K] fp8 e4m3 out
-                      s_ptr,   # s [E_l, n_nb, n_kb] fp32 out
-                      qt_ptr,  # qt [E_l, K, N] fp8 e4m3 out (the transpose's quantisation)
-                      st_ptr,  # st [E_l, n_kb, n_nb] fp32 out
-                      N, K, n_nb, n_kb,
-                      decay, beta1, beta2, step_size, inv_sqrt_bc2, eps, seed,
-                      HAS_MASTER: tl.constexpr, HAS_MULT: tl.constexpr, MOM_BF16: tl.constexpr,
-                      CHUNK: tl.constexpr, CHUNK_Q: tl.constexpr, POW2: tl.constexpr,
-                      RNE_IN_FP32: tl.constexpr):
-    """Grid (E_l, n_nb, n_kb): the AdamW update of one 128x128 block of an expert weight, then the block's FP8
-    quantisation in both orientations from the updated parameter (what quantize_weight_both makes of it):
-
-        for each CHUNK-row slice: p[slice] = _adam_update(...); amax = max(amax, |p[slice]|)
-        s = amax / 448 (fp8_quant._scale_of); barrier; for each CHUNK_Q-row slice: reload p (L1 / L2, this
-        program wrote it), q[slice] = e4m3(p / s), qt[slice^T] = the same bytes transposed; s and st get s
-
-    The parameter is read back rather than kept in registers (a 128x128 block of fp32 temporaries would hold one
-    program per SM, the quantisation kernel's measured problem); the barrier makes every thread's stores of it
-    visible to the program's other threads. Offsets are the flat parameter's, so MOM_BF16's random bits, and
-    every value, are those of the flat kernel followed by quantize_weight_both."""
-    e, nb, kb, rk, kmask, base = _weight_block(N, K)
-    amax = tl.zeros([CHUNK], dtype=tl.float32)
-    for c in range(0, 128, CHUNK):
-        rn = nb * 128 + c + tl.arange(0, CHUNK)
-        mask = (rn < N)[:, None] & kmask[None, :]
-        offs = base + rn.to(tl.int64)[:, None] * K + rk[None, :]
-        pv = _adam_update(p_ptr, g_ptr, x_ptr, m_ptr, v_ptr, mult_ptr, offs, mask, decay, beta1, beta2, step_size,
-                          inv_sqrt_bc2, eps, seed, HAS_MASTER, HAS_MULT, MOM_BF16)
-        amax = tl.maximum(amax, tl.max(tl.where(mask, tl.abs(pv.to(tl.float32)), 0.0), axis=1))
-    s = _scale_of(tl.max(amax, axis=0), POW2)
-    tl.debug_barrier()  # the slices' parameter stores, by every thread, before any thread reads them back
-    for c in range(0, 128, CHUNK_Q):
-        rn = nb * 128 + c + tl.arange(0, CHUNK_Q)
-        mask = (rn < N)[:, None] & kmask[None, :]
-        q = _quantise_slice(p_ptr + base + rn.to(tl.int64)[:, None] * K + rk[None, :], mask, s, RNE_IN_FP32)
-        tl.store(q_ptr + base + rn.to(tl.int64)[:, None] * K + rk[None, :], q, mask=mask)
-        tl.store(qt_ptr + base + rk.to(tl.int64)[None, :] * N + rn[:, None], q, mask=mask)
-    tl.store(s_ptr + (e * n_nb + nb) * n_kb + kb, s)
-    tl.store(st_ptr + (e * n_kb + kb) * n_nb + nb, s)
-
-
 def _bf16_stochastic_torch(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """The torch-ops twin of _bf16_stochastic (its own random bits: same distribution, not the same values)."""
     r = torch.randint(0, 1 << 16, x.shape, generator=gen, dtype=torch.int32, device=gen.device)
     bits = x.contiguous().view(torch.int32)
-    # magnitude rounding in the int32 view: the sign bit is untouched unless the carry overflows it, which
-    # only a NaN payload could do (NaN is kept below)
+    # magnitude rounding in the int32 view: only a NaN payload could carry into the sign bit (NaN is kept below)
     rounded = ((bits + r) & ~0xFFFF).view(torch.float32)
     return torch.where(torch.isnan(x), x, rounded).to(torch.bfloat16)
 
@@ -184,27 +116,17 @@ class _Slot:
 class MasterAdamW:
     """AdamW over sets of parameters, each set with its own gradient multiplier per step.
 
-    ``param_sets``: lists of contiguous floating-point parameters (float32, bfloat16 or float16); the lower-precision
-    ones get float32 masters, initialised from their values. ``impl``: None (the Triton kernel for CUDA tensors,
-    torch ops elsewhere), "triton" or "torch". ``lr`` is read at every step (set ``opt.lr`` for a schedule).
-    ``moments_dtype``: torch.float32 (default) or torch.bfloat16, the DeepSeek-V3 recipe: both Adam moments kept
-    in bf16, 20 instead of 28 bytes per bf16 parameter moved per step and 4 fewer bytes of state. They are rounded
-    stochastically (unbiased: with beta2 = 0.999, v's per-step change of 0.1% is below half a bf16 ulp, and round-
-    to-nearest would freeze it), with random bits fixed by (parameter, step), so runs and resumed runs are
-    bitwise reproducible; the Triton kernel and the torch-ops path draw different bits.
-    ``fp8_update``: how the FP8 copies of :meth:`maintain_fp8` are refreshed: "separate" (default: the update kernel,
-    then experts' quantize_weight_both into the copy) or "fused" (one kernel per 128x128 block, _adamw_fp8_kernel:
-    2 fewer bytes per element moved, but measured slower on one H200, 2026-12-02: 1.02-1.03x the separate time with
-    float32 moments at its best config, 1.24-1.28x with bf16 moments; docs/perf-notes.md; bf16 parameters only, others
-    take the separate path: see fp8_quant.one_pass_ok). Both give the same bits.
+    ``param_sets``: lists of contiguous float32 / bfloat16 / float16 parameters; lower-precision ones get float32
+    masters. ``impl``: None (Triton for CUDA tensors, else torch ops), "triton" or "torch". ``lr`` is read every
+    step. ``moments_dtype`` torch.bfloat16 (DeepSeek-V3's recipe) moves 20 instead of 28 bytes per step and keeps
+    4 fewer bytes of state; the moments are rounded stochastically, since with beta2 = 0.999 v's per-step change is
+    below half a bf16 ulp and round-to-nearest would freeze it. The random bits depend on (parameter, step) only,
+    so resumed runs are bitwise reproducible (the kernel and torch ops draw different bits).
     """
 
     def __init__(self, param_sets: list[list[torch.Tensor]], lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, impl: str | None = None,
-                 moments_dtype: torch.dtype = torch.float32, fp8_update: str = "separate"):
-        if fp8_update not in ("separate", "fused"):
-            raise ValueError(f"MasterAdamW: fp8_update must be 'separate' or 'fused', got {fp8_update!r}")
-        self.fp8_update = fp8_update
+                 moments_dtype: torch.dtype = torch.float32):
         if impl not in (None, "triton", "torch"):
             raise ValueError(f"MasterAdamW: impl must be None, 'triton' or 'torch', got {impl!r}")
         if moments_dtype not in (torch.float32, torch.bfloat16):
@@ -216,7 +138,6 @@ class MasterAdamW:
                              f"betas={betas}, eps={eps}, lr={lr}, weight_decay={weight_decay}")
         self.lr, self.betas, self.eps, self.impl = lr, betas, eps, impl
         self.block, self.num_warps = _BLOCK, _WARPS  # the kernel's elements per program and warps (tuning)
-        self.fp8_config = FP8_UPDATE_CONFIG[moments_dtype]  # (CHUNK, CHUNK_Q, num_warps) of _adamw_fp8_kernel
         seen: set[int] = set()
         self.sets: list[list[_Slot]] = []
         for params in param_sets:
@@ -271,27 +192,13 @@ class MasterAdamW:
                     hyper = (decay, b1, b2, step_size, 1.0 / math.sqrt(bc2), self.eps, self._seed(s))
                     flags = dict(HAS_MASTER=has_master, HAS_MULT=mult is not None,
                                  MOM_BF16=self.moments_dtype == torch.bfloat16)
-                    fused = s.fp8 is not None and self.fp8_update == "fused" and one_pass_ok(s.param)
-                    if fused:  # the update and both FP8 orientations in one pass (bf16 parameters: one_pass_ok)
-                        E_l, N, K = s.param.shape
-                        n_nb, n_kb = triton.cdiv(N, 128), triton.cdiv(K, 128)
-                        chunk, chunk_q, warps = self.fp8_config
-                        _adamw_fp8_kernel[(E_l, n_nb, n_kb)](*args, *s.fp8.tensors(), N, K, n_nb, n_kb, *hyper,
-                                                             **flags, CHUNK=chunk, CHUNK_Q=chunk_q,
-                                                             POW2=s.fp8.pow2_scale, RNE_IN_FP32=interpreting(),
-                                                             num_warps=warps)
-                    else:
-                        _adamw_kernel[(triton.cdiv(n, self.block),)](*args, n, *hyper, **flags, BLOCK=self.block,
-                                                                     num_warps=self.num_warps)
-                    # the kernel wrote the parameter in place behind autograd's back: bump its version as an
-                    # in-place torch op would, so autograd refuses a graph that saved the old value and caches
-                    # keyed on versions see the change
+                    _adamw_kernel[(triton.cdiv(n, self.block),)](*args, n, *hyper, **flags, BLOCK=self.block,
+                                                                 num_warps=self.num_warps)
+                    # the kernel wrote the parameter behind autograd's back: bump its version as an in-place op
+                    # would, so saved-tensor checks and version-keyed caches see the change
                     increment_version(s.param)
-                    if s.fp8 is not None:
-                        if fused:
-                            s.fp8.key = weight_key(s.param)
-                        else:  # the flat update above, then both orientations from the new parameter
-                            self._refresh_fp8(s)
+                    if s.fp8 is not None:  # both orientations from the new parameter
+                        self._refresh_fp8(s)
                 else:
                     gf = g.float() if mult is None else g.float() * mult
                     s.master.mul_(decay)
@@ -310,16 +217,12 @@ class MasterAdamW:
                         self._refresh_fp8(s)
 
     def maintain_fp8(self, param: torch.Tensor, fp8: Fp8Weight) -> None:
-        """Keep ``fp8`` (megamoe.kernels.fp8_quant.Fp8Weight: param quantised in both orientations, 128x128 blocks)
-        current: it is filled now, and every step that updates ``param`` refreshes it right after (``fp8_update``:
-        quantize_weight_both into it, or the fused kernel; bitwise the same either way). ``fp8.managed`` is set: a
-        layer holding these buffers (the split backend's FP8 path, see SplitBackend.fp8_copies) then reads them without
-        quantising, also inside a CUDA graph, where it otherwise has to quantise every weight in every replay.
-        ``param``: a 3-D [E_l, N, K] parameter of this optimizer. Writes to it that do not go through this optimizer
-        (``copy_``, ``param.data``, loading a checkpoint into the model) leave the buffers stale for CUDA-graph
-        replays until the next step or :meth:`refresh_fp8` (load_state_dict refreshes them; an eager layer call
-        still sees a version change and requantises). The copies stay managed for as long as they exist: an
-        optimizer that stops stepping them must not be replaced by one that does not maintain them."""
+        """Keep ``fp8`` (an Fp8Weight of ``param`` [E_l, N, K], both orientations) current: filled now and after
+        every step that updates ``param``, and marked ``managed``, so an FP8 backend (``backend.fp8_copies()``)
+        reads it without quantising, which a CUDA graph would otherwise redo every replay.
+        Writes that bypass the optimizer (``copy_``, ``param.data``, loading the model) leave it stale for graph
+        replays until the next step, load_state_dict or :meth:`refresh_fp8` (eager calls requantise).
+        Managed copies must keep being maintained by whatever optimizer steps ``param``."""
         slot = next((x for slots in self.sets for x in slots if x.param is param), None)
         if slot is None:
             raise ValueError("MasterAdamW.maintain_fp8: the parameter is not one of this optimizer's")
@@ -341,9 +244,8 @@ class MasterAdamW:
 
     @torch.no_grad()
     def reload_masters(self, params: list[torch.Tensor]) -> None:
-        """Set the float32 masters of ``params`` (parameters of this optimizer) from their current values, as the
-        constructor did: after something rewrote them outside the optimizer before training began (e.g. DDP's
-        broadcast of rank 0's values when DDP is built after the optimizer). Moments and steps are kept."""
+        """Reset the masters of ``params`` from their current values after something rewrote them (DDP's broadcast
+        when DDP is built after the optimizer). Moments and steps are kept."""
         slots = {id(x.param): x for sl in self.sets for x in sl}
         for p in params:
             s = slots.get(id(p))
@@ -388,8 +290,8 @@ class MasterAdamW:
                 s.param.grad = None
 
     def state_dict(self) -> dict:
-        """References to the live masters and moments, as torch's optimizers return (no copy of ~12 bytes per
-        parameter on the device): save it before the next step."""
+        """References to the live masters and moments (no device copy, as torch's optimizers): save it before
+        the next step."""
         return {"format": FORMAT, "lr": self.lr, "betas": self.betas, "eps": self.eps,
                 "sets": [[{"step": s.step, "master": s.master.detach(), "exp_avg": s.exp_avg,
                            "exp_avg_sq": s.exp_avg_sq, "weight_decay": s.weight_decay} for s in slots]

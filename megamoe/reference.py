@@ -1,18 +1,13 @@
-"""The unsharded MoE layer in plain PyTorch: what every backend is checked against.
-
-Shape legend: T tokens, H hidden, I expert intermediate, E experts, k top-k.
+"""The unsharded MoE layer in plain PyTorch, the reference every backend is checked against.
 
     route:   (topk_idx [T, k], topk_w [T, k], aux_loss, counts [E]) = route_ref(x, router weight)
     expert:  h = x_t @ w13[e]^T  ([2I]);  a = silu(h[:I]) * h[I:];  o = a @ w2[e]^T  ([H])
     combine: y[t] = sum_j topk_w[t, j] * o_{t, j}      (accumulated in >= float32)
 
-Runs in any dtype, float64 included, forward and backward through autograd. The routing here is written apart
-from :mod:`megamoe.router` (no code shared), so a bug in the layer's router cannot hide in its own reference.
-``experts_ref`` evaluates a subset of the experts (those numbered ``expert_offset .. expert_offset + E_sub - 1``),
-so a rank can compute its experts' share of the reference output for the global batch without holding every
-expert. ``store_dtype`` rounds where megamoe's kernels store intermediates (the gated activation, each expert
-output row, the combined row), so a check in float64 against it sees only the kernels' accumulation-order
-differences, not the storage roundings.
+Any dtype, float64 included, differentiable. The routing shares no code with :mod:`megamoe.router`, so a router
+bug cannot hide in its own reference. ``experts_ref`` evaluates a subset of the experts, so a rank can check its
+share of the global batch. ``store_dtype`` rounds where the kernels store (gated activation, expert output row,
+combined row), so a float64 check sees only accumulation-order differences.
 """
 
 from __future__ import annotations
@@ -40,16 +35,8 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 
 def route_ref(x: torch.Tensor, weight: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None = None,
               logit_offset: torch.Tensor | None = None) -> RouteRef:
-    """Top-k routing of x [T, H] by the router weight [E, H], from the definitions:
-
-    * softmax: p = softmax(logits); the k largest p (ties: lower expert id first) are the experts, p their gates;
-    * sigmoid: s = sigmoid(logits); the experts are the k largest s + bias, the gates their s (bias never in a gate);
-    * gates divided by their sum when ``norm_topk``, then multiplied by ``route_scale``;
-    * aux = coef * E * sum_e (routed slots of e / (T k)) * (mean over tokens of p_e), with p for sigmoid the
-      scores normalised over the experts; 0 without tokens.
-
-    Computed in float64 for float64 input, float32 otherwise.
-    """
+    """Top-k routing of x [T, H] by weight [E, H] from the definitions in :mod:`megamoe.router` (ties: lower
+    expert id first), in float64 for float64 input, else float32."""
     E, k = config.num_experts, config.top_k
     cdt = _wide(x.dtype)
     logits = x.to(cdt) @ weight.to(cdt).t()
@@ -108,15 +95,10 @@ def experts_ref(
     expert_offset: int = 0,
     store_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """sum_j topk_w[t, j] * expert_{idx[t, j]}(x_t), over the experts held in ``w13``/``w2`` only.
-
-    x [T, H]; topk_idx [T, k] global expert ids; topk_w [T, k]; w13 [E_sub, 2I, H]; w2 [E_sub, H, I] holding
-    experts ``expert_offset .. expert_offset + E_sub - 1``. Slots routed elsewhere contribute nothing.
-    Returns y [T, H] in x's dtype, accumulated in float64 for float64 x, else float32. Weights of another dtype
-    are cast to x's one expert at a time (a float64 check of a deepseek-v3-sized layer needs no float64 copy of
-    all weights). Each token's k outputs are summed in expert order, not slot order: equal up to rounding, which
-    float64 makes negligible.
-    """
+    """y [T, H] = sum_j topk_w[t, j] * expert_{idx[t, j]}(x_t) over the experts ``expert_offset ..
+    expert_offset + E_sub - 1`` held in w13 [E_sub, 2I, H], w2 [E_sub, H, I]; other slots contribute nothing.
+    x [T, H]; topk_idx [T, k] global ids. y is in x's dtype, accumulated in float64 for float64 x, else float32,
+    in expert order. Weights are cast one expert at a time: no float64 copy of a deepseek-v3-sized layer."""
     T, H = x.shape
     cdt = _wide(x.dtype)
     y = torch.zeros(T, H, dtype=cdt, device=x.device)
@@ -142,10 +124,8 @@ def moe_forward(
     logit_offset: torch.Tensor | None = None,
     store_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, RouteRef]:
-    """The whole layer on one process: x [T, H], router_weight [E, H], w13 [E, 2I, H], w2 [E, H, I].
-
-    Returns (y [T, H], RouteRef). Differentiable w.r.t. x, router_weight, w13 and w2.
-    """
+    """The whole layer on one process: x [T, H], router_weight [E, H], w13 [E, 2I, H], w2 [E, H, I] ->
+    (y [T, H], RouteRef), differentiable."""
     if w13.shape[0] != config.num_experts:
         raise ValueError(f"reference needs all {config.num_experts} experts, got w13 with {w13.shape[0]}")
     r = route_ref(x, router_weight, config, router_bias, logit_offset)

@@ -1,31 +1,21 @@
 """Top-k routers: softmax-then-top-k (Mixtral, Qwen3, gpt-oss) and sigmoid + per-expert bias (DeepSeek-V3).
 
-Shape legend: T tokens, H hidden, E experts, k top-k.
-
-Both compute in float32 (float64 when the input is float64), whatever the layer dtype and whether or not an
-autocast region is active (it is switched off inside), so that every backend of the layer sees the same routing
-for the same input. On CUDA with bf16/fp16 input and weight the logit GEMM runs on the tensor cores with float32
-output (``torch.mm(..., out_dtype=torch.float32)``: the products of two bf16 numbers are exact in float32 and the
-sum accumulates in float32, so the logits are those of the float32 GEMM up to summation order), instead of
-upcasting both operands and running a float32 (SIMT) GEMM: on qwen3-30b-a3b at 4096 tokens that GEMM and its two
-backward twins took ~0.16 ms of the layer's forward + backward (2x H200, 2026-11-30). Its backward rounds the
-float32 logit gradient to the input dtype once before its two GEMMs, whose outputs (dx, d weight) are in that
-dtype anyway.
+Shapes: T tokens, H hidden, E experts, k top-k.
 
 * softmax: p = softmax(x @ W^T); (g, idx) = top-k(p); g /= sum(g) if norm_topk; g *= route_scale.
-* sigmoid: s = sigmoid(x @ W^T); idx = top-k(s + bias); g = s[idx]; g /= sum(g) if norm_topk;
-  g *= route_scale. ``bias`` is a buffer (DeepSeek-V3's auxiliary-loss-free balancing term), not trained by
-  autograd: it only moves the choice of experts, never the gate values.
+* sigmoid: s = sigmoid(x @ W^T); idx = top-k(s + bias); g = s[idx]; then as softmax. ``bias`` is a buffer
+  (DeepSeek-V3's auxiliary-loss-free balancing), not trained by autograd: it moves the choice, never the gates.
 
-Load-balancing loss (Switch Transformer form, per rank's batch): aux = coef * E * sum_e f_e * P_e, with
-f_e = (tokens routed to e) / (T k) and P_e = mean over tokens of the router probability of e (softmax: p;
-sigmoid: s normalised over experts). It is 0 for an empty batch.
+aux = coef * E * sum_e f_e * P_e per rank (Switch Transformer), f_e = (tokens routed to e) / (T k), P_e the mean
+router probability of e (sigmoid: s normalised over experts); 0 for an empty batch.
 
-Implementations (``impl``): ``"torch"`` runs the steps after the logit GEMM as torch ops (~15 small kernels);
-``"triton"`` runs them as two Triton kernels forward and one backward (megamoe/kernels/router_topk.py: the same
-choices and, up to float rounding of exp / sigmoid and summation order, the same gates, loss and gradients; ties
-between equal scores go to the lowest expert id, where torch.topk's choice is unspecified). ``"auto"`` (default)
-takes Triton on CUDA in float32 and torch otherwise (CPU, float64 references).
+Routing computes in float32 (float64 for float64 input) with autocast off, so every backend sees the same
+routing. On CUDA with bf16/fp16 operands the logit GEMM runs on tensor cores with float32 output (bf16 products
+are exact in float32, so only summation order differs) instead of a SIMT float32 GEMM costing ~0.16 ms per forward
++ backward (qwen3-30b-a3b, 4096 tokens); its backward rounds the logit gradient to the input dtype once. ``impl``:
+on CUDA in float32 the steps after the GEMM are Triton kernels (megamoe/kernels/router_topk.py, ~2.4x faster than
+torch ops), else torch ops; both make the same choices (ties: lowest expert id) and, up to rounding, the same gates,
+loss and gradients. "torch" / "triton" forces one (tests compare them).
 """
 
 from __future__ import annotations
@@ -40,14 +30,9 @@ from megamoe.config import MoEConfig
 
 
 class RouterOutput(NamedTuple):
-    """What the router hands to the expert layer.
-
-    topk_idx: int64 [T, k] expert ids (global, 0..E-1), k distinct per token.
-    topk_w: float32 (float64 for float64 input) [T, k] gate weights, differentiable w.r.t. the router weight.
-    aux_loss: scalar load-balancing loss, already multiplied by ``aux_loss_coef``.
-    tokens_per_expert: int64 [E] number of (token, slot) pairs routed to each expert on this rank, on the
-        input's device (read it whenever you like; the layer never reads it on the host).
-    """
+    """topk_idx int64 [T, k] global expert ids, distinct per token; topk_w float32 (float64 for float64 input)
+    [T, k] gates, differentiable; aux_loss scalar, coef included; tokens_per_expert int64 [E] (token, slot) pairs
+    per expert on this rank, on the device (the layer never reads it on the host)."""
 
     topk_idx: torch.Tensor
     topk_w: torch.Tensor
@@ -60,7 +45,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class _TensorCoreLogits(torch.autograd.Function):
-    """logits = x @ w^T in float32 from bf16/fp16 ``x`` [T, H] and ``w`` [E, H] (CUDA): see the module docstring."""
+    """logits = x @ w^T in float32 from bf16/fp16 ``x`` [T, H] and ``w`` [E, H] (CUDA; see the module docstring)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -94,11 +79,8 @@ def route(
     logit_offset: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> RouterOutput:
-    """Functional router: ``x`` [T, H], ``weight`` [E, H] -> :class:`RouterOutput`.
-
-    ``logit_offset`` [E] is added to the logits (benchmarks use it to skew the routing). ``impl``: see the module
-    docstring ("triton" needs float32 compute, i.e. not float64 input; on CPU it runs under TRITON_INTERPRET=1).
-    """
+    """``x`` [T, H], ``weight`` [E, H] -> :class:`RouterOutput`. ``logit_offset`` [E] is added to the logits
+    (benchmarks skew the routing with it). ``impl`` "triton" needs float32 compute, and TRITON_INTERPRET=1 on CPU."""
     if impl not in IMPLS:
         raise ValueError(f"router impl must be one of {IMPLS}, got {impl!r}")
     with torch.autocast(x.device.type, enabled=False):  # float32 routing inside bf16 autocast regions too
@@ -158,12 +140,8 @@ def _route(x, weight, config, bias, logit_offset, impl) -> RouterOutput:
 
 
 class Router(nn.Module):
-    """The replicated router of an MoE layer: ``weight`` [E, H] (trained), ``bias`` [E] (sigmoid only).
-
-    ``logit_offset`` [E] is a non-persistent buffer of zeros; benchmarks set it to skew the routing.
-    ``impl`` ("auto", "torch", "triton"): how the steps after the logit GEMM run (module docstring); an attribute,
-    so it can be switched on a built layer (``moe.router.impl = "torch"``).
-    """
+    """Replicated router: ``weight`` [E, H] (trained), ``bias`` [E] (sigmoid only), ``logit_offset`` [E]
+    (non-persistent, zeros; see :meth:`set_logit_offset`)."""
 
     def __init__(self, config: MoEConfig, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None):
@@ -179,19 +157,7 @@ class Router(nn.Module):
             "logit_offset", torch.zeros(config.num_experts, device=device, dtype=torch.float32), persistent=False
         )
         self._offset_set = False
-        self._impl = "auto"
         self.reset_parameters()
-
-    @property
-    def impl(self) -> str:
-        """The router implementation: "auto", "torch" or "triton" (route's ``impl``); checked when set."""
-        return self._impl
-
-    @impl.setter
-    def impl(self, value: str) -> None:
-        if value not in IMPLS:  # at once, not at the first forward
-            raise ValueError(f"router impl must be one of {IMPLS}, got {value!r}")
-        self._impl = value
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         # Same values on every rank for the same generator state: drawn on the CPU, then copied.
@@ -202,7 +168,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
         offset = self.logit_offset if self._offset_set else None
-        return route(x, self.weight, self.config, self.bias, offset, self._impl)
+        return route(x, self.weight, self.config, self.bias, offset)
 
     def set_logit_offset(self, offset: torch.Tensor | None) -> None:
         """Add ``offset`` [E] to every logit from now on (None: remove it)."""

@@ -46,9 +46,9 @@ def _rel(a, b):
 
 #: Relative-error bounds of the communication checks against float64 references: the worst error measured over
 #: the cases of test_comm.py on 2 and 4 ranks and three seed sets (tools/measure_bounds.py), plus 30%. The fp32
-#: combine sums k gate * row products in fp32 (worst 6.0e-8), the gate gradient sums H products in fp32 (6.4e-8);
-#: dispatch's backward sums at most k bf16 rows in fp32, exact so far (bound: one fp32 rounding). A gate rounded
-#: to bf16 costs ~1e-3, a gate on the wrong slot O(1).
+#: combine sums k gate * row products in fp32 (worst 6.0e-8); the gate gradient sent home is one fp32 rounding of
+#: each float64 <dy, out_j> (at most 2^-24 = 6.0e-8 per entry); dispatch's backward sums at most k bf16 rows in fp32,
+#: exact so far (bound: one fp32 rounding). A gate rounded to bf16 costs ~1e-3, a gate on the wrong slot O(1).
 COMBINE_FP32 = 8e-8
 GATE_GRAD_FP32 = 8.5e-8
 SUM_FP32 = 1.2e-7
@@ -75,8 +75,9 @@ def _late(rank, case, what):
 
 
 def run_case(rank, world, case, device, timeout_s=30.0, num_sms=None):
-    """One case: dispatch -> expert outputs distinct per row -> combine, both backward twins, and a repetition
-    with other inputs (bitwise determinism, and stale data from an earlier call never passes)."""
+    """One case: dispatch -> expert outputs distinct per row -> combine, the backward's communication, and a
+    repetition with other inputs (bitwise determinism, and stale data from an earlier call never passes); then the
+    pull on other program counts and the FP8 dispatch."""
     import importlib
 
     import torch
@@ -171,8 +172,7 @@ def run_case(rank, world, case, device, timeout_s=30.0, num_sms=None):
         if not all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(outs[0], again, strict=True)):
             fails.append(f"{name} rank {rank}: a repeated call differs bitwise from the first")
         if case.get("backward", True):
-            fails += _pull_variant_checks(name, rank, xs[rank].to(dev), idxs[rank].to(dev), w, heap, h,
-                                          recv, Rs[rank], world, xs, idxs, ws, E, case)
+            fails += _pull_checks(name, rank, xs[rank].to(dev), idxs[rank].to(dev), w, heap, recv, Rs[rank], case)
     finally:
         D.pull_rows = real_pull
         heap.close()
@@ -182,11 +182,13 @@ def run_case(rank, world, case, device, timeout_s=30.0, num_sms=None):
 
 
 def _backward_checks(tag, rank, world, case, xs, idxs, ws, heap, h, w, src, tok, slot, R, dev):
-    """dispatch_backward (unweighted sum of each token's k gradient rows) and combine_backward (w * dy rows to the
-    expert ranks, d(topk_w) = <dy, out_j> home), against float64 references on rows distinct per slot."""
+    """The backward's communication against float64 references on rows distinct per slot: dispatch_backward
+    (unweighted sum of each token's k gradient rows), pull_grad (each received row's dy row and gate, exactly) and
+    send_gate_grad (each row's d(topk_w) value into its owner's slot): d(topk_w)[t, j] = <dy_t, out_j(t)>, each
+    rounded once to fp32 on the expert rank, as the dgrad epilogue computes it."""
     import torch
 
-    from megamoe.comm import combine_backward, dispatch_backward
+    from megamoe.comm import dispatch_backward, pull_grad, send_gate_grad
     from megamoe.comm.reference import combine_ref, dispatch_ref, gather_rows_ref
     from megamoe.testing import seed_offset
 
@@ -206,63 +208,62 @@ def _backward_checks(tag, rank, world, case, xs, idxs, ws, heap, h, w, src, tok,
         else torch.zeros(0, H)
     if T:
         _bounded(fails, "comm.dispatch_backward_fp32", _rel(gx, ref_gx), SUM_FP32, tag)
-    out_full = torch.full((sh.rows_cap, H), float("nan"), dtype=dtype, device=dev)
-    out_full[:R] = expert_out[rank].to(dev)
     _late(rank, case, "stage")  # no schedule runs between this staging and the pull: the pull's own READY wait
-    g_out, g_w = combine_backward(dys[rank].to(dev), out_full, w, h)
-    # grad_out[r] = w_s[t, j] * dy_s[t] for row r = (s, t, j): the fp32 product rounded once
-    want_gout = torch.empty(R, H)
+    dy_rows, gate = pull_grad(dys[rank].to(dev), w, h)
+    # row r = (s, t, j) holds dy_s[t] unscaled and its gate w_s[t, j]
+    want_rows = torch.empty(R, H, dtype=dtype)
+    want_gate = torch.empty(R)
     for s in range(world):
         m = src == s
-        want_gout[m] = ws[s][tok[m], slot[m]][:, None] * dys[s][tok[m]].float()
-    if not torch.equal(g_out[:R].cpu(), want_gout.to(dtype)):
-        fails.append(f"{tag}: combine_backward grad_out is not w * dy per row (rel {_rel(g_out[:R], want_gout):.3g})")
+        want_rows[m] = dys[s][tok[m]]
+        want_gate[m] = ws[s][tok[m], slot[m]]
+    if not torch.equal(dy_rows[:R].cpu(), want_rows):
+        fails.append(f"{tag}: pull_grad rows are not the owners' dy rows (rel {_rel(dy_rows[:R], want_rows):.3g})")
+    if not torch.equal(gate[:R].cpu(), want_gate):
+        fails.append(f"{tag}: pull_grad gates are not the owners' gates (rel {_rel(gate[:R], want_gate):.3g})")
+    # d(topk_w) of row r from the rows as pulled, in float64 rounded once; the padding past R is NaN, which must
+    # never be sent
+    ds = torch.full((sh.rows_cap,), float("nan"), dtype=torch.float32)
+    ds[:R] = (dy_rows[:R].double().cpu() * expert_out[rank].double()).sum(1).float()
+    g_w = send_gate_grad(ds.to(dev), h)
     rows_j = gather_rows_ref(expert_out, idxs, rank, E)
-    want_gw = torch.stack([(dys[rank].double() * r.double()).sum(1) for r in rows_j], 1) if T else None
-    if T:
+    if tuple(g_w.shape) != (T, sh.topk) or g_w.dtype != torch.float32:
+        fails.append(f"{tag}: send_gate_grad gave {tuple(g_w.shape)} {g_w.dtype}, not [T, k] fp32")
+    elif T:
+        want_gw = torch.stack([(dys[rank].double() * r.double()).sum(1) for r in rows_j], 1)
         _bounded(fails, "comm.gate_grad_fp32", _rel(g_w, want_gw), GATE_GRAD_FP32, tag)
     return fails
 
 
-def _pull_variant_checks(name, rank, x, idx, w, heap, h, recv_ref, R, world, xs, idxs, ws, E, case):
-    """Both pull loops (pipelined or not) give bitwise the same rows; the scale-only pull (no d(topk_w), no
-    ``out``) writes w_s[t, j] * dy_s[t] per row, the fp32 product rounded once."""
-    import importlib
-
+def _pull_checks(name, rank, x, idx, w, heap, recv_ref, R, case):
+    """The pull on other program counts (another split of the pipelined loop's units among programs, an odd number
+    of units on some) moves bitwise the same rows and writes nothing past them; dispatch_fp8 (x quantised once per
+    token at home, the packed rows pulled narrower than H) gives bitwise what quantize_act gives on dispatch's
+    rows, and the same row gates as dispatch with gates."""
     import torch
 
-    from megamoe.comm import dispatch
-    from megamoe.comm import signals as S
-    from megamoe.comm.reference import dispatch_ref
+    from megamoe.comm import dispatch, dispatch_fp8
+    from megamoe.kernels.fp8_quant import quantize_act
+    from megamoe.testing import fp8_bits
 
-    D = importlib.import_module("megamoe.comm.dispatch")  # the module (the package exports the function)
     fails = []
-    saved = D.PULL_PIPELINE
-    try:
-        D.PULL_PIPELINE = not saved
+    for sms in (1, 5):
         recv = torch.full_like(recv_ref, float("nan"))
-        recv, _ = dispatch(x, idx, heap, recv=recv)
+        _late(rank, case, "stage")  # (late-stager cases: every program count waits for READY)
+        recv, _ = dispatch(x, idx, heap, num_sms=sms, recv=recv)
         if not torch.equal(recv[:R].cpu(), recv_ref[:R].cpu()):
-            fails.append(f"{name} rank {rank}: dispatch with PULL_PIPELINE={not saved} differs bitwise")
-    finally:
-        D.PULL_PIPELINE = saved
-    g = torch.Generator().manual_seed(3000 + case.get("seed", 0))
-    dys = [torch.randn(xq.shape[0], x.shape[1], generator=g).to(x.dtype) for xq in xs]
-    _, _, src, tok, slot = dispatch_ref(xs, idxs, rank, E)
-    want = torch.empty(R, x.shape[1])
-    for s in range(world):
-        m = src == s
-        want[m] = ws[s][tok[m], slot[m]][:, None] * dys[s][tok[m]].float()
-    w32 = w.to(torch.float32).contiguous().view(torch.int32)
-    for pipe in (True, False):
-        # the same staging as combine_backward: dy -> tok, gates -> w (the schedule of dispatch is reused)
-        S.stage(heap, act=dys[rank].to(x.device), act_reg=S.REG_TOK.value, small=w32, small_reg=S.REG_W.value,
-                ntok=-1, programs=h.num_sms)
-        dst = torch.full_like(recv_ref, float("nan"))
-        D.pull_rows(heap, h.schedule, dst, h.num_sms, scale_only=True, pipeline=pipe)
-        if not torch.equal(dst[:R].cpu(), want.to(x.dtype)):
-            fails.append(f"{name} rank {rank}: scale-only pull (pipeline={pipe}) is not w * dy per row "
-                         f"(rel {_rel(dst[:R], want):.3g})")
+            fails.append(f"{name} rank {rank}: dispatch on {sms} programs moved other rows")
+        if not torch.isnan(recv[R:].float()).all():
+            fails.append(f"{name} rank {rank}: dispatch on {sms} programs wrote rows past the received ones")
+    aq, a_s, h8 = dispatch_fp8(x, idx, heap, topk_w=w)
+    _, h = dispatch(x, idx, heap, topk_w=w)
+    q, s = quantize_act(recv_ref[:R]) if R else (aq[:0], a_s[:0])
+    if not (torch.equal(fp8_bits(aq[:R]).cpu(), fp8_bits(q).cpu()) and torch.equal(a_s[:R].cpu(), s.cpu())):
+        fails.append(f"{name} rank {rank}: dispatch_fp8 rows differ from quantize_act of dispatch's rows")
+    if not torch.equal(h8.offs.cpu(), h.offs.cpu()):
+        fails.append(f"{name} rank {rank}: dispatch_fp8 offs {h8.offs.tolist()} != dispatch's {h.offs.tolist()}")
+    if not torch.equal(h8.row_gate[:R].cpu(), h.row_gate[:R].cpu()):
+        fails.append(f"{name} rank {rank}: dispatch_fp8 row gates differ from dispatch's")
     return fails
 
 

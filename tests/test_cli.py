@@ -24,9 +24,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU default; GPUs run it under torchrun")
 def test_bench_cpu_default_writes_report(tmp_path):
     out_json = tmp_path / "bench.json"
-    out_png = tmp_path / "bench.png"
-    proc = _run("bench", "--world", "2", "--iters", "2", "--warmup", "1", "--skew", "2.0",
-                "--json", str(out_json), "--png", str(out_png))
+    proc = _run("bench", "--world", "2", "--iters", "2", "--warmup", "1", "--skew", "2.0", "--json", str(out_json))
     assert proc.returncode == 0, proc.stderr
     assert "torch" in proc.stdout and "rel err" in proc.stdout
     report = json.loads(out_json.read_text())
@@ -47,7 +45,6 @@ def test_bench_cpu_default_writes_report(tmp_path):
     assert len(sets) == len(esets) > 1 and sets[0] == report["config"]["rows_per_rank"]
     assert all(sum(r) == 2 * 64 * 2 and len(r) == 2 for r in sets)
     assert all(1 <= e <= local for es in esets for e in es)
-    assert out_png.stat().st_size > 1000
 
 
 def test_bench_rejects_bad_world():
@@ -84,7 +81,7 @@ def test_bench_interleaved_replays_take_turns():
     replay, and keeps only the timed iterations after the warm-up, per step."""
     import argparse
 
-    from megamoe.bench import _replay_times
+    from megamoe.apps.bench import _replay_times
 
     order = []
 
@@ -118,7 +115,7 @@ def test_bench_graph_times_per_mode_and_maker(monkeypatch):
     stats of its own replays, in the makers' order (one maker: the non-interleaved bench; several: --interleave)."""
     import argparse
 
-    import megamoe.bench as B
+    import megamoe.apps.bench as B
 
     calls = []
 
@@ -164,17 +161,17 @@ def test_cli_usage_and_info():
 
 
 def test_backend_spec_parsing():
-    from megamoe.bench import parse_backend
+    from megamoe.apps.bench import parse_backend
 
     assert parse_backend("torch") == ("torch", {})
-    spec = parse_backend("split:comm_sms=24:overlap_backward=1")
-    assert spec == ("split", {"comm_sms": 24, "overlap_backward": True})
+    spec = parse_backend("split:comm_sms=24:presum_combine=1")
+    assert spec == ("split", {"comm_sms": 24, "presum_combine": True})
     with pytest.raises(ValueError, match="key=value"):
         parse_backend("split:fast")
 
 
 def test_floor_counts_the_experts_a_rank_uses():
-    from megamoe.perf import CEILINGS, floor_seconds, forward_bytes, layer_floor_seconds
+    from megamoe.apps.perf import CEILINGS, floor_seconds, forward_bytes, layer_floor_seconds
 
     cfg, ceil = preset("qwen3-30b-a3b"), CEILINGS["H200"]
     w = cfg.expert_weight_bytes(4)  # 32 local experts at EP 4

@@ -28,7 +28,7 @@ CASES_W2 = [
     # only rank 0's experts are used: rank 1's experts receive nothing, rank 1 receives no rows
     dict(name="w2-narrow", T=[6, 6], H=40, k=2, E=8, routing="narrow", seed=4),
     # tiles forced small: BLOCK_H = 16 < H = 40, so every kernel walks a row in 3 chunks (last one masked),
-    # 2 rows per step; covers the chunked d(topk_w) accumulation of combine_backward
+    # 2 rows per step; the pipelined pull then carries a row's chunks across its two units per iteration
     dict(name="w2-chunked-rows", T=[7, 4], H=40, k=3, E=4, seed=7, tiles=(32, 4, 16, 2)),
     # heap sized for 11 tokens, calls with 5 and 3: the pull stops its walk at max T_s = 5 (and 2 rows per
     # step make the pipelined pull run several steps per program, an odd number of units on some)

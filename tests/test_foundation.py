@@ -136,6 +136,9 @@ def test_backend_selection_never_falls_back(monkeypatch):
     assert available_backends("cpu") == ["torch", "fused"]
     with pytest.raises(BackendUnavailable, match="no symmetric memory here"):
         MoE(cfg.replace(dtype=torch.bfloat16), backend="split")
+    # an option the backend does not have is named, with the ones it has
+    with pytest.raises(ValueError, match="no option 'overlap_backward'.*ring_blocks"):
+        MoE(cfg.replace(dtype=torch.bfloat16), backend="fused", overlap_backward=True)
 
 
 def test_import_does_no_work():
@@ -154,14 +157,14 @@ def test_results_name_the_code_they_ran(tmp_path):
     import shutil
 
     import megamoe
-    from megamoe.perf import run_metadata, source_digest
+    from megamoe.apps.perf import run_metadata, source_digest
 
     pkg = os.path.dirname(megamoe.__file__)
     copy = tmp_path / "megamoe"
     shutil.copytree(pkg, copy, ignore=shutil.ignore_patterns("__pycache__"))
     live = source_digest()
     assert len(live) == 40 and source_digest(str(copy)) == live
-    (copy / "perf.py").write_text((copy / "perf.py").read_text() + "\n# changed\n")
+    (copy / "layer.py").write_text((copy / "layer.py").read_text() + "\n# changed\n")
     assert source_digest(str(copy)) != live
     assert run_metadata(torch.device("cpu"), 1)["source_sha1"] == live
 

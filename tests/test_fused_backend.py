@@ -1,10 +1,12 @@
 """Backend ``fused`` (the forward megakernel) on 1, 2, 3, 4 and 8 gloo CPU ranks under the Triton interpreter,
 against the float64 reference on the global batch: dense buffers and macrobatch rings that must cycle
-(skewed routing, rings of 1x, 2x and 4x a minibatch and the smallest ring), bitwise determinism, bounded
-waits, clear errors."""
+(skewed routing, rings of 1x, 2x and 4x a minibatch and the smallest ring), other launch configs, bitwise equality
+with backend ``split``, bitwise determinism, bounded waits, clear errors, and the Gluon items' checks
+that need no GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -51,10 +53,34 @@ def blocks_on_rank(counts: list[int], rank: int, world: int, bm: int = BM_INTERP
     return sum(-(-c // bm) for c in counts[rank * e_l:(rank + 1) * e_l])
 
 
-def _rank(rank: int, world: int) -> tuple[list[dict], list[bool]]:
-    import megamoe.backends.split as split_backend
+@contextlib.contextmanager
+def fused_config(triton_items: bool = False, **fields):
+    """Layers of backend ``fused`` built inside the block run the megakernel with these FusedConfig ``fields``
+    replaced (the launch config is not an option: the backend picks it, tests force a path) and, with
+    ``triton_items``, the Triton items where the Gluon ones would be chosen (Hopper). Yields the list of the configs
+    handed to the layers built (empty: the block built none, so it tested nothing of the config)."""
+    import megamoe.backends.fused as fused
 
-    split_backend.POISON_PADDING = True  # d_recv's padding rows NaN (the backward on split's kernels)
+    real_cfg, real_reason = fused.default_fused_config, fused.gluon_fused_reason
+    made = []
+
+    def config(device):
+        made.append(real_cfg(device).with_(**fields))
+        return made[-1]
+
+    fused.default_fused_config = config
+    if triton_items:
+        fused.gluon_fused_reason = lambda *args, **kwargs: "the Triton items, forced by a test"
+    try:
+        yield made
+    finally:
+        fused.default_fused_config, fused.gluon_fused_reason = real_cfg, real_reason
+
+
+def _rank(rank: int, world: int) -> tuple[list[dict], list[bool]]:
+    import megamoe.backends.common as common
+
+    common.POISON_PADDING = True  # d_recv's padding rows NaN: a read of one would show in dx
     dev = torch.device("cpu")
     cases = [c for c in bf16_cases(world) if world not in SUBSET or c.name in SUBSET[world]]
     results = [layer_case(c, "fused", dev) for c in cases]
@@ -76,48 +102,17 @@ def _rank(rank: int, world: int) -> tuple[list[dict], list[bool]]:
             r["blocks"] = blocks_on_rank(r["counts"], rank, world)
             results.append(r)
         dets.append(determinism_case(sk, "fused", dev, ring_blocks=4))
-        r = layer_case(cases[1], "fused", dev, pull_split=2, lookahead=1)  # two pull items per block
-        r["case"] = "pull_split2:" + r["case"]
-        results.append(r)
-        # the GPU's default distances (the interpreter's default config uses lookahead 2 / lag 1: fewer empty items)
-        r = layer_case(cases[1], "fused", dev, lookahead=8, lag=3)
-        r["case"] = "lookahead8-lag3:" + r["case"]
-        results.append(r)
-        r = layer_case(sk, "fused", dev, prologue=True)  # the first steps' blocks pulled in finer parts
-        r["case"] = "prologue:" + r["case"]
-        results.append(r)
-        # row addresses loaded up front, with the prologue and a cycling ring (bitwise vs the default pull:
-        # test_fused_pull_prefetch_copies_the_same_rows)
-        r = layer_case(sk, "fused", dev, pull_prefetch=True, prologue=True, ring_blocks=8, group_blocks=2)
-        r["case"] = "pull-prefetch-prologue-ring8:" + r["case"]
-        results.append(r)
-        r = layer_case(cases[1], "fused", dev, pull_prefetch=True, fused_backward=True)  # the gated pull
-        r["case"] = "pull-prefetch-bwd:" + r["case"]
-        results.append(r)
-        # 2 blocks per step, cycling ring; ld.acquire.gpu on the tile counters
-        r = layer_case(sk, "fused", dev, group_blocks=2, ring_blocks=8, counter_scope="gpu")
-        r["case"] = "group2-ring8-counter-scope-gpu:" + r["case"]
-        results.append(r)
-        for c in cases:  # the backward megakernel (fused_backward=True) on the edge cases of this rank count
-            if c.name in ("bf16:bf16-ragged", "bf16:fp32-empty-rank", "bf16:fp32-k5"):
-                r = layer_case(c, "fused", dev, fused_backward=True)
-                r["case"] = "bwd-megakernel:" + r["case"]
-                results.append(r)
-        dets.append(determinism_case(det_case, "fused", dev, fused_backward=True))
-        for c in cases:  # the owner-pull combine (GEMM2's rows stay local, owners pull them), with the
-            # backward megakernel
-            if c.name in ("bf16:bf16-ragged", "bf16:fp32-empty-rank"):
-                r = layer_case(c, "fused", dev, combine="pull", fused_backward=True)
-                r["case"] = "pull-combine:" + r["case"]
-                results.append(r)
-        r = layer_case(sk, "fused", dev, combine="pull", ring_blocks=4)
-        r["case"] = "pull-combine-ring4:" + r["case"]
-        results.append(r)
-        # dense pull combine with the default backward: the forward reads peers' rows after its DONE, and the
-        # backward's dgrad then writes d_recv into this rank's rows region (split.dgrad_buffer)
-        r = layer_case(cases[1], "fused", dev, combine="pull")
-        r["case"] = "pull-combine-default-bwd:" + r["case"]
-        results.append(r)
+        for label, fields, case, opts in (
+                ("pull_split2", {"pull_split": 2, "lookahead": 1}, cases[1], {}),  # two pull items per block
+                # the GPU's default distances (the interpreter's default config uses lookahead 2 / lag 1: fewer
+                # empty items)
+                ("lookahead8-lag3", {"lookahead": 8, "lag": 3}, cases[1], {}),
+                ("group2-ring8", {"group": 2}, sk, {"ring_blocks": 8})):  # 2 blocks per step, cycling ring
+            with fused_config(**fields) as made:
+                r = layer_case(case, "fused", dev, **opts)
+            assert made, label
+            r["case"] = f"{label}:" + r["case"]
+            results.append(r)
     return results, dets
 
 
@@ -139,106 +134,35 @@ def test_fused_matches_reference_cpu(world):
     check(spawn(_rank, world, timeout_s=900))
 
 
-# FP8 (fp8=1): x quantised once per token on its home rank, the packed rows pulled, both GEMMs on e4m3 operands in the
-# megakernel (act quantised by GEMM1's epilogue), the backward on split's FP8 kernels. Against the split layer with
-# fp8=1, fp8_dispatch=1 (the same recipe in separate kernels) every output and gradient must be bitwise equal on
-# CPU ranks (the same Triton FP8 arithmetic; on GPUs split runs Gluon kernels: tests/test_gpu_fused.py); against
-# float64 the FP8 bounds of megamoe.testing.
-FP8_CASES = ("bf16:fp32-empty-rank",      # a rank with zero tokens
-             "bf16:fp64-one-expert-k1",   # k = 1, one expert takes every token
-             "bf16:fp32-odd-widths")      # H = 100, I = 40: partial scale blocks, rows not TMA-aligned
+def _twins(rank: int, world: int) -> dict:
+    """compare_runs of bf16 layer pairs on the same weights and inputs: fused against split (the same GEMM arithmetic
+    under the interpreter, the same backward kernels, y summed in j order in fp32 by both), dense and on a cycling
+    ring (whose backward recomputes the rows and h); and the megakernel's pull in chunks of 2 rows (several row groups
+    per block) against its default."""
+    import megamoe.backends.common as common
 
-
-def fp8_multiblock(world: int) -> LayerCase:
-    """Several scale blocks per weight, each dimension ending in a partial one (H = 160, I = 144)."""
-    return LayerCase("bf16-multiblock-ragged", dtype="bf16", tokens=tuple(13 + 4 * r for r in range(world)),
-                     overrides={"num_experts": 4, "hidden": 160, "intermediate": 144})
-
-
-def _rank_fp8(rank: int, world: int):
+    common.POISON_PADDING = True
     dev = torch.device("cpu")
-    split_fp8 = ("split", {"fp8": True, "fp8_dispatch": True})
-    cases = [c for c in bf16_cases(world) if c.name in FP8_CASES] + [fp8_multiblock(world)]
-    refs = [dict(layer_case(c, "fused", dev, fp8=True), case="fp8:" + c.name) for c in cases]
-    twins = [(c.name, twin_runs(c, dev, ("fused", {"fp8": True}), split_fp8)) for c in cases]
+    by_name = {c.name: c for c in bf16_cases(world)}
     sk = skewed_case(world)
-    for ring in (4, 8):  # the smallest ring, and one that cycles less
-        r = layer_case(sk, "fused", dev, fp8=True, ring_blocks=ring)
-        r.update(case=f"fp8-ring{ring}:{r['case']}", ring=ring, blocks=blocks_on_rank(r["counts"], rank, world))
-        refs.append(r)
-        twins.append((f"ring{ring}", twin_runs(sk, dev, ("fused", {"fp8": True, "ring_blocks": ring}), split_fp8)))
-    # the owner-pull combine, and the prefetching pull with the prologue on a cycling ring, on the packed FP8 rows
-    for name, opts in (("pull-combine", {"combine": "pull"}),
-                       ("pull-prefetch-prologue-ring8", {"pull_prefetch": True, "prologue": True, "ring_blocks": 8,
-                                                         "group_blocks": 2})):
-        twins.append((name, twin_runs(sk, dev, ("fused", {"fp8": True, **opts}), split_fp8)))
-    dets = [determinism_case(sk, "fused", dev, fp8=True), determinism_case(sk, "fused", dev, fp8=True, ring_blocks=4)]
-    return refs, twins, dets
+    out = {name: twin_runs(by_name[name], dev, ("fused", {}), ("split", {}))
+           for name in ("bf16:bf16-ragged", "bf16:fp32-empty-rank", "bf16:fp32-odd-widths")}
+    out["skewed-ring4"] = twin_runs(sk, dev, ("fused", {"ring_blocks": 4}), ("split", {}))
+    case = by_name["bf16:fp32-odd-widths"]  # H = 100: a pull step's row is 128 elements wide, 28 of them masked
+    default = layer_runs(case.config(), case.tokens[rank], dev, [("fused", {})], input_seed=rank, weight_seed=3)
+    with fused_config(pull_elems=256) as made:  # 2 rows per pull step (default: the block's 32 rows in one)
+        chunked = layer_runs(case.config(), case.tokens[rank], dev, [("fused", {})], input_seed=rank, weight_seed=3)
+    assert made
+    out["pull-2-rows-per-chunk"] = compare_runs(chunked[0], default[0])
+    return out
 
 
 @CPU_ONLY
-def test_fused_fp8_matches_split_fp8_cpu():
-    cycled = 0
-    for refs, twins, dets in spawn(_rank_fp8, 2, timeout_s=900):
-        assert all(dets), "fused fp8: two runs differ bitwise"
-        cycled += check_bounds(refs)
-        for name, t in twins:
+def test_fused_matches_split_bitwise_cpu():
+    for rank, twins in enumerate(spawn(_twins, 2, timeout_s=900)):
+        for name, t in twins.items():
             diff = {k: v for k, v in t.items() if not v[0]}
-            assert not diff, f"{name}: fused fp8 differs from split fp8 + fp8_dispatch: {diff}"
-    assert cycled >= 1, "the skewed case should make the smallest ring cycle"
-
-
-def _presum_backward(rank: int, world: int) -> tuple[dict, dict, dict, dict, list]:
-    """fused:presum_backward=1 (dx gathered with split's presum) against float64 on a cycling ring with the
-    owner-pull combine (the forward's rows stay in the heap's rows region, which presum's stage then writes), and on
-    the same weights and inputs against split:presum_combine=1 (the same backward kernels) and fused's default; FP8
-    against split's FP8 layer with presum. Also returns every presum gather's ``gated`` flag, in call order (a
-    presum dx can equal the plain gather's bits, so only the calls show that the option took effect)."""
-    import megamoe.comm.presum as presum
-
-    dev = torch.device("cpu")
-    sk = skewed_case(world)
-    case = next(c for c in bf16_cases(world) if c.name == "bf16:bf16-ragged")
-    gather, calls = presum.presum_gather, []
-
-    def counted(*args, **kwargs):
-        calls.append(args[2])  # gated: True in combine's forward, False in dispatch's backward (dx)
-        return gather(*args, **kwargs)
-
-    def runs(specs):
-        return layer_runs(case.config(), case.tokens[rank], dev, specs, input_seed=case.seed + 20 + rank,
-                          weight_seed=case.seed)
-
-    presum.presum_gather = counted
-    try:
-        ref = layer_case(sk, "fused", dev, presum_backward=True, ring_blocks=4, combine="pull")
-        mine, split, default = runs([("fused", {"presum_backward": True}), ("split", {"presum_combine": True}),
-                                     ("fused", {})])
-        fp8, split_fp8 = runs([("fused", {"presum_backward": True, "fp8": True}),
-                               ("split", {"presum_combine": True, "fp8": True, "fp8_dispatch": True})])
-    finally:
-        presum.presum_gather = gather
-    ref.update(ring=4, blocks=blocks_on_rank(ref["counts"], rank, world))
-    return ref, compare_runs(mine, split), compare_runs(mine, default), compare_runs(fp8, split_fp8), calls
-
-
-@CPU_ONLY
-def test_fused_presum_backward_cpu():
-    cycled = 0
-    for ref, split, default, fp8, calls in spawn(_presum_backward, 2, timeout_s=600):
-        check_bounds([ref])
-        cycled += ref["blocks"] > ref["ring"]
-        # one ungated gather (dx) per fused presum_backward run (ring, dense, FP8), none in fused's default; split's
-        # presum runs a gated one (combine) and an ungated one (dx)
-        assert calls == [False, False, True, False, False, True, False], calls
-        for twin, what in ((split, "split presum_combine"), (fp8, "split fp8 + fp8_dispatch + presum_combine")):
-            for key in ("dx", "drouter", "dw13", "dw2"):  # the same backward kernels (out is summed differently:
-                # split's combine pre-sums too)
-                assert twin[key][0], f"fused presum_backward vs {what}: {key} differs ({twin[key][1]:.3g})"
-        for key in ("out", "drouter", "dw13", "dw2"):  # against fused's default only dx's summation order changes
-            assert default[key][0], f"presum_backward changed {key}"
-        assert default["dx"][1] < 1e-2  # (here even bitwise: hence the count of presum calls above)
-    assert cycled >= 1, "the skewed case should make the ring cycle on rank 0"
+            assert not diff, f"rank {rank} {name}: fused differs from its twin: {diff}"
 
 
 def _absent(rank: int, world: int):
@@ -266,171 +190,87 @@ def test_fused_absent_rank_raises():
     assert took < 1.5 + 10, took
 
 
-def _timeline(rank: int, world: int):
-    """FusedConfig.timeline: the forward's output is unchanged and the item records account for every block."""
-    import triton
-
+def _bad_options(rank, world) -> dict:
+    """The error (or value) of each misuse: {name: ValueError message or None, ...}."""
+    import megamoe.backends.fused as fused
     from megamoe import MoE, preset
-    from megamoe.kernels import fused_moe
+    from megamoe.kernels.fused_moe import default_fused_config, fused_forward
 
-    moe = MoE(preset("tiny", max_tokens_per_rank=24), backend="fused", seed=3)
-    x = torch.randn(20 + 3 * rank, moe.config.hidden, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
-    with torch.no_grad():
-        ref = moe(x).out
-        cfg = moe.backend.config
-        moe.backend.config = cfg.with_(timeline=True)
-        out = moe(x).out
-    info = dict(fused_moe.LAST_TIMELINE)
-    items = info["items"]
-    taken = items[items[:, 7] > 0]
-    kinds = {k: taken[taken[:, 1] == k] for k in range(4)}
-    nb = int(kinds[0][:, 2].max().item()) + 1 if len(kinds[0]) else 0
-    H, I = moe.config.hidden, moe.config.intermediate
-    per_block = (cfg.pull_split, triton.cdiv(I, cfg.bn1), triton.cdiv(H, cfg.bn2))
-    counts_ok = all(sorted(kinds[k][:, 2].tolist()) == sorted(list(range(nb)) * per_block[k]) for k in range(3))
-    stamps = taken[:, 3:8]
-    monotone = bool((stamps[:, 1:] >= stamps[:, :-1]).all())
-    pids_ok = bool(((taken[:, 0] >= 0) & (taken[:, 0] < info["programs"])).all())
-    pp = info["per_program"]  # entry, READY seen, items done, DONE seen, end: in order, around the items
-    monotone = monotone and bool((pp[:, 1:5] >= pp[:, 0:4]).all()) and bool(pp[:, 2].max() >= taken[:, 7].max())
-    return torch.equal(ref, out), nb, counts_ok, monotone, pids_ok
+    msgs = {}
 
-
-@CPU_ONLY
-def test_fused_timeline_cpu():
-    for equal, nb, counts_ok, monotone, pids_ok in spawn(_timeline, 2, timeout_s=600):
-        assert equal, "the timeline records changed the forward's output"
-        assert nb > 0 and counts_ok, "every block must have its pull, GEMM1 and GEMM2 items recorded"
-        assert monotone and pids_ok
-
-
-def _pull_variants(rank: int, world: int):
-    """The pull with every row address loaded up front (pull_prefetch) copies the same rows as the default pull,
-    also with several row groups per block (small pull_elems: 2 rows per chunk) and gated (the backward
-    megakernel's pull of w * dy): forward output and input gradient bitwise equal."""
-    from megamoe import MoE, preset
-
-    x = torch.randn(21 + 2 * rank, 40, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
-    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(7 + rank)).to(torch.bfloat16)
-    outs = []
-    for pf in (False, True):
-        moe = MoE(preset("tiny", hidden=40, max_tokens_per_rank=24), backend="fused", seed=3, fused_backward=True)
-        moe.backend.config = moe.backend.config.with_(pull_elems=128, pull_prefetch=pf)  # 2 rows per chunk
-        xi = x.clone().requires_grad_()
-        y = moe(xi).out
-        y.backward(dy)
-        outs.append((y.detach(), xi.grad))
-    return all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
-
-
-@CPU_ONLY
-def test_fused_pull_prefetch_copies_the_same_rows():
-    assert all(spawn(_pull_variants, 2, timeout_s=600))
-
-
-def _bad_options(rank, world):
-    from megamoe import MoE, preset
-
-    msgs = []
-    for kw in ({"ring_blocks": 2}, {"programs": 0}, {"lookahead": 0}, {"group_blocks": 0},
-               {"fused_backward": True, "ring_blocks": 8}, {"combine": "both"}):
+    def err(name, build):
         try:
-            MoE(preset("tiny"), backend="fused", **kw)
-            msgs.append(None)
+            build()
+            msgs[name] = None
         except ValueError as exc:
-            msgs.append(str(exc))
+            msgs[name] = str(exc)
+
+    tiny = preset("tiny")
+    err("ring_small", lambda: MoE(tiny, backend="fused", ring_blocks=2))
+    err("ring_float", lambda: MoE(tiny, backend="fused", ring_blocks=8.0))
+    err("ring_bool", lambda: MoE(tiny, backend="fused", ring_blocks=True))
+    err("fp8", lambda: MoE(tiny, backend="fused", fp8=True))  # an FP8 layer is split's
+    err("comm_sms", lambda: MoE(tiny, backend="fused", comm_sms=0))
+    err("dtype", lambda: MoE(preset("tiny", dtype=torch.float32), backend="fused"))
+    with fused_config(lag=2) as made:  # the smallest ring follows the lag
+        err("ring_lag", lambda: MoE(tiny, backend="fused", ring_blocks=4))
+        err("ring_lag_ok", lambda: MoE(tiny, backend="fused", ring_blocks=5))
+    msgs["lag_made"] = [c.lag for c in made]
+    m = MoE(tiny, backend="split")  # its heap has no slot buffers: the megakernel's push is refused before staging
+    x = torch.zeros(2, tiny.hidden, dtype=tiny.dtype)
+    idx = torch.zeros(2, tiny.top_k, dtype=torch.int64)
+    err("no_slots", lambda: fused_forward(m.backend.heap, x, idx, torch.ones(2, tiny.top_k), m.w13.detach(),
+                                          m.w2.detach(), default_fused_config(m.device)))
+    # the kernel is chosen at construction: Gluon items where gluon_fused_reason gives None, else Triton ones
+    f = MoE(tiny, backend="fused")
+    msgs["kernel"] = f.backend.config.kernel
+    real = fused.gluon_fused_reason
+    fused.gluon_fused_reason = lambda cfg, **kw: None
     try:
-        MoE(preset("tiny", dtype=torch.float32), backend="fused")
-        msgs.append(None)
-    except ValueError as exc:
-        msgs.append(str(exc))
-    try:  # MoEConfig.ring_rows and ring_blocks must agree
-        MoE(preset("tiny", ring_rows=1000), backend="fused", ring_blocks=5)
-        msgs.append(None)
-    except ValueError as exc:
-        msgs.append(str(exc))
-    b = MoE(preset("tiny", ring_rows=1000), backend="fused").backend  # rows rounded up to whole blocks
-    msgs.append((b.ring_blocks, -(-1000 // b.config.block_m)))
-    from megamoe.kernels.fused_moe import fused_forward
-
-    m = MoE(preset("tiny"), backend="fused", combine="pull")  # its heap has no slot buffers
-    x = torch.zeros(2, m.config.hidden, dtype=m.config.dtype)
-    idx = torch.zeros(2, m.config.top_k, dtype=torch.int64)
-    try:  # a push launch on it must be refused before any kernel runs
-        fused_forward(m.backend.heap, x, idx, torch.ones(2, m.config.top_k), m.w13.detach(), m.w2.detach(),
-                      m.backend.config.with_(combine="push"))
-        msgs.append(None)
-    except ValueError as exc:
-        msgs.append(str(exc))
-    for kw in ({"stages": 5}, {"counter_scope": "cta"}, {"lag": 0}, {"lag": 2, "ring_blocks": 4}, {"prologue": 2},
-               {"pull_prefetch": "yes"}, {"fp8": 2}, {"fp8": True, "fused_backward": True},
-               {"fp8": True, "hidden": 20}, {"kernel": "cuda"}, {"kernel": "gluon"}, {"kernel": "gluon", "fp8": True},
-               {"presum_backward": 2}, {"presum_backward": True, "fused_backward": True}):
-        cfg_kw = {"hidden": kw.pop("hidden")} if "hidden" in kw else {}  # a layer-config field, not an option
-        try:
-            MoE(preset("tiny", **cfg_kw), backend="fused", **kw)
-            msgs.append(None)
-        except ValueError as exc:
-            msgs.append(str(exc))
+        msgs["kernel_where_gluon_runs"] = MoE(tiny, backend="fused").backend.config.kernel
+    finally:
+        fused.gluon_fused_reason = real
+    f.backend.config = f.backend.config.with_(kernel="gluon")  # forced where it cannot run: the forward names why
+    err("gluon_forced", lambda: f(torch.randn(4, tiny.hidden).to(tiny.dtype)))
     return msgs
 
 
+@CPU_ONLY
 def test_fused_rejects_bad_options():
-    (msgs,) = spawn(_bad_options, 1)
-    assert msgs[0] is not None and "ring_blocks" in msgs[0]
-    assert msgs[1] is not None and "programs" in msgs[1]
-    assert msgs[2] is not None and "lookahead" in msgs[2]
-    assert msgs[3] is not None and "group_blocks" in msgs[3]
-    assert msgs[4] is not None and "fused_backward" in msgs[4]
-    assert msgs[5] is not None and "combine" in msgs[5]
-    assert msgs[6] is not None and "bfloat16" in msgs[6]
-    assert msgs[7] is not None and "ring_rows" in msgs[7]
-    assert msgs[8][0] == msgs[8][1]
-    assert msgs[9] is not None and "slots" in msgs[9]
-    assert msgs[10] is not None and "stages" in msgs[10]
-    assert msgs[11] is not None and "counter_scope" in msgs[11]
-    assert msgs[12] is not None and "lag" in msgs[12]
-    assert msgs[13] is not None and "ring_blocks must be >= 5" in msgs[13]
-    assert msgs[14] is not None and "prologue" in msgs[14]
-    assert msgs[15] is not None and "pull_prefetch" in msgs[15]
-    assert msgs[16] is not None and "fp8" in msgs[16]
-    assert msgs[17] is not None and "fused_backward" in msgs[17] and "bf16 only" in msgs[17]
-    assert msgs[18] is not None and "packed FP8 row" in msgs[18] and "hidden = 20" in msgs[18]
-    assert msgs[19] is not None and "kernel must be 'triton' or 'gluon'" in msgs[19]
-    if os.environ.get("TRITON_INTERPRET") == "1":  # (a GPU machine runs the layer's kernels: no error there)
-        assert msgs[20] is not None and "kernel='gluon'" in msgs[20] and "interpreter" in msgs[20]
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        assert msgs[21] is not None and "kernel='gluon'" in msgs[21] and "interpreter" in msgs[21]
-    assert msgs[22] is not None and "presum_backward must be a flag" in msgs[22]
-    assert msgs[23] is not None and "presum_backward" in msgs[23] and "fused_backward" in msgs[23]
+    (m,) = spawn(_bad_options, 1)
+    assert m["ring_small"] is not None and "ring_blocks must be >= 4" in m["ring_small"]
+    assert m["ring_float"] is not None and "ring_blocks must be None or an int" in m["ring_float"]
+    assert m["ring_bool"] is not None and "ring_blocks must be None or an int" in m["ring_bool"]
+    assert m["fp8"] is not None and "no option 'fp8'" in m["fp8"]
+    assert m["comm_sms"] is not None and "comm_sms" in m["comm_sms"]
+    assert m["dtype"] is not None and "bfloat16" in m["dtype"]
+    assert m["ring_lag"] is not None and "ring_blocks must be >= 5" in m["ring_lag"]
+    assert m["ring_lag_ok"] is None and m["lag_made"] == [2, 2]
+    assert m["no_slots"] is not None and "slots" in m["no_slots"]
+    assert m["kernel"] == "triton" and m["kernel_where_gluon_runs"] == "gluon"
+    assert m["gluon_forced"] is not None and "kernel='gluon'" in m["gluon_forced"]
+    assert "interpreter" in m["gluon_forced"]
 
 
 def test_gluon_fused_reasons(monkeypatch):
-    """kernel='gluon' names what it cannot run: the interpreter, then sizes and options (checked here as on a GPU)."""
-    from megamoe.kernels import gluon_fused
+    """What keeps the Gluon items from running: the interpreter, the device, then sizes and config (checked here as
+    on a GPU)."""
     from megamoe.kernels.fused_moe import FusedConfig
-    from megamoe.kernels.gluon_fused import gluon_fused_reason
-    from megamoe.kernels.gluon_fused import stages_of as gluon_fused_stages
+    from megamoe.kernels.gluon import fused as gluon_fused
+    from megamoe.kernels.gluon.fused import gluon_fused_reason
 
     ok = FusedConfig()
     if os.environ.get("TRITON_INTERPRET") == "1":
         assert "interpreter" in gluon_fused_reason(ok, H=2048, I=768)
     monkeypatch.setattr(gluon_fused, "interpreting", lambda: False)
     assert gluon_fused_reason(ok, H=2048, I=768) is None
+    assert "CUDA device" in gluon_fused_reason(ok, H=2048, I=768, device=torch.device("cpu"))
     assert "block_m=128" in gluon_fused_reason(ok.with_(bn1=64), H=2048, I=768)
     assert "bn2" in gluon_fused_reason(ok.with_(bn2=64), H=2048, I=768)
     assert "multiples of 8" in gluon_fused_reason(ok, H=100, I=40)
     assert "shared memory" in gluon_fused_reason(ok.with_(num_stages=5), H=2048, I=768)
     assert "num_stages" in gluon_fused_reason(ok.with_(num_stages=1), H=2048, I=768)
-    assert gluon_fused_reason(ok.with_(timeline=True), H=2048, I=768) is None  # (the timeline works on both)
-    assert "Triton megakernel only" in gluon_fused_reason(ok.with_(ablate=2), H=2048, I=768)
-    f8 = ok.with_(bn2=128)  # the FP8 items: GEMM2 tiles inside one weight scale block, I % 128, at most 4 stages
-    assert gluon_fused_reason(f8, H=2048, I=768, fp8=True) is None
-    assert gluon_fused_stages(f8.with_(num_stages=6), fp8=True) == 4 and gluon_fused_stages(f8) == 4
-    assert "bn2 128" in gluon_fused_reason(ok, H=2048, I=768, fp8=True)
-    assert "I of 128" in gluon_fused_reason(f8, H=2880, I=2880, fp8=True)
-    assert "H must be a multiple of 16" in gluon_fused_reason(f8, H=2056, I=768, fp8=True)
-    assert "push their rows" in gluon_fused_reason(f8.with_(combine="pull"), H=2048, I=768, fp8=True)
+    assert gluon_fused_reason(ok.with_(bn2=128), H=2048, I=768) is None
 
 
 def test_gluon_bulk_pull_plan(monkeypatch):
@@ -438,15 +278,15 @@ def test_gluon_bulk_pull_plan(monkeypatch):
     region), or None (the register pull) where TMA cannot move the rows."""
     from types import SimpleNamespace
 
-    from megamoe.kernels import gluon_fused
     from megamoe.kernels.fused_moe import FusedConfig
+    from megamoe.kernels.gluon import fused_io
 
     cfg = FusedConfig()
 
-    def plan(H, W=1, fp8=False, a=None, c=cfg):
+    def plan(H, W=1, a=None, c=cfg):
         bufs = [torch.full((5, H), float(r), dtype=torch.bfloat16) for r in range(W)]
         heap = SimpleNamespace(shape=SimpleNamespace(hidden=H), world=W, peer_buffer=lambda name, r: bufs[r])
-        p = gluon_fused._bulk_pull_plan(heap, c, torch.zeros(11, H, dtype=torch.bfloat16) if a is None else a, fp8)
+        p = fused_io.bulk_pull_plan(heap, c, torch.zeros(11, H, dtype=torch.bfloat16) if a is None else a)
         if p is not None:  # every rank's descriptor is over that rank's region, as [T_max * RV, C] rows
             xv, toks, ra, rb, rv, cw, br = p
             assert len(toks) == W and all(t.base is bufs[r] for r, t in enumerate(toks))
@@ -465,8 +305,7 @@ def test_gluon_bulk_pull_plan(monkeypatch):
     assert plan(64) == (8, 8, 1, 64, 1)
     assert plan(2880, W=2) is None  # gpt-oss: 45 boxes of [1, 64] per row, more than 8
     assert plan(96) is None and plan(9) is None  # H % 64: a row would not start 128-byte aligned in its stage
-    assert plan(2048, fp8=True) is None  # packed FP8 rows: the register pull
     assert plan(2048, W=9) is None  # at most 8 tok descriptors
     assert plan(2048, a=torch.zeros(11, 4096, dtype=torch.bfloat16)[:, :2048]) is None  # a strided receive buffer
-    monkeypatch.setattr(gluon_fused, "BULK_PULL", 0)
+    monkeypatch.setattr(fused_io, "BULK_PULL", 0)
     assert plan(2048) is None

@@ -1,6 +1,6 @@
 """Backend ``fused`` on 1-4 GPUs: reference checks at full width (dense buffers and cycling rings under skewed
 routing), bitwise determinism, no host sync in a training step, and a training step captured in a CUDA graph
-replaying like eager."""
+replaying like eager; on Hopper the default (the Gluon items where they can run) and the Triton items forced."""
 
 from __future__ import annotations
 
@@ -12,16 +12,17 @@ from megamoe.testing import (
     LayerCase,
     bf16_cases,
     check_bounds,
+    compare_runs,
     determinism_case,
     gpu_cases,
     gpu_world,
     graph_replay_vs_eager,
     layer_case,
+    layer_runs,
     qwen3_experts,
     rank_device,
     sync_free_step,
     training_step,
-    twin_runs,
 )
 
 pytestmark = pytest.mark.gpu
@@ -57,16 +58,11 @@ def _det_case(world: int) -> LayerCase:
 def _rank_cases(rank: int, world: int) -> tuple[list[dict], list[bool]]:
     dev = rank_device()
     results = [layer_case(c, "fused", dev) for c in bf16_cases(world) + gpu_cases(world)]
-    results += [dict(layer_case(c, "fused", dev, fused_backward=True), case="bwd-megakernel:" + c.name)
-                for c in gpu_cases(world)]
-    results += [dict(layer_case(c, "fused", dev, fused_backward=True, combine="pull"),
-                     case="pull-combine:" + c.name) for c in gpu_cases(world)]
     sk = _skewed(world)
     # 4 = the smallest ring; 1x, 2x, 4x a minibatch
     results += [_ring_case(rank, world, dev, ring, "") for ring in (4, MINI, 2 * MINI, 4 * MINI)]
     det_case = _det_case(world)
-    dets = [determinism_case(det_case, "fused", dev), determinism_case(sk, "fused", dev, ring_blocks=8),
-            determinism_case(det_case, "fused", dev, fused_backward=True)]
+    dets = [determinism_case(det_case, "fused", dev), determinism_case(sk, "fused", dev, ring_blocks=8)]
     return results, dets
 
 
@@ -83,7 +79,7 @@ def test_fused_on_gpus(world):
 
 
 def _sync_free(rank: int, world: int) -> bool:
-    for opts in ({}, {"ring_blocks": 16}, {"fused_backward": True}):
+    for opts in ({}, {"ring_blocks": 16}):
         sync_free_step(training_step(rank, "fused", **opts)[2])
     return True
 
@@ -104,62 +100,11 @@ def test_fused_graph_capturable():
         assert r["graph_w_equal"], "graph replay parameters differ from eager"
 
 
-# FP8 (fp8=1): the megakernel's FP8 GEMMs (Triton, in the kernel) against the float64 reference (the FP8 bounds of
-# megamoe.testing) and against split with fp8=1, fp8_dispatch=1 (the same recipe on the Gluon FP8 kernels: bitwise
-# equal on CPU ranks, here only close: the Gluon and Triton kernels accumulate the wgmma products differently, and a
-# bf16 rounding of act that differs can move its e4m3 value); dense and cycling
-# rings, determinism, no host sync in a training step, CUDA-graph replay like eager.
-FP8_TWIN_REL = 2e-2        # relative difference from split's FP8 layer (first measured: see docs/perf-notes.md)
-FP8_TWIN_COSINE = 0.9998
-
-
-def _rank_fp8(rank: int, world: int) -> tuple[list[dict], list, list[bool]]:
-    dev = rank_device()
-    split_fp8 = ("split", {"fp8": True, "fp8_dispatch": True})
-    cases = gpu_cases(world)
-    refs = [dict(layer_case(c, "fused", dev, fp8=True), case="fp8:" + c.name) for c in cases]
-    twins = [(c.name, twin_runs(c, dev, ("fused", {"fp8": True}), split_fp8)) for c in cases]
-    sk = _skewed(world)
-    refs += [_ring_case(rank, world, dev, ring, "fp8-", fp8=True) for ring in (4, 2 * MINI)]
-    twins.append(("ring4", twin_runs(sk, dev, ("fused", {"fp8": True, "ring_blocks": 4}), split_fp8)))
-    dets = [determinism_case(_det_case(world), "fused", dev, fp8=True),
-            determinism_case(sk, "fused", dev, fp8=True, ring_blocks=8)]
-    return refs, twins, dets
-
-
-@pytest.mark.skipif(NGPU == 0, reason="needs CUDA GPUs")
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_fused_fp8_on_gpus(world):
-    if not gpu_ranks_possible(world):
-        pytest.skip(f"needs {world} GPUs (or MEGAMOE_SHARE_GPUS=1), {NGPU} visible")
-    cycled = 0
-    for refs, twins, dets in spawn(_rank_fp8, world, device="cuda", timeout_s=900):
-        assert all(dets), "fused fp8: two runs differ bitwise"
-        cycled += check_bounds(refs)
-        for name, t in twins:
-            for key, (_, rel, cos) in t.items():
-                assert rel < FP8_TWIN_REL and cos > FP8_TWIN_COSINE, \
-                    f"{name}: fused fp8 vs split fp8 {key}: rel {rel:.3g}, cosine {cos:.6f}"
-    assert cycled >= 1, "the skewed case should make the smallest ring cycle"
-
-
-def _fp8_step_checks(rank: int, world: int) -> dict:
-    sync_free_step(training_step(rank, "fused", fp8=True)[2])
-    sync_free_step(training_step(rank, "fused", fp8=True, ring_blocks=16)[2])
-    return graph_replay_vs_eager(*training_step(rank, "fused", fp8=True))
-
-
-@pytest.mark.skipif(NGPU < 1, reason="needs a GPU")
-def test_fused_fp8_sync_free_and_graph_capturable():
-    for r in spawn(_fp8_step_checks, gpu_world(4, 2) or NGPU, device="cuda", timeout_s=600):
-        assert r["graph_out_equal"], "graph replay output differs from eager"
-        assert r["graph_w_equal"], "graph replay parameters differ from eager"
-
-
-# --------------------------------------------------------------------------------- kernel="gluon" (Hopper)
-# The warp-specialised Gluon items (kernels/gluon_fused.py) against float64, against the Triton megakernel on the
-# same weights and inputs (same tiles and k order: expected bitwise equal, asserted close), dense and cycling rings
-# under skew, both combines, determinism, no host sync, CUDA-graph replay.
+# ------------------------------------------------------------------------------ the Triton items on Hopper
+# On Hopper the backend runs the warp-specialised Gluon items (kernels/gluon/fused.py) wherever they can run, so the
+# tests above check those; here the Triton items, forced (test_fused_backend.fused_config), against float64 and
+# against the default on the same weights and inputs (same tiles and k order: expected bitwise equal, asserted
+# close), dense and cycling rings under skew, determinism, no host sync, CUDA-graph replay; and the choice itself.
 GLUON_TWIN_REL = 1e-3
 
 
@@ -167,37 +112,53 @@ def _gluon_ok() -> bool:
     return NGPU > 0 and torch.cuda.get_device_capability(0)[0] == 9
 
 
-def _rank_gluon(rank: int, world: int) -> tuple[list[dict], list, list[bool]]:
+def _triton_twin(case: LayerCase, dev: torch.device, opts: dict) -> dict:
+    """compare_runs of the default fused layer (options ``opts``) and the one with the Triton items forced, on the
+    same weights and this rank's inputs of ``case``."""
+    import torch.distributed as dist
+    from test_fused_backend import fused_config
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    kw = dict(input_seed=case.seed + 20 + rank, weight_seed=case.seed, offset=case.offset)
+    (default,) = layer_runs(case.config(), case.tokens[rank], dev, [("fused", opts)], **kw)
+    with fused_config(triton_items=True) as made:
+        (forced,) = layer_runs(case.config(), case.tokens[rank], dev, [("fused", opts)], **kw)
+    assert made
+    return compare_runs(default, forced)
+
+
+def _rank_triton(rank: int, world: int) -> tuple[list[dict], list, list[bool], dict]:
+    from test_fused_backend import fused_config
+
+    from megamoe import MoE
+
     dev = rank_device()
-    g = {"kernel": "gluon"}
-    # (H, I must be multiples of 8 for its TMA descriptors: the odd-widths case H = 100 must raise instead)
+    # the choice: Gluon where H and I are multiples of 8 (TMA row strides), the Triton items for the odd widths
     odd = [c for c in bf16_cases(world) if c.overrides.get("hidden", 96) % 8]
     assert odd, "the standard cases lost their odd-width case"
-    with pytest.raises(ValueError, match="multiples of 8"):
-        layer_case(odd[0], "fused", dev, **g)
-    cases = [c for c in bf16_cases(world) if c not in odd] + gpu_cases(world)
-    refs = [dict(layer_case(c, "fused", dev, **g), case="gluon:" + c.name) for c in cases]
-    refs += [dict(layer_case(c, "fused", dev, combine="pull", **g), case="gluon-pull:" + c.name)
-             for c in gpu_cases(world)]
-    refs += [dict(layer_case(c, "fused", dev, fused_backward=True, **g), case="gluon-bwd-megakernel:" + c.name)
-             for c in gpu_cases(world)[:1]]
+    chosen = {name: MoE(c.config(), backend="fused", device=dev).backend.config.kernel
+              for name, c in (("odd", odd[0]), ("qwen3", gpu_cases(world)[0]))}
     sk = _skewed(world)
-    refs += [_ring_case(rank, world, dev, ring, "gluon-", **g) for ring in (4, MINI, 4 * MINI)]
-    twins = [(c.name, twin_runs(c, dev, ("fused", {}), ("fused", g))) for c in gpu_cases(world)]
-    twins.append(("ring4", twin_runs(sk, dev, ("fused", {"ring_blocks": 4}), ("fused", {"ring_blocks": 4, **g}))))
-    dets = [determinism_case(_det_case(world), "fused", dev, **g),
-            determinism_case(sk, "fused", dev, ring_blocks=8, **g)]
-    return refs, twins, dets
+    with fused_config(triton_items=True) as made:
+        refs = [dict(layer_case(c, "fused", dev), case="triton:" + c.name)
+                for c in bf16_cases(world) + gpu_cases(world)]
+        refs += [_ring_case(rank, world, dev, ring, "triton-") for ring in (4, MINI, 4 * MINI)]
+        dets = [determinism_case(_det_case(world), "fused", dev), determinism_case(sk, "fused", dev, ring_blocks=8)]
+    assert made
+    twins = [(c.name, _triton_twin(c, dev, {})) for c in gpu_cases(world)]
+    twins.append(("ring4", _triton_twin(sk, dev, {"ring_blocks": 4})))
+    return refs, twins, dets, chosen
 
 
 @pytest.mark.skipif(not _gluon_ok(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_fused_gluon_on_gpus(world):
+def test_fused_triton_items_on_hopper(world):
     if not gpu_ranks_possible(world):
         pytest.skip(f"needs {world} GPUs (or MEGAMOE_SHARE_GPUS=1), {NGPU} visible")
     cycled = 0
-    for refs, twins, dets in spawn(_rank_gluon, world, device="cuda", timeout_s=900):
-        assert all(dets), "fused kernel=gluon: two runs differ bitwise"
+    for refs, twins, dets, chosen in spawn(_rank_triton, world, device="cuda", timeout_s=900):
+        assert chosen == {"odd": "triton", "qwen3": "gluon"}, chosen
+        assert all(dets), "fused with the Triton items: two runs differ bitwise"
         cycled += check_bounds(refs)
         for name, t in twins:
             for key, (_, rel, _cos) in t.items():
@@ -207,48 +168,19 @@ def test_fused_gluon_on_gpus(world):
     assert cycled >= 1, "the skewed case should make the smallest ring cycle"
 
 
-def _gluon_step_checks(rank: int, world: int) -> dict:
-    sync_free_step(training_step(rank, "fused", kernel="gluon")[2])
-    sync_free_step(training_step(rank, "fused", kernel="gluon", ring_blocks=16)[2])
-    return graph_replay_vs_eager(*training_step(rank, "fused", kernel="gluon"))
+def _triton_step_checks(rank: int, world: int) -> dict:
+    from test_fused_backend import fused_config
+
+    with fused_config(triton_items=True) as made:
+        sync_free_step(training_step(rank, "fused")[2])
+        sync_free_step(training_step(rank, "fused", ring_blocks=16)[2])
+        graph = graph_replay_vs_eager(*training_step(rank, "fused"))
+    assert made
+    return graph
 
 
 @pytest.mark.skipif(not _gluon_ok(), reason="needs a Hopper GPU")
-def test_fused_gluon_sync_free_and_graph_capturable():
-    for r in spawn(_gluon_step_checks, gpu_world(4, 2) or NGPU, device="cuda", timeout_s=600):
+def test_fused_triton_items_sync_free_and_graph_capturable():
+    for r in spawn(_triton_step_checks, gpu_world(4, 2) or NGPU, device="cuda", timeout_s=600):
         assert r["graph_out_equal"], "graph replay output differs from eager"
         assert r["graph_w_equal"], "graph replay parameters differ from eager"
-
-
-def _rank_gluon_fp8(rank: int, world: int) -> tuple[list[dict], list, list[bool]]:
-    dev = rank_device()
-    g = {"kernel": "gluon", "fp8": True}
-    cases = gpu_cases(world)
-    refs = [dict(layer_case(c, "fused", dev, **g), case="gluon-fp8:" + c.name) for c in cases]
-    twins = [(c.name, twin_runs(c, dev, ("fused", {"fp8": True}), ("fused", g))) for c in cases]
-    sk = _skewed(world)
-    refs.append(_ring_case(rank, world, dev, 4, "gluon-fp8-", **g))
-    twins.append(("ring4", twin_runs(sk, dev, ("fused", {"fp8": True, "ring_blocks": 4}),
-                                     ("fused", {"ring_blocks": 4, **g}))))
-    dets = [determinism_case(_det_case(world), "fused", dev, **g)]
-    return refs, twins, dets
-
-
-@pytest.mark.skipif(not _gluon_ok(), reason="needs a Hopper GPU")
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_fused_gluon_fp8_on_gpus(world):
-    # the FP8 items (fused:kernel=gluon:fp8=1) against float64 (FP8 bounds) and against the Triton FP8 megakernel on
-    # the same weights and inputs (the same arithmetic per element: expected equal or within FP8_TWIN_REL)
-    if not gpu_ranks_possible(world):
-        pytest.skip(f"needs {world} GPUs (or MEGAMOE_SHARE_GPUS=1), {NGPU} visible")
-    cycled = 0
-    for refs, twins, dets in spawn(_rank_gluon_fp8, world, device="cuda", timeout_s=900):
-        assert all(dets), "fused kernel=gluon fp8: two runs differ bitwise"
-        cycled += check_bounds(refs)
-        for name, t in twins:
-            for key, (_, rel, cos) in t.items():
-                assert rel < FP8_TWIN_REL and cos > FP8_TWIN_COSINE, \
-                    f"{name}: gluon fp8 vs triton fp8 megakernel {key}: rel {rel:.3g}, cosine {cos:.6f}"
-            print(f"gluon fp8 vs triton fp8 {name}: bitwise {all(eq for eq, _, _ in t.values())}, "
-                  f"max rel {max(rel for _, rel, _ in t.values()):.3g}")
-    assert cycled >= 1, "the skewed case should make the smallest ring cycle"

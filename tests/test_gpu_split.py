@@ -68,30 +68,6 @@ def test_split_graph_capturable():
         assert r["graph_w_equal"], "graph replay parameters differ from eager"
 
 
-def _overlap_equal(rank: int, world: int) -> bool:
-    """overlap_backward (dx on a side stream while the wgrads run) gives bitwise the same gradients."""
-    from megamoe import MoE, preset
-
-    dev = rank_device()
-    cfg = preset("qwen3-30b-a3b", max_tokens_per_rank=1024)
-    gen = torch.Generator(device=dev).manual_seed(rank + 5)
-    x = torch.randn(1024, cfg.hidden, device=dev, dtype=cfg.dtype, generator=gen)
-    dy = torch.randn_like(x)
-    grads = []
-    for overlap in (False, True):
-        moe = MoE(cfg, backend="split", device=dev, seed=3, overlap_backward=overlap)
-        xi = x.clone().requires_grad_()
-        moe(xi).out.backward(dy)
-        torch.cuda.synchronize()
-        grads.append([xi.grad, moe.w13.grad, moe.w2.grad, moe.router.weight.grad])
-    return all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
-
-
-@pytest.mark.skipif(gpu_world(4, 2) == 0, reason="needs 2+ GPUs (or MEGAMOE_SHARE_GPUS=1)")
-def test_split_overlap_backward_same_gradients():
-    assert all(spawn(_overlap_equal, gpu_world(4, 2), device="cuda", timeout_s=600))
-
-
 def _rank_fp8(rank: int, world: int):
     """fp8=1: the reference checks (edge cases + full width), bitwise determinism and cosine vs the bf16 layer
     at full width, and no host sync in an fp8 training step (per-call weight quantisation included)."""
@@ -107,8 +83,8 @@ def _rank_fp8(rank: int, world: int):
 
 @pytest.mark.skipif(NGPU == 0, reason="needs CUDA GPUs")
 def test_split_fp8_on_gpus():
-    """FP8 GEMMs in backend split on every local GPU (one rank each); tolerances: megamoe/testing.py
-    (measured on CPU; the full-width GPU figures are not measured yet)."""
+    """FP8 GEMMs in backend split on every local GPU (one rank each); tolerances: megamoe.testing (measured on CPU;
+    the full-width GPU figures are not measured yet)."""
     from test_split_backend import check_fp8
 
     if torch.cuda.get_device_capability(0) < (8, 9):
@@ -118,31 +94,19 @@ def test_split_fp8_on_gpus():
     check_fp8([(rank_results, det) for rank_results, det, _ in results])
 
 
-def _rank_fp8_dispatch(rank: int, world: int):
-    """fp8_dispatch=1 at qwen3 width (1024 tokens per rank): against the FP8 layer without it (bitwise the same
-    output, dx, router and w2 gradients; dW13 within FP8 error), no host sync in its training step, and the step
-    captured in a CUDA graph replaying like eager."""
-    from test_split_backend import fp8_dispatch_pair
-
-    from megamoe import preset
-
-    dev = rank_device()
-    torch.cuda.set_device(dev)
-    cfg = preset("qwen3-30b-a3b", num_experts=qwen3_experts(world), max_tokens_per_rank=1024)
-    pair = fp8_dispatch_pair(cfg, 1024, dev, seed=31)
-    opts = {"fp8": True, "fp8_dispatch": True, "presum_combine": True}
-    return pair, _sync_free(rank, world, opts), graph_replay_vs_eager(*training_step(rank, "split", **opts))
+def _fp8_presum_steps(rank: int, world: int) -> tuple[bool, dict]:
+    """fp8=1 with presum_combine=1 (the packed FP8 rows dispatched with their gates, the expert ranks pre-summing):
+    no host sync in its training step, and the step captured in a CUDA graph replaying like eager."""
+    opts = {"fp8": True, "presum_combine": True}
+    return _sync_free(rank, world, opts), graph_replay_vs_eager(*training_step(rank, "split", **opts))
 
 
-@pytest.mark.skipif(NGPU == 0, reason="needs CUDA GPUs")
-def test_split_fp8_dispatch_on_gpus():
-    from test_split_backend import check_fp8_dispatch
-
+@pytest.mark.skipif(gpu_world(4, 2) == 0, reason="needs 2+ GPUs (or MEGAMOE_SHARE_GPUS=1)")
+def test_split_fp8_presum_sync_free_and_graph_capturable():
     if torch.cuda.get_device_capability(0) < (8, 9):
         pytest.skip("FP8 tensor cores need compute capability >= 8.9")
-    for pair, sync_free, graph in spawn(_rank_fp8_dispatch, gpu_world(4, 2) or NGPU, device="cuda", timeout_s=900):
-        check_fp8_dispatch(pair)
-        assert sync_free, "fp8_dispatch: a host sync in the training step"
+    for sync_free, graph in spawn(_fp8_presum_steps, gpu_world(4, 2), device="cuda", timeout_s=900):
+        assert sync_free, "fp8 + presum_combine: a host sync in the training step"
         assert graph["graph_out_equal"] and graph["graph_w_equal"], graph
 
 
@@ -193,7 +157,7 @@ def _rank_fp8_managed(rank: int, world: int) -> dict:
     """FP8 weight copies kept by the optimizer (MasterAdamW.maintain_fp8 with SplitBackend.fp8_copies): the layer
     never quantises its weights (not in eager steps after the first, not while its forward + backward is captured in
     a CUDA graph), a graphed layer with an eager optimizer step replays bitwise like eager steps, and both equal a
-    layer that quantises its weights afresh in every call (fp8_weight_cache=False) under the plain optimizer."""
+    layer that keeps its own copies (requantised when a weight's version changes) under the same optimizer."""
     from megamoe import MoE, preset
     from megamoe.experts import quantize_weight_both
     from megamoe.optim import MasterAdamW
@@ -206,14 +170,14 @@ def _rank_fp8_managed(rank: int, world: int) -> dict:
     x = torch.randn(1024, cfg.hidden, device=dev, dtype=cfg.dtype, generator=gen)
     dy = torch.randn(1024, cfg.hidden, device=dev, dtype=cfg.dtype, generator=gen)
     layers = {"managed": MoE(cfg, backend="split", device=dev, seed=4, fp8=True),
-              "fresh": MoE(cfg, backend="split", device=dev, seed=4, fp8=True, fp8_weight_cache=False)}
+              "own": MoE(cfg, backend="split", device=dev, seed=4, fp8=True)}
     opts = {k: MasterAdamW([[m.w13, m.w2], [m.router.weight]], lr=1e-3) for k, m in layers.items()}
     for p, c in layers["managed"].backend.fp8_copies():
         opts["managed"].maintain_fp8(p, c)
     r = {}
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
-    # the managed layer's own quantisations (the fresh layer makes one per call)
+    # the managed layer's own quantisations (the other layer requantises after each of its optimizer steps)
     with counting_weight_quantisations(layers["managed"]) as calls:
         with torch.cuda.stream(side):
             def fwd_bwd(name):
@@ -228,9 +192,8 @@ def _rank_fp8_managed(rank: int, world: int) -> dict:
                     opts[k].step()
                     opts[k].zero_grad()
             eager_calls = calls["n"]
-            r["eager_equals_fresh"] = all(torch.equal(a, b)
-                                          for a, b in zip(outs["managed"], outs["fresh"], strict=True))
-            r["eager_weights_equal"] = torch.equal(layers["managed"].w13, layers["fresh"].w13)
+            r["eager_equals_own"] = all(torch.equal(a, b) for a, b in zip(outs["managed"], outs["own"], strict=True))
+            r["eager_weights_equal"] = torch.equal(layers["managed"].w13, layers["own"].w13)
             # the graph: the managed layer's forward + backward captured, the optimizer step eager after each replay
             moe, opt = layers["managed"], opts["managed"]
             state = {k: v.clone() for k, v in moe.state_dict().items()}

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from megamoe.apps.train import main as train_main
 from megamoe.dist import gpu_world
-from megamoe.train import main as train_main
 
 pytestmark = pytest.mark.gpu
 SMALL = ["--steps", "4", "--lr", "3e-4", "--warmup", "2", "--layers", "2", "--seq", "256", "--batch", "2",

@@ -1,28 +1,24 @@
-"""Grouped GEMM kernels vs float64 twins: forward (SwiGLU, gate scale), dgrad, wgrad, autograd, FP8.
+"""Grouped GEMM kernels vs float64 twins: forward (SwiGLU, gate scale), dgrad, wgrad, autograd, FP8; the kernel choice
+of megamoe.experts (choose_config, gluon_reason) and the Gluon kernels' limits.
 
-On a machine without CUDA the real kernels run under TRITON_INTERPRET=1 at small sizes; tests marked gpu
-run on CUDA at larger sizes (``pytest -m gpu``). Padding rows of the inputs hold NaN and outputs are poisoned
-before each call, so a read of padding or a missed/extra write fails.
+On a machine without CUDA the Triton kernels run under TRITON_INTERPRET=1 at small sizes; tests marked gpu run on
+CUDA at larger sizes (``pytest -m gpu``), with the default kernels (on Hopper the Gluon ones where they can run: their
+own tests are tests/test_gpu_gemm.py) and pinned Triton configs. Padding rows of the inputs hold NaN and outputs are
+poisoned before each call, so a read of padding or a missed/extra write fails.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from megamoe import experts as X  # noqa: E402
-from megamoe.kernels.gemm_config import GemmConfig  # noqa: E402
-from megamoe.testing import fp8_bits  # noqa: E402
+from megamoe import experts as X
+from megamoe.kernels.gemm_config import EPI_DSWIGLU, EPI_NONE, EPI_SWIGLU, GLUON_OPS, GemmConfig
+from megamoe.testing import fp8_bits
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+gpu = pytest.mark.gpu  # deselected without CUDA (tests/conftest.py)
 cpu_only = pytest.mark.skipif(CUDA, reason="the CPU (interpreter) variant; the gpu tests cover CUDA")
 
 SENTINEL = 4352.0  # poison for outputs: finite, so unwritten-but-required and written-but-forbidden both show
@@ -161,7 +157,7 @@ def _forward_backward(p, cfg: GemmConfig, I: int):
 
 
 # every group-size case on the pointer path and on TMA with the flattened tile loop; the epilogue split in 2 (with
-# two persistent programs per SM: a grid of 8 instead of 4) and in 4 on the mixed-size case only
+# 8 persistent programs instead of the interpreter's 4 SMs) and in 4 on the mixed-size case only
 BF16_VARIANTS = [pytest.param(*case.values, False, 1, False, id=f"{case.id}-pointers") for case in CPU_CASES] + \
     [pytest.param(*case.values, True, 1, True, id=f"{case.id}-tma-flatten") for case in CPU_CASES] + \
     [pytest.param(*CPU_CASES[0].values, True, 2, False, id=f"{CPU_CASES[0].id}-tma-split2"),
@@ -173,7 +169,7 @@ BF16_VARIANTS = [pytest.param(*case.values, False, 1, False, id=f"{case.id}-poin
 def test_bf16_ops_interpreter(sizes, pad, use_tma, epi_split, flatten):
     p = make_problem(sizes, pad, H=40, I=24)
     _forward_backward(p, CPU_CFG.with_(use_tma=use_tma, epi_split=epi_split, flatten=flatten,
-                                       programs_per_sm=2 if epi_split == 2 else 1), I=24)
+                                       num_sms=8 if epi_split == 2 else None), I=24)
 
 
 @cpu_only
@@ -322,7 +318,10 @@ def _fp8_checks(p, cfg: GemmConfig | None, I: int):
         assert rel(ds8[:n], ds16[:n]) < 5e-2
 
 
+# the problem's padding rows are NaN on purpose (they must never reach a data row); quantising them takes the max
+# of an all-NaN row, on which the interpreter's numpy warns
 @cpu_only
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
 @pytest.mark.parametrize("use_tma,epi_split", [(False, 1), (True, 2)], ids=["pointers", "tma-split2"])
 def test_fp8_interpreter(use_tma, epi_split):
     # groups 0, 1, 129 and one large; H = 160 and I = 144 are not multiples of 128 (partial scale blocks)
@@ -339,24 +338,24 @@ GPU_CASES = [
 
 
 @gpu
-@needs_cuda
 @pytest.mark.parametrize("variant", ["default", "pointers", "tma-flatten", "two-per-sm"])
 @pytest.mark.parametrize("sizes,pad", GPU_CASES)
 def test_bf16_ops_gpu(sizes, pad, variant):
     H, I = 1040, 776  # not multiples of the 64/128/256 blocks, but 16-byte aligned (TMA allowed)
     p = make_problem(sizes, pad, H=H, I=I, seed=7)
-    cfg = {"default": None,
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    cfg = {"default": None,  # on Hopper: the Gluon kernels where they can run (megamoe.experts.choose_config)
            "pointers": GemmConfig(block_m=64, block_n=64, block_k=64, num_stages=3, num_warps=4, use_tma=False,
                                   epi_split=2),
            "tma-flatten": GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=8,
                                      epi_split=2, flatten=True),
+           # two persistent programs per SM: one's epilogue under the other's k-loop
            "two-per-sm": GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4, epi_split=2,
-                                    programs_per_sm=2)}[variant]
+                                    num_sms=2 * sms)}[variant]
     _forward_backward(p, cfg, I=I)
 
 
 @gpu
-@needs_cuda
 @pytest.mark.parametrize("sizes,pad", GPU_CASES)
 def test_fp8_gpu(sizes, pad):
     p = make_problem(sizes, pad, H=1040, I=776, seed=9)
@@ -370,98 +369,222 @@ def test_pin_config_forces_the_config():
         X.gemm1_swiglu(p["x"], p["w13"], p["offs"])
     with pytest.raises(ValueError, match="epi_split"):
         GemmConfig(block_n=32, epi_split=8)
-    with pytest.raises(ValueError, match="programs_per_sm"):
-        GemmConfig(programs_per_sm=0)
 
 
 @cpu_only
-def test_fp8_kernel_choice_on_cpu():
-    # the Gluon kernel needs CUDA, sm_90 and no interpreter: the FP8 ops take the Triton kernel here, forcing Gluon
-    # raises with the reason; a kernel choice is FP8-only and validated
-    from megamoe.kernels.grouped_gemm import EPI_NONE
-    from megamoe.kernels.grouped_gemm_fp8 import fp8_kernel, gluon_unavailable
-
+def test_kernel_choice_on_cpu(monkeypatch):
+    # the Gluon kernels need an sm_90 CUDA device and no interpreter: with no config every op runs its Triton kernel
+    # here; a config naming kernel="gluon" (given or pinned) raises with the reason, for every op family
     p = make_problem([3, 4], 1, H=256, I=128)
-    q, s = X.quantize_act(p["x"])
-    wq, ws = X.quantize_weight(p["w2"].transpose(1, 2).contiguous())  # [E_l, I, H]: a plain GEMM, N = 128, K = 256
-    gluon = GemmConfig(block_m=128, block_n=128, block_k=128, num_stages=4, num_warps=8, kernel="gluon")
-    why = gluon_unavailable(gluon, q, wq, n=wq.shape[1], epilogue=EPI_NONE)
-    assert why is not None and ("interpreter" in why or "CUDA" in why or "capability" in why), why
-    assert fp8_kernel(gluon.with_(kernel=None), q, wq, n=wq.shape[1], epilogue=EPI_NONE) == "triton"
-    with pytest.raises(ValueError, match="kernel='gluon'"):
-        X.grouped_gemm_fp8(q, s, wq, ws, p["offs"], config=gluon)
-    with pytest.raises(ValueError, match="kernel='gluon'"), X.pin_config("gemm2_fp8", gluon):
-        X.gemm2_fp8(q, s, wq, ws, p["offs"])
-    # the warp-specialised kernel likewise, and where its own limits fail the reason names them
-    ws_cfg = GemmConfig(block_m=128, block_n=128, block_k=128, num_stages=4, num_warps=4, kernel="gluon_ws")
-    assert X.default_config("gemm2_fp8", 8, 128, 256, kernel="gluon_ws").kernel == "gluon_ws"
-    with pytest.raises(ValueError, match="kernel='gluon_ws'"):
-        X.grouped_gemm_fp8(q, s, wq, ws, p["offs"], config=ws_cfg)
-    assert fp8_kernel(ws_cfg.with_(kernel=None), q, wq, n=wq.shape[1], epilogue=EPI_NONE) == "triton"
-    from megamoe.kernels.gluon_fp8_ws import ws_limits
-    from megamoe.kernels.grouped_gemm import EPI_DSWIGLU, EPI_SWIGLU
+    R, offs, x, w13, w2 = p["R"], p["offs"], p["x"], p["w13"], p["w2"]
+    act = torch.nan_to_num(x[:, :128]).contiguous()
+    h = torch.zeros(R, 256, device=DEV, dtype=torch.bfloat16)
+    q, s = X.quantize_act(torch.nan_to_num(x))
+    wq, ws = X.quantize_weight(w2.transpose(1, 2).contiguous())  # [E_l, I, H]: a plain GEMM, N = 128, K = 256
+    for op, a, w, kw in (("gemm2", act, w2, dict(n=256)), ("dgrad1", h, w13, dict(n=256, w_kn=True)),
+                         ("dgrad_swiglu", x, w2, dict(n=128, epilogue=EPI_DSWIGLU, w_kn=True, h=h)),
+                         ("grouped_gemm_fp8", q, wq, dict(n=128)),
+                         ("dgrad_swiglu_fp8", q, wq, dict(n=128, epilogue=EPI_DSWIGLU, h=h))):
+        want = X.default_config(op, R, kw["n"], a.shape[1], kernel="triton" if op.endswith("fp8") else None)
+        assert X.choose_config(op, None, a, w, **kw) == want, op
+        assert want.kernel in (None, "triton")
+    gluon = CPU_CFG.with_(kernel="gluon")
+    gluon8 = gluon.with_(block_k=128)
+    calls = {
+        "gemm1_swiglu": lambda: X.gemm1_swiglu(x, w13, offs, config=gluon),
+        "gemm2": lambda: X.gemm2(act, w2, offs, config=gluon),
+        "grouped_gemm": lambda: X.grouped_gemm(x, w13, offs, config=gluon),
+        "dgrad_swiglu": lambda: X.gemm2_dgrad_swiglu(torch.nan_to_num(p["dy"]), w2, h, offs, config=gluon),
+        "dgrad1": lambda: X.gemm1_dgrad(h, w13, offs, config=gluon),
+        "wgrad": lambda: X.grouped_wgrad(act, act, offs, config=gluon),
+        "grouped_gemm_fp8": lambda: X.grouped_gemm_fp8(q, s, wq, ws, offs, config=gluon8),
+        "dgrad_swiglu_fp8": lambda: X.gemm2_dgrad_swiglu_fp8(q, s, wq, ws, h, offs, config=gluon8),
+    }
+    for op, call in calls.items():
+        with pytest.raises(ValueError, match=f"{op}: the config pins kernel='gluon', but the interpreter"):
+            call()
+    with pytest.raises(ValueError, match="kernel='gluon'.*interpreter"), X.pin_config("gemm2_fp8", gluon8):
+        X.gemm2_fp8(q, s, wq, ws, offs)
+    # outside the interpreter the CPU operands are the reason
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="kernel='gluon'.*not a CUDA device"):
+        X.gemm2(act, w2, offs, config=gluon)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # an explicit Triton config runs the Triton kernel, as kernel None does
+    out = X.grouped_gemm_fp8(q, s, wq, ws, offs, config=CPU_CFG.with_(block_k=128, kernel="triton"))
+    check("fp8.plain", out[:p["n"]], X.grouped_gemm_fp8_ref(q[:p["n"]], s[:p["n"]], wq, ws, offs))
+    assert torch.equal(out[:p["n"]], X.grouped_gemm_fp8(q, s, wq, ws, offs, config=CPU_CFG.with_(block_k=128))[:p["n"]])
 
-    assert ws_limits(ws_cfg, n=128, k=256, n_w=128, epilogue=EPI_NONE) is None
-    assert "plain and the SwiGLU" in ws_limits(ws_cfg, n=128, k=256, n_w=128, epilogue=EPI_DSWIGLU)
-    assert ws_limits(ws_cfg, n=128, k=256, n_w=256, epilogue=EPI_SWIGLU, n_up=128) is None
+
+def test_kernel_choice_as_on_hopper(monkeypatch):
+    """megamoe.experts.choose_config as it decides on an sm_90 device (the device check stubbed out, the GPU's default
+    configs): with no config each op of GLUON_OPS gets its Gluon kernel's default where that kernel's limits hold and
+    the Triton kernel's where they fail; a config naming kernel="gluon" raises with the failing limit; a config with
+    kernel None or "triton", or a pinned one, is taken as it is; GEMM1's dgrad has no Gluon kernel. Nothing runs:
+    the operands are empty CPU tensors of the shapes (the choice reads shapes, strides and alignment only)."""
+    from megamoe.kernels import gemm_config
+
+    monkeypatch.setattr(X, "gluon_device_reason", lambda t, cfg: None)
+    monkeypatch.setattr(gemm_config, "interpreting", lambda: False)
+    E, R, H, I = 2, 40, 256, 128
+    bf = lambda *shape: torch.empty(shape, dtype=torch.bfloat16)  # noqa: E731
+    f8 = lambda *shape: torch.empty(shape, dtype=torch.float8_e4m3fn)  # noqa: E731
+    swiglu, dswiglu = EPI_SWIGLU, EPI_DSWIGLU
+    h = bf(R, 2 * I)
+    runs_gluon = [  # op, a [R, K] (wgrad: x [R, M]), w (wgrad: y [R, N]), choose_config's keywords
+        ("gemm1_swiglu", bf(R, H), bf(E, 2 * I, H), dict(n=I, epilogue=swiglu, n_up=I)),
+        ("gemm2", bf(R, I), bf(E, H, I), dict(n=H)),
+        ("grouped_gemm", bf(R, H), bf(E, 2 * I, H), dict(n=2 * I)),
+        ("dgrad_swiglu", bf(R, H), bf(E, H, I), dict(n=I, epilogue=dswiglu, w_kn=True, h=h)),
+        ("wgrad", bf(R, 2 * I), bf(R, H), dict(n=H, out_dtype=torch.float32)),
+        ("wgrad", bf(R, 2 * I), bf(R, H), dict(n=H, out_dtype=torch.bfloat16)),
+        ("gemm1_swiglu_fp8", f8(R, H), f8(E, 2 * I, H), dict(n=I, epilogue=swiglu, n_up=I)),
+        ("gemm2_fp8", f8(R, I), f8(E, H, I), dict(n=H)),
+        ("grouped_gemm_fp8", f8(R, I), f8(E, H, I), dict(n=H)),
+        ("dgrad1_fp8", f8(R, 2 * I), f8(E, H, 2 * I), dict(n=H)),
+        ("dgrad_swiglu_fp8", f8(R, H), f8(E, I, H), dict(n=I, epilogue=dswiglu, h=h)),
+    ]
+    assert {c[0] for c in runs_gluon} == set(GLUON_OPS)
+    for op, a, w, kw in runs_gluon:
+        n = w.shape[1] if op == "wgrad" else kw["n"]
+        want = X.default_config(op, R, n, a.shape[1], kernel="gluon")
+        assert want.kernel == "gluon" and want.block_m == 128, (op, want)  # the GPU's default, not the interpreter's
+        assert X.choose_config(op, None, a, w, **kw) == want, op
+        assert X.gluon_reason(op, want, a, w, **kw) is None, op
+        for given in (GemmConfig(block_m=64, block_n=64), GemmConfig(block_m=64, block_n=64, kernel="triton")):
+            assert X.choose_config(op, given, a, w, **kw) is given, op  # taken as it is: the Triton kernel
+        with X.pin_config(op, CPU_CFG):
+            assert X.choose_config(op, None, a, w, **kw) is CPU_CFG, op
+    # a Gluon limit fails: the default is the Triton kernel's, kernel="gluon" raises naming the limit
+    runs_triton = [  # op, a, w, keywords, what the reason says
+        ("dgrad1", bf(R, 2 * I), bf(E, 2 * I, H), dict(n=H, w_kn=True), "GEMM1's dgrad .kn weights. runs the Triton"),
+        ("grouped_gemm", bf(R, 2 * I), bf(E, 2 * I, H), dict(n=H, w_kn=True), "GEMM1's dgrad"),
+        ("gemm2", bf(R, 100), bf(E, H, 100), dict(n=H), "TMA needs 16-byte aligned"),  # 200-byte rows
+        ("dgrad_swiglu", bf(R, 200), bf(E, 200, I), dict(n=I, epilogue=dswiglu, w_kn=True, h=h),
+         "K must be a multiple of 64"),
+        ("wgrad", bf(R, 96), bf(R, H), dict(n=H, out_dtype=torch.float32), "M must be a multiple of 64"),
+        ("wgrad", bf(R, 2 * I), bf(R, H), dict(n=H, out_dtype=torch.float16), "bfloat16 or float32"),
+        ("gemm1_swiglu_fp8", f8(R, H), f8(E, 400, H), dict(n=200, epilogue=swiglu, n_up=200),
+         "multiples of block_n"),  # I = 200: the default's 64-column tiles do not divide it, nor 128
+        ("dgrad_swiglu_fp8", f8(R, H), f8(E, 192, H), dict(n=192, epilogue=dswiglu, h=bf(R, 384)),
+         "N must be a multiple of 128"),
+        ("gemm2_fp8", f8(R, 136), f8(E, H, 136), dict(n=H), "TMA needs 16-byte aligned"),  # 136-byte rows
+    ]
+    for op, a, w, kw, why in runs_triton:
+        n = w.shape[1] if op == "wgrad" else kw["n"]
+        cfg = X.choose_config(op, None, a, w, **kw)
+        assert cfg == X.default_config(op, R, n, a.shape[1], kernel="triton" if "fp8" in op else None), op
+        assert cfg.kernel != "gluon", op
+        gluon = X.default_config(op, R, n, a.shape[1], kernel="gluon") if op in GLUON_OPS else \
+            GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=4, kernel="gluon")
+        with pytest.raises(ValueError, match=f"{op}: the config pins kernel='gluon', but .*{why}"):
+            X.choose_config(op, gluon, a, w, **kw)
+    with pytest.raises(ValueError, match="no Gluon kernel"):
+        X.default_config("dgrad1", R, H, 2 * I, kernel="gluon")
+    # a config outside the kernel's own limits, where the shapes are fine
+    a, w = bf(R, I), bf(E, H, I)
+    with pytest.raises(ValueError, match=r"gemm2: .*block_n must be one of \(128, 256\)"):
+        X.choose_config("gemm2", GemmConfig(block_m=128, block_n=64, num_warps=4, kernel="gluon"), a, w, n=H)
+    with pytest.raises(ValueError, match="kernel='gluon'.*block_n must be one of"), \
+            X.pin_config("gemm2", GemmConfig(block_m=128, block_n=64, num_warps=4, kernel="gluon")):
+        X.choose_config("gemm2", None, a, w, n=H)
+
+
+def test_gluon_limits():
+    # the limits of each Gluon kernel (configs and shapes; the device is checked elsewhere), on the messages that
+    # megamoe.experts.choose_config reports
+    from megamoe.kernels.gluon.bf16 import ws_bf16_limits
+    from megamoe.kernels.gluon.fp8 import ws_limits
+    from megamoe.kernels.gluon.fp8_dswiglu import dswiglu_limits
+    from megamoe.kernels.gluon.wgrad import ws_wgrad_limits
+
+    none, swiglu, dswiglu = EPI_NONE, EPI_SWIGLU, EPI_DSWIGLU
+    # the warp-specialised FP8 kernel: plain (any N) and SwiGLU (gate / up tiles of block_n) epilogues
+    ws_cfg = GemmConfig(block_m=128, block_n=128, block_k=128, num_stages=4, num_warps=4, kernel="gluon")
+    assert ws_limits(ws_cfg, n=128, k=256, n_w=128, epilogue=none) is None
+    assert "plain and the SwiGLU" in ws_limits(ws_cfg, n=128, k=256, n_w=128, epilogue=dswiglu)
+    assert ws_limits(ws_cfg, n=128, k=256, n_w=256, epilogue=swiglu, n_up=128) is None
     wide = ws_cfg.with_(block_n=256)
-    assert "block_n must be one of (64, 128)" in ws_limits(wide, n=256, k=256, n_w=512, epilogue=EPI_SWIGLU, n_up=256)
-    assert ws_limits(wide, n=384, k=256, n_w=384, epilogue=EPI_NONE) is None  # any N: the last tile is clipped
-    assert "equal the weight rows" in ws_limits(wide, n=384, k=256, n_w=512, epilogue=EPI_NONE)
-    assert "multiples of block_n 128" in ws_limits(ws_cfg, n=192, k=256, n_w=384, epilogue=EPI_SWIGLU, n_up=192)
-    assert "num_warps 4" in ws_limits(gluon, n=128, k=256, n_w=128, epilogue=EPI_NONE)
-    assert "shared memory" in ws_limits(ws_cfg.with_(num_stages=8), n=128, k=256, n_w=128, epilogue=EPI_NONE)
-    # the bf16 ops take kernel="gluon_ws" too (kernels/gluon_bf16_ws.py), but not here
-    with pytest.raises(ValueError, match="kernel='gluon_ws'.*interpreter"):
-        X.gemm2(p["x"][:, :128].contiguous(), p["w2"], p["offs"], config=CPU_CFG.with_(kernel="gluon_ws"))
-    from megamoe.kernels.gluon_bf16_ws import ws_bf16_limits
-
-    coop = GemmConfig(block_m=128, block_n=256, block_k=64, num_stages=4, num_warps=4, kernel="gluon_ws")
-    pp = coop.with_(block_n=128, num_stages=5, pingpong=True)
-    assert ws_bf16_limits(coop, n=320, k=1000, n_w=320, epilogue=EPI_NONE) is None  # any N, K % 8 == 0
-    assert ws_bf16_limits(pp, n=320, k=1000, n_w=320, epilogue=EPI_NONE) is None
-    assert ws_bf16_limits(coop.with_(block_n=128), n=192, k=64, n_w=384, epilogue=EPI_SWIGLU, n_up=192) is None
-    assert "block_n must be one of (64,)" in ws_bf16_limits(pp, n=128, k=64, n_w=256, epilogue=EPI_SWIGLU, n_up=128)
-    assert "block_n must be one of (64, 128)" in ws_bf16_limits(pp.with_(block_n=256), n=256, k=64, n_w=256,
-                                                                 epilogue=EPI_NONE)
-    # the SwiGLU backward (opt-in): kn w2, cooperative, N % 8 == 0 (h's halves by TMA), block_n 64 or 128
-    assert ws_bf16_limits(coop.with_(block_n=128), n=200, k=128, n_w=200, epilogue=EPI_DSWIGLU, w_kn=True) is None
-    assert "as kn weights" in ws_bf16_limits(coop, n=128, k=64, n_w=128, epilogue=EPI_DSWIGLU)
-    assert "cooperative schedule only" in ws_bf16_limits(pp, n=128, k=64, n_w=128, epilogue=EPI_DSWIGLU, w_kn=True)
-    assert "multiple of 8" in ws_bf16_limits(coop.with_(block_n=128), n=100, k=64, n_w=100, epilogue=EPI_DSWIGLU,
+    assert "block_n must be one of (64, 128)" in ws_limits(wide, n=256, k=256, n_w=512, epilogue=swiglu, n_up=256)
+    assert ws_limits(wide, n=384, k=256, n_w=384, epilogue=none) is None  # any N: the last tile is clipped
+    assert "equal the weight rows" in ws_limits(wide, n=384, k=256, n_w=512, epilogue=none)
+    assert "multiples of block_n 128" in ws_limits(ws_cfg, n=192, k=256, n_w=384, epilogue=swiglu, n_up=192)
+    assert "num_warps 4" in ws_limits(ws_cfg.with_(num_warps=8), n=128, k=256, n_w=128, epilogue=none)
+    assert "block_k must be 128" in ws_limits(ws_cfg.with_(block_k=64), n=128, k=256, n_w=128, epilogue=none)
+    assert "shared memory" in ws_limits(ws_cfg.with_(num_stages=8), n=128, k=256, n_w=128, epilogue=none)
+    assert "num_stages" in ws_limits(ws_cfg.with_(num_stages=1), n=128, k=256, n_w=128, epilogue=none)
+    assert "multiple of 16" in ws_limits(ws_cfg, n=128, k=200, n_w=128, epilogue=none)
+    # the warp-specialised bf16 kernel (cooperative): plain and SwiGLU on nk weights, the SwiGLU backward on kn
+    coop = GemmConfig(block_m=128, block_n=256, block_k=64, num_stages=4, num_warps=4, kernel="gluon")
+    assert ws_bf16_limits(coop, n=320, k=1000, n_w=320, epilogue=none) is None  # any N, K % 8 == 0
+    assert ws_bf16_limits(coop.with_(block_n=128), n=192, k=64, n_w=384, epilogue=swiglu, n_up=192) is None
+    assert ws_bf16_limits(coop.with_(block_n=128), n=200, k=128, n_w=200, epilogue=dswiglu, w_kn=True) is None
+    assert "as kn weights" in ws_bf16_limits(coop, n=128, k=64, n_w=128, epilogue=dswiglu)
+    assert "multiple of 8" in ws_bf16_limits(coop.with_(block_n=128), n=100, k=64, n_w=100, epilogue=dswiglu,
                                              w_kn=True)
-    assert "block_n must be one of (64, 128)" in ws_bf16_limits(coop, n=256, k=64, n_w=256, epilogue=EPI_DSWIGLU,
+    assert "block_n must be one of (64, 128)" in ws_bf16_limits(coop, n=256, k=64, n_w=256, epilogue=dswiglu,
                                                                  w_kn=True)
-    assert ws_bf16_limits(coop, n=200, k=128, n_w=200, epilogue=EPI_NONE, w_kn=True) is None  # GEMM1's dgrad
+    assert "block_n must be one of (128, 256)" in ws_bf16_limits(coop.with_(block_n=64), n=256, k=64, n_w=256,
+                                                                  epilogue=none)
     assert "plain and the SwiGLU-backward epilogues only" in ws_bf16_limits(coop.with_(block_n=128), n=128, k=64,
-                                                                            n_w=256, epilogue=EPI_SWIGLU, w_kn=True,
+                                                                            n_w=256, epilogue=swiglu, w_kn=True,
                                                                             n_up=128)
-    assert "multiple of 64" in ws_bf16_limits(coop, n=256, k=100, n_w=256, epilogue=EPI_NONE, w_kn=True)
-    assert "block_k must be 64" in ws_bf16_limits(coop.with_(block_k=128), n=256, k=64, n_w=256, epilogue=EPI_NONE)
-    assert "shared memory" in ws_bf16_limits(coop.with_(num_stages=5), n=256, k=64, n_w=256, epilogue=EPI_NONE)
-    assert "multiple of 8" in ws_bf16_limits(coop, n=256, k=100, n_w=256, epilogue=EPI_NONE)
-    assert "exceed" in ws_bf16_limits(coop.with_(block_n=128), n=128, k=64, n_w=200, epilogue=EPI_SWIGLU, n_up=128)
-    # the bf16 forward ops default to it where it can run, else (here) to the Triton kernel
-    assert X.default_config("gemm1_swiglu", 8, 128, 256, kernel="gluon_ws").kernel == "gluon_ws"
-    assert X.default_config("gemm2", 8, 256, 128, kernel="gluon_ws").kernel == "gluon_ws"
-    assert X.default_config("dgrad_swiglu", 8, 128, 256, kernel="gluon_ws").kernel == "gluon_ws"  # and the SwiGLU bwd
-    with pytest.raises(ValueError, match="kernel='gluon_ws' for"):
-        X.default_config("dgrad1", 8, 256, 128, kernel="gluon_ws")
-    w2 = p["w2"]
-    assert X._bf16_config("gemm2", None, p["x"][:, :w2.shape[2]], w2, n=w2.shape[1], epilogue=EPI_NONE).kernel is None
-    cfg = X._bf16_config("dgrad_swiglu", None, p["x"], w2, n=w2.shape[2], epilogue=EPI_DSWIGLU, w_kn=True)
-    assert cfg.kernel is None
-    out = X.grouped_gemm_fp8(q, s, wq, ws, p["offs"], config=CPU_CFG.with_(block_k=128, kernel="triton"))
-    ref = X.grouped_gemm_fp8_ref(q[:p["n"]], s[:p["n"]], wq, ws, p["offs"])
-    check("fp8.plain", out[:p["n"]], ref)
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        GemmConfig(kernel="cutlass")
-    # bf16 ops take kernel="gluon" since the Gluon bf16 kernel (kernels/gluon_bf16.py), but not here
-    with pytest.raises(ValueError, match="kernel='gluon'.*interpreter"):
-        X.gemm2(p["x"][:, :128].contiguous(), p["w2"], p["offs"], config=CPU_CFG.with_(kernel="gluon"))
-    with pytest.raises(ValueError, match="single-stream Gluon bf16 kernel is opt-in"):
-        X.default_config("gemm2", 8, 128, 128, kernel="gluon")
+    assert "multiple of 64" in ws_bf16_limits(coop.with_(block_n=128), n=128, k=100, n_w=128, epilogue=dswiglu,
+                                              w_kn=True)
+    assert "block_k must be 64" in ws_bf16_limits(coop.with_(block_k=128), n=256, k=64, n_w=256, epilogue=none)
+    assert "num_warps 4" in ws_bf16_limits(coop.with_(num_warps=8), n=256, k=64, n_w=256, epilogue=none)
+    assert "shared memory" in ws_bf16_limits(coop.with_(num_stages=5), n=256, k=64, n_w=256, epilogue=none)
+    assert "shared memory" in ws_bf16_limits(coop.with_(block_n=128, num_stages=5), n=128, k=64, n_w=128,
+                                             epilogue=dswiglu, w_kn=True)
+    assert "multiple of 8" in ws_bf16_limits(coop, n=256, k=100, n_w=256, epilogue=none)
+    assert "exceed" in ws_bf16_limits(coop.with_(block_n=128), n=128, k=64, n_w=200, epilogue=swiglu, n_up=128)
+    assert "unknown epilogue" in ws_bf16_limits(coop, n=256, k=64, n_w=256, epilogue=5)
+    # the FP8 SwiGLU backward
+    ds_cfg = GemmConfig(block_m=128, block_n=128, block_k=128, num_stages=4, num_warps=8, kernel="gluon")
+    assert dswiglu_limits(ds_cfg, n=256, k=1040, n_w=256) is None
+    assert dswiglu_limits(ds_cfg.with_(block_m=64, block_n=64, num_warps=4), n=64, k=256, n_w=64) is None
+    assert "block_k must be 128" in dswiglu_limits(ds_cfg.with_(block_k=64), n=256, k=256, n_w=256)
+    assert "(block_m, num_warps) must be one of" in dswiglu_limits(ds_cfg.with_(num_warps=4), n=256, k=256, n_w=256)
+    assert "block_n must be 64 or 128" in dswiglu_limits(ds_cfg.with_(block_n=256), n=256, k=256, n_w=256)
+    assert "num_stages" in dswiglu_limits(ds_cfg.with_(num_stages=1), n=256, k=256, n_w=256)
+    assert "shared memory" in dswiglu_limits(ds_cfg.with_(num_stages=6), n=256, k=256, n_w=256)
+    assert "multiple of 16" in dswiglu_limits(ds_cfg, n=256, k=200, n_w=256)
+    assert "N must be a multiple of 128" in dswiglu_limits(ds_cfg, n=200, k=256, n_w=200)
+    assert "equal the weight rows" in dswiglu_limits(ds_cfg, n=256, k=256, n_w=384)
+    # the weight gradient
+    wg_cfg = GemmConfig(block_m=128, block_n=256, block_k=32, num_stages=6, num_warps=4, kernel="gluon")
+    for dt in (torch.bfloat16, torch.float32):
+        assert ws_wgrad_limits(wg_cfg, m=4096, n=7168, out_dtype=dt) is None
+    assert "needs block_m 128" in ws_wgrad_limits(wg_cfg.with_(num_warps=8), m=256, n=256, out_dtype=torch.float32)
+    assert "needs block_m 128" in ws_wgrad_limits(wg_cfg.with_(block_k=128), m=256, n=256, out_dtype=torch.float32)
+    assert "num_stages" in ws_wgrad_limits(wg_cfg.with_(num_stages=1), m=256, n=256, out_dtype=torch.float32)
+    assert "bfloat16 or float32" in ws_wgrad_limits(wg_cfg, m=256, n=256, out_dtype=torch.float16)
+    big = wg_cfg.with_(block_k=64, num_stages=4)
+    assert "shared memory" in ws_wgrad_limits(big, m=256, n=256, out_dtype=torch.bfloat16)
+    assert "multiple of 64" in ws_wgrad_limits(wg_cfg, m=96, n=256, out_dtype=torch.float32)
+    assert "N of 8" in ws_wgrad_limits(wg_cfg, m=128, n=100, out_dtype=torch.float32)
+
+
+def test_default_configs_and_kernel_values():
+    # default_config with a kernel: "gluon" for the ops of GLUON_OPS (only those), "triton" / None the Triton
+    # kernel's; GemmConfig.kernel takes None, "gluon" or "triton" only
+    from megamoe.kernels.gemm_config import OPS
+
+    for op in OPS:
+        if op in GLUON_OPS:
+            assert X.default_config(op, 4096, 768, 2048, kernel="gluon").kernel == "gluon", op
+        else:
+            with pytest.raises(ValueError, match="no Gluon kernel"):
+                X.default_config(op, 4096, 768, 2048, kernel="gluon")
+        assert X.default_config(op, 4096, 768, 2048).kernel is None or op.endswith("fp8"), op
+        assert X.default_config(op, 4096, 768, 2048, kernel="triton").kernel in (None, "triton"), op
+    assert set(GLUON_OPS) == set(OPS) - {"dgrad1"}
     assert X.default_config("gemm2_fp8", 8, 128, 128, kernel="triton").kernel == "triton"
+    for bad in ("cutlass", "gluon_ws"):
+        with pytest.raises(ValueError, match="kernel must be one of"):
+            GemmConfig(kernel=bad)
+        with pytest.raises(ValueError, match="kernel must be one of"):
+            X.default_config("gemm2", 8, 128, 128, kernel=bad)
 
 
 @pytest.mark.parametrize("shape", [(2, 256, 384), (1, 200, 130)], ids=["blocks", "partial-blocks"])
@@ -492,7 +615,7 @@ def test_quantize_weight_transposed_without_a_copy(shape):
 # small shapes with K or N under one block (where the one-pass kernel went wrong for float32 on an H200), partial
 # blocks on both axes, and an expert shape of qwen3-30b-a3b's w2 at EP 4 (GPU only: too slow for the interpreter)
 QUANT_SHAPES = [(2, 64, 40), (2, 64, 48), (2, 128, 40), (2, 64, 128), (3, 200, 136),
-                pytest.param((32, 2048, 768), marks=[gpu, needs_cuda], id="qwen3-w2-ep4")]
+                pytest.param((32, 2048, 768), marks=gpu, id="qwen3-w2-ep4")]
 
 
 @pytest.mark.parametrize("path", ["row-slices", "column-slices", "two-passes"])
@@ -542,16 +665,16 @@ def test_quantize_act_tilings_equal_the_twin(tiles, monkeypatch):
 
 @cpu_only
 def test_interpreter_patches_keep_upstream_answers():
-    """megamoe._interp's speed patches answer as the interpreter's own functions do: the numpy dtype table for every
-    triton dtype; bf16 -> fp32 by a shift, bit for bit upstream's conversion except on bf16 subnormals (where upstream
-    drops the mantissa's leading bit: the GPU's conversion is the exact shift); fp32 -> bf16 rounds to nearest even,
-    as torch does."""
+    """megamoe.kernels.interpreter's speed patches answer as the interpreter's own functions do: the numpy dtype
+    table for every triton dtype; bf16 -> fp32 by a shift, bit for bit upstream's conversion except on bf16
+    subnormals (where upstream drops the mantissa's leading bit: the GPU's conversion is the exact shift); fp32 ->
+    bf16 rounds to nearest even, as torch does."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
 
     get, conv = interpreter._get_np_dtype, interpreter._convert_float
-    assert hasattr(get, "upstream") and hasattr(conv, "upstream"), "megamoe._interp.apply() did not run"
+    assert hasattr(get, "upstream") and hasattr(conv, "upstream"), "megamoe.kernels.interpreter.apply() did not run"
     types = [v for v in vars(tl).values() if isinstance(v, tl.dtype) and not isinstance(v, tl.pointer_type)]
     types += [tl.pointer_type(tl.float32), tl.block_type(tl.bfloat16, [4]),
               tl.block_type(tl.pointer_type(tl.int8), [2])]

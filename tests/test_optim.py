@@ -218,20 +218,18 @@ def test_bf16_moments_rounding_is_unbiased(device, impl):
 # 32-row slice) and a single-block weight; a 1-D parameter beside them takes the flat kernel
 FP8_SHAPES = [(3, 200, 136), (2, 64, 40), (7,)]
 _gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
-# (device, impl, fp8_update): the torch-ops path has one way (update, then the torch twins of the quantisation)
-FP8_IMPLS = [pytest.param("cpu", "torch", "separate", id="cpu-torch"),
-             pytest.param("cpu", "triton", "separate", marks=cpu_triton, id="cpu-triton-separate"),
-             pytest.param("cpu", "triton", "fused", marks=cpu_triton, id="cpu-triton-fused"),
-             pytest.param("cuda", None, "separate", marks=_gpu, id="cuda-separate"),
-             pytest.param("cuda", None, "fused", marks=_gpu, id="cuda-fused")]
+# (device, impl): the update, then the quantisation (the kernels, or the torch twins on the torch-ops path)
+FP8_IMPLS = [pytest.param("cpu", "torch", id="cpu-torch"),
+             pytest.param("cpu", "triton", marks=cpu_triton, id="cpu-triton"),
+             pytest.param("cuda", None, marks=_gpu, id="cuda")]
 
 
-def _fp8_run(device, impl, moments, maintain, steps=2, pow2=False, dtype=torch.bfloat16, fp8_update="separate"):
+def _fp8_run(device, impl, moments, maintain, steps=2, pow2=False, dtype=torch.bfloat16):
     from megamoe.kernels.fp8_quant import Fp8Weight
 
     gen = torch.Generator().manual_seed(21)
     params = [(torch.randn(s, generator=gen) * 3).to(device, dtype).requires_grad_() for s in FP8_SHAPES]
-    opt = MasterAdamW([params[:2], params[2:]], impl=impl, moments_dtype=moments, fp8_update=fp8_update, **HP)
+    opt = MasterAdamW([params[:2], params[2:]], impl=impl, moments_dtype=moments, **HP)
     copies = [Fp8Weight.empty_like(p, pow2_scale=pow2) for p in params[:2]] if maintain else []
     for p, c in zip(params, copies, strict=False):  # the expert weights; the 1-D parameter has none
         opt.maintain_fp8(p, c)
@@ -252,12 +250,12 @@ def _quantised(p, pow2):
 
 
 @pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16], ids=["fp32-moments", "bf16-moments"])
-@pytest.mark.parametrize("device,impl,fp8_update", FP8_IMPLS)
-def test_maintain_fp8_is_the_update_then_the_quantisation(device, impl, fp8_update, moments):
+@pytest.mark.parametrize("device,impl", FP8_IMPLS)
+def test_maintain_fp8_is_the_update_then_the_quantisation(device, impl, moments):
     from megamoe.kernels.fp8_quant import weight_key
 
     plain, opt_plain, _ = _fp8_run(device, impl, moments, maintain=False)
-    fused, opt, copies = _fp8_run(device, impl, moments, maintain=True, fp8_update=fp8_update)
+    fused, opt, copies = _fp8_run(device, impl, moments, maintain=True)
     # the update itself is unchanged: parameters, masters and moments bitwise those of the plain optimizer
     for a, b in zip(plain, fused, strict=True):
         assert torch.equal(a, b)
@@ -271,12 +269,11 @@ def test_maintain_fp8_is_the_update_then_the_quantisation(device, impl, fp8_upda
             assert got.dtype == want.dtype and torch.equal(fp8_bits(got), fp8_bits(want))
 
 
-@pytest.mark.parametrize("device,impl,fp8_update", FP8_IMPLS)
-def test_maintain_fp8_pow2_scales_and_float32_params(device, impl, fp8_update):
+@pytest.mark.parametrize("device,impl", FP8_IMPLS)
+def test_maintain_fp8_pow2_scales_and_float32_params(device, impl):
     # power-of-two scales, and float32 parameters (their own masters): the copies quantise the parameter itself
     for dtype in (torch.bfloat16, torch.float32):
-        params, _, copies = _fp8_run(device, impl, torch.float32, maintain=True, steps=1, pow2=True, dtype=dtype,
-                                     fp8_update=fp8_update)
+        params, _, copies = _fp8_run(device, impl, torch.float32, maintain=True, steps=1, pow2=True, dtype=dtype)
         for p, c in zip(params, copies, strict=False):
             s = c.s
             assert torch.equal(s, torch.exp2(torch.log2(s).round())), "pow2 scales must be powers of two"

@@ -11,7 +11,6 @@ import torch
 
 from megamoe.dist import spawn
 from megamoe.testing import (
-    BOUNDS,
     FP8_MIN_COSINE_VS_BF16,
     LayerCase,
     bf16_cases,
@@ -55,23 +54,20 @@ def _count_row_copies():
 
 
 def _rank(rank: int, world: int) -> tuple[list[dict], bool]:
-    import megamoe.backends.split as split_backend
+    import megamoe.backends.common as common
 
-    split_backend.POISON_PADDING = True  # d_recv's padding rows NaN: a read of one would show in dx
+    common.POISON_PADDING = True  # d_recv's padding rows NaN: a read of one would show in dx
     dev = torch.device("cpu")
     cases = [c for c in bf16_cases(world) if world not in SUBSET or c.name in SUBSET[world]]
     copies = _count_row_copies()
     results = [layer_case(c, "split", dev) for c in cases]
-    # the default options stage no copy into ``rows``: GEMM2 (forward_rows_buffer) and the dgrad GEMM1
-    # (dgrad_buffer) write there, and combine / dispatch_backward gather in place
+    # the default options stage no copy into ``rows``: GEMM2 and the dgrad GEMM1 write there (backends/common.py:
+    # heap_rows, dgrad_buffer), and combine / dispatch_backward gather in place
     assert not copies, f"split default: {len(copies)} staging copies into the rows region, shapes {copies[:4]}"
     if world == 2:
         results += [dict(layer_case(c, "split", dev, tag="split.bf16.presum", presum_combine=True),
                          case="presum:" + c.name)
                     for c in bf16_cases(world) if c.name in PRESUM]
-        # the earlier bf16 backward (d(topk_w) from the saved expert outputs in combine_backward's pull)
-        results += [dict(layer_case(c, "split", dev, gate_grad="pull"), case="gate-pull:" + c.name)
-                    for c in bf16_cases(world) if c.name in ("bf16:bf16-ragged", "bf16:fp32-empty-rank")]
     if world == 8:  # 8 ranks on 2 CI cores: the determinism check rides on the one case (a second fwd + bwd)
         results.append(dict(layer_case(dataclasses.replace(cases[0], repeat=True), "split", dev),
                             case="repeat:" + cases[0].name))
@@ -100,8 +96,9 @@ def test_split_matches_reference_cpu(world):
 
 def _rank_two_layers(rank: int, world: int) -> dict:
     """Two layers on one heap, run fwd A, fwd B, bwd B, bwd A (as in a model) against each layer's fwd+bwd alone:
-    B's forward overwrites the heap's ``rows`` region between A's forward and backward, so whatever A's backward
-    still needs must not live there (GEMM2's outputs with gate_grad="pull", split.forward_rows_buffer)."""
+    B's forward overwrites the heap's ``rows`` region between A's forward and backward (GEMM2's outputs; with
+    presum_combine the pre-summed rows), and B's backward writes its d_recv there (backends/common.dgrad_buffer),
+    so whatever A's backward still needs must not live there."""
     from megamoe.layer import MoE
 
     dev = torch.device("cpu")
@@ -116,10 +113,10 @@ def _rank_two_layers(rank: int, world: int) -> dict:
         return [out.detach(), *torch.autograd.grad((out.float() * g.float()).sum(), (x, m.w13, m.w2))]
 
     same = {}
-    for gate_grad in ("epilogue", "pull"):
-        def build(gate_grad=gate_grad):
-            a = MoE(cfg, backend="split", device=dev, seed=1, gate_grad=gate_grad)
-            b = MoE(cfg, backend="split", device=dev, seed=2, gate_grad=gate_grad)
+    for presum in (False, True):
+        def build(presum=presum):
+            a = MoE(cfg, backend="split", device=dev, seed=1, presum_combine=presum)
+            b = MoE(cfg, backend="split", device=dev, seed=2, presum_combine=presum)
             assert a.backend.heap is b.backend.heap  # one heap per shape: the case under test
             return a, b
 
@@ -132,7 +129,7 @@ def _rank_two_layers(rank: int, world: int) -> dict:
         oa, ob = a(xa).out, b(xb).out
         gb = grads(b, ob, xb, gs[1])
         ga = grads(a, oa, xa, gs[0])
-        same[gate_grad] = [all(torch.equal(p, q) for p, q in zip(s, t, strict=True))
+        same[f"presum_combine={presum}"] = [all(torch.equal(p, q) for p, q in zip(s, t, strict=True))
                            for s, t in zip(alone, (ga, gb), strict=True)]
     return same
 
@@ -140,13 +137,14 @@ def _rank_two_layers(rank: int, world: int) -> dict:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test; GPUs run tests/test_gpu_split.py")
 def test_split_two_layers_on_one_heap_cpu():
     for rank, same in enumerate(spawn(_rank_two_layers, 2, timeout_s=900)):
-        for gate_grad, (a_ok, b_ok) in same.items():
-            assert a_ok and b_ok, (f"gate_grad={gate_grad} rank {rank}: interleaved layers differ from each alone "
+        assert len(same) == 2, same
+        for opts, (a_ok, b_ok) in same.items():
+            assert a_ok and b_ok, (f"{opts} rank {rank}: interleaved layers differ from each alone "
                                    f"(layer A {a_ok}, layer B {b_ok})")
 
 
 # ------------------------------------------------------------------------------------------------ FP8
-# fp8=1: the measured accuracy and the bounds (BOUNDS["split.fp8"], FP8_MIN_COSINE_VS_BF16) are in megamoe/testing.py
+# fp8=1: the measured accuracy and the bounds (BOUNDS["split.fp8"], FP8_MIN_COSINE_VS_BF16) are in megamoe.testing
 
 FP8_CASES_2 = ("bf16:fp32-empty-rank",      # a rank with zero tokens (forward and backward)
                "bf16:fp64-one-expert-k1",   # k = 1, one expert takes every token, the rest receive nothing
@@ -183,11 +181,13 @@ def check_fp8(results) -> None:
 
 
 def _rank_fp8(rank: int, world: int):
-    import megamoe.backends.split as split_backend
+    import megamoe.backends.common as common
 
-    split_backend.POISON_PADDING = True
+    common.POISON_PADDING = True
     dev = torch.device("cpu")
+    copies = _count_row_copies()
     results = [dict(layer_case(c, "split", dev, fp8=True), case="fp8:" + c.name) for c in fp8_cases(world)]
+    assert not copies, f"split fp8: {len(copies)} staging copies into the rows region, shapes {copies[:4]}"
     if world == 2:  # FP8 GEMMs with the pre-summing combine (k = 1: one row per token either way, cheap)
         results += [dict(layer_case(c, "split", dev, tag="split.fp8.presum", fp8=True, presum_combine=True),
                          case="fp8-presum:" + c.name)
@@ -198,18 +198,20 @@ def _rank_fp8(rank: int, world: int):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test; GPUs run tests/test_gpu_split.py")
-@pytest.mark.parametrize("world", [2])  # FP8 changes only the expert GEMMs (rank-local): world 1's dispatch /
-# combine paths run in the bf16 test; world 1 FP8 took 26 s of the CPU suite (measured 2026-12-01)
+@pytest.mark.parametrize("world", [2])  # world 1's dispatch / combine paths run in the bf16 test; world 1 FP8 adds
+# about 26 s to the CPU suite
 def test_split_fp8_matches_reference_cpu(world):
     check_fp8(spawn(_rank_fp8, world, timeout_s=900))
 
 
 def _rank_fp8_cache(rank: int, world: int) -> dict:
-    """The FP8 weight cache against quantising every call, on the same weights and inputs: bitwise equal outputs
-    and gradients; a hit while the weights are unchanged, requantised after an in-place update (which bumps the
-    version counter), and after invalidate_fp8_weights() for a write through .data (which does not); the uncached
-    no_grad forward (one orientation) and a second backward over a retained graph give the same values."""
+    """The kept FP8 weight copies against a layer built afresh (which quantises on its first call) on the same
+    weights and inputs: bitwise equal outputs and gradients; a hit (no quantisation, the same buffers) while the
+    weights are unchanged, requantised in place after an in-place update (which bumps the version counter), and after
+    invalidate_fp8_weights() for a write through .data (which does not); a no_grad forward and a second backward over
+    a retained graph give the same values."""
     from megamoe import MoE
+    from megamoe.testing import counting_weight_quantisations
 
     dev = torch.device("cpu")
     cfg = LayerCase("cache", dtype="bf16", tokens=(11,), overrides={"num_experts": 4}).config()
@@ -217,13 +219,19 @@ def _rank_fp8_cache(rank: int, world: int) -> dict:
     x = torch.randn(11, cfg.hidden, generator=gen).to(cfg.dtype)
     g = torch.randn(11, cfg.hidden, generator=gen).to(cfg.dtype)
     cached = MoE(cfg, backend="split", device=dev, seed=3, fp8=True)
-    fresh = MoE(cfg, backend="split", device=dev, seed=3, fp8=True, fp8_weight_cache=False)
 
     def run(moe):
         xi = x.clone().requires_grad_()
         out = moe(xi).out
         grads = torch.autograd.grad((out.float() * g.float()).sum(), (xi, moe.router.weight, moe.w13, moe.w2))
         return [out.detach(), *grads]
+
+    def fresh():  # a new layer holding the cached layer's current weights: its first call quantises them
+        m = MoE(cfg, backend="split", device=dev, seed=0, fp8=True)
+        with torch.no_grad():
+            for p, q in zip(m.parameters(), cached.parameters(), strict=True):
+                p.copy_(q)
+        return run(m)
 
     def same(a, b):
         return all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
@@ -232,31 +240,33 @@ def _rank_fp8_cache(rank: int, world: int) -> dict:
     a = run(cached)
     copies = cached.backend._fp8_copies
     first = {name: (c.key, c.q.data_ptr()) for name, c in copies.items()}
-    r["hit"] = same(a, run(cached)) and {name: (c.key, c.q.data_ptr()) for name, c in copies.items()} == first
-    r["equal_fresh"] = same(a, run(fresh))
+    r["kept"] = sorted(first) == ["w13", "w2"]
+    with counting_weight_quantisations(cached) as calls:
+        r["hit"] = same(a, run(cached)) and calls["n"] == 0
+    r["same_buffers"] = {name: (c.key, c.q.data_ptr()) for name, c in copies.items()} == first
+    r["equal_fresh"] = same(a, fresh())
     ws = cached.backend.workspace_bytes()
     r["bytes"] = ws["fp8_weights"] == sum(t.numel() * t.element_size() for c in copies.values() for t in c.tensors())
-    r["no_bytes_uncached"] = "fp8_weights" not in fresh.backend.workspace_bytes()
-    with torch.no_grad():  # uncached and without autograd: the forward orientation only, the same output
-        r["no_grad_fresh"] = torch.equal(fresh(x).out, a[0])
+    with torch.no_grad():
+        r["no_grad"] = torch.equal(cached(x).out, a[0])
     xi = x.clone().requires_grad_()
     out = cached(xi).out
     loss = (out.float() * g.float()).sum()
     once = torch.autograd.grad(loss, (xi, cached.w13), retain_graph=True)
     r["retain_graph"] = same(once, torch.autograd.grad(loss, (xi, cached.w13)))  # a second backward, same FP8
     with torch.no_grad():
-        for m in (cached, fresh):
-            m.w13.mul_(1.5)
-            m.w2.add_(0.01)
-    b = run(cached)
+        cached.w13.mul_(1.5)
+        cached.w2.add_(0.01)
+    with counting_weight_quantisations(cached) as calls:
+        b = run(cached)
+        r["requantised_both"] = calls["n"] == 2
     # requantised in place: a new key, the same buffers
     r["requantised"] = (copies["w13"].key != first["w13"][0] and copies["w13"].q.data_ptr() == first["w13"][1]
                         and not same(a, b))
-    r["equal_after_update"] = same(b, run(fresh))
-    for m in (cached, fresh):
-        m.w2.data.mul_(2.0)  # not seen by the version counter
+    r["equal_after_update"] = same(b, fresh())
+    cached.w2.data.mul_(2.0)  # not seen by the version counter
     cached.backend.invalidate_fp8_weights()
-    r["equal_after_invalidate"] = same(run(cached), run(fresh))
+    r["equal_after_invalidate"] = same(run(cached), fresh())
     return r
 
 
@@ -268,8 +278,9 @@ def test_split_fp8_weight_cache_cpu():
 
 def _rank_fp8_managed(rank: int, world: int) -> dict:
     """FP8 copies kept by the optimizer (MasterAdamW.maintain_fp8 + SplitBackend.fp8_copies) against a layer that
-    quantises afresh in every call, both stepped by MasterAdamW (the interpreted kernels): bitwise equal outputs and
-    gradients over three steps, and the managed layer never quantises its weights itself."""
+    keeps its own (requantised when a weight's version changes), both stepped by MasterAdamW (the interpreted
+    kernels): bitwise equal outputs and gradients over three steps, and the managed layer never quantises its weights
+    itself."""
     from megamoe import MoE
     from megamoe.experts import quantize_weight_both
     from megamoe.kernels.fp8_quant import weight_key
@@ -282,7 +293,7 @@ def _rank_fp8_managed(rank: int, world: int) -> dict:
     x = torch.randn(11, cfg.hidden, generator=gen).to(cfg.dtype)
     g = torch.randn(11, cfg.hidden, generator=gen).to(cfg.dtype)
     layers = [MoE(cfg, backend="split", device=dev, seed=3, fp8=True),
-              MoE(cfg, backend="split", device=dev, seed=3, fp8=True, fp8_weight_cache=False)]
+              MoE(cfg, backend="split", device=dev, seed=3, fp8=True)]
     opts = [MasterAdamW([[m.w13, m.w2]], lr=1e-2, impl="triton") for m in layers]
     for p, c in layers[0].backend.fp8_copies():
         opts[0].maintain_fp8(p, c)
@@ -326,7 +337,7 @@ def test_split_fp8_copies_kept_by_the_optimizer_cpu():
 
 
 def _rank_fp8_pinned(rank: int, world: int) -> dict:
-    """pin_fp8_weights (split and fused): the copies hold the quantised weights and are managed; calls then quantise
+    """pin_fp8_weights: the copies hold the quantised weights and are managed; calls then quantise
     nothing and give what an unpinned layer gives; after a write through .data, invalidate_fp8_weights requantises."""
     from megamoe import MoE
     from megamoe.experts import quantize_weight_both
@@ -336,7 +347,7 @@ def _rank_fp8_pinned(rank: int, world: int) -> dict:
     cfg = LayerCase("pinned", dtype="bf16", tokens=(9,), overrides={"num_experts": 4}).config()
     x = torch.randn(9, cfg.hidden, generator=torch.Generator().manual_seed(2)).to(cfg.dtype)
     r = {}
-    for backend in ("split", "fused"):
+    for backend in ("split",):
         pinned, plain = (MoE(cfg, backend=backend, device=dev, seed=5, fp8=True) for _ in range(2))
         pinned.backend.pin_fp8_weights()
         copies = pinned.backend.fp8_copies()
@@ -367,66 +378,24 @@ def test_fp8_pinned_weights_cpu():
     assert all(r.values()), r
 
 
-def fp8_dispatch_pair(cfg, tokens: int, dev, seed: int) -> dict:
-    """fp8_dispatch (x quantised once per token on its home rank, packed FP8 rows pulled, GEMM1 on them) against
-    the FP8 layer that quantises the received bf16 rows, same weights and inputs, with the pre-summing combine
-    (gates travel with the rows): whether the output, dx, the router's and w2's gradients are bitwise equal (the
-    quantisation is per row, so GEMM1 sees the same operands), and dW13's relative difference and cosine (it is
-    computed from the dequantised rows)."""
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    opts = {"fp8": True, "presum_combine": True}
-    plain, packed = layer_runs(cfg, tokens, dev, [("split", {**opts, "fp8_dispatch": False}),
-                                                  ("split", {**opts, "fp8_dispatch": True})],
-                               input_seed=seed + rank, weight_seed=4)
-    c = compare_runs(packed, plain)
-    return {"out": c["out"][0], "dx": c["dx"][0], "drouter": c["drouter"][0], "dw2": c["dw2"][0],
-            "dw13_rel": c["dw13"][1], "dw13_cos": c["dw13"][2]}
-
-
-def check_fp8_dispatch(r: dict) -> None:
-    assert r["out"] and r["dx"] and r["drouter"] and r["dw2"], r
-    # dW13 on e4m3-rounded rows (~0.026 RMS per element) instead of bf16 ones: measured 0.025 / cosine 0.99969 (CPU)
-    assert r["dw13_rel"] < BOUNDS["split.fp8"]["dw13"] and r["dw13_cos"] >= FP8_MIN_COSINE_VS_BF16, r
-
-
-def _rank_fp8_dispatch(rank: int, world: int) -> dict:
-    case = LayerCase("fp8-dispatch", dtype="bf16", tokens=(13, 9), overrides={"num_experts": 4, "hidden": 160,
-                                                                              "intermediate": 64})
-    return fp8_dispatch_pair(case.config(), case.tokens[rank], torch.device("cpu"), seed=21)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test; GPUs run tests/test_gpu_split.py")
-def test_split_fp8_dispatch_cpu():
-    for r in spawn(_rank_fp8_dispatch, 2, timeout_s=900):
-        check_fp8_dispatch(r)
-
-
-def _ctor_error(rank, world, cfg_kw: dict, kw: dict):
-    """The ValueError message of building a split layer of preset("tiny", **cfg_kw) with options kw, or None."""
+def _ctor_errors(rank, world, specs: list[tuple[dict, dict]]) -> list[str | None]:
+    """Per (cfg_kw, kw): the ValueError message of building a split layer of preset("tiny", **cfg_kw) with options
+    kw, or None."""
     from megamoe import MoE, preset
 
-    try:
-        MoE(preset("tiny", **cfg_kw), backend="split", **kw)
-    except ValueError as exc:
-        return str(exc)
-    return None
+    msgs = []
+    for cfg_kw, kw in specs:
+        try:
+            MoE(preset("tiny", **cfg_kw), backend="split", **kw)
+            msgs.append(None)
+        except ValueError as exc:
+            msgs.append(str(exc))
+    return msgs
 
 
-def test_split_fp8_rejects_bad_flag():
-    (msg,) = spawn(_ctor_error, 1, {}, {"fp8": 2})
-    assert msg is not None and "fp8" in msg
-
-
-def test_split_fp8_dispatch_needs_fp8():
-    (msg,) = spawn(_ctor_error, 1, {}, {"fp8_dispatch": True})
-    assert msg is not None and "fp8_dispatch" in msg and "fp8=1" in msg
-
-
-def test_split_rejects_bad_gate_grad():
-    (msg,) = spawn(_ctor_error, 1, {}, {"gate_grad": "owner"})
-    assert msg is not None and "gate_grad" in msg
-
-
-def test_split_rejects_non_bf16():
-    (msg,) = spawn(_ctor_error, 1, {"dtype": torch.float32}, {})
-    assert msg is not None and "bfloat16" in msg
+def test_split_rejects_bad_options():
+    specs = [({}, {"fp8": 2}), ({}, {"presum_combine": "yes"}), ({}, {"comm_sms": 0}),
+             ({"dtype": torch.float32}, {})]
+    (msgs,) = spawn(_ctor_errors, 1, specs)
+    for (cfg_kw, kw), msg, want in zip(specs, msgs, ("fp8", "presum_combine", "comm_sms", "bfloat16"), strict=True):
+        assert msg is not None and want in msg, (cfg_kw, kw, msg)

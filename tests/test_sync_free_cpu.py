@@ -1,5 +1,5 @@
 """The split and fused backends read no tensor data on the host in forward or backward (what makes a step
-CUDA-graph capturable), checked on gloo CPU ranks with megamoe.sync_guard.no_host_reads: a layer's forward +
+CUDA-graph capturable), checked on gloo CPU ranks with megamoe.testing.sync_guard.no_host_reads: a layer's forward +
 backward, one `megamoe train` step, and the guard itself (planted reads are caught, the torch backend's split sizes
 are caught)."""
 
@@ -37,7 +37,7 @@ def _guarded_layer(rank: int, world: int, backend: str, tokens: tuple[int, ...],
     """A warm-up forward + backward (compiles the kernels, builds the heap), then the same under the guard: it
     must raise nothing and give bitwise the warm-up's results."""
     from megamoe.layer import MoE
-    from megamoe.sync_guard import no_host_reads
+    from megamoe.testing.sync_guard import no_host_reads
 
     cfg = _case(tokens).config()
     moe = MoE(cfg, backend=backend, device=torch.device("cpu"), seed=3, **options)
@@ -65,8 +65,8 @@ def _guarded_training(rank: int, world: int, argv: list[str]) -> list[str]:
     """`megamoe train`'s own loop on this rank, its train_step wrapped: the first call (kernel compilation) runs
     as it is, every later one under the guard; the loop's logging stays outside. Returns the backends whose steps
     ran guarded."""
-    import megamoe.train as train
-    from megamoe.sync_guard import no_host_reads
+    import megamoe.apps.train as train
+    from megamoe.testing.sync_guard import no_host_reads
 
     step, guarded = train.train_step, []
 
@@ -119,7 +119,7 @@ def _guard_catches(rank: int, world: int, backend: str, plant: tuple[str, str] |
     import importlib
 
     from megamoe.layer import MoE
-    from megamoe.sync_guard import HostSyncError, no_host_reads
+    from megamoe.testing.sync_guard import HostSyncError, no_host_reads
 
     tokens = (16, 16)
     cfg = _case(tokens).config()
@@ -143,10 +143,10 @@ def _guard_catches(rank: int, world: int, backend: str, plant: tuple[str, str] |
 
 @CPU_ONLY
 @pytest.mark.parametrize("backend, plant, phase", [
-    ("split", ("megamoe.backends.split", "_expert_forward"), "forward"),  # called by _SplitMoE.forward
-    ("split", ("megamoe.backends.split", "_wgrads"), "backward"),  # called by _SplitMoE.backward
+    ("split", ("megamoe.backends.split", "expert_forward"), "forward"),  # called by _SplitMoE.forward
+    ("split", ("megamoe.backends.split", "wgrads"), "backward"),  # called by _SplitMoE.backward
     ("fused", ("megamoe.backends.fused", "fused_forward"), "forward"),  # called by _FusedMoE.forward
-    ("fused", ("megamoe.backends.fused", "_wgrads"), "backward"),  # called by _FusedMoE.backward
+    ("fused", ("megamoe.backends.fused", "wgrads"), "backward"),  # called by _FusedMoE.backward
 ])
 def test_guard_catches_planted_reads(backend, plant, phase):
     for got, msg in spawn(_guard_catches, 2, backend, plant, timeout_s=600):
@@ -175,7 +175,7 @@ def _as_megamoe(fn):
 
 def test_guard_op_list():
     # every kind of read the guard names, from megamoe code, and ops it must let through; one process, no ranks
-    from megamoe.sync_guard import HostSyncError, no_host_reads
+    from megamoe.testing.sync_guard import HostSyncError, no_host_reads
 
     t, one, i1 = torch.randn(3), torch.tensor([2.0]), torch.tensor(1)
     b, idx = t > 0, torch.tensor([1, 0, 1])

@@ -94,7 +94,7 @@ MUTATIONS = [
     Mutation(
         "swiglu-halves",
         "GEMM1 epilogue swaps gate and up: silu(u) * g instead of silu(g) * u",
-        "megamoe/kernels/grouped_gemm.py",
+        "megamoe/kernels/tiles.py",
         "act = g / (1.0 + tl.exp(-g)) * u",
         "act = u / (1.0 + tl.exp(-u)) * g",
         GEMM,
@@ -102,7 +102,7 @@ MUTATIONS = [
     Mutation(
         "gemm-row-mask",
         "grouped GEMM epilogue writes one row past its expert's group (off-by-one row mask)",
-        "megamoe/kernels/grouped_gemm.py",
+        "megamoe/kernels/tiles.py",
         "mmask = rm < row_end",
         "mmask = rm <= row_end",
         GEMM,
@@ -121,7 +121,7 @@ MUTATIONS = [
         "pull-no-ready-wait",
         "pull kernel reads peers' buffers without waiting for their READY (reads before the peer staged)",
         "megamoe/comm/dispatch.py",
-        "ok = wait_flags(tab, W, rank, READY, 0, W, call, OP, timeout_ns, WP2)",
+        "ok = wait_flags(tab, W, rank, READY, 0, W, call, OP_PULL, timeout_ns, WP2)",
         "ok = call >= 0",  # a runtime boolean like wait_flags' result, always true
         COMM,
     ),

@@ -1,22 +1,19 @@
 """Layer backends: one interface, selected by name; never a silent fallback.
 
-A backend turns routed tokens into the layer output:
-
     backend(x [T, H], topk_idx [T, k] int64, topk_w [T, k] float32, w13 [E_l, 2I, H], w2 [E_l, H, I]) -> y [T, H]
 
-differentiable (through autograd) w.r.t. x, topk_w, w13 and w2. It is built once per :class:`megamoe.MoE`
-module (``make_backend``), so it can own workspaces for the module's lifetime.
+differentiable w.r.t. x, topk_w, w13 and w2; built once per :class:`megamoe.MoE` (``make_backend``), so it may own
+workspaces for the module's lifetime.
 
-| name    | status                                                                 |
-|---------|------------------------------------------------------------------------|
-| `torch` | all_to_all_single with host-read split sizes + grouped GEMM (torchtitan) |
-| `split` | megamoe kernels launched back to back, no host sync (bf16; FP8 GEMMs as an option) |
-| `fused` | the forward megakernel (pull + GEMMs + combine push); backward on split's kernels |
+* ``torch``: all_to_all_single with host-read split sizes + grouped GEMM (torchtitan's recipe);
+* ``split``: megamoe kernels launched back to back, no host sync (bf16, optional FP8 GEMMs);
+* ``fused``: the forward megakernel (pull + GEMMs + combine push); backward on split's kernels.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -31,10 +28,8 @@ _REGISTRY = {
 
 
 def parse_backend(spec: str) -> tuple[str, dict]:
-    """``"split:comm_sms=24:overlap_backward=1"`` -> ("split", {"comm_sms": 24, "overlap_backward": 1}).
-
-    Values parse as true/false, int, float or string; a flag given as 1 or 0 acts as True or False.
-    """
+    """``"split:comm_sms=24:presum_combine=1"`` -> ("split", {"comm_sms": 24, "presum_combine": 1}); values
+    parse as true/false, int, float or string (a flag given as 1 / 0 acts as True / False)."""
     name, *opts = spec.split(":")
     options = {}
     for opt in opts:
@@ -91,4 +86,9 @@ def make_backend(name: str, moe: MoE, **options):
     reason = cls.why_unavailable(moe.device)
     if reason is not None:
         raise BackendUnavailable(f"backend {name!r} cannot run on {moe.device}: {reason}")
+    known = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "moe")]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"backend {name!r} has no option {', '.join(map(repr, unknown))}; its options: "
+                         f"{', '.join(known) or 'none'}")
     return cls(moe, **options)

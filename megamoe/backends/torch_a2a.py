@@ -1,25 +1,19 @@
-"""Backend ``torch``: expert parallelism the way torchtitan does it, the baseline every backend is timed against.
-
-Shape legend: T tokens on this rank, H hidden, I intermediate, E experts, E_l = E/W local experts, k top-k,
-W world size, S = T*k (token, slot) pairs sent, R rows received.
+"""Backend ``torch``: expert parallelism as torchtitan does it, the baseline every backend is timed against
+(S = T*k (token, slot) pairs sent, R rows received):
 
     counts[e]        = #(t, j) with idx[t, j] = e                                  [E]   (device)
     recv_counts      = all_to_all_single(counts)         -> [W, E_l] rows from rank s for local expert l
-    in/out splits    = counts.view(W, E_l).sum(1).tolist(), recv_counts.sum(1).tolist()   (HOST SYNC, as
-                       in torchtitan: the sizes of the row all-to-all are read on the host)
+    in/out splits    = counts / recv_counts summed per rank, .tolist()   (HOST SYNC, as in torchtitan)
     send             = x[argsort(idx.flatten()) // k]     [S, H]  rows sorted by expert (= by dest rank)
     recv             = all_to_all_single(send)            [R, H]  ordered (source rank, local expert, token)
-    xs               = permute recv into (local expert, source rank, token) order, each expert's group
-                       padded to ALIGN rows on CUDA (torchtitan pads so torch._grouped_mm gets aligned,
-                       non-empty groups); padding rows are zeros and are never gathered back
+    xs               = recv permuted to (local expert, source rank, token), each group padded on CUDA to ALIGN
+                       zero rows (torch._grouped_mm wants aligned, non-empty groups), never gathered back
     o                = grouped_mm(swiglu(grouped_mm(xs, w13^T)), w2^T)   [P, H]
     back             = all_to_all_single(o[un-permute])   [S, H]  then un-sort to (t, j) order
     y[t]             = sum_j topk_w[t, j] * back[t, j]    (float32 accumulation, j in order)
 
-Communication: NCCL on GPUs, gloo on CPU ranks (gloo has no bfloat16 all-to-all, so bf16 rows cross as
-float32 there; on NCCL they cross as bf16). The grouped GEMM is ``torch._grouped_mm`` for bf16 on CUDA,
-and a loop of per-expert matmuls otherwise (CPU, float32/float64 checks), since torch's CPU grouped_mm has
-no float64 and its backward fails on empty groups (torch 2.13.0, seen 2026-11-29).
+NCCL on GPUs, gloo on CPU (bf16 crosses gloo as float32). The grouped GEMM is ``torch._grouped_mm`` for bf16 on
+CUDA, else a per-expert loop: torch's CPU grouped_mm has no float64 and its backward fails on empty groups.
 """
 
 from __future__ import annotations
@@ -58,10 +52,8 @@ def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) ->
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """out[rows of g] = a[rows of g] @ b[g]; a [M, K], b [G, K, N], offs int32 [G] (end of each group).
-
-    torch._grouped_mm for bf16 CUDA tensors; a per-group loop (which reads offs on the host) otherwise.
-    """
+    """out[rows of g] = a[rows of g] @ b[g]; a [M, K], b [G, K, N], offs int32 [G] (group ends).
+    torch._grouped_mm for bf16 CUDA tensors, else a per-group loop that reads offs on the host."""
     if a.is_cuda and a.dtype == torch.bfloat16:
         return torch._grouped_mm(a, b, offs=offs)
     ends = offs.tolist()

@@ -1,25 +1,16 @@
-"""Communication path: symmetric heap, signals, device-side schedule, pull dispatch and combine.
-
-Public API (each module's docstring has the details):
-    CommShape, SymmetricHeap, heap_bytes, workspace_bytes, CommTimeoutError   (heap.py)
-    dispatch, dispatch_fp8, dispatch_backward, DispatchHandle                 (dispatch.py)
-    combine, combine_backward                                                 (combine.py)
-    barrier                                                                   (signals.py)
-    Schedule                                                                  (schedule.py)
-
-Importing this package imports triton; under TRITON_INTERPRET=1 (set before the import) the kernels run
-on the CPU against the ``host`` heap backend.
+"""Communication path: symmetric heap (heap.py), signals (signals.py), device-side schedule (schedule.py), pull
+dispatch (dispatch.py) and combine (combine.py, presum.py). Under TRITON_INTERPRET=1 (set before the import) the
+kernels run on the CPU against the ``host`` heap backend.
 """
 
-from megamoe import _interp
+from megamoe.kernels import interpreter
 
-_interp.apply()  # before any kernel runs: round-to-nearest bf16 conversions under the interpreter
+interpreter.apply()  # before any kernel runs: round-to-nearest bf16 conversions under the interpreter
 
-from .combine import combine, combine_backward  # noqa: E402
-from .dispatch import DispatchHandle, dispatch, dispatch_backward, dispatch_fp8  # noqa: E402
-from .heap import CommShape, CommTimeoutError, SymmetricHeap, heap_bytes, workspace_bytes  # noqa: E402
+from .combine import combine, dispatch_backward, pull_grad, send_gate_grad  # noqa: E402
+from .dispatch import DispatchHandle, dispatch, dispatch_fp8  # noqa: E402
+from .heap import CommShape, CommTimeoutError, SymmetricHeap, close_heaps, get_heap, heap_bytes, workspace_bytes  # noqa: E402
 from .schedule import Schedule  # noqa: E402
-from .signals import barrier  # noqa: E402
 
 __all__ = [
     "CommShape",
@@ -27,9 +18,11 @@ __all__ = [
     "DispatchHandle",
     "Schedule",
     "SymmetricHeap",
-    "barrier",
+    "close_heaps",
+    "get_heap",
     "combine",
-    "combine_backward",
+    "pull_grad",
+    "send_gate_grad",
     "dispatch",
     "dispatch_backward",
     "dispatch_fp8",

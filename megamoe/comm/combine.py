@@ -4,37 +4,19 @@ Shape legend: W world size, T tokens on this rank, H hidden, k top-k, R_cap rows
 
     y_TH = combine(out_RH, topk_w_Tk, handle)      # y[t] = sum_{j=0..k-1} topk_w[t, j] * out_j(t)
 
-out_RH is the expert output in receive-buffer order on every rank (row r of rank q is the output for
-(row_src[r], row_tok[r], row_slot[r])). Steps: stage (out -> heap ``rows`` unless the expert GEMM wrote it
-there already, publish READY); _gather_sum_kernel: for each own token, load the k rows from the expert ranks
-(dest_rank[t, j], dest_row[t, j]) over NVLink, accumulate w * row in fp32 in j order, write y[t] once.
-No atomics on activations, no [T, k, H] buffer; bitwise deterministic.
+out_RH: expert outputs in receive order on every rank (row r is (row_src[r], row_tok[r], row_slot[r])'s). Stage
+out into the heap's ``rows`` (unless the expert GEMM wrote it there) and publish READY; then each owner loads its
+tokens' k rows over NVLink, accumulates w * row in fp32 in j order and writes y[t] once. No atomics, no [T, k, H]
+buffer; bitwise deterministic.
 
-Design record (pull by the owner vs. push into per-slot buffers):
-- 2026-11-29: chose pull by the owner. Push (the Blackwell megakernel's way) needs a [T_max, k, H] slot
-  buffer on every owner (470 MB for deepseek-v3 at 4096 tokens) plus a second local pass that reads it back
-  to sum; pull reads each expert output once over NVLink and sums in registers, writing y once. The cost of
-  pull is that the expert outputs must sit in symmetric memory: the layer lets the expert GEMM write
-  straight into ``heap.rows_buffer()``, so there is no staging copy. Push was not built or measured.
-- 2026-11-29, 4x H200, 4096 tokens/GPU, top-8, 24 programs, CUDA-graph replay: deepseek-v3 1198 us
-  (353 MB of remote rows, 295 GB/s) vs NCCL all_to_all_single on the same rows 1245 us and DeepEP's tuned
-  combine 601 us; qwen3-30b-a3b 419 us vs 422 / 204 us (benchmarks/results/comm_4xH200_2026-11-29.json).
-  DeepEP is faster mainly because it moves fewer bytes: each expert rank first sums a token's local slots
-  and sends one row per (token, rank) (about the dispatch's 160 MB). Next step here: the same pre-reduction
-  on the expert rank (fixed order: local slots in j order, then ranks in order), owner pulls <= W rows.
+Why the owner pulls: pushing needs a [T_max, k, H] slot buffer on every owner (470 MB for deepseek-v3 at 4096
+tokens) and a second pass to sum it; pulling reads each row once and sums in registers. (The megakernel pushes: its
+GEMM2 epilogue stores each row into the owner's slots, with no second launch over the rows.) presum.py sends one row
+per remote rank instead of one per slot.
 
-Backward twins:
-- :func:`combine_backward` (dy, out, topk_w, handle) -> (grad_out [R_cap, H], grad_w [T, k] fp32): the expert
-  ranks pull dy rows (dy staged into ``tok``, gates into ``w``) once per (source, token), write
-  grad_out[r] = w * dy and d(topk_w)[t, j] = <dy_t, out_j> (fp32) into the owner's ``dw`` slot (single
-  writer per slot); the owner waits for every rank's DONE and copies ``dw`` out.
-- :func:`pull_grad` + :func:`send_gate_grad` (the bf16 backward of split and fused since 2026-12-01): the
-  expert ranks pull dy rows unscaled with each row's gate (the pipelined pull), the dgrad GEMM's epilogue
-  computes d(topk_w) per received row (<dy, act @ w2^T>, fp32, from the fp32 accumulator) and the gated
-  activation for dW2, and :func:`send_gate_grad` stores each row's value into its owner's ``dw`` slot and raises
-  DW_DONE; the owner copies ``dw`` out. Against combine_backward it reads no expert outputs (no ``out``
-  [R_cap, H] kept from the forward) and its pull is the pipelined one.
-- dispatch_backward (dispatch.py) = this module's gather-sum without gates.
+Backward: :func:`pull_grad` brings dy rows (unscaled) and each row's gate to the expert ranks; the dgrad GEMM's epilogue
+computes d(topk_w) per row (<dy, act @ w2^T>, fp32) and the gated activation for dW2; :func:`send_gate_grad` stores each
+row's value into its owner's ``dw`` slot and raises DW_DONE. dispatch_backward is the gather-sum without gates.
 """
 
 from __future__ import annotations
@@ -43,15 +25,17 @@ import torch
 import triton
 import triton.language as tl
 
+from megamoe.kernels.interpreter import row_buffer
+
 from . import signals as S
 from .dispatch import DispatchHandle, pull_rows
 from .signals import (
-    _TL_DTYPES,
     ARRIVE_WORK,
     DONE,
     DW_DONE,
     READY,
     REG_DW,
+    TL_DTYPES,
     arrive_last,
     current_call,
     error_set,
@@ -75,15 +59,8 @@ def _gather_sum_kernel(
     ALIGNED: tl.constexpr, WP2: tl.constexpr,
     SRC_DT: tl.constexpr,  # dtype of the rows (the heap dtype)
 ):
-    """grid (P,): persistent programs over own tokens, ROWS tokens per step.
-
-        for t in own tokens:                 # e.g. k = 2, dest = [(rank 1, row 7), (rank 0, row 3)]
-            acc = 0 (fp32)
-            for j in 0..K-1:                 #   acc = w[t,0] * rows_1[7];  acc += w[t,1] * rows_0[3]
-                acc += w[t, j] * rows_{dest_rank[t, j]}[dest_row[t, j]]
-            y[t] = acc
-        last program: publish DONE = call
-    """
+    """grid (P,): own tokens, ROWS per step: y[t] = sum_j w[t, j] * rows_{dest_rank[t, j]}[dest_row[t, j]] (fp32, j
+    order); the last program publishes DONE = call."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     call = current_call(tab, W, rank)
@@ -130,8 +107,6 @@ def _gather_sum_kernel(
             publish(tab, W, rank, DONE, call, WP2)
 
 
-
-
 def _stage_rows(heap, rows: torch.Tensor, P: int, nrows: torch.Tensor) -> None:
     sh = heap.shape
     if rows.dim() != 2 or rows.shape[1] != sh.hidden or rows.shape[0] > sh.rows_cap or rows.dtype != sh.dtype:
@@ -163,7 +138,7 @@ def _gather_sum(rows: torch.Tensor, topk_w: torch.Tensor | None, handle: Dispatc
         T, sh.hidden, heap.timeout_ns,
         OP=S.OP_COMBINE.value, HAS_W=has_w,
         K=sh.topk, KP2=triton.next_power_of_2(sh.topk), ROWS=rws, BLOCK_H=block_h,
-        ALIGNED=(sh.hidden * sh.dtype.itemsize) % 16 == 0, WP2=heap.wp2, SRC_DT=_TL_DTYPES[sh.dtype],
+        ALIGNED=(sh.hidden * sh.dtype.itemsize) % 16 == 0, WP2=heap.wp2, SRC_DT=TL_DTYPES[sh.dtype],
         num_warps=warps,
     )
     heap.after_launch()
@@ -173,14 +148,10 @@ def _gather_sum(rows: torch.Tensor, topk_w: torch.Tensor | None, handle: Dispatc
 def combine(out: torch.Tensor, topk_w: torch.Tensor | None, handle: DispatchHandle, num_sms: int | None = None,
             out_dtype: torch.dtype | None = None, presum: bool = False) -> torch.Tensor:
     """y[t] = sum_j topk_w[t, j] * out_j(t) in j order with fp32 accumulation; returns y [T, H].
-
-    out: [R_cap, H] (or its first rows) expert outputs in receive order, heap dtype; pass
-    ``heap.rows_buffer()`` to skip the staging copy. topk_w: [T, k] any float dtype.
-    out_dtype: dtype of y (default the heap dtype; float32 keeps the fp32 sum).
-    presum: each expert rank first sums (with the gates dispatch brought) the rows of a token it holds, and
-    the owner pulls one row per expert rank (presum.py); then ``topk_w`` must be None (the gates given to
-    ``dispatch(..., topk_w=...)`` are used, never a second copy that could differ) and ``out`` is read
-    locally, never staged.
+    out: [R_cap, H] (or its first rows) expert outputs in receive order, heap dtype; pass ``heap.rows_buffer()`` to
+    skip the staging copy. topk_w: [T, k] any float dtype. out_dtype: dtype of y (default the heap dtype).
+    presum: presum.py's path; topk_w must then be None (the gates given to ``dispatch(..., topk_w=...)`` are used,
+    never a second copy that could differ) and ``out`` is read locally, never staged.
     """
     if presum:
         if topk_w is not None:
@@ -195,6 +166,17 @@ def _presum_gather(rows, gated: bool, handle: DispatchHandle, num_sms, out_dtype
     from .presum import presum_gather
 
     return presum_gather(rows, handle, gated, num_sms, out_dtype)
+
+
+def dispatch_backward(grad_recv: torch.Tensor, handle: DispatchHandle, num_sms: int | None = None,
+                      out_dtype: torch.dtype | None = None, presum: bool = False) -> torch.Tensor:
+    """grad_x[t] = sum_j grad_recv[row(t, j)] on its expert rank, in fixed j order, fp32 accumulation.
+    grad_recv: [R_cap, H] (rows >= offs[E_l] ignored), staged unless it is ``heap.rows_buffer()``. Returns grad_x
+    [T, H] in ``out_dtype`` (default: heap dtype). presum: as :func:`combine`'s (rank order).
+    """
+    if presum:
+        return _presum_gather(grad_recv, False, handle, num_sms, out_dtype)
+    return _gather_sum(grad_recv, None, handle, num_sms, out_dtype)
 
 
 def stage_grad(heap, dy: torch.Tensor, topk_w: torch.Tensor, programs: int) -> None:
@@ -217,36 +199,12 @@ def _grad_call(dy: torch.Tensor, topk_w: torch.Tensor, handle: DispatchHandle, n
     return heap, sh, T, max(1, int(num_sms or handle.num_sms))
 
 
-def combine_backward(dy: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor, handle: DispatchHandle,
-                     num_sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`combine`: returns (grad_out [R_cap, H] heap dtype, grad_w [T, k] fp32).
-
-    grad_out[r] = topk_w_s[t, j] * dy_s[t] for row r = (s, t, j); grad_w[t, j] = <dy_t, out_j(t)> (fp32 sum
-    over H). dy: [T, H] heap dtype (pulled by the expert ranks, once per (source, token)); out: the expert
-    outputs given to combine (read locally).
-    """
-    heap, sh, T, P = _grad_call(dy, topk_w, handle, num_sms)
-    if out.shape[0] < sh.rows_cap:
-        full = torch.empty(sh.rows_cap, sh.hidden, dtype=sh.dtype, device=heap.device)
-        full[: out.shape[0]] = out
-        out = full
-    stage_grad(heap, dy, topk_w, P)
-    grad_out = torch.empty(sh.rows_cap, sh.hidden, dtype=sh.dtype, device=heap.device)
-    pull_rows(heap, handle.schedule, grad_out, P, out=out.contiguous())
-    grad_w = torch.empty(T, sh.topk, dtype=torch.float32, device=heap.device)
-    S.finish(heap, S.REG_DW.value, grad_w if T > 0 else heap.tab.new_empty(1).view(torch.float32),
-             T * sh.topk, P)
-    return grad_out, grad_w
-
-
 @triton.jit(do_not_specialize=["rank"])
 def _send_dw_kernel(tab, W, rank, offs_ptr, E_l, row_src_ptr, row_tok_ptr, row_slot_ptr, ds_ptr,
                     K: tl.constexpr, BLOCK: tl.constexpr, WP2: tl.constexpr):
-    """grid (P,): for every received row r < offs[E_l]: dw_{src(r)}[tok(r) * K + slot(r)] = ds[r] (one fp32
-    store into the owner's heap, one writer per slot); the last program raises DW_DONE = call on every rank.
-
-    No wait first: the owners' ``dw`` regions are free, since every rank staged this call (READY, waited for
-    by the pull before this kernel) after its previous finish had read them."""
+    """grid (P,): for every received row r < offs[E_l]: dw_{src(r)}[tok(r) * K + slot(r)] = ds[r] (one writer per
+    slot); the last program raises DW_DONE = call on every rank. No wait first: every rank staged this call (READY,
+    awaited by the pull) after its previous finish had read its ``dw``."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     call = current_call(tab, W, rank)
@@ -269,23 +227,21 @@ def _send_dw_kernel(tab, W, rank, offs_ptr, E_l, row_src_ptr, row_tok_ptr, row_s
 
 def pull_grad(dy: torch.Tensor, topk_w: torch.Tensor, handle: DispatchHandle,
               num_sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Open a backward call and pull dy to the expert ranks: returns (dy_rows [R_cap, H] heap dtype, gate
-    [R_cap] fp32) with dy_rows[r] = dy_s[t] (unscaled) and gate[r] = topk_w_s[t, j] for every received row
-    r = (s, t, j) (rows >= R unwritten). The caller computes d(topk_w) per row and sends it home with
-    :func:`send_gate_grad` (which closes the call)."""
+    """Open a backward call and pull dy to the expert ranks: (dy_rows [R_cap, H] heap dtype, gate [R_cap] fp32),
+    dy_rows[r] = dy_s[t] (unscaled), gate[r] = topk_w_s[t, j] for every received row r = (s, t, j) (rows >= R
+    unwritten). The caller sends d(topk_w) home with :func:`send_gate_grad`, which closes the call."""
     heap, sh, T, P = _grad_call(dy, topk_w, handle, num_sms)
     stage_grad(heap, dy, topk_w, P)
-    rows = torch.empty(sh.rows_cap, sh.hidden, dtype=sh.dtype, device=heap.device)
-    gate = torch.empty(sh.rows_cap, dtype=torch.float32, device=heap.device)
+    rows = row_buffer((sh.rows_cap, sh.hidden), sh.dtype, heap.device)
+    gate = row_buffer((sh.rows_cap,), torch.float32, heap.device)
     pull_rows(heap, handle.schedule, rows, P, gate=gate)
     return rows, gate
 
 
 def send_gate_grad(ds: torch.Tensor, handle: DispatchHandle, num_sms: int | None = None) -> torch.Tensor:
-    """d(topk_w) [T, k] fp32 of this rank's tokens, from ds [>= R] fp32 (row r's value on its expert rank, for
-    every rank's received rows): each expert rank stores its rows' values into their owners' ``dw`` regions,
-    then every owner waits for all ranks' DW_DONE and copies its values out. After :func:`pull_grad` of the same
-    call, every rank in the same order."""
+    """d(topk_w) [T, k] fp32 of this rank's tokens from ds [>= R_cap] fp32 (each received row's value): stored into
+    the owners' ``dw`` regions; each owner waits for every DW_DONE and copies its values out. After
+    :func:`pull_grad` of the same call, on every rank."""
     heap = handle.heap
     sh = heap.shape
     sched = handle.schedule
@@ -307,4 +263,4 @@ def send_gate_grad(ds: torch.Tensor, handle: DispatchHandle, num_sms: int | None
     return grad_w
 
 
-__all__ = ["combine", "combine_backward", "stage_grad", "pull_grad", "send_gate_grad", "DONE"]
+__all__ = ["combine", "dispatch_backward", "stage_grad", "pull_grad", "send_gate_grad"]

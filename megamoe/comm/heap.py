@@ -3,9 +3,8 @@
 Shape legend: W world size, T_max max tokens per rank, H hidden, k top-k, E experts, E_l = E / W local
 experts, R_cap = W * T_max * min(k, E_l) worst-case rows received by one rank.
 
-One :class:`SymmetricHeap` per process group. Its size is known before anything is allocated
-(:func:`heap_bytes`), logged once at construction, allocated once, and torn down by :meth:`close`. Regions
-(each rank holds the same layout; ``tab[reg, p]`` is this process's address of rank p's copy):
+Its size is known before anything is allocated (:func:`heap_bytes`), logged, allocated once, torn down by
+:meth:`close`. Regions (the same layout on each rank; ``tab[reg, p]`` is this process's address of rank p's copy):
 
 | region | shape, dtype | written by | read by |
 |---|---|---|---|
@@ -13,22 +12,20 @@ One :class:`SymmetricHeap` per process group. Its size is known before anything 
 | ctrl  | [8] int64 | owner (call counter, arrival counters) | owner |
 | meta  | [8] int64 | owner (meta[0] = tokens this call) | peers |
 | idx   | [T_max, k] int32 | owner (top-k expert ids) | peers (schedule) |
-| w     | [T_max, k] fp32 | owner (gates, combine backward) | peers |
+| w     | [T_max, k] fp32 | owner (gates) | peers |
 | dw    | [T_max, k] fp32 | the expert rank of each slot (d gates) | owner |
-| tok   | [T_max, H] dtype | owner (x for dispatch, dy for combine backward) | peers (pull) |
+| tok   | [T_max, H] dtype | owner (x for dispatch, dy for pull_grad) | peers (pull) |
 | rows  | [R_cap, H] dtype | owner (expert outputs / their grads) | peers (pull by the token owner) |
 | err   | [16] int64 | owner's kernels (timeout record) | owner's host (host backend only) |
 | slots | [T_max, k, H] dtype (``CommShape.slots`` only) | expert rank of (t, j): out_j(t) | owner (fused) |
 
 Backends:
-* ``cuda``: ``torch.distributed._symmetric_memory`` (CUDA backend): one uint8 allocation, ``rendezvous``
-  once, peer addresses from ``handle.buffer_ptrs``. The error record is pinned host memory (device-mapped
-  under UVA) that a watchdog thread polls, so the host learns of a timeout without synchronising.
-  When two ranks of the group share a GPU (``MEGAMOE_SHARE_GPUS=1``, correctness runs; torch's symmetric memory
-  refuses that), each rank's buffer is an ordinary allocation that the peers map through CUDA IPC instead.
-* ``host``: one POSIX shared-memory file per rank in /dev/shm, mapped by every CPU rank (names agreed over
-  the gloo group, unlinked as soon as all ranks have mapped them, so a crash leaks nothing); addresses are
-  this process's mappings of the peers' files. The same Triton kernels then run under TRITON_INTERPRET=1.
+* ``cuda``: ``torch.distributed._symmetric_memory``: one uint8 allocation, ``rendezvous`` once, peer addresses from
+  ``handle.buffer_ptrs``. The error record is pinned host memory that a watchdog thread polls, so the host learns of
+  a timeout without synchronising. Ranks sharing a GPU (``MEGAMOE_SHARE_GPUS=1``, which torch's symmetric memory
+  refuses) map ordinary allocations through CUDA IPC instead.
+* ``host``: one POSIX shared-memory file per rank in /dev/shm, mapped by every CPU rank (unlinked once all have
+  mapped them, so a crash leaks nothing); the same Triton kernels run under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -107,8 +104,10 @@ def _regions(shape: CommShape) -> list[tuple[str, tuple[int, ...], torch.dtype]]
     ]
 
 
-_REG_INDEX = {"flags": 0, "ctrl": 1, "meta": 2, "idx": 3, "w": 4, "dw": 5, "tok": 6, "rows": 7, "err": 8,
-              "slots": 9}
+#: region name -> its row of the pointer table, the kernels' signals.REG_* constants
+_REG_INDEX = {name: getattr(S, f"REG_{name.upper()}").value
+              for name in ("flags", "ctrl", "meta", "idx", "w", "dw", "tok", "rows", "err", "slots")}
+assert sorted(_REG_INDEX.values()) == list(range(S.NUM_REGIONS))
 
 
 def _layout(shape: CommShape) -> tuple[dict[str, tuple[int, tuple[int, ...], torch.dtype]], int]:
@@ -141,12 +140,9 @@ def _next_pow2(n: int) -> int:
 
 
 class SymmetricHeap:
-    """Cross-rank buffers for one process group; see the module docstring for the regions.
-
-    ``timeout_s`` (default 60) bounds every device-side wait; ``num_sms`` is the default number of programs
-    the communication kernels launch. Use :meth:`buffer` for this rank's views and ``tab`` (int64 [10, W],
-    on ``device``) for the peer-pointer table the kernels take; :meth:`peer_ptrs` gives one region's row.
-    """
+    """Cross-rank buffers for one process group (module docstring). ``timeout_s`` bounds every device-side wait;
+    ``num_sms``: the communication kernels' default programs. :meth:`buffer`: this rank's views; ``tab`` (int64
+    [NUM_REGIONS, W] on ``device``): the peer-pointer table the kernels take."""
 
     def __init__(
         self,
@@ -164,8 +160,7 @@ class SymmetricHeap:
         self.world = dist.get_world_size(self.group)
         if self.world != shape.world:
             raise ValueError(f"shape.world={shape.world} but the process group has {self.world} ranks")
-        if backend == "auto":  # by the device the buffers serve; with none given, by the group (nccl: CUDA) or
-            # by how this process joined it (GPU ranks sharing GPUs on gloo, see megamoe.dist)
+        if backend == "auto":  # by the device; else by the group (nccl, or GPU ranks on gloo: megamoe.dist)
             if device is not None:
                 backend = "cuda" if torch.device(device).type == "cuda" else "host"
             else:
@@ -206,7 +201,6 @@ class SymmetricHeap:
             workspace_bytes(shape) / 2**20,
         )
 
-    # ---------------------------------------------------------------- allocation
     def _alloc_cuda(self) -> list[int]:
         if self._ranks_share_a_gpu():
             bases = self._alloc_cuda_ipc()
@@ -223,8 +217,7 @@ class SymmetricHeap:
         return bases
 
     def _ranks_share_a_gpu(self) -> bool:
-        """Whether two ranks of the group run on one GPU (only asked under MEGAMOE_SHARE_GPUS=1, see megamoe.dist:
-        without it the usual one-GPU-per-rank path runs no extra collective)."""
+        """Whether two ranks of the group run on one GPU (asked only under MEGAMOE_SHARE_GPUS=1: one collective)."""
         from megamoe.dist import share_gpus
 
         if self.world == 1 or not share_gpus():
@@ -235,15 +228,13 @@ class SymmetricHeap:
         return len(set(uuids)) < self.world
 
     def _alloc_cuda_ipc(self) -> list[int]:
-        """Ranks sharing a GPU: torch's symmetric memory refuses overlapping devices, so each rank allocates an
-        ordinary device buffer and the peers map it through CUDA IPC (torch.multiprocessing's tensor sharing)."""
+        """Ranks sharing a GPU: an ordinary buffer each, which the peers map through torch's CUDA IPC."""
         from torch.multiprocessing.reductions import reduce_tensor
 
         self._buf = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
         torch.cuda.synchronize(self.device)
-        # one reduction per peer: each carries its own reference counter, which the one peer mapping it releases
-        # (a single reduction sent to W - 1 peers would be released W - 1 times, and the producer could free the
-        # buffer while a peer still maps it)
+        # one reduction per peer: each carries its own reference counter (one sent to W - 1 peers would be
+        # released W - 1 times, freeing the buffer while a peer still maps it)
         mine = [None if r == self.rank else reduce_tensor(self._buf) for r in range(self.world)]
         handles: list = [None] * self.world
         dist.all_gather_object(handles, mine, group=self.group)
@@ -314,30 +305,20 @@ class SymmetricHeap:
             views[name] = buf[off : off + n].view(dtype).view(dims)
         return views
 
-    # ---------------------------------------------------------------- access
     def buffer(self, name: str) -> torch.Tensor:
         """This rank's view of region ``name`` (see the module docstring)."""
         return self._views[name]
 
     def tokens_buffer(self) -> torch.Tensor:
-        """[T_max, H] symmetric buffer: write x[:T] here and dispatch skips its staging copy.
-
-        Peers read it until they finish the op that pulled from it (dispatch, or combine_backward's dy).
-        Write it (on the stream) only after a later op of this heap has been enqueued, e.g. after the
-        combine that follows a dispatch: that op's stage kernel waits until every peer is done reading.
-        """
+        """[T_max, H] symmetric buffer: write x[:T] here and dispatch skips its staging copy. Peers read it until
+        they finish the op that pulled from it (dispatch, pull_grad): write it only after a later op of this heap
+        has been enqueued (e.g. the combine after a dispatch), whose stage kernel waits until they are done."""
         return self._views["tok"]
 
     def rows_buffer(self) -> torch.Tensor:
-        """[R_cap, H] symmetric buffer: let the expert GEMM write here and combine skips its staging copy.
-
-        Same rule as :meth:`tokens_buffer`: peers read it during combine / dispatch_backward; writing it after
-        the next dispatch has been enqueued (the usual dispatch -> GEMM -> combine order) is safe. The backends'
-        backward also writes d_recv here (backends/split.dgrad_buffer) after pull_grad / combine_backward: their
-        pull kernel waits for READY of that call from every peer, which a peer publishes only after all its earlier
-        kernels finished, including reads of this region (the fused megakernel's pull combine reads peers' rows
-        *after* publishing DONE, so DONE alone would not do).
-        """
+        """[R_cap, H] symmetric buffer: let the expert GEMM write here and combine skips its staging copy. Peers
+        read it during combine / dispatch_backward; writing it after the next dispatch (or pull_grad) has been
+        enqueued is safe: signals.py, "What each wait guards"."""
         return self._views["rows"]
 
     def peer_ptrs(self, name: str) -> torch.Tensor:
@@ -366,12 +347,10 @@ class SymmetricHeap:
     def timeout_ns(self) -> int:
         return int(self.timeout_s * 1e9)
 
-    # ---------------------------------------------------------------- errors
     def _read_error(self) -> str | None:
         if self.backend == "cuda":  # pinned host memory: a host read, no device sync
             rec = self._err_host.tolist()
-        else:  # the record's bytes in this rank's shared-memory mapping, read without a torch op (megamoe.sync_guard
-            # counts every torch read of tensor data as a sync; on the CPU backend this one is only a memory read)
+        else:  # not through a torch op, which megamoe.testing.sync_guard would count as a sync
             rec = struct.unpack_from(f"={S.ERR_SLOTS}q", self._maps[self.rank], self.layout["err"][0])
         if rec[S.ERR_FLAG.value] == 0:
             return None
@@ -405,7 +384,6 @@ class SymmetricHeap:
         if self.backend == "host":
             self.check()
 
-    # ---------------------------------------------------------------- teardown
     def close(self) -> None:
         """Free the heap (the host backend unmaps its segments; files were unlinked at construction)."""
         if self._closed:
@@ -433,3 +411,25 @@ class SymmetricHeap:
 
     def __exit__(self, *exc):
         self.close()
+
+
+#: one heap per (process group, shape, device, timeout, programs), shared by the layers of a model
+_HEAPS: dict[tuple, SymmetricHeap] = {}
+
+
+def get_heap(shape: CommShape, group, device, timeout_s: float, num_sms: int) -> SymmetricHeap:
+    """The heap of this process group for ``shape`` (built on first use; layers of one shape share it)."""
+    group = group or dist.group.WORLD
+    key = (group.group_name, shape, str(device), timeout_s, num_sms)  # names are unique, ids can be reused
+    heap = _HEAPS.get(key)
+    if heap is None or heap._closed:
+        heap = SymmetricHeap(shape, group=group, device=device, timeout_s=timeout_s, num_sms=num_sms)
+        _HEAPS[key] = heap
+    return heap
+
+
+def close_heaps() -> None:
+    """Tear down every heap :func:`get_heap` built (call before destroying their process groups)."""
+    for heap in _HEAPS.values():
+        heap.close()
+    _HEAPS.clear()

@@ -1,11 +1,8 @@
-"""Pre-summing combine: each expert rank sums a token's rows it holds, the owner pulls one row per rank.
+"""Pre-summing combine: each expert rank sums a token's rows it holds, the owner pulls one row per rank. W world size,
+T_max max tokens per rank, T tokens on this rank, H hidden, k top-k, R_cap receive rows.
 
-Shape legend: W world size, T_max max tokens per rank, T tokens on this rank, H hidden, k top-k,
-R_cap receive rows.
-
-The plain combine (combine.py) makes the owner pull all k expert-output rows of each token, so a token whose
-k experts sit on fewer than k ranks crosses NVLink several times from the same rank (k = 8 on 4 ranks: 6
-remote rows per token where ~2.7 distinct remote ranks hold them). Here:
+The plain combine (combine.py) pulls all k rows of each token, so a token whose k experts sit on fewer than k ranks
+crosses NVLink several times from one rank (k = 8 on 4 ranks: 6 remote rows per token, ~2.7 remote ranks). Here:
 
     presum stage (expert rank q, opens call c):   wait DONE >= c-1 from all       # my rows region is free
         for every (s, t) that has rows here:       part = sum_{j: slot on q} g[r_j] * out[r_j]   (fp32, j order)
@@ -15,12 +12,10 @@ remote rows per token where ~2.7 distinct remote ranks hold them). Here:
         for own token t:                           y[t] = sum_{q = 0..W-1 holding a slot of t} rows_q[s*T_max + t]
         last program: publish DONE = c
 
-Gates g are each received row's gate, brought by dispatch (``dispatch(..., topk_w=...)`` -> handle.row_gate);
-dispatch's backward uses g = 1. Both orders (j within a rank, ranks 0..W-1) are fixed, so results are bitwise
-deterministic; they differ from the plain combine's strict j order by rounding (the per-rank partial is
-rounded to the heap dtype once). The expert outputs are read locally, so no staging copy is needed either.
-NVLink bytes per token drop from (remote slots) to (remote ranks holding a slot) rows.
-Written 2026-11-29; CPU-tested under the interpreter, not yet timed on the GPU.
+Gates g: each received row's gate from ``dispatch(..., topk_w=...)`` (handle.row_gate); dispatch's backward uses
+g = 1. Both orders (j within a rank, ranks 0..W-1) are fixed, so results are bitwise deterministic; they differ from
+the plain combine's strict j order by rounding (the per-rank partial is rounded to the heap dtype). The expert
+outputs are read locally, so no staging copy is needed.
 """
 
 from __future__ import annotations
@@ -32,7 +27,6 @@ import triton.language as tl
 from . import signals as S
 from .dispatch import DispatchHandle
 from .signals import (
-    _TL_DTYPES,
     ARRIVE_STAGE,
     ARRIVE_WORK,
     DONE,
@@ -40,6 +34,7 @@ from .signals import (
     REG_CTRL,
     REG_ROWS,
     SEQ,
+    TL_DTYPES,
     arrive_last,
     current_call,
     error_set,
@@ -61,11 +56,8 @@ def _presum_stage_kernel(
     K: tl.constexpr, KP2: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     ALIGNED: tl.constexpr, WP2: tl.constexpr,
 ):
-    """grid (P,): items i = s * T_max + t over [0, W * T_max), ROWS items per step (see module docstring).
-
-    Example (k = 2, this rank holds slots 0 and 1 of token (s=1, t=5) in rows 7 and 9):
-        rows[1 * T_max + 5] = g[7] * out[7] + g[9] * out[9]
-    """
+    """grid (P,): items i = s * T_max + t over [0, W * T_max), ROWS per step. E.g. this rank holds slots 0 and 1 of
+    token (s=1, t=5) in rows 7 and 9: rows[1 * T_max + 5] = g[7] * out[7] + g[9] * out[9]."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     ctrl = region_ptr(tab, REG_CTRL, W, rank, tl.int64)
@@ -199,7 +191,7 @@ def presum_gather(rows: torch.Tensor, handle: DispatchHandle, gated: bool, num_s
     _rank_gather_kernel[(P,)](
         heap.tab, heap.world, heap.rank, sched.dest_rank, y if T > 0 else heap.tab.new_empty(1).view(sh.dtype),
         T, sh.max_tokens, sh.hidden, heap.timeout_ns,
-        OP=S.OP_COMBINE.value if gated else S.OP_PULL.value, SRC_DT=_TL_DTYPES[sh.dtype], **common,
+        OP=S.OP_COMBINE.value if gated else S.OP_PULL.value, SRC_DT=TL_DTYPES[sh.dtype], **common,
     )
     heap.after_launch()
     return y

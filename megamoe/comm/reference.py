@@ -1,8 +1,5 @@
-"""Pure-torch twins of the communication ops (one process, any device), used by tests and benchmarks.
-
-Shape legend: W world size, T_s tokens of rank s, H hidden, k top-k, E experts, E_l = E / W,
-R_q rows received by rank q.
-"""
+"""Pure-torch twins of the communication ops (one process, any device), used by tests and benchmarks. W world size,
+T_s tokens of rank s, H hidden, k top-k, E experts, E_l = E / W, R_q rows received by rank q."""
 
 from __future__ import annotations
 
@@ -50,12 +47,9 @@ def dispatch_ref(xs: list[torch.Tensor], idxs: list[torch.Tensor], rank: int, nu
 
 
 def gather_rows_ref(rows_by_rank: list[torch.Tensor], idxs: list[torch.Tensor], rank: int, num_experts: int):
-    """out_rows[j] [T, H]: the row that rank ``rank``'s token t slot j has on its expert rank.
-
-    rows_by_rank[q]: [>= R_q, H] rows of rank q in its receive order.
-    """
+    """out_rows[j] [T, H]: the row that rank ``rank``'s token t slot j has on its expert rank; rows_by_rank[q]:
+    [>= R_q, H] rows of rank q in its receive order."""
     W = len(idxs)
-    num_experts // W
     idx = idxs[rank].long().cpu()
     T, k = idx.shape
     out = [torch.empty(T, rows_by_rank[0].shape[1], dtype=rows_by_rank[0].dtype) for _ in range(k)]

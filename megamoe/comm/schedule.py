@@ -1,8 +1,7 @@
 """Device-side schedule: where every routed (source rank, token, k-slot) lands, computed without the host.
 
-Shape legend: W world size, T_s tokens on rank s (<= T_max, may be 0), k top-k, E experts, E_l = E / W
-local experts (expert e lives on rank e // E_l), CH tokens per chunk, NCH = ceil(T_max / CH) chunks,
-R rows this rank receives (<= R_cap).
+Shape legend: W world size, T_s tokens on rank s (<= T_max, may be 0), k top-k, E experts, E_l = E / W local experts
+(expert e on rank e // E_l), CH tokens per chunk, NCH = ceil(T_max / CH) chunks, R rows this rank receives (<= R_cap).
 
 Global order: expert e's rows are the entries (s, t, j) with topk_idx_s[t, j] == e, ordered by
 (source rank s, token t, slot j); an expert rank stores its experts' segments one after another. Every rank
@@ -34,14 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import signals as S
 from .signals import OP_SCHEDULE, READY, REG_IDX, REG_META, current_call, error_set, region_ptr, wait_flags
 
 
 @dataclass
 class Schedule:
     """Placement of one dispatch call (all int32 device tensors unless said otherwise).
-
     recv_row  [W, T_max, k]: row of entry (s, t, j) in this rank's receive buffer, -1 when its expert lives
               on another rank (rows for t >= T_s are undefined).
     dest_row  [T_max, k]: for this rank's own token t, slot j: the row on the expert rank that holds it.
@@ -49,8 +46,7 @@ class Schedule:
     offs      [E_l + 1]: local expert e's rows are recv[offs[e]:offs[e+1]]; offs[0] = 0, offs[E_l] = R.
     counts    [E_l]: offs[e+1] - offs[e].
     row_src, row_tok, row_slot [R_cap]: (source rank, token, k-slot) of each received row (rows < R).
-    tokens_per_rank [W] int64: T_s of every rank for this call.
-    """
+    tokens_per_rank [W] int64: T_s of every rank for this call."""
 
     recv_row: torch.Tensor
     dest_row: torch.Tensor
@@ -126,11 +122,9 @@ def _base_kernel(
     EP2: tl.constexpr, WP2: tl.constexpr,
 ):
     """grid (1,): segment offsets of every expert inside its rank's receive buffer, and this rank's offs.
-
         etot[e] = sum_s tot[s, e];  segoff[e] = sum of etot over experts e' < e on the same rank
         base[s, e] = segoff[e] + sum_{s' < s} tot[s', e]
-        offs[le] = segoff[rank*E_l + le], offs[E_l] = rows this rank receives
-    """
+        offs[le] = segoff[rank*E_l + le], offs[E_l] = rows this rank receives"""
     ss = tl.arange(0, WP2)
     ee = tl.arange(0, EP2)
     ms = ss < W
@@ -252,4 +246,4 @@ def build_schedule(heap) -> Schedule:
     return sched
 
 
-__all__ = ["Schedule", "build_schedule", "chunk_tokens", "S"]
+__all__ = ["Schedule", "build_schedule", "chunk_tokens"]

@@ -1,11 +1,9 @@
-"""Cross-rank signals on single-writer slots, with bounded waits.
+"""Cross-rank signals on single-writer slots, with bounded waits (W world size, P programs of a launch).
 
-Shape legend: W world size, P programs of a launch.
-
-Every rank's symmetric heap holds ``flags`` int64 [2, W]: ``flags[READY, s]`` and ``flags[DONE, s]`` are
-written only by rank ``s`` (a remote store into this rank's copy), so no cross-process atomics decide
-anything. A slot carries the *call number* (a per-heap counter bumped once per communication op), so a stale
-signal from call n-1 is never mistaken for call n; values only grow.
+Every rank's symmetric heap holds ``flags`` int64 [3, W]: ``flags[purpose, s]`` (READY, DONE, DW_DONE) is written
+only by rank ``s`` (a remote store into this rank's copy), so no cross-process atomics decide anything. A slot
+carries the *call number* (a per-heap counter bumped once per communication op), so a stale signal from call n-1 is
+never mistaken for call n; values only grow.
 
 Protocol of one op (call s), every rank running the same sequence of ops:
 
@@ -16,30 +14,24 @@ Protocol of one op (call s), every rank running the same sequence of ops:
                          last program to arrive: publish DONE=s into every peer's flags[DONE, me]
     finish (optional):   wait flags[DONE, p] >= s (only where peers *write* into my memory)
 
-What each wait guards. The stage's DONE wait covers the ops whose work phase finishes its reads of peers' memory
-before publishing DONE (the reading ops of comm/ and the split backend; send_gate_grad writes peers' memory and
-publishes DW_DONE instead). The fused megakernel's pull combine does not: it reads peers' ``rows`` after its DONE, so
-DONE alone does not free a peer's ``rows``. What every writer of ``rows`` also follows, or itself begins with, is a
-wait for a *later* call's READY from every peer (the dispatch's and the backward's ``_pull_kernel``, the schedule
-kernel, the fused megakernel's entry): a peer publishes that READY from its stage kernel, after all its earlier
-kernels finished, its reads included. The writers that are no stage kernel rely on that alone: GEMM2's output in
-the split forward (backends/split.forward_rows_buffer), d_recv in the backward (split.dgrad_buffer), and the fused
-megakernel with ``combine="pull"`` (its GEMM2 epilogue, and its backward's dgrad1, keep rows there).
+What each wait guards. The stage's DONE wait covers the ops whose work phase finishes its reads of peers' memory before
+publishing DONE (send_gate_grad writes peers' memory and publishes DW_DONE instead). Writers of ``rows`` that are no
+stage kernel (GEMM2's output in the split forward, d_recv in the backward: backends/common.heap_rows and dgrad_buffer)
+follow a wait for a *later* call's READY from every peer (``_pull_kernel``, the schedule kernel, the megakernel's
+entry): a peer publishes that READY from its stage kernel, after all its earlier kernels finished, its reads included.
 
-Polling uses acquire loads (``ld.acquire.sys`` through inline PTX on the GPU, a volatile ``tl.load`` in the
-interpreter), never an atomic read-modify-write (measured 38 us against 7-8 us per round trip, MEASURED.md).
-Publishing is one ``atomic_xchg(sem="release", scope="sys")`` per peer slot (a store, not a poll).
+Polling uses acquire loads (``ld.acquire.sys`` on the GPU, a volatile ``tl.load`` in the interpreter), never an atomic
+read-modify-write (38 us against 7-8 us per round trip). Publishing is one ``atomic_xchg(sem="release", scope="sys")``
+per peer slot.
 
-Bounded waits: every wait reads a clock (``%globaltimer`` on the GPU; under TRITON_INTERPRET=1, where inline
-asm cannot run, a jit-called Python helper returning ``time.monotonic_ns()``, which also sleeps 100 us per
-poll so spinning ranks leave the CPU to the others). After ``timeout_ns`` the waiting program claims the
-rank's error record with one compare-and-swap and writes (op, call, rank, peer, expected, seen, purpose),
-then exits; every later wait sees the record and returns at once. The record lives in host-visible memory
-(pinned host memory under the ``cuda`` heap, the shared-memory segment under ``host``), so the host reads it
-without synchronising the device (see :class:`megamoe.comm.heap.SymmetricHeap.check`).
+Bounded waits read a clock (``%globaltimer``; under the interpreter a Python helper that also sleeps 100 us per poll
+so spinning ranks leave the CPU to the others). After ``timeout_ns`` the waiting program claims the rank's error
+record with one compare-and-swap, writes (op, call, rank, peer, expected, seen, purpose) and exits; every later wait
+sees it and returns at once. The record is host-visible (pinned host memory, or the ``host`` backend's shared
+segment), so the host reads it without synchronising the device (SymmetricHeap.check).
 
-The call counter ``ctrl[SEQ]`` lives on the device and is bumped by the stage kernel, so a captured CUDA
-graph replays with fresh call numbers.
+The call counter ``ctrl[SEQ]`` lives on the device and is bumped by the stage kernel, so a captured CUDA graph replays
+with fresh call numbers.
 """
 
 from __future__ import annotations
@@ -59,7 +51,6 @@ DW_DONE = tl.constexpr(2)  # every gate gradient of this call has been written i
 SEQ = tl.constexpr(0)
 ARRIVE_STAGE = tl.constexpr(1)
 ARRIVE_WORK = tl.constexpr(2)
-ARRIVE_FINISH = tl.constexpr(3)
 ERR_LOCAL = tl.constexpr(4)  # device-memory mirror of the error flag (cheap to poll; the record is host memory)
 ERR_LOCAL_CLAIM = tl.constexpr(5)
 # error record slots (int64)
@@ -87,18 +78,15 @@ REG_SLOTS = tl.constexpr(9)
 NUM_REGIONS = 10
 
 #: torch dtype -> triton dtype of the heap's activation regions
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 #: op codes written into the error record
-OPS = {1: "stage", 2: "schedule", 3: "dispatch", 4: "combine", 5: "combine_backward", 6: "finish", 7: "barrier",
-       8: "fused"}
+OPS = {1: "stage", 2: "schedule", 3: "dispatch", 4: "combine", 6: "finish", 8: "fused"}
 OP_STAGE = tl.constexpr(1)
 OP_SCHEDULE = tl.constexpr(2)
 OP_PULL = tl.constexpr(3)
 OP_COMBINE = tl.constexpr(4)
-OP_COMBINE_BWD = tl.constexpr(5)
 OP_FINISH = tl.constexpr(6)
-OP_BARRIER = tl.constexpr(7)
 OP_FUSED = tl.constexpr(8)
 PURPOSES = {0: "READY", 1: "DONE", 2: "DW_DONE", 3: "TILE"}  # TILE: a local tile counter of the fused kernel
 
@@ -123,11 +111,6 @@ if INTERPRET:
         """Acquire load of int64 ``ptr`` (interpreter: a volatile load; programs run one by one)."""
         return tl.load(ptr, volatile=True)
 
-    @triton.jit
-    def ld_acquire_gpu(ptr):
-        """Acquire load at GPU scope (interpreter: a volatile load)."""
-        return tl.load(ptr, volatile=True)
-
 else:
 
     @triton.jit
@@ -142,13 +125,6 @@ else:
         """``ld.acquire.sys`` of int64 ``ptr`` (a block of pointers; every lane must be valid)."""
         return tl.inline_asm_elementwise(
             "ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64, is_pure=False, pack=1
-        )
-
-    @triton.jit
-    def ld_acquire_gpu(ptr):
-        """``ld.acquire.gpu`` of int64 ``ptr``: enough for a counter that only this GPU's programs write."""
-        return tl.inline_asm_elementwise(
-            "ld.acquire.gpu.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64, is_pure=False, pack=1
         )
 
 
@@ -167,11 +143,8 @@ def error_set(tab, W, rank):
 
 @triton.jit
 def wait_flags(tab, W, rank, purpose, lo, hi, expected, op, timeout_ns, WP2: tl.constexpr):
-    """Wait until flags[purpose, p] >= expected for every peer p in [lo, hi); bounded by timeout_ns.
-
-    Returns True when all arrived, False on timeout or when the rank's error record is already set (after
-    writing the record on a timeout). Called by every program that needs the data; polls local memory.
-    """
+    """Wait until flags[purpose, p] >= expected for every peer p in [lo, hi), polling local memory; bounded by
+    timeout_ns. True when all arrived, False on a timeout (recorded) or when the error record is already set."""
     flags = region_ptr(tab, REG_FLAGS, W, rank, tl.int64) + purpose * W
     ctrl = region_ptr(tab, REG_CTRL, W, rank, tl.int64)
     offs = tl.arange(0, WP2)
@@ -196,9 +169,8 @@ def wait_flags(tab, W, rank, purpose, lo, hi, expected, op, timeout_ns, WP2: tl.
 
 @triton.jit
 def record_timeout(tab, W, rank, op, call, peer, expected, seen, purpose):
-    """Claim this rank's error record (one compare-and-swap, so the first timeout wins) and write it: op, call
-    number, rank, the peer waited for, what was expected and seen, and the purpose; then raise the host-visible
-    flag and its device mirror, which every later wait polls."""
+    """Claim this rank's error record (compare-and-swap: the first timeout wins), write it, then raise the
+    host-visible flag and its device mirror, which every later wait polls."""
     ctrl = region_ptr(tab, REG_CTRL, W, rank, tl.int64)
     zero = tl.full([], 0, tl.int64)
     claimed = tl.atomic_cas(ctrl + ERR_LOCAL_CLAIM, zero, zero + 1, sem="acq_rel", scope="gpu")
@@ -244,25 +216,10 @@ def current_call(tab, W, rank):
 
 
 @triton.jit(do_not_specialize=["rank"])
-def _barrier_kernel(tab, W, rank, timeout_ns, WP2: tl.constexpr):
-    """grid (1,): call s = seq+1; publish READY=s; wait READY>=s from all; publish DONE=s; seq = s."""
-    ctrl = region_ptr(tab, REG_CTRL, W, rank, tl.int64)
-    s = tl.load(ctrl + SEQ, volatile=True) + 1
-    publish(tab, W, rank, READY, s, WP2)
-    ok = wait_flags(tab, W, rank, READY, 0, W, s, OP_BARRIER, timeout_ns, WP2)
-    if ok:
-        publish(tab, W, rank, DONE, s, WP2)
-    tl.store(ctrl + SEQ, s)
-
-
-@triton.jit(do_not_specialize=["rank"])
 def _finish_kernel(tab, W, rank, src_reg, dst_ptr, n, timeout_ns, BLOCK: tl.constexpr, WP2: tl.constexpr,
                    PURPOSE: tl.constexpr):
     """grid (P,): wait flag PURPOSE (DONE or DW_DONE) >= seq from every peer, then copy region ``src_reg`` [n]
-    (fp32) into dst [n].
-
-    Used where peers *write* into this rank's heap (combine backward's d(topk_w)).
-    """
+    (fp32) into dst [n]: where peers *write* into this rank's heap (send_gate_grad)."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     s = current_call(tab, W, rank)
@@ -275,13 +232,6 @@ def _finish_kernel(tab, W, rank, src_reg, dst_ptr, n, timeout_ns, BLOCK: tl.cons
             m = o < n
             tl.store(dst_ptr + o, tl.load(src + o, mask=m, volatile=True), mask=m)
             start += P * BLOCK
-
-
-def barrier(heap) -> None:
-    """All ranks of ``heap`` meet (device-side, no host sync); bounded by ``heap.timeout_s``."""
-    heap.check()
-    _barrier_kernel[(1,)](heap.tab, heap.world, heap.rank, heap.timeout_ns, WP2=heap.wp2)
-    heap.after_launch()
 
 
 def finish(heap, src_reg: int, dst, n: int, programs: int, purpose: int = 1) -> None:
@@ -308,7 +258,7 @@ def _copy_table(tab, W, rank, reg, src_ptr, n, pid, P):
 
 @triton.jit(do_not_specialize=["rank"])
 def _stage_kernel(
-    tab,  # int64 [9, W] heap pointer table
+    tab,  # int64 [NUM_REGIONS, W] heap pointer table
     W,
     rank,
     act_ptr,  # [n_act, H] activation rows to copy into region act_reg (dtype of the heap)
@@ -335,12 +285,10 @@ def _stage_kernel(
     WP2: tl.constexpr,
 ):
     """grid (P,): open call s = seq+1 and publish this rank's sources for it.
-
         wait flags[DONE, p] >= s-1 for all p        # nobody still reads my buffers from earlier calls
         n = min(n_act, *nrows_ptr) if HAS_NROWS else n_act     # rows that hold data (count on the device)
         region[act_reg][:n, :HA] = act ; region[small_reg][:n_small] = small ; region[small2_reg] = small2
-        last program: meta[0] = ntok; publish READY = s to every peer; seq = s
-    """
+        last program: meta[0] = ntok; publish READY = s to every peer; seq = s"""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     ctrl = region_ptr(tab, REG_CTRL, W, rank, tl.int64)
@@ -381,25 +329,12 @@ def _stage_kernel(
         tl.store(ctrl + SEQ, prev + 1)
 
 
-#: tile per program step for the row-moving kernels:
-#: op -> (elements per step, num_warps, max BLOCK_H, max ROWS); ROWS x BLOCK_H ~ elements.
-#: Overridable (the benchmark sweeps them); the interpreter tests run them at small H (many ROWS).
-#: Chosen 2026-11-29 on 4x H200 (benchmarks/results/comm_4xH200_2026-11-29.json, 24 and 32 programs):
-#: pull 32768 x 16 warps best for H=7168 (4 x 8192: 810 us vs 945 us at 16384 x 16), 16384 x 16 best for
-#: H=2048 (8 x 2048: 439 us vs 499 us at 16 x 2048), hence the ROWS cap of 8; gather 8192 x 16 warps best for
-#: both (deepseek 1315 us vs 1641 us at 4096 x 16). ptxas (sm_90a, k = 8) reports no spills for pull 4 x 8192
-#: and gather 4 x 2048 at 16 warps (128 regs), pull_bwd 2 x 2048 at 8 warps (210 regs).
-#: 2026-11-30, not yet timed on a GPU (benchmarks/pull_sweep.py sweeps them): pull_pipe is the software-pipelined
-#: pull loop (two units in flight, so half the old step keeps as many bytes in flight): 8 x 2048 / 2 x 8192;
-#: pull_scale is pull_rows(scale_only=True) (dst = w * dy rows, pipelined): 4 x 2048 / 1 x 8192. ptxas (sm_90a,
-#: k = 8, 16 warps, 128 regs) spills 12-20 bytes for pull_pipe and 0-12 for pull_scale; twice those steps spill
-#: 84-108 bytes.
+#: tile per program step of the row-moving kernels: op -> (elements per step, num_warps, max BLOCK_H, max ROWS);
+#: tests override it. From sweeps on 4x H200 (docs/performance.md); the pipelined pull keeps two units in flight, so
+#: half the unpipelined loop's best step keeps as many bytes in flight (twice that spills).
 TILES = {
     "stage": (8192, 8, 2048, 8),
-    "pull": (32768, 16, 8192, 8),
-    "pull_bwd": (4096, 8, 2048, 8),
-    "pull_pipe": (16384, 16, 8192, 8),
-    "pull_scale": (8192, 16, 8192, 8),
+    "pull": (16384, 16, 8192, 8),
     "gather": (8192, 16, 2048, 8),
 }
 
@@ -416,13 +351,10 @@ def launch_config(hidden: int, op: str = "stage") -> tuple[int, int, int]:
 
 def stage(heap, act=None, act_reg: int = 0, small=None, small_reg: int = 0, ntok: int = -1, programs=None,
           nrows=None, small2=None, small2_reg: int = 0):
-    """Open a new call on ``heap`` and publish ``act`` / ``small`` into its symmetric regions (see kernel).
-
-    ``nrows``: optional int32 device tensor of one element bounding the rows of ``act`` that are copied (the
-    receive-side row count offs[E_l] lives on the device; the buffers are sized for the worst case).
-    ``small2``: a second 4-byte table (e.g. the gates beside the top-k ids) staged into ``small2_reg``.
-    ``act`` [n, HA] with HA <= H (the heap's hidden size, the region's row stride) fills the first HA elements of
-    each region row (a packed narrower payload, e.g. FP8 rows with their scales: dispatch_fp8).
+    """Open a new call on ``heap`` and publish ``act`` / ``small`` / ``small2`` (4-byte tables, e.g. ids and gates)
+    into its symmetric regions. ``act`` [n, HA], HA <= H, fills the first HA elements of each region row (packed
+    FP8 rows are narrower). ``nrows``: int32 device tensor of one element bounding the rows copied (offs[E_l] lives
+    on the device; the buffers are sized for the worst case).
     """
     heap.check()
     H = heap.shape.hidden

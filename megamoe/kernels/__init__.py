@@ -1,6 +1,7 @@
-"""Triton and Gluon (sm_90a) kernels (one op per module). Under TRITON_INTERPRET=1 the interpreter's bf16 rounding
-is fixed first (see megamoe._interp)."""
+"""Triton kernels (one op per module; they run everywhere, the CPU interpreter included, and are the references) and,
+in ``megamoe.kernels.gluon``, the Hopper (sm_90a) warp-specialised kernels that megamoe.experts runs there by default.
+Under TRITON_INTERPRET=1 the interpreter's fix-ups (kernels/interpreter.py) are installed first."""
 
-from megamoe import _interp
+from megamoe.kernels import interpreter
 
-_interp.apply()
+interpreter.apply()

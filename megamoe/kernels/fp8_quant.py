@@ -16,13 +16,14 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.gemm_config import interpreting
+from megamoe.kernels.interpreter import row_buffer
 
 FP8_MAX = 448.0
 QBLOCK = 128
 
 
 @triton.jit
-def _scale_of(amax, POW2: tl.constexpr):
+def scale_of(amax, POW2: tl.constexpr):
     s = tl.div_rn(tl.maximum(amax, 1e-12), 448.0)
     if POW2:  # round up to a power of two on the bits (exact; log2 on the GPU is approximate)
         bits = s.to(tl.int32, bitcast=True)
@@ -32,10 +33,9 @@ def _scale_of(amax, POW2: tl.constexpr):
 
 
 @triton.jit
-def _to_e4m3(v, RNE_IN_FP32: tl.constexpr):
-    """Cast |v| <= 448 to e4m3. The interpreter's fp8 cast rounds wrongly (seen: 124.3 -> 64, ties away
-    from even) but converts representable values exactly, so there (RNE_IN_FP32) we round to the e4m3 grid
-    in fp32 first: ulp = 2^(max(floor(log2|v|), -6) - 3), round half to even."""
+def to_e4m3(v, RNE_IN_FP32: tl.constexpr):
+    """Cast |v| <= 448 to e4m3. The interpreter's fp8 cast rounds wrongly (124.3 -> 64, ties away from even) but
+    converts representable values exactly, so there (RNE_IN_FP32) we round to the e4m3 grid in fp32 first."""
     if RNE_IN_FP32:
         a = tl.abs(v)
         ex = tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), -6.0)
@@ -48,7 +48,7 @@ def _to_e4m3(v, RNE_IN_FP32: tl.constexpr):
         r = tl.where(up, f + 1.0, f) * ulp
         neg = v.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 and negatives rounding to zero give -0, as on GPUs
         q = tl.where(neg, -r, r).to(tl.float8e4nv)
-        # the interpreter's cast drops the sign of -0.0 (seen: 0x00 where torch gives 0x80): set it on the bits
+        # the interpreter's cast drops the sign of -0.0: set it on the bits
         return (q.to(tl.uint8, bitcast=True) | tl.where(neg & (r == 0.0), 0x80, 0).to(tl.uint8)).to(
             tl.float8e4nv, bitcast=True)
     return v.to(tl.float8e4nv)
@@ -73,14 +73,14 @@ def _quant_act_kernel(
     mask = (rr < R)[:, None] & (rk < K)[None, :]
     rr64 = rr.to(tl.int64)
     x = tl.load(x_ptr + rr64[:, None] * stride_x + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = _scale_of(tl.max(tl.abs(x), axis=1), POW2)
+    s = scale_of(tl.max(tl.abs(x), axis=1), POW2)
     q = tl.clamp(tl.div_rn(x, s[:, None]), -448.0, 448.0)  # IEEE division: bitwise equal to torch
-    tl.store(q_ptr + rr64[:, None] * stride_q + rk[None, :], _to_e4m3(q, RNE_IN_FP32), mask=mask)
+    tl.store(q_ptr + rr64[:, None] * stride_q + rk[None, :], to_e4m3(q, RNE_IN_FP32), mask=mask)
     tl.store(s_ptr + rr64 * stride_s + kb, s, mask=rr < R)
 
 
 @triton.jit
-def _weight_block(N, K):
+def weight_block(N, K):
     """The 128x128 block of a [E_l, N, K] weight that program (e, nb, kb) of a (E_l, n_nb, n_kb) grid owns:
     (e, nb, kb, rk = its 128 columns, kmask = rk < K, base = e's int64 offset)."""
     e = tl.program_id(0)
@@ -91,10 +91,10 @@ def _weight_block(N, K):
 
 
 @triton.jit
-def _quantise_slice(ptrs, mask, s, RNE_IN_FP32: tl.constexpr):
+def quantise_slice(ptrs, mask, s, RNE_IN_FP32: tl.constexpr):
     """e4m3(*ptrs / s) for one slice of a weight block (the block's scale s), read as float32."""
     w = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    return _to_e4m3(tl.clamp(tl.div_rn(w, s), -448.0, 448.0), RNE_IN_FP32)
+    return to_e4m3(tl.clamp(tl.div_rn(w, s), -448.0, 448.0), RNE_IN_FP32)
 
 
 @triton.jit
@@ -108,30 +108,27 @@ def _quant_weight_kernel(
     CHUNK: tl.constexpr, POW2: tl.constexpr, RNE_IN_FP32: tl.constexpr, TRANSPOSE: tl.constexpr,
     BOTH: tl.constexpr, COLS_T: tl.constexpr = False,
 ):
-    """Grid: (E_l, n_nb, n_kb). One 128x128 block: s = amax / 448, q = w / s. TRANSPOSE: q is [E_l, K, N] and s
-    [E_l, n_kb, n_nb], i.e. the quantisation of w.transpose(1, 2) (a 128x128 block of the transpose is the
-    transpose of a block, with the same amax, so this equals quantising a transposed copy, without the copy).
-    BOTH: the plain orientation into q, s and the transposed one into qt, st, from one read of the block.
-    CHUNK < 128: the block in 128 / CHUNK slices of CHUNK rows, a first loop for the amax and a second that
-    reloads each slice (from L1 / L2: the block is 32 KB) to quantise it, so that a thread holds CHUNK * 128 /
-    threads values instead of the whole block's (more programs per SM in flight); the same values either way.
-    COLS_T (with TRANSPOSE or BOTH): the transposed orientation from its own loop over CHUNK-column slices
-    [128 rows, CHUNK cols] of the block, so each of its CHUNK output rows gets the block's 128 bytes in one store
-    (row slices give each transposed row CHUNK bytes per store); one more read of the block (L1 / L2)."""
-    e, nb, kb, rk, kmask, base = _weight_block(N, K)
+    """Grid: (E_l, n_nb, n_kb). One 128x128 block: s = amax / 448, q = w / s. TRANSPOSE: q [E_l, K, N], s
+    [E_l, n_kb, n_nb], the quantisation of w.transpose(1, 2) without a transposed copy (a block of the transpose
+    is the transpose of a block, same amax). BOTH: plain into q, s and transposed into qt, st from one read.
+    CHUNK < 128: the block in CHUNK-row slices, one loop for the amax and one that reloads each slice (L1 / L2) to
+    quantise it, so a thread holds fewer values (more programs per SM in flight); same values either way.
+    COLS_T: the transposed orientation from its own loop over CHUNK-column slices, so each transposed row gets
+    128 bytes per store instead of CHUNK; one more read of the block."""
+    e, nb, kb, rk, kmask, base = weight_block(N, K)
     amax = tl.zeros([CHUNK], dtype=tl.float32)
     for c in range(0, 128, CHUNK):
         rn = nb * 128 + c + tl.arange(0, CHUNK)
         mask = (rn < N)[:, None] & kmask[None, :]
         w = tl.load(w_ptr + base + rn.to(tl.int64)[:, None] * K + rk[None, :], mask=mask, other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(w.to(tl.float32)), axis=1))
-    s = _scale_of(tl.max(amax, axis=0), POW2)
+    s = scale_of(tl.max(amax, axis=0), POW2)
     if not (TRANSPOSE and COLS_T):
         for c in range(0, 128, CHUNK):
             rn = nb * 128 + c + tl.arange(0, CHUNK)
             mask = (rn < N)[:, None] & kmask[None, :]
             off = base + rn.to(tl.int64)[:, None] * K + rk[None, :]
-            q = _quantise_slice(w_ptr + off, mask, s, RNE_IN_FP32)
+            q = quantise_slice(w_ptr + off, mask, s, RNE_IN_FP32)
             off_t = base + rk.to(tl.int64)[None, :] * N + rn[:, None]
             if TRANSPOSE:
                 tl.store(q_ptr + off_t, q, mask=mask)
@@ -145,7 +142,7 @@ def _quant_weight_kernel(
         for c in range(0, 128, CHUNK):
             rc = kb * 128 + c + tl.arange(0, CHUNK)
             mask = nmask[:, None] & (rc < K)[None, :]
-            q = _quantise_slice(w_ptr + base + rn.to(tl.int64)[:, None] * K + rc[None, :], mask, s, RNE_IN_FP32)
+            q = quantise_slice(w_ptr + base + rn.to(tl.int64)[:, None] * K + rc[None, :], mask, s, RNE_IN_FP32)
             off_t = base + rc.to(tl.int64)[None, :] * N + rn[:, None]
             if TRANSPOSE:
                 tl.store(q_ptr + off_t, q, mask=mask)
@@ -159,24 +156,12 @@ def _quant_weight_kernel(
             tl.store(st_ptr + (e * n_kb + kb) * n_nb + nb, s)
 
 
-#: (CHUNK, num_warps, COLS_T) of the weight quantisation per mode: "one" (quantize_weight), "both"
-#: (quantize_weight_both); a benchmark (benchmarks/quant_bench.py) may override them. One H200, 2026-12-01
-#: (results/quant-h200-2026-12-01-{f4e9d64,6aa40b6}.json, the expert weights of qwen3 / deepseek-v3 / mixtral at
-#: EP 4): "both" (what a training step runs) 32-row slices on 8 warps 1.26-1.46x the whole block on 16 warps
-#: (deepseek w13 4.51 -> 3.09 ms, 39% -> 57% of the HBM copy ceiling; 64 x 16 warps within 2% of it, 16-row slices
-#: slower); the whole block's 16 warps hold one CTA per SM. "one" 32 x 8 warps 1.13-1.27x the whole block on 8 warps
-#: (deepseek w13 2.09 -> 1.67 ms, 79% of the ceiling), ahead of 32 x 4 on every shape. 2026-12-02
-#: (results/quant-h200-2026-12-02-a443efd-colst.json, one run, bitwise equal): "both" with COLS_T on 16 warps 0.96-0.97x
-#: the time of 32 x 8 row slices on five of the six weights (deepseek w13 3.086 -> 2.976 ms, 59% of the ceiling),
-#: 1.06x on qwen3's w2 (small: 0.110 -> 0.117 ms); a whole layer's weights: deepseek 4.64 -> 4.49 ms, mixtral 0.589
-#: -> 0.568, qwen3 equal. Predicted was the single orientation's 79% (the transposed rows' 32-byte segments taken
-#: for the cause); they were not the main cost. COLS_T for "one" with transpose=True: 1.03-1.06x slower, off
+#: (CHUNK, num_warps, COLS_T) per mode: "one" (quantize_weight), "both" (quantize_weight_both); benchmarks/
+#: quant_bench.py may override them. Fastest on an H200 for qwen3 / deepseek-v3 / mixtral expert weights: 32-row
+#: slices beat whole blocks by 1.1-1.5x; COLS_T helps "both" (3-4%) and slows "one" (3-6%). See docs/performance.md.
 WEIGHT_QUANT_CONFIG = {"one": (32, 8, False), "both": (32, 16, True)}
-#: under the interpreter (the CPU emulation) the quantisation kernels take whole 128 x 128 weight blocks (CHUNK 128)
-#: and 128 activation rows per program: fewer, larger interpreted programs (each op costs the interpreter a fixed
-#: Python overhead), the same values (every block's and row's scale and quantisation are independent of the tiling).
-#: CPU test suite, 2026-12-03: a small layer's quantize_weight_both 1.09 -> 0.60 s, quantize_act 0.135 -> 0.057 s.
-#: The tests of the kernels' own tilings turn it off.
+#: under the interpreter take whole weight blocks (CHUNK 128) and 128 activation rows per program: fewer, larger
+#: interpreted programs (each op has a fixed Python cost, ~2x faster), same values. Tests of the tilings turn it off.
 INTERPRETER_TILES = True
 
 
@@ -191,14 +176,9 @@ def _weight_config(mode: str) -> tuple[int, int, bool]:
 
 def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False, nrows: torch.Tensor | None = None,
                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, K] (bf16/fp32, unit inner stride) -> (q [R, K] float8_e4m3fn, s [R, cdiv(K, 128)] fp32).
-
-    nrows: an int32 tensor on x's device whose first element is the number of rows that hold data (e.g. a
-    schedule's ``offs[E_l:]``); rows from there on are not read, and their q and s are left unwritten (not data).
-    Read on the device, so a worst-case-sized buffer costs only its filled rows and no host sync.
-    out: (q, s) to write into, [R, K] float8_e4m3fn and [R, cdiv(K, 128)] fp32 with unit inner strides (row-strided
-    views allowed: dispatch_fp8's packed rows).
-    """
+    """x [R, K] (bf16/fp32, unit inner stride) -> (q [R, K] float8_e4m3fn, s [R, cdiv(K, 128)] fp32). nrows: int32
+    tensor on x's device whose first element counts the rows holding data (e.g. a schedule's ``offs[E_l:]``); later
+    rows are neither read nor written, with no host sync. out: (q, s) to fill, unit inner strides (row-strided ok)."""
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"quantize_act: x must be 2-D [R, K] with unit inner stride, got {tuple(x.shape)}")
     if nrows is not None and (nrows.dtype != torch.int32 or nrows.numel() < 1 or nrows.device != x.device):
@@ -207,8 +187,8 @@ def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False, nrows: torch.Tens
     R, K = x.shape
     n_kb = triton.cdiv(K, QBLOCK)
     if out is None:
-        q = torch.empty((R, K), device=x.device, dtype=torch.float8_e4m3fn)
-        s = torch.empty((R, n_kb), device=x.device, dtype=torch.float32)
+        q = row_buffer((R, K), torch.float8_e4m3fn, x.device)
+        s = row_buffer((R, n_kb), torch.float32, x.device)
     else:
         q, s = out
         if (q.dtype != torch.float8_e4m3fn or tuple(q.shape) != (R, K) or q.stride(-1) != 1 or s.dtype != torch.float32
@@ -272,13 +252,9 @@ def dequantize_act(q: torch.Tensor, s: torch.Tensor, *, dtype: torch.dtype = tor
 
 def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False,
                     transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [E_l, N, K] -> (q float8_e4m3fn [E_l, N, K], s [E_l, cdiv(N, 128), cdiv(K, 128)] fp32).
-
-    transpose: quantise w.transpose(1, 2) instead: (q [E_l, K, N], s [E_l, cdiv(K, 128), cdiv(N, 128)]), read
-    from w as it is (no transposed bf16 copy: the dgrad GEMMs' weights, measured 2026-11-30 as the largest cost of
-    the FP8 layer when the copy was made with .contiguous()). A transposed view is accepted either way and is
-    quantised with its transpose folded into the kernel's indexing when that avoids a copy.
-    """
+    """w [E_l, N, K] -> (q float8_e4m3fn [E_l, N, K], s [E_l, cdiv(N, 128), cdiv(K, 128)] fp32). transpose: quantise
+    w.transpose(1, 2) (q [E_l, K, N], s [E_l, cdiv(K, 128), cdiv(N, 128)]) read from w as it is (a transposed bf16
+    copy for the dgrad was the FP8 layer's largest cost); a transposed view is quantised through its base."""
     if w.dim() != 3:
         raise ValueError(f"quantize_weight: w must be 3-D [E_l, N, K], got {tuple(w.shape)}")
     if not w.is_contiguous() and w.transpose(1, 2).is_contiguous():  # a transposed view: quantise its base
@@ -301,21 +277,17 @@ def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False,
 
 
 def weight_key(w: torch.Tensor) -> tuple:
-    """What identifies a weight's current values for a cache of their quantisation: (version counter, storage
-    pointer, shape, dtype, device); in-place torch ops and megamoe.optim.MasterAdamW bump the version."""
+    """Identifies a weight's current values for a quantisation cache; in-place ops (and MasterAdamW) bump _version."""
     return (w._version, w.data_ptr(), tuple(w.shape), w.dtype, w.device)
 
 
 @dataclass(eq=False)
 class Fp8Weight:
-    """A weight w [E_l, N, K] quantised in both orientations, in buffers allocated once (so a CUDA graph that reads
-    them stays valid while they are refreshed in place): q [E_l, N, K] and s [E_l, cdiv(N, 128), cdiv(K, 128)]
-    (the forward GEMM's operand), qt [E_l, K, N] and st [E_l, cdiv(K, 128), cdiv(N, 128)] (the dgrad's).
-
-    ``key``: what the values were quantised from, (version counter, storage pointer, shape, dtype, device) of the
-    weight, or None when stale; whoever refreshes the buffers sets it. ``managed``: an optimizer refreshes them
-    right after each update of the weight (megamoe.optim.MasterAdamW.maintain_fp8), so a layer may read them
-    inside a CUDA graph without quantising there."""
+    """A weight w [E_l, N, K] quantised in both orientations (quantize_weight_both's outputs: forward and dgrad
+    operands), in buffers allocated once so a CUDA graph reading them stays valid across in-place refreshes.
+    ``key``: the :func:`weight_key` the values were quantised from, None when stale; whoever refreshes sets it.
+    ``managed``: an optimizer refreshes them after each update (MasterAdamW.maintain_fp8), so a layer may read
+    them inside a CUDA graph without quantising there."""
 
     q: torch.Tensor
     s: torch.Tensor
@@ -356,14 +328,9 @@ class Fp8Weight:
 
 
 def one_pass_ok(w: torch.Tensor) -> bool:
-    """Whether both orientations of w may come from one program's one read (``BOTH``): bf16 weights, and any
-    weight under the interpreter. Seen on an H200 (Triton 3.6, 2026-12-02): with float32 weights the one-pass kernel
-    stored wrong bytes in one of the two orientations at small shapes (q at [2, 64, 40] and [2, 128, 40]: 50% of
-    the elements, q^T at [2, 64, 48] and [2, 64, 128]; right at [3, 200, 136]), while each single-orientation pass
-    was bitwise the torch twin at every shape; the fp32 tile's layout makes the compiler convert the e4m3 tensor
-    between the two stores' layouts, where with bf16 it converts the fp32 values in each layout instead. So other
-    dtypes take two single-orientation passes (one more read of w). (Seen with row slices for both orientations;
-    the COLS_T default since stores them from separate loops, not tried with float32 one-pass.)"""
+    """Whether both orientations of w may come from one read (``BOTH``): bf16 weights, or under the interpreter. With
+    float32 weights (Triton 3.6) the one-pass kernel stored wrong bytes in one orientation at small shapes (the e4m3
+    tensor converted between the two stores' layouts), so they take two passes. Untried with COLS_T's loops."""
     return w.dtype == torch.bfloat16 or interpreting()
 
 
@@ -371,8 +338,8 @@ def quantize_weight_both(w: torch.Tensor, *, pow2_scale: bool = False,
                          out: Fp8Weight | None = None) -> tuple[torch.Tensor, ...]:
     """w [E_l, N, K] (contiguous) -> (q [E_l, N, K], s [E_l, cdiv(N, 128), cdiv(K, 128)], qt [E_l, K, N],
     st [E_l, cdiv(K, 128), cdiv(N, 128)]): ``quantize_weight(w)`` and ``quantize_weight(w, transpose=True)``
-    (bitwise the same values) from one read of w: what a layer needs for its forward GEMM and its dgrad.
-    out: an :class:`Fp8Weight` to write into (its key is left to the caller); its tensors are returned."""
+    (bitwise) from one read of w: a layer's forward and dgrad operands. out: an :class:`Fp8Weight` to fill (its
+    key is left to the caller)."""
     if w.dim() != 3 or not w.is_contiguous():
         raise ValueError(f"quantize_weight_both: w must be a contiguous 3-D [E_l, N, K] tensor, got "
                          f"{tuple(w.shape)} with strides {w.stride()}")
@@ -397,8 +364,7 @@ def quantize_weight_both(w: torch.Tensor, *, pow2_scale: bool = False,
                                                     RNE_IN_FP32=interpreting(), TRANSPOSE=tr, BOTH=False,
                                                     COLS_T=cols_t and tr, num_warps=warps)
     elif E_l and N and K:
-        # 16 warps: 91 registers (8 warps: 174, one CTA of 8 warps per SM; the single-orientation kernel at 8 warps
-        # has 95 and fits two): the same 16 warps per SM in flight (sm_90a, compiled on CPU, 2026-11-30)
+        # 16 warps: 91 registers each (8 warps would need 174 and fit one CTA per SM)
         chunk, warps, cols_t = _weight_config("both")
         _quant_weight_kernel[(E_l, n_nb, n_kb)](w, q, s, qt, st, N, K, n_nb, n_kb, CHUNK=chunk, POW2=pow2_scale,
                                                 RNE_IN_FP32=interpreting(), TRANSPOSE=False, BOTH=True,
@@ -406,7 +372,6 @@ def quantize_weight_both(w: torch.Tensor, *, pow2_scale: bool = False,
     return q, s, qt, st
 
 
-# ---------------------------------------------------------------------------------------------- twins
 def _pad_to(x: torch.Tensor, dim: int, mult: int) -> torch.Tensor:
     pad = (-x.shape[dim]) % mult
     if pad == 0:

@@ -1,8 +1,5 @@
-"""Device-side pieces of the MoE megakernel (megamoe/kernels/fused_moe.py): local tile counters with bounded
-waits, block bookkeeping, the pipelined row pull and the combine push.
-
-Shape legend as in fused_moe.py: W world size, H hidden, K top-k, BM rows of a block, NS ring slots (0: dense).
-"""
+"""Device-side pieces of the MoE megakernel (kernels/fused_moe.py, whose shape legend applies): tile counters
+with bounded waits, block bookkeeping, the pipelined row pull and the combine push."""
 
 from __future__ import annotations
 
@@ -16,14 +13,12 @@ from megamoe.comm.signals import (
     REG_CTRL,
     REG_SLOTS,
     REG_TOK,
-    REG_W,
     ld_acquire,
-    ld_acquire_gpu,
     now_ns,
     record_timeout,
     region_ptr,
 )
-from megamoe.kernels.grouped_gemm import _halves
+from megamoe.kernels.tiles import halves
 
 PURPOSE_TILE = tl.constexpr(3)
 
@@ -44,27 +39,17 @@ else:
 
 
 @triton.jit
-def _ld_counter(ptr, GPU_SCOPE: tl.constexpr):
-    if GPU_SCOPE:
-        v = ld_acquire_gpu(ptr)
-    else:
-        v = ld_acquire(ptr)
-    return v
-
-
-@triton.jit
-def wait_counter(ptr, target, tab, W, rank, call, timeout_ns, GPU_SCOPE: tl.constexpr = False):
-    """Wait until the local int64 counter ``*ptr >= target``; bounded like signals.wait_flags (records op
-    'fused', purpose TILE, peer = this rank, on a timeout). Returns True when reached. The counters are written
-    by this GPU's programs only, so GPU_SCOPE (``ld.acquire.gpu``) suffices; False keeps ``ld.acquire.sys``."""
+def wait_counter(ptr, target, tab, W, rank, call, timeout_ns):
+    """Wait until the local int64 counter ``*ptr >= target``, bounded like signals.wait_flags (a timeout records
+    op 'fused', purpose TILE, peer = this rank). Returns True when reached."""
     ctrl = region_ptr(tab, REG_CTRL, W, rank, tl.int64)
-    seen = _ld_counter(ptr, GPU_SCOPE)
+    seen = ld_acquire(ptr)
     errv = tl.load(ctrl + ERR_LOCAL, volatile=True)
     if (seen < target) & (errv == 0):
         t0 = now_ns()
         elapsed = now_ns() - t0
         while (seen < target) & (errv == 0) & (elapsed <= timeout_ns):
-            seen = _ld_counter(ptr, GPU_SCOPE)
+            seen = ld_acquire(ptr)
             errv = tl.load(ctrl + ERR_LOCAL, volatile=True)
             elapsed = now_ns() - t0
         if (seen < target) & (errv == 0):
@@ -81,9 +66,9 @@ def signal_counter(ptr):
 
 
 @triton.jit
-def _locate(b, e_idx, starts, cnts, nblk, cum, NS, BM: tl.constexpr):
+def locate(b, e_idx, starts, cnts, nblk, cum, NS, BM: tl.constexpr):
     """block b -> (expert, first receive row, valid rows, first buffer row); the per-expert vectors come from
-    grouped_gemm._expert_tiles with N = BLOCK_N = 1 (so its tiles are BM-row blocks)."""
+    tiles.expert_tiles with N = BLOCK_N = 1 (so its tiles are BM-row blocks)."""
     e = tl.sum((cum <= b).to(tl.int32), axis=0)
     sel = e_idx == e
     first_blk = tl.sum(tl.where(sel, cum, 0), axis=0) - tl.sum(tl.where(sel, nblk, 0), axis=0)
@@ -94,16 +79,6 @@ def _locate(b, e_idx, starts, cnts, nblk, cum, NS, BM: tl.constexpr):
     else:
         base = row0
     return e, row0, nrows, base
-
-
-@triton.jit
-def _row_gate(tab, W, row0, r, valid, row_src_ptr, row_tok_ptr, row_slot_ptr, K: tl.constexpr):
-    """fp32 gate w_src[tok, slot] of block rows r, read from the source rank's ``w`` region."""
-    src = tl.load(row_src_ptr + row0 + r, mask=valid, other=0)
-    tok = tl.load(row_tok_ptr + row0 + r, mask=valid, other=0)
-    slot = tl.load(row_slot_ptr + row0 + r, mask=valid, other=0)
-    wp = tl.load(tab + REG_W * W + src, mask=valid, other=0).to(tl.pointer_type(tl.float32))
-    return tl.load(wp + tok * K + slot, mask=valid, other=0.0)
 
 
 @triton.jit
@@ -124,14 +99,11 @@ def _pull_rows_ptrs(tab, W, row0, r_lo, rr, nrows, base, row_src_ptr, row_tok_pt
 
 
 @triton.jit
-def _pull_block(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_ptr, row_slot_ptr, x_ptr, H, HP,
-                K: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr,
-                GATED: tl.constexpr):
-    """xbuf[base + r] = tok_{src(r)}[tok(r)][:HP] (rows of H elements at the source, of HP <= H here: the packed
-    FP8 rows of the fused FP8 forward are narrower; GATED: times the row's gate w_src[tok, slot], rounded once from
-    fp32, as the scale-only pull does) for block rows r in [r_lo, min(r_hi, nrows)) (one NVLink read per
-    row), in [ROWS_P, BLOCK_H] chunks, software-pipelined: chunk c + 1 is loaded before chunk c is stored,
-    so two chunks of remote reads are in flight per program."""
+def pull_block(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_ptr, x_ptr, H, HP,
+                ROWS_P: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr):
+    """xbuf[base + r] = tok_{src(r)}[tok(r)][:HP] (source rows of H elements, HP <= H: packed FP8 rows are
+    narrower) for block rows r in [r_lo, min(r_hi, nrows)), in [ROWS_P, BLOCK_H] chunks, software-pipelined:
+    chunk c + 1 is loaded before chunk c is stored, so two chunks of NVLink reads are in flight per program."""
     DT = x_ptr.dtype.element_ty
     rr = tl.arange(0, ROWS_P)
     hh = tl.arange(0, BLOCK_H)
@@ -141,8 +113,6 @@ def _pull_block(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_ptr,
     if n_chunks > 0:
         sp, dp, valid = _pull_rows_ptrs(tab, W, row0, r_lo, rr, r_end, base, row_src_ptr, row_tok_ptr, x_ptr, H,
                                         HP, DT, ALIGNED)
-        if GATED:
-            g = _row_gate(tab, W, row0, r_lo + rr, valid, row_src_ptr, row_tok_ptr, row_slot_ptr, K)
         m = valid[:, None] & (hh < HP)[None, :]
         v = tl.load(sp[:, None] + hh[None, :], mask=m)
         for c in range(1, n_chunks):
@@ -153,100 +123,22 @@ def _pull_block(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_ptr,
             m2 = valid2[:, None] & (oh < HP)[None, :]
             v2 = tl.load(sp2[:, None] + oh[None, :], mask=m2)
             oh_prev = ((c - 1) % n_h) * BLOCK_H + hh
-            if GATED:
-                tl.store(dp[:, None] + oh_prev[None, :], (v.to(tl.float32) * g[:, None]).to(DT), mask=m)
-                g = _row_gate(tab, W, row0, r_lo + ri * ROWS_P + rr, valid2, row_src_ptr, row_tok_ptr,
-                              row_slot_ptr, K)
-            else:
-                tl.store(dp[:, None] + oh_prev[None, :], v, mask=m)
+            tl.store(dp[:, None] + oh_prev[None, :], v, mask=m)
             v = v2
             m = m2
             dp = dp2
         oh_last = ((n_chunks - 1) % n_h) * BLOCK_H + hh
         # dp recomputed: the loop-carried one has lost its alignment for the compiler (2-byte stores)
         dp = x_ptr + (base + r_lo + ((n_chunks - 1) // n_h) * ROWS_P + rr).to(tl.int64) * HP
-        if GATED:
-            tl.store(dp[:, None] + oh_last[None, :], (v.to(tl.float32) * g[:, None]).to(DT), mask=m)
-        else:
-            tl.store(dp[:, None] + oh_last[None, :], v, mask=m)
+        tl.store(dp[:, None] + oh_last[None, :], v, mask=m)
 
 
 @triton.jit
-def _pick(mat, i, NR: tl.constexpr):
-    """Row i of a [NR, C] register matrix (a masked sum over its rows: registers cannot be indexed)."""
-    return tl.sum(tl.where((tl.arange(0, NR) == i)[:, None], mat, 0), axis=0)
-
-
-@triton.jit
-def _pf_store(x_ptr, base, r_lo, u, n_h, v, m, gate, HP, NR: tl.constexpr, ROWS_P: tl.constexpr,
-              BLOCK_H: tl.constexpr, GATED: tl.constexpr):
-    """Store chunk u (rows r_lo + (u // n_h) * ROWS_P + [0, ROWS_P), columns of H-chunk u % n_h) of the pull:
-    v, or v times the rows' gates (GATED, fp32, rounded once)."""
-    rr = tl.arange(0, ROWS_P)
-    ri = u // n_h
-    oh = (u % n_h) * BLOCK_H + tl.arange(0, BLOCK_H)
-    dp = x_ptr + (base + r_lo + ri * ROWS_P + rr).to(tl.int64) * HP
-    if GATED:
-        g = _pick(gate, ri, NR)
-        tl.store(dp[:, None] + oh[None, :], (v.to(tl.float32) * g[:, None]).to(x_ptr.dtype.element_ty), mask=m)
-    else:
-        tl.store(dp[:, None] + oh[None, :], v, mask=m)
-
-
-@triton.jit
-def _pull_block_pf(tab, W, row0, nrows, base, r_lo, r_hi, row_src_ptr, row_tok_ptr, row_slot_ptr, x_ptr, H, HP,
-                   K: tl.constexpr, BM: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_H: tl.constexpr,
-                   ALIGNED: tl.constexpr, GATED: tl.constexpr):
-    """_pull_block with every row's source address (and gate) loaded up front, for up to BM rows from r_lo: the
-    chunk loop then issues each remote load without first waiting for two dependent index loads (the schedule,
-    then the peer table), which in _pull_block put ~1 us of local latency in front of every chunk's NVLink read."""
-    DT = x_ptr.dtype.element_ty
-    NR: tl.constexpr = BM // ROWS_P
-    ra = tl.arange(0, BM)
-    r_end = tl.minimum(r_hi, nrows)
-    va = (r_lo + ra) < r_end
-    src = tl.load(row_src_ptr + row0 + r_lo + ra, mask=va, other=0)
-    tok = tl.load(row_tok_ptr + row0 + r_lo + ra, mask=va, other=0)
-    addr = tl.load(tab + REG_TOK * W + src, mask=va, other=0) + tok.to(tl.int64) * H * (DT.primitive_bitwidth // 8)
-    addr = tl.reshape(addr, (NR, ROWS_P))
-    if GATED:
-        gate = tl.reshape(_row_gate(tab, W, row0, r_lo + ra, va, row_src_ptr, row_tok_ptr, row_slot_ptr, K),
-                          (NR, ROWS_P))
-    else:
-        gate = addr  # unused
-    rr = tl.arange(0, ROWS_P)
-    hh = tl.arange(0, BLOCK_H)
-    n_h = tl.cdiv(HP, BLOCK_H)
-    n_chunks = tl.cdiv(r_end - r_lo, ROWS_P) * n_h
-    if n_chunks > 0:
-        sp = _pick(addr, 0, NR).to(tl.pointer_type(DT))
-        if ALIGNED:
-            sp = tl.multiple_of(sp, 16)
-        valid = (r_lo + rr) < r_end
-        m = valid[:, None] & (hh < HP)[None, :]
-        v = tl.load(sp[:, None] + hh[None, :], mask=m)
-        for c in range(1, n_chunks):  # chunk c's load is issued before chunk c - 1's store
-            ri = c // n_h
-            sp2 = _pick(addr, ri, NR).to(tl.pointer_type(DT))
-            if ALIGNED:
-                sp2 = tl.multiple_of(sp2, 16)
-            oh = (c % n_h) * BLOCK_H + hh
-            m2 = ((r_lo + ri * ROWS_P + rr) < r_end)[:, None] & (oh < HP)[None, :]
-            v2 = tl.load(sp2[:, None] + oh[None, :], mask=m2)
-            _pf_store(x_ptr, base, r_lo, c - 1, n_h, v, m, gate, HP, NR, ROWS_P, BLOCK_H, GATED)
-            v = v2
-            m = m2
-        _pf_store(x_ptr, base, r_lo, n_chunks - 1, n_h, v, m, gate, HP, NR, ROWS_P, BLOCK_H, GATED)
-
-
-@triton.jit
-def _push_rows(row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K: tl.constexpr, BM: tl.constexpr,
+def push_rows(row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K: tl.constexpr, BM: tl.constexpr,
                DT: tl.constexpr, ALIGNED: tl.constexpr):
-    """(row pointers [BM], valid [BM]): where each of the block's rows goes, its owner's ``slots[tok, slot]`` row
-    (ALIGNED: rows start on 16-byte boundaries, which the compiler cannot see through a pointer loaded from the
-    table: without the hint every element is a 2-byte store). Two dependent loads per row (the schedule, then
-    the owner's address): computed once per item, before the k-loop, so their latency hides under it (until
-    2026-12-01 every one of the epilogue's column slices loaded them again after the previous slice's stores)."""
+    """(row pointers [BM], valid [BM]): each block row's destination, its owner's ``slots[tok, slot]`` row. ALIGNED:
+    the 16-byte alignment hint the compiler cannot see through a loaded pointer (else 2-byte stores). Two dependent
+    loads per row: call it once per item before the k-loop, so their latency hides under it."""
     rr = tl.arange(0, BM)
     valid = rr < nrows
     src = tl.load(row_src_ptr + row0 + rr, mask=valid, other=0)
@@ -262,28 +154,28 @@ def _push_rows(row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H, K
 
 @triton.jit
 def _push_part(acc, off_n, rp, valid, H, NP: tl.constexpr, DT: tl.constexpr):
-    """Store a [BM, NP] slice of GEMM2's output rows at the rows' owner addresses ``rp`` (see _push_rows)."""
+    """Store a [BM, NP] slice of GEMM2's output rows at the rows' owner addresses ``rp`` (see push_rows)."""
     rn = off_n + tl.arange(0, NP)
     ptrs = rp[:, None] + rn[None, :]
     tl.store(ptrs, acc.to(DT), mask=valid[:, None] & (rn < H)[None, :])
 
 
 @triton.jit
-def _push_epilogue(acc, off_n, rp, valid, H, BM: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr,
+def push_epilogue(acc, off_n, rp, valid, H, BM: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr,
                    EPI_SPLIT: tl.constexpr):
     if EPI_SPLIT == 1:
         _push_part(acc, off_n, rp, valid, H, BN, DT)
     elif EPI_SPLIT == 2:
         HN: tl.constexpr = BN // 2
-        a0, a1 = _halves(acc, BM, BN)
+        a0, a1 = halves(acc, BM, BN)
         _push_part(a0, off_n, rp, valid, H, HN, DT)
         _push_part(a1, off_n + HN, rp, valid, H, HN, DT)
     else:
         HN: tl.constexpr = BN // 2
         QN: tl.constexpr = BN // 4
-        a0, a1 = _halves(acc, BM, BN)
-        a00, a01 = _halves(a0, BM, HN)
-        a10, a11 = _halves(a1, BM, HN)
+        a0, a1 = halves(acc, BM, BN)
+        a00, a01 = halves(a0, BM, HN)
+        a10, a11 = halves(a1, BM, HN)
         _push_part(a00, off_n, rp, valid, H, QN, DT)
         _push_part(a01, off_n + QN, rp, valid, H, QN, DT)
         _push_part(a10, off_n + HN, rp, valid, H, QN, DT)

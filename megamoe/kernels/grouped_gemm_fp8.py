@@ -5,21 +5,13 @@ Shape legend: R received rows, K reduction, N output columns, E_l local experts;
     wq [E_l, N_w, K] float8_e4m3fn, w_s [E_l, cdiv(N_w, 128), cdiv(K, 128)] fp32   (quantize_weight)
 out[rows_e] = epilogue( sum_kb (aq[:, kb] @ wq[e][:, kb]^T) * a_s[:, kb] * w_s[e][n // 128, kb] ), fp32 accum.
 
-Same tile schedule and epilogues as grouped_gemm.py (SwiGLU, row scale, SwiGLU backward). BLOCK_K is 128, one
-scale pair per k-step: each k-step's wgmma result is scaled and added into the fp32 accumulator ("promotion"
-every 128 of K, as DeepSeek-V3 does). wgmma on fp8 needs both operands K-major, so weights are always
-[E_l, N, K]; for dgrad, quantize the transposed weights (128x128 blocks transpose with their scales).
+Same tile schedule and epilogues as grouped_gemm.py. BLOCK_K is 128, one scale pair per k-step: each k-step's
+product is scaled and added into the fp32 accumulator ("promotion" every 128 of K, as DeepSeek-V3 does). wgmma on
+fp8 needs both operands K-major, so weights are always [E_l, N, K]; dgrad uses quantize_weight(transpose=True).
 
-Three kernels compute this: ``_grouped_gemm_fp8_kernel`` below (Triton; any CUDA GPU with fp8 dots, the
-interpreter, pointer or TMA loads), the single-stream Gluon kernel of gluon_fp8.py (sm_90 only, TMA loads; with
-the plain epilogue 1.25-1.51x faster than this one on H200, because it keeps a wgmma in flight during the
-promotion, which Triton's pipeliner does not) and the warp-specialised one of gluon_fp8_ws.py (sm_90, plain and
-SwiGLU epilogues; 1.1-1.8x the single-stream kernel, 2026-12-01). ``launch_grouped_gemm_fp8`` runs the one that
-``fp8_kernel`` picks: GemmConfig.kernel "triton", "gluon" or "gluon_ws" forces it (forcing a Gluon kernel where it
-cannot run raises ValueError with the reason), None takes the first Gluon kernel ("gluon_ws", then "gluon") that
-``gluon_unavailable`` finds nothing against. All three accumulate the same fp32 products with the same
-scales; the outputs differ by the rounding of the scale products (rel. ~2e-5 after the bf16 rounding of the
-outputs, measured on H200 for the plain epilogue).
+On Hopper the Gluon kernels (gluon/fp8.py, gluon/fp8_dswiglu.py) replace this one: they keep a wgmma in flight
+during the promotion, which Triton's pipeliner does not. Outputs differ by the rounding of the scale products
+(rel. ~2e-5 after bf16 rounding).
 """
 
 from __future__ import annotations
@@ -29,8 +21,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.kernels.gemm_config import GemmConfig, gluon_device_reason, grid_size, interpreting, record, tma_ok
-from megamoe.kernels.grouped_gemm import EPI_DSWIGLU, _epilogue, _expert_tiles, _load_a, _load_b, _locate_tile
+from megamoe.kernels.gemm_config import EPI_DSWIGLU, GemmConfig, grid_size, interpreting, record, tma_ok
+from megamoe.kernels.tiles import epilogue, expert_tiles, load_a, load_b, locate_tile
 
 
 @triton.jit
@@ -49,17 +41,16 @@ def _grouped_gemm_fp8_kernel(
     EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, STORE_H: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_F32: tl.constexpr, EPI_SPLIT: tl.constexpr,
 ):
-    """Grid: (P,) persistent programs; tile -> (e, mi, ni) as in grouped_gemm.py; per k-block kb:
+    """Grid: (P,) persistent programs; per tile and k-block kb:
         acc += (aq_tile @ wq_tile^T) * (a_s[rows, kb][:, None] * w_s[e, cols // 128, kb][None, :])
-    (the scale product first, one rounding: as the Gluon kernels and the fused megakernel's FP8 GEMMs do it)
-    """
+    (the scale product first, one rounding, as the Gluon kernels and the megakernel do it)"""
     BLOCK_K: tl.constexpr = 128
     pid = tl.program_id(0)
-    e_idx, starts, cnts, m_tiles, cum_end, total = _expert_tiles(offs_ptr, E_l, N, BLOCK_M, BLOCK_N, BLOCK_E)
+    e_idx, starts, cnts, m_tiles, cum_end, total = expert_tiles(offs_ptr, E_l, N, BLOCK_M, BLOCK_N, BLOCK_E)
     k_tiles = tl.cdiv(K, BLOCK_K)
     tile = pid
     while tile < total:
-        e, row0, n_rows, mi, ni = _locate_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, N, BLOCK_N, GROUP_M)
+        e, row0, n_rows, mi, ni = locate_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, N, BLOCK_N, GROUP_M)
         off_m = row0 + mi * BLOCK_M
         off_n = ni * BLOCK_N
         row_end = row0 + n_rows
@@ -74,8 +65,8 @@ def _grouped_gemm_fp8_kernel(
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             off_k = ki * BLOCK_K
-            a = _load_a(a_desc, a_ptr, off_m, off_k, row_end, K, stride_am, BLOCK_M, BLOCK_K, USE_TMA)
-            b = _load_b(w_desc, w_ptr, e, off_n, off_k, N, K, stride_we, stride_wr, BLOCK_N, BLOCK_K,
+            a = load_a(a_desc, a_ptr, off_m, off_k, row_end, K, stride_am, BLOCK_M, BLOCK_K, USE_TMA)
+            b = load_b(w_desc, w_ptr, e, off_n, off_k, N, K, stride_we, stride_wr, BLOCK_N, BLOCK_K,
                         False, USE_TMA)
             sa = tl.load(as_ptrs + ki, mask=mmask, other=0.0)
             sb = tl.load(ws_ptrs + ki, mask=rn < N, other=0.0)
@@ -84,13 +75,13 @@ def _grouped_gemm_fp8_kernel(
                 b = b.to(tl.float32)
             acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
             if EPILOGUE == 1:
-                b2 = _load_b(w_desc, w_ptr, e, N_UP + off_n, off_k, N_UP + N, K, stride_we, stride_wr,
+                b2 = load_b(w_desc, w_ptr, e, N_UP + off_n, off_k, N_UP + N, K, stride_we, stride_wr,
                              BLOCK_N, BLOCK_K, False, USE_TMA)
                 sb2 = tl.load(ws2_ptrs + ki, mask=rn < N, other=0.0)
                 if DOT_F32:
                     b2 = b2.to(tl.float32)
                 acc2 += tl.dot(a, b2) * (sa[:, None] * sb2[None, :])
-        _epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N, out_ptr, stride_om, h_ptr, stride_hm,
+        epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N, out_ptr, stride_om, h_ptr, stride_hm,
                   scale_ptr, dsp_ptr, acts_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H, EPI_SPLIT)
         tile += num_progs
 
@@ -121,48 +112,11 @@ def check_fp8(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w_s: torch.
         raise ValueError(f"{name}: all operands must be on one device")
 
 
-def gluon_unavailable(cfg: GemmConfig, aq: torch.Tensor, wq: torch.Tensor, *, n: int, epilogue: int,
-                      n_up: int = 0, kernel: str = "gluon") -> str | None:
-    """Why the Gluon kernel ``kernel`` ("gluon": gluon_fp8.py, "gluon_ws": the warp-specialised gluon_fp8_ws.py)
-    cannot run this launch (whatever cfg.kernel says), or None: it needs CUDA tensors on a device of compute
-    capability 9.x, no interpreter, TMA-able operands, and its config and shape limits (gluon_limits / ws_limits).
-    No device sync: the capability comes from torch's cached device properties."""
-    why = gluon_device_reason(aq, cfg)
-    if why is not None:
-        return why
-    if not tma_ok([aq, wq]):
-        return "TMA needs 16-byte aligned base pointers and row strides (fp8: K a multiple of 16)"
-    if kernel == "gluon_ws":
-        from megamoe.kernels.gluon_fp8_ws import ws_limits  # lazy: Gluon is only imported where it can run
-
-        return ws_limits(cfg, n=n, k=aq.shape[1], n_w=wq.shape[1], epilogue=epilogue, n_up=n_up)
-    from megamoe.kernels.gluon_fp8 import gluon_limits
-
-    return gluon_limits(cfg, n=n, k=aq.shape[1], n_w=wq.shape[1], epilogue=epilogue, n_up=n_up)
-
-
-def fp8_kernel(cfg: GemmConfig, aq: torch.Tensor, wq: torch.Tensor, *, n: int, epilogue: int, n_up: int = 0) -> str:
-    """The kernel that launch_grouped_gemm_fp8 runs for this config and these operands: "gluon_ws", "gluon" or
-    "triton". cfg.kernel None: the first of those that can run this config; a Gluon kernel pinned where it cannot
-    run: ValueError with the reason."""
-    if cfg.kernel == "triton":
-        return "triton"
-    for kernel in ("gluon_ws", "gluon"):
-        if cfg.kernel in (None, kernel):
-            why = gluon_unavailable(cfg, aq, wq, n=n, epilogue=epilogue, n_up=n_up, kernel=kernel)
-            if why is None:
-                return kernel
-            if cfg.kernel == kernel:
-                raise ValueError(f"grouped_gemm_fp8: the config pins kernel={kernel!r}, but {why}")
-    return "triton"
-
-
 def launch_grouped_gemm_fp8(aq, a_s, wq, w_s, offs, out, cfg: GemmConfig, *, n: int, epilogue: int,
                             h=None, scale=None, dsp=None, store_h: bool = False, n_up: int = 0,
                             acts=None) -> None:
-    """Launch the FP8 grouped GEMM on the kernel ``fp8_kernel`` picks (inputs validated by megamoe.experts).
-    dsp (EPI_DSWIGLU with scale) has cdiv(n, cfg.block_n) rows with either kernel; acts ([R, n] bf16 contiguous,
-    EPI_DSWIGLU only): also write the gated activation s[r] * silu(g) * u (as grouped_gemm.launch_grouped_gemm)."""
+    """Launch the Triton FP8 grouped GEMM (inputs validated by megamoe.experts). dsp (EPI_DSWIGLU with scale):
+    cdiv(n, cfg.block_n) rows; acts: as launch_grouped_gemm's ([R, n] bf16 contiguous)."""
     R, K = aq.shape
     E_l = wq.shape[0]
     BM, BN = cfg.block_m, cfg.block_n
@@ -173,19 +127,6 @@ def launch_grouped_gemm_fp8(aq, a_s, wq, w_s, offs, out, cfg: GemmConfig, *, n: 
         raise ValueError("grouped_gemm_fp8: store_h is for the SwiGLU forward epilogue")
     if acts is not None and epilogue != EPI_DSWIGLU:
         raise ValueError("grouped_gemm_fp8: acts is an output of the SwiGLU-backward epilogue only")
-    kernel = fp8_kernel(cfg, aq, wq, n=n, epilogue=epilogue, n_up=n_up)
-    if kernel == "gluon_ws":
-        from megamoe.kernels.gluon_fp8_ws import launch_gluon_fp8_ws
-
-        launch_gluon_fp8_ws(aq, a_s, wq, w_s, offs, out, cfg, n=n, epilogue=epilogue, h=h, scale=scale,
-                            store_h=store_h, n_up=n_up)
-        return
-    if kernel == "gluon":
-        from megamoe.kernels.gluon_fp8 import launch_gluon_fp8
-
-        launch_gluon_fp8(aq, a_s, wq, w_s, offs, out, cfg, n=n, epilogue=epilogue, h=h, scale=scale, dsp=dsp,
-                         store_h=store_h, n_up=n_up, acts=acts)
-        return
     ok = tma_ok([aq, wq])
     if cfg.use_tma and not ok:
         raise ValueError("grouped_gemm_fp8: config pins use_tma=True, but TMA needs 16-byte aligned strides "

@@ -1,22 +1,16 @@
 """The router after its logit GEMM as two Triton kernels forward and one backward (megamoe.router, ``impl="triton"``).
+T tokens, E experts, k top-k.
 
-Shape legend: T tokens, E experts, k top-k.
+Forward, from float32 logits [T, E]: ``_route_fwd_kernel`` (CHUNKS x BLOCK_T tokens per program, each token's E
+logits in registers): softmax (or sigmoid and the biased choice), top-k by k rounds of arg-max (ties to the lowest
+id, NaN as +inf, as torch.topk), the gates; each program adds its picks per expert and the column sums of the
+balance loss's density (softmax: p; sigmoid: s / sum(s)) into two int64 [E] vectors with integer atomics, the density
+in fixed point: integer sums are order-free, so results are bitwise reproducible (float atomics would not be).
+``_route_finish_kernel``: the aux loss from the two vectors. Backward: ``_route_bwd_kernel`` recomputes p (or s) and
+writes d(logits) from d(gates) and d(aux) in one pass.
 
-Forward, from float32 logits [T, E]:
-  ``_route_fwd_kernel`` (one program per CHUNKS x BLOCK_T tokens, each token's E logits in registers): softmax
-  (or sigmoid and the biased choice), top-k by k rounds of arg-max (ties to the lowest expert id, NaN counted as
-  +inf as torch.topk does), the gates (normalised, scaled); each program adds its tokens' picks per expert and
-  the column sums of the load-balancing loss's density (softmax: p; sigmoid: s / sum(s)) into two int64 [E]
-  vectors with integer atomics, the density in fixed point (units of 2^-32): integer sums do not depend on the
-  order of the additions, so the results are bitwise reproducible (float atomics would not be).
-  ``_route_finish_kernel`` (one program): the auxiliary loss from the two vectors.
-Backward: ``_route_bwd_kernel`` recomputes p (or s) from the saved logits and writes d(logits) from d(gates) and
-d(aux) in one pass.
-
-This replaces ~15 small torch kernels (softmax, top-k with its sort, gather, normalisation, scatter_add, mean,
-the loss) whose launches and gaps made up ~0.1 ms of qwen3-30b-a3b's layer forward at 4096 tokens (2x H200
-timeline, docs/perf-notes.md). The math is the torch path's (router.py), up to float rounding of exp / sigmoid
-and summation order; tests compare the two.
+It replaces ~15 small torch kernels whose launches and gaps cost ~0.1 ms of qwen3-30b-a3b's layer forward at 4096
+tokens. The math is router.py's torch path, up to the rounding of exp / sigmoid and summation order.
 """
 
 from __future__ import annotations
@@ -54,8 +48,8 @@ def _route_fwd_kernel(
     bias_ptr,    # float32 [E] (HAS_BIAS)
     idx_ptr,     # int64 [T, K] out
     gates_ptr,   # float32 [T, K] out
-    counts_ptr,  # int64 [E], zeroed: picks of each expert (integer atomics: order-free, reproducible)
-    denfx_ptr,   # int64 [E], zeroed: column sums of the density in fixed point (units of 1 / DEN_ONE), same reason
+    counts_ptr,  # int64 [E], zeroed: picks of each expert
+    denfx_ptr,   # int64 [E], zeroed: column sums of the density in fixed point (units of 1 / DEN_ONE)
     T, E, scale,
     K: tl.constexpr, KP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHUNKS: tl.constexpr, DEN_ONE: tl.constexpr,
@@ -182,29 +176,21 @@ def _route_bwd_kernel(
     tl.store(dlogits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], dl, mask=m2)
 
 
-#: fixed-point unit of the density sums: 2^32 (a token's density is <= 1; T * 2^32 fits int64 for T < 2^31), so
-#: the loss's column sums are exact integers whatever order the programs add them in
+#: fixed-point unit of the density sums (a token's density is <= 1; T * 2^32 fits int64 for T < 2^31)
 DEN_ONE = 4294967296.0
 
 
-#: (BLOCK_T, CHUNKS, num_warps) of the forward kernel for every E, or None for :func:`_blocks`' choice: a pin for
-#: benchmarks/router_bench.py's sweep (it checks every pinned config against the torch path before timing it)
+#: (BLOCK_T, CHUNKS, num_warps) of the forward kernel, or None for :func:`_blocks`' choice (benchmarks/router_bench.py)
 PIN: tuple[int, int, int] | None = None
-#: (BLOCK_T, num_warps) of the backward kernel, or None for :func:`_bwd_block_t` at 4 warps (the sweep's pin)
+#: (BLOCK_T, num_warps) of the backward kernel, or None for :func:`_bwd_block_t` at 4 warps
 PIN_BWD: tuple[int, int] | None = None
 
 
 def _blocks(E: int, K: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_T, BLOCK_E, KP, CHUNKS, num_warps) of the forward kernel: one [BLOCK_T, BLOCK_E] tile per program,
-    so that thousands of warps are in flight (the kernel is a chain of dependent reductions per token, and its
-    time is that chain's latency unless many tokens run side by side), but enough tokens per program that the
-    per-program work (loads of the bias, the atomics of the counts) is shared. Chosen from
-    ``benchmarks/router_bench.py --sweep`` (H200, 4096 tokens, forward kernel alone, 18 configs per preset, each
-    checked against the torch path; JSON ``router-sweep-h200-2026-12-01-febee43.json``): 8 tokens per program,
-    4 warps at E = 128 (qwen3 11.2 us; 4 tokens 15.0, 2 tokens 24.8), 8 warps at E = 256 (deepseek 28.1 us;
-    the previous rule's 2 tokens at 4 warps 65.2), 32 tokens at E <= 32 (mixtral, E = 8: 2.9-3.0 us; 64 tokens
-    3.5). Four chunks per program were slower at every E. First versions: 32 / 16 tokens per program spilled
-    (255 registers), 28 / 37 us; one warp per program 32.6 / 66.5 us."""
+    """(BLOCK_T, BLOCK_E, KP, CHUNKS, num_warps) of the forward kernel: small tiles so thousands of warps are in
+    flight (the time is a per-token chain of dependent reductions), enough tokens per program to share its fixed
+    work (bias loads, atomics). From ``benchmarks/router_bench.py --sweep`` on an H200 at 4096 tokens: 8 tokens,
+    4 warps at E = 128; 8 warps at E = 256; 32 tokens at E <= 32; more chunks were slower, larger tiles spilled."""
     block_e = triton.next_power_of_2(E)
     kp = triton.next_power_of_2(K)
     if block_e <= 32:

@@ -1,0 +1,250 @@
+"""``megamoe bench-comm``: dispatch and combine alone, next to NCCL all_to_all_single moving the same rows.
+
+``torchrun --nproc_per_node 4 -m megamoe.apps.bench_comm --json comm.json``. Per config of CONFIGS at ``--tokens``
+per GPU, uniform random routing, bf16:
+* dispatch: x already in the heap's token buffer (stage, schedule, pull); ``dispatch+copy`` also stages x;
+  ``pull`` is the pull kernel alone;
+* combine: expert outputs already in the heap's rows buffer; ``gather`` is the gather-sum kernel alone;
+* nccl a2a: the same rows (dispatch: one per (token, destination rank); combine: one per (token, slot)), splits
+  computed on the host before timing.
+Time: CUDA events per call after a host barrier, max over ranks, median over iterations. GB/s = rows received from
+other ranks x H x 2 / time, per rank (the slowest rank's bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+
+from megamoe.apps.perf import git_commit
+
+CONFIGS = {
+    "deepseek-v3": dict(hidden=7168, num_experts=256, topk=8),
+    "qwen3-30b-a3b": dict(hidden=2048, num_experts=128, topk=8),
+}
+
+
+def _tiles(spec: str, op: str) -> list[tuple[int, ...]]:
+    """'ELEMSxWARPS,...' -> signals.TILES entries for ``op``, with that entry's column and row caps."""
+    from megamoe.comm.signals import TILES
+
+    out = []
+    for item in spec.split(","):
+        elems, warps = item.split("x")
+        out.append((int(elems), int(warps)) + tuple(TILES[op][2:]))
+    return out
+
+
+def _time(fn, iters: int, warmup: int):
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)  # us
+    t = torch.tensor(times, device="cuda")
+    allt = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(allt, t)
+    per_iter_max = torch.stack(allt).max(0).values
+    return float(per_iter_max.median()), [float(v) for v in per_iter_max.tolist()]
+
+
+def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: int, seed: int,
+               pull_tiles: list, gather_tiles: list) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from megamoe.comm import CommShape, SymmetricHeap, combine, dispatch
+    from megamoe.comm import signals as S
+    from megamoe.comm.dispatch import pull_rows
+    from megamoe.comm.schedule import build_schedule
+
+    cfg = CONFIGS[name]
+    H, E, k = cfg["hidden"], cfg["num_experts"], cfg["topk"]
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E_l = E // W
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device="cpu").manual_seed(seed + rank)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)]).to(dev)
+    w = torch.rand(tokens, k, generator=g).to(dev)
+    x = torch.randn(tokens, H, generator=g).to(torch.bfloat16).to(dev)
+    heap = SymmetricHeap(CommShape(W, tokens, H, k, E), device=dev, timeout_s=60.0, num_sms=max(sms_list))
+    heap.tokens_buffer()[:tokens].copy_(x)
+    x_heap = heap.tokens_buffer()[:tokens]
+
+    # bytes: rows received from other ranks (dispatch: deduplicated (token, dest rank); combine: (token, slot))
+    dest = idx // E_l  # [T, k]
+    onehot = torch.zeros(tokens, W, dtype=torch.bool, device=dev)
+    onehot.scatter_(1, dest, True)
+    send_dedup = onehot.sum(0)  # rows this rank sends to each rank in dispatch
+    send_slots = torch.bincount(dest.reshape(-1), minlength=W)  # rows this rank receives back per rank in combine
+    all_dedup = [torch.empty_like(send_dedup) for _ in range(W)]
+    dist.all_gather(all_dedup, send_dedup)
+    all_slots = [torch.empty_like(send_slots) for _ in range(W)]
+    dist.all_gather(all_slots, send_slots)
+    recv_dedup = torch.stack([a[rank] for a in all_dedup])  # from each source
+    disp_remote = int(recv_dedup.sum() - recv_dedup[rank])
+    comb_remote = int(send_slots.sum() - send_slots[rank])
+    presum_remote = int(send_dedup.sum() - send_dedup[rank])  # presum combine: one row per (token, remote rank)
+    remote = torch.tensor([disp_remote, comb_remote, presum_remote], device=dev)
+    dist.all_reduce(remote, op=dist.ReduceOp.MAX)
+    disp_bytes, comb_bytes, presum_bytes = int(remote[0]) * H * 2, int(remote[1]) * H * 2, int(remote[2]) * H * 2
+
+    # NCCL all_to_all_single on the same rows (buffers and splits prepared before timing)
+    in_split_d = send_dedup.tolist()
+    out_split_d = recv_dedup.tolist()
+    a2a_in_d = torch.randn(sum(in_split_d), H, device=dev).to(torch.bfloat16)
+    a2a_out_d = torch.empty(sum(out_split_d), H, device=dev, dtype=torch.bfloat16)
+    recv_slots = torch.stack([a[rank] for a in all_slots])  # combine: expert rank q sends back these rows to me
+    in_split_c = recv_slots.tolist()  # as the expert rank, I send rows of source s back to s
+    out_split_c = send_slots.tolist()
+    a2a_in_c = torch.randn(sum(in_split_c), H, device=dev).to(torch.bfloat16)
+    a2a_out_c = torch.empty(sum(out_split_c), H, device=dev, dtype=torch.bfloat16)
+
+    res = {"config": name, "hidden": H, "num_experts": E, "topk": k, "tokens_per_rank": tokens, "world": W,
+           "dispatch_remote_bytes": disp_bytes, "combine_remote_bytes": comb_bytes,
+           "combine_presum_remote_bytes": presum_bytes, "rows": []}
+
+    def add(op, sms, us, samples, nbytes):
+        row = {"op": op, "sms": sms, "us": round(us, 2), "GBps": round(nbytes / (us * 1e-6) / 1e9, 1),
+               "bytes": nbytes, "samples_us": [round(s, 2) for s in samples]}
+        res["rows"].append(row)
+        if rank == 0:
+            print(f"{name:14s} {op:14s} sms={str(sms):>4s} {us:9.1f} us {row['GBps']:7.1f} GB/s", flush=True)
+
+    us, smp = _time(lambda: dist.all_to_all_single(a2a_out_d, a2a_in_d, out_split_d, in_split_d), iters, warmup)
+    add("nccl_a2a_dispatch", "nccl", us, smp, disp_bytes)
+    us, smp = _time(lambda: dist.all_to_all_single(a2a_out_c, a2a_in_c, out_split_c, in_split_c), iters, warmup)
+    add("nccl_a2a_combine", "nccl", us, smp, comb_bytes)
+
+    recv = torch.empty(heap.shape.rows_cap, H, dtype=torch.bfloat16, device=dev)
+    rows = heap.rows_buffer()
+    state = {}
+
+    def disp(sms):
+        state["recv"], state["h"] = dispatch(x_heap, idx, heap, num_sms=sms, recv=recv)
+
+    def graph_of(fn):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return g
+
+    for sms in sms_list:
+        disp(sms)
+        h = state["h"]
+        rows.copy_(recv)  # identity experts, written where combine reads them
+        # tile sweep (pull alone, combine eager), keep the fastest for this SM count
+        best = {}
+        for op, tiles, fn, nbytes in (
+            ("pull", pull_tiles, lambda sms=sms, h=h: pull_rows(heap, h.schedule, recv, sms), disp_bytes),
+            ("gather", gather_tiles, lambda sms=sms, h=h: combine(rows, w, h, num_sms=sms), comb_bytes),
+        ):
+            for tile in tiles:
+                S.TILES[op] = tile
+                us, smp = _time(fn, iters, warmup)
+                add(f"{op}[{tile[0]}x{tile[1]}w]", sms, us, smp, nbytes)
+                if op not in best or us < best[op][0]:
+                    best[op] = (us, tile)
+            S.TILES[op] = best[op][1]
+        res.setdefault("best_tiles", {})[str(sms)] = {op: list(v[1]) for op, v in best.items()}
+        us, smp = _time(lambda sms=sms: disp(sms), iters, warmup)
+        add("dispatch", sms, us, smp, disp_bytes)
+        us, smp = _time(lambda sms=sms: dispatch(x, idx, heap, num_sms=sms, recv=recv), iters, warmup)
+        add("dispatch+copy", sms, us, smp, disp_bytes)
+        us, smp = _time(lambda: build_schedule(heap), iters, warmup)
+        add("schedule", sms, us, smp, 0)
+        g = graph_of(lambda sms=sms: disp(sms))
+        us, smp = _time(g.replay, iters, warmup)
+        add("dispatch(graph)", sms, us, smp, disp_bytes)
+        h = state["h"]
+        us, smp = _time(lambda sms=sms, h=h: combine(rows, w, h, num_sms=sms), iters, warmup)
+        add("combine", sms, us, smp, comb_bytes)
+        g2 = graph_of(lambda sms=sms, h=h: combine(rows, w, h, num_sms=sms))
+        us, smp = _time(g2.replay, iters, warmup)
+        add("combine(graph)", sms, us, smp, comb_bytes)
+        # pre-summing combine: gates travel with dispatch, expert ranks pre-sum, owner pulls <= W rows
+        _, hp = dispatch(x_heap, idx, heap, num_sms=sms, recv=recv, topk_w=w)
+        us, smp = _time(lambda sms=sms, hp=hp: combine(recv, None, hp, num_sms=sms, presum=True), iters, warmup)
+        add("combine_presum", sms, us, smp, presum_bytes)
+        g3 = graph_of(lambda sms=sms, hp=hp: combine(recv, None, hp, num_sms=sms, presum=True))
+        us, smp = _time(g3.replay, iters, warmup)
+        add("combine_presum(graph)", sms, us, smp, presum_bytes)
+        del g, g2, g3
+        disp(sms)
+        h = state["h"]
+        rows.copy_(recv)  # the pre-summing combine wrote partial sums over the identity rows
+    # correctness spot check of the last combine (identity experts): y = sum_j w_j x
+    y = combine(rows, w, h)
+    ref = (w.float()[:, :, None] * x.float()[:, None, :]).sum(1)
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    res["combine_rel_err_identity"] = err
+    torch.cuda.synchronize()
+    heap.check()
+    heap.close()
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="megamoe bench-comm", description=__doc__.split("\n")[0])
+    p.add_argument("--configs", default="deepseek-v3,qwen3-30b-a3b")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--sms", default="16,24,32,48,64", help="comma list of programs for the comm kernels")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write results here (rank 0)")
+    p.add_argument("--pull-tiles", default="16384x16", help="elements x warps per step of the pull kernel")
+    p.add_argument("--gather-tiles", default="8192x16", help="elements x warps per step of the gather kernel")
+    args = p.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+    import triton
+
+    from megamoe.dist import init_from_env
+
+    init_from_env("cuda")
+    sms_list = [int(s) for s in args.sms.split(",")]
+    results = []
+    if dist.get_rank() == 0:
+        print("bytes = rows received from other ranks x H x 2 (bf16); time = median over iterations of the max "
+              "over ranks (CUDA events)", flush=True)
+    for name in args.configs.split(","):
+        results.append(run_config(name, args.tokens, sms_list, args.iters, args.warmup, args.seed,
+                                  _tiles(args.pull_tiles, "pull"), _tiles(args.gather_tiles, "gather")))
+    if dist.get_rank() == 0 and args.json:
+        out = {
+            "bench": "comm",
+            "commit": git_commit(),
+            "gpu": torch.cuda.get_device_name(),
+            "world": dist.get_world_size(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "bytes_definition": "rows received from other ranks x H x dtype size (2, bf16)",
+            "time_definition": "median over iterations of the per-iteration max over ranks, CUDA events, us",
+            "results": results,
+        }
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

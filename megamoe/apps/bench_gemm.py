@@ -1,0 +1,372 @@
+"""`megamoe bench-gemm`: time the expert grouped GEMMs next to torch._grouped_mm / torch._scaled_grouped_mm.
+
+Shapes: every preset's expert GEMMs at T tokens per GPU under expert parallelism EP: R = T * k rows per rank
+(balanced random routing: group sizes drawn multinomially over E_l = E / EP experts, in units of --align
+rows so the torch kernels accept them), H hidden, I intermediate.
+    GEMM1  [R, H] x w13 [E_l, 2I, H]^T -> h [R, 2I]  (ours also applies SwiGLU and writes act [R, I])
+    GEMM2  [R, I] x w2 [E_l, H, I]^T   -> [R, H]     (ours with the per-row gate scale)
+flops: GEMM1 2*R*H*2I, GEMM2 2*R*I*H; backward: dgrad2+SwiGLU 2*R*H*I, dgrad1 2*R*2I*H, wgrads the same.
+bytes (minimum): each operand read once, each output written once. floor = max(flops / 790 TFLOP/s (bf16)
+or 1345 TFLOP/s (fp8), bytes / 4.3 TB/s), the ceilings measured on H200 (shared/MEASURED.md).
+Timing: triton.testing.do_bench, median, after warm-up; every operand is larger than L2 except where noted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+
+import torch
+
+from megamoe.apps.perf import git_commit
+
+PRESETS = {  # name: (H, I, E, k)
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "deepseek-v3": (7168, 2048, 256, 8),
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+    "gpt-oss-120b": (2880, 2880, 128, 4),
+}
+TINY = {"tiny": (256, 128, 8, 2)}  # CPU smoke test under the interpreter (--device cpu)
+PEAK = {"bf16": 790e12, "fp8": 1345e12}
+HBM = 4.3e12
+
+
+def _candidates(op: str):
+    """The configs --sweep times for ``op``: the Triton kernel's (kernel="triton") and, for the ops with a Gluon kernel
+    (gemm_config.GLUON_OPS; not GEMM1's dgrad), the Gluon kernel's (kernel="gluon": each within that kernel's limits
+    where the shape allows, see megamoe.experts.gluon_reason; a config that cannot run is reported as an error)."""
+    from megamoe.kernels.gemm_config import GemmConfig
+
+    def T(bm, bn, bk, st, wp, sp=1, fl=False):  # noqa: N802 - the Triton kernel
+        return GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_stages=st, num_warps=wp, epi_split=sp,
+                          flatten=fl, kernel="triton")
+
+    def G(bn, bk, st, bm=128, wp=4):  # noqa: N802 - the Gluon kernel (warp-specialised: 128-row tiles on 4 warps)
+        return GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_stages=st, num_warps=wp, kernel="gluon")
+
+    table = {
+        "gemm1": [T(128, 128, 64, 3, 8, 2), T(128, 128, 64, 4, 8, 4), T(128, 128, 64, 3, 8, 2, True),
+                  T(128, 128, 64, 4, 8, 4, True), T(128, 64, 64, 4, 8), T(64, 128, 64, 4, 4, 2),
+                  T(128, 128, 64, 5, 8, 4),
+                  G(128, 64, 4), G(128, 64, 3), G(64, 64, 6), G(64, 64, 4)],  # gate (= up) columns per tile
+        "dgrad2": [T(128, 128, 64, 3, 8, 4), T(128, 128, 64, 4, 8, 2), T(128, 128, 64, 4, 8, 4), T(128, 64, 64, 4, 8),
+                   T(128, 256, 64, 3, 8, 4), T(128, 128, 64, 5, 8, 2), T(128, 128, 64, 4, 8, 2, True),
+                   G(128, 64, 4), G(128, 64, 3), G(64, 64, 6), G(64, 64, 4)],
+        "gemm2": [T(128, 256, 64, 3, 8), T(128, 256, 64, 3, 8, 2), T(128, 256, 64, 3, 8, 1, True),
+                  T(128, 256, 64, 3, 8, 2, True), T(128, 128, 64, 4, 8, 1, True), T(128, 256, 64, 4, 8, 2, True),
+                  G(256, 64, 4), G(256, 64, 3), G(128, 64, 6), G(128, 64, 4)],
+        "dgrad1": [T(128, 256, 64, 3, 8), T(128, 256, 64, 3, 8, 2), T(128, 256, 64, 3, 8, 1, True),
+                   T(128, 256, 64, 3, 8, 2, True), T(128, 128, 64, 4, 8, 1, True), T(128, 256, 64, 4, 8, 2, True)],
+        # FP8 on the Triton kernel: 8 warps (the scaled product and the accumulator live); on the Gluon kernel: two
+        # 64-row consumer warpgroups, SwiGLU tiles of 64 or 128 gate columns, plain tiles up to 256 columns
+        "gemm1_fp8": [T(128, 64, 128, 5, 8), T(128, 64, 128, 4, 8), T(128, 128, 128, 4, 8, 4),
+                      G(128, 128, 4), G(128, 128, 3), G(64, 128, 6), G(64, 128, 4)],
+        "gemm2_fp8": [T(128, 128, 128, 5, 8), T(128, 128, 128, 4, 8), T(128, 256, 128, 3, 8, 4),
+                      G(256, 128, 4), G(256, 128, 3), G(128, 128, 6), G(128, 128, 4)],
+        # wgrad: flatten=True pipelines the TMA store of a tile under the next tile's loads (a separate store buffer)
+        "wgrad1": [T(128, 256, 32, 5, 8), T(128, 256, 32, 5, 8, fl=True), T(128, 256, 32, 4, 8, fl=True),
+                   T(256, 128, 32, 5, 8, fl=True), T(128, 256, 64, 3, 8, fl=True), T(128, 128, 32, 4, 8, fl=True),
+                   G(256, 32, 6), G(256, 32, 5), G(256, 64, 3), G(128, 64, 6), G(128, 32, 6)],
+    }
+    table["wgrad2"] = table["wgrad1"]
+    return table[op]
+
+
+def _group_sizes(R: int, E_l: int, align: int, gen: torch.Generator) -> list[int]:
+    units = R // align
+    probs = torch.full((E_l,), 1.0 / E_l)
+    counts = torch.multinomial(probs, units, replacement=True, generator=gen).bincount(minlength=E_l) * align
+    counts[-1] += R - int(counts.sum())
+    return counts.tolist()
+
+
+def _bench(fn, rep_ms: float) -> float:
+    import triton
+
+    if not torch.cuda.is_available():  # CPU smoke run: one timed call
+        import time
+
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    return float(triton.testing.do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median"))
+
+
+def _rowwise_fp8(t: torch.Tensor, dim: int):
+    amax = t.float().abs().amax(dim=dim, keepdim=True).clamp_min(1e-12)
+    s = amax / 448.0
+    return (t.float() / s).to(torch.float8_e4m3fn), s.squeeze(dim)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm())
+
+
+#: the kernels one op may launch (Gluon where it runs, else Triton); the JSON records which one did
+FP8_KERNELS = ("_gluon_fp8_ws_kernel", "_grouped_gemm_fp8_kernel")  # GEMM1 + SwiGLU and GEMM2 in FP8
+BF16_KERNELS = ("_gluon_bf16_ws_kernel", "_grouped_gemm_kernel")  # the bf16 forward's and dgrad2's
+DGRAD1_KERNELS = ("_grouped_gemm_kernel",)  # GEMM1's dgrad (kn weights): the Triton kernel everywhere
+WGRAD_KERNELS = ("_gluon_wgrad_ws_kernel", "_grouped_wgrad_kernel")
+
+
+def _regs(kernel_name: str | tuple[str, ...]) -> dict:
+    """Registers, spills and shared memory of the kernel that the last call launched (of kernel_name, or the
+    first of the names that was launched; LAST_COMPILED is cleared of them before the call)."""
+    from megamoe.kernels.gemm_config import LAST_COMPILED
+
+    names = (kernel_name,) if isinstance(kernel_name, str) else kernel_name
+    name = next((n for n in names if n in LAST_COMPILED), None)
+    if name is None:
+        return {}
+    k = LAST_COMPILED[name]
+    out = {"kernel": name}
+    for attr in ("n_regs", "n_spills"):
+        try:
+            out[attr] = int(getattr(k, attr))
+        except Exception:  # noqa: BLE001 - attribute names differ across triton versions
+            pass
+    try:
+        out["shared_bytes"] = int(k.metadata.shared)
+    except Exception:  # noqa: BLE001
+        pass
+    return out
+
+
+def _time_ours(name, make_call, cands, kernel_name, rep_ms, sweep):
+    """Time one of our ops over its candidate configs (only the default unless sweep); returns the rows."""
+    from megamoe.kernels.gemm_config import LAST_COMPILED
+
+    results = []
+    for cfg in (cands if sweep else [None]):
+        try:
+            fn = make_call(cfg)
+            for n in ((kernel_name,) if isinstance(kernel_name, str) else kernel_name):
+                LAST_COMPILED.pop(n, None)
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            regs = _regs(kernel_name)
+            ms = _bench(fn, rep_ms)
+            results.append({"config": None if cfg is None else cfg.__dict__, "ms": ms, **regs})
+        except Exception as exc:  # noqa: BLE001 - a config that does not fit (shared memory) is reported
+            results.append({"config": None if cfg is None else cfg.__dict__, "error": f"{type(exc).__name__}: "
+                            f"{str(exc)[:200]}"})
+    return results
+
+
+def run_shape(preset: str, tokens: int, ep: int, args) -> list[dict]:
+    import megamoe.experts as X
+
+    H, I, E, k = {**PRESETS, **TINY}[preset]
+    E_l = E // ep
+    R = tokens * k
+    dev = torch.device(args.device)
+    gen = torch.Generator().manual_seed(args.seed)
+    sizes = _group_sizes(R, E_l, args.align, gen)
+    offs = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    ends = offs[1:].contiguous()
+    x = torch.randn(R, H, device=dev, dtype=torch.bfloat16)
+    w13 = (torch.randn(E_l, 2 * I, H, device=dev) / math.sqrt(H)).to(torch.bfloat16)
+    w2 = (torch.randn(E_l, H, I, device=dev) / math.sqrt(I)).to(torch.bfloat16)
+    s = torch.rand(R, device=dev) + 0.5
+    rows = []
+    base = {"preset": preset, "tokens_per_gpu": tokens, "ep": ep, "R": R, "H": H, "I": I, "E_l": E_l,
+            "group_min": min(sizes), "group_max": max(sizes)}
+    fl1 = 2.0 * R * H * 2 * I
+    fl2 = 2.0 * R * I * H
+    by1 = 2 * (R * H + E_l * 2 * I * H + R * I + R * 2 * I)
+    by2 = 2 * (R * I + E_l * H * I + R * H)
+
+    def add(op, dtype, flops, nbytes, ours, torch_ms=None, torch_err=None, extra=None):
+        ok = [r for r in ours if "ms" in r]
+        best = min(ok, key=lambda r: r["ms"]) if ok else None
+        floor = max(flops / PEAK[dtype], nbytes / HBM) * 1e3
+        row = dict(base, op=op, dtype=dtype, flops=flops, bytes=nbytes, floor_ms=floor,
+                   ours_ms=best["ms"] if best else None,
+                   ours_tflops=flops / best["ms"] / 1e9 if best else None,
+                   ours_config=best["config"] if best else None, ours_kernel=best.get("kernel") if best else None,
+                   n_regs=best.get("n_regs") if best else None, n_spills=best.get("n_spills") if best else None,
+                   torch_ms=torch_ms, torch_tflops=flops / torch_ms / 1e9 if torch_ms else None,
+                   torch_error=torch_err, candidates=ours, **(extra or {}))
+        rows.append(row)
+
+    # ---------------------------------------------------------------- bf16 forward
+    act, h = X.gemm1_swiglu(x, w13, offs)
+    extra1 = {}
+    t1 = None
+    err = None
+    try:
+        h_t = torch._grouped_mm(x, w13.transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16)
+        extra1["rel_err_h_vs_torch"] = _rel(h, h_t)
+        del h_t
+        t1 = _bench(lambda: torch._grouped_mm(x, w13.transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16),
+                    args.rep)
+    except Exception as exc:  # noqa: BLE001
+        err = f"{type(exc).__name__}: {str(exc)[:200]}"
+    ours = _time_ours("gemm1", lambda c: (lambda: X.gemm1_swiglu(x, w13, offs, out=act, h_out=h, config=c)),
+                      _candidates("gemm1"), BF16_KERNELS, args.rep, args.sweep)
+    add("gemm1_swiglu", "bf16", fl1, by1, ours, t1, err, extra1)
+
+    out = X.gemm2(act, w2, offs, scale=s)
+    extra2, t2, err = {}, None, None
+    try:
+        o_t = torch._grouped_mm(act, w2.transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16) * s[:, None]
+        extra2["rel_err_vs_torch"] = _rel(out, o_t)
+        del o_t
+        t2 = _bench(lambda: torch._grouped_mm(act, w2.transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16),
+                    args.rep)
+    except Exception as exc:  # noqa: BLE001
+        err = f"{type(exc).__name__}: {str(exc)[:200]}"
+    ours = _time_ours("gemm2", lambda c: (lambda: X.gemm2(act, w2, offs, scale=s, out=out, config=c)),
+                      _candidates("gemm2"), BF16_KERNELS, args.rep, args.sweep)
+    add("gemm2", "bf16", fl2, by2, ours, t2, err, extra2)
+
+    # ---------------------------------------------------------------- fp8 forward
+    if not args.no_fp8:
+        xq, xs = X.quantize_act(x)
+        w13q, w13s = X.quantize_weight(w13)
+        aq, as_ = X.quantize_act(act)
+        w2q, w2s = X.quantize_weight(w2)
+        a8, h8 = X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs)
+        extra = {"rel_err_h_vs_bf16": _rel(h8, h), "rel_err_act_vs_bf16": _rel(a8, act)}
+        t, err = None, None
+        try:
+            xr, xrs = _rowwise_fp8(x, 1)
+            wr, wrs = _rowwise_fp8(w13, 2)
+            fn = lambda: torch._scaled_grouped_mm(xr, wr.transpose(-2, -1), xrs, wrs, offs=ends,
+                                                  out_dtype=torch.bfloat16, use_fast_accum=True)
+            extra["torch_rowwise_rel_err_h_vs_bf16"] = _rel(fn(), h)
+            t = _bench(fn, args.rep)
+            del xr, wr
+        except Exception as exc:  # noqa: BLE001
+            err = f"{type(exc).__name__}: {str(exc)[:200]}"
+        ours = _time_ours("gemm1_fp8", lambda c: (lambda: X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs, config=c)),
+                          _candidates("gemm1_fp8"), FP8_KERNELS, args.rep, args.sweep)
+        add("gemm1_swiglu", "fp8", fl1, by1 // 2, ours, t, err, extra)
+        del a8, h8
+        o8 = X.gemm2_fp8(aq, as_, w2q, w2s, offs, scale=s)
+        extra = {"rel_err_vs_bf16": _rel(o8, out)}
+        t, err = None, None
+        try:
+            ar, ars = _rowwise_fp8(act, 1)
+            wr, wrs = _rowwise_fp8(w2, 2)
+            fn = lambda: torch._scaled_grouped_mm(ar, wr.transpose(-2, -1), ars, wrs, offs=ends,
+                                                  out_dtype=torch.bfloat16, use_fast_accum=True)
+            t = _bench(fn, args.rep)
+            del ar, wr
+        except Exception as exc:  # noqa: BLE001
+            err = f"{type(exc).__name__}: {str(exc)[:200]}"
+        ours = _time_ours("gemm2_fp8", lambda c: (lambda: X.gemm2_fp8(aq, as_, w2q, w2s, offs, scale=s, config=c)),
+                          _candidates("gemm2_fp8"), FP8_KERNELS, args.rep, args.sweep)
+        add("gemm2", "fp8", fl2, by2 // 2, ours, t, err, extra)
+        del xq, w13q, aq, w2q, o8
+
+    # ---------------------------------------------------------------- bf16 backward (ours only)
+    if not args.no_bwd:
+        dy = torch.randn(R, H, device=dev, dtype=torch.bfloat16)
+        dh, _ = X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s)
+        ours = _time_ours("dgrad2", lambda c: (lambda: X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s, out=dh,
+                                                                            config=c)),
+                          _candidates("dgrad2"), BF16_KERNELS, args.rep, args.sweep and args.sweep_bwd)
+        add("dgrad2_swiglu", "bf16", fl2, 2 * (R * H + E_l * H * I + 3 * R * 2 * I), ours)
+        dx = torch.empty_like(x)
+        ours = _time_ours("dgrad1", lambda c: (lambda: X.gemm1_dgrad(dh, w13, offs, out=dx, config=c)),
+                          _candidates("dgrad1"), DGRAD1_KERNELS, args.rep, args.sweep and args.sweep_bwd)
+        add("dgrad1", "bf16", fl1, 2 * (R * 2 * I + E_l * 2 * I * H + R * H), ours)
+        ours = _time_ours("wgrad1", lambda c: (lambda: X.grouped_wgrad(dh, x, offs, out_dtype=torch.bfloat16,
+                                                                       config=c)),
+                          _candidates("wgrad1"), WGRAD_KERNELS, args.rep, args.sweep and args.sweep_bwd)
+        add("wgrad1", "bf16", fl1, 2 * (R * 2 * I + R * H + E_l * 2 * I * H), ours)
+        ours = _time_ours("wgrad2", lambda c: (lambda: X.grouped_wgrad(dy, act, offs, out_dtype=torch.bfloat16,
+                                                                       config=c)),
+                          _candidates("wgrad2"), WGRAD_KERNELS, args.rep, args.sweep and args.sweep_bwd)
+        add("wgrad2", "bf16", fl2, 2 * (R * H + R * I + E_l * H * I), ours)
+    return rows
+
+
+#: the table's short name of the kernel that ran (the JSON keeps the full name as ours_kernel)
+KERNEL_TAGS = {"_gluon_bf16_ws_kernel": "gluon", "_gluon_fp8_ws_kernel": "gluon", "_gluon_fp8_dswiglu_kernel": "gluon",
+               "_gluon_wgrad_ws_kernel": "gluon", "_grouped_gemm_kernel": "triton",
+               "_grouped_gemm_fp8_kernel": "triton", "_grouped_wgrad_kernel": "triton"}
+
+
+def _fmt(v, spec):
+    return format(v, spec) if isinstance(v, (int, float)) else "-"
+
+
+def print_table(rows: list[dict]) -> None:
+    hdr = f"{'preset':14} {'tok':>5} {'op':14} {'dt':4} {'ours ms':>8} {'TF/s':>6} {'torch ms':>8} {'TF/s':>6} " \
+          f"{'x':>5} {'floor':>6} {'regs':>4} {'spl':>3} cfg"
+    print(hdr)
+    for r in rows:
+        ratio = r["torch_ms"] / r["ours_ms"] if r.get("torch_ms") and r.get("ours_ms") else None
+        c = r.get("ours_config") or {}
+        cfg = f"{c.get('block_m')}x{c.get('block_n')}x{c.get('block_k')}s{c.get('num_stages')}w{c.get('num_warps')}" \
+            f"e{c.get('epi_split')}{'f' if c.get('flatten') else ''}" if c else "default"
+        kernel = KERNEL_TAGS.get(r.get("ours_kernel") or "", "")
+        print(f"{r['preset']:14} {r['tokens_per_gpu']:>5} {r['op']:14} {r['dtype']:4} {_fmt(r['ours_ms'], '8.3f')} "
+              f"{_fmt(r['ours_tflops'], '6.0f')} {_fmt(r['torch_ms'], '8.3f')} {_fmt(r['torch_tflops'], '6.0f')} "
+              f"{_fmt(ratio, '5.2f')} {_fmt(r['floor_ms'], '6.3f')} {_fmt(r.get('n_regs'), '4d')} "
+              f"{_fmt(r.get('n_spills'), '3d')} {cfg}{' ' + kernel if kernel else ''}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="megamoe bench-gemm", description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS) + list(TINY))
+    ap.add_argument("--device", default="cuda", help="'cpu' runs a smoke test under TRITON_INTERPRET=1")
+    ap.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384], help="tokens per GPU")
+    ap.add_argument("--ep", type=int, default=4, help="expert-parallel ranks (experts per rank = E / ep)")
+    ap.add_argument("--align", type=int, default=16, help="group sizes are multiples of this many rows")
+    ap.add_argument("--rep", type=float, default=60.0, help="do_bench repetition time per measurement (ms)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sweep", action="store_true", help="time every candidate config, report the best")
+    ap.add_argument("--sweep-bwd", action="store_true", help="with --sweep, also sweep the backward kernels")
+    ap.add_argument("--no-fp8", action="store_true")
+    ap.add_argument("--no-bwd", action="store_true")
+    ap.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse HEAD)")
+    ap.add_argument("--json", default=None, help="write results here")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench-gemm needs a CUDA GPU (or --device cpu --presets tiny under TRITON_INTERPRET=1)",
+              file=sys.stderr)
+        return 2
+    rows = []
+    for preset in args.presets:
+        for tokens in args.tokens:
+            new = run_shape(preset, tokens, args.ep, args)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            rows.extend(new)
+            print_table(new)
+            sys.stdout.flush()
+            _write(args, rows)
+    print("\n== all shapes ==")
+    print_table(rows)
+    _write(args, rows)
+    return 0
+
+
+def _write(args, rows) -> None:
+    import triton
+
+    if args.json:
+        meta = {
+            "commit": args.commit or git_commit(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "triton": triton.__version__,
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "config": {k: v for k, v in vars(args).items() if k != "json"},
+            "ceilings": {"bf16_tflops": 790, "fp8_tflops": 1345, "hbm_tbps": 4.3},
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Measured ceilings, flop/byte formulas and run metadata shared by the benchmarks.
+
+Ceilings are measured, not datasheet figures (docs/performance.md, section 1); a GPU without an entry gets no floor.
+Per rank, ``rows`` = (token, expert) pairs its experts process:
+
+* forward flops   = 6 * rows * H * I            (GEMM1 2*rows*H*2I + GEMM2 2*rows*I*H)
+* forward bytes   = expert weights of the rank (3*E_l*H*I*elem) + rows * 2H * elem (rows in and out)
+* forward floor   = max(flops / matmul ceiling, bytes / HBM ceiling); fwd+bwd: 3x flops and bytes
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import subprocess
+from dataclasses import asdict, dataclass
+
+import torch
+
+from megamoe.config import MoEConfig
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    matmul_bf16: float  # FLOP/s, measured dense GEMM
+    matmul_fp8: float  # FLOP/s
+    hbm: float  # bytes/s, device copy counting read + write
+    nvlink_pair: float  # bytes/s, one peer pair one direction
+    source: str
+
+
+#: substring of torch.cuda.get_device_name() -> ceilings measured on that GPU
+CEILINGS = {
+    "H200": Ceilings(790e12, 1438e12, 4.3e12, 394e9, "measured on 4x H200 (docs/performance.md)"),
+}
+
+
+def ceilings_for(device: torch.device) -> Ceilings | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in CEILINGS.items():
+        if key in name:
+            return value
+    return None
+
+
+def forward_flops(cfg: MoEConfig, rows: int) -> float:
+    return float(cfg.flops_forward(rows))
+
+
+def forward_bytes(cfg: MoEConfig, rows: int, world: int, experts: int | None = None) -> float:
+    """HBM bytes of one forward on a rank: the weights of the ``experts`` it uses (default: all its local experts)
+    read once, and its ``rows`` read and written once."""
+    elem = torch.empty((), dtype=cfg.dtype).element_size()
+    local = cfg.local_experts(world)
+    if experts is None:
+        experts = local
+    if not 0 <= experts <= local:
+        raise ValueError(f"experts used on a rank must be in [0, {local}], got {experts}")
+    weights = cfg.expert_weight_bytes(world) * experts // local
+    return float(weights + rows * 2 * cfg.hidden * elem)
+
+
+def floor_seconds(cfg: MoEConfig, rows: int, world: int, ceil: Ceilings | None, passes: float = 1.0,
+                  experts: int | None = None) -> float | None:
+    """Roofline floor of ``passes`` x (3 for fwd+bwd) the forward work of a rank receiving ``rows`` rows for
+    ``experts`` of its local experts (default all; unused experts' weights need not be read)."""
+    if ceil is None:
+        return None
+    flops = passes * forward_flops(cfg, rows)
+    nbytes = passes * forward_bytes(cfg, rows, world, experts)
+    return max(flops / ceil.matmul_bf16, nbytes / ceil.hbm)
+
+
+def layer_floor_seconds(cfg: MoEConfig, rows_per_rank: list[int], world: int, ceil: Ceilings | None,
+                        passes: float = 1.0, experts_per_rank: list[int] | None = None) -> float | None:
+    """The largest of the ranks' floors (the ranks wait for each other in the combine)."""
+    if ceil is None:
+        return None
+    experts = experts_per_rank if experts_per_rank is not None else [None] * len(rows_per_rank)
+    return max(floor_seconds(cfg, r, world, ceil, passes, e) for r, e in zip(rows_per_rank, experts, strict=True))
+
+
+def event_median_s(fn, iters: int, warmup: int = 3) -> float:
+    """Median seconds of ``fn`` over ``iters`` calls, each between two CUDA events, after ``warmup`` calls."""
+    if iters < 1:
+        raise ValueError(f"event_median_s: iters must be >= 1, got {iters}")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for a, b in evs:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return sorted(a.elapsed_time(b) for a, b in evs)[iters // 2] * 1e-3
+
+
+def git_commit() -> str:
+    """``MEGAMOE_COMMIT`` if set (for a copied tree without .git), else ``git rev-parse HEAD`` (+ "-dirty"), else
+    "unknown"."""
+    if os.environ.get("MEGAMOE_COMMIT"):
+        return os.environ["MEGAMOE_COMMIT"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def source_digest(root: str | None = None) -> str:
+    """sha1 over each ``megamoe/**/*.py`` relative path and bytes, in path order: names the code a result ran even
+    where a copied tree's HEAD is stale (``git archive <commit> megamoe`` gives the same digest)."""
+    import hashlib
+
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package, above apps/
+    paths = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+        paths += [os.path.join(d, f) for f in files if f.endswith(".py")]
+    h = hashlib.sha1()
+    for p in sorted(paths, key=lambda q: os.path.relpath(q, root).replace(os.sep, "/")):
+        h.update(os.path.relpath(p, root).replace(os.sep, "/").encode() + b"\0")
+        with open(p, "rb") as f:
+            h.update(f.read() + b"\0")
+    return h.hexdigest()
+
+
+def run_metadata(device: torch.device, world: int) -> dict:
+    import triton
+
+    meta = {
+        "commit": git_commit(),
+        "source_sha1": source_digest(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "world": world,
+        "device": device.type,
+    }
+    if device.type == "cuda":
+        meta["gpu"] = torch.cuda.get_device_name(device)
+        meta["cuda"] = torch.version.cuda
+        meta["gpu_count"] = torch.cuda.device_count()
+        ceil = ceilings_for(device)
+        meta["ceilings"] = asdict(ceil) if ceil else None
+    else:
+        meta["gpu"] = None
+        meta["cpu"] = platform.processor() or platform.machine()
+    return meta
+
+
+def write_results(path: str | None, device: torch.device, what: str, rows: list) -> None:
+    """A one-GPU benchmark script's JSON: {"meta": run_metadata, "what": its first docstring line, "results"}
+    (nothing when path is None)."""
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump({"meta": run_metadata(device, 1), "what": what.strip().split("\n")[0], "results": rows}, f,
+                      indent=1)
+
+
+def safe_name(spec: str) -> str:
+    """A backend spec as a file-name part: "split:presum_combine=1" -> "split_presum_combine_1"."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", spec)

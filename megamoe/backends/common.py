@@ -1,0 +1,113 @@
+"""What the ``split`` and ``fused`` backends share: the expert GEMMs of the forward and the whole backward.
+
+R_cap worst-case rows received, offs int32 [E_l + 1] on the device. Backward (saved: received rows, h, topk_w):
+    dy_R, gate_R    = pull_grad(dy, topk_w, handle)           dy rows pulled unscaled with each row's gate
+    dh, ds, acts    = gemm2_dgrad_swiglu(dy_R, w2, h, offs, scale=gate)   epilogue: dact = gate * dy @ w2[e],
+                                                               ds[r] = <dy, act @ w2^T>, acts = gate * act
+    d_topk_w        = send_gate_grad(ds, handle)              each row's ds into its owner's dw slot
+    d_recv          = gemm1_dgrad(dh, w13, offs)
+    dx              = dispatch_backward(d_recv, handle)       owner pulls and sums its k gradient rows
+    dW2 = dy_R^T acts;  dW13 = dh^T recv                      deterministic, no atomics
+
+FP8 (``wq``, see :mod:`megamoe.backends.fp8_weights`): the forward and dgrad GEMMs run on e4m3 operands with
+DeepSeek-V3's block scales (1x128 activations, 128x128 weights, fp32 promotion every 128 of K). Rows arrive quantised
+(dispatch_fp8, once per token on its home rank); act, dy rows and dh are quantised where made, only the offs[E_l]
+rows received. Weight gradients stay bf16 (dW13 reads the dequantised rows).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megamoe.comm.combine import pull_grad, send_gate_grad
+from megamoe.experts import (
+    gemm1_dgrad,
+    gemm1_dgrad_fp8,
+    gemm1_swiglu,
+    gemm1_swiglu_fp8,
+    gemm2,
+    gemm2_dgrad_swiglu,
+    gemm2_dgrad_swiglu_fp8,
+    gemm2_fp8,
+    grouped_wgrad,
+    quantize_act,
+)
+from megamoe.kernels.gemm_config import num_sms as device_sms
+from megamoe.kernels.interpreter import row_buffer
+
+#: tests set this (in their ranks) to fill d_recv's padding rows with NaN, so that a read of one shows in dx
+POISON_PADDING = False
+
+
+def heap_rows(heap, shape, dtype) -> torch.Tensor | None:
+    """``heap.rows_buffer()`` if it has this shape and dtype, else None. A GEMM writing there (GEMM2, GEMM1's dgrad)
+    saves combine's / dispatch_backward's staging copy; why that is safe: comm/signals.py, "What each wait guards"."""
+    rb = heap.rows_buffer()
+    return rb if tuple(rb.shape) == tuple(shape) and rb.dtype == dtype else None
+
+
+def dgrad_buffer(recv: torch.Tensor, heap=None) -> torch.Tensor:
+    """Storage for d_recv [R_cap, H], not zero-filled on a GPU: only its first offs[E_l] rows are written and read.
+
+    ``heap``: use the heap's ``rows`` region (see heap_rows). Only without presum (whose stage writes its sums there)
+    and only after pull_grad, whose pull waits for READY from every peer: no peer still reads ``rows`` then."""
+    buf = None if heap is None else heap_rows(heap, recv.shape, recv.dtype)
+    if POISON_PADDING:
+        return torch.full_like(recv, float("nan")) if buf is None else buf.fill_(float("nan"))
+    return row_buffer(recv.shape, recv.dtype, recv.device) if buf is None else buf
+
+
+def expert_forward(recv, w13, w2, offs, wq=None, recv_scales=None, out=None):
+    """(act [R, I], h [R, 2I], out [R, H]), bf16. With ``wq`` both GEMMs run FP8: recv is e4m3 with 1x128
+    ``recv_scales`` (dispatch_fp8). ``out``: GEMM2's output buffer."""
+    if wq is None:
+        act, h = gemm1_swiglu(recv, w13, offs, store_h=True)
+        return act, h, gemm2(act, w2, offs, out=out)
+    q13, s13, _, _, q2, s2, _, _ = wq
+    act, h = gemm1_swiglu_fp8(recv, recv_scales, q13, s13, offs, store_h=True)
+    return act, h, gemm2_fp8(*quantize_act(act, nrows=offs[-1:]), q2, s2, offs, out=out)
+
+
+def wgrads(dy_rows, acts, dh, recv, offs, w13, w2):
+    """(dW13, dW2): dW2 = dy_rows^T acts and dW13 = dh^T recv per expert, deterministic."""
+    dw2 = grouped_wgrad(dy_rows, acts, offs, out_dtype=w2.dtype)
+    dw13 = grouped_wgrad(dh, recv, offs, out_dtype=w13.dtype)
+    return dw13, dw2
+
+
+def expert_backward(dy, topk_w, handle, h, recv, w13, w2, num_sms, wq=None, presum=False):
+    """The backward up to dx's gather: (dy_rows [R_cap, H], acts [R_cap, I], dh [R_cap, 2I], d_recv [R_cap, H],
+    d_topk_w [T, k] fp32), operands of :func:`wgrads`. d_recv goes to the heap's ``rows`` region unless ``presum``."""
+    offs = handle.offs
+    n = offs[-1:]  # rows received: only those are quantised (the buffers hold the worst case)
+    dy_rows, gate = pull_grad(dy, topk_w, handle, num_sms=num_sms)
+    acts = row_buffer((dy_rows.shape[0], w2.shape[2]), dy_rows.dtype, dy_rows.device)
+    if wq is None:
+        dh, ds = gemm2_dgrad_swiglu(dy_rows, w2, h, offs, scale=gate, acts_out=acts)
+    else:
+        dh, ds = gemm2_dgrad_swiglu_fp8(*quantize_act(dy_rows, nrows=n), wq[6], wq[7], h, offs, scale=gate,
+                                        acts_out=acts)
+    d_topk_w = send_gate_grad(ds, handle, num_sms=num_sms)
+    d_recv = dgrad_buffer(recv, None if presum else handle.heap)
+    if wq is None:
+        gemm1_dgrad(dh, w13, offs, out=d_recv)
+    else:  # (the FP8 kernel wants both operands K-major: w13^T)
+        gemm1_dgrad_fp8(*quantize_act(dh, nrows=n), wq[2], wq[3], offs, out=d_recv)
+    return dy_rows, acts, dh, d_recv, d_topk_w
+
+
+def comm_programs(comm_sms: int | None, device: torch.device) -> int:
+    """``comm_sms``, else every SM (2 under the interpreter, which runs programs one by one)."""
+    if comm_sms is None:
+        return 2 if os.environ.get("TRITON_INTERPRET") == "1" else device_sms(device)
+    if comm_sms < 1:
+        raise ValueError(f"comm_sms must be >= 1, got {comm_sms}")
+    return int(comm_sms)
+
+
+def check_flag(backend: str, name: str, value) -> bool:
+    if value not in (True, False, 0, 1):
+        raise ValueError(f"backend '{backend}': {name} must be a flag (True/False or 1/0), got {value!r}")
+    return bool(value)

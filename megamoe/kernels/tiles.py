@@ -1,0 +1,198 @@
+"""Device helpers the Triton grouped GEMMs and the megakernel share: the expert-tile schedule read from ``offs`` on
+the device, the operand loads (TMA or masked pointers) and the epilogues. Shape legend as in grouped_gemm.py.
+
+Schedule (no host sync): per-expert tile counts ``tiles_e = cdiv(n_e, BLOCK_M) * cdiv(N, BLOCK_N)`` and their running
+sum; a tile index maps to (expert, m-block, n-block) by counting how many running sums are <= it; inside an expert,
+tiles go in GROUP_M-high column strips (L2 swizzle), so programs running at once share weight tiles.
+
+Example: BLOCK_M = 128, N = 256, BLOCK_N = 128, offs = [0, 300, 300, 429]: n = [300, 0, 129], m-tiles [3, 0, 2],
+tiles [6, 0, 4], running sums [6, 6, 10]; tile 7 -> expert 2 (two sums <= 7), local tile 1 -> m-block 1 (rows
+428..555, only row 428 is valid), n-block 0.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def expert_tiles(offs_ptr, E_l, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Per-expert vectors of the schedule: first row, row count, m-tiles, running sum of tiles, total."""
+    e_idx = tl.arange(0, BLOCK_E)
+    emask = e_idx < E_l
+    starts = tl.load(offs_ptr + e_idx, mask=emask, other=0)
+    ends = tl.load(offs_ptr + e_idx + 1, mask=emask, other=0)
+    cnts = tl.maximum(ends - starts, 0)
+    m_tiles = (cnts + BLOCK_M - 1) // BLOCK_M
+    tiles = m_tiles * tl.cdiv(N, BLOCK_N)
+    cum_end = tl.cumsum(tiles, 0)
+    total = tl.sum(tiles, axis=0)
+    return e_idx, starts, cnts, m_tiles, cum_end, total
+
+
+@triton.jit
+def locate_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """tile index -> (expert, first row of the expert, its row count, m-block, n-block)."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    e = tl.sum((cum_end <= tile).to(tl.int32), axis=0)
+    sel = e_idx == e
+    mt = tl.sum(tl.where(sel, m_tiles, 0), axis=0)
+    t0 = tl.sum(tl.where(sel, cum_end, 0), axis=0) - mt * tiles_n
+    row0 = tl.sum(tl.where(sel, starts, 0), axis=0)
+    n_rows = tl.sum(tl.where(sel, cnts, 0), axis=0)
+    local = tile - t0
+    width = GROUP_M * tiles_n
+    first_m = (local // width) * GROUP_M
+    gsz = tl.minimum(mt - first_m, GROUP_M)
+    mi = first_m + (local % width) % gsz
+    ni = (local % width) // gsz
+    return e, row0, n_rows, mi, ni
+
+
+@triton.jit
+def epi_part(acc, acc2, off_m, off_n, row_end, R, N,
+              out_ptr, stride_om, h_ptr, stride_hm, scale_ptr, acts_ptr,
+              BLOCK_M: tl.constexpr, NP: tl.constexpr,
+              EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, STORE_H: tl.constexpr):
+    """Write a [BLOCK_M, NP] column slice of the output tile; rows >= row_end and cols >= N are dropped.
+    EPI_NONE:    out = acc (* s[r])
+    EPI_SWIGLU:  acc = g, acc2 = u; h[:, n] = g, h[:, N + n] = u (STORE_H); out = silu(g) * u
+    EPI_DSWIGLU: acc = dact (unscaled, = dy @ w2); g, u read from h; da = s[r] * dact;
+                 out[:, n] = da * u * silu'(g), out[:, N + n] = da * silu(g); STORE_H here: also
+                 acts[:, n] = s[r] * silu(g) * u ([R, N], the gated activation that dW2 = dy^T @ acts needs)
+    Returns the row sums of dact * silu(g) * u (EPI_DSWIGLU with HAS_SCALE: the gate's gradient), else 0.
+    Pointers are a 64-bit tile base plus 32-bit in-tile offsets, to keep registers down."""
+    lm = tl.arange(0, BLOCK_M)
+    rn = off_n + tl.arange(0, NP)
+    rm = off_m + lm
+    mmask = rm < row_end
+    mask = mmask[:, None] & (rn < N)[None, :]
+    o_base = out_ptr + off_m.to(tl.int64) * stride_om
+    o_offs = lm[:, None] * stride_om + rn[None, :]
+    part = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if EPILOGUE == 0:
+        if HAS_SCALE:
+            s = tl.load(scale_ptr + rm, mask=mmask, other=0.0)
+            acc = acc * s[:, None]
+        tl.store(o_base + o_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    elif EPILOGUE == 1:
+        g = acc
+        u = acc2
+        if STORE_H:
+            h_base = h_ptr + off_m.to(tl.int64) * stride_hm
+            h_offs = lm[:, None] * stride_hm + rn[None, :]
+            tl.store(h_base + h_offs, g.to(h_ptr.dtype.element_ty), mask=mask)
+            tl.store(h_base + N + h_offs, u.to(h_ptr.dtype.element_ty), mask=mask)
+        act = g / (1.0 + tl.exp(-g)) * u
+        tl.store(o_base + o_offs, act.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        h_base = h_ptr + off_m.to(tl.int64) * stride_hm
+        h_offs = lm[:, None] * stride_hm + rn[None, :]
+        g = tl.load(h_base + h_offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_base + N + h_offs, mask=mask, other=0.0).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        silu = g * sig
+        da = acc
+        if HAS_SCALE:
+            if STORE_H:  # the gated activation first, so that its values die before dg / du (registers)
+                s = tl.load(scale_ptr + rm, mask=mmask, other=0.0)
+                su = silu * u
+                tl.store(acts_ptr + off_m.to(tl.int64) * N + (lm[:, None] * N + rn[None, :]),
+                         (su * s[:, None]).to(acts_ptr.dtype.element_ty), mask=mask)
+                part = tl.sum(acc * su, axis=1)
+            else:  # this order: no spills on sm_90a with the default config
+                part = tl.sum(acc * silu * u, axis=1)
+                s = tl.load(scale_ptr + rm, mask=mmask, other=0.0)
+            da = acc * s[:, None]
+        elif STORE_H:
+            tl.store(acts_ptr + off_m.to(tl.int64) * N + (lm[:, None] * N + rn[None, :]),
+                     (silu * u).to(acts_ptr.dtype.element_ty), mask=mask)
+        dg = da * u * (sig * (1.0 + g * (1.0 - sig)))
+        tl.store(o_base + o_offs, dg.to(out_ptr.dtype.element_ty), mask=mask)
+        du = da * silu
+        tl.store(o_base + N + o_offs, du.to(out_ptr.dtype.element_ty), mask=mask)
+    return part
+
+
+@triton.jit
+def halves(x, BLOCK_M: tl.constexpr, NP: tl.constexpr):
+    """[BLOCK_M, NP] -> (cols 0..NP/2-1, cols NP/2..NP-1)."""
+    x = tl.permute(tl.reshape(x, (BLOCK_M, 2, NP // 2)), (0, 2, 1))
+    return tl.split(x)
+
+
+@triton.jit
+def epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N,
+              out_ptr, stride_om, h_ptr, stride_hm, scale_ptr, dsp_ptr, acts_ptr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, STORE_H: tl.constexpr, EPI_SPLIT: tl.constexpr):
+    """Write one [BLOCK_M, BLOCK_N] output tile in EPI_SPLIT column slices (1, 2 or 4; fewer live registers),
+    see epi_part; EPI_DSWIGLU with HAS_SCALE also writes dsp[ni, r] = sum over the tile's columns."""
+    if EPI_SPLIT == 1:
+        part = epi_part(acc, acc2, off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
+                         scale_ptr, acts_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H)
+    elif EPI_SPLIT == 2:
+        HN: tl.constexpr = BLOCK_N // 2
+        a0, a1 = halves(acc, BLOCK_M, BLOCK_N)
+        b0, b1 = halves(acc2, BLOCK_M, BLOCK_N)
+        part = epi_part(a0, b0, off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
+                         scale_ptr, acts_ptr, BLOCK_M, HN, EPILOGUE, HAS_SCALE, STORE_H)
+        part += epi_part(a1, b1, off_m, off_n + HN, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
+                          scale_ptr, acts_ptr, BLOCK_M, HN, EPILOGUE, HAS_SCALE, STORE_H)
+    else:
+        HN: tl.constexpr = BLOCK_N // 2
+        QN: tl.constexpr = BLOCK_N // 4
+        a0, a1 = halves(acc, BLOCK_M, BLOCK_N)
+        b0, b1 = halves(acc2, BLOCK_M, BLOCK_N)
+        a00, a01 = halves(a0, BLOCK_M, HN)
+        b00, b01 = halves(b0, BLOCK_M, HN)
+        part = epi_part(a00, b00, off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
+                         scale_ptr, acts_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H)
+        part += epi_part(a01, b01, off_m, off_n + QN, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
+                          scale_ptr, acts_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H)
+        a10, a11 = halves(a1, BLOCK_M, HN)
+        b10, b11 = halves(b1, BLOCK_M, HN)
+        part += epi_part(a10, b10, off_m, off_n + HN, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
+                          scale_ptr, acts_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H)
+        part += epi_part(a11, b11, off_m, off_n + HN + QN, row_end, R, N, out_ptr, stride_om, h_ptr,
+                          stride_hm, scale_ptr, acts_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H)
+    if EPILOGUE == 2:
+        if HAS_SCALE:
+            rm = off_m + tl.arange(0, BLOCK_M)
+            tl.store(dsp_ptr + ni.to(tl.int64) * R + rm, part, mask=rm < row_end)
+
+
+@triton.jit
+def load_a(a_desc, a_ptr, off_m, off_k, row_end, K, stride_am,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr):
+    if USE_TMA:
+        a = a_desc.load([off_m, off_k])
+    else:
+        rm = off_m + tl.arange(0, BLOCK_M)
+        rk = off_k + tl.arange(0, BLOCK_K)
+        ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk[None, :]
+        a = tl.load(ptrs, mask=(rm < row_end)[:, None] & (rk < K)[None, :], other=0.0)
+    return a
+
+
+@triton.jit
+def load_b(w_desc, w_ptr, e, off_n, off_k, N_lim, K, stride_we, stride_wr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_KN: tl.constexpr, USE_TMA: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] operand of w[e] for out = a @ w[e]^T (W_KN=False, w [E, N, K]) or a @ w[e]
+    (W_KN=True, w [E, K, N]). N_lim bounds the n index (pointer path)."""
+    if USE_TMA:
+        if W_KN:
+            b = w_desc.load([e, off_k, off_n]).reshape(BLOCK_K, BLOCK_N)
+        else:
+            b = w_desc.load([e, off_n, off_k]).reshape(BLOCK_N, BLOCK_K).T
+    else:
+        rn = off_n + tl.arange(0, BLOCK_N)
+        rk = off_k + tl.arange(0, BLOCK_K)
+        base = w_ptr + e.to(tl.int64) * stride_we
+        mask = (rk < K)[:, None] & (rn < N_lim)[None, :]
+        if W_KN:
+            b = tl.load(base + rk.to(tl.int64)[:, None] * stride_wr + rn[None, :], mask=mask, other=0.0)
+        else:
+            b = tl.load(base + rn.to(tl.int64)[None, :] * stride_wr + rk[:, None], mask=mask, other=0.0)
+    return b
