@@ -17,8 +17,6 @@ rows received. Weight gradients stay bf16 (dW13 reads the dequantised rows).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from megamoe.comm.combine import pull_grad, send_gate_grad
@@ -34,6 +32,7 @@ from megamoe.experts import (
     grouped_wgrad,
     quantize_act,
 )
+from megamoe.kernels.gemm_config import interpreting
 from megamoe.kernels.gemm_config import num_sms as device_sms
 from megamoe.kernels.interpreter import row_buffer
 
@@ -101,7 +100,7 @@ def expert_backward(dy, topk_w, handle, h, recv, w13, w2, num_sms, wq=None, pres
 def comm_programs(comm_sms: int | None, device: torch.device) -> int:
     """``comm_sms``, else every SM (2 under the interpreter, which runs programs one by one)."""
     if comm_sms is None:
-        return 2 if os.environ.get("TRITON_INTERPRET") == "1" else device_sms(device)
+        return 2 if interpreting() else device_sms(device)
     if comm_sms < 1:
         raise ValueError(f"comm_sms must be >= 1, got {comm_sms}")
     return int(comm_sms)

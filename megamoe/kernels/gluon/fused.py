@@ -54,7 +54,16 @@ from megamoe.comm.signals import (
     SEQ,
 )
 from megamoe.kernels.gemm_config import interpreting, record
-from megamoe.kernels.gluon.common import REG_POOL, SMEM_LIMIT, epi_swiglu_slice, ring_skip, schedule, slices
+from megamoe.kernels.gluon.common import (
+    REG_POOL,
+    SMEM_LIMIT,
+    epi_swiglu_slice,
+    ring,
+    ring_done,
+    ring_skip,
+    schedule,
+    slices,
+)
 from megamoe.kernels.gluon.fused_io import (
     MSG,
     bulk_pull_plan,
@@ -425,17 +434,9 @@ def _gluon_fused_fwd_kernel(
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 64], x_desc.layout)
     b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BW, 64], w2_desc.layout)
     epi_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BM // 2, 64], act_st_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for st in gl.static_range(STAGES):
-        mbarrier.init(ready.index(st), count=1)
-        mbarrier.init(empty.index(st), count=2)
+    ready, empty = ring(STAGES, 2)  # each stage released by both consumers
     q_smem = gl.allocate_shared_memory(gl.int32, [QD_, MSG], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    q_full = gl.allocate_shared_memory(gl.int64, [QD_, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [QD_, 1], mbarrier.MBarrierLayout())
-    for qs in gl.static_range(QD_):
-        mbarrier.init(q_full.index(qs), count=1)
-        mbarrier.init(q_empty.index(qs), count=2)
+    q_full, q_empty = ring(QD_, 2)  # the item queue: filled by the loader, taken by both consumers
     s_smem = gl.allocate_shared_memory(gl.int32, [SQ_, MSG], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     s_full = gl.allocate_shared_memory(gl.int64, [SQ_, 1], mbarrier.MBarrierLayout())
     s_empty = gl.allocate_shared_memory(gl.int64, [SQ_, 1], mbarrier.MBarrierLayout())
@@ -460,12 +461,8 @@ def _gluon_fused_fwd_kernel(
                    BR)),
         (signaller, (s_full, s_empty, s_smem, ctr_ptr, E_l, SQ_)),
     ], [4, 1, 1], [CONSUMER_REGS_, LOADER_REGS, LOADER_REGS])
-    for st in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(st))
-        mbarrier.invalidate(empty.index(st))
-    for qs in gl.static_range(QD_):
-        mbarrier.invalidate(q_full.index(qs))
-        mbarrier.invalidate(q_empty.index(qs))
+    ring_done(ready, empty, STAGES)
+    ring_done(q_full, q_empty, QD_)
     for ss in gl.static_range(SQ_):
         mbarrier.invalidate(s_full.index(ss))
         mbarrier.invalidate(s_empty.index(ss))
