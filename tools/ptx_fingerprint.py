@@ -72,8 +72,7 @@ def _pretend_hopper() -> None:
                     setattr(mod, attr, lambda t, cfg, _real=real: None if cfg.use_tma is not False else
                             _real(t, cfg))
                 else:
-                    setattr(mod, attr, lambda cfg, *, H, I, device=None, fp8=False, _real=real:
-                            _real(cfg, H=H, I=I, device=None, fp8=fp8))
+                    setattr(mod, attr, lambda cfg, _real=real, **kw: _real(cfg, **{**kw, "device": None}))
         if hasattr(mod, "num_sms") and callable(mod.num_sms):
             mod.num_sms = lambda device: 132
 
