@@ -23,7 +23,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megamoe.kernels import fp8_quant as _q
+from megamoe.kernels.fp8_quant import (  # the FP8 operands' quantisers, part of this module's op-level API
+    dequantize_act,
+    dequantize_act_ref,
+    dequantize_weight_ref,
+    quantize_act,
+    quantize_act_ref,
+    quantize_weight,
+    quantize_weight_both,
+    quantize_weight_ref,
+)
 from megamoe.kernels.gemm_config import (
     EPI_DSWIGLU,
     EPI_NONE,
@@ -263,32 +272,6 @@ def grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, *, out_d
     return out
 
 
-def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False,
-                 nrows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, K] -> (q [R, K] float8_e4m3fn, s [R, cdiv(K, 128)] fp32), x ~= q * s per 1x128 block. nrows: int32
-    device tensor whose first element counts the data rows (the rest are left unwritten)."""
-    return _q.quantize_act(x, pow2_scale=pow2_scale, nrows=nrows)
-
-
-def dequantize_act(q: torch.Tensor, s: torch.Tensor, *, nrows: torch.Tensor | None = None) -> torch.Tensor:
-    """(q, s) as quantize_act's -> bf16 [R, K] = q * s per 1x128 block; nrows as in quantize_act."""
-    return _q.dequantize_act(q, s, nrows=nrows)
-
-
-def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False,
-                    transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [E_l, N, K] -> (q float8_e4m3fn, s [E_l, cdiv(N, 128), cdiv(K, 128)] fp32) per 128x128 block;
-    ``transpose``: of w.transpose(1, 2), without a transposed copy (a transposed view gets the same path)."""
-    return _q.quantize_weight(w, pow2_scale=pow2_scale, transpose=transpose)
-
-
-def quantize_weight_both(w: torch.Tensor, *, pow2_scale: bool = False,
-                         out: _q.Fp8Weight | None = None) -> tuple[torch.Tensor, ...]:
-    """w [E_l, N, K] contiguous -> (q, s, qt, st) bitwise as quantize_weight(w) and (w, transpose=True), from one
-    read of w (forward and dgrad operands); out: an Fp8Weight to fill in place."""
-    return _q.quantize_weight_both(w, pow2_scale=pow2_scale, out=out)
-
-
 def _gemm_fp8(op, name, aq, a_s, wq, w_s, offs, scale, out, config) -> torch.Tensor:
     """The plain FP8 GEMM of grouped_gemm_fp8, gemm2_fp8 and gemm1_dgrad_fp8 (op: its config name)."""
     check_fp8(aq, a_s, wq, w_s, offs, name)
@@ -445,25 +428,21 @@ def experts_mlp_ref(x, offs, w13, w2, scale=None):
 
 def grouped_gemm_fp8_ref(aq, a_s, wq, w_s, offs, *, scale=None, dtype=torch.float64):
     """Twin of grouped_gemm_fp8: the dequantised operands multiplied in ``dtype`` (padding rows 0)."""
-    return grouped_gemm_ref(_q.dequantize_act_ref(aq, a_s, dtype), _q.dequantize_weight_ref(wq, w_s, dtype), offs,
+    return grouped_gemm_ref(dequantize_act_ref(aq, a_s, dtype), dequantize_weight_ref(wq, w_s, dtype), offs,
                             scale=scale)
 
 
 def gemm1_swiglu_fp8_ref(xq, x_s, w13q, w13_s, offs, *, dtype=torch.float64):
     """(act, h) twin of gemm1_swiglu_fp8."""
-    return gemm1_swiglu_ref(_q.dequantize_act_ref(xq, x_s, dtype), _q.dequantize_weight_ref(w13q, w13_s, dtype),
+    return gemm1_swiglu_ref(dequantize_act_ref(xq, x_s, dtype), dequantize_weight_ref(w13q, w13_s, dtype),
                             offs)
 
 
 def gemm2_dgrad_swiglu_fp8_ref(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, dtype=torch.float64):
     """(dh, ds) twin of gemm2_dgrad_swiglu_fp8 (w2tq [E_l, I, H] the quantised transposed w2; ds None without
     scale), in ``dtype`` from the dequantised operands and h."""
-    w2 = _q.dequantize_weight_ref(w2tq, w2t_s, dtype).transpose(1, 2)
-    return gemm2_dgrad_swiglu_ref(_q.dequantize_act_ref(dyq, dy_s, dtype), w2, h, offs,
+    w2 = dequantize_weight_ref(w2tq, w2t_s, dtype).transpose(1, 2)
+    return gemm2_dgrad_swiglu_ref(dequantize_act_ref(dyq, dy_s, dtype), w2, h, offs,
                                   scale=scale.to(dtype) if scale is not None else None)
 
 
-quantize_act_ref = _q.quantize_act_ref
-quantize_weight_ref = _q.quantize_weight_ref
-dequantize_act_ref = _q.dequantize_act_ref
-dequantize_weight_ref = _q.dequantize_weight_ref

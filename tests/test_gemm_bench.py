@@ -1,9 +1,11 @@
-"""`megamoe bench-gemm` runs end to end (CPU: a tiny shape under the interpreter) and writes its JSON; its sweep's
-candidate configs suit the kernels they name."""
+"""`megamoe bench-gemm` runs end to end (CPU: a tiny shape under the interpreter) and writes its JSON; the tile
+sweep's (benchmarks/gemm_sweep.py) candidate configs suit the kernels they name."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import pathlib
 
 import pytest
 import torch
@@ -11,6 +13,14 @@ import torch
 import megamoe.experts as X
 from megamoe.apps import bench_gemm
 from megamoe.kernels.gemm_config import EPI_DSWIGLU, EPI_SWIGLU, GLUON_OPS
+
+
+def _gemm_sweep():
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gemm_sweep.py"
+    spec = importlib.util.spec_from_file_location("gemm_sweep", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def test_bench_gemm_cpu_smoke(tmp_path):
@@ -36,11 +46,11 @@ def test_bench_gemm_cpu_smoke(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's sweep (on a GPU it compiles ~70 configs)")
 def test_bench_gemm_sweep_cpu(tmp_path):
-    # --sweep --sweep-bwd times every candidate: each Triton one runs, each Gluon one reports why it cannot run here,
-    # and the row keeps the fastest that ran
+    # the sweep times every candidate: each Triton one runs, each Gluon one reports why it cannot run here, and the
+    # row keeps the fastest that ran
     out = tmp_path / "sweep.json"
-    args = ["--device", "cpu", "--presets", "tiny", "--tokens", "16", "--sweep", "--sweep-bwd", "--json", str(out)]
-    assert bench_gemm.main(args) == 0
+    args = ["--device", "cpu", "--presets", "tiny", "--tokens", "16", "--json", str(out)]
+    assert _gemm_sweep().main(args) == 0
     rows = json.loads(out.read_text())["rows"]
     assert {r["op"] for r in rows} == {"gemm1_swiglu", "gemm2", "dgrad2_swiglu", "dgrad1", "wgrad1", "wgrad2"}
     for r in rows:
@@ -64,6 +74,7 @@ def test_sweep_candidates_suit_their_kernels(preset, monkeypatch):
 
     monkeypatch.setattr(X, "gluon_device_reason", lambda t, cfg: None)
     monkeypatch.setattr(gemm_config, "interpreting", lambda: False)  # the GPU's default configs
+    sweep = _gemm_sweep()
     H, I, E, _ = bench_gemm.PRESETS[preset]
     E_l, R = E // 4, 256
     bf = lambda *shape: torch.empty(shape, dtype=torch.bfloat16)  # noqa: E731
@@ -80,7 +91,7 @@ def test_sweep_candidates_suit_their_kernels(preset, monkeypatch):
         "wgrad2": ("wgrad", bf(R, H), bf(R, I), dict(n=I, out_dtype=torch.bfloat16)),
     }
     for name, (op, a, w, kw) in launches.items():
-        cands = bench_gemm._candidates(name)
+        cands = sweep.candidates(name)
         assert all(c.kernel in ("gluon", "triton") for c in cands), name
         assert len(set(cands)) == len(cands), f"{name}: a candidate repeats"
         gluon = [c for c in cands if c.kernel == "gluon"]

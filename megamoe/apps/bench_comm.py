@@ -25,17 +25,6 @@ CONFIGS = {
 }
 
 
-def _tiles(spec: str, op: str) -> list[tuple[int, ...]]:
-    """'ELEMSxWARPS,...' -> signals.TILES entries for ``op``, with that entry's column and row caps."""
-    from megamoe.comm.signals import TILES
-
-    out = []
-    for item in spec.split(","):
-        elems, warps = item.split("x")
-        out.append((int(elems), int(warps)) + tuple(TILES[op][2:]))
-    return out
-
-
 def _time(fn, iters: int, warmup: int):
     import torch
     import torch.distributed as dist
@@ -61,13 +50,11 @@ def _time(fn, iters: int, warmup: int):
     return float(per_iter_max.median()), [float(v) for v in per_iter_max.tolist()]
 
 
-def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: int, seed: int,
-               pull_tiles: list, gather_tiles: list) -> dict:
+def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: int, seed: int) -> dict:
     import torch
     import torch.distributed as dist
 
     from megamoe.comm import CommShape, SymmetricHeap, combine, dispatch
-    from megamoe.comm import signals as S
     from megamoe.comm.dispatch import pull_rows
     from megamoe.comm.schedule import build_schedule
 
@@ -146,20 +133,10 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
         disp(sms)
         h = state["h"]
         rows.copy_(recv)  # identity experts, written where combine reads them
-        # tile sweep (pull alone, combine eager), keep the fastest for this SM count
-        best = {}
-        for op, tiles, fn, nbytes in (
-            ("pull", pull_tiles, lambda sms=sms, h=h: pull_rows(heap, h.schedule, recv, sms), disp_bytes),
-            ("gather", gather_tiles, lambda sms=sms, h=h: combine(rows, w, h, num_sms=sms), comb_bytes),
-        ):
-            for tile in tiles:
-                S.TILES[op] = tile
-                us, smp = _time(fn, iters, warmup)
-                add(f"{op}[{tile[0]}x{tile[1]}w]", sms, us, smp, nbytes)
-                if op not in best or us < best[op][0]:
-                    best[op] = (us, tile)
-            S.TILES[op] = best[op][1]
-        res.setdefault("best_tiles", {})[str(sms)] = {op: list(v[1]) for op, v in best.items()}
+        us, smp = _time(lambda sms=sms, h=h: pull_rows(heap, h.schedule, recv, sms), iters, warmup)
+        add("pull", sms, us, smp, disp_bytes)
+        us, smp = _time(lambda sms=sms, h=h: combine(rows, w, h, num_sms=sms), iters, warmup)
+        add("gather", sms, us, smp, comb_bytes)
         us, smp = _time(lambda sms=sms: disp(sms), iters, warmup)
         add("dispatch", sms, us, smp, disp_bytes)
         us, smp = _time(lambda sms=sms: dispatch(x, idx, heap, num_sms=sms, recv=recv), iters, warmup)
@@ -206,8 +183,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results here (rank 0)")
-    p.add_argument("--pull-tiles", default="16384x16", help="elements x warps per step of the pull kernel")
-    p.add_argument("--gather-tiles", default="8192x16", help="elements x warps per step of the gather kernel")
     args = p.parse_args(argv)
 
     import torch
@@ -223,8 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bytes = rows received from other ranks x H x 2 (bf16); time = median over iterations of the max "
               "over ranks (CUDA events)", flush=True)
     for name in args.configs.split(","):
-        results.append(run_config(name, args.tokens, sms_list, args.iters, args.warmup, args.seed,
-                                  _tiles(args.pull_tiles, "pull"), _tiles(args.gather_tiles, "gather")))
+        results.append(run_config(name, args.tokens, sms_list, args.iters, args.warmup, args.seed))
     if dist.get_rank() == 0 and args.json:
         out = {
             "bench": "comm",

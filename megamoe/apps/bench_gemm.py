@@ -35,47 +35,6 @@ PEAK = {"bf16": 790e12, "fp8": 1345e12}
 HBM = 4.3e12
 
 
-def _candidates(op: str):
-    """The configs --sweep times for ``op``: the Triton kernel's (kernel="triton") and, for the ops with a Gluon kernel
-    (gemm_config.GLUON_OPS; not GEMM1's dgrad), the Gluon kernel's (kernel="gluon": each within that kernel's limits
-    where the shape allows, see megamoe.experts.gluon_reason; a config that cannot run is reported as an error)."""
-    from megamoe.kernels.gemm_config import GemmConfig
-
-    def T(bm, bn, bk, st, wp, sp=1, fl=False):  # noqa: N802 - the Triton kernel
-        return GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_stages=st, num_warps=wp, epi_split=sp,
-                          flatten=fl, kernel="triton")
-
-    def G(bn, bk, st, bm=128, wp=4):  # noqa: N802 - the Gluon kernel (warp-specialised: 128-row tiles on 4 warps)
-        return GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_stages=st, num_warps=wp, kernel="gluon")
-
-    table = {
-        "gemm1": [T(128, 128, 64, 3, 8, 2), T(128, 128, 64, 4, 8, 4), T(128, 128, 64, 3, 8, 2, True),
-                  T(128, 128, 64, 4, 8, 4, True), T(128, 64, 64, 4, 8), T(64, 128, 64, 4, 4, 2),
-                  T(128, 128, 64, 5, 8, 4),
-                  G(128, 64, 4), G(128, 64, 3), G(64, 64, 6), G(64, 64, 4)],  # gate (= up) columns per tile
-        "dgrad2": [T(128, 128, 64, 3, 8, 4), T(128, 128, 64, 4, 8, 2), T(128, 128, 64, 4, 8, 4), T(128, 64, 64, 4, 8),
-                   T(128, 256, 64, 3, 8, 4), T(128, 128, 64, 5, 8, 2), T(128, 128, 64, 4, 8, 2, True),
-                   G(128, 64, 4), G(128, 64, 3), G(64, 64, 6), G(64, 64, 4)],
-        "gemm2": [T(128, 256, 64, 3, 8), T(128, 256, 64, 3, 8, 2), T(128, 256, 64, 3, 8, 1, True),
-                  T(128, 256, 64, 3, 8, 2, True), T(128, 128, 64, 4, 8, 1, True), T(128, 256, 64, 4, 8, 2, True),
-                  G(256, 64, 4), G(256, 64, 3), G(128, 64, 6), G(128, 64, 4)],
-        "dgrad1": [T(128, 256, 64, 3, 8), T(128, 256, 64, 3, 8, 2), T(128, 256, 64, 3, 8, 1, True),
-                   T(128, 256, 64, 3, 8, 2, True), T(128, 128, 64, 4, 8, 1, True), T(128, 256, 64, 4, 8, 2, True)],
-        # FP8 on the Triton kernel: 8 warps (the scaled product and the accumulator live); on the Gluon kernel: two
-        # 64-row consumer warpgroups, SwiGLU tiles of 64 or 128 gate columns, plain tiles up to 256 columns
-        "gemm1_fp8": [T(128, 64, 128, 5, 8), T(128, 64, 128, 4, 8), T(128, 128, 128, 4, 8, 4),
-                      G(128, 128, 4), G(128, 128, 3), G(64, 128, 6), G(64, 128, 4)],
-        "gemm2_fp8": [T(128, 128, 128, 5, 8), T(128, 128, 128, 4, 8), T(128, 256, 128, 3, 8, 4),
-                      G(256, 128, 4), G(256, 128, 3), G(128, 128, 6), G(128, 128, 4)],
-        # wgrad: flatten=True pipelines the TMA store of a tile under the next tile's loads (a separate store buffer)
-        "wgrad1": [T(128, 256, 32, 5, 8), T(128, 256, 32, 5, 8, fl=True), T(128, 256, 32, 4, 8, fl=True),
-                   T(256, 128, 32, 5, 8, fl=True), T(128, 256, 64, 3, 8, fl=True), T(128, 128, 32, 4, 8, fl=True),
-                   G(256, 32, 6), G(256, 32, 5), G(256, 64, 3), G(128, 64, 6), G(128, 32, 6)],
-    }
-    table["wgrad2"] = table["wgrad1"]
-    return table[op]
-
-
 def _group_sizes(R: int, E_l: int, align: int, gen: torch.Generator) -> list[int]:
     units = R // align
     probs = torch.full((E_l,), 1.0 / E_l)
@@ -137,12 +96,12 @@ def _regs(kernel_name: str | tuple[str, ...]) -> dict:
     return out
 
 
-def _time_ours(name, make_call, cands, kernel_name, rep_ms, sweep):
-    """Time one of our ops over its candidate configs (only the default unless sweep); returns the rows."""
+def _time_ours(make_call, configs, kernel_name, rep_ms):
+    """Time one of our ops with each config (None: the default); returns the rows."""
     from megamoe.kernels.gemm_config import LAST_COMPILED
 
     results = []
-    for cfg in (cands if sweep else [None]):
+    for cfg in configs:
         try:
             fn = make_call(cfg)
             for n in ((kernel_name,) if isinstance(kernel_name, str) else kernel_name):
@@ -159,8 +118,13 @@ def _time_ours(name, make_call, cands, kernel_name, rep_ms, sweep):
     return results
 
 
-def run_shape(preset: str, tokens: int, ep: int, args) -> list[dict]:
+def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[dict]:
+    """The rows of one shape; candidates(op) -> the configs to time for op (default: the default config only)."""
     import megamoe.experts as X
+
+    def configs(op):
+        return candidates(op) if candidates is not None else [None]
+
 
     H, I, E, k = {**PRESETS, **TINY}[preset]
     E_l = E // ep
@@ -208,8 +172,8 @@ def run_shape(preset: str, tokens: int, ep: int, args) -> list[dict]:
                     args.rep)
     except Exception as exc:  # noqa: BLE001
         err = f"{type(exc).__name__}: {str(exc)[:200]}"
-    ours = _time_ours("gemm1", lambda c: (lambda: X.gemm1_swiglu(x, w13, offs, out=act, h_out=h, config=c)),
-                      _candidates("gemm1"), BF16_KERNELS, args.rep, args.sweep)
+    ours = _time_ours(lambda c: (lambda: X.gemm1_swiglu(x, w13, offs, out=act, h_out=h, config=c)),
+                      configs("gemm1"), BF16_KERNELS, args.rep)
     add("gemm1_swiglu", "bf16", fl1, by1, ours, t1, err, extra1)
 
     out = X.gemm2(act, w2, offs, scale=s)
@@ -222,8 +186,8 @@ def run_shape(preset: str, tokens: int, ep: int, args) -> list[dict]:
                     args.rep)
     except Exception as exc:  # noqa: BLE001
         err = f"{type(exc).__name__}: {str(exc)[:200]}"
-    ours = _time_ours("gemm2", lambda c: (lambda: X.gemm2(act, w2, offs, scale=s, out=out, config=c)),
-                      _candidates("gemm2"), BF16_KERNELS, args.rep, args.sweep)
+    ours = _time_ours(lambda c: (lambda: X.gemm2(act, w2, offs, scale=s, out=out, config=c)), configs("gemm2"),
+                      BF16_KERNELS, args.rep)
     add("gemm2", "bf16", fl2, by2, ours, t2, err, extra2)
 
     # ---------------------------------------------------------------- fp8 forward
@@ -245,8 +209,8 @@ def run_shape(preset: str, tokens: int, ep: int, args) -> list[dict]:
             del xr, wr
         except Exception as exc:  # noqa: BLE001
             err = f"{type(exc).__name__}: {str(exc)[:200]}"
-        ours = _time_ours("gemm1_fp8", lambda c: (lambda: X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs, config=c)),
-                          _candidates("gemm1_fp8"), FP8_KERNELS, args.rep, args.sweep)
+        ours = _time_ours(lambda c: (lambda: X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs, config=c)),
+                          configs("gemm1_fp8"), FP8_KERNELS, args.rep)
         add("gemm1_swiglu", "fp8", fl1, by1 // 2, ours, t, err, extra)
         del a8, h8
         o8 = X.gemm2_fp8(aq, as_, w2q, w2s, offs, scale=s)
@@ -261,8 +225,8 @@ def run_shape(preset: str, tokens: int, ep: int, args) -> list[dict]:
             del ar, wr
         except Exception as exc:  # noqa: BLE001
             err = f"{type(exc).__name__}: {str(exc)[:200]}"
-        ours = _time_ours("gemm2_fp8", lambda c: (lambda: X.gemm2_fp8(aq, as_, w2q, w2s, offs, scale=s, config=c)),
-                          _candidates("gemm2_fp8"), FP8_KERNELS, args.rep, args.sweep)
+        ours = _time_ours(lambda c: (lambda: X.gemm2_fp8(aq, as_, w2q, w2s, offs, scale=s, config=c)),
+                          configs("gemm2_fp8"), FP8_KERNELS, args.rep)
         add("gemm2", "fp8", fl2, by2 // 2, ours, t, err, extra)
         del xq, w13q, aq, w2q, o8
 
@@ -270,21 +234,18 @@ def run_shape(preset: str, tokens: int, ep: int, args) -> list[dict]:
     if not args.no_bwd:
         dy = torch.randn(R, H, device=dev, dtype=torch.bfloat16)
         dh, _ = X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s)
-        ours = _time_ours("dgrad2", lambda c: (lambda: X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s, out=dh,
-                                                                            config=c)),
-                          _candidates("dgrad2"), BF16_KERNELS, args.rep, args.sweep and args.sweep_bwd)
+        ours = _time_ours(lambda c: (lambda: X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s, out=dh, config=c)),
+                          configs("dgrad2"), BF16_KERNELS, args.rep)
         add("dgrad2_swiglu", "bf16", fl2, 2 * (R * H + E_l * H * I + 3 * R * 2 * I), ours)
         dx = torch.empty_like(x)
-        ours = _time_ours("dgrad1", lambda c: (lambda: X.gemm1_dgrad(dh, w13, offs, out=dx, config=c)),
-                          _candidates("dgrad1"), DGRAD1_KERNELS, args.rep, args.sweep and args.sweep_bwd)
+        ours = _time_ours(lambda c: (lambda: X.gemm1_dgrad(dh, w13, offs, out=dx, config=c)), configs("dgrad1"),
+                          DGRAD1_KERNELS, args.rep)
         add("dgrad1", "bf16", fl1, 2 * (R * 2 * I + E_l * 2 * I * H + R * H), ours)
-        ours = _time_ours("wgrad1", lambda c: (lambda: X.grouped_wgrad(dh, x, offs, out_dtype=torch.bfloat16,
-                                                                       config=c)),
-                          _candidates("wgrad1"), WGRAD_KERNELS, args.rep, args.sweep and args.sweep_bwd)
+        ours = _time_ours(lambda c: (lambda: X.grouped_wgrad(dh, x, offs, out_dtype=torch.bfloat16, config=c)),
+                          configs("wgrad1"), WGRAD_KERNELS, args.rep)
         add("wgrad1", "bf16", fl1, 2 * (R * 2 * I + R * H + E_l * 2 * I * H), ours)
-        ours = _time_ours("wgrad2", lambda c: (lambda: X.grouped_wgrad(dy, act, offs, out_dtype=torch.bfloat16,
-                                                                       config=c)),
-                          _candidates("wgrad2"), WGRAD_KERNELS, args.rep, args.sweep and args.sweep_bwd)
+        ours = _time_ours(lambda c: (lambda: X.grouped_wgrad(dy, act, offs, out_dtype=torch.bfloat16, config=c)),
+                          configs("wgrad2"), WGRAD_KERNELS, args.rep)
         add("wgrad2", "bf16", fl2, 2 * (R * H + R * I + E_l * H * I), ours)
     return rows
 
@@ -315,7 +276,8 @@ def print_table(rows: list[dict]) -> None:
               f"{_fmt(r.get('n_spills'), '3d')} {cfg}{' ' + kernel if kernel else ''}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, candidates=None) -> int:
+    """The CLI; candidates: as run_shape's (benchmarks/gemm_sweep.py times a list per op, keeping the fastest)."""
     ap = argparse.ArgumentParser(prog="megamoe bench-gemm", description=__doc__.split("\n")[0])
     ap.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS) + list(TINY))
     ap.add_argument("--device", default="cuda", help="'cpu' runs a smoke test under TRITON_INTERPRET=1")
@@ -324,8 +286,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--align", type=int, default=16, help="group sizes are multiples of this many rows")
     ap.add_argument("--rep", type=float, default=60.0, help="do_bench repetition time per measurement (ms)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sweep", action="store_true", help="time every candidate config, report the best")
-    ap.add_argument("--sweep-bwd", action="store_true", help="with --sweep, also sweep the backward kernels")
     ap.add_argument("--no-fp8", action="store_true")
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse HEAD)")
@@ -338,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for preset in args.presets:
         for tokens in args.tokens:
-            new = run_shape(preset, tokens, args.ep, args)
+            new = run_shape(preset, tokens, args.ep, args, candidates)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             rows.extend(new)
