@@ -10,7 +10,7 @@
 #   bench   megamoe bench --experts E/4 --tokens 4096 --cuda-graph --interleave for qwen3-30b-a3b (32), deepseek-v3 (64),
 #           mixtral-8x7b (2); with BASE=<dir holding another tree's megamoe/> that tree too, runs alternating (new, base,
 #           new, base), then a table of new / base per backend and mode (benchmarks/ab_table.py)
-#   small   the same at 1 and 512 tokens (no base)
+#   peers   the same at 1, 512 and 4096 tokens with --peers (transformers' modules beside the backends; no base)
 #   gemm    megamoe bench-gemm at the EP-4 shapes, 4096 and 16384 tokens per GPU
 #   profile benchmarks/graph_profile.py: per-kernel device times of a graphed forward+backward (qwen3, deepseek)
 #   train   a short megamoe train (torch, split, fused; qwen3-30b-a3b dims, 2 layers)
@@ -80,9 +80,9 @@ if want tests; then
 fi
 
 BENCH_SET="qwen3-30b-a3b:32 deepseek-v3:64 mixtral-8x7b:2"
-bench_one() {  # bench_one <tree> <preset> <experts> <tokens> <json>
+bench_one() {  # bench_one <tree> <preset> <experts> <tokens> <json> [more bench args]
   ( cd "$1" && PYTHONPATH=. timeout 560 python3 -m megamoe bench --preset "$2" --experts "$3" --tokens "$4" \
-      --cuda-graph --interleave --quiet --json "$5" )
+      --cuda-graph --interleave --quiet --json "$5" "${@:6}" )
 }
 
 if want bench; then
@@ -101,13 +101,13 @@ if want bench; then
   SUMMARY+=$(python3 benchmarks/ab_table.py "$OUT")$'\n'
 fi
 
-if want small; then
-  echo "== small"
+if want peers; then
+  echo "== peers"
   for pe in $BENCH_SET; do
-    for t in 1 512; do
+    for t in 1 512 4096; do
       p=${pe%%:*}; e=${pe##*:}
-      bench_one . "$p" "$e" "$t" "$PWD/$OUT/small-$p-$t.json" > "$OUT/small-$p-$t.log" 2>&1
-      tail -8 "$OUT/small-$p-$t.log"
+      bench_one . "$p" "$e" "$t" "$PWD/$OUT/peers-$p-$t.json" --peers > "$OUT/peers-$p-$t.log" 2>&1
+      tail -9 "$OUT/peers-$p-$t.log"
     done
   done
 fi

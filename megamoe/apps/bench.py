@@ -8,7 +8,11 @@ Under ``torchrun`` it joins that group; otherwise it spawns ``--world N`` gloo C
 * ratio to the floor (megamoe.apps.perf.layer_floor_seconds; only the experts a rank's rows use are charged), the
   lowest floor over the input sets, a bound for every timed iteration;
 * relative error against the float64 reference on the global batch (each rank evaluates its own experts, the
-  partial sums are all-reduced).
+  partial sums are all-reduced);
+* peak memory (GPU): the most allocated during each mode's eager iterations, with only that backend's layer (and
+  its heap) alive; ``resident_bytes`` is what was allocated before them (weights, heap, inputs).
+``--peers`` (one process) adds HuggingFace transformers' own MoE modules on the same weights and inputs
+(megamoe.apps.peers).
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interleave", action="store_true",
                    help="with --cuda-graph: capture every backend's graph, then replay them in turn (A B C A B C "
                         "...) so clock or temperature drift falls on each alike; holds all graphs at once")
+    p.add_argument("--peers", action="store_true",
+                   help="also time transformers' MoE modules of the preset's architecture (grouped_mm experts) on "
+                        "the same weights and inputs; one process only")
     p.add_argument("--json", default=None, help="write results here (default: benchmarks/results/<auto>.json "
                                                  "on GPU, nothing on CPU)")
     p.add_argument("--seed", type=int, default=0)
@@ -80,6 +87,8 @@ def _defaults(args, on_gpu: bool) -> argparse.Namespace:
         raise ValueError("--cuda-graph needs CUDA GPUs")
     if args.interleave and not args.cuda_graph:
         raise SystemExit("megamoe bench: --interleave orders CUDA-graph replays; it needs --cuda-graph")
+    if args.peers and (args.world or 1) != 1:
+        raise SystemExit("megamoe bench: --peers runs on one process (--world 1)")
     if args.tokens < 0 or args.iters < 1 or args.warmup < 0:
         raise SystemExit("megamoe bench: --tokens must be >= 0, --iters >= 1, --warmup >= 0")
     return args
@@ -251,6 +260,79 @@ def bench_config(args: argparse.Namespace):
     return cfg.replace(max_tokens_per_rank=max(1, args.tokens))  # split/fused size their buffers for this
 
 
+def _eager_entry(spec: str, module, ref_moe, xs, dys, args, timer, device, show: bool) -> dict:
+    """Eager timings of ``module`` (a MoE or a peer: ``module(x).out``), its peak memory per mode and its error
+    against the float64 reference of ``ref_moe``'s routing and weights."""
+    entry: dict = {"backend": spec, "timing": "eager"}
+    cuda = device.type == "cuda"
+    for mode in ("forward", "forward+backward"):
+        times = []
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            entry["resident_bytes"] = torch.cuda.memory_allocated(device)
+        for it in range(args.warmup + args.iters):
+            x = xs[it % len(xs)].detach().requires_grad_()
+            module.zero_grad(set_to_none=True)
+            t0 = timer.start()
+            out = module(x)
+            if mode == "forward+backward":
+                out.out.backward(dys[it % len(dys)])
+            dt = timer.stop(t0)
+            if it >= args.warmup:
+                times.append(dt)
+            _progress(f"{spec} {mode} {it + 1}/{args.warmup + args.iters}", show, step=it > 0)
+            del out
+        entry[mode] = _stats(_max_over_ranks(times, device))
+        entry[mode]["peak_bytes"] = _max_over_ranks([torch.cuda.max_memory_allocated(device)], device)[0] \
+            if cuda else None
+    module.zero_grad(set_to_none=True)
+    if not args.no_check:
+        _progress(f"{spec} reference check", show)
+        with torch.no_grad():
+            y = module(xs[0]).out
+        entry["rel_err"] = _reference_error(ref_moe, xs[0], y)
+    return entry
+
+
+def _free_layer(device) -> None:
+    """Drop what the last backend left cached (heaps, allocator blocks) so the next one's memory is its own."""
+    from megamoe.comm.heap import close_heaps
+
+    close_heaps()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _peers(cfg, args, xs, dys, offset, timer, device, show, results, interleaved) -> None:
+    """--peers: transformers' modules on the torch backend's weights (same seed as every backend), timed as the
+    backends are; under --cuda-graph also graphed (a capture that fails is recorded, not fatal)."""
+    from megamoe.apps.peers import HFPeer
+    from megamoe.layer import MoE
+
+    if offset is not None:
+        raise SystemExit("megamoe bench: --peers with --skew is not supported (the peers route on their own)")
+    ref = MoE(cfg, backend="torch", device=device, seed=args.seed)
+    try:
+        peer = HFPeer(ref)
+    except ValueError as exc:
+        raise SystemExit(f"megamoe bench --peers: {exc}") from None
+    with torch.no_grad():  # the reference check reads the peer's copies, so the peer's memory is its own
+        ref.w13.data, ref.w2.data = peer.experts.gate_up_proj.data, peer.experts.down_proj.data
+    _free_layer(device)
+    results.append(_eager_entry(peer.name, peer, ref, xs, dys, args, timer, device, show))
+    if args.cuda_graph:
+        graphed = {"backend": peer.name, "timing": "cuda-graph", "rel_err": results[-1].get("rel_err")}
+        make = (peer.name, lambda: HFPeer(ref))
+        if args.interleave:
+            graphed["interleaved"] = True
+            interleaved.append((graphed, make))
+        else:
+            graphed.update(_graph_times([make], xs, dys, args, timer, device, show)[0])
+        results.append(graphed)
+    del peer
+
+
 def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
     """The benchmark on one rank of an initialised process group; rank 0 returns the results."""
     from megamoe.backends import available_backends
@@ -288,27 +370,7 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
             dist.all_reduce(counts)
             rows_per_rank = counts.view(len(xs), W, -1).sum(2).tolist()
             experts_per_rank = (counts.view(len(xs), W, -1) > 0).sum(2).tolist()
-        entry = {"backend": spec, "timing": "eager"}
-        for mode in ("forward", "forward+backward"):
-            times = []
-            for it in range(args.warmup + args.iters):
-                x = xs[it % n_sets].detach().requires_grad_()
-                moe.zero_grad(set_to_none=True)
-                t0 = timer.start()
-                out = moe(x)
-                if mode == "forward+backward":
-                    out.out.backward(dys[it % n_sets])
-                dt = timer.stop(t0)
-                if it >= args.warmup:
-                    times.append(dt)
-                _progress(f"{spec} {mode} {it + 1}/{args.warmup + args.iters}", show, step=it > 0)
-                del out
-            entry[mode] = _stats(_max_over_ranks(times, device))
-        if not args.no_check:
-            _progress(f"{spec} reference check", show)
-            with torch.no_grad():
-                y = moe(xs[0]).out
-            entry["rel_err"] = _reference_error(moe, xs[0], y)
+        entry = _eager_entry(spec, moe, moe, xs, dys, args, timer, device, show)
         results.append(entry)
         if args.cuda_graph and getattr(moe.backend, "graph_capturable", False):
             graphed = {"backend": spec, "timing": "cuda-graph", "rel_err": entry.get("rel_err")}
@@ -326,8 +388,9 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
                 graphed.update(_graph_times([(spec, make_moe)], xs, dys, args, timer, device, show)[0])
             results.append(graphed)
         del moe
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        _free_layer(device)
+    if args.peers:
+        _peers(cfg, args, xs, dys, offset, timer, device, show, results, interleaved)
     if interleaved:
         per_backend = _graph_times([m for _, m in interleaved], xs, dys, args, timer, device, show)
         for (graphed, _), modes in zip(interleaved, per_backend, strict=True):
@@ -358,7 +421,7 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
                    "rows_per_rank": rows_per_rank[0], "experts_per_rank": experts_per_rank[0],
                    "rows_per_rank_sets": rows_per_rank, "experts_per_rank_sets": experts_per_rank,
                    "floor": "the lowest over the input sets of the largest rank floor (perf.layer_floor_seconds)",
-                   "fp8_weights": getattr(args, "fp8_weights", "layer"),
+                   "fp8_weights": getattr(args, "fp8_weights", "layer"), "peers": bool(getattr(args, "peers", False)),
                    "interleave": bool(getattr(args, "interleave", False))},
         "timing": "CUDA events (CPU: perf_counter) per iteration after device sync + barrier; "
                   "max over ranks per iteration; median over iterations; entries with interleaved: true were "
@@ -375,7 +438,7 @@ def format_table(report: dict) -> str:
     labels = [e["backend"] + ("/graph" if e.get("timing") == "cuda-graph" else "") for e in report["results"]]
     w = max([8] + [len(label) for label in labels])
     lines = [head, f"{'backend':<{w}} {'fwd ms':>9} {'TFLOP/s':>8} {'x floor':>8} {'fwd+bwd ms':>11} "
-                   f"{'TFLOP/s':>8} {'x floor':>8} {'rel err':>9}"]
+                   f"{'TFLOP/s':>8} {'x floor':>8} {'rel err':>9} {'peak GiB':>8}"]
 
     def fx(v):
         return f"{v:8.2f}" if v is not None else f"{'n/a':>8}"
@@ -383,9 +446,11 @@ def format_table(report: dict) -> str:
     for label, e in zip(labels, report["results"], strict=True):
         f, b = e["forward"], e["forward+backward"]
         err = e.get("rel_err")
+        peak = b.get("peak_bytes")  # forward+backward's, eager entries on a GPU
         lines.append(f"{label:<{w}} {f['median_s'] * 1e3:9.3f} {f['tflops']:8.4g} {fx(f['x_floor'])} "
                      f"{b['median_s'] * 1e3:11.3f} {b['tflops']:8.4g} {fx(b['x_floor'])} "
-                     f"{(f'{err:9.2e}' if err is not None else 'skipped'):>9}")
+                     f"{(f'{err:9.2e}' if err is not None else 'skipped'):>9} "
+                     f"{fx(peak / 2**30 if peak is not None else None)}")
     floor = report["results"][0]["forward"]["floor_s"] if report["results"] else None
     if floor:
         lines.append(f"floor (largest rank floor, measured ceilings): forward {floor * 1e3:.3f} ms, "

@@ -1,0 +1,79 @@
+"""Peers for ``megamoe bench --peers``: HuggingFace transformers' own MoE modules on a megamoe layer's weights.
+
+A peer is the router and experts modules of the preset's architecture in transformers (qwen3_moe for softmax
+presets, mixtral for ``mixtral-8x7b``, deepseek_v3 with one group for sigmoid presets), with the experts
+implementation ``grouped_mm`` (transformers' fastest built-in on a GPU), the layer's router and expert weights copied
+in, run on one process. It computes what HF's block does, except DeepSeek-V3's shared expert, which megamoe's preset
+does not have. gpt-oss's experts (biases, interleaved gate/up, clamped SwiGLU) are not megamoe's preset's: no peer.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+IMPLEMENTATION = "grouped_mm"
+
+
+class PeerOutput(NamedTuple):
+    out: torch.Tensor
+
+
+def _hf_modules(cfg, implementation: str):
+    """(router, experts, family) of transformers for MoEConfig ``cfg``; ValueError names what has no peer."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ValueError("--peers needs transformers (pip install transformers)") from None
+    common = dict(hidden_size=cfg.hidden, moe_intermediate_size=cfg.intermediate, num_experts_per_tok=cfg.top_k,
+                  norm_topk_prob=cfg.norm_topk, hidden_act="silu", experts_implementation=implementation)
+    if cfg.name.startswith("gpt-oss"):
+        raise ValueError("no peer for gpt-oss: megamoe's preset has its shapes, not its expert form")
+    if cfg.router == "sigmoid":
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+        from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
+
+        hf = DeepseekV3Config(n_routed_experts=cfg.num_experts, n_group=1, topk_group=1, n_shared_experts=1,
+                              routed_scaling_factor=cfg.route_scale, **common)
+        return m.DeepseekV3TopkRouter(hf), m.DeepseekV3Experts(hf), "deepseek_v3"
+    if cfg.route_scale != 1.0 or not cfg.norm_topk:
+        raise ValueError("no peer for a softmax router with route_scale != 1 or without top-k renormalisation")
+    if cfg.name.startswith("mixtral"):
+        from transformers.models.mixtral import modeling_mixtral as m
+        from transformers.models.mixtral.configuration_mixtral import MixtralConfig
+
+        common.pop("moe_intermediate_size")
+        common.pop("norm_topk_prob")
+        hf = MixtralConfig(num_local_experts=cfg.num_experts, intermediate_size=cfg.intermediate, **common)
+        return m.MixtralTopKRouter(hf), m.MixtralExperts(hf), "mixtral"
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as m
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+
+    hf = Qwen3MoeConfig(num_experts=cfg.num_experts, **common)
+    return m.Qwen3MoeTopKRouter(hf), m.Qwen3MoeExperts(hf), "qwen3_moe"
+
+
+class HFPeer(nn.Module):
+    """transformers' router + experts for ``moe``'s config with ``moe``'s weights (one process: W must be 1).
+    ``forward(x [T, H])`` -> PeerOutput(out [T, H]) in the layer dtype, as ``MoE.forward``'s ``.out``."""
+
+    def __init__(self, moe, implementation: str = IMPLEMENTATION):
+        super().__init__()
+        if moe.world != 1:
+            raise ValueError(f"peers run on one process; this layer has {moe.world} ranks")
+        self.router, self.experts, self.family = _hf_modules(moe.config, implementation)
+        self.name = f"hf-{self.family}:{implementation}"
+        dt = moe.config.dtype
+        self.to(device=moe.device, dtype=dt)
+        with torch.no_grad():
+            self.router.weight.copy_(moe.router.weight.to(self.router.weight.dtype))
+            self.experts.gate_up_proj.copy_(moe.w13)
+            self.experts.down_proj.copy_(moe.w2)
+            if hasattr(self.router, "e_score_correction_bias"):  # a buffer: kept fp32 as HF's checkpoints hold it
+                self.router.e_score_correction_bias = torch.zeros(moe.config.num_experts, device=moe.device)
+
+    def forward(self, x: torch.Tensor) -> PeerOutput:
+        _, top_w, top_idx = self.router(x)
+        return PeerOutput(self.experts(x, top_idx, top_w))  # the weights as HF's block passes them
