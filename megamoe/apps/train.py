@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from megamoe.apps.data import ByteCorpus
 from megamoe.apps.model import ModelConfig, MoETransformer
 from megamoe.apps.perf import run_metadata, safe_name
+from megamoe.backends import parse_backend
 from megamoe.comm.heap import close_heaps
 from megamoe.config import PRESETS, parse_dtype, preset
 from megamoe.dist import init_from_env, rank_device, spawn, under_torchrun
@@ -56,10 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adam-moments", choices=("fp32", "bf16"), default="fp32",
                    help="dtype of AdamW's moments: bf16 (DeepSeek-V3's recipe, stochastically rounded) moves 20 "
                         "instead of 28 bytes per bf16 parameter per step")
-    p.add_argument("--fp8-quant", choices=("optimizer", "layer"), default="optimizer",
-                   help="FP8 layers (fp8=1): who quantises the expert weights after an update: the optimizer in its "
-                        "pass (MasterAdamW.maintain_fp8), or each layer at its next call (in a CUDA graph: every "
-                        "replay)")
+    p.add_argument("--fp8", action="store_true",
+                   help="also train each listed backend that has an FP8 form (split) in FP8 (fp8=1; the optimizer "
+                        "keeps the FP8 weight copies in its update), after its bf16 run: both loss curves in one PNG")
     p.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms(True) and CUBLAS_WORKSPACE_CONFIG=:4096:8 for the dense "
                         "parts, which otherwise make same-seed GPU runs drift apart; megamoe's kernels are "
@@ -87,8 +87,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def with_fp8(backends: str) -> str:
+    """--fp8: after each split backend without an fp8 option its FP8 twin; with no such backend listed, split and
+    split:fp8=1 are added (FP8 beside the bf16 layer it replaces). Other backends have no FP8 form."""
+    out = []
+    for spec in backends.split(","):
+        name, options = parse_backend(spec)
+        out.append(spec)
+        if name == "split" and "fp8" not in options:
+            out.append(spec + ":fp8=1")
+    if len(out) == len(backends.split(",")):
+        out += ["split", "split:fp8=1"]
+    return ",".join(dict.fromkeys(out))
+
+
 def _defaults(args, on_gpu: bool) -> argparse.Namespace:
     a = argparse.Namespace(**vars(args))
+    if a.fp8:
+        a.backends = with_fp8(a.backends)
     gpu = on_gpu
     a.preset = a.preset or ("qwen3-30b-a3b" if gpu else "tiny")
     a.layers = a.layers or (4 if gpu else 2)
@@ -190,11 +206,9 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     opt = MasterAdamW([replicated, experts], lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
                       moments_dtype=torch.bfloat16 if args.adam_moments == "bf16" else torch.float32)
     fp8_layers = [blk.moe for blk in model.blocks if getattr(blk.moe.backend, "fp8", False)]
-    if args.fp8_quant == "optimizer":  # the update pass refreshes the FP8 weights: the layers never quantise them
-        for moe in fp8_layers:
-            for p, copy in moe.backend.fp8_copies():
-                opt.maintain_fp8(p, copy)
-    fp8_by = None if not fp8_layers else args.fp8_quant
+    for moe in fp8_layers:  # the update pass refreshes the FP8 weights: the layers never quantise them
+        for p, copy in moe.backend.fp8_copies():
+            opt.maintain_fp8(p, copy)
     if graphed:  # after maintain_fp8: a layer whose FP8 copies the optimizer keeps reads them in its graphs
         capture_moe_layers([blk.moe for blk in model.blocks], args.batch * args.seq, autocast)
     expert_names = model.expert_parameter_names()
@@ -261,7 +275,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
         "backend": backend,
         "moe_cuda_graph": graphed,
         "compiled_dense": args.compile,  # torch.compile backend of the dense parts, or None
-        "fp8_weights_quantised_by": fp8_by,  # FP8 layers' weights: "optimizer", "layer" or None (no FP8 layer)
+        "fp8": bool(fp8_layers),  # FP8 layers, their weight copies kept by the optimizer
         "steps_run": end - start,
         "tokens_per_step_per_gpu": tokens_per_step,
         "tokens_per_s_per_gpu": tokens_per_step / med["step"] if med["step"] else None,
