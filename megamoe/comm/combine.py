@@ -137,7 +137,7 @@ def _gather_sum(rows: torch.Tensor, topk_w: torch.Tensor | None, handle: Dispatc
         heap.tab, heap.world, heap.rank, S.REG_ROWS.value, sched.dest_row, sched.dest_rank,
         w if has_w else sched.dest_row, y if T > 0 else heap.tab.new_empty(1).view(sh.dtype),
         T, sh.hidden, heap.timeout_ns,
-        OP=S.OP_COMBINE.value, HAS_W=has_w,
+        OP=S.OP_COMBINE.value if has_w else S.OP_DISPATCH_BWD.value, HAS_W=has_w,
         K=sh.topk, KP2=triton.next_power_of_2(sh.topk), ROWS=rws, BLOCK_H=block_h,
         ALIGNED=(sh.hidden * sh.dtype.itemsize) % 16 == 0, WP2=heap.wp2, SRC_DT=TL_DTYPES[sh.dtype],
         num_warps=warps,

@@ -31,6 +31,7 @@ Backends:
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import mmap
@@ -218,6 +219,7 @@ class SymmetricHeap:
         self._watchdog_stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="megamoe-comm-watchdog", daemon=True)
         self._watchdog.start()
+        atexit.register(self._report_at_exit)
         return bases
 
     def _ranks_share_a_gpu(self) -> bool:
@@ -380,6 +382,12 @@ class SymmetricHeap:
                     os._exit(STOP_EXIT_CODE)
                 return
 
+    def _report_at_exit(self) -> None:
+        """The main thread may end first, on the CUDA error the trap left (not naming anything): name the timeout."""
+        msg = None if self._closed else self._error or self._read_error()
+        if msg is not None:
+            os.write(2, f"megamoe: {msg}\n".encode())
+
     def check(self) -> None:
         """Raise :class:`CommTimeoutError` if a device-side wait of this rank timed out (no device sync)."""
         if self._closed:
@@ -402,6 +410,7 @@ class SymmetricHeap:
         if self._watchdog is not None:
             self._watchdog_stop.set()
             self._watchdog.join(timeout=1.0)
+            atexit.unregister(self._report_at_exit)
         self._views = {}
         if self.backend == "cuda":
             self._handle = None

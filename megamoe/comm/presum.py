@@ -193,7 +193,7 @@ def presum_gather(rows: torch.Tensor, handle: DispatchHandle, gated: bool, num_s
     _rank_gather_kernel[(P,)](
         heap.tab, heap.world, heap.rank, sched.dest_rank, y if T > 0 else heap.tab.new_empty(1).view(sh.dtype),
         T, sh.max_tokens, sh.hidden, heap.timeout_ns,
-        OP=S.OP_COMBINE.value if gated else S.OP_PULL.value, SRC_DT=TL_DTYPES[sh.dtype], **common,
+        OP=S.OP_COMBINE.value if gated else S.OP_DISPATCH_BWD.value, SRC_DT=TL_DTYPES[sh.dtype], **common,
     )
     heap.rows_busy = True  # the peers read this rank's rows until their DONE of this call
     heap.after_launch()

@@ -91,11 +91,12 @@ NUM_REGIONS = 10
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 #: op codes written into the error record
-OPS = {1: "stage", 2: "schedule", 3: "dispatch", 4: "combine", 6: "finish", 8: "fused"}
+OPS = {1: "stage", 2: "schedule", 3: "dispatch", 4: "combine", 5: "dispatch_backward", 6: "finish", 8: "fused"}
 OP_STAGE = tl.constexpr(1)
 OP_SCHEDULE = tl.constexpr(2)
 OP_PULL = tl.constexpr(3)
 OP_COMBINE = tl.constexpr(4)
+OP_DISPATCH_BWD = tl.constexpr(5)
 OP_FINISH = tl.constexpr(6)
 OP_FUSED = tl.constexpr(8)
 PURPOSES = {0: "READY", 1: "DONE", 2: "DW_DONE", 3: "TILE"}  # TILE: a local tile counter of the fused kernel
