@@ -55,8 +55,8 @@ def wait_counter(ptr, target, tab, W, rank, call, timeout_ns):
             elapsed = now_ns() - t0
         if (seen < target) & (errv == 0):
             record_timeout(tab, W, rank, OP_FUSED, call, rank, target, seen, PURPOSE_TILE)
-        if seen < target:
-            fail_stop(tab, W, rank)
+    if seen < target:  # this wait timed out, or an earlier one did
+        fail_stop(tab, W, rank)
     tl.debug_barrier()
     return seen >= target
 
