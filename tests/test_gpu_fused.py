@@ -184,3 +184,92 @@ def test_fused_triton_items_sync_free_and_graph_capturable():
     for r in spawn(_triton_step_checks, gpu_world(4, 2) or NGPU, device="cuda", timeout_s=600):
         assert r["graph_out_equal"], "graph replay output differs from eager"
         assert r["graph_w_equal"], "graph replay parameters differ from eager"
+
+
+# ------------------------------------------------------------------------------ residency (comm/signals.py)
+# No kernel waits for programs that may not be resident: with twice as many megakernel programs as SMs, and with
+# another stream's kernel holding most SMs, the layer completes with the same bits.
+
+
+def _occupier():
+    """A Triton kernel of 1024 threads per program that spins until ``*flag != 0`` (bounded by ``limit_ns``) and
+    records its SM: launched on a side stream, it holds the SMs it lands on."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def spin(flag_ptr, sm_ptr, out_ptr, limit_ns):
+        t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                       pack=1)
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.store(sm_ptr + tl.program_id(0), sm)
+        seen = tl.load(flag_ptr, volatile=True)
+        now = t0
+        while (seen == 0) & (now - t0 < limit_ns):
+            seen = tl.load(flag_ptr, volatile=True)
+            now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                            is_pure=False, pack=1)
+        tl.store(out_ptr + tl.program_id(0), seen)  # 0: it ran out its time (the layer did not finish under it)
+
+    return spin
+
+
+def _residency(rank: int, world: int) -> dict:
+    import os
+    import sys
+    import time
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_fused_backend import fused_config
+
+    from megamoe import preset
+
+    dev = rank_device()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    cfg = preset("qwen3-30b-a3b", num_experts=qwen3_experts(world), max_tokens_per_rank=1024)
+    run = dict(cfg=cfg, tokens=1024, device=dev, input_seed=rank, weight_seed=5)
+    base = layer_runs(specs=[("fused", {})], **run)[0]
+    out = {}
+    with fused_config(programs=2 * sms) as made:  # more programs than can ever be resident
+        out["2x_programs"] = compare_runs(layer_runs(specs=[("fused", {})], **run)[0], base)
+    out["programs"] = made[0].programs if made else None
+    # most SMs held by a kernel on another stream: two 1024-thread programs per SM fill an SM's threads; the
+    # scheduler places one per SM first, so 2 * (sms - 8) programs leave some SMs with room for the layer
+    spin = _occupier()
+    n = 2 * (sms - 8)
+    flag = torch.zeros(1, dtype=torch.int32, device=dev)
+    where = torch.full((n,), -1, dtype=torch.int32, device=dev)
+    ended = torch.zeros(n, dtype=torch.int32, device=dev)
+    side = torch.cuda.Stream(dev)
+    torch.cuda.synchronize(dev)
+    t0 = time.monotonic()
+    with torch.cuda.stream(side):
+        spin[(n,)](flag, where, ended, 30 * 10**9, num_warps=32)
+    time.sleep(0.5)  # the occupier is resident before the layer starts
+    held = layer_runs(specs=[("fused", {})], **run)[0]
+    flag.fill_(1)  # on the layer's stream: only once the layer is done
+    torch.cuda.synchronize(dev)
+    out["held"] = compare_runs(held, base)
+    out["held_s"] = time.monotonic() - t0
+    out["occupier_released_by_flag"] = bool((ended == 1).all())
+    out["sms_held"] = len(set(where.tolist()))
+    return out
+
+
+def _check_residency(results) -> None:
+    for r in results:
+        assert r["programs"] is not None, r
+        for key in ("2x_programs", "held"):
+            assert all(v[0] for v in r[key].values()), (key, r[key])
+        assert r["occupier_released_by_flag"] and r["held_s"] < 20, r  # the layer finished under the occupier
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs a GPU")
+def test_fused_completes_with_more_programs_than_resident_one_rank():
+    _check_residency(spawn(_residency, 1, device="cuda", timeout_s=600))
+
+
+@pytest.mark.skipif(not gpu_ranks_possible(2), reason="needs 2 GPUs or MEGAMOE_SHARE_GPUS=1")
+def test_fused_completes_with_more_programs_than_resident_two_ranks():
+    # with MEGAMOE_SHARE_GPUS=1 on one GPU: the two ranks' kernels share its SMs as well
+    _check_residency(spawn(_residency, 2, device="cuda", timeout_s=900))

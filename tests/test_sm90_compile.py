@@ -224,3 +224,20 @@ def test_no_kernel_is_specialised_per_rank(rep):
     # rank 1, a multiple of 16 on rank 0), so every rank of a job compiles its own copy
     own = {k: v["layer"] for k, v in rep.items() if v["rank"] > 0}
     assert not own, f"kernels rank 1 compiled that rank 0 did not (an argument specialised per rank?): {own}"
+
+
+def test_flags_published_after_a_cta_barrier(rep):
+    # the stage kernel's token count is stored by one thread and READY published by the lanes (one per peer): a
+    # bar.sync between them, or the peers may read a stale count (megamoe.testing.sm90.unfenced_publishes)
+    assert any(k.startswith("_stage_kernel") for k in rep)
+    bad = {k: v["unfenced_publishes"] for k, v in rep.items() if v["unfenced_publishes"]}
+    assert not bad, f"flags published with no CTA barrier after another thread's store: {bad}"
+
+
+def test_every_bounded_wait_traps(rep):
+    # fail-stop: a kernel whose wait fails traps (comm/signals.fail_stop) rather than going on with unwritten inputs
+    waits = {k for k, v in rep.items() if v["bounded_waits"]}
+    assert any(k.startswith("_fused_fwd_kernel") for k in waits) and any(k.startswith("_gluon_fused_fwd_kernel")
+                                                                          for k in waits)
+    no_trap = sorted(k for k in waits if not rep[k]["traps"])
+    assert not no_trap, f"kernels with bounded waits but no trap: {no_trap}"

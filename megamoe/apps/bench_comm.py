@@ -56,7 +56,7 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
 
     from megamoe.comm import CommShape, SymmetricHeap, combine, dispatch
     from megamoe.comm.dispatch import pull_rows
-    from megamoe.comm.schedule import build_schedule
+    from megamoe.comm.schedule import build_schedule, schedule_buffers
 
     cfg = CONFIGS[name]
     H, E, k = cfg["hidden"], cfg["num_experts"], cfg["topk"]
@@ -141,7 +141,8 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
         add("dispatch", sms, us, smp, disp_bytes)
         us, smp = _time(lambda sms=sms: dispatch(x, idx, heap, num_sms=sms, recv=recv), iters, warmup)
         add("dispatch+copy", sms, us, smp, disp_bytes)
-        us, smp = _time(lambda: build_schedule(heap), iters, warmup)
+        sb = schedule_buffers(heap)
+        us, smp = _time(lambda sb=sb: build_schedule(heap, sb), iters, warmup)
         add("schedule", sms, us, smp, 0)
         g = graph_of(lambda sms=sms: disp(sms))
         us, smp = _time(g.replay, iters, warmup)

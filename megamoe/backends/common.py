@@ -41,10 +41,11 @@ POISON_PADDING = False
 
 
 def heap_rows(heap, shape, dtype) -> torch.Tensor | None:
-    """``heap.rows_buffer()`` if it has this shape and dtype, else None. A GEMM writing there (GEMM2, GEMM1's dgrad)
-    saves combine's / dispatch_backward's staging copy; why that is safe: comm/signals.py, "What each wait guards"."""
+    """``heap.rows_buffer()`` if it has this shape and dtype and no peer may still read it (``heap.rows_busy``), else
+    None. A GEMM writing there (GEMM2, GEMM1's dgrad) saves combine's / dispatch_backward's staging copy; why that is
+    safe: comm/signals.py, "What each wait guards"."""
     rb = heap.rows_buffer()
-    return rb if tuple(rb.shape) == tuple(shape) and rb.dtype == dtype else None
+    return rb if tuple(rb.shape) == tuple(shape) and rb.dtype == dtype and not heap.rows_busy else None
 
 
 def dgrad_buffer(recv: torch.Tensor, heap=None) -> torch.Tensor:

@@ -23,6 +23,7 @@ Options (docs/performance.md has the measurements behind each default):
                       buffers); the backward recomputes the rows
     comm_sms=None     programs of the staging and backward communication kernels (None: every SM)
     timeout_s=60      bound of every device-side wait; a peer that never signals raises CommTimeoutError
+                      (on a GPU the kernel traps and the process stops: docs/design.md, "Fail-stop")
 
 Capacity: no token is ever dropped: dense buffers hold the worst case (every token of every rank routed here); a ring
 cycles as many times as the routing needs. The symmetric heap adds a [T_max, k, H] slot buffer per rank

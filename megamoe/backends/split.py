@@ -22,6 +22,7 @@ Options (measurements in docs/performance.md):
                           NVLink instead of one per slot
     comm_sms=None         programs of the communication kernels (None: every SM; fewer leave SMs to another stream)
     timeout_s=60          bound of every device-side wait; a peer that never signals raises CommTimeoutError
+                          (on a GPU the kernel traps and the process stops: docs/design.md, "Fail-stop")
 """
 
 from __future__ import annotations

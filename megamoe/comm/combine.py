@@ -127,20 +127,22 @@ def _gather_sum(rows: torch.Tensor, topk_w: torch.Tensor | None, handle: Dispatc
     P = max(1, int(num_sms or handle.num_sms))
     if topk_w is not None and tuple(topk_w.shape) != (T, sh.topk):
         raise ValueError(f"topk_w must be [T={T}, k={sh.topk}], got {tuple(topk_w.shape)}")
+    y = torch.empty(T, sh.hidden, dtype=out_dtype or sh.dtype, device=heap.device)  # before READY is published
+    w = topk_w.contiguous() if topk_w is not None else None
     _stage_rows(heap, rows, P, handle.offs[-1:])
-    y = torch.empty(T, sh.hidden, dtype=out_dtype or sh.dtype, device=heap.device)
     rws, block_h, warps = S.launch_config(sh.hidden, "gather")
     has_w = topk_w is not None
     sched = handle.schedule
     _gather_sum_kernel[(P,)](
         heap.tab, heap.world, heap.rank, S.REG_ROWS.value, sched.dest_row, sched.dest_rank,
-        topk_w.contiguous() if has_w else sched.dest_row, y if T > 0 else heap.tab.new_empty(1).view(sh.dtype),
+        w if has_w else sched.dest_row, y if T > 0 else heap.tab.new_empty(1).view(sh.dtype),
         T, sh.hidden, heap.timeout_ns,
-        OP=S.OP_COMBINE.value, HAS_W=has_w,
+        OP=S.OP_COMBINE.value if has_w else S.OP_DISPATCH_BWD.value, HAS_W=has_w,
         K=sh.topk, KP2=triton.next_power_of_2(sh.topk), ROWS=rws, BLOCK_H=block_h,
         ALIGNED=(sh.hidden * sh.dtype.itemsize) % 16 == 0, WP2=heap.wp2, SRC_DT=TL_DTYPES[sh.dtype],
         num_warps=warps,
     )
+    heap.rows_busy = True  # the peers read this rank's rows until their DONE of this call
     heap.after_launch()
     return y
 
@@ -183,8 +185,8 @@ def stage_grad(heap, dy: torch.Tensor, topk_w: torch.Tensor, programs: int) -> N
     """Open a new call: dy [T, H] into this rank's ``tok`` region and topk_w [T, k] (as fp32) into ``w``, for
     the expert ranks' pull of w * dy (combine's backward, and the fused backend's backward)."""
     w32 = topk_w.to(torch.float32).contiguous().view(torch.int32)
-    S.stage(heap, act=dy.contiguous(), act_reg=S.REG_TOK.value, small=w32, small_reg=S.REG_W.value,
-            ntok=-1, programs=programs)
+    act = dy.contiguous()
+    S.stage(heap, act=act, act_reg=S.REG_TOK.value, small=w32, small_reg=S.REG_W.value, ntok=-1, programs=programs)
 
 
 def _grad_call(dy: torch.Tensor, topk_w: torch.Tensor, handle: DispatchHandle, num_sms: int | None):
@@ -231,9 +233,9 @@ def pull_grad(dy: torch.Tensor, topk_w: torch.Tensor, handle: DispatchHandle,
     dy_rows[r] = dy_s[t] (unscaled), gate[r] = topk_w_s[t, j] for every received row r = (s, t, j) (rows >= R
     unwritten). The caller sends d(topk_w) home with :func:`send_gate_grad`, which closes the call."""
     heap, sh, T, P = _grad_call(dy, topk_w, handle, num_sms)
-    stage_grad(heap, dy, topk_w, P)
-    rows = row_buffer((sh.rows_cap, sh.hidden), sh.dtype, heap.device)
+    rows = row_buffer((sh.rows_cap, sh.hidden), sh.dtype, heap.device)  # before READY is published
     gate = row_buffer((sh.rows_cap,), torch.float32, heap.device)
+    stage_grad(heap, dy, topk_w, P)
     pull_rows(heap, handle.schedule, rows, P, gate=gate)
     return rows, gate
 
@@ -252,12 +254,12 @@ def send_gate_grad(ds: torch.Tensor, handle: DispatchHandle, num_sms: int | None
                          f"receive row), got {tuple(ds.shape)} {ds.dtype}")
     E_l = sh.local_experts
     block = 1024
+    grad_w = torch.empty(T, sh.topk, dtype=torch.float32, device=heap.device)  # before DW_DONE is published
     _send_dw_kernel[(max(1, min(P, triton.cdiv(sh.rows_cap, block))),)](
         heap.tab, heap.world, heap.rank, sched.offs, E_l, sched.row_src, sched.row_tok, sched.row_slot, ds,
         K=sh.topk, BLOCK=block, WP2=heap.wp2,
     )
     heap.after_launch()
-    grad_w = torch.empty(T, sh.topk, dtype=torch.float32, device=heap.device)
     S.finish(heap, S.REG_DW.value, grad_w if T > 0 else heap.tab.new_empty(1).view(torch.float32), T * sh.topk, P,
              purpose=DW_DONE.value)
     return grad_w

@@ -28,7 +28,7 @@ from megamoe.kernels.interpreter import row_buffer
 
 from . import signals as S
 from .heap import SymmetricHeap
-from .schedule import Schedule, build_schedule
+from .schedule import Schedule, build_schedule, schedule_buffers
 from .signals import (
     ARRIVE_WORK,
     DONE,
@@ -194,17 +194,23 @@ def _pull_kernel(
             publish(tab, W, rank, DONE, call, WP2)
 
 
+def check_pull(heap: SymmetricHeap, dst: torch.Tensor, width: int | None = None) -> int:
+    """:func:`pull_rows`'s checks (callers run them before staging): the elements moved per row."""
+    hp = heap.shape.hidden if width is None else int(width)
+    if not 0 < hp <= heap.shape.hidden:
+        raise ValueError(f"pull_rows: width must be in (0, H={heap.shape.hidden}], got {width}")
+    if tuple(dst.shape[1:]) != (hp,) or dst.stride(-1) != 1:
+        raise ValueError(f"pull_rows: dst must be [R_cap, {hp}] with unit inner stride, got {tuple(dst.shape)}")
+    return hp
+
+
 def pull_rows(heap: SymmetricHeap, sched: Schedule, dst: torch.Tensor, programs: int,
               gate: torch.Tensor | None = None, width: int | None = None) -> None:
     """Launch :func:`_pull_kernel`: dst[r] = tok_s[t][:width] for every received row r = (s, t, j) (x in dispatch,
     dy in pull_grad). gate: fp32 [R_cap] to fill with each row's gate (staged in ``w``). width: elements moved per
     row (default H; dispatch_fp8's packed rows are narrower)."""
     sh = heap.shape
-    hp = sh.hidden if width is None else int(width)
-    if not 0 < hp <= sh.hidden:
-        raise ValueError(f"pull_rows: width must be in (0, H={sh.hidden}], got {width}")
-    if tuple(dst.shape[1:]) != (hp,) or dst.stride(-1) != 1:
-        raise ValueError(f"pull_rows: dst must be [R_cap, {hp}] with unit inner stride, got {tuple(dst.shape)}")
+    hp = check_pull(heap, dst, width)
     rows, block_h, warps = S.launch_config(sh.hidden, "pull")
     _pull_kernel[(programs,)](
         heap.tab, heap.world, heap.rank, S.REG_TOK.value, sched.recv_row, sched.tokens_per_rank, dst,
@@ -237,17 +243,21 @@ def _check_inputs(heap: SymmetricHeap, x: torch.Tensor, topk_idx: torch.Tensor,
 
 
 def stage_and_schedule(heap: SymmetricHeap, x: torch.Tensor, topk_idx: torch.Tensor, programs: int,
-                       topk_w: torch.Tensor | None = None):
+                       topk_w: torch.Tensor | None = None, sched: Schedule | None = None):
     """Stage x [T, H] (unless it is the heap's tokens buffer), the top-k ids (and gates), publish READY, and return
-    the device-side schedule: the first half of :func:`dispatch` and the megakernel's preamble (inputs checked)."""
+    the device-side schedule: the first half of :func:`dispatch` and the megakernel's preamble (inputs checked; the
+    caller has allocated everything the call needs, ``sched`` from schedule_buffers included, since an error between
+    the READY published here and the call's last kernel would leave every peer waiting for this rank's DONE)."""
     T = x.shape[0]
     tok = heap.tokens_buffer()
     in_place = T > 0 and x.data_ptr() == tok.data_ptr() and x.stride() == (heap.shape.hidden, 1)
     w32 = None if topk_w is None else topk_w.to(torch.float32).contiguous().view(torch.int32)
-    S.stage(heap, act=None if in_place else x.contiguous(), act_reg=S.REG_TOK.value,
-            small=topk_idx.to(torch.int32).contiguous(), small_reg=S.REG_IDX.value, ntok=T, programs=programs,
-            small2=w32, small2_reg=S.REG_W.value)
-    return build_schedule(heap)
+    act = None if in_place else x.contiguous()
+    ids = topk_idx.to(torch.int32).contiguous()
+    sched = sched if sched is not None else schedule_buffers(heap)
+    S.stage(heap, act=act, act_reg=S.REG_TOK.value, small=ids, small_reg=S.REG_IDX.value, ntok=T,
+            programs=programs, small2=w32, small2_reg=S.REG_W.value)
+    return build_schedule(heap, sched)
 
 
 def dispatch(
@@ -273,11 +283,12 @@ def _stage_and_pull(heap: SymmetricHeap, payload: torch.Tensor, T: int, topk_idx
     """:func:`dispatch` / :func:`dispatch_fp8` after their checks: payload [T, width] -> recv [R_cap, width]."""
     sh = heap.shape
     P = max(1, int(num_sms or heap.num_sms))
-    sched = stage_and_schedule(heap, payload, topk_idx, P, topk_w)
     width = payload.shape[1]
-    if recv is None:
+    if recv is None:  # every allocation and check before the stage publishes READY
         recv = row_buffer((sh.rows_cap, width), sh.dtype, heap.device)
+    check_pull(heap, recv, width)
     gate = None if topk_w is None else row_buffer((sh.rows_cap,), torch.float32, heap.device)
+    sched = stage_and_schedule(heap, payload, topk_idx, P, topk_w)
     pull_rows(heap, sched, recv, P, gate=gate, width=width)
     return recv, DispatchHandle(heap=heap, num_tokens=T, schedule=sched, offs=sched.offs, num_sms=P,
                                 row_gate=gate)
@@ -337,5 +348,5 @@ def dispatch_fp8(
     return (*fp8_row_views(recv, H), handle)
 
 
-__all__ = ["DispatchHandle", "dispatch", "dispatch_fp8", "fp8_row_layout", "fp8_row_views",
+__all__ = ["DispatchHandle", "check_pull", "dispatch", "dispatch_fp8", "fp8_row_layout", "fp8_row_views",
            "fp8_rows_fit", "pack_fp8_rows", "pull_rows", "stage_and_schedule"]

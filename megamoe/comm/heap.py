@@ -22,14 +22,16 @@ Its size is known before anything is allocated (:func:`heap_bytes`), logged, all
 Backends:
 * ``cuda``: ``torch.distributed._symmetric_memory``: one uint8 allocation, ``rendezvous`` once, peer addresses from
   ``handle.buffer_ptrs``. The error record is pinned host memory that a watchdog thread polls, so the host learns of
-  a timeout without synchronising. Ranks sharing a GPU (``MEGAMOE_SHARE_GPUS=1``, which torch's symmetric memory
-  refuses) map ordinary allocations through CUDA IPC instead.
+  a timeout without synchronising; the kernel that timed out traps, and the watchdog stops the process. Ranks
+  sharing a GPU (``MEGAMOE_SHARE_GPUS=1``, which torch's symmetric memory refuses) map ordinary allocations through
+  CUDA IPC instead.
 * ``host``: one POSIX shared-memory file per rank in /dev/shm, mapped by every CPU rank (unlinked once all have
   mapped them, so a crash leaks nothing); the same Triton kernels run under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import mmap
@@ -44,14 +46,14 @@ import torch
 import torch.distributed as dist
 
 from . import signals as S
+from .signals import CommTimeoutError
 
 log = logging.getLogger("megamoe.comm")
 
 _ALIGN = 256
-
-
-class CommTimeoutError(RuntimeError):
-    """A device-side wait ran out: names the op, call number, rank, and the peer that never signalled."""
+#: seconds the watchdog leaves the main thread to raise a recorded timeout before it stops the process, and its code
+STOP_GRACE_S = 2.0
+STOP_EXIT_CODE = 75
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,9 @@ class SymmetricHeap:
         self.layout, self.nbytes = _layout(shape)
         self._closed = False
         self._error: str | None = None
+        #: peers may still read this rank's ``rows`` (a gather of them is enqueued and no stage kernel since): only a
+        #: stage kernel writes ``rows`` then (rows_buffer). Host-side, in enqueue order, so no sync and graph-safe.
+        self.rows_busy = False
         self._maps: list = []
         self._watchdog = None
         if backend == "cuda":
@@ -214,6 +219,7 @@ class SymmetricHeap:
         self._watchdog_stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="megamoe-comm-watchdog", daemon=True)
         self._watchdog.start()
+        atexit.register(self._report_at_exit)
         return bases
 
     def _ranks_share_a_gpu(self) -> bool:
@@ -317,8 +323,8 @@ class SymmetricHeap:
 
     def rows_buffer(self) -> torch.Tensor:
         """[R_cap, H] symmetric buffer: let the expert GEMM write here and combine skips its staging copy. Peers
-        read it during combine / dispatch_backward; writing it after the next dispatch (or pull_grad) has been
-        enqueued is safe: signals.py, "What each wait guards"."""
+        read it during combine / dispatch_backward; a write from any kernel that is no stage kernel is safe once
+        ``rows_busy`` is False (a stage kernel enqueued since: signals.py, "What each wait guards")."""
         return self._views["rows"]
 
     def peer_ptrs(self, name: str) -> torch.Tensor:
@@ -363,12 +369,24 @@ class SymmetricHeap:
         )
 
     def _watch(self) -> None:
+        """CUDA: the kernel that recorded a timeout trapped (signals.fail_stop), so the context is lost and the main
+        thread may be blocked (a graph replay, a collective with the dead peer). Like NCCL's watchdog, stop the
+        process with the record's message, after STOP_GRACE_S in which the main thread may raise it itself."""
         while not self._watchdog_stop.wait(0.05):
             msg = self._read_error()
             if msg is not None:
                 self._error = msg
                 log.error("%s", msg)
+                if not self._watchdog_stop.wait(STOP_GRACE_S):
+                    os.write(2, f"megamoe: stopping the process: {msg}\n".encode())
+                    os._exit(STOP_EXIT_CODE)
                 return
+
+    def _report_at_exit(self) -> None:
+        """The main thread may end first, on the CUDA error the trap left (not naming anything): name the timeout."""
+        msg = None if self._closed else self._error or self._read_error()
+        if msg is not None:
+            os.write(2, f"megamoe: {msg}\n".encode())
 
     def check(self) -> None:
         """Raise :class:`CommTimeoutError` if a device-side wait of this rank timed out (no device sync)."""
@@ -392,6 +410,7 @@ class SymmetricHeap:
         if self._watchdog is not None:
             self._watchdog_stop.set()
             self._watchdog.join(timeout=1.0)
+            atexit.unregister(self._report_at_exit)
         self._views = {}
         if self.backend == "cuda":
             self._handle = None

@@ -181,17 +181,20 @@ def presum_gather(rows: torch.Tensor, handle: DispatchHandle, gated: bool, num_s
     common = dict(K=K, KP2=triton.next_power_of_2(K), ROWS=rws, BLOCK_H=block_h, ALIGNED=aligned, WP2=heap.wp2,
                   num_warps=warps)
     heap.check()
+    y = torch.empty(T, sh.hidden, dtype=out_dtype or sh.dtype, device=heap.device)  # before READY is published
+    rows = rows.contiguous()
     _presum_stage_kernel[(P,)](
-        heap.tab, heap.world, heap.rank, rows.contiguous(), handle.row_gate if gated else rows,
+        heap.tab, heap.world, heap.rank, rows, handle.row_gate if gated else rows,
         sched.recv_row, sched.tokens_per_rank, sh.max_tokens, sh.hidden, heap.timeout_ns,
         HAS_GATE=gated, **common,
     )
+    heap.rows_busy = False  # a stage kernel (waited for DONE of every earlier call from every peer)
     heap.after_launch()
-    y = torch.empty(T, sh.hidden, dtype=out_dtype or sh.dtype, device=heap.device)
     _rank_gather_kernel[(P,)](
         heap.tab, heap.world, heap.rank, sched.dest_rank, y if T > 0 else heap.tab.new_empty(1).view(sh.dtype),
         T, sh.max_tokens, sh.hidden, heap.timeout_ns,
-        OP=S.OP_COMBINE.value if gated else S.OP_PULL.value, SRC_DT=TL_DTYPES[sh.dtype], **common,
+        OP=S.OP_COMBINE.value if gated else S.OP_DISPATCH_BWD.value, SRC_DT=TL_DTYPES[sh.dtype], **common,
     )
+    heap.rows_busy = True  # the peers read this rank's rows until their DONE of this call
     heap.after_launch()
     return y

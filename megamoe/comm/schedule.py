@@ -57,6 +57,7 @@ class Schedule:
     row_tok: torch.Tensor
     row_slot: torch.Tensor
     tokens_per_rank: torch.Tensor
+    scratch: tuple = ()  # the kernels' working tables (cnt [W, NCH, E], tot [W, E], base [W, E])
 
 
 @triton.jit(do_not_specialize=["rank"])
@@ -203,20 +204,15 @@ def chunk_tokens(topk: int) -> int:
     return max(1, 128 // triton.next_power_of_2(topk))
 
 
-def build_schedule(heap) -> Schedule:
-    """Launch the schedule kernels for the call the last :func:`signals.stage` opened (ids in ``idx``)."""
+def schedule_buffers(heap) -> Schedule:
+    """The tables of one call's schedule, allocated (unwritten): before the call is staged, so that running out of
+    memory cannot leave a published call without its kernels."""
     sh = heap.shape
     W, T_max, K, E, E_l = sh.world, sh.max_tokens, sh.topk, sh.num_experts, sh.local_experts
     dev = heap.device
-    KP2 = triton.next_power_of_2(K)
-    CH = chunk_tokens(K)
-    NCH = triton.cdiv(T_max, CH)
-    EP2 = triton.next_power_of_2(E)
+    NCH = triton.cdiv(T_max, chunk_tokens(K))
     i32 = dict(dtype=torch.int32, device=dev)
-    cnt = torch.empty(W, NCH, E, **i32)
-    tot = torch.empty(W, E, **i32)
-    base = torch.empty(W, E, **i32)
-    sched = Schedule(
+    return Schedule(
         recv_row=torch.empty(W, T_max, K, **i32),
         dest_row=torch.empty(T_max, K, **i32),
         dest_rank=torch.empty(T_max, K, **i32),
@@ -226,7 +222,20 @@ def build_schedule(heap) -> Schedule:
         row_tok=torch.empty(sh.rows_cap, **i32),
         row_slot=torch.empty(sh.rows_cap, **i32),
         tokens_per_rank=torch.empty(W, dtype=torch.int64, device=dev),
+        scratch=(torch.empty(W, NCH, E, **i32), torch.empty(W, E, **i32), torch.empty(W, E, **i32)),
     )
+
+
+def build_schedule(heap, sched: Schedule) -> Schedule:
+    """Launch the schedule kernels into ``sched`` (:func:`schedule_buffers`) for the call the last
+    :func:`signals.stage` opened (ids in ``idx``)."""
+    sh = heap.shape
+    W, T_max, K, E, E_l = sh.world, sh.max_tokens, sh.topk, sh.num_experts, sh.local_experts
+    KP2 = triton.next_power_of_2(K)
+    CH = chunk_tokens(K)
+    NCH = triton.cdiv(T_max, CH)
+    EP2 = triton.next_power_of_2(E)
+    cnt, tot, base = sched.scratch
     _hist_kernel[(W, NCH)](
         heap.tab, W, heap.rank, cnt, T_max, NCH, E, heap.timeout_ns,
         K=K, KP2=KP2, CH=CH, EP2=EP2, WP2=heap.wp2, num_warps=4,
@@ -246,4 +255,4 @@ def build_schedule(heap) -> Schedule:
     return sched
 
 
-__all__ = ["Schedule", "build_schedule", "chunk_tokens"]
+__all__ = ["Schedule", "build_schedule", "chunk_tokens", "schedule_buffers"]

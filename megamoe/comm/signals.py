@@ -14,11 +14,14 @@ Protocol of one op (call s), every rank running the same sequence of ops:
                          last program to arrive: publish DONE=s into every peer's flags[DONE, me]
     finish (optional):   wait flags[DONE, p] >= s (only where peers *write* into my memory)
 
-What each wait guards. The stage's DONE wait covers the ops whose work phase finishes its reads of peers' memory before
-publishing DONE (send_gate_grad writes peers' memory and publishes DW_DONE instead). Writers of ``rows`` that are no
-stage kernel (GEMM2's output in the split forward, d_recv in the backward: backends/common.heap_rows and dgrad_buffer)
-follow a wait for a *later* call's READY from every peer (``_pull_kernel``, the schedule kernel, the megakernel's
-entry): a peer publishes that READY from its stage kernel, after all its earlier kernels finished, its reads included.
+What each wait guards. The stage's DONE wait: no peer still reads any of my regions from an earlier call (a peer
+publishes DONE of call n at the end of its work kernel, after its reads of call n and, by stream order, of every
+earlier call); send_gate_grad writes peers' memory and publishes DW_DONE instead, awaited by finish. DONE is thus also
+the "every peer finished reading ``rows``" flag: writers of ``rows`` that are no stage kernel (GEMM2's output in the
+split forward, d_recv in the backward: backends/common.heap_rows and dgrad_buffer) write only while the host-side
+``heap.rows_busy`` is False, i.e. once a stage kernel has been enqueued after the last gather of ``rows`` (set by the
+gather launchers, cleared by the stage launchers; in enqueue order, so no sync and the same under graph capture).
+The work kernels' READY wait: the peer's sources of this call are staged.
 
 Polling uses acquire loads (``ld.acquire.sys`` on the GPU, a volatile ``tl.load`` in the interpreter), never an atomic
 read-modify-write (38 us against 7-8 us per round trip). Publishing is one ``atomic_xchg(sem="release", scope="sys")``
@@ -26,9 +29,16 @@ per peer slot.
 
 Bounded waits read a clock (``%globaltimer``; under the interpreter a Python helper that also sleeps 100 us per poll
 so spinning ranks leave the CPU to the others). After ``timeout_ns`` the waiting program claims the rank's error
-record with one compare-and-swap, writes (op, call, rank, peer, expected, seen, purpose) and exits; every later wait
-sees it and returns at once. The record is host-visible (pinned host memory, or the ``host`` backend's shared
-segment), so the host reads it without synchronising the device (SymmetricHeap.check).
+record with one compare-and-swap and writes (op, call, rank, peer, expected, seen, purpose). The record is
+host-visible (pinned host memory, or the ``host`` backend's shared segment), so the host reads it without
+synchronising the device (SymmetricHeap.check).
+
+Fail-stop: a wait that fails (its own timeout, or the record already set by another wait) never lets its kernel go
+on. On a GPU it executes ``trap`` once the record is complete (:func:`fail_stop`): the kernel aborts and the CUDA
+context is lost, so no later kernel of the process (the rest of the step, the optimizer, a replayed graph) computes
+on rows that never arrived, and the heap's watchdog stops the process with the record's message. Under the
+interpreter the launch runs to its end with the failed programs' work skipped and the launcher raises
+``CommTimeoutError`` as soon as it returns (SymmetricHeap.after_launch), before any output reaches the caller.
 
 The call counter ``ctrl[SEQ]`` lives on the device and is bumped by the stage kernel, so a captured CUDA graph replays
 with fresh call numbers.
@@ -81,16 +91,21 @@ NUM_REGIONS = 10
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 #: op codes written into the error record
-OPS = {1: "stage", 2: "schedule", 3: "dispatch", 4: "combine", 6: "finish", 8: "fused"}
+OPS = {1: "stage", 2: "schedule", 3: "dispatch", 4: "combine", 5: "dispatch_backward", 6: "finish", 8: "fused"}
 OP_STAGE = tl.constexpr(1)
 OP_SCHEDULE = tl.constexpr(2)
 OP_PULL = tl.constexpr(3)
 OP_COMBINE = tl.constexpr(4)
+OP_DISPATCH_BWD = tl.constexpr(5)
 OP_FINISH = tl.constexpr(6)
 OP_FUSED = tl.constexpr(8)
 PURPOSES = {0: "READY", 1: "DONE", 2: "DW_DONE", 3: "TILE"}  # TILE: a local tile counter of the fused kernel
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class CommTimeoutError(RuntimeError):
+    """A device-side wait ran out: names the op, call number, rank, and the peer that never signalled."""
 
 
 def _host_now_ns():
@@ -111,6 +126,11 @@ if INTERPRET:
         """Acquire load of int64 ``ptr`` (interpreter: a volatile load; programs run one by one)."""
         return tl.load(ptr, volatile=True)
 
+    @triton.jit
+    def trap():
+        """Interpreter: nothing here; the launcher raises once the launch returns (SymmetricHeap.after_launch)."""
+        return 0
+
 else:
 
     @triton.jit
@@ -126,6 +146,13 @@ else:
         return tl.inline_asm_elementwise(
             "ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64, is_pure=False, pack=1
         )
+
+    @triton.jit
+    def trap():
+        """``membar.sys; trap``: this thread's writes (the error record) leave the SM, then the kernel aborts and the
+        CUDA context is lost: no later kernel of this process runs."""
+        return tl.inline_asm_elementwise("membar.sys; trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                         is_pure=False, pack=1)
 
 
 @triton.jit
@@ -163,8 +190,22 @@ def wait_flags(tab, W, rank, purpose, lo, hi, expected, op, timeout_ns, WP2: tl.
         peer = tl.min(tl.where(seen < expected, offs, WP2), axis=0)
         got = tl.sum(tl.where(offs == peer, seen, 0), axis=0)
         record_timeout(tab, W, rank, op, expected, peer, expected, got, purpose)
+    if ok == 0:
+        fail_stop(tab, W, rank)
     tl.debug_barrier()
     return ok
+
+
+@triton.jit
+def fail_stop(tab, W, rank):
+    """A wait of this rank failed: trap once the error record is complete (its device mirror is raised last, by the
+    program that claimed the record; bounded by 1 s should that program be gone). A program that lost the claim
+    must not abort the kernel while the winner still writes, or the host would never learn the message."""
+    ctrl = region_ptr(tab, REG_CTRL, W, rank, tl.int64)
+    t0 = now_ns()
+    while (tl.load(ctrl + ERR_LOCAL, volatile=True) == 0) & (now_ns() - t0 < 1_000_000_000):
+        pass
+    trap()
 
 
 @triton.jit
@@ -189,7 +230,11 @@ def record_timeout(tab, W, rank, op, call, peer, expected, seen, purpose):
 
 @triton.jit
 def publish(tab, W, rank, purpose, value, WP2: tl.constexpr):
-    """Store ``value`` into flags[purpose, rank] of every rank's heap (release, system scope)."""
+    """Store ``value`` into flags[purpose, rank] of every rank's heap (release, system scope). Lane p publishes to
+    peer p, so the CTA barrier first: what other threads of this program wrote or acquired (the token count a single
+    thread stored into ``meta``, the arrival counter another thread acquired) happens before every lane's release
+    (PTX release is cumulative only over what its own thread has observed)."""
+    tl.debug_barrier()
     offs = tl.arange(0, WP2)
     m = offs < W
     addr = tl.load(tab + REG_FLAGS * W + offs, mask=m, other=0)
@@ -377,4 +422,5 @@ def stage(heap, act=None, act_reg: int = 0, small=None, small_reg: int = 0, ntok
         ROWS=rows, BLOCK_H=block_h,
         ALIGNED=(H * heap.shape.dtype.itemsize) % 16 == 0, WP2=heap.wp2, num_warps=warps,
     )
+    heap.rows_busy = False  # the kernel waited for DONE of every earlier call from every peer, reads included
     heap.after_launch()

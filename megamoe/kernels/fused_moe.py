@@ -53,6 +53,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.comm.dispatch import DispatchHandle, stage_and_schedule
+from megamoe.comm.schedule import schedule_buffers
 from megamoe.comm.signals import (
     DONE,
     OP_FUSED,
@@ -72,7 +73,7 @@ from megamoe.kernels.fused_parts import (
     wait_counter,
 )
 from megamoe.kernels.gemm_config import interpreting, num_sms, record, tma_ok
-from megamoe.kernels.gluon.fused import gluon_fused_reason, launch_gluon_fused
+from megamoe.kernels.gluon.fused import gluon_fused_reason, prepare_gluon_fused
 from megamoe.kernels.interpreter import row_buffer
 from megamoe.kernels.tiles import epilogue, expert_tiles, load_a, load_b
 
@@ -286,17 +287,18 @@ def _plan(cfg: FusedConfig, device: torch.device, H: int, I: int, ring_blocks: i
     return P, G, L1, L2
 
 
-def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y, T: int, I: int, nb_max: int,
-            ring_blocks: int, group: int, lookahead: int, lag: int) -> None:
-    """The items on P programs (Triton or Gluon), then DONE and the tail. a = received rows [NROWS, H], w1 = w13,
-    act [NROWS, I], w2."""
+def _prepare(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y, T: int, I: int, nb_max: int,
+             ring_blocks: int, group: int, lookahead: int, lag: int):
+    """Everything the launches need (counters, descriptors), built before the call is staged; returns the function
+    that launches the items on P programs (Triton or Gluon), then DONE and the tail. a = received rows [NROWS, H],
+    w1 = w13, act [NROWS, I], w2."""
     sh = heap.shape
     H, k, E_l = sh.hidden, sh.topk, sh.local_experts
     BM, BK = cfg.block_m, cfg.block_k
     ctr = torch.zeros(1 + 3 * nb_max, dtype=torch.int64, device=heap.device)
     if cfg.kernel == "gluon":
-        launch_gluon_fused(heap, cfg, sched, P, a=a, w1=w1, act=act, w2=w2, h=h, ctr=ctr, I=I, nb_max=nb_max,
-                           ring_blocks=ring_blocks, group=group, lookahead=lookahead, lag=lag)
+        items = prepare_gluon_fused(heap, cfg, sched, P, a=a, w1=w1, act=act, w2=w2, h=h, ctr=ctr, I=I,
+                                    nb_max=nb_max, ring_blocks=ring_blocks, group=group, lookahead=lookahead, lag=lag)
     else:
         use_tma = cfg.use_tma if cfg.use_tma is not None else tma_ok([a, act, w1, w2])
         if use_tma:
@@ -307,27 +309,36 @@ def _launch(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y
         else:
             a_desc = act_desc = w1_desc = w2_desc = None
         block_h = min(triton.next_power_of_2(H), 2048)
-        compiled = _fused_fwd_kernel[(P,)](
-            heap.tab, heap.world, heap.rank,
-            a_desc, a, w1_desc, w1, act_desc, act, w2_desc, w2, h if h is not None else act,
-            sched.offs, sched.row_src, sched.row_tok, sched.row_slot, ctr,
-            H, I, E_l, nb_max, ring_blocks, lookahead, lag, heap.timeout_ns,
-            K=k, BM=BM, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
-            EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, GB=group, PULL_SPLIT=cfg.pull_split,
-            ROWS_P=max(1, min(BM // cfg.pull_split, cfg.pull_elems // block_h)), BLOCK_H=block_h, USE_TMA=use_tma,
-            DOT_F32=interpreting(), STORE_H=h is not None, ALIGNED=(H * 2) % 16 == 0, WP2=max(2, heap.wp2),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        record("_fused_fwd_kernel", compiled)
-    heap.after_launch()
-    _publish_done_kernel[(1,)](heap.tab, heap.world, heap.rank, WP2=max(2, heap.wp2))
+
+        def items():
+            compiled = _fused_fwd_kernel[(P,)](
+                heap.tab, heap.world, heap.rank,
+                a_desc, a, w1_desc, w1, act_desc, act, w2_desc, w2, h if h is not None else act,
+                sched.offs, sched.row_src, sched.row_tok, sched.row_slot, ctr,
+                H, I, E_l, nb_max, ring_blocks, lookahead, lag, heap.timeout_ns,
+                K=k, BM=BM, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
+                EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, GB=group, PULL_SPLIT=cfg.pull_split,
+                ROWS_P=max(1, min(BM // cfg.pull_split, cfg.pull_elems // block_h)), BLOCK_H=block_h,
+                USE_TMA=use_tma, DOT_F32=interpreting(), STORE_H=h is not None, ALIGNED=(H * 2) % 16 == 0,
+                WP2=max(2, heap.wp2), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+            record("_fused_fwd_kernel", compiled)
     block_hc = min(triton.next_power_of_2(H), 1024)
-    compiled = _fused_tail_kernel[(P,)](
-        heap.tab, heap.world, heap.rank, gate, y if T > 0 else heap.rows_buffer(), heap.buffer("slots"), T, H,
-        heap.timeout_ns, K=k, ROWS_C=max(1, 4096 // block_hc), BLOCK_HC=block_hc, WP2=max(2, heap.wp2),
-        num_warps=16)  # bandwidth-bound (k rows of H per token): 16 warps 2.5x faster than 4 on an H200
-    record("_fused_tail_kernel", compiled)
-    heap.after_launch()
+    y_arg = y if T > 0 else heap.rows_buffer()
+    slots = heap.buffer("slots")
+
+    def launch():
+        items()
+        heap.after_launch()
+        _publish_done_kernel[(1,)](heap.tab, heap.world, heap.rank, WP2=max(2, heap.wp2))
+        compiled = _fused_tail_kernel[(P,)](
+            heap.tab, heap.world, heap.rank, gate, y_arg, slots, T, H, heap.timeout_ns, K=k,
+            ROWS_C=max(1, 4096 // block_hc), BLOCK_HC=block_hc, WP2=max(2, heap.wp2),
+            num_warps=16)  # bandwidth-bound (k rows of H per token): 16 warps 2.5x faster than 4 on an H200
+        record("_fused_tail_kernel", compiled)
+        heap.after_launch()
+
+    return launch
 
 
 def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w13: torch.Tensor,
@@ -361,18 +372,20 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     BM = cfg.block_m
     dev = heap.device
     P, GB, L1, L2 = _plan(cfg, dev, H, I, ring_blocks)
-    # 1. stage x and the routing, publish READY; 2. schedule (device-side, no host reads)
+    # every buffer and descriptor first: an error after READY is published would leave the peers waiting for DONE
     Pc = max(1, int(comm_programs or heap.num_sms))
     nrows = ring_blocks * BM if ring_blocks else sh.rows_cap
     xbuf = row_buffer((nrows, H), x.dtype, dev)
     act = row_buffer((nrows, I), x.dtype, dev)
-    sched = stage_and_schedule(heap, x, topk_idx, Pc)
-    handle = DispatchHandle(heap=heap, num_tokens=T, schedule=sched, offs=sched.offs, num_sms=Pc)
-    # 3. the megakernel
     nb_max = triton.cdiv(sh.rows_cap, BM) + E_l + GB
     h = row_buffer((nrows, 2 * I), torch.bfloat16, dev) if (store_h and not ring_blocks) else None
     y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     gate = topk_w.to(torch.float32).contiguous()
-    _launch(heap, cfg, sched, P, a=xbuf, w1=w13, act=act, w2=w2, h=h, gate=gate, y=y, T=T, I=I, nb_max=nb_max,
-            ring_blocks=ring_blocks, group=GB, lookahead=L1, lag=L2)
+    sched = schedule_buffers(heap)
+    launch = _prepare(heap, cfg, sched, P, a=xbuf, w1=w13, act=act, w2=w2, h=h, gate=gate, y=y, T=T, I=I,
+                      nb_max=nb_max, ring_blocks=ring_blocks, group=GB, lookahead=L1, lag=L2)
+    # 1. stage x and the routing, publish READY; 2. schedule (device-side, no host reads); 3. the megakernel
+    stage_and_schedule(heap, x, topk_idx, Pc, sched=sched)
+    launch()
+    handle = DispatchHandle(heap=heap, num_tokens=T, schedule=sched, offs=sched.offs, num_sms=Pc)
     return y, FusedState(handle=handle, xbuf=xbuf, act=act, h=h)

@@ -13,6 +13,7 @@ from megamoe.comm.signals import (
     REG_CTRL,
     REG_SLOTS,
     REG_TOK,
+    fail_stop,
     ld_acquire,
     now_ns,
     record_timeout,
@@ -40,8 +41,8 @@ else:
 
 @triton.jit
 def wait_counter(ptr, target, tab, W, rank, call, timeout_ns):
-    """Wait until the local int64 counter ``*ptr >= target``, bounded like signals.wait_flags (a timeout records
-    op 'fused', purpose TILE, peer = this rank). Returns True when reached."""
+    """Wait until the local int64 counter ``*ptr >= target``, bounded and fail-stop like signals.wait_flags (a timeout
+    records op 'fused', purpose TILE, peer = this rank). Returns True when reached."""
     ctrl = region_ptr(tab, REG_CTRL, W, rank, tl.int64)
     seen = ld_acquire(ptr)
     errv = tl.load(ctrl + ERR_LOCAL, volatile=True)
@@ -54,6 +55,8 @@ def wait_counter(ptr, target, tab, W, rank, call, timeout_ns):
             elapsed = now_ns() - t0
         if (seen < target) & (errv == 0):
             record_timeout(tab, W, rank, OP_FUSED, call, rank, target, seen, PURPOSE_TILE)
+    if seen < target:  # this wait timed out, or an earlier one did
+        fail_stop(tab, W, rank)
     tl.debug_barrier()
     return seen >= target
 

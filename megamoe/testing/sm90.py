@@ -39,6 +39,23 @@ def access_widths(compiled) -> dict[str, Counter]:
     return {kind: Counter(re.findall(pat.format(kind=kind), ptx)) for kind in ("ld", "st")}
 
 
+def unfenced_publishes(ptx: str) -> int:
+    """Publishing atomics (``atom.global.sys.release.exch``) whose nearest preceding global store is predicated for
+    other threads (a single thread's store, the lanes' atomics) with no CTA barrier between: PTX release is cumulative
+    only over what its own thread observed, so such a store may be seen after the flag (comm/signals.publish)."""
+    bad, last_store, barrier = 0, None, False
+    for line in ptx.splitlines():
+        line = line.strip()
+        if re.match(r"(bar|barrier)\.sync\b", line):
+            barrier = True
+        elif m := re.match(r"(@!?%p\d+\s+)?st\.global\b", line):
+            last_store, barrier = (m.group(1) or "").strip(), False
+        elif m := re.match(r"(@!?%p\d+\s+)?atom\.global\.sys\.release\.exch\b", line):
+            if last_store is not None and last_store != (m.group(1) or "").strip() and not barrier:
+                bad += 1
+    return bad
+
+
 def ffma_under_wgmma(sass: str) -> int:
     """FFMAs the SASS issues while a wgmma is in flight (after ``WARPGROUP.DEPBAR.LE gsb0, N`` with N > 0, before
     the next wait for 0). ptxas hoists waits above independent instructions, so the PTX's wait_group does not show
@@ -236,7 +253,10 @@ def _summary(k) -> dict:
     widths = access_widths(k)
     waits = Counter(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", k.asm["ptx"]))
     tma_st = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", k.asm["ptx"]))
+    ptx = k.asm["ptx"]
     return {"ld": dict(widths["ld"]), "st": dict(widths["st"]), "tma_stores": tma_st, "wgmma_wait_groups": dict(waits),
+            "bounded_waits": "%globaltimer" in ptx, "traps": len(re.findall(r"\btrap;", ptx)),
+            "unfenced_publishes": unfenced_publishes(ptx),
             **ptxas_usage(k, sass_always=k.metadata.name in SASS_KERNELS),
             "compile_s": round(_COMPILE_S.get(k.hash, 0.0), 2)}  # 0: taken from Triton's cache
 

@@ -498,10 +498,11 @@ def gluon_fused_reason(cfg, *, H: int, I: int, device: torch.device | None = Non
     return None
 
 
-def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: int, nb_max: int, ring_blocks: int,
-                       group: int, lookahead: int, lag: int) -> None:
-    """The items of one forward (fused_moe._launch calls this, then DONE and the tail; fused_forward has checked
-    gluon_fused_reason before staging anything): a = received rows [NROWS, H], w1 = w13, act [NROWS, I], w2."""
+def prepare_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: int, nb_max: int, ring_blocks: int,
+                        group: int, lookahead: int, lag: int):
+    """The launch of one forward's items, built before the call is staged (descriptors checked; fused_forward has
+    checked gluon_fused_reason); returns the function that launches them (fused_moe then launches DONE and the tail).
+    a = received rows [NROWS, H], w1 = w13, act [NROWS, I], w2; ``sched``'s tables are filled later, in stream order."""
     sh = heap.shape
     H, k, E_l = sh.hidden, sh.topk, sh.local_experts
     BM, BN1, BN2 = cfg.block_m, cfg.bn1, cfg.bn2
@@ -527,7 +528,7 @@ def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: i
     bulk = bulk_pull_plan(heap, cfg, a)
     xv_desc, toks, ra, rb, rv, cw, br = bulk if bulk is not None else (x_desc, (), 0, 0, 1, 64, 1)
     toks8 = tuple(toks) + (xv_desc,) * (8 - len(toks))
-    k_ = _gluon_fused_fwd_kernel[(P,)](
+    return lambda: record("_gluon_fused_fwd_kernel", _gluon_fused_fwd_kernel[(P,)](
         heap.tab, heap.world, heap.rank, x_desc, w13_desc, act_desc, w2_desc, act_st_desc, hg_desc, hu_desc,
         a, act, h if h is not None else a, sched.offs, sched.row_src, sched.row_tok, sched.row_slot, ctr,
         H, I, E_l, nb_max, ring_blocks, lookahead, lag, heap.timeout_ns,
@@ -540,8 +541,7 @@ def launch_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: i
         tok7=toks8[7], BULK=bulk is not None, RA=ra, RB=rb, RV=rv, C=cw, NP=max(len(toks), 1), BR=br, IDLE_=IDLE_HALF,
         num_warps=4,
         maxnreg=REG_POOL // 3,
-    )
-    record("_gluon_fused_fwd_kernel", k_)
+    ))
 
 
-__all__ = ["gluon_fused_reason", "launch_gluon_fused", "smem_bytes"]
+__all__ = ["gluon_fused_reason", "prepare_gluon_fused", "smem_bytes"]

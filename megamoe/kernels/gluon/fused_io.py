@@ -66,13 +66,26 @@ def bulk_writes_done():
 
 
 @gluon.jit
+def fail_stop(tab, W, rank):
+    """signals.fail_stop: once the error record is complete (its device mirror raised; at most 1 s), trap."""
+    ctrl = ctrl_of(tab, W, rank)
+    t0 = now()
+    errv = gl.load(ctrl + ERR_LOCAL, volatile=True)
+    while (errv == 0) & (now() - t0 < 1_000_000_000):
+        errv = gl.load(ctrl + ERR_LOCAL, volatile=True)
+    return gl.inline_asm_elementwise("membar.sys; trap; mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
+                                     pack=1)
+
+
+@gluon.jit
 def ctrl_of(tab, W, rank):
     return gl.load(tab + REG_CTRL * W + rank).to(gl.pointer_type(gl.int64))
 
 
 @gluon.jit
 def record_timeout(tab, W, rank, call, peer, expected, seen, purpose):
-    """signals.record_timeout (op 'fused'): the first timeout of this rank claims the record and writes it."""
+    """signals.record_timeout (op 'fused'): the first timeout of this rank claims the record and writes it (the
+    caller then traps: fail_stop)."""
     ctrl = ctrl_of(tab, W, rank)
     zero = gl.load(ctrl + SEQ, volatile=True) * 0
     claimed = gl.atomic_cas(ctrl + ERR_LOCAL_CLAIM, zero, zero + 1, sem="acq_rel", scope="gpu")
@@ -104,6 +117,8 @@ def wait_counter(ptr, target, tab, W, rank, call, timeout_ns):
             elapsed = now() - t0
         if (seen < target) & (errv == 0):
             record_timeout(tab, W, rank, call, rank, target, seen, PURPOSE_TILE)
+    if seen < target:  # this wait timed out, or an earlier one did
+        fail_stop(tab, W, rank)
     return seen >= target
 
 
@@ -128,6 +143,8 @@ def wait_ready(tab, W, rank, call, timeout_ns, WP2: gl.constexpr, lay: gl.conste
         peer = gl.min(gl.where(seen < call, offs, WP2), axis=0)
         got = gl.sum(gl.where(offs == peer, seen, 0), axis=0)
         record_timeout(tab, W, rank, call, peer, call, got, READY)
+    if ok == 0:
+        fail_stop(tab, W, rank)
     return ok
 
 
