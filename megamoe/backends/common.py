@@ -106,6 +106,16 @@ def comm_programs(comm_sms: int | None, device: torch.device) -> int:
     return int(comm_sms)
 
 
+def triton_unavailable(device) -> str | None:
+    """Why the Triton backends cannot run on ``device``, or None. Off CUDA they need the Triton interpreter, which
+    ``triton.jit`` reads when a kernel module is imported: the variable has to be set before Python starts."""
+    if torch.device(device).type != "cuda" and not interpreting():
+        return ("the Triton kernels run on a CPU only under the Triton interpreter: start Python with "
+                "TRITON_INTERPRET=1 in the environment (e.g. `TRITON_INTERPRET=1 python train.py`), or use backend "
+                "'torch'")
+    return None
+
+
 def check_flag(backend: str, name: str, value) -> bool:
     if value not in (True, False, 0, 1):
         raise ValueError(f"backend '{backend}': {name} must be a flag (True/False or 1/0), got {value!r}")
