@@ -34,12 +34,14 @@ from megamoe.config import MoEConfig
 class RouterOutput(NamedTuple):
     """topk_idx int64 [T, k] global expert ids, distinct per token; topk_w float32 (float64 for float64 input)
     [T, k] gates, differentiable; aux_loss scalar, coef included; tokens_per_expert int64 [E] (token, slot) pairs
-    per expert on this rank, on the device (the layer never reads it on the host)."""
+    per expert on this rank, on the device (the layer never reads it on the host); logits [T, E] in the routing dtype,
+    differentiable (what HF models record for their own aux loss)."""
 
     topk_idx: torch.Tensor
     topk_w: torch.Tensor
     aux_loss: torch.Tensor
     tokens_per_expert: torch.Tensor
+    logits: torch.Tensor
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -120,7 +122,7 @@ def _route(x, weight, config, bias, logit_offset, impl) -> RouterOutput:
 
         idx, gates, aux, counts = RouteTopk.apply(
             logits, bias, k, config.router == "sigmoid", config.norm_topk, config.route_scale, config.aux_loss_coef)
-        return RouterOutput(idx, gates, aux, counts)
+        return RouterOutput(idx, gates, aux, counts, logits)
     if config.router == "softmax":
         probs = torch.softmax(logits, dim=-1)
         if config.n_group > 1:
@@ -146,7 +148,7 @@ def _route(x, weight, config, bias, logit_offset, impl) -> RouterOutput:
         aux = config.aux_loss_coef * E * (frac * density_probs.mean(0)).sum()
     else:
         aux = logits.sum() * 0.0  # keeps the graph connected, exactly 0
-    return RouterOutput(idx, gates, aux, counts)
+    return RouterOutput(idx, gates, aux, counts, logits)
 
 
 def limit_groups(choice: torch.Tensor, config: MoEConfig) -> torch.Tensor:
