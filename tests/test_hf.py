@@ -226,3 +226,22 @@ def test_expert_parallel_world_2(arch):
     for r in spawn(_ep_rank, 2, arch, timeout_s=600):
         assert r["shards_ok"] and r["gather_ok"] and r["load_ok"], r
         assert r["loss"] < 1e-6 and r["grads"] < 1e-6, r
+
+
+def test_training_example_runs_tiny(tmp_path):
+    # examples/hf_train.py (the H200 comparison) at a CPU size: both runs train from the same weights on the same
+    # batches, so in float64 their loss curves agree
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "hf_train.py"
+    spec = importlib.util.spec_from_file_location("hf_train", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rep = mod.main(["--tiny", "--steps", "3", "--backend", "torch", "--baseline-experts", "eager", "--dtype",
+                    "float64", "--device", "cpu", "--json", str(tmp_path / "r.json"), "--png", str(tmp_path / "r.png")])
+    base, ours = rep["runs"]
+    assert len(base["losses"]) == 3 and ours["tokens_per_s"] > 0
+    for a, b in zip(base["losses"], ours["losses"], strict=True):
+        assert abs(a - b) <= 1e-6 * abs(a)
+    assert (tmp_path / "r.json").exists()

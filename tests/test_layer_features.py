@@ -149,3 +149,27 @@ def test_triton_backend_on_cpu_without_interpreter_refuses_at_construction():
             "    print('refused:', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert "refused:" in out.stdout and "TRITON_INTERPRET=1" in out.stdout, out.stdout + out.stderr
+
+
+def test_groups_shared_and_leading_shape_read_nothing_on_host():
+    # group-limited routing, a gated shared expert and [B, S, H] input add no host read of device data to a step
+    from megamoe.testing.sync_guard import no_host_reads
+
+    cfg = preset("tiny", router="sigmoid", n_group=4, topk_group=2, shared_intermediate=32, shared_gate=True,
+                 max_tokens_per_rank=64)
+    moe = MoE(cfg, backend="split", device="cpu", seed=5)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 8, cfg.hidden, generator=gen).to(cfg.dtype)
+    g = torch.randn(2, 8, cfg.hidden, generator=gen).to(cfg.dtype)
+
+    def step():
+        xi = x.clone().requires_grad_()
+        moe.zero_grad(set_to_none=True)
+        out = moe(xi).out
+        out.backward(g)
+        return [out.detach(), xi.grad, moe.w13.grad, moe.shared_w13.grad, moe.shared_gate.grad, moe.router.weight.grad]
+
+    warm = step()
+    with no_host_reads():
+        guarded = step()
+    assert all(torch.equal(a, b) for a, b in zip(warm, guarded, strict=True))
