@@ -73,7 +73,7 @@ class MoE(nn.Module):
         self.device = torch.device(device)
         E_l, H, I, S = self.local_experts, config.hidden, config.intermediate, config.shared_intermediate
         kw = dict(device=self.device, dtype=config.dtype)
-        self.router = Router(config, device=self.device, init=False)
+        self.router = Router(config, device=self.device, init=init == "random")
         self.w13 = nn.Parameter(torch.empty(E_l, 2 * I, H, **kw))
         self.w2 = nn.Parameter(torch.empty(E_l, H, I, **kw))
         self.shared_w13 = nn.Parameter(torch.empty(2 * S, H, **kw)) if S else None
