@@ -455,23 +455,6 @@ def launch_nothing():
 
 
 @contextlib.contextmanager
-def _triton_backends_allowed():
-    """split and fused built on CPU tensors without the interpreter: they refuse that (no driver to launch on), but
-    here compile_only stands in for the driver."""
-    from megamoe.backends.fused import FusedBackend
-    from megamoe.backends.split import SplitBackend
-
-    orig = {cls: cls.__dict__["why_unavailable"] for cls in (SplitBackend, FusedBackend)}
-    try:
-        for cls in orig:
-            cls.why_unavailable = staticmethod(lambda device: None)
-        yield
-    finally:
-        for cls, fn in orig.items():
-            cls.why_unavailable = fn
-
-
-@contextlib.contextmanager
 def _experts_uninitialised(moe_cls):
     """MoE layers built inside the block initialise only the router: under compile_only no kernel reads the expert
     weights, and drawing them costs ~6% of the report's time."""
@@ -511,7 +494,7 @@ def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
             before = {n: set(v) for n, v in compiled.items()}
             ctx = compile_only(compiled) if (rank > 0) == (compiling == 1) else launch_nothing()
             layer_opts = {k: v for k, v in opts.items() if k != "items"}
-            with ctx, _experts_uninitialised(MoE), _fused_items(opts.get("items")), _triton_backends_allowed():
+            with ctx, _experts_uninitialised(MoE), _fused_items(opts.get("items")):
                 moe = MoE(cfg, backend=backend, device=torch.device("cpu"), seed=0, **layer_opts)
                 x = torch.zeros(tokens, cfg.hidden, dtype=cfg.dtype).requires_grad_()
                 out = moe(x).out
