@@ -84,10 +84,11 @@ class MoE(nn.Module):
             self.reset_parameters(seed)
         self.backend_name = backend
         self.backend = make_backend(backend, self, **backend_options)
-        # the backend holds the layer weakly, so the layer is freed when the user drops it, and this gives its
-        # device memory back then (close() does it at once)
-        close = getattr(self.backend, "close", None)
-        self._finalizer = weakref.finalize(self, close) if close is not None else None
+        # the backend holds the layer weakly, so a one-rank layer is freed when the user drops it and gives its
+        # device memory back then; a heap shared with peers only by close() on every rank, since ranks collect
+        # garbage at different times and building the next heap is a collective
+        self._close = getattr(self.backend, "close", None)
+        self._finalizer = weakref.finalize(self, self._close) if self._close and self.world == 1 else None
 
     @property
     def expert_offset(self) -> int:
@@ -95,11 +96,15 @@ class MoE(nn.Module):
         return self.rank * self.local_experts
 
     def close(self) -> None:
-        """Free the device memory the backend holds (the symmetric heap goes with the last layer using it) now
-        rather than when the layer is garbage collected; the layer cannot be called afterwards. Call it on every
-        rank after the last call's results are used: peers read this rank's buffers until they finish that call."""
+        """Free the device memory the backend holds (the symmetric heap goes with the last layer using it); the layer
+        cannot be called afterwards. A one-rank layer does this when it is garbage collected too; with peers call it
+        on every rank after the last call's results are used (peers read this rank's buffers until they finish that
+        call, and ranks must agree on which heaps exist)."""
         if self._finalizer is not None:
             self._finalizer()
+        elif self._close is not None and self.backend is not None:
+            self._close()
+        self._close = None
         self.backend = None
 
     def reset_parameters(self, seed: int = 0) -> None:
