@@ -27,7 +27,7 @@ test-gpu: $(SETUP)
 	$(PY) -m pytest -q -m gpu
 
 lint: $(SETUP)
-	$(PY) -m ruff check megamoe tests benchmarks
+	$(PY) -m ruff check megamoe tests benchmarks examples
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -48,6 +48,11 @@ class MoEConfig:
     ``route_scale``: then multiply them by this; ``aux_loss_coef``: weight of the load-balancing loss; ``dtype``:
     parameters and activations (routing computes in fp32 or better); ``max_tokens_per_rank``: tokens per rank per
     call the ``split``/``fused`` buffers are sized for (``torch`` ignores it).
+    ``n_group``, ``topk_group``: group-limited routing (DeepSeek-V3): the E experts form ``n_group`` groups of
+    consecutive ids, a group scores the sum of its two best selection scores, and a token picks its k experts from
+    its ``topk_group`` best groups (1, 1: no limit). ``shared_intermediate``: S, the width of an always-on SwiGLU
+    shared expert added to every token's output (0: none; DeepSeek-V3's n_shared_experts shared experts are one of
+    width n * I); ``shared_gate``: scale it by sigmoid(x @ w_gate^T) per token (Qwen2-MoE).
     """
 
     hidden: int
@@ -60,6 +65,10 @@ class MoEConfig:
     aux_loss_coef: float = 1e-2
     dtype: torch.dtype = torch.bfloat16
     max_tokens_per_rank: int = 16384
+    n_group: int = 1
+    topk_group: int = 1
+    shared_intermediate: int = 0
+    shared_gate: bool = False
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -75,6 +84,21 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.router must be 'softmax' or 'sigmoid', got {self.router!r}")
         if not (self.route_scale > 0):
             raise ValueError(f"MoEConfig.route_scale must be > 0, got {self.route_scale}")
+        for field in ("n_group", "topk_group"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"MoEConfig.{field} must be a positive int, got {value!r}")
+        if self.num_experts % self.n_group or self.topk_group > self.n_group:
+            raise ValueError(f"MoEConfig: n_group ({self.n_group}) must divide num_experts ({self.num_experts}) and "
+                             f"topk_group ({self.topk_group}) be <= n_group")
+        if self.n_group > 1 and (self.num_experts // self.n_group < 2
+                                 or self.top_k > self.topk_group * (self.num_experts // self.n_group)):
+            raise ValueError(f"MoEConfig: group-limited routing needs >= 2 experts per group (a group scores its top "
+                             f"2) and top_k ({self.top_k}) <= topk_group * experts per group")
+        if not isinstance(self.shared_intermediate, int) or self.shared_intermediate < 0:
+            raise ValueError(f"MoEConfig.shared_intermediate must be an int >= 0, got {self.shared_intermediate!r}")
+        if self.shared_gate and not self.shared_intermediate:
+            raise ValueError("MoEConfig.shared_gate needs a shared expert (shared_intermediate > 0)")
         if self.aux_loss_coef < 0:
             raise ValueError(f"MoEConfig.aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
@@ -94,7 +118,7 @@ class MoEConfig:
             )
 
     def flops_forward(self, rows: int) -> int:
-        """Expert FLOPs of a forward pass over ``rows`` (token, expert) pairs: 2*rows*H*2I + 2*rows*I*H."""
+        """Routed-expert FLOPs of a forward pass over ``rows`` (token, expert) pairs: 2*rows*H*2I + 2*rows*I*H."""
         return 6 * rows * self.hidden * self.intermediate
 
     def expert_weight_bytes(self, world: int) -> int:
@@ -111,10 +135,23 @@ PRESETS: dict[str, MoEConfig] = {
         hidden=2048, intermediate=768, num_experts=128, top_k=8, router="softmax", norm_topk=True,
         name="qwen3-30b-a3b",
     ),
-    # DeepSeek-V3 without group-limited routing and the shared expert (not part of this layer).
+    # DeepSeek-V3's routed experts only (the benchmarks' shape); deepseek-v3-full adds its routing groups and
+    # shared expert.
     "deepseek-v3": MoEConfig(
         hidden=7168, intermediate=2048, num_experts=256, top_k=8, router="sigmoid", norm_topk=True,
         route_scale=2.5, name="deepseek-v3",
+    ),
+    "deepseek-v3-full": MoEConfig(
+        hidden=7168, intermediate=2048, num_experts=256, top_k=8, router="sigmoid", norm_topk=True,
+        route_scale=2.5, n_group=8, topk_group=4, shared_intermediate=2048, name="deepseek-v3-full",
+    ),
+    "qwen2-57b-a14b": MoEConfig(
+        hidden=3584, intermediate=2560, num_experts=64, top_k=8, router="softmax", norm_topk=False,
+        shared_intermediate=20480, shared_gate=True, name="qwen2-57b-a14b",
+    ),
+    "olmoe-1b-7b": MoEConfig(
+        hidden=2048, intermediate=1024, num_experts=64, top_k=8, router="softmax", norm_topk=False,
+        name="olmoe-1b-7b",
     ),
     "mixtral-8x7b": MoEConfig(
         hidden=4096, intermediate=14336, num_experts=8, top_k=2, router="softmax", norm_topk=True,

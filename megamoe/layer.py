@@ -1,27 +1,37 @@
 """``megamoe.MoE``: the expert-parallel MoE layer (shapes as in :mod:`megamoe.config`).
 
 Each rank holds the replicated router (``router.weight`` [E, H]) and experts r*E_l .. (r+1)*E_l - 1:
-``w13`` [E_l, 2I, H] (gate rows 0..I-1, up rows I..2I-1) and ``w2`` [E_l, H, I]. ``forward(x [T, H])`` returns
-:class:`MoEOutput`; T may differ between ranks, including 0. Expert gradients are complete on their owning rank;
-the router's covers this rank's tokens only, so reduce it over the data-parallel group (DDP does).
+``w13`` [E_l, 2I, H] (gate rows 0..I-1, up rows I..2I-1) and ``w2`` [E_l, H, I]; with a shared expert also the
+replicated ``shared_w13`` [2S, H], ``shared_w2`` [H, S] and (gated) ``shared_gate`` [1, H]. ``forward(x [..., H])``
+returns :class:`MoEOutput`; the token count may differ between ranks, including 0. Expert gradients are complete on
+their owning rank; the replicated parameters' cover this rank's tokens only, so reduce them over the data-parallel
+group (DDP does).
+
+Dtypes follow ``nn.Linear``: under ``torch.autocast`` on the input's device the layer computes in the autocast dtype
+(weights cast per call, gradients flow back to them in their own dtype) and returns that dtype; outside autocast the
+input must have the layer's dtype (a mismatch raises ``TypeError``).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from megamoe.backends import make_backend
 from megamoe.config import MoEConfig
 from megamoe.dist import wire_dtype
-from megamoe.router import Router
+from megamoe.reference import swiglu
+from megamoe.router import Router, compute_dtype
 
 
 class MoEOutput(NamedTuple):
-    """out [T, H] in the layer dtype; aux_loss scalar (coef included); tokens_per_expert int64 [E] (device)."""
+    """out [..., H] (the input's leading shape, the compute dtype); aux_loss scalar (coef included);
+    tokens_per_expert int64 [E] (device)."""
 
     out: torch.Tensor
     aux_loss: torch.Tensor
@@ -39,17 +49,21 @@ def _group_world_rank(group) -> tuple[int, int]:
 class MoE(nn.Module):
     """Expert-parallel SwiGLU MoE layer.
 
-    ``group``: the expert-parallel group (None: the default one, or a single process without torch.distributed).
-    ``backend``: ``"torch"``, ``"split"`` or ``"fused"``; an unavailable one raises, never replaced by another.
-    ``device``: default the current CUDA device, else CPU. ``seed``: the router is drawn from it (same on every
-    rank), expert e from seed and e (independent of W). ``backend_options``: the table in the backend's module.
+    ``group``: the expert-parallel group (None: the default one, or a single process without torch.distributed, where
+    every backend runs as world 1). ``backend``: ``"torch"``, ``"split"`` or ``"fused"``; an unavailable one raises,
+    never replaced by another. ``device``: default the current CUDA device, else CPU. ``seed``: the router is drawn
+    from it (same on every rank), expert e from seed and e (independent of W). ``init``: ``"random"`` (from ``seed``)
+    or ``"none"`` (uninitialised memory, for a checkpoint to be copied in: one copy). ``backend_options``: the table
+    in the backend's module. :meth:`close` (or deleting the layer) frees what the backend holds on the device.
     """
 
     def __init__(self, config: MoEConfig, group=None, backend: str = "torch", device=None, seed: int = 0,
-                 **backend_options):
+                 init: str = "random", **backend_options):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+        if init not in ("random", "none"):
+            raise ValueError(f"init must be 'random' or 'none', got {init!r}")
         self.config = config
         self.group = group
         self.world, self.rank = _group_world_rank(group)
@@ -57,22 +71,45 @@ class MoE(nn.Module):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        E_l, H, I = self.local_experts, config.hidden, config.intermediate
-        self.router = Router(config, device=self.device)
-        self.w13 = nn.Parameter(torch.empty(E_l, 2 * I, H, device=self.device, dtype=config.dtype))
-        self.w2 = nn.Parameter(torch.empty(E_l, H, I, device=self.device, dtype=config.dtype))
+        E_l, H, I, S = self.local_experts, config.hidden, config.intermediate, config.shared_intermediate
+        kw = dict(device=self.device, dtype=config.dtype)
+        self.router = Router(config, device=self.device, init=init == "random")
+        self.w13 = nn.Parameter(torch.empty(E_l, 2 * I, H, **kw))
+        self.w2 = nn.Parameter(torch.empty(E_l, H, I, **kw))
+        self.shared_w13 = nn.Parameter(torch.empty(2 * S, H, **kw)) if S else None
+        self.shared_w2 = nn.Parameter(torch.empty(H, S, **kw)) if S else None
+        self.shared_gate = nn.Parameter(torch.empty(1, H, **kw)) if config.shared_gate else None
         self.seed = seed
-        self.reset_parameters(seed)
+        if init == "random":
+            self.reset_parameters(seed)
         self.backend_name = backend
         self.backend = make_backend(backend, self, **backend_options)
+        # the backend holds the layer weakly, so a one-rank layer is freed when the user drops it and gives its
+        # device memory back then; a heap shared with peers only by close() on every rank, since ranks collect
+        # garbage at different times and building the next heap is a collective
+        self._close = getattr(self.backend, "close", None)
+        self._finalizer = weakref.finalize(self, self._close) if self._close and self.world == 1 else None
 
     @property
     def expert_offset(self) -> int:
         """Global id of this rank's first expert."""
         return self.rank * self.local_experts
 
+    def close(self) -> None:
+        """Free the device memory the backend holds (the symmetric heap goes with the last layer using it); the layer
+        cannot be called afterwards. A one-rank layer does this when it is garbage collected too; with peers call it
+        on every rank after the last call's results are used (peers read this rank's buffers until they finish that
+        call, and ranks must agree on which heaps exist)."""
+        if self._finalizer is not None:
+            self._finalizer()
+        elif self._close is not None and self.backend is not None:
+            self._close()
+        self._close = None
+        self.backend = None
+
     def reset_parameters(self, seed: int = 0) -> None:
-        """Router from ``seed``; expert e (global id) from ``seed`` and e, std 1/sqrt(fan_in)."""
+        """Router from ``seed``; expert e (global id) from ``seed`` and e, std 1/sqrt(fan_in); the shared expert
+        from ``seed`` alone (same on every rank)."""
         cfg = self.config
         self.router.reset_parameters(torch.Generator().manual_seed(seed))
         with torch.no_grad():
@@ -83,36 +120,88 @@ class MoE(nn.Module):
                 w2 = torch.randn(self.w2.shape[1:], generator=gen, device=self.device, dtype=torch.float32)
                 self.w13[e_local].copy_(w13 * cfg.hidden ** -0.5)
                 self.w2[e_local].copy_(w2 * cfg.intermediate ** -0.5)
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + 17)
+            fan_in = {"shared_w13": cfg.hidden, "shared_w2": cfg.shared_intermediate, "shared_gate": cfg.hidden}
+            for name, fan in fan_in.items():
+                p = getattr(self, name)
+                if p is not None:
+                    p.copy_(torch.randn(p.shape, generator=gen) * fan ** -0.5)
 
-    def check_input(self, x: torch.Tensor) -> None:
-        """Raise a clear error if ``x`` is not a contiguous [T, H] tensor of the layer's dtype and device."""
+    def _prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+        """x [..., H] -> (x [T, H] contiguous in the compute dtype, compute dtype); see the module docstring."""
         cfg = self.config
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"MoE input must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 2:
-            raise ValueError(
-                f"MoE input must be 2-D [tokens, hidden={cfg.hidden}], got shape {tuple(x.shape)}; "
-                "flatten batch and sequence first (x.view(-1, hidden))"
-            )
-        if x.shape[1] != cfg.hidden:
-            raise ValueError(f"MoE input hidden size is {x.shape[1]}, the layer's is {cfg.hidden}")
-        if x.dtype != self.w13.dtype:
-            raise TypeError(f"MoE input dtype is {x.dtype}, the layer's is {self.w13.dtype}")
+        if self.backend is None:
+            raise ValueError("this MoE layer was closed")
+        if x.dim() < 1 or x.shape[-1] != cfg.hidden:
+            raise ValueError(f"MoE input must be [..., hidden={cfg.hidden}], got shape {tuple(x.shape)}")
         if x.device != self.w13.device:
             raise ValueError(f"MoE input is on {x.device}, the layer's parameters on {self.w13.device}")
-        if not x.is_contiguous():
-            raise ValueError("MoE input must be contiguous (call .contiguous() first)")
+        dtype = self.w13.dtype
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            if self.backend_name != "torch" and dtype != torch.bfloat16:
+                raise ValueError(f"backend {self.backend_name!r} computes in bfloat16; autocast asks for {dtype}")
+        elif x.dtype != dtype:
+            raise TypeError(f"MoE input dtype is {x.dtype}, the layer's is {dtype} (cast it, or run under "
+                            "torch.autocast, where the layer computes in the autocast dtype)")
+        return x.reshape(-1, cfg.hidden).to(dtype).contiguous(), dtype
+
+    def check_input(self, x: torch.Tensor) -> None:
+        """Raise a clear error if ``x`` cannot be this layer's input."""
+        self._prepare(x)
+
+    def _weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.w13.to(dtype), self.w2.to(dtype)
 
     def forward(self, x: torch.Tensor) -> MoEOutput:
-        self.check_input(x)
-        r = self.router(x)
-        y = self.backend(x, r.topk_idx, r.topk_w, self.w13, self.w2)
-        return MoEOutput(y, r.aux_loss, r.tokens_per_expert)
+        x2, dtype = self._prepare(x)
+        with torch.autocast(x.device.type, enabled=False):
+            r = self.router(x2)
+            y = self.backend(x2, r.topk_idx, r.topk_w, *self._weights(dtype))
+            if self.shared_w13 is not None:
+                y = self._add_shared(x2, y)
+        return MoEOutput(y.reshape(*x.shape[:-1], self.config.hidden), r.aux_loss, r.tokens_per_expert)
+
+    def _add_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y + the shared expert's output (gated), summed in float32 or better and rounded once."""
+        cdt = compute_dtype(x.dtype)
+        s = F.linear(swiglu(F.linear(x, self.shared_w13.to(x.dtype))), self.shared_w2.to(x.dtype)).to(cdt)
+        if self.shared_gate is not None:
+            s = s * torch.sigmoid(F.linear(x.to(cdt), self.shared_gate.to(cdt)))
+        return (y.to(cdt) + s).to(x.dtype)
+
+    def experts_forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        """The routed experts on routing computed elsewhere: ``x`` [..., H], ``topk_idx`` [..., k] global expert ids
+        (distinct per token, in [0, E): not checked on the device), ``topk_w`` [..., k] gates -> y [..., H] =
+        sum_j topk_w[t, j] * expert_{idx[t, j]}(x_t), differentiable in x, topk_w and the expert weights. No router,
+        no shared expert. Every rank of the group calls it (the experts are sharded); dtypes as :meth:`forward`."""
+        x2, dtype = self._prepare(x)
+        k = self.config.top_k
+        lead = tuple(x.shape[:-1])
+        for name, t in (("topk_idx", topk_idx), ("topk_w", topk_w)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != lead + (k,):
+                raise ValueError(f"{name} must be a tensor of shape {lead + (k,)} (the input's leading shape and "
+                                 f"top_k={k}), got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+            if t.device != x.device:
+                raise ValueError(f"{name} is on {t.device}, the input on {x.device}")
+        if topk_idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"topk_idx must be int64 or int32, got {topk_idx.dtype}")
+        if not topk_w.is_floating_point():
+            raise ValueError(f"topk_w must be a floating-point tensor, got {topk_w.dtype}")
+        idx = topk_idx.reshape(-1, k).to(torch.int64).contiguous()
+        w = topk_w.reshape(-1, k).to(compute_dtype(dtype)).contiguous()
+        with torch.autocast(x.device.type, enabled=False):
+            y = self.backend(x2, idx, w, *self._weights(dtype))
+        return y.reshape(*lead, self.config.hidden)
 
     def extra_repr(self) -> str:
         c = self.config
+        extra = f" groups={c.topk_group}/{c.n_group}" if c.n_group > 1 else ""
+        extra += f" shared={c.shared_intermediate}{'(gated)' if c.shared_gate else ''}" if c.shared_intermediate else ""
         return (f"{c.name}: H={c.hidden} I={c.intermediate} E={c.num_experts} (E_l={self.local_experts}) "
-                f"k={c.top_k} router={c.router} dtype={c.dtype} backend={self.backend_name} "
+                f"k={c.top_k} router={c.router}{extra} dtype={c.dtype} backend={self.backend_name} "
                 f"rank={self.rank}/{self.world}")
 
 
@@ -163,8 +252,14 @@ def shard_experts(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 @torch.no_grad()
 def load_full_weights(moe: MoE, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                      router_bias: torch.Tensor | None = None) -> None:
-    """Copy unsharded weights into ``moe``: the router whole, this rank's slice of the experts."""
+                      router_bias: torch.Tensor | None = None, shared: tuple | None = None) -> None:
+    """Copy unsharded weights into ``moe``: the router whole, this rank's slice of the experts, and ``shared``
+    (w13 [2S, H], w2 [H, S], gate [1, H] or None) into the shared expert."""
+    if (shared is not None) != (moe.shared_w13 is not None):
+        raise ValueError("give shared=(w13, w2, gate) exactly when the layer has a shared expert")
+    for p, t in zip((moe.shared_w13, moe.shared_w2, moe.shared_gate), shared or (), strict=False):
+        if p is not None:
+            p.copy_(t)
     moe.router.weight.copy_(router_weight)
     if router_bias is not None:
         if moe.router.bias is None:

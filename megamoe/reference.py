@@ -3,6 +3,7 @@
     route:   (topk_idx [T, k], topk_w [T, k], aux_loss, counts [E]) = route_ref(x, router weight)
     expert:  h = x_t @ w13[e]^T  ([2I]);  a = silu(h[:I]) * h[I:];  o = a @ w2[e]^T  ([H])
     combine: y[t] = sum_j topk_w[t, j] * o_{t, j}      (accumulated in >= float32)
+    shared:  y[t] += [sigmoid(x_t . w_gate)] * shared_mlp(x_t)   (shared expert, optional gate)
 
 Any dtype, float64 included, differentiable. The routing shares no code with :mod:`megamoe.router`, so a router
 bug cannot hide in its own reference. ``experts_ref`` evaluates a subset of the experts, so a rank can check its
@@ -52,7 +53,17 @@ def route_ref(x: torch.Tensor, weight: torch.Tensor, config: MoEConfig, bias: to
         probs = 1.0 / (1.0 + torch.exp(-logits))
         rank_by = probs + (0 if bias is None else bias.to(cdt).detach())
         density = probs / probs.sum(-1, keepdim=True)
-    order = torch.sort(rank_by.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
+    rank_by = rank_by.detach()
+    if config.n_group > 1:  # only the experts of the topk_group groups whose two best scores sum highest
+        G = config.n_group
+        per = E // G
+        best2 = torch.sort(rank_by.reshape(T, G, per), dim=-1, descending=True).values[..., :2].sum(-1)
+        groups = torch.sort(best2, dim=-1, descending=True, stable=True).indices[:, :config.topk_group]
+        allowed = torch.zeros(T, G, dtype=torch.bool, device=x.device)
+        allowed[torch.arange(T, device=x.device)[:, None], groups] = True
+        allowed = allowed[:, torch.arange(E, device=x.device) // per]
+        rank_by = torch.where(allowed, rank_by, torch.full_like(rank_by, -torch.inf))
+    order = torch.sort(rank_by, dim=-1, descending=True, stable=True).indices[:, :k]
     gates = torch.gather(probs, 1, order)
     if config.norm_topk:
         gates = gates / gates.sum(-1, keepdim=True)
@@ -114,6 +125,16 @@ def experts_ref(
     return _stored(y, store_dtype).to(x.dtype)
 
 
+def shared_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """The shared expert: x [T, H], w13 [2S, H], w2 [H, S], gate [1, H] or None -> [T, H] in float64 for float64 x,
+    else float32 (from operands in x's dtype)."""
+    cdt = _wide(x.dtype)
+    out = expert_mlp(x, w13.to(x.dtype), w2.to(x.dtype)).to(cdt)
+    if gate is not None:
+        out = out * torch.sigmoid(x.to(cdt) @ gate.to(cdt).t())
+    return out
+
+
 def moe_forward(
     x: torch.Tensor,
     router_weight: torch.Tensor,
@@ -123,13 +144,19 @@ def moe_forward(
     router_bias: torch.Tensor | None = None,
     logit_offset: torch.Tensor | None = None,
     store_dtype: torch.dtype | None = None,
+    shared: tuple | None = None,
 ) -> tuple[torch.Tensor, RouteRef]:
     """The whole layer on one process: x [T, H], router_weight [E, H], w13 [E, 2I, H], w2 [E, H, I] ->
-    (y [T, H], RouteRef), differentiable."""
+    (y [T, H], RouteRef), differentiable. ``shared``: (w13 [2S, H], w2 [H, S], gate [1, H] or None) of the shared
+    expert, whose output is added (:func:`shared_ref`)."""
     if w13.shape[0] != config.num_experts:
         raise ValueError(f"reference needs all {config.num_experts} experts, got w13 with {w13.shape[0]}")
+    if (shared is not None) != bool(config.shared_intermediate):
+        raise ValueError("reference: give shared=(w13, w2, gate) exactly when the config has a shared expert")
     r = route_ref(x, router_weight, config, router_bias, logit_offset)
     y = experts_ref(x, r.topk_idx, r.topk_w, w13, w2, store_dtype=store_dtype)
+    if shared is not None:
+        y = (y.to(_wide(x.dtype)) + shared_ref(x, *shared)).to(x.dtype)
     return y, r
 
 

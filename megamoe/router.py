@@ -5,6 +5,8 @@ Shapes: T tokens, H hidden, E experts, k top-k.
 * softmax: p = softmax(x @ W^T); (g, idx) = top-k(p); g /= sum(g) if norm_topk; g *= route_scale.
 * sigmoid: s = sigmoid(x @ W^T); idx = top-k(s + bias); g = s[idx]; then as softmax. ``bias`` is a buffer
   (DeepSeek-V3's auxiliary-loss-free balancing), not trained by autograd: it moves the choice, never the gates.
+* group-limited (``n_group`` > 1, DeepSeek-V3): the top-k runs only over the experts of the token's ``topk_group``
+  groups with the highest sum of their two best selection scores (p, or s + bias); always on the torch path.
 
 aux = coef * E * sum_e f_e * P_e per rank (Switch Transformer), f_e = (tokens routed to e) / (T k), P_e the mean
 router probability of e (sigmoid: s normalised over experts); 0 for an empty batch.
@@ -32,12 +34,14 @@ from megamoe.config import MoEConfig
 class RouterOutput(NamedTuple):
     """topk_idx int64 [T, k] global expert ids, distinct per token; topk_w float32 (float64 for float64 input)
     [T, k] gates, differentiable; aux_loss scalar, coef included; tokens_per_expert int64 [E] (token, slot) pairs
-    per expert on this rank, on the device (the layer never reads it on the host)."""
+    per expert on this rank, on the device (the layer never reads it on the host); logits [T, E] in the routing dtype,
+    differentiable (what HF models record for their own aux loss)."""
 
     topk_idx: torch.Tensor
     topk_w: torch.Tensor
     aux_loss: torch.Tensor
     tokens_per_expert: torch.Tensor
+    logits: torch.Tensor
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -87,8 +91,12 @@ def route(
         return _route(x, weight, config, bias, logit_offset, impl)
 
 
-def _use_triton(impl: str, x: torch.Tensor, cdt: torch.dtype) -> bool:
+def _use_triton(impl: str, x: torch.Tensor, cdt: torch.dtype, config: MoEConfig) -> bool:
     if impl == "torch":
+        return False
+    if impl == "triton" and config.n_group > 1:
+        raise ValueError("router impl 'triton' has no group-limited routing (n_group > 1); use 'torch' or 'auto'")
+    if config.n_group > 1:
         return False
     if impl == "triton":
         if cdt != torch.float32:
@@ -109,20 +117,24 @@ def _route(x, weight, config, bias, logit_offset, impl) -> RouterOutput:
     logits = _logits(x, weight, cdt)
     if logit_offset is not None:
         logits = logits + logit_offset.to(cdt)
-    if T > 0 and _use_triton(impl, x, cdt):
+    if T > 0 and _use_triton(impl, x, cdt, config):
         from megamoe.kernels.router_topk import RouteTopk
 
         idx, gates, aux, counts = RouteTopk.apply(
             logits, bias, k, config.router == "sigmoid", config.norm_topk, config.route_scale, config.aux_loss_coef)
-        return RouterOutput(idx, gates, aux, counts)
+        return RouterOutput(idx, gates, aux, counts, logits)
     if config.router == "softmax":
         probs = torch.softmax(logits, dim=-1)
-        gates, idx = torch.topk(probs, k, dim=-1)
+        if config.n_group > 1:
+            idx = torch.topk(limit_groups(probs.detach(), config), k, dim=-1).indices
+            gates = probs.gather(1, idx)
+        else:
+            gates, idx = torch.topk(probs, k, dim=-1)
         density_probs = probs
     else:
         scores = torch.sigmoid(logits)
         choice = scores if bias is None else scores + bias.to(cdt).detach()
-        idx = torch.topk(choice, k, dim=-1).indices
+        idx = torch.topk(limit_groups(choice.detach(), config), k, dim=-1).indices
         gates = scores.gather(1, idx)
         density_probs = scores / scores.sum(-1, keepdim=True)
     if config.norm_topk:
@@ -136,7 +148,20 @@ def _route(x, weight, config, bias, logit_offset, impl) -> RouterOutput:
         aux = config.aux_loss_coef * E * (frac * density_probs.mean(0)).sum()
     else:
         aux = logits.sum() * 0.0  # keeps the graph connected, exactly 0
-    return RouterOutput(idx, gates, aux, counts)
+    return RouterOutput(idx, gates, aux, counts, logits)
+
+
+def limit_groups(choice: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """``choice`` [T, E] with every expert outside a token's ``topk_group`` best groups set to -inf (a group scores
+    the sum of its two best entries); unchanged when ``n_group`` is 1."""
+    G = config.n_group
+    if G == 1:
+        return choice
+    T, E = choice.shape
+    group_score = choice.view(T, G, E // G).topk(2, dim=-1).values.sum(-1)  # [T, G]
+    keep = torch.zeros(T, G, dtype=torch.bool, device=choice.device)
+    keep.scatter_(1, torch.topk(group_score, config.topk_group, dim=-1).indices, True)
+    return choice.masked_fill(~keep.repeat_interleave(E // G, dim=1), float("-inf"))
 
 
 class Router(nn.Module):
@@ -144,7 +169,7 @@ class Router(nn.Module):
     (non-persistent, zeros; see :meth:`set_logit_offset`)."""
 
     def __init__(self, config: MoEConfig, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, init: bool = True):
         super().__init__()
         self.config = config
         dtype = dtype or config.dtype
@@ -157,7 +182,8 @@ class Router(nn.Module):
             "logit_offset", torch.zeros(config.num_experts, device=device, dtype=torch.float32), persistent=False
         )
         self._offset_set = False
-        self.reset_parameters()
+        if init:
+            self.reset_parameters()
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         # Same values on every rank for the same generator state: drawn on the CPU, then copied.

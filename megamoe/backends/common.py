@@ -107,6 +107,23 @@ def comm_programs(comm_sms: int | None, device: torch.device) -> int:
     return int(comm_sms)
 
 
+def triton_unavailable(device) -> str | None:
+    """Why the Triton backends cannot run on ``device``, or None. Off CUDA they need the Triton interpreter (which
+    ``triton.jit`` reads when a kernel module is imported, so the variable has to be set before Python starts) or a
+    driver standing in for a GPU (megamoe.testing.sm90 compiles for Hopper on a CPU)."""
+    if torch.device(device).type == "cuda" or interpreting():
+        return None
+    from triton.runtime import driver
+
+    try:
+        driver.active  # noqa: B018 - raises without a GPU ("0 active drivers")
+        return None
+    except RuntimeError:
+        return ("the Triton kernels run on a CPU only under the Triton interpreter: start Python with "
+                "TRITON_INTERPRET=1 in the environment (e.g. `TRITON_INTERPRET=1 python train.py`), or use backend "
+                "'torch'")
+
+
 def check_flag(backend: str, name: str, value) -> bool:
     if value not in (True, False, 0, 1):
         raise ValueError(f"backend '{backend}': {name} must be a flag (True/False or 1/0), got {value!r}")

@@ -32,13 +32,14 @@ cycles as many times as the routing needs. The symmetric heap adds a [T_max, k, 
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
+import weakref
 
-from megamoe.backends.common import comm_programs, expert_backward, wgrads
+import torch
+
+from megamoe.backends.common import comm_programs, expert_backward, triton_unavailable, wgrads
 from megamoe.comm.combine import dispatch_backward
 from megamoe.comm.dispatch import dispatch
-from megamoe.comm.heap import CommShape, get_heap, heap_bytes
+from megamoe.comm.heap import CommShape, get_heap, heap_bytes, release_heap
 from megamoe.experts import gemm1_swiglu
 from megamoe.kernels.fused_moe import FusedConfig, default_fused_config, fused_forward, plan_lag
 from megamoe.kernels.gluon.fused import gluon_fused_reason
@@ -82,18 +83,13 @@ class FusedBackend:
 
     @staticmethod
     def why_unavailable(device) -> str | None:
-        if not dist.is_available():
-            return "torch.distributed is not available"
-        return None
+        return triton_unavailable(device)
 
     def __init__(self, moe, ring_blocks: int | None = None, comm_sms: int | None = None, timeout_s: float = 60.0):
         cfg = moe.config
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"backend 'fused' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
-        if not dist.is_initialized():
-            raise ValueError("backend 'fused' needs an initialised torch.distributed process group "
-                             "(a one-rank group is fine)")
-        self.moe = moe
+        self.moe = weakref.proxy(moe)  # the layer owns its backend, not the reverse: deleting it frees both
         self.comm_sms = comm_programs(comm_sms, moe.device)
         self.config: FusedConfig = default_fused_config(moe.device)
         if gluon_fused_reason(self.config, H=cfg.hidden, I=cfg.intermediate, device=moe.device) is None:
@@ -108,6 +104,10 @@ class FusedBackend:
         self.shape = CommShape(world=moe.world, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden,
                                topk=cfg.top_k, num_experts=cfg.num_experts, dtype=cfg.dtype, slots=True)
         self.heap = get_heap(self.shape, moe.group, moe.device, timeout_s, self.comm_sms)
+
+    def close(self) -> None:
+        """Give the symmetric heap back (freed with its last layer)."""
+        release_heap(self.heap)
 
     def workspace_bytes(self) -> dict:
         """Symmetric heap bytes (shared by layers of this shape) and the megakernel's per-call buffers."""

@@ -27,14 +27,23 @@ Options (measurements in docs/performance.md):
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
+import weakref
 
-from megamoe.backends.common import check_flag, comm_programs, expert_backward, expert_forward, heap_rows, wgrads
+import torch
+
+from megamoe.backends.common import (
+    check_flag,
+    comm_programs,
+    expert_backward,
+    expert_forward,
+    heap_rows,
+    triton_unavailable,
+    wgrads,
+)
 from megamoe.backends.fp8_weights import Fp8WeightCache
 from megamoe.comm.combine import combine, dispatch_backward
 from megamoe.comm.dispatch import dispatch, dispatch_fp8
-from megamoe.comm.heap import CommShape, get_heap, heap_bytes, workspace_bytes
+from megamoe.comm.heap import CommShape, get_heap, heap_bytes, release_heap, workspace_bytes
 from megamoe.experts import dequantize_act
 
 
@@ -77,25 +86,25 @@ class SplitBackend(Fp8WeightCache):
 
     @staticmethod
     def why_unavailable(device) -> str | None:
-        if not dist.is_available():
-            return "torch.distributed is not available"
-        return None
+        return triton_unavailable(device)
 
     def __init__(self, moe, fp8: bool = False, presum_combine: bool = False, comm_sms: int | None = None,
                  timeout_s: float = 60.0):
         cfg = moe.config
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"backend 'split' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
-        if not dist.is_initialized():
-            raise ValueError("backend 'split' needs an initialised torch.distributed process group "
-                             "(a one-rank group is fine)")
-        self.moe = moe
+        self.moe = weakref.proxy(moe)  # the layer owns its backend, not the reverse: deleting it frees both
         self.comm_sms = comm_programs(comm_sms, moe.device)
         self.presum_combine = check_flag(self.name, "presum_combine", presum_combine)
         self._init_fp8_cache(check_flag(self.name, "fp8", fp8), moe.device)
         self.shape = CommShape(world=moe.world, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden,
                                topk=cfg.top_k, num_experts=cfg.num_experts, dtype=cfg.dtype)
         self.heap = get_heap(self.shape, moe.group, moe.device, timeout_s, self.comm_sms)
+
+    def close(self) -> None:
+        """Give the symmetric heap back (freed with its last layer) and drop the FP8 weight copies."""
+        release_heap(self.heap)
+        self._fp8_copies = {}
 
     def workspace_bytes(self) -> dict:
         """Bytes of the symmetric heap (shared by layers of this shape), the per-call workspace and, with ``fp8``,

@@ -18,6 +18,8 @@ CUDA, else a per-expert loop: torch's CPU grouped_mm has no float64 and its back
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -76,7 +78,7 @@ class TorchBackend:
         return None
 
     def __init__(self, moe):
-        self.moe = moe
+        self.moe = weakref.proxy(moe)  # the layer owns its backend, not the reverse: deleting it frees both
         self.align = ALIGN_CUDA if moe.device.type == "cuda" else 1
 
     def __call__(self, x, topk_idx, topk_w, w13, w2):

@@ -9,7 +9,16 @@ interpreter.apply()  # before any kernel runs: round-to-nearest bf16 conversions
 
 from .combine import combine, dispatch_backward, pull_grad, send_gate_grad  # noqa: E402
 from .dispatch import DispatchHandle, dispatch, dispatch_fp8  # noqa: E402
-from .heap import CommShape, CommTimeoutError, SymmetricHeap, close_heaps, get_heap, heap_bytes, workspace_bytes  # noqa: E402
+from .heap import (  # noqa: E402
+    CommShape,
+    CommTimeoutError,
+    SymmetricHeap,
+    close_heaps,
+    get_heap,
+    heap_bytes,
+    release_heap,
+    workspace_bytes,
+)
 from .schedule import Schedule  # noqa: E402
 
 __all__ = [
@@ -20,6 +29,7 @@ __all__ = [
     "SymmetricHeap",
     "close_heaps",
     "get_heap",
+    "release_heap",
     "combine",
     "pull_grad",
     "send_gate_grad",

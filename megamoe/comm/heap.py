@@ -155,11 +155,14 @@ class SymmetricHeap:
         timeout_s: float = 60.0,
         num_sms: int = 32,
     ):
-        if not dist.is_initialized():
-            raise RuntimeError("SymmetricHeap needs an initialised torch.distributed process group")
-        self.group = group or dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world = dist.get_world_size(self.group)
+        if dist.is_available() and dist.is_initialized():
+            self.group = group or dist.group.WORLD
+            self.rank = dist.get_rank(self.group)
+            self.world = dist.get_world_size(self.group)
+        elif group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialised")
+        else:  # one process without torch.distributed: a heap of one rank, no collective ever runs
+            self.group, self.rank, self.world = None, 0, 1
         if self.world != shape.world:
             raise ValueError(f"shape.world={shape.world} but the process group has {self.world} ranks")
         if backend == "auto":  # by the device; else by the group (nccl, or GPU ranks on gloo: megamoe.dist)
@@ -168,7 +171,7 @@ class SymmetricHeap:
             else:
                 from megamoe.dist import gpu_ranks_on_gloo
 
-                gpu_group = dist.get_backend(self.group) == "nccl" or gpu_ranks_on_gloo()
+                gpu_group = self.group is not None and (dist.get_backend(self.group) == "nccl" or gpu_ranks_on_gloo())
                 backend = "cuda" if torch.cuda.is_available() and gpu_group else "host"
         if backend not in ("cuda", "host"):
             raise ValueError(f"backend must be 'cuda', 'host' or 'auto', got {backend!r}")
@@ -185,6 +188,7 @@ class SymmetricHeap:
         self.rows_busy = False
         self._maps: list = []
         self._watchdog = None
+        self.users = 0  # layers holding it through get_heap; release_heap closes it at zero
         if backend == "cuda":
             dev = torch.device(device) if device is not None else torch.device("cuda")
             self.device = dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
@@ -206,15 +210,23 @@ class SymmetricHeap:
             workspace_bytes(shape) / 2**20,
         )
 
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(self.group)
+
     def _alloc_cuda(self) -> list[int]:
-        if self._ranks_share_a_gpu():
+        if self.group is None:  # no peers: an ordinary allocation
+            self._buf = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
+            self._handle = self._peers = None
+            bases = [int(self._buf.data_ptr())]
+        elif self._ranks_share_a_gpu():
             bases = self._alloc_cuda_ipc()
         else:
             bases = self._alloc_symm_mem()
         self._err_host = torch.zeros(S.ERR_SLOTS, dtype=torch.int64, pin_memory=True)
         self._err_addr = self._err_host.data_ptr()
         torch.cuda.synchronize(self.device)
-        dist.barrier(self.group)
+        self._barrier()
         self._views = self._make_views(self._buf)
         self._watchdog_stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="megamoe-comm-watchdog", daemon=True)
@@ -270,7 +282,8 @@ class SymmetricHeap:
 
     def _alloc_host(self) -> list[int]:
         token = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
-        dist.broadcast_object_list(token, src=dist.get_global_rank(self.group, 0), group=self.group)
+        if self.group is not None:
+            dist.broadcast_object_list(token, src=dist.get_global_rank(self.group, 0), group=self.group)
         root = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
         paths = [os.path.join(root, f"megamoe-{token[0]}-{r}") for r in range(self.world)]
         fd = os.open(paths[self.rank], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -278,7 +291,7 @@ class SymmetricHeap:
             os.ftruncate(fd, self.nbytes)
         finally:
             os.close(fd)
-        dist.barrier(self.group)  # every file exists, zero-filled
+        self._barrier()  # every file exists, zero-filled
         bases = []
         for r in range(self.world):
             fd = os.open(paths[r], os.O_RDWR)
@@ -288,7 +301,7 @@ class SymmetricHeap:
                 os.close(fd)
             self._maps.append(mm)
             bases.append(ctypes.addressof(ctypes.c_char.from_buffer(mm)))
-        dist.barrier(self.group)  # every rank mapped every file: unlink now, nothing leaks on a crash
+        self._barrier()  # every rank mapped every file: unlink now, nothing leaks on a crash
         self._paths = paths
         self._unlink_own()
         own = torch.frombuffer(self._maps[self.rank], dtype=torch.uint8)
@@ -437,14 +450,36 @@ _HEAPS: dict[tuple, SymmetricHeap] = {}
 
 
 def get_heap(shape: CommShape, group, device, timeout_s: float, num_sms: int) -> SymmetricHeap:
-    """The heap of this process group for ``shape`` (built on first use; layers of one shape share it)."""
-    group = group or dist.group.WORLD
-    key = (group.group_name, shape, str(device), timeout_s, num_sms)  # names are unique, ids can be reused
+    """The heap of this process group for ``shape`` (built on first use; layers of one shape share it). Without
+    torch.distributed (one process, ``shape.world`` 1) a heap of one rank. Each call counts one user: give it back
+    with :func:`release_heap`."""
+    if dist.is_available() and dist.is_initialized():
+        group = group or dist.group.WORLD
+        name = group.group_name  # names are unique, ids can be reused
+    else:
+        name = None
+    key = (name, shape, str(device), timeout_s, num_sms)
     heap = _HEAPS.get(key)
     if heap is None or heap._closed:
         heap = SymmetricHeap(shape, group=group, device=device, timeout_s=timeout_s, num_sms=num_sms)
         _HEAPS[key] = heap
+    heap.users += 1
     return heap
+
+
+def release_heap(heap: SymmetricHeap) -> None:
+    """One user of ``heap`` is done with it; the last one closes it and frees its memory. Peers may still read this
+    rank's buffers until they finish their last call: release on every rank after the last call's results are used
+    (a CUDA heap first waits for this device's work)."""
+    heap.users -= 1
+    if heap.users > 0 or heap._closed:
+        return
+    for key, h in list(_HEAPS.items()):
+        if h is heap:
+            del _HEAPS[key]
+    if heap.backend == "cuda" and torch.cuda.is_available():
+        torch.cuda.synchronize(heap.device)
+    heap.close()
 
 
 def close_heaps() -> None:

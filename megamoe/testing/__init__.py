@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megamoe.config import MoEConfig, parse_dtype, preset
 from megamoe.dist import gpu_world, rank_device  # noqa: F401 - the GPU tests take them from here
 from megamoe.layer import MoE, gather_experts, load_full_weights
-from megamoe.reference import experts_ref, moe_forward, route_ref
+from megamoe.reference import experts_ref, moe_forward, route_ref, shared_ref
 
 
 def note_error(key: str, err: float) -> None:
@@ -88,7 +88,12 @@ def _full_weights(cfg: MoEConfig, seed: int, device: torch.device):
     w13 = torch.randn(E, 2 * I, H, **kw) * H ** -0.5
     w2 = torch.randn(E, H, I, **kw) * I ** -0.5
     bias = torch.randn(E, **kw) * 0.1 if cfg.router == "sigmoid" else None
-    return router, w13, w2, bias
+    S = cfg.shared_intermediate
+    shared = None
+    if S:
+        gate = torch.randn(1, H, **kw) * H ** -0.5 if cfg.shared_gate else None
+        shared = (torch.randn(2 * S, H, **kw) * H ** -0.5, torch.randn(H, S, **kw) * S ** -0.5, gate)
+    return router, w13, w2, bias, shared
 
 
 #: weight of the aux loss in the checked loss: large enough that its gradient is a visible part of the router's
@@ -107,16 +112,17 @@ def layer_case(case: LayerCase, backend: str, device: torch.device, group=None, 
         raise ValueError(f"case {case.name}: token counts {calls} for {world} ranks")
     cfg = case.config()
     seed = case.seed + 1000 * seed_offset()
-    router_w, w13, w2, bias = _full_weights(cfg, seed, device)
+    router_w, w13, w2, bias, shared = _full_weights(cfg, seed, device)
+    shared = None if shared is None else tuple(None if t is None else t.to(cfg.dtype) for t in shared)
     offset = torch.zeros(cfg.num_experts, dtype=torch.float64)
     for e, v in case.offset.items():
         offset[e] = v
     moe = MoE(cfg, group=group, backend=backend, device=device, **backend_options)
     load_full_weights(moe, router_w.to(cfg.dtype), w13.to(cfg.dtype), w2.to(cfg.dtype),
-                      None if bias is None else bias.float())
+                      None if bias is None else bias.float(), shared=shared)
     if case.offset:
         moe.router.set_logit_offset(offset.float().to(device))
-    ref_weights = (router_w, w13, w2, bias, offset if case.offset else None)
+    ref_weights = (router_w, w13, w2, bias, offset if case.offset else None, shared)
     errs: dict = {"case": case.name, "rank": rank, "counts_ok": True}
     for i, tokens in enumerate(calls):
         r = _call(moe, cfg, tokens, rank, world, group, device, ref_weights, seed + 1 + 100 * i,
@@ -139,7 +145,7 @@ def layer_case(case: LayerCase, backend: str, device: torch.device, group=None, 
 def _call(moe: MoE, cfg: MoEConfig, tokens: tuple[int, ...], rank: int, world: int, group, device, ref_weights,
           seed: int, repeat: bool) -> dict:
     """One forward + backward on this rank's share of a global batch from ``seed``, against the reference."""
-    router_w, w13, w2, bias, offset = ref_weights
+    router_w, w13, w2, bias, offset, shared = ref_weights
     gen = torch.Generator().manual_seed(seed)
     T_all = sum(tokens)
     x_all = torch.randn(T_all, cfg.hidden, generator=gen, dtype=torch.float64)
@@ -162,12 +168,15 @@ def _call(moe: MoE, cfg: MoEConfig, tokens: tuple[int, ...], rank: int, world: i
     xr, rw, r13, r2 = (t.to(cfg.dtype).double().to(device).requires_grad_() for t in (x_all, router_w, w13, w2))
     rb = None if bias is None else bias.float().double().to(device)
     ro = None if offset is None else offset.float().double().to(device)
-    y_ref, rr = moe_forward(xr, rw, r13, r2, ref_cfg, rb, ro)
+    sh = None if shared is None else tuple(None if t is None else t.double().to(device) for t in shared)
+    y_ref, rr = moe_forward(xr, rw, r13, r2, ref_cfg, rb, ro, shared=sh)
     per_rank = [route_ref(xr[bounds[q]:bounds[q + 1]], rw, ref_cfg, rb, ro) for q in range(world)]
     loss_ref = (y_ref * g_all.to(device)).sum() + AUX_WEIGHT * sum(r.aux_loss for r in per_rank)
     ref_grads = _grads(loss_ref, (xr, rw, r13, r2))
     with torch.no_grad():
         y_stored = experts_ref(xr, rr.topk_idx, rr.topk_w, r13, r2, store_dtype=cfg.dtype)
+        if sh is not None:  # the layer rounds the routed sum, then adds the shared expert's output
+            y_stored = (y_stored + shared_ref(xr.to(cfg.dtype), *sh).double()).to(cfg.dtype).double()
 
     drouter = drouter.double()
     if world > 1:
@@ -234,6 +243,13 @@ def _cases(world: int) -> list[LayerCase]:
         LayerCase("fp32-k5", dtype="fp32", tokens=ragged, overrides={"top_k": 5}),  # k > E_l on 2+ ranks
         # no tokens anywhere (zero gradients of the right shapes), then a call with tokens on the same layer
         LayerCase("fp32-all-empty", dtype="fp32", tokens=tuple([0] * world), then=even),
+        # DeepSeek-V3 routing: sigmoid + bias, 4 groups of which 2 are open to each token, plus a shared expert
+        LayerCase("fp32-groups-shared", dtype="fp32", tokens=ragged,
+                  overrides={"router": "sigmoid", "route_scale": 2.5, "n_group": 4, "topk_group": 2,
+                             "shared_intermediate": 48}),
+        # Qwen2-MoE: softmax without renormalisation, a sigmoid-gated shared expert
+        LayerCase("bf16-gated-shared", dtype="bf16", tokens=even,
+                  overrides={"norm_topk": False, "shared_intermediate": 40, "shared_gate": True}),
     ]
     return cases
 

@@ -1,0 +1,211 @@
+"""megamoe as a drop-in for the sparse MoE blocks of HuggingFace transformers (5.x) models.
+
+    from megamoe import hf
+    model = AutoModelForCausalLM.from_pretrained(...)     # or from_config; move / cast it first
+    hf.patch(model, backend="split")                      # every sparse MoE block now runs megamoe
+
+Supported blocks: qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3 (SiLU experts). A patched block keeps
+transformers' call signature, return value and parameter names: ``gate.weight`` (and DeepSeek-V3's
+``gate.e_score_correction_bias``), ``experts.gate_up_proj`` [E, 2I, H] (gate rows, then up) and
+``experts.down_proj`` [E, H, I] (megamoe's ``w13`` / ``w2``, the same tensors), and the shared-expert modules
+(``shared_expert`` + ``shared_expert_gate``, ``shared_experts``), which stay transformers' dense MLPs. Its ``gate`` is
+an instance of the model's own router class whose forward runs megamoe's routing, so the router logits that
+transformers records for its load-balancing loss (``output_router_logits``) are still recorded, in float32. The
+routed experts run on the chosen backend (:meth:`megamoe.MoE.experts_forward`).
+
+Expert parallelism (``group`` of W ranks): every rank builds and loads the whole model, and ``patch`` keeps rank r's
+experts r*E/W .. (r+1)*E/W - 1 of each block (the others are freed). Afterwards ``load_state_dict`` takes either a
+patched model's shards or full [E, ...] tensors from a transformers checkpoint (each rank keeps its slice); to save,
+``full_state_dict(model)`` gathers the experts on every rank (a collective) and rank 0 writes it with
+``model.save_pretrained(path, state_dict=...)``, which plain transformers loads. The router and shared experts are
+replicated: reduce their gradients over the data-parallel group as for any replicated parameter.
+
+Patch after moving or casting the model (the backend is built for the device and dtype it finds). An unsupported
+block (gpt_oss's experts need router and projection biases, interleaved gate/up and a clamped SwiGLU), activation or
+option raises ``ValueError`` naming it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megamoe.config import MoEConfig
+from megamoe.layer import MoE, gather_experts, shard_experts
+from megamoe.router import route
+
+#: transformers block class -> model type
+SUPPORTED = {
+    "Qwen3MoeSparseMoeBlock": "qwen3_moe",
+    "Qwen2MoeSparseMoeBlock": "qwen2_moe",
+    "MixtralSparseMoeBlock": "mixtral",
+    "OlmoeSparseMoeBlock": "olmoe",
+    "DeepseekV3MoE": "deepseek_v3",
+}
+NOT_YET = {
+    "GptOssMLP": "gpt_oss: its experts need router and projection biases, gate/up interleaved as [E, H, 2I] and a "
+                 "clamped SwiGLU (alpha 1.702, limit 7, (up + 1)), which megamoe's kernels do not have yet",
+}
+_SHARED = ("shared_expert", "shared_expert_gate", "shared_experts")
+
+
+def _gate_forward(self, hidden_states: torch.Tensor):
+    """The patched router: (router_logits [T, E] float32, gates [T, k] float32, expert ids [T, k]) as transformers'
+    routers return them, computed by :func:`megamoe.router.route`."""
+    x = hidden_states.reshape(-1, self.weight.shape[1])
+    r = route(x, self.weight, self.megamoe_config, getattr(self, "e_score_correction_bias", None))
+    return r.logits, r.topk_w, r.topk_idx
+
+
+_GATE_CLASSES: dict[type, type] = {}
+
+
+def _gate_class(cls: type) -> type:
+    """A subclass of the model's router class (so transformers' output recorders still match it by isinstance)
+    whose forward is megamoe's routing."""
+    if cls not in _GATE_CLASSES:
+        _GATE_CLASSES[cls] = type(f"MegaMoE{cls.__name__}", (cls,), {"forward": _gate_forward, "__module__": __name__})
+    return _GATE_CLASSES[cls]
+
+
+class MegaMoEExperts(nn.Module):
+    """A patched block's ``experts``: this rank's ``gate_up_proj`` [E_l, 2I, H] and ``down_proj`` [E_l, H, I] (the
+    layer's ``w13``, ``w2``); ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])`` has
+    transformers' signature and runs :meth:`megamoe.MoE.experts_forward`."""
+
+    def __init__(self, moe: MoE):
+        super().__init__()
+        self.gate_up_proj = moe.w13
+        self.down_proj = moe.w2
+        self.num_experts = moe.config.num_experts
+        self.__dict__["moe"] = moe  # not a submodule: its parameters are registered here under transformers' names
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return self.moe.experts_forward(hidden_states, top_k_index, top_k_weights)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        moe = self.moe
+        for name in ("gate_up_proj", "down_proj"):  # a full transformers tensor: keep this rank's experts
+            t = state_dict.get(prefix + name)
+            if t is not None and moe.world > 1 and t.shape[0] == moe.config.num_experts:
+                state_dict[prefix + name] = shard_experts(t, moe.rank, moe.world)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class MegaMoEBlock(nn.Module):
+    """A transformers sparse MoE block running on megamoe (module docstring); ``moe`` is the :class:`megamoe.MoE`
+    doing the work (``moe.backend``, ``moe.close()``)."""
+
+    def __init__(self, block: nn.Module, group=None, backend: str = "torch", max_tokens_per_rank: int = 16384,
+                 **backend_options):
+        super().__init__()
+        kind = type(block).__name__
+        if kind not in SUPPORTED:
+            raise ValueError(_unsupported(kind))
+        self.model_type = SUPPORTED[kind]
+        gate, experts = block.gate, block.experts
+        act = type(getattr(experts, "act_fn", None)).__name__
+        if act not in ("SiLUActivation", "SiLU"):
+            raise ValueError(f"{kind}: megamoe's experts are SwiGLU (silu); this block's activation is {act}")
+        w13, w2 = experts.gate_up_proj, experts.down_proj
+        E, I2, H = w13.shape
+        if tuple(w2.shape) != (E, H, I2 // 2):
+            raise ValueError(f"{kind}: down_proj has shape {tuple(w2.shape)}, expected {(E, H, I2 // 2)}")
+        deepseek = self.model_type == "deepseek_v3"
+        n_group = getattr(gate, "num_group", 1) if deepseek else 1
+        cfg = MoEConfig(
+            hidden=H, intermediate=I2 // 2, num_experts=E, top_k=gate.top_k,
+            router="sigmoid" if deepseek else "softmax",
+            norm_topk=self.model_type == "mixtral" or bool(gate.norm_topk_prob),
+            route_scale=float(gate.routed_scaling_factor) if deepseek else 1.0,
+            aux_loss_coef=0.0,  # transformers computes its own from the recorded router logits
+            dtype=w13.dtype, max_tokens_per_rank=max_tokens_per_rank,
+            n_group=n_group, topk_group=gate.topk_group if n_group > 1 else 1,
+            name=f"hf-{self.model_type}",
+        )
+        moe = MoE(cfg, group=group, backend=backend, device=w13.device, init="none", **backend_options)
+        # adopt transformers' tensors: one rank holds them as they are, EP ranks a copy of their slice
+        with torch.no_grad():
+            for name, full in (("w13", w13), ("w2", w2)):
+                part = full if moe.world == 1 else nn.Parameter(
+                    shard_experts(full.detach(), moe.rank, moe.world).clone(), requires_grad=full.requires_grad)
+                setattr(moe, name, part)
+        moe.router.weight = gate.weight
+        if deepseek:
+            moe.router.bias = gate.e_score_correction_bias
+        gate.__class__ = _gate_class(type(gate))
+        gate.__dict__["megamoe_config"] = cfg
+        self.gate = gate
+        self.experts = MegaMoEExperts(moe)
+        for name in _SHARED:
+            if hasattr(block, name):
+                setattr(self, name, getattr(block, name))
+        self.jitter_noise = float(getattr(block, "jitter_noise", 0.0))
+        self.__dict__["moe"] = moe
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states
+        if self.training and self.jitter_noise > 0:  # Mixtral's multiplicative input jitter
+            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        x = x.reshape(-1, shape[-1])
+        _, gates, idx = self.gate(x)
+        y = self.moe.experts_forward(x, idx, gates)
+        if self.model_type == "qwen2_moe":
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.model_type == "deepseek_v3":
+            y = y + self.shared_experts(x)
+        return y.reshape(shape)
+
+
+def _unsupported(kind: str) -> str:
+    if kind in NOT_YET:
+        return f"megamoe.hf cannot patch {kind} yet ({NOT_YET[kind]})"
+    return f"megamoe.hf cannot patch {kind}; supported blocks: {', '.join(f'{k} ({v})' for k, v in SUPPORTED.items())}"
+
+
+def patch(model: nn.Module, backend: str = "torch", group=None, max_tokens_per_rank: int = 16384,
+          **backend_options) -> nn.Module:
+    """Replace every sparse MoE block of ``model`` in place with a :class:`MegaMoEBlock` (module docstring) and return
+    ``model``. ``backend``, ``group`` and ``backend_options`` as for :class:`megamoe.MoE`; ``max_tokens_per_rank``:
+    tokens (batch x sequence) per rank per call the ``split`` / ``fused`` buffers are sized for. Raises
+    ``ValueError`` naming a block it cannot patch (a module with an ``experts`` child of an unknown class), or when
+    the model has no MoE block."""
+    found = []
+    for name, module in list(model.named_modules()):
+        kind = type(module).__name__
+        if isinstance(module, MegaMoEBlock):
+            found.append(name)
+        elif kind in SUPPORTED:
+            found.append((name, module))
+        elif kind in NOT_YET or isinstance(getattr(module, "experts", None), nn.Module):
+            raise ValueError(_unsupported(kind) + f" (module {name!r})")
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no sparse MoE block megamoe.hf can patch; supported blocks: "
+                         f"{', '.join(SUPPORTED)}")
+    for item in found:
+        if isinstance(item, str):
+            continue  # patched already
+        name, block = item
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, MegaMoEBlock(block, group=group, backend=backend,
+                                            max_tokens_per_rank=max_tokens_per_rank, **backend_options))
+    return model
+
+
+def blocks(model: nn.Module) -> list[MegaMoEBlock]:
+    """The patched blocks of ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, MegaMoEBlock)]
+
+
+def full_state_dict(model: nn.Module) -> dict:
+    """``model.state_dict()`` with every patched block's experts gathered to all E experts: what plain transformers
+    loads. A collective under expert parallelism: call it on every rank (each gets the whole dict)."""
+    sd = model.state_dict()
+    for name, m in model.named_modules():
+        if isinstance(m, MegaMoEBlock) and m.moe.world > 1:
+            for p in ("gate_up_proj", "down_proj"):
+                key = f"{name}.experts.{p}" if name else f"experts.{p}"
+                sd[key] = gather_experts(m.moe, getattr(m.experts, p))
+    return sd

@@ -1,0 +1,175 @@
+"""The layer as a drop-in: inputs of any leading shape, autocast, world 1 without a process group for every backend,
+experts on external routing, creation without random init, freeing the backend's memory, and a clear error where the
+Triton backends cannot run. Numbers are checked against the float64 reference."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megamoe import MoE, preset
+from megamoe.layer import load_full_weights
+from megamoe.reference import experts_ref, moe_forward
+from megamoe.testing import layer_case, rel_err, standard_cases
+
+
+def _grads(out, g, params):
+    return torch.autograd.grad((out.double() * g).sum(), params, allow_unused=True, materialize_grads=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", "split", "fused"])
+def test_leading_shape_matches_flat_bitwise(backend):
+    # [B, S, H] (and a non-contiguous view of it) give the flat [T, H] call's numbers, forward and backward
+    cfg = preset("tiny", max_tokens_per_rank=64)
+    moe = MoE(cfg, backend=backend, device="cpu", seed=3)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 7, cfg.hidden, generator=gen).to(cfg.dtype)
+    g = torch.randn(3, 7, cfg.hidden, generator=gen, dtype=torch.float64)
+    params = (moe.router.weight, moe.w13, moe.w2)
+    flat = x.reshape(21, cfg.hidden).clone().requires_grad_()
+    ref_out = moe(flat).out
+    ref = _grads(ref_out, g.reshape(21, -1), (flat,) + params)
+    for xin in (x.clone(), x.transpose(0, 1).contiguous().transpose(0, 1)):  # contiguous, then a strided view
+        xin.requires_grad_()
+        out = moe(xin).out
+        assert out.shape == (3, 7, cfg.hidden)
+        got = _grads(out, g, (xin,) + params)
+        assert torch.equal(out.reshape(21, -1), ref_out)
+        assert torch.equal(got[0].reshape(21, -1), ref[0])
+        assert all(torch.equal(a, b) for a, b in zip(got[1:], ref[1:], strict=True))
+
+
+@pytest.mark.parametrize("backend", ["split", "fused"])
+def test_world_one_without_process_group(backend):
+    # no torch.distributed at all in this process: the Triton backends run as world 1 against the float64 reference
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    case = next(c for c in standard_cases(1) if c.name == "bf16-ragged")
+    from megamoe.testing import check_bounds
+
+    check_bounds([layer_case(case, backend, torch.device("cpu"))])
+
+
+def test_autocast_follows_linear():
+    # an fp32 layer under bf16 autocast computes in bf16 (x and the expert weights cast per call, the router in fp32)
+    # and returns bf16; gradients reach the fp32 parameters
+    cfg = preset("tiny", dtype=torch.float32)
+    moe = MoE(cfg, seed=1)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 9, cfg.hidden, generator=gen, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = moe(x).out
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    out.float().sum().backward()
+    assert moe.w13.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+    xb = x.detach().to(torch.bfloat16).double().reshape(-1, cfg.hidden)
+    y, _ = moe_forward(xb, moe.router.weight.double(), moe.w13.to(torch.bfloat16).double(),
+                       moe.w2.to(torch.bfloat16).double(), cfg.replace(dtype=torch.float64))
+    assert rel_err(out.reshape(-1, cfg.hidden), y) < 1e-2
+    # a bf16 layer: fp32 input under autocast is the bf16 input's call, bit for bit; outside autocast a TypeError
+    moe16 = MoE(preset("tiny"), seed=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = moe16(x.detach()).out
+    assert torch.equal(a, moe16(x.detach().to(torch.bfloat16)).out)
+    with pytest.raises(TypeError, match="autocast"):
+        moe16(x.detach())
+
+
+@pytest.mark.parametrize("backend,dtype", [("torch", torch.float64), ("split", torch.bfloat16)])
+def test_experts_forward_on_external_routing(backend, dtype):
+    cfg = preset("tiny", dtype=dtype, max_tokens_per_rank=64)
+    moe = MoE(cfg, backend=backend, device="cpu", seed=2)
+    gen = torch.Generator().manual_seed(2)
+    T, k, E = 20, cfg.top_k, cfg.num_experts
+    x = torch.randn(4, 5, cfg.hidden, generator=gen).to(dtype)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).view(4, 5, k)
+    idx[0, :, 0] = 5  # one expert gets several tokens, others none
+    idx[0, :, 1] = 6
+    w = torch.rand(4, 5, k, generator=gen, dtype=torch.float64)
+    g = torch.randn(4, 5, cfg.hidden, generator=gen, dtype=torch.float64)
+    xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = moe.experts_forward(xi, idx, wi)
+    assert y.shape == x.shape and y.dtype == dtype
+    got = _grads(y, g, (xi, wi, moe.w13, moe.w2))
+    xr, wr, r13, r2 = (t.detach().double().requires_grad_() for t in (x, w, moe.w13, moe.w2))
+    yr = experts_ref(xr.view(T, -1), idx.view(T, k), wr.view(T, k), r13, r2)
+    ref = _grads(yr.view(4, 5, -1), g, (xr, wr, r13, r2))
+    tol = 1e-12 if dtype == torch.float64 else 1e-2
+    assert rel_err(y, yr.view(4, 5, -1)) < tol
+    for a, b in zip(got, ref, strict=True):
+        assert rel_err(a, b) < tol
+
+
+def test_init_none_draws_nothing_and_loads():
+    cfg = preset("tiny", dtype=torch.float32, shared_intermediate=32, shared_gate=True)
+    calls = []
+    real = MoE.reset_parameters
+    MoE.reset_parameters = lambda self, seed=0: calls.append(seed)
+    try:
+        empty = MoE(cfg, init="none")
+    finally:
+        MoE.reset_parameters = real
+    assert calls == []
+    full = MoE(cfg, seed=4)
+    load_full_weights(empty, full.router.weight, full.w13, full.w2,
+                      shared=(full.shared_w13, full.shared_w2, full.shared_gate))
+    x = torch.randn(6, cfg.hidden)
+    assert torch.equal(empty(x).out, full(x).out)
+    with pytest.raises(ValueError, match="init must be"):
+        MoE(cfg, init="zeros")
+
+
+def test_close_and_delete_free_the_heap():
+    cfg = preset("tiny", max_tokens_per_rank=16)
+    a = MoE(cfg, backend="split", device="cpu")
+    b = MoE(cfg, backend="split", device="cpu")
+    heap = a.backend.heap
+    assert b.backend.heap is heap and heap.users == 2
+    a.close()
+    assert not heap._closed and heap.users == 1  # b still uses it
+    with pytest.raises(ValueError, match="closed"):
+        a(torch.randn(2, cfg.hidden, dtype=cfg.dtype))
+    a.close()  # twice is fine
+    del b
+    gc.collect()
+    assert heap._closed and heap.users == 0
+
+
+def test_triton_backend_on_cpu_without_interpreter_refuses_at_construction():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    code = ("import torch\nfrom megamoe import MoE, preset\nfrom megamoe.backends import BackendUnavailable\n"
+            "try:\n    MoE(preset('tiny'), backend='split', device='cpu')\nexcept BackendUnavailable as e:\n"
+            "    print('refused:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "refused:" in out.stdout and "TRITON_INTERPRET=1" in out.stdout, out.stdout + out.stderr
+
+
+def test_groups_shared_and_leading_shape_read_nothing_on_host():
+    # group-limited routing, a gated shared expert and [B, S, H] input add no host read of device data to a step
+    from megamoe.testing.sync_guard import no_host_reads
+
+    cfg = preset("tiny", router="sigmoid", n_group=4, topk_group=2, shared_intermediate=32, shared_gate=True,
+                 max_tokens_per_rank=64)
+    moe = MoE(cfg, backend="split", device="cpu", seed=5)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 8, cfg.hidden, generator=gen).to(cfg.dtype)
+    g = torch.randn(2, 8, cfg.hidden, generator=gen).to(cfg.dtype)
+
+    def step():
+        xi = x.clone().requires_grad_()
+        moe.zero_grad(set_to_none=True)
+        out = moe(xi).out
+        out.backward(g)
+        return [out.detach(), xi.grad, moe.w13.grad, moe.shared_w13.grad, moe.shared_gate.grad, moe.router.weight.grad]
+
+    warm = step()
+    with no_host_reads():
+        guarded = step()
+    assert all(torch.equal(a, b) for a, b in zip(warm, guarded, strict=True))
