@@ -14,10 +14,9 @@ other ranks x H x 2 / time, per rank (the slowest rank's bytes).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 
-from megamoe.apps.perf import git_commit
+from megamoe.apps.perf import run_metadata
 
 CONFIGS = {
     "deepseek-v3": dict(hidden=7168, num_experts=256, topk=8),
@@ -188,7 +187,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     import torch.distributed as dist
-    import triton
 
     from megamoe.dist import init_from_env
 
@@ -203,12 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     if dist.get_rank() == 0 and args.json:
         out = {
             "bench": "comm",
-            "commit": git_commit(),
-            "gpu": torch.cuda.get_device_name(),
-            "world": dist.get_world_size(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "meta": run_metadata(torch.device("cuda", torch.cuda.current_device()), dist.get_world_size()),
             "bytes_definition": "rows received from other ranks x H x dtype size (2, bf16)",
             "time_definition": "median over iterations of the per-iteration max over ranks, CUDA events, us",
             "results": results,
