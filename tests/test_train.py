@@ -160,3 +160,13 @@ def test_capture_moe_layers_validates_its_input():
         capture_moe_layers([torch.nn.Linear(2, 2)], 8)
     with pytest.raises(ValueError, match="no layers"):
         capture_moe_layers([], 8)
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["--steps", "0"], "--steps must be > 0"),  # an explicit 0 is an error, not the default
+    (["--lr", "0"], "--lr must be > 0"),
+    (["--eval-every", "0"], "--eval-every must be >= 1"),
+])
+def test_train_rejects_non_positive_settings(argv, text):
+    with pytest.raises(SystemExit, match=text):
+        train_main(["--cpu", "--world", "1", *argv])

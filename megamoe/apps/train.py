@@ -107,14 +107,16 @@ def _defaults(args, on_gpu: bool) -> argparse.Namespace:
         a.backends = with_fp8(a.backends)
     gpu = on_gpu
     a.preset = a.preset or ("qwen3-30b-a3b" if gpu else "tiny")
-    a.layers = a.layers or (4 if gpu else 2)
-    a.heads = a.heads or (16 if gpu else 4)
-    a.seq = a.seq or (4096 if gpu else 64)
-    a.batch = a.batch or (1 if gpu else 4)
-    a.steps = a.steps or (200 if gpu else 30)
-    a.lr = a.lr or (1e-3 if gpu else 3e-3)
+    for name, on_gpu_, on_cpu in (("layers", 4, 2), ("heads", 16, 4), ("seq", 4096, 64), ("batch", 1, 4),
+                                  ("steps", 200, 30), ("lr", 1e-3, 3e-3)):
+        if getattr(a, name) is None:
+            setattr(a, name, on_gpu_ if gpu else on_cpu)
+        elif not getattr(a, name) > 0:
+            raise SystemExit(f"megamoe train: --{name} must be > 0, got {getattr(a, name)}")
     a.warmup = a.warmup if a.warmup is not None else max(1, a.steps // 10)
-    a.eval_every = a.eval_every or max(1, a.steps // 5)
+    a.eval_every = a.eval_every if a.eval_every is not None else max(1, a.steps // 5)
+    if a.eval_every < 1 or a.warmup < 0:
+        raise SystemExit(f"megamoe train: --eval-every must be >= 1 and --warmup >= 0, got {a.eval_every}, {a.warmup}")
     a.timing_skip = a.timing_skip if a.timing_skip is not None else (10 if gpu else 2)
     a.dtype = a.dtype or ("bf16" if gpu else "fp32")
     return a
