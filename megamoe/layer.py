@@ -9,7 +9,9 @@ group (DDP does).
 
 Dtypes follow ``nn.Linear``: under ``torch.autocast`` on the input's device the layer computes in the autocast dtype
 (weights cast per call, gradients flow back to them in their own dtype) and returns that dtype; outside autocast the
-input must have the layer's dtype (a mismatch raises ``TypeError``).
+input must have the layer's dtype (a mismatch raises ``TypeError``). ``split`` and ``fused`` compute in bfloat16: a
+float32 layer (mixed-precision training's fp32 master parameters) runs on them under bfloat16 autocast only, and
+outside autocast raises ``ValueError``.
 """
 
 from __future__ import annotations
@@ -143,6 +145,10 @@ class MoE(nn.Module):
             dtype = torch.get_autocast_dtype(x.device.type)
             if self.backend_name != "torch" and dtype != torch.bfloat16:
                 raise ValueError(f"backend {self.backend_name!r} computes in bfloat16; autocast asks for {dtype}")
+        elif self.backend_name != "torch" and dtype != torch.bfloat16:
+            raise ValueError(f"backend {self.backend_name!r} computes in bfloat16: a {dtype} layer runs on it only "
+                             "under torch.autocast(device_type, dtype=torch.bfloat16), which casts the weights per "
+                             "call as nn.Linear does; or cast the layer to bfloat16, or use backend 'torch'")
         elif x.dtype != dtype:
             raise TypeError(f"MoE input dtype is {x.dtype}, the layer's is {dtype} (cast it, or run under "
                             "torch.autocast, where the layer computes in the autocast dtype)")

@@ -127,6 +127,41 @@ def test_block_on_triton_backends(arch, backend):
     assert not worse, worse
 
 
+def _autocast_run(block, x, g):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return _block_run(block, x, g)
+
+
+def test_fp32_model_under_bf16_autocast_on_split():
+    # mixed-precision training: an fp32 model patched onto split runs under bf16 autocast (the weights cast per call),
+    # its gradients reach the fp32 parameters, no further from float64 than transformers' own block under autocast
+    model = tiny_model("qwen3_moe", seed=7)
+    ref_block = _block(model)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 24, 48, generator=gen, dtype=torch.float64)
+    g = torch.randn(2, 24, 48, generator=gen, dtype=torch.float64)
+    out64, grads64 = _block_run(ref_block, x, g)
+    hf32 = copy.deepcopy(ref_block).float()
+    e_hf = _errors(*_autocast_run(hf32, x.float(), g), out64, grads64)
+    ours = hf.MegaMoEBlock(copy.deepcopy(ref_block).float(), backend="split", max_tokens_per_rank=64)
+    assert ours.experts.gate_up_proj.dtype == torch.float32
+    out, grads = _autocast_run(ours, x.float(), g)
+    assert out.dtype == torch.bfloat16 and all(v.dtype == torch.float32 for v in grads.values())
+    e_ours = _errors(out, grads, out64, grads64)
+    worse = {k: (e_ours[k], e_hf[k]) for k in e_hf if not e_ours[k] <= 1.5 * e_hf[k]}
+    assert not worse, worse
+    # the whole model: a training step's loss under autocast near float64's
+    patched = hf.patch(copy.deepcopy(model).float(), backend="split", max_tokens_per_rank=64)
+    ids = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(7))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = patched(ids, labels=ids).loss
+    loss.backward()
+    assert rel_err(loss, model(ids, labels=ids).loss) < 1e-2
+    assert hf.blocks(patched)[0].experts.gate_up_proj.grad.dtype == torch.float32
+    with pytest.raises(ValueError, match="autocast"):
+        patched(ids)
+
+
 def _loss_and_grads(model, ids):
     out = model(ids, labels=ids)
     loss = out.loss
