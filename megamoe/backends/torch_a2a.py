@@ -9,6 +9,7 @@
     xs               = recv permuted to (local expert, source rank, token), each group padded on CUDA to ALIGN
                        zero rows (torch._grouped_mm wants aligned, non-empty groups), never gathered back
     o                = grouped_mm(swiglu(grouped_mm(xs, w13^T)), w2^T)   [P, H]
+                       (gpt_oss experts: + b13 / b2 of each row's expert, the clamped SwiGLU)
     back             = all_to_all_single(o[un-permute])   [S, H]  then un-sort to (t, j) order
     y[t]             = sum_j topk_w[t, j] * back[t, j]    (float32 accumulation, j in order)
 
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe.dist import wire_dtype
-from megamoe.reference import swiglu
+from megamoe.reference import expert_act
 
 #: rows per expert group are padded to a multiple of this (and at least this) on CUDA, as torchtitan does
 ALIGN_CUDA = 16
@@ -80,8 +81,9 @@ class TorchBackend:
     def __init__(self, moe):
         self.moe = weakref.proxy(moe)  # the layer owns its backend, not the reverse: deleting it frees both
         self.align = ALIGN_CUDA if moe.device.type == "cuda" else 1
+        self.act = expert_act(moe.config)
 
-    def __call__(self, x, topk_idx, topk_w, w13, w2):
+    def __call__(self, x, topk_idx, topk_w, w13, w2, b13=None, b2=None):
         moe = self.moe
         W, E_l, k = moe.world, moe.local_experts, topk_idx.shape[1]
         T, H = x.shape
@@ -124,7 +126,12 @@ class TorchBackend:
         offs = pend.to(torch.int32)
         offs[-1] = P  # the tail rows (zeros) join the last group: they produce zero rows, never read back
         h = grouped_mm(xs, w13.transpose(-2, -1), offs)
-        o = grouped_mm(swiglu(h), w2.transpose(-2, -1), offs)
+        if b13 is not None:  # each padded row's expert, found on the device
+            eid = torch.searchsorted(pend, torch.arange(P, device=dev), right=True).clamp_max(E_l - 1)
+            h = h + b13[eid]
+        o = grouped_mm(self.act(h), w2.transpose(-2, -1), offs)
+        if b2 is not None:
+            o = o + b2[eid]
         o_recv = o[dest]  # [R, H] back in received order
         if W > 1:
             back = _AllToAll.apply(o_recv, in_splits, out_splits, moe.group)
