@@ -126,12 +126,14 @@ class TorchBackend:
         offs = pend.to(torch.int32)
         offs[-1] = P  # the tail rows (zeros) join the last group: they produce zero rows, never read back
         h = grouped_mm(xs, w13.transpose(-2, -1), offs)
-        if b13 is not None:  # each padded row's expert, found on the device
+        if b13 is not None:  # each padded row's expert, found on the device; bias sums (and their gradients' row
+            # sums) in float32 or better, rounded once
             eid = torch.searchsorted(pend, torch.arange(P, device=dev), right=True).clamp_max(E_l - 1)
-            h = h + b13[eid]
+            wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+            h = (h.to(wide) + b13.to(wide)[eid]).to(x.dtype)
         o = grouped_mm(self.act(h), w2.transpose(-2, -1), offs)
         if b2 is not None:
-            o = o + b2[eid]
+            o = (o.to(wide) + b2.to(wide)[eid]).to(x.dtype)
         o_recv = o[dest]  # [R, H] back in received order
         if W > 1:
             back = _AllToAll.apply(o_recv, in_splits, out_splits, moe.group)
