@@ -54,7 +54,8 @@ class MoE(nn.Module):
 
     ``group``: the expert-parallel group (None: the default one, or a single process without torch.distributed, where
     every backend runs as world 1). ``backend``: ``"torch"``, ``"split"`` or ``"fused"``; an unavailable one raises,
-    never replaced by another. ``device``: default the current CUDA device, else CPU. ``seed``: the router is drawn
+    never replaced by another. ``device``: default the current CUDA device, else CPU; "meta" (with ``init="none"``, backend ``torch``) builds
+    the layer without memory, for ``to_empty(device=...)`` and a checkpoint load. ``seed``: the router is drawn
     from it (same on every rank), expert e from seed and e (independent of W). ``init``: ``"random"`` (from ``seed``)
     or ``"none"`` (uninitialised memory, for a checkpoint to be copied in: one copy). ``backend_options``: the table
     in the backend's module. :meth:`close` (or deleting the layer) frees what the backend holds on the device.
@@ -73,10 +74,15 @@ class MoE(nn.Module):
         self.local_experts = config.local_experts(self.world)  # raises unless W divides E
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "meta" and (init != "none" or backend != "torch"):
+            raise ValueError("a layer on the meta device has no memory: build it with init='none' and backend "
+                             "'torch', then to_empty(device=...) and load a checkpoint (or reset_parameters(seed)); "
+                             f"split and fused allocate device buffers at construction (got init={init!r}, "
+                             f"backend={backend!r})")
         E_l, H, I, S = self.local_experts, config.hidden, config.intermediate, config.shared_intermediate
-        kw = dict(device=self.device, dtype=config.dtype)
-        self.router = Router(config, device=self.device, init=init == "random")
+        kw = dict(device=device, dtype=config.dtype)
+        self.router = Router(config, device=device, init=init == "random")
         self.w13 = nn.Parameter(torch.empty(E_l, 2 * I, H, **kw))
         self.w2 = nn.Parameter(torch.empty(E_l, H, I, **kw))
         gpt_oss = config.expert_kind == "gpt_oss"
@@ -95,6 +101,11 @@ class MoE(nn.Module):
         # garbage at different times and building the next heap is a collective
         self._close = getattr(self.backend, "close", None)
         self._finalizer = weakref.finalize(self, self._close) if self._close and self.world == 1 else None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the parameters live (follows ``to_empty`` / ``to``)."""
+        return self.w13.device
 
     @property
     def expert_offset(self) -> int:

@@ -227,3 +227,20 @@ def test_fp32_layer_under_bf16_autocast_on_triton_backends(backend):
         assert rel_err(a, b) < 1e-2, n
     with pytest.raises(ValueError, match="autocast"):
         moe(x)
+
+
+def test_meta_device_then_to_empty_and_load():
+    # built without memory, moved with to_empty, loaded: the numbers of the layer it was loaded from (gpt-oss's
+    # biases and router bias included); what cannot work on meta says how
+    cfg = preset("gpt-oss-20b", hidden=40, intermediate=24, num_experts=8, top_k=2, dtype=torch.float32)
+    meta = MoE(cfg, device="meta", init="none")
+    assert meta.w13.is_meta and meta.device.type == "meta"
+    meta.to_empty(device="cpu")
+    assert meta.device.type == "cpu"
+    src = MoE(cfg, seed=8)
+    meta.load_state_dict(src.state_dict())
+    x = torch.randn(2, 5, cfg.hidden, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(meta(x).out, src(x).out)
+    for kw in (dict(init="random"), dict(init="none", backend="split")):
+        with pytest.raises(ValueError, match="meta device.*to_empty"):
+            MoE(preset("tiny"), device="meta", **kw)

@@ -80,7 +80,6 @@ class TorchBackend:
 
     def __init__(self, moe):
         self.moe = weakref.proxy(moe)  # the layer owns its backend, not the reverse: deleting it frees both
-        self.align = ALIGN_CUDA if moe.device.type == "cuda" else 1
         self.act = expert_act(moe.config)
 
     def __call__(self, x, topk_idx, topk_w, w13, w2, b13=None, b2=None):
@@ -88,6 +87,7 @@ class TorchBackend:
         W, E_l, k = moe.world, moe.local_experts, topk_idx.shape[1]
         T, H = x.shape
         dev = x.device
+        align = ALIGN_CUDA if dev.type == "cuda" else 1  # from the call: a meta-built layer moves later
         flat = topk_idx.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (expert, token, slot) order
         counts = torch.zeros(W * E_l, dtype=torch.int64, device=dev)
@@ -107,11 +107,11 @@ class TorchBackend:
         rc = recv_counts.view(W, E_l)
         # destination of each received row in the padded, expert-grouped layout
         n_l = rc.sum(0)  # [E_l]
-        if self.align > 1:
-            padded = torch.clamp_min((n_l + self.align - 1) // self.align * self.align, self.align)
+        if align > 1:
+            padded = torch.clamp_min((n_l + align - 1) // align * align, align)
         else:
             padded = n_l
-        P = R + (E_l * self.align if self.align > 1 else 0)  # host-known upper bound of sum(padded)
+        P = R + (E_l * align if align > 1 else 0)  # host-known upper bound of sum(padded)
         pend = torch.cumsum(padded, 0)
         pstart = pend - padded
         # start of block (s, l) inside expert l's group: rows of lower source ranks come first
