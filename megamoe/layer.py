@@ -54,8 +54,9 @@ class MoE(nn.Module):
 
     ``group``: the expert-parallel group (None: the default one, or a single process without torch.distributed, where
     every backend runs as world 1). ``backend``: ``"torch"``, ``"split"`` or ``"fused"``; an unavailable one raises,
-    never replaced by another. ``device``: default the current CUDA device, else CPU; "meta" (with ``init="none"``, backend ``torch``) builds
-    the layer without memory, for ``to_empty(device=...)`` and a checkpoint load. ``seed``: the router is drawn
+    never replaced by another. ``device``: default the current CUDA device, else CPU; "meta" (with ``init="none"``,
+    backend ``torch``) builds the layer without memory, for ``to_empty(device=...)`` and a checkpoint load. ``seed``:
+    the router is drawn
     from it (same on every rank), expert e from seed and e (independent of W). ``init``: ``"random"`` (from ``seed``)
     or ``"none"`` (uninitialised memory, for a checkpoint to be copied in: one copy). ``backend_options``: the table
     in the backend's module. :meth:`close` (or deleting the layer) frees what the backend holds on the device.
