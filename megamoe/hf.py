@@ -59,7 +59,7 @@ def _gate_forward(self, hidden_states: torch.Tensor):
     over all logits, then the top k renormalised: the softmax of the top-k logits that transformers takes)."""
     x = hidden_states.reshape(-1, self.weight.shape[1])
     cfg = self.megamoe_config
-    offset = self.bias.float() if cfg.router_bias else None
+    offset = self.bias if cfg.router_bias else None  # route adds it in the routing dtype
     r = route(x, self.weight, cfg, getattr(self, "e_score_correction_bias", None), offset)
     return r.logits, r.topk_w, r.topk_idx
 
