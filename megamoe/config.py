@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 
 RouterKind = Literal["softmax", "sigmoid"]
+ExpertKind = Literal["swiglu", "gpt_oss"]
 
 _DTYPES = {
     "bf16": torch.bfloat16,
@@ -53,6 +54,10 @@ class MoEConfig:
     its ``topk_group`` best groups (1, 1: no limit). ``shared_intermediate``: S, the width of an always-on SwiGLU
     shared expert added to every token's output (0: none; DeepSeek-V3's n_shared_experts shared experts are one of
     width n * I); ``shared_gate``: scale it by sigmoid(x @ w_gate^T) per token (Qwen2-MoE).
+    ``router_bias``: a trained bias [E] added to the router logits (gpt-oss; softmax router only).
+    ``expert_kind``: "swiglu" (act = silu(g) * u) or "gpt_oss": biased projections (b13 [2I], b2 [H] per expert) and
+    the clamped SwiGLU g = min(g, limit), u = clamp(u, -limit, limit), act = g * sigmoid(alpha * g) * (u + 1), with
+    ``swiglu_alpha``, ``swiglu_limit`` (1.702 and 7 in gpt-oss); the routed experts only, never the shared one.
     """
 
     hidden: int
@@ -69,6 +74,10 @@ class MoEConfig:
     topk_group: int = 1
     shared_intermediate: int = 0
     shared_gate: bool = False
+    router_bias: bool = False
+    expert_kind: ExpertKind = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -99,6 +108,14 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.shared_intermediate must be an int >= 0, got {self.shared_intermediate!r}")
         if self.shared_gate and not self.shared_intermediate:
             raise ValueError("MoEConfig.shared_gate needs a shared expert (shared_intermediate > 0)")
+        if self.router_bias and self.router != "softmax":
+            raise ValueError("MoEConfig.router_bias (a trained logit bias) is for the softmax router; the sigmoid "
+                             "router's bias is DeepSeek-V3's selection-only correction, always present")
+        if self.expert_kind not in ("swiglu", "gpt_oss"):
+            raise ValueError(f"MoEConfig.expert_kind must be 'swiglu' or 'gpt_oss', got {self.expert_kind!r}")
+        if not (self.swiglu_alpha > 0 and self.swiglu_limit > 0):
+            raise ValueError(f"MoEConfig: swiglu_alpha ({self.swiglu_alpha}) and swiglu_limit ({self.swiglu_limit}) "
+                             "must be > 0")
         if self.aux_loss_coef < 0:
             raise ValueError(f"MoEConfig.aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
@@ -122,9 +139,10 @@ class MoEConfig:
         return 6 * rows * self.hidden * self.intermediate
 
     def expert_weight_bytes(self, world: int) -> int:
-        """Bytes of this rank's expert weights (w13 + w2) in the layer dtype."""
+        """Bytes of this rank's expert weights (w13 + w2, and gpt_oss's biases) in the layer dtype."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.local_experts(world) * 3 * self.hidden * self.intermediate * elem
+        bias = 2 * self.intermediate + self.hidden if self.expert_kind == "gpt_oss" else 0
+        return self.local_experts(world) * (3 * self.hidden * self.intermediate + bias) * elem
 
     def replace(self, **changes) -> MoEConfig:
         return dataclasses.replace(self, **changes)
@@ -157,9 +175,14 @@ PRESETS: dict[str, MoEConfig] = {
         hidden=4096, intermediate=14336, num_experts=8, top_k=2, router="softmax", norm_topk=True,
         name="mixtral-8x7b",
     ),
+    # gpt-oss: router bias, biased projections, clamped SwiGLU (transformers' GptOssMLP)
     "gpt-oss-120b": MoEConfig(
         hidden=2880, intermediate=2880, num_experts=128, top_k=4, router="softmax", norm_topk=True,
-        name="gpt-oss-120b",
+        router_bias=True, expert_kind="gpt_oss", name="gpt-oss-120b",
+    ),
+    "gpt-oss-20b": MoEConfig(
+        hidden=2880, intermediate=2880, num_experts=32, top_k=4, router="softmax", norm_topk=True,
+        router_bias=True, expert_kind="gpt_oss", name="gpt-oss-20b",
     ),
     # CPU runs and tests; H not a power of two on purpose.
     "tiny": MoEConfig(

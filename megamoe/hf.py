@@ -4,11 +4,16 @@
     model = AutoModelForCausalLM.from_pretrained(...)     # or from_config; move / cast it first
     hf.patch(model, backend="split")                      # every sparse MoE block now runs megamoe
 
-Supported blocks: qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3 (SiLU experts). A patched block keeps
+Supported blocks: qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3 (SiLU experts) and gpt_oss. A patched block keeps
 transformers' call signature, return value and parameter names: ``gate.weight`` (and DeepSeek-V3's
 ``gate.e_score_correction_bias``), ``experts.gate_up_proj`` [E, 2I, H] (gate rows, then up) and
 ``experts.down_proj`` [E, H, I] (megamoe's ``w13`` / ``w2``, the same tensors), and the shared-expert modules
-(``shared_expert`` + ``shared_expert_gate``, ``shared_experts``), which stay transformers' dense MLPs. Its ``gate`` is
+(``shared_expert`` + ``shared_expert_gate``, ``shared_experts``), which stay transformers' dense MLPs. gpt_oss keeps
+its own names and layout: ``router.weight``, ``router.bias`` (megamoe's ``router.logit_bias``),
+``experts.gate_up_proj`` [E, H, 2I] (gate and up interleaved: columns 0::2, 1::2), ``experts.gate_up_proj_bias``
+[E, 2I], ``experts.down_proj`` [E, I, H], ``experts.down_proj_bias`` [E, H]; each call converts them to megamoe's
+layout (one copy of the expert weights, differentiable), and the block returns ``(out, router_scores)`` as
+transformers' does. Its ``gate`` (gpt_oss: ``router``) is
 an instance of the model's own router class whose forward runs megamoe's routing, so the router logits that
 transformers records for its load-balancing loss (``output_router_logits``) are still recorded, in float32. The
 routed experts run on the chosen backend (:meth:`megamoe.MoE.experts_forward`).
@@ -20,9 +25,9 @@ patched model's shards or full [E, ...] tensors from a transformers checkpoint (
 ``model.save_pretrained(path, state_dict=...)``, which plain transformers loads. The router and shared experts are
 replicated: reduce their gradients over the data-parallel group as for any replicated parameter.
 
-Patch after moving or casting the model (the backend is built for the device and dtype it finds). An unsupported
-block (gpt_oss's experts need router and projection biases, interleaved gate/up and a clamped SwiGLU), activation or
-option raises ``ValueError`` naming it.
+Patch after moving or casting the model (the backend is built for the device and dtype it finds; an fp32 model runs
+on ``split`` / ``fused`` under bf16 autocast). gpt_oss runs on backend ``torch`` only (megamoe's Triton kernels have
+no biases nor the clamped SwiGLU). An unsupported block, activation or option raises ``ValueError`` naming it.
 """
 
 from __future__ import annotations
@@ -41,19 +46,21 @@ SUPPORTED = {
     "MixtralSparseMoeBlock": "mixtral",
     "OlmoeSparseMoeBlock": "olmoe",
     "DeepseekV3MoE": "deepseek_v3",
-}
-NOT_YET = {
-    "GptOssMLP": "gpt_oss: its experts need router and projection biases, gate/up interleaved as [E, H, 2I] and a "
-                 "clamped SwiGLU (alpha 1.702, limit 7, (up + 1)), which megamoe's kernels do not have yet",
+    "GptOssMLP": "gpt_oss",
 }
 _SHARED = ("shared_expert", "shared_expert_gate", "shared_experts")
+#: the expert tensors a patched block shards and gathers (gpt_oss has all four)
+_EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
 
 def _gate_forward(self, hidden_states: torch.Tensor):
     """The patched router: (router_logits [T, E] float32, gates [T, k] float32, expert ids [T, k]) as transformers'
-    routers return them, computed by :func:`megamoe.router.route`."""
+    routers return them, computed by :func:`megamoe.router.route` (gpt_oss: its bias added to the logits; softmax
+    over all logits, then the top k renormalised: the softmax of the top-k logits that transformers takes)."""
     x = hidden_states.reshape(-1, self.weight.shape[1])
-    r = route(x, self.weight, self.megamoe_config, getattr(self, "e_score_correction_bias", None))
+    cfg = self.megamoe_config
+    offset = self.bias if cfg.router_bias else None  # route adds it in the routing dtype
+    r = route(x, self.weight, cfg, getattr(self, "e_score_correction_bias", None), offset)
     return r.logits, r.topk_w, r.topk_idx
 
 
@@ -68,15 +75,31 @@ def _gate_class(cls: type) -> type:
     return _GATE_CLASSES[cls]
 
 
+class GptOssMoE(MoE):
+    """The layer of a patched gpt_oss block: ``w13`` [E_l, H, 2I] (gate, up interleaved), ``b13`` [E_l, 2I]
+    (interleaved), ``w2`` [E_l, I, H], ``b2`` [E_l, H] in transformers' layout, converted per call."""
+
+    def expert_weights(self, dtype: torch.dtype) -> tuple:
+        gu = self.w13.to(dtype)
+        E_l, H, I2 = gu.shape
+        w13 = gu.view(E_l, H, I2 // 2, 2).permute(0, 3, 2, 1).reshape(E_l, I2, H)  # gate rows, then up rows
+        b13 = self.b13.to(dtype).view(E_l, I2 // 2, 2).transpose(1, 2).reshape(E_l, I2)
+        return w13, self.w2.to(dtype).transpose(1, 2).contiguous(), b13, self.b2.to(dtype)
+
+
 class MegaMoEExperts(nn.Module):
     """A patched block's ``experts``: this rank's ``gate_up_proj`` [E_l, 2I, H] and ``down_proj`` [E_l, H, I] (the
-    layer's ``w13``, ``w2``); ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])`` has
-    transformers' signature and runs :meth:`megamoe.MoE.experts_forward`."""
+    layer's ``w13``, ``w2``; gpt_oss: its own layout and biases, see the module docstring); ``forward(hidden_states
+    [T, H], top_k_index [T, k], top_k_weights [T, k])`` has transformers' signature and runs
+    :meth:`megamoe.MoE.experts_forward`."""
 
     def __init__(self, moe: MoE):
         super().__init__()
         self.gate_up_proj = moe.w13
         self.down_proj = moe.w2
+        if moe.b13 is not None:
+            self.gate_up_proj_bias = moe.b13
+            self.down_proj_bias = moe.b2
         self.num_experts = moe.config.num_experts
         self.__dict__["moe"] = moe  # not a submodule: its parameters are registered here under transformers' names
 
@@ -85,7 +108,7 @@ class MegaMoEExperts(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         moe = self.moe
-        for name in ("gate_up_proj", "down_proj"):  # a full transformers tensor: keep this rank's experts
+        for name in _EXPERT_TENSORS:  # a full transformers tensor: keep this rank's experts
             t = state_dict.get(prefix + name)
             if t is not None and moe.world > 1 and t.shape[0] == moe.config.num_experts:
                 state_dict[prefix + name] = shard_experts(t, moe.rank, moe.world)
@@ -103,39 +126,53 @@ class MegaMoEBlock(nn.Module):
         if kind not in SUPPORTED:
             raise ValueError(_unsupported(kind))
         self.model_type = SUPPORTED[kind]
-        gate, experts = block.gate, block.experts
+        gpt_oss = self.model_type == "gpt_oss"
+        gate, experts = (block.router if gpt_oss else block.gate), block.experts
         act = type(getattr(experts, "act_fn", None)).__name__
-        if act not in ("SiLUActivation", "SiLU"):
+        if not gpt_oss and act not in ("SiLUActivation", "SiLU"):
             raise ValueError(f"{kind}: megamoe's experts are SwiGLU (silu); this block's activation is {act}")
         w13, w2 = experts.gate_up_proj, experts.down_proj
-        E, I2, H = w13.shape
-        if tuple(w2.shape) != (E, H, I2 // 2):
-            raise ValueError(f"{kind}: down_proj has shape {tuple(w2.shape)}, expected {(E, H, I2 // 2)}")
+        if gpt_oss:  # [E, H, 2I] and [E, I, H]
+            E, H, I2 = w13.shape
+            want = (E, I2 // 2, H)
+        else:
+            E, I2, H = w13.shape
+            want = (E, H, I2 // 2)
+        if tuple(w2.shape) != want:
+            raise ValueError(f"{kind}: down_proj has shape {tuple(w2.shape)}, expected {want}")
         deepseek = self.model_type == "deepseek_v3"
         n_group = getattr(gate, "num_group", 1) if deepseek else 1
         cfg = MoEConfig(
             hidden=H, intermediate=I2 // 2, num_experts=E, top_k=gate.top_k,
             router="sigmoid" if deepseek else "softmax",
-            norm_topk=self.model_type == "mixtral" or bool(gate.norm_topk_prob),
+            norm_topk=self.model_type in ("mixtral", "gpt_oss") or bool(gate.norm_topk_prob),
             route_scale=float(gate.routed_scaling_factor) if deepseek else 1.0,
             aux_loss_coef=0.0,  # transformers computes its own from the recorded router logits
             dtype=w13.dtype, max_tokens_per_rank=max_tokens_per_rank,
             n_group=n_group, topk_group=gate.topk_group if n_group > 1 else 1,
             name=f"hf-{self.model_type}",
         )
-        moe = MoE(cfg, group=group, backend=backend, device=w13.device, init="none", **backend_options)
+        tensors = {"w13": w13, "w2": w2}
+        if gpt_oss:
+            cfg = cfg.replace(router_bias=True, expert_kind="gpt_oss",
+                              swiglu_alpha=float(experts.alpha), swiglu_limit=float(experts.limit))
+            tensors.update(b13=experts.gate_up_proj_bias, b2=experts.down_proj_bias)
+        layer = GptOssMoE if gpt_oss else MoE
+        moe = layer(cfg, group=group, backend=backend, device=w13.device, init="none", **backend_options)
         # adopt transformers' tensors: one rank holds them as they are, EP ranks a copy of their slice
         with torch.no_grad():
-            for name, full in (("w13", w13), ("w2", w2)):
+            for name, full in tensors.items():
                 part = full if moe.world == 1 else nn.Parameter(
                     shard_experts(full.detach(), moe.rank, moe.world).clone(), requires_grad=full.requires_grad)
                 setattr(moe, name, part)
         moe.router.weight = gate.weight
         if deepseek:
             moe.router.bias = gate.e_score_correction_bias
+        if gpt_oss:
+            moe.router.logit_bias = gate.bias
         gate.__class__ = _gate_class(type(gate))
         gate.__dict__["megamoe_config"] = cfg
-        self.gate = gate
+        setattr(self, "router" if gpt_oss else "gate", gate)
         self.experts = MegaMoEExperts(moe)
         for name in _SHARED:
             if hasattr(block, name):
@@ -149,6 +186,9 @@ class MegaMoEBlock(nn.Module):
         if self.training and self.jitter_noise > 0:  # Mixtral's multiplicative input jitter
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         x = x.reshape(-1, shape[-1])
+        if self.model_type == "gpt_oss":
+            _, gates, idx = self.router(x)
+            return self.moe.experts_forward(x, idx, gates).reshape(shape), gates
         _, gates, idx = self.gate(x)
         y = self.moe.experts_forward(x, idx, gates)
         if self.model_type == "qwen2_moe":
@@ -159,8 +199,6 @@ class MegaMoEBlock(nn.Module):
 
 
 def _unsupported(kind: str) -> str:
-    if kind in NOT_YET:
-        return f"megamoe.hf cannot patch {kind} yet ({NOT_YET[kind]})"
     return f"megamoe.hf cannot patch {kind}; supported blocks: {', '.join(f'{k} ({v})' for k, v in SUPPORTED.items())}"
 
 
@@ -178,7 +216,7 @@ def patch(model: nn.Module, backend: str = "torch", group=None, max_tokens_per_r
             found.append(name)
         elif kind in SUPPORTED:
             found.append((name, module))
-        elif kind in NOT_YET or isinstance(getattr(module, "experts", None), nn.Module):
+        elif isinstance(getattr(module, "experts", None), nn.Module):
             raise ValueError(_unsupported(kind) + f" (module {name!r})")
     if not found:
         raise ValueError(f"{type(model).__name__} has no sparse MoE block megamoe.hf can patch; supported blocks: "
@@ -205,7 +243,8 @@ def full_state_dict(model: nn.Module) -> dict:
     sd = model.state_dict()
     for name, m in model.named_modules():
         if isinstance(m, MegaMoEBlock) and m.moe.world > 1:
-            for p in ("gate_up_proj", "down_proj"):
+            for p in _EXPERT_TENSORS:
                 key = f"{name}.experts.{p}" if name else f"experts.{p}"
-                sd[key] = gather_experts(m.moe, getattr(m.experts, p))
+                if key in sd:
+                    sd[key] = gather_experts(m.moe, getattr(m.experts, p))
     return sd

@@ -1,7 +1,8 @@
 """``megamoe.MoE``: the expert-parallel MoE layer (shapes as in :mod:`megamoe.config`).
 
 Each rank holds the replicated router (``router.weight`` [E, H]) and experts r*E_l .. (r+1)*E_l - 1:
-``w13`` [E_l, 2I, H] (gate rows 0..I-1, up rows I..2I-1) and ``w2`` [E_l, H, I]; with a shared expert also the
+``w13`` [E_l, 2I, H] (gate rows 0..I-1, up rows I..2I-1) and ``w2`` [E_l, H, I] (gpt_oss experts also ``b13``
+[E_l, 2I], ``b2`` [E_l, H]; its router ``router.logit_bias`` [E]); with a shared expert also the
 replicated ``shared_w13`` [2S, H], ``shared_w2`` [H, S] and (gated) ``shared_gate`` [1, H]. ``forward(x [..., H])``
 returns :class:`MoEOutput`; the token count may differ between ranks, including 0. Expert gradients are complete on
 their owning rank; the replicated parameters' cover this rank's tokens only, so reduce them over the data-parallel
@@ -9,7 +10,9 @@ group (DDP does).
 
 Dtypes follow ``nn.Linear``: under ``torch.autocast`` on the input's device the layer computes in the autocast dtype
 (weights cast per call, gradients flow back to them in their own dtype) and returns that dtype; outside autocast the
-input must have the layer's dtype (a mismatch raises ``TypeError``).
+input must have the layer's dtype (a mismatch raises ``TypeError``). ``split`` and ``fused`` compute in bfloat16: a
+float32 layer (mixed-precision training's fp32 master parameters) runs on them under bfloat16 autocast only, and
+outside autocast raises ``ValueError``.
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ class MoE(nn.Module):
 
     ``group``: the expert-parallel group (None: the default one, or a single process without torch.distributed, where
     every backend runs as world 1). ``backend``: ``"torch"``, ``"split"`` or ``"fused"``; an unavailable one raises,
-    never replaced by another. ``device``: default the current CUDA device, else CPU. ``seed``: the router is drawn
+    never replaced by another. ``device``: default the current CUDA device, else CPU; "meta" (with ``init="none"``,
+    backend ``torch``) builds the layer without memory, for ``to_empty(device=...)`` and a checkpoint load. ``seed``:
+    the router is drawn
     from it (same on every rank), expert e from seed and e (independent of W). ``init``: ``"random"`` (from ``seed``)
     or ``"none"`` (uninitialised memory, for a checkpoint to be copied in: one copy). ``backend_options``: the table
     in the backend's module. :meth:`close` (or deleting the layer) frees what the backend holds on the device.
@@ -70,12 +75,20 @@ class MoE(nn.Module):
         self.local_experts = config.local_experts(self.world)  # raises unless W divides E
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "meta" and (init != "none" or backend != "torch"):
+            raise ValueError("a layer on the meta device has no memory: build it with init='none' and backend "
+                             "'torch', then to_empty(device=...) and load a checkpoint (or reset_parameters(seed)); "
+                             f"split and fused allocate device buffers at construction (got init={init!r}, "
+                             f"backend={backend!r})")
         E_l, H, I, S = self.local_experts, config.hidden, config.intermediate, config.shared_intermediate
-        kw = dict(device=self.device, dtype=config.dtype)
-        self.router = Router(config, device=self.device, init=init == "random")
+        kw = dict(device=device, dtype=config.dtype)
+        self.router = Router(config, device=device, init=init == "random")
         self.w13 = nn.Parameter(torch.empty(E_l, 2 * I, H, **kw))
         self.w2 = nn.Parameter(torch.empty(E_l, H, I, **kw))
+        gpt_oss = config.expert_kind == "gpt_oss"
+        self.b13 = nn.Parameter(torch.empty(E_l, 2 * I, **kw)) if gpt_oss else None
+        self.b2 = nn.Parameter(torch.empty(E_l, H, **kw)) if gpt_oss else None
         self.shared_w13 = nn.Parameter(torch.empty(2 * S, H, **kw)) if S else None
         self.shared_w2 = nn.Parameter(torch.empty(H, S, **kw)) if S else None
         self.shared_gate = nn.Parameter(torch.empty(1, H, **kw)) if config.shared_gate else None
@@ -89,6 +102,11 @@ class MoE(nn.Module):
         # garbage at different times and building the next heap is a collective
         self._close = getattr(self.backend, "close", None)
         self._finalizer = weakref.finalize(self, self._close) if self._close and self.world == 1 else None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the parameters live (follows ``to_empty`` / ``to``)."""
+        return self.w13.device
 
     @property
     def expert_offset(self) -> int:
@@ -120,6 +138,9 @@ class MoE(nn.Module):
                 w2 = torch.randn(self.w2.shape[1:], generator=gen, device=self.device, dtype=torch.float32)
                 self.w13[e_local].copy_(w13 * cfg.hidden ** -0.5)
                 self.w2[e_local].copy_(w2 * cfg.intermediate ** -0.5)
+                if self.b13 is not None:  # drawn after the weights: SwiGLU layers keep their draws
+                    self.b13[e_local].copy_(torch.randn(self.b13.shape[1:], generator=gen, device=self.device) * 0.1)
+                    self.b2[e_local].copy_(torch.randn(self.b2.shape[1:], generator=gen, device=self.device) * 0.1)
             gen = torch.Generator().manual_seed(seed * 1_000_003 + 17)
             fan_in = {"shared_w13": cfg.hidden, "shared_w2": cfg.shared_intermediate, "shared_gate": cfg.hidden}
             for name, fan in fan_in.items():
@@ -143,6 +164,10 @@ class MoE(nn.Module):
             dtype = torch.get_autocast_dtype(x.device.type)
             if self.backend_name != "torch" and dtype != torch.bfloat16:
                 raise ValueError(f"backend {self.backend_name!r} computes in bfloat16; autocast asks for {dtype}")
+        elif self.backend_name != "torch" and dtype != torch.bfloat16:
+            raise ValueError(f"backend {self.backend_name!r} computes in bfloat16: a {dtype} layer runs on it only "
+                             "under torch.autocast(device_type, dtype=torch.bfloat16), which casts the weights per "
+                             "call as nn.Linear does; or cast the layer to bfloat16, or use backend 'torch'")
         elif x.dtype != dtype:
             raise TypeError(f"MoE input dtype is {x.dtype}, the layer's is {dtype} (cast it, or run under "
                             "torch.autocast, where the layer computes in the autocast dtype)")
@@ -152,14 +177,24 @@ class MoE(nn.Module):
         """Raise a clear error if ``x`` cannot be this layer's input."""
         self._prepare(x)
 
-    def _weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.w13.to(dtype), self.w2.to(dtype)
+    def expert_weights(self, dtype: torch.dtype) -> tuple:
+        """(w13 [E_l, 2I, H], w2 [E_l, H, I], b13 [E_l, 2I] or None, b2 [E_l, H] or None) in ``dtype`` as the backend
+        reads them, differentiable (a cast per call under autocast). A subclass storing the experts in another layout
+        (megamoe.hf's gpt-oss block keeps transformers') converts them here."""
+        b13, b2 = (None, None) if self.b13 is None else (self.b13.to(dtype), self.b2.to(dtype))
+        return self.w13.to(dtype), self.w2.to(dtype), b13, b2
+
+    def _run_experts(self, x2: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        w13, w2, b13, b2 = self.expert_weights(dtype)
+        if b13 is None:
+            return self.backend(x2, idx, w, w13, w2)
+        return self.backend(x2, idx, w, w13, w2, b13=b13, b2=b2)
 
     def forward(self, x: torch.Tensor) -> MoEOutput:
         x2, dtype = self._prepare(x)
         with torch.autocast(x.device.type, enabled=False):
             r = self.router(x2)
-            y = self.backend(x2, r.topk_idx, r.topk_w, *self._weights(dtype))
+            y = self._run_experts(x2, r.topk_idx, r.topk_w, dtype)
             if self.shared_w13 is not None:
                 y = self._add_shared(x2, y)
         return MoEOutput(y.reshape(*x.shape[:-1], self.config.hidden), r.aux_loss, r.tokens_per_expert)
@@ -193,13 +228,14 @@ class MoE(nn.Module):
         idx = topk_idx.reshape(-1, k).to(torch.int64).contiguous()
         w = topk_w.reshape(-1, k).to(compute_dtype(dtype)).contiguous()
         with torch.autocast(x.device.type, enabled=False):
-            y = self.backend(x2, idx, w, *self._weights(dtype))
+            y = self._run_experts(x2, idx, w, dtype)
         return y.reshape(*lead, self.config.hidden)
 
     def extra_repr(self) -> str:
         c = self.config
         extra = f" groups={c.topk_group}/{c.n_group}" if c.n_group > 1 else ""
         extra += f" shared={c.shared_intermediate}{'(gated)' if c.shared_gate else ''}" if c.shared_intermediate else ""
+        extra += " experts=gpt_oss" if c.expert_kind == "gpt_oss" else ""
         return (f"{c.name}: H={c.hidden} I={c.intermediate} E={c.num_experts} (E_l={self.local_experts}) "
                 f"k={c.top_k} router={c.router}{extra} dtype={c.dtype} backend={self.backend_name} "
                 f"rank={self.rank}/{self.world}")
@@ -252,9 +288,20 @@ def shard_experts(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 @torch.no_grad()
 def load_full_weights(moe: MoE, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                      router_bias: torch.Tensor | None = None, shared: tuple | None = None) -> None:
+                      router_bias: torch.Tensor | None = None, shared: tuple | None = None,
+                      expert_bias: tuple | None = None, logit_bias: torch.Tensor | None = None) -> None:
     """Copy unsharded weights into ``moe``: the router whole, this rank's slice of the experts, and ``shared``
-    (w13 [2S, H], w2 [H, S], gate [1, H] or None) into the shared expert."""
+    (w13 [2S, H], w2 [H, S], gate [1, H] or None) into the shared expert; gpt_oss experts: ``expert_bias`` (b13
+    [E, 2I], b2 [E, H]) and the router's ``logit_bias`` [E]."""
+    if (expert_bias is not None) != (moe.b13 is not None):
+        raise ValueError("give expert_bias=(b13, b2) exactly when the layer's experts have biases (gpt_oss)")
+    if (logit_bias is not None) != (moe.router.logit_bias is not None):
+        raise ValueError("give logit_bias exactly when the layer's router has one (router_bias)")
+    if expert_bias is not None:
+        moe.b13.copy_(shard_experts(expert_bias[0], moe.rank, moe.world))
+        moe.b2.copy_(shard_experts(expert_bias[1], moe.rank, moe.world))
+    if logit_bias is not None:
+        moe.router.logit_bias.copy_(logit_bias)
     if (shared is not None) != (moe.shared_w13 is not None):
         raise ValueError("give shared=(w13, w2, gate) exactly when the layer has a shared expert")
     for p, t in zip((moe.shared_w13, moe.shared_w2, moe.shared_gate), shared or (), strict=False):

@@ -2,6 +2,7 @@
 
     route:   (topk_idx [T, k], topk_w [T, k], aux_loss, counts [E]) = route_ref(x, router weight)
     expert:  h = x_t @ w13[e]^T  ([2I]);  a = silu(h[:I]) * h[I:];  o = a @ w2[e]^T  ([H])
+             gpt_oss: h = x_t @ w13[e]^T + b13[e];  a = gpt_oss_act(h);  o = a @ w2[e]^T + b2[e]
     combine: y[t] = sum_j topk_w[t, j] * o_{t, j}      (accumulated in >= float32)
     shared:  y[t] += [sigmoid(x_t . w_gate)] * shared_mlp(x_t)   (shared expert, optional gate)
 
@@ -83,6 +84,21 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gpt_oss_act(h: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU: h [..., 2I] (gate, then up) -> g * sigmoid(alpha * g) * (u + 1), with
+    g = min(h[..., :I], limit) and u = clamp(h[..., I:], -limit, limit)."""
+    gate, up = h.chunk(2, dim=-1)
+    g = gate.clamp(max=limit)
+    return g * torch.sigmoid(alpha * g) * (up.clamp(min=-limit, max=limit) + 1)
+
+
+def expert_act(config: MoEConfig):
+    """The routed experts' activation of ``config``: h [..., 2I] -> [..., I]."""
+    if config.expert_kind == "gpt_oss":
+        return lambda h: gpt_oss_act(h, config.swiglu_alpha, config.swiglu_limit)
+    return swiglu
+
+
 def _stored(t: torch.Tensor, store_dtype: torch.dtype | None) -> torch.Tensor:
     """``t`` rounded to ``store_dtype`` and back (autograd passes through: the rounding is a value, not a function)."""
     if store_dtype is None or store_dtype == t.dtype:
@@ -91,10 +107,14 @@ def _stored(t: torch.Tensor, store_dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-               store_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """One SwiGLU expert: x [n, H], w13 [2I, H], w2 [H, I] -> [n, H] (``store_dtype``: see the module docstring)."""
-    act = _stored(swiglu(x @ w13.t()), store_dtype)
-    return _stored(act @ w2.t(), store_dtype)
+               store_dtype: torch.dtype | None = None, b13: torch.Tensor | None = None,
+               b2: torch.Tensor | None = None, act=swiglu) -> torch.Tensor:
+    """One expert: x [n, H], w13 [2I, H], w2 [H, I], optional biases b13 [2I], b2 [H] -> [n, H]; ``act`` maps
+    h [n, 2I] to [n, I] (``store_dtype``: see the module docstring)."""
+    h = x @ w13.t()
+    a = _stored(act(h if b13 is None else h + b13), store_dtype)
+    o = a @ w2.t()
+    return _stored(o if b2 is None else o + b2, store_dtype)
 
 
 def experts_ref(
@@ -105,9 +125,13 @@ def experts_ref(
     w2: torch.Tensor,
     expert_offset: int = 0,
     store_dtype: torch.dtype | None = None,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    act=swiglu,
 ) -> torch.Tensor:
     """y [T, H] = sum_j topk_w[t, j] * expert_{idx[t, j]}(x_t) over the experts ``expert_offset ..
-    expert_offset + E_sub - 1`` held in w13 [E_sub, 2I, H], w2 [E_sub, H, I]; other slots contribute nothing.
+    expert_offset + E_sub - 1`` held in w13 [E_sub, 2I, H], w2 [E_sub, H, I] (with biases b13 [E_sub, 2I], b2
+    [E_sub, H] and activation ``act`` as :func:`expert_mlp`); other slots contribute nothing.
     x [T, H]; topk_idx [T, k] global ids. y is in x's dtype, accumulated in float64 for float64 x, else float32,
     in expert order. Weights are cast one expert at a time: no float64 copy of a deepseek-v3-sized layer."""
     T, H = x.shape
@@ -120,7 +144,8 @@ def experts_ref(
         if tok.numel() == 0:
             continue
         gate = (topk_w.to(cdt) * hit.to(cdt)).sum(dim=1)[tok]  # [n]
-        out = expert_mlp(x[tok], w13[e_local].to(x.dtype), w2[e_local].to(x.dtype), store_dtype)
+        bias = {} if b13 is None else {"b13": b13[e_local].to(x.dtype), "b2": b2[e_local].to(x.dtype)}
+        out = expert_mlp(x[tok], w13[e_local].to(x.dtype), w2[e_local].to(x.dtype), store_dtype, act=act, **bias)
         y = y.index_add(0, tok, out.to(cdt) * gate[:, None])
     return _stored(y, store_dtype).to(x.dtype)
 
@@ -145,16 +170,22 @@ def moe_forward(
     logit_offset: torch.Tensor | None = None,
     store_dtype: torch.dtype | None = None,
     shared: tuple | None = None,
+    expert_bias: tuple | None = None,
 ) -> tuple[torch.Tensor, RouteRef]:
     """The whole layer on one process: x [T, H], router_weight [E, H], w13 [E, 2I, H], w2 [E, H, I] ->
     (y [T, H], RouteRef), differentiable. ``shared``: (w13 [2S, H], w2 [H, S], gate [1, H] or None) of the shared
-    expert, whose output is added (:func:`shared_ref`)."""
+    expert, whose output is added (:func:`shared_ref`). gpt_oss experts: ``expert_bias`` = (b13 [E, 2I], b2 [E, H]);
+    the router's trained logit bias goes in as ``logit_offset`` (differentiable)."""
+    if (expert_bias is not None) != (config.expert_kind == "gpt_oss"):
+        raise ValueError("reference: give expert_bias=(b13, b2) exactly when config.expert_kind is 'gpt_oss'")
     if w13.shape[0] != config.num_experts:
         raise ValueError(f"reference needs all {config.num_experts} experts, got w13 with {w13.shape[0]}")
     if (shared is not None) != bool(config.shared_intermediate):
         raise ValueError("reference: give shared=(w13, w2, gate) exactly when the config has a shared expert")
     r = route_ref(x, router_weight, config, router_bias, logit_offset)
-    y = experts_ref(x, r.topk_idx, r.topk_w, w13, w2, store_dtype=store_dtype)
+    b13, b2 = expert_bias or (None, None)
+    y = experts_ref(x, r.topk_idx, r.topk_w, w13, w2, store_dtype=store_dtype, b13=b13, b2=b2,
+                    act=expert_act(config))
     if shared is not None:
         y = (y.to(_wide(x.dtype)) + shared_ref(x, *shared)).to(x.dtype)
     return y, r
@@ -164,7 +195,9 @@ def moe_forward_loop(
     x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, config: MoEConfig,
     router_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """An explicit per-token, per-slot loop (slow; tests check :func:`moe_forward` against it)."""
+    """An explicit per-token, per-slot loop of SwiGLU experts (slow; tests check :func:`moe_forward` against it)."""
+    if config.expert_kind != "swiglu":
+        raise ValueError("moe_forward_loop has SwiGLU experts only")
     r = route_ref(x, router_weight, config, router_bias)
     rows = []
     for t in range(x.shape[0]):

@@ -165,8 +165,9 @@ def limit_groups(choice: torch.Tensor, config: MoEConfig) -> torch.Tensor:
 
 
 class Router(nn.Module):
-    """Replicated router: ``weight`` [E, H] (trained), ``bias`` [E] (sigmoid only), ``logit_offset`` [E]
-    (non-persistent, zeros; see :meth:`set_logit_offset`)."""
+    """Replicated router: ``weight`` [E, H] (trained), ``bias`` [E] (sigmoid only), ``logit_bias`` [E] (trained,
+    added to the logits; ``config.router_bias`` only, else None), ``logit_offset`` [E] (non-persistent, zeros; see
+    :meth:`set_logit_offset`)."""
 
     def __init__(self, config: MoEConfig, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, init: bool = True):
@@ -178,6 +179,8 @@ class Router(nn.Module):
             self.register_buffer("bias", torch.zeros(config.num_experts, device=device, dtype=torch.float32))
         else:
             self.bias = None
+        self.logit_bias = (nn.Parameter(torch.empty(config.num_experts, device=device, dtype=dtype))
+                           if config.router_bias else None)
         self.register_buffer(
             "logit_offset", torch.zeros(config.num_experts, device=device, dtype=torch.float32), persistent=False
         )
@@ -191,9 +194,14 @@ class Router(nn.Module):
         w = torch.randn(self.weight.shape, generator=generator, dtype=torch.float32) * std
         with torch.no_grad():
             self.weight.copy_(w)
+            if self.logit_bias is not None:
+                self.logit_bias.copy_(torch.randn(self.logit_bias.shape, generator=generator) * std)
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
         offset = self.logit_offset if self._offset_set else None
+        if self.logit_bias is not None:  # differentiable: the bias is trained
+            lb = self.logit_bias.to(compute_dtype(x.dtype))
+            offset = lb if offset is None else lb + offset
         return route(x, self.weight, self.config, self.bias, offset)
 
     def set_logit_offset(self, offset: torch.Tensor | None) -> None:

@@ -673,7 +673,9 @@ def _fused_case(name: str) -> dict:
     from megamoe.reference import experts_ref
 
     dev = rank_device()
-    cfg = preset(name, num_experts=PRESETS[name].num_experts // EP, max_tokens_per_rank=TOKENS)
+    # the preset's shapes with SwiGLU experts (the megakernel's form; gpt-oss's own runs on backend torch)
+    cfg = preset(name, num_experts=PRESETS[name].num_experts // EP, max_tokens_per_rank=TOKENS, expert_kind="swiglu",
+                 router_bias=False)
     why = gluon_fused_reason(default_fused_config(dev), H=cfg.hidden, I=cfg.intermediate, device=dev)
     moe = MoE(cfg, backend="fused", device=dev, seed=0)
     chosen = moe.backend.config.kernel

@@ -15,7 +15,7 @@ from megamoe import hf  # noqa: E402
 from megamoe.dist import spawn  # noqa: E402
 from megamoe.testing import rel_err  # noqa: E402
 
-ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3"]
+ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"]
 _COMMON = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
 
@@ -24,7 +24,10 @@ def tiny_config(arch: str):
     """A 2-layer model of ``arch``: 8 experts of width 24, top-2; DeepSeek-V3 with 4 groups of which 2 are open and
     a shared expert, Qwen2-MoE with its gated shared expert."""
     T = transformers
-    if arch == "qwen3_moe":
+    if arch == "gpt_oss":
+        cfg = T.GptOssConfig(**_COMMON, head_dim=12, num_local_experts=8, num_experts_per_tok=2)
+        cfg.intermediate_size = 24
+    elif arch == "qwen3_moe":
         cfg = T.Qwen3MoeConfig(**_COMMON, head_dim=12, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
                                norm_topk_prob=True)
     elif arch == "qwen2_moe":
@@ -53,8 +56,12 @@ def tiny_model(arch: str, seed: int = 0, dtype=torch.float64):
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch))
     with torch.no_grad():  # transformers draws routers with std 0.02: spread them so routing has clear winners
         for name, p in model.named_parameters():
-            if name.endswith("gate.weight") and p.dim() == 2 and p.shape[0] > 1:
+            if name.endswith(("gate.weight", "router.weight")) and p.dim() == 2 and p.shape[0] > 1:
                 p.normal_(0, 0.5)
+            elif name.endswith(("router.bias", "proj_bias")):  # gpt_oss's biases: transformers zeroes some
+                p.normal_(0, 0.3)
+            elif name.endswith("experts.gate_up_proj") and arch == "gpt_oss":
+                p.normal_(0, 0.6)  # pre-activations past the SwiGLU's clamp limit (7) for some rows
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.1)
@@ -69,6 +76,8 @@ def _block_run(block, x, g):
     """(out, {name: grad}) of sum(block(x) * g) for x and every parameter."""
     xi = x.clone().requires_grad_()
     out = block(xi)
+    if isinstance(out, tuple):  # gpt_oss: (out, router_scores)
+        out = out[0]
     params = dict(block.named_parameters())
     grads = torch.autograd.grad((out.double() * g).sum(), [xi, *params.values()], allow_unused=True,
                                 materialize_grads=True)
@@ -127,6 +136,41 @@ def test_block_on_triton_backends(arch, backend):
     assert not worse, worse
 
 
+def _autocast_run(block, x, g):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return _block_run(block, x, g)
+
+
+def test_fp32_model_under_bf16_autocast_on_split():
+    # mixed-precision training: an fp32 model patched onto split runs under bf16 autocast (the weights cast per call),
+    # its gradients reach the fp32 parameters, no further from float64 than transformers' own block under autocast
+    model = tiny_model("qwen3_moe", seed=7)
+    ref_block = _block(model)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 24, 48, generator=gen, dtype=torch.float64)
+    g = torch.randn(2, 24, 48, generator=gen, dtype=torch.float64)
+    out64, grads64 = _block_run(ref_block, x, g)
+    hf32 = copy.deepcopy(ref_block).float()
+    e_hf = _errors(*_autocast_run(hf32, x.float(), g), out64, grads64)
+    ours = hf.MegaMoEBlock(copy.deepcopy(ref_block).float(), backend="split", max_tokens_per_rank=64)
+    assert ours.experts.gate_up_proj.dtype == torch.float32
+    out, grads = _autocast_run(ours, x.float(), g)
+    assert out.dtype == torch.bfloat16 and all(v.dtype == torch.float32 for v in grads.values())
+    e_ours = _errors(out, grads, out64, grads64)
+    worse = {k: (e_ours[k], e_hf[k]) for k in e_hf if not e_ours[k] <= 1.5 * e_hf[k]}
+    assert not worse, worse
+    # the whole model: a training step's loss under autocast near float64's
+    patched = hf.patch(copy.deepcopy(model).float(), backend="split", max_tokens_per_rank=64)
+    ids = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(7))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = patched(ids, labels=ids).loss
+    loss.backward()
+    assert rel_err(loss, model(ids, labels=ids).loss) < 1e-2
+    assert hf.blocks(patched)[0].experts.gate_up_proj.grad.dtype == torch.float32
+    with pytest.raises(ValueError, match="autocast"):
+        patched(ids)
+
+
 def _loss_and_grads(model, ids):
     out = model(ids, labels=ids)
     loss = out.loss
@@ -151,7 +195,7 @@ def test_model_loss_and_gradients(arch):
     assert max(errs.values()) < 1e-6, {n: e for n, e in errs.items() if e >= 1e-6}
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3", "gpt_oss"])
 def test_save_pretrained_round_trip(arch, tmp_path):
     model = tiny_model(arch, seed=4, dtype=torch.float32)
     patched = hf.patch(copy.deepcopy(model))
@@ -169,12 +213,13 @@ def test_save_pretrained_round_trip(arch, tmp_path):
 
 
 def test_unsupported_blocks_are_named():
-    cfg = transformers.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
-                                    num_experts_per_tok=2)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(ValueError, match="GptOssMLP.*gpt_oss.*clamped SwiGLU"):
-        hf.patch(model)
+    class OddSparseMoeBlock(torch.nn.Module):  # an MoE block (an ``experts`` child) of no known model
+        def __init__(self):
+            super().__init__()
+            self.experts = torch.nn.Linear(4, 4)
+
+    with pytest.raises(ValueError, match="cannot patch OddSparseMoeBlock.*supported blocks.*GptOssMLP"):
+        hf.patch(torch.nn.Sequential(OddSparseMoeBlock()))
     dense = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3Config(
         vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8))
@@ -221,7 +266,7 @@ def _ep_rank(rank: int, world: int, arch: str) -> dict:
             "gather_ok": gather_ok, "load_ok": load_ok}
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_expert_parallel_world_2(arch):
     for r in spawn(_ep_rank, 2, arch, timeout_s=600):
         assert r["shards_ok"] and r["gather_ok"] and r["load_ok"], r

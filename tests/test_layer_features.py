@@ -173,3 +173,74 @@ def test_groups_shared_and_leading_shape_read_nothing_on_host():
     with no_host_reads():
         guarded = step()
     assert all(torch.equal(a, b) for a, b in zip(warm, guarded, strict=True))
+
+
+@pytest.mark.parametrize("backend", ["split", "fused"])
+def test_fp32_layer_under_bf16_autocast_on_triton_backends(backend):
+    # mixed-precision training's setup: fp32 parameters, bf16 autocast. The layer casts the expert weights per call
+    # (autograd carries the gradients back to fp32), so it computes exactly what a bf16 layer holding the rounded
+    # weights computes; against float64 within the bf16 bounds; no host read; outside autocast a clear error.
+    from megamoe.testing.sync_guard import no_host_reads
+
+    shared = dict(shared_intermediate=32, shared_gate=True) if backend == "split" else {}
+    cfg = preset("tiny", dtype=torch.float32, max_tokens_per_rank=64, **shared)
+    moe = MoE(cfg, backend=backend, device="cpu", seed=6)
+    with torch.no_grad():  # bf16-representable fp32 weights, so a bf16 twin holds the same numbers
+        for p in moe.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    twin = MoE(cfg.replace(dtype=torch.bfloat16), backend=backend, device="cpu", init="none")
+    twin.load_state_dict({k: v.to(torch.bfloat16) for k, v in moe.state_dict().items()})
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 7, cfg.hidden, generator=gen)
+    g = torch.randn(3, 7, cfg.hidden, generator=gen, dtype=torch.float64)
+    names = [n for n, _ in moe.named_parameters()]
+
+    def step():
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = moe(xi).out
+        grads = _grads(out, g, [xi] + list(moe.parameters()))
+        return out.detach(), grads
+
+    out, grads = step()
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert all(gr.dtype == torch.float32 for gr in grads)
+    with no_host_reads():
+        again = step()
+    assert torch.equal(again[0], out) and all(torch.equal(a, b) for a, b in zip(again[1], grads, strict=True))
+    # the bf16 twin on the rounded input: the same numbers, bit for bit
+    xb = x.to(torch.bfloat16).requires_grad_()
+    out16 = twin(xb).out
+    grads16 = _grads(out16, g, [xb] + list(twin.parameters()))
+    assert torch.equal(out, out16)
+    for n, a, b in zip(["x"] + names, grads, grads16, strict=True):  # (fp32 routing and gate grads stay fp32 here)
+        assert torch.equal(a.to(torch.bfloat16), b), n
+    # float64 reference on the bf16-rounded operands (the router's weight is fp32, its logits fp32 in the layer)
+    leaves = {n: p.detach().to(torch.bfloat16).double().requires_grad_() for n, p in moe.named_parameters()}
+    x64 = x.to(torch.bfloat16).double().requires_grad_()
+    sh = (leaves["shared_w13"], leaves["shared_w2"], leaves["shared_gate"]) if shared else None
+    y64, _ = moe_forward(x64.view(-1, cfg.hidden), leaves["router.weight"], leaves["w13"], leaves["w2"],
+                         cfg.replace(dtype=torch.float64), shared=sh)
+    ref = _grads(y64.view(x.shape), g, [x64] + list(leaves.values()))
+    assert rel_err(out, y64.view(x.shape)) < 1e-2
+    for n, a, b in zip(["x"] + names, grads, ref, strict=True):
+        assert rel_err(a, b) < 1e-2, n
+    with pytest.raises(ValueError, match="autocast"):
+        moe(x)
+
+
+def test_meta_device_then_to_empty_and_load():
+    # built without memory, moved with to_empty, loaded: the numbers of the layer it was loaded from (gpt-oss's
+    # biases and router bias included); what cannot work on meta says how
+    cfg = preset("gpt-oss-20b", hidden=40, intermediate=24, num_experts=8, top_k=2, dtype=torch.float32)
+    meta = MoE(cfg, device="meta", init="none")
+    assert meta.w13.is_meta and meta.device.type == "meta"
+    meta.to_empty(device="cpu")
+    assert meta.device.type == "cpu"
+    src = MoE(cfg, seed=8)
+    meta.load_state_dict(src.state_dict())
+    x = torch.randn(2, 5, cfg.hidden, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(meta(x).out, src(x).out)
+    for kw in (dict(init="random"), dict(init="none", backend="split")):
+        with pytest.raises(ValueError, match="meta device.*to_empty"):
+            MoE(preset("tiny"), device="meta", **kw)

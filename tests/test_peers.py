@@ -13,7 +13,7 @@ import torch
 
 from megamoe import MoE
 from megamoe.config import preset
-from megamoe.reference import experts_ref
+from megamoe.reference import expert_act, experts_ref
 
 pytest.importorskip("transformers")
 
@@ -24,18 +24,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("tiny", {}, "qwen3_moe"),  # softmax, renormalised top-k
     ("mixtral-8x7b", dict(hidden=64, intermediate=96), "mixtral"),  # E 8, k 2
     ("deepseek-v3", dict(hidden=64, intermediate=32, num_experts=16), "deepseek_v3"),  # sigmoid, route_scale 2.5
+    ("gpt-oss-20b", dict(hidden=40, intermediate=24, num_experts=8), "gpt_oss"),  # biases, interleaved, clamped
 ])
 def test_peer_computes_the_layers_function(name, shape, family):
     from megamoe.apps.peers import HFPeer
 
     cfg = preset(name, dtype=torch.float32, **shape)  # grouped_mm takes no float64
     moe = MoE(cfg, backend="torch", device="cpu", seed=3)
+    if family == "gpt_oss":  # large enough weights that the SwiGLU's clamps act
+        with torch.no_grad():
+            moe.w13.mul_(12)
     peer = HFPeer(moe)
     assert peer.family == family and peer.name == f"hf-{family}:grouped_mm"
     x = torch.randn(53, cfg.hidden, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         r = moe.router(x.double())
-        ref = experts_ref(x.double(), r.topk_idx, r.topk_w.double(), moe.w13, moe.w2, 0)
+        bias = {} if moe.b13 is None else dict(b13=moe.b13, b2=moe.b2, act=expert_act(cfg))
+        ref = experts_ref(x.double(), r.topk_idx, r.topk_w.double(), moe.w13, moe.w2, 0, **bias)
     xg = x.clone().requires_grad_()
     y = peer(xg).out
     assert float((y.detach().double() - ref).norm() / ref.norm()) < 1e-5  # float32 against float64
@@ -44,11 +49,12 @@ def test_peer_computes_the_layers_function(name, shape, family):
     assert peer.experts.gate_up_proj.grad is not None and peer.experts.down_proj.grad is not None
 
 
-def test_no_peer_for_gpt_oss_or_several_ranks():
+def test_no_peer_for_other_clamps_or_several_ranks():
     from megamoe.apps.peers import HFPeer
 
-    moe = MoE(preset("gpt-oss-120b", hidden=64, intermediate=64, num_experts=8, dtype=torch.float32), device="cpu")
-    with pytest.raises(ValueError, match="no peer for gpt-oss"):
+    moe = MoE(preset("gpt-oss-120b", hidden=64, intermediate=64, num_experts=8, dtype=torch.float32,
+                     swiglu_limit=5.0), device="cpu")
+    with pytest.raises(ValueError, match="no peer for gpt-oss experts other than"):
         HFPeer(moe)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "megamoe", "bench", "--cpu", "--world", "2", "--peers"],

@@ -395,7 +395,8 @@ def _ctor_errors(rank, world, specs: list[tuple[dict, dict]]) -> list[str | None
 
 def test_split_rejects_bad_options():
     specs = [({}, {"fp8": 2}), ({}, {"presum_combine": "yes"}), ({}, {"comm_sms": 0}),
-             ({"dtype": torch.float32}, {})]
+             ({"dtype": torch.float16}, {}), ({"dtype": torch.float32}, {"fp8": True})]
     (msgs,) = spawn(_ctor_errors, 1, specs)
-    for (cfg_kw, kw), msg, want in zip(specs, msgs, ("fp8", "presum_combine", "comm_sms", "bfloat16"), strict=True):
+    wants = ("fp8", "presum_combine", "comm_sms", "bfloat16", "fp8=1 needs a bfloat16 layer")
+    for (cfg_kw, kw), msg, want in zip(specs, msgs, wants, strict=True):
         assert msg is not None and want in msg, (cfg_kw, kw, msg)

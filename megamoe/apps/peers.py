@@ -1,10 +1,11 @@
 """Peers for ``megamoe bench --peers``: HuggingFace transformers' own MoE modules on a megamoe layer's weights.
 
 A peer is the router and experts modules of the preset's architecture in transformers (qwen3_moe for softmax
-presets, mixtral for ``mixtral-8x7b``, deepseek_v3 with one group for sigmoid presets), with the experts
-implementation ``grouped_mm`` (transformers' fastest built-in on a GPU), the layer's router and expert weights copied
-in, run on one process. It computes what HF's block does, except DeepSeek-V3's shared expert, which megamoe's preset
-does not have. gpt-oss's experts (biases, interleaved gate/up, clamped SwiGLU) are not megamoe's preset's: no peer.
+presets, mixtral for ``mixtral-8x7b``, deepseek_v3 with one group for sigmoid presets, gpt_oss for gpt-oss experts),
+with the experts implementation ``grouped_mm`` (transformers' fastest built-in on a GPU), the layer's router and expert
+weights copied in (converted to transformers' layout: gpt_oss stores gate/up interleaved as [E, H, 2I] and down_proj
+as [E, I, H]), run on one process. It computes what HF's block does, except DeepSeek-V3's shared expert, which
+megamoe's preset does not have.
 """
 
 from __future__ import annotations
@@ -29,8 +30,18 @@ def _hf_modules(cfg, implementation: str):
         raise ValueError("--peers needs transformers (pip install transformers)") from None
     common = dict(hidden_size=cfg.hidden, moe_intermediate_size=cfg.intermediate, num_experts_per_tok=cfg.top_k,
                   norm_topk_prob=cfg.norm_topk, hidden_act="silu", experts_implementation=implementation)
-    if cfg.name.startswith("gpt-oss"):
-        raise ValueError("no peer for gpt-oss: megamoe's preset has its shapes, not its expert form")
+    if cfg.expert_kind == "gpt_oss":
+        if (cfg.swiglu_alpha, cfg.swiglu_limit) != (1.702, 7.0) or not cfg.router_bias or cfg.route_scale != 1.0:
+            raise ValueError("no peer for gpt-oss experts other than transformers' (alpha 1.702, limit 7, router "
+                             "bias, route_scale 1)")
+        from transformers.models.gpt_oss import modeling_gpt_oss as m
+        from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
+
+        hf = GptOssConfig(hidden_size=cfg.hidden, intermediate_size=cfg.intermediate, num_local_experts=cfg.num_experts,
+                          num_experts_per_tok=cfg.top_k, experts_implementation=implementation)
+        return m.GptOssTopKRouter(hf), m.GptOssExperts(hf), "gpt_oss"
+    if cfg.expert_kind != "swiglu" or cfg.router_bias:
+        raise ValueError(f"no peer for expert_kind {cfg.expert_kind!r} with router_bias={cfg.router_bias}")
     if cfg.router == "sigmoid":
         from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
         from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
@@ -69,8 +80,16 @@ class HFPeer(nn.Module):
         self.to(device=moe.device, dtype=dt)
         with torch.no_grad():
             self.router.weight.copy_(moe.router.weight.to(self.router.weight.dtype))
-            self.experts.gate_up_proj.copy_(moe.w13)
-            self.experts.down_proj.copy_(moe.w2)
+            if self.family == "gpt_oss":  # transformers' layout: [E, H, 2I] with gate/up interleaved, [E, I, H]
+                E, I2, H = moe.w13.shape
+                self.router.bias.copy_(moe.router.logit_bias)
+                self.experts.gate_up_proj.copy_(moe.w13.view(E, 2, I2 // 2, H).permute(0, 3, 2, 1).reshape(E, H, I2))
+                self.experts.gate_up_proj_bias.copy_(moe.b13.view(E, 2, I2 // 2).transpose(1, 2).reshape(E, I2))
+                self.experts.down_proj.copy_(moe.w2.transpose(1, 2))
+                self.experts.down_proj_bias.copy_(moe.b2)
+            else:
+                self.experts.gate_up_proj.copy_(moe.w13)
+                self.experts.down_proj.copy_(moe.w2)
             if hasattr(self.router, "e_score_correction_bias"):  # a buffer: kept fp32 as HF's checkpoints hold it
                 self.router.e_score_correction_bias = torch.zeros(moe.config.num_experts, device=moe.device)
 

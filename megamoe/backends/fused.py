@@ -13,7 +13,8 @@ forward overwrote them, so the backward first recomputes them (dispatch of x + G
 
 On Hopper the megakernel's work items run warp-specialised in Gluon (kernels/gluon/fused.py: a TMA loader warp and
 two consumer warpgroups, the same items, order, waits and results as the Triton kernel) wherever they can (H and I
-multiples of 8); everywhere else, and on the CPU under the interpreter, the Triton kernel. bf16 only: an FP8
+multiples of 8); everywhere else, and on the CPU under the interpreter, the Triton kernel. bf16 GEMMs only (a
+float32 layer runs under bfloat16 autocast, its weights cast per call by the layer): an FP8
 megakernel measured slower than both this one and split's FP8 layer (docs/performance.md); split:fp8=1 is the FP8
 layer.
 
@@ -87,8 +88,12 @@ class FusedBackend:
 
     def __init__(self, moe, ring_blocks: int | None = None, comm_sms: int | None = None, timeout_s: float = 60.0):
         cfg = moe.config
-        if cfg.dtype != torch.bfloat16:
-            raise ValueError(f"backend 'fused' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
+        if cfg.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"backend 'fused' needs a bfloat16 layer, or a float32 one run under bfloat16 autocast "
+                             f"(its GEMMs are bf16), got {cfg.dtype}")
+        if cfg.expert_kind != "swiglu":  # the kernels' epilogues have no biases nor the clamped SwiGLU
+            raise ValueError(f"backend 'fused' runs SwiGLU experts only; expert_kind {cfg.expert_kind!r} (gpt-oss: "
+                             "biases, clamped SwiGLU) runs on backend 'torch'")
         self.moe = weakref.proxy(moe)  # the layer owns its backend, not the reverse: deleting it frees both
         self.comm_sms = comm_programs(comm_sms, moe.device)
         self.config: FusedConfig = default_fused_config(moe.device)
@@ -102,7 +107,8 @@ class FusedBackend:
                 raise ValueError(f"ring_blocks must be >= {need} (lag + 3), got {ring_blocks}")
         self.ring_blocks = ring_blocks
         self.shape = CommShape(world=moe.world, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden,
-                               topk=cfg.top_k, num_experts=cfg.num_experts, dtype=cfg.dtype, slots=True)
+                               topk=cfg.top_k, num_experts=cfg.num_experts, dtype=torch.bfloat16,
+                               slots=True)
         self.heap = get_heap(self.shape, moe.group, moe.device, timeout_s, self.comm_sms)
 
     def close(self) -> None:

@@ -1,5 +1,6 @@
-"""Backend ``split``: megamoe's own kernels launched back to back, no host-device synchronisation (bf16 layers only;
-other dtypes raise ``ValueError`` at construction).
+"""Backend ``split``: megamoe's own kernels launched back to back, no host-device synchronisation (bf16 GEMMs: a bf16
+layer, or a float32 one under bfloat16 autocast, whose weights the layer casts per call; other dtypes raise
+``ValueError`` at construction).
 
 R_cap = W * T_max * min(k, E_l) receive rows (worst case), offs int32 [E_l + 1] on the device:
 
@@ -91,14 +92,20 @@ class SplitBackend(Fp8WeightCache):
     def __init__(self, moe, fp8: bool = False, presum_combine: bool = False, comm_sms: int | None = None,
                  timeout_s: float = 60.0):
         cfg = moe.config
-        if cfg.dtype != torch.bfloat16:
-            raise ValueError(f"backend 'split' needs a bfloat16 layer (its GEMMs are bf16), got {cfg.dtype}")
+        if cfg.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"backend 'split' needs a bfloat16 layer, or a float32 one run under bfloat16 autocast "
+                             f"(its GEMMs are bf16), got {cfg.dtype}")
+        if cfg.expert_kind != "swiglu":  # the kernels' epilogues have no biases nor the clamped SwiGLU
+            raise ValueError(f"backend 'split' runs SwiGLU experts only; expert_kind {cfg.expert_kind!r} (gpt-oss: "
+                             "biases, clamped SwiGLU) runs on backend 'torch'")
         self.moe = weakref.proxy(moe)  # the layer owns its backend, not the reverse: deleting it frees both
         self.comm_sms = comm_programs(comm_sms, moe.device)
         self.presum_combine = check_flag(self.name, "presum_combine", presum_combine)
         self._init_fp8_cache(check_flag(self.name, "fp8", fp8), moe.device)
+        if self.fp8 and cfg.dtype != torch.bfloat16:  # the FP8 copies are keyed on the parameters the GEMMs read
+            raise ValueError(f"backend 'split' with fp8=1 needs a bfloat16 layer, got {cfg.dtype}")
         self.shape = CommShape(world=moe.world, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden,
-                               topk=cfg.top_k, num_experts=cfg.num_experts, dtype=cfg.dtype)
+                               topk=cfg.top_k, num_experts=cfg.num_experts, dtype=torch.bfloat16)
         self.heap = get_heap(self.shape, moe.group, moe.device, timeout_s, self.comm_sms)
 
     def close(self) -> None:

@@ -9,6 +9,7 @@
     xs               = recv permuted to (local expert, source rank, token), each group padded on CUDA to ALIGN
                        zero rows (torch._grouped_mm wants aligned, non-empty groups), never gathered back
     o                = grouped_mm(swiglu(grouped_mm(xs, w13^T)), w2^T)   [P, H]
+                       (gpt_oss experts: + b13 / b2 of each row's expert, the clamped SwiGLU)
     back             = all_to_all_single(o[un-permute])   [S, H]  then un-sort to (t, j) order
     y[t]             = sum_j topk_w[t, j] * back[t, j]    (float32 accumulation, j in order)
 
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe.dist import wire_dtype
-from megamoe.reference import swiglu
+from megamoe.reference import expert_act
 
 #: rows per expert group are padded to a multiple of this (and at least this) on CUDA, as torchtitan does
 ALIGN_CUDA = 16
@@ -79,13 +80,14 @@ class TorchBackend:
 
     def __init__(self, moe):
         self.moe = weakref.proxy(moe)  # the layer owns its backend, not the reverse: deleting it frees both
-        self.align = ALIGN_CUDA if moe.device.type == "cuda" else 1
+        self.act = expert_act(moe.config)
 
-    def __call__(self, x, topk_idx, topk_w, w13, w2):
+    def __call__(self, x, topk_idx, topk_w, w13, w2, b13=None, b2=None):
         moe = self.moe
         W, E_l, k = moe.world, moe.local_experts, topk_idx.shape[1]
         T, H = x.shape
         dev = x.device
+        align = ALIGN_CUDA if dev.type == "cuda" else 1  # from the call: a meta-built layer moves later
         flat = topk_idx.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (expert, token, slot) order
         counts = torch.zeros(W * E_l, dtype=torch.int64, device=dev)
@@ -105,11 +107,11 @@ class TorchBackend:
         rc = recv_counts.view(W, E_l)
         # destination of each received row in the padded, expert-grouped layout
         n_l = rc.sum(0)  # [E_l]
-        if self.align > 1:
-            padded = torch.clamp_min((n_l + self.align - 1) // self.align * self.align, self.align)
+        if align > 1:
+            padded = torch.clamp_min((n_l + align - 1) // align * align, align)
         else:
             padded = n_l
-        P = R + (E_l * self.align if self.align > 1 else 0)  # host-known upper bound of sum(padded)
+        P = R + (E_l * align if align > 1 else 0)  # host-known upper bound of sum(padded)
         pend = torch.cumsum(padded, 0)
         pstart = pend - padded
         # start of block (s, l) inside expert l's group: rows of lower source ranks come first
@@ -124,7 +126,14 @@ class TorchBackend:
         offs = pend.to(torch.int32)
         offs[-1] = P  # the tail rows (zeros) join the last group: they produce zero rows, never read back
         h = grouped_mm(xs, w13.transpose(-2, -1), offs)
-        o = grouped_mm(swiglu(h), w2.transpose(-2, -1), offs)
+        if b13 is not None:  # each padded row's expert, found on the device; bias sums (and their gradients' row
+            # sums) in float32 or better, rounded once
+            eid = torch.searchsorted(pend, torch.arange(P, device=dev), right=True).clamp_max(E_l - 1)
+            wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+            h = (h.to(wide) + b13.to(wide)[eid]).to(x.dtype)
+        o = grouped_mm(self.act(h), w2.transpose(-2, -1), offs)
+        if b2 is not None:
+            o = (o.to(wide) + b2.to(wide)[eid]).to(x.dtype)
         o_recv = o[dest]  # [R, H] back in received order
         if W > 1:
             back = _AllToAll.apply(o_recv, in_splits, out_splits, moe.group)
