@@ -100,6 +100,8 @@ class MoE(nn.Module):
         if close is not None:
             close()
         self.backend = None
+        # capture_moe_layers installed a forward replaying CUDA graphs whose kernels address the freed heap
+        self.__dict__.pop("forward", None)
 
     def reset_parameters(self, seed: int = 0) -> None:
         """Router from ``seed``; expert e (global id) from ``seed`` and e, std 1/sqrt(fan_in); the shared expert

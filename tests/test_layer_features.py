@@ -166,6 +166,21 @@ def test_backward_outlives_the_layer(backend):
     assert heap._closed and heap.users == 0
 
 
+def test_close_undoes_the_captured_forward():
+    # capture_moe_layers (torch.cuda.make_graphed_callables) sets the module's forward to a graph replay, which would
+    # address the freed heap after close(); stand-in for it on a CPU: a closed layer raises instead of replaying
+    cfg = preset("tiny", max_tokens_per_rank=16)
+    moe = MoE(cfg, backend="split", device="cpu")
+
+    def replay(*args, **kwargs):
+        raise AssertionError("replayed a captured graph of a closed layer")
+
+    moe.forward, moe._megamoe_captured = replay, True
+    moe.close()
+    with pytest.raises(ValueError, match="closed"):
+        moe(torch.randn(2, cfg.hidden, dtype=cfg.dtype))
+
+
 def test_triton_backend_on_cpu_without_interpreter_refuses_at_construction():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""
