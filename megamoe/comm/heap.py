@@ -422,8 +422,9 @@ class SymmetricHeap:
             return
         self._closed = True
         if self._watchdog is not None:
-            self._watchdog_stop.set()
-            self._watchdog.join(timeout=1.0)
+            if self._error is None and self._read_error() is None:  # a recorded timeout stops the process anyway
+                self._watchdog_stop.set()
+                self._watchdog.join(timeout=1.0)
             atexit.unregister(self._report_at_exit)
         self._views = {}
         if self.backend == "cuda":
