@@ -17,7 +17,6 @@ outside autocast raises ``ValueError``.
 
 from __future__ import annotations
 
-import weakref
 from typing import NamedTuple
 
 import torch
@@ -96,12 +95,9 @@ class MoE(nn.Module):
         if init == "random":
             self.reset_parameters(seed)
         self.backend_name = backend
+        # the backend holds the layer weakly, so a one-rank layer's backend goes when the user drops the layer and
+        # the autograd graphs of its outputs are gone, and gives its heap back then (comm.heap.hold_heap)
         self.backend = make_backend(backend, self, **backend_options)
-        # the backend holds the layer weakly, so a one-rank layer is freed when the user drops it and gives its
-        # device memory back then; a heap shared with peers only by close() on every rank, since ranks collect
-        # garbage at different times and building the next heap is a collective
-        self._close = getattr(self.backend, "close", None)
-        self._finalizer = weakref.finalize(self, self._close) if self._close and self.world == 1 else None
 
     @property
     def device(self) -> torch.device:
@@ -115,15 +111,15 @@ class MoE(nn.Module):
 
     def close(self) -> None:
         """Free the device memory the backend holds (the symmetric heap goes with the last layer using it); the layer
-        cannot be called afterwards. A one-rank layer does this when it is garbage collected too; with peers call it
-        on every rank after the last call's results are used (peers read this rank's buffers until they finish that
-        call, and ranks must agree on which heaps exist)."""
-        if self._finalizer is not None:
-            self._finalizer()
-        elif self._close is not None and self.backend is not None:
-            self._close()
-        self._close = None
+        cannot be called afterwards. A one-rank layer does this also once it and the autograd graphs of its outputs
+        are garbage collected; with peers call it on every rank after the last call's results are used (peers read
+        this rank's buffers until they finish that call, and ranks must agree on which heaps exist)."""
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
         self.backend = None
+        # capture_moe_layers installed a forward replaying CUDA graphs whose kernels address the freed heap
+        self.__dict__.pop("forward", None)
 
     def reset_parameters(self, seed: int = 0) -> None:
         """Router from ``seed``; expert e (global id) from ``seed`` and e, std 1/sqrt(fan_in); the shared expert

@@ -214,3 +214,30 @@ def _programs(rank: int, world: int) -> dict:
 def test_fused_completes_with_programs_that_are_never_resident_together():
     for cmp in spawn(_programs, 2, timeout_s=300):
         assert all(v[0] for v in cmp.values()), cmp
+
+
+def test_close_after_a_timeout_still_stops_the_process(monkeypatch):
+    # the CUDA watchdog: once a timeout is recorded (the kernel trapped, the context is lost) the process stops after
+    # the grace period even if the heap is closed meanwhile (a `finally: close_heaps()` would otherwise let it go on
+    # into a collective with the dead peer). Driven on a heap object without memory; os._exit is recorded.
+    import threading
+
+    from megamoe.comm import heap as heap_mod
+
+    exits = []
+    monkeypatch.setattr(heap_mod, "STOP_GRACE_S", 0.3)
+    monkeypatch.setattr(heap_mod.os, "_exit", exits.append)
+    heap = heap_mod.SymmetricHeap.__new__(heap_mod.SymmetricHeap)
+    heap.backend, heap._closed, heap._error, heap.timeout_s = "cuda", False, None, 1.0
+    record = []
+    heap._read_error = lambda: record[0] if record else None
+    heap._watchdog_stop = threading.Event()
+    heap._watchdog = threading.Thread(target=heap._watch, daemon=True)
+    heap._watchdog.start()
+    record.append("megamoe comm timeout in combine (call 3) on rank 0: peer rank 1 never signalled READY")
+    deadline = time.monotonic() + 5
+    while heap._error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    heap.close()  # during the grace period
+    heap._watchdog.join(timeout=5)
+    assert exits == [heap_mod.STOP_EXIT_CODE]

@@ -141,6 +141,46 @@ def test_close_and_delete_free_the_heap():
     assert heap._closed and heap.users == 0
 
 
+@pytest.mark.parametrize("backend", ["split", "fused"])
+def test_backward_outlives_the_layer(backend):
+    # a one-rank layer freed right after its forward: the pending backward still has its heap (as with "torch")
+    cfg = preset("tiny", max_tokens_per_rank=16)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(5, cfg.hidden, generator=gen).to(cfg.dtype)
+    g = torch.randn(5, cfg.hidden, generator=gen).to(cfg.dtype)
+    kept = MoE(cfg, backend=backend, device="cpu", seed=6)
+    xi = x.clone().requires_grad_()
+    kept(xi).out.backward(g)
+    kept.close()
+    layer = MoE(cfg, backend=backend, device="cpu", seed=6)
+    heap = layer.backend.heap
+    xd = x.clone().requires_grad_()
+    out = layer(xd).out
+    del layer
+    gc.collect()
+    assert not heap._closed  # the autograd graph still uses it
+    out.backward(g)
+    assert torch.equal(xd.grad, xi.grad)
+    del out
+    gc.collect()
+    assert heap._closed and heap.users == 0
+
+
+def test_close_undoes_the_captured_forward():
+    # capture_moe_layers (torch.cuda.make_graphed_callables) sets the module's forward to a graph replay, which would
+    # address the freed heap after close(); stand-in for it on a CPU: a closed layer raises instead of replaying
+    cfg = preset("tiny", max_tokens_per_rank=16)
+    moe = MoE(cfg, backend="split", device="cpu")
+
+    def replay(*args, **kwargs):
+        raise AssertionError("replayed a captured graph of a closed layer")
+
+    moe.forward, moe._megamoe_captured = replay, True
+    moe.close()
+    with pytest.raises(ValueError, match="closed"):
+        moe(torch.randn(2, cfg.hidden, dtype=cfg.dtype))
+
+
 def test_triton_backend_on_cpu_without_interpreter_refuses_at_construction():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""

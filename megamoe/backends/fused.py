@@ -40,7 +40,7 @@ import torch
 from megamoe.backends.common import comm_programs, expert_backward, triton_unavailable, wgrads
 from megamoe.comm.combine import dispatch_backward
 from megamoe.comm.dispatch import dispatch
-from megamoe.comm.heap import CommShape, get_heap, heap_bytes, release_heap
+from megamoe.comm.heap import CommShape, get_heap, heap_bytes, hold_heap
 from megamoe.experts import gemm1_swiglu
 from megamoe.kernels.fused_moe import FusedConfig, default_fused_config, fused_forward, plan_lag
 from megamoe.kernels.gluon.fused import gluon_fused_reason
@@ -110,10 +110,11 @@ class FusedBackend:
                                topk=cfg.top_k, num_experts=cfg.num_experts, dtype=torch.bfloat16,
                                slots=True)
         self.heap = get_heap(self.shape, moe.group, moe.device, timeout_s, self.comm_sms)
+        self._release = hold_heap(self, self.heap)
 
     def close(self) -> None:
         """Give the symmetric heap back (freed with its last layer)."""
-        release_heap(self.heap)
+        self._release()
 
     def workspace_bytes(self) -> dict:
         """Symmetric heap bytes (shared by layers of this shape) and the megakernel's per-call buffers."""

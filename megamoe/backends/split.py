@@ -44,13 +44,14 @@ from megamoe.backends.common import (
 from megamoe.backends.fp8_weights import Fp8WeightCache
 from megamoe.comm.combine import combine, dispatch_backward
 from megamoe.comm.dispatch import dispatch, dispatch_fp8
-from megamoe.comm.heap import CommShape, get_heap, heap_bytes, release_heap, workspace_bytes
+from megamoe.comm.heap import CommShape, get_heap, heap_bytes, hold_heap, workspace_bytes
 from megamoe.experts import dequantize_act
 
 
 class _SplitMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_w, w13, w2, topk_idx, heap, num_sms, presum, wq):
+    def forward(ctx, x, topk_w, w13, w2, topk_idx, backend, num_sms, presum, wq):
+        heap = backend.heap
         gates = topk_w if presum else None  # presum: the gates travel with the rows, the expert ranks pre-sum
         a_s = None
         if wq is not None:  # x quantised once per token on its home rank; GEMM1 reads the packed rows
@@ -64,6 +65,7 @@ class _SplitMoE(torch.autograd.Function):
         y = combine(out, None if presum else topk_w, handle, num_sms=num_sms, out_dtype=x.dtype, presum=presum)
         ctx.save_for_backward(recv, h, topk_w, w13, w2, a_s)
         ctx.handle, ctx.num_sms, ctx.presum, ctx.wq = handle, num_sms, presum, wq
+        ctx.backend = backend  # the backward needs the heap, which a one-rank backend frees when collected
         return y
 
     @staticmethod
@@ -107,10 +109,11 @@ class SplitBackend(Fp8WeightCache):
         self.shape = CommShape(world=moe.world, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden,
                                topk=cfg.top_k, num_experts=cfg.num_experts, dtype=torch.bfloat16)
         self.heap = get_heap(self.shape, moe.group, moe.device, timeout_s, self.comm_sms)
+        self._release = hold_heap(self, self.heap)
 
     def close(self) -> None:
         """Give the symmetric heap back (freed with its last layer) and drop the FP8 weight copies."""
-        release_heap(self.heap)
+        self._release()
         self._fp8_copies = {}
 
     def workspace_bytes(self) -> dict:
@@ -126,4 +129,4 @@ class SplitBackend(Fp8WeightCache):
             raise ValueError(f"{x.shape[0]} tokens exceed the layer's max_tokens_per_rank "
                              f"({self.shape.max_tokens}); build the MoEConfig with a larger one")
         wq = self.fp8_weights(w13, w2) if self.fp8 else None
-        return _SplitMoE.apply(x, topk_w, w13, w2, topk_idx, self.heap, self.comm_sms, self.presum_combine, wq)
+        return _SplitMoE.apply(x, topk_w, w13, w2, topk_idx, self, self.comm_sms, self.presum_combine, wq)

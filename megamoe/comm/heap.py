@@ -40,6 +40,7 @@ import struct
 import threading
 import uuid
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -421,8 +422,9 @@ class SymmetricHeap:
             return
         self._closed = True
         if self._watchdog is not None:
-            self._watchdog_stop.set()
-            self._watchdog.join(timeout=1.0)
+            if self._error is None and self._read_error() is None:  # a recorded timeout stops the process anyway
+                self._watchdog_stop.set()
+                self._watchdog.join(timeout=1.0)
             atexit.unregister(self._report_at_exit)
         self._views = {}
         if self.backend == "cuda":
@@ -480,6 +482,23 @@ def release_heap(heap: SymmetricHeap) -> None:
     if heap.backend == "cuda" and torch.cuda.is_available():
         torch.cuda.synchronize(heap.device)
     heap.close()
+
+
+def hold_heap(owner, heap: SymmetricHeap):
+    """The function that gives ``owner``'s use of ``heap`` (counted by get_heap) back, once. Of a one-rank heap it
+    runs also when ``owner`` is garbage collected, so the autograd contexts that keep a backend alive keep its heap;
+    with peers only when called on every rank (ranks collect garbage at different times, and building the next heap
+    is a collective)."""
+    if heap.world == 1:
+        return weakref.finalize(owner, release_heap, heap)
+    done = []
+
+    def release() -> None:
+        if not done:
+            done.append(True)
+            release_heap(heap)
+
+    return release
 
 
 def close_heaps() -> None:
