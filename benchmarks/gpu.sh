@@ -13,7 +13,8 @@
 #   peers   the same at 1, 512 and 4096 tokens with --peers (transformers' modules beside the backends; no base)
 #   gemm    megamoe bench-gemm at the EP-4 shapes, 4096 and 16384 tokens per GPU
 #   profile benchmarks/graph_profile.py: per-kernel device times of a graphed forward+backward (qwen3, deepseek)
-#   train   a short megamoe train (torch, split, fused; qwen3-30b-a3b dims, 2 layers)
+#   train   a short megamoe train (torch, split, split:fp8=1, fused; qwen3-30b-a3b dims, 2 layers), then
+#           examples/hf_train.py (a transformers Qwen3-MoE, 4 layers, as transformers runs it and patched)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -130,9 +131,12 @@ fi
 
 if want train; then
   echo "== train"
-  timeout 560 python3 -m megamoe train --backends torch,split,fused --preset qwen3-30b-a3b --layers 2 --steps 30 \
-      --out "$OUT/train" > "$OUT/train.log" 2>&1
+  timeout 300 python3 -m megamoe train --backends torch,split,fused --fp8 --preset qwen3-30b-a3b --layers 2 \
+      --steps 30 --out "$OUT/train" > "$OUT/train.log" 2>&1
   tail -15 "$OUT/train.log"
+  timeout 250 python3 examples/hf_train.py --steps 60 --json "$OUT/hf_train.json" --png "$OUT/hf_train.png" \
+      > "$OUT/hf_train.log" 2>&1
+  tail -8 "$OUT/hf_train.log"
 fi
 
 echo "== summary"
