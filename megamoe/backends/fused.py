@@ -69,11 +69,10 @@ class _FusedMoE(torch.autograd.Function):
         else:
             recv, h = saved[5:]
             handle = ctx.handle
-        dy_rows, acts, dh, d_recv, d_topk_w = expert_backward(dy.contiguous(), topk_w, handle, h, recv, w13, w2,
-                                                              b.comm_sms)
-        dx = dispatch_backward(d_recv, handle, num_sms=b.comm_sms, out_dtype=dy.dtype)
-        dw13, dw2 = wgrads(dy_rows, acts, dh, recv, handle.offs, w13, w2)
-        return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None
+        g = expert_backward(dy.contiguous(), topk_w, handle, h, recv, w13, w2, b.comm_sms)
+        dx = dispatch_backward(g.d_recv, handle, num_sms=b.comm_sms, out_dtype=dy.dtype)
+        dw13, dw2 = wgrads(g.dy_rows, g.acts, g.dh, recv, handle.offs, w13, w2)
+        return dx, g.d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None
 
 
 class FusedBackend:
