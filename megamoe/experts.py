@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megamoe.kernels.bias_grad import row_bias_dot, segment_sum
+from megamoe.kernels.bias_grad import row_bias_dot, segment_sum, segment_sum_ref
 from megamoe.kernels.fp8_quant import (  # the FP8 operands' quantisers, part of this module's op-level API
     dequantize_act,
     dequantize_act_ref,
@@ -63,7 +63,7 @@ __all__ = [
     "gemm2_dgrad_swiglu_fp8", "gemm1_dgrad_fp8",
     "ExpertsFn", "experts_mlp",
     "grouped_gemm_ref", "gemm1_swiglu_ref", "gemm2_ref", "gemm2_dgrad_swiglu_ref", "gemm1_dgrad_ref",
-    "grouped_wgrad_ref", "experts_mlp_ref", "grouped_gemm_fp8_ref", "gemm1_swiglu_fp8_ref",
+    "grouped_wgrad_ref", "segment_sum_ref", "experts_mlp_ref", "grouped_gemm_fp8_ref", "gemm1_swiglu_fp8_ref",
     "gemm2_dgrad_swiglu_fp8_ref",
     "quantize_act_ref", "quantize_weight_ref", "dequantize_act_ref", "dequantize_weight_ref",
 ]
@@ -421,22 +421,60 @@ def grouped_gemm_ref(a, w, offs, *, w_layout="nk", scale=None):
     return out
 
 
-def gemm1_swiglu_ref(x, w13, offs):
-    """(act, h) twin of gemm1_swiglu."""
+def _expert_rows(offs, R: int, device):
+    """(expert id [R] long, row valid [R]) from offs (host read: twins only)."""
+    eid = torch.zeros(R, dtype=torch.long, device=device)
+    valid = torch.zeros(R, dtype=torch.bool, device=device)
+    for e, (s0, s1) in enumerate(_bounds(offs)):
+        eid[s0:s1], valid[s0:s1] = e, True
+    return eid, valid
+
+
+def _row_bias(bias, offs, R: int, dtype) -> torch.Tensor:
+    """bias [E_l, N] -> [R, N] in ``dtype``: each row's expert's bias, 0 on the padding."""
+    eid, valid = _expert_rows(offs, R, bias.device)
+    return bias.to(dtype)[eid] * valid.to(dtype)[:, None]
+
+
+def gemm1_swiglu_ref(x, w13, offs, *, bias=None, clamp=None):
+    """(act, h) twin of gemm1_swiglu (bias and clamp as there)."""
     h = grouped_gemm_ref(x, w13, offs)
     I = w13.shape[1] // 2
-    return F.silu(h[:, :I]) * h[:, I:], h
+    if bias is not None:
+        h = h + _row_bias(bias, offs, x.shape[0], x.dtype)
+    if clamp is None:
+        return F.silu(h[:, :I]) * h[:, I:], h
+    alpha, limit = clamp
+    g, u = h[:, :I].clamp(max=limit), h[:, I:].clamp(min=-limit, max=limit)
+    return g * torch.sigmoid(alpha * g) * (u + 1), h
 
 
-def gemm2_ref(act, w2, offs, *, scale=None):
-    return grouped_gemm_ref(act, w2, offs, scale=scale)
+def gemm2_ref(act, w2, offs, *, scale=None, bias=None):
+    if bias is None:
+        return grouped_gemm_ref(act, w2, offs, scale=scale)
+    out = grouped_gemm_ref(act, w2, offs) + _row_bias(bias, offs, act.shape[0], act.dtype)
+    return out if scale is None else out * scale.to(act.dtype)[:, None]
 
 
-def gemm2_dgrad_swiglu_ref(dy, w2, h, offs, *, scale=None):
+def gemm2_dgrad_swiglu_ref(dy, w2, h, offs, *, scale=None, clamp=None, b2=None):
     """(dh, ds) twin of gemm2_dgrad_swiglu (ds None without scale)."""
     dact = grouped_gemm_ref(dy, w2, offs, w_layout="kn")
     I = w2.shape[2]
     g, u = h[:, :I].to(dy.dtype), h[:, I:].to(dy.dtype)
+    if clamp is not None:  # by autograd through the clamps (torch.clamp's gradient: 0 where a bound holds)
+        alpha, limit = clamp
+        with torch.enable_grad():
+            g, u = g.detach().requires_grad_(), u.detach().requires_grad_()
+            gc, uc = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+            act = gc * torch.sigmoid(alpha * gc) * (uc + 1)
+        ds = None
+        if scale is not None:
+            ds = (dact * act.detach()).sum(1)
+            if b2 is not None:
+                ds = ds + (dy * _row_bias(b2, offs, dy.shape[0], dy.dtype)).sum(1)
+            dact = dact * scale.to(dy.dtype)[:, None]
+        dg, du = torch.autograd.grad(act, [g, u], dact)
+        return torch.cat([dg, du], 1), ds
     sig = torch.sigmoid(g)
     ds = None
     if scale is not None:
