@@ -11,6 +11,10 @@ Weights w13 [E_l, 2I, H] (rows 0..I-1 gate, I..2I-1 up), w2 [E_l, H, I]:
     act = silu(g) * u                [n, I]
     out = s[r] * (act @ w2[e]^T)     [n, H]      s: optional per-row gate scale, fp32 [R]
 
+gpt-oss experts (``bias=``, ``clamp=(alpha, limit)``): h = x @ w13[e]^T + b13[e], act = min(g, limit) *
+sigmoid(alpha * min(g, limit)) * (clamp(u, -limit, limit) + 1), out = s[r] * (act @ w2[e]^T + b2[e]); their bias
+gradients are per-expert row sums (segment_sum). These epilogues exist in the Triton kernels only (gluon_reason).
+
 Launchers take ``config=`` to pin a GemmConfig (default: gemm_config.default_config per shape). On Hopper (not
 under the interpreter) every op of gemm_config.GLUON_OPS runs its Gluon kernel (kernels/gluon/) where its limits
 hold; everything else runs the Triton kernels (kernels/grouped_gemm*.py, kernels/wgrad.py), the Gluon kernels'
@@ -23,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megamoe.kernels.bias_grad import row_bias_dot, segment_sum, segment_sum_ref
 from megamoe.kernels.fp8_quant import (  # the FP8 operands' quantisers, part of this module's op-level API
     dequantize_act,
     dequantize_act_ref,
@@ -52,13 +57,13 @@ from megamoe.kernels.wgrad import launch_grouped_wgrad
 
 __all__ = [
     "GemmConfig", "default_config", "pin_config", "choose_config", "gluon_reason",
-    "grouped_gemm", "gemm1_swiglu", "gemm2", "gemm2_dgrad_swiglu", "gemm1_dgrad", "grouped_wgrad",
+    "grouped_gemm", "gemm1_swiglu", "gemm2", "gemm2_dgrad_swiglu", "gemm1_dgrad", "grouped_wgrad", "segment_sum",
     "quantize_act", "dequantize_act", "quantize_weight", "quantize_weight_both", "grouped_gemm_fp8", "gemm1_swiglu_fp8",
     "gemm2_fp8",
     "gemm2_dgrad_swiglu_fp8", "gemm1_dgrad_fp8",
     "ExpertsFn", "experts_mlp",
     "grouped_gemm_ref", "gemm1_swiglu_ref", "gemm2_ref", "gemm2_dgrad_swiglu_ref", "gemm1_dgrad_ref",
-    "grouped_wgrad_ref", "experts_mlp_ref", "grouped_gemm_fp8_ref", "gemm1_swiglu_fp8_ref",
+    "grouped_wgrad_ref", "segment_sum_ref", "experts_mlp_ref", "grouped_gemm_fp8_ref", "gemm1_swiglu_fp8_ref",
     "gemm2_dgrad_swiglu_fp8_ref",
     "quantize_act_ref", "quantize_weight_ref", "dequantize_act_ref", "dequantize_weight_ref",
 ]
@@ -95,9 +100,12 @@ def _out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor, d
 
 def gluon_reason(op: str, cfg: GemmConfig, a: torch.Tensor, w: torch.Tensor, *, n: int, epilogue: int = EPI_NONE,
                  n_up: int = 0, w_kn: bool = False, h: torch.Tensor | None = None,
-                 out_dtype: torch.dtype | None = None) -> str | None:
+                 out_dtype: torch.dtype | None = None, gpt_oss: bool = False) -> str | None:
     """Why ``op``'s Gluon kernel cannot run this launch with ``cfg`` (device, interpreter, TMA alignment, config
-    and shape limits), or None; no device sync. For "wgrad", a = x [R, M] and w = y [R, N]."""
+    and shape limits), or None; no device sync. For "wgrad", a = x [R, M] and w = y [R, N]. ``gpt_oss``: the launch
+    has a bias or the clamped SwiGLU in its epilogue."""
+    if gpt_oss:
+        return "gpt-oss's epilogue (biases, clamped SwiGLU) exists in the Triton kernels only"
     why = gluon_device_reason(a, cfg)
     if why is not None:
         return why
@@ -125,15 +133,15 @@ def gluon_reason(op: str, cfg: GemmConfig, a: torch.Tensor, w: torch.Tensor, *, 
 
 def choose_config(op: str, config: GemmConfig | None, a: torch.Tensor, w: torch.Tensor, *, n: int,
                   epilogue: int = EPI_NONE, n_up: int = 0, w_kn: bool = False, h: torch.Tensor | None = None,
-                  out_dtype: torch.dtype | None = None) -> GemmConfig:
+                  out_dtype: torch.dtype | None = None, gpt_oss: bool = False) -> GemmConfig:
     """``config``, else the one pinned for ``op``, else the Gluon default where it can run, else the Triton one.
     kernel="gluon" that cannot run raises ValueError. ``a`` [R, K] (for "wgrad" as in gluon_reason)."""
     cfg = config or pinned_config(op)
-    reason = dict(n=n, epilogue=epilogue, n_up=n_up, w_kn=w_kn, h=h, out_dtype=out_dtype)
+    reason = dict(n=n, epilogue=epilogue, n_up=n_up, w_kn=w_kn, h=h, out_dtype=out_dtype, gpt_oss=gpt_oss)
     R, K = a.shape
     if cfg is None:
         rows_n_k = (R, w.shape[1], K) if op == "wgrad" else (R, n, K)
-        gluon = default_config(op, *rows_n_k, kernel="gluon") if op in GLUON_OPS else None
+        gluon = default_config(op, *rows_n_k, kernel="gluon") if op in GLUON_OPS and not gpt_oss else None
         if gluon is not None and gluon_reason(op, gluon, a, w, **reason) is None:
             return gluon
         return default_config(op, *rows_n_k, kernel="triton" if op.endswith("fp8") else None)
@@ -145,8 +153,11 @@ def choose_config(op: str, config: GemmConfig | None, a: torch.Tensor, w: torch.
 
 
 def _launch_bf16(cfg: GemmConfig, a, w, offs, out, *, n: int, w_kn: bool, epilogue: int, h=None, scale=None,
-                 dsp=None, store_h: bool = False, n_up: int = 0, acts=None) -> None:
-    if cfg.kernel == "gluon":
+                 dsp=None, store_h: bool = False, n_up: int = 0, acts=None, bias=None, clamp=None) -> None:
+    if bias is not None or clamp is not None:  # choose_config gave the Triton kernel (gluon_reason)
+        launch_grouped_gemm(a, w, offs, out, cfg, n=n, w_kn=w_kn, epilogue=epilogue, h=h, scale=scale, dsp=dsp,
+                            store_h=store_h, n_up=n_up, acts=acts, bias=bias, clamp=clamp)
+    elif cfg.kernel == "gluon":
         from megamoe.kernels.gluon.bf16 import launch_gluon_bf16_ws
 
         launch_gluon_bf16_ws(a, w, offs, out, cfg, n=n, epilogue=epilogue, h=h, scale=scale, store_h=store_h,
@@ -189,55 +200,83 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, w_layo
     return out
 
 
+def _check_bias(bias: torch.Tensor | None, shape: tuple[int, int], name: str) -> None:
+    if bias is not None and (tuple(bias.shape) != shape or bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        raise ValueError(f"{name}: bias must be a contiguous bf16 {shape} tensor, got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
+
+
+def _check_clamp(clamp, name: str) -> None:
+    if clamp is not None and (len(clamp) != 2 or not (clamp[0] > 0 and clamp[1] > 0)):
+        raise ValueError(f"{name}: clamp must be (alpha, limit) with both > 0, got {clamp!r}")
+
+
 def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, offs: torch.Tensor, *, store_h: bool = True,
                  out: torch.Tensor | None = None, h_out: torch.Tensor | None = None,
-                 config: GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """act [R, I] = silu(x @ w13[e, :I]^T) * (x @ w13[e, I:]^T); also h [R, 2I] (pre-activation) if store_h."""
+                 config: GemmConfig | None = None, bias: torch.Tensor | None = None,
+                 clamp: tuple[float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """act [R, I] = silu(x @ w13[e, :I]^T) * (x @ w13[e, I:]^T); also h [R, 2I] (pre-activation) if store_h.
+    gpt-oss: ``bias`` b13 [E_l, 2I] added to h (h keeps it), ``clamp`` = (alpha, limit) its clamped SwiGLU."""
     check_grouped(x, w13, offs, w13.shape[2], "gemm1_swiglu")
     _check_bf16("gemm1_swiglu", x, w13)
     if w13.shape[1] % 2:
         raise ValueError(f"gemm1_swiglu: w13 must be [E_l, 2I, H], got {tuple(w13.shape)}")
     R, I = x.shape[0], w13.shape[1] // 2
+    _check_bias(bias, (w13.shape[0], 2 * I), "gemm1_swiglu")
+    _check_clamp(clamp, "gemm1_swiglu")
     act = _out(out, (R, I), x)
     h = _out(h_out, (R, 2 * I), x) if store_h else None
-    cfg = choose_config("gemm1_swiglu", config, x, w13, n=I, epilogue=EPI_SWIGLU, n_up=I)
-    _launch_bf16(cfg, x, w13, offs, act, n=I, w_kn=False, epilogue=EPI_SWIGLU, h=h, store_h=store_h, n_up=I)
+    gpt_oss = bias is not None or clamp is not None
+    cfg = choose_config("gemm1_swiglu", config, x, w13, n=I, epilogue=EPI_SWIGLU, n_up=I, gpt_oss=gpt_oss)
+    _launch_bf16(cfg, x, w13, offs, act, n=I, w_kn=False, epilogue=EPI_SWIGLU, h=h, store_h=store_h, n_up=I,
+                 bias=bias, clamp=clamp)
     return act, h
 
 
 def gemm2(act: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, *, scale: torch.Tensor | None = None,
-          out: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
-    """out [R, H] = s[r] * act @ w2[e]^T (s optional fp32 [R])."""
+          out: torch.Tensor | None = None, config: GemmConfig | None = None,
+          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """out [R, H] = s[r] * (act @ w2[e]^T + b[e]) (s optional fp32 [R]; bias optional b2 [E_l, H], gpt-oss)."""
     check_grouped(act, w2, offs, w2.shape[2], "gemm2")
     _check_bf16("gemm2", act, w2)
     _check_scale(scale, act.shape[0], "gemm2")
+    _check_bias(bias, (w2.shape[0], w2.shape[1]), "gemm2")
     out = _out(out, (act.shape[0], w2.shape[1]), act)
-    cfg = choose_config("gemm2", config, act, w2, n=w2.shape[1])
-    _launch_bf16(cfg, act, w2, offs, out, n=w2.shape[1], w_kn=False, epilogue=EPI_NONE, scale=scale)
+    cfg = choose_config("gemm2", config, act, w2, n=w2.shape[1], gpt_oss=bias is not None)
+    _launch_bf16(cfg, act, w2, offs, out, n=w2.shape[1], w_kn=False, epilogue=EPI_NONE, scale=scale, bias=bias)
     return out
 
 
 def gemm2_dgrad_swiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, offs: torch.Tensor, *,
                        scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                       config: GemmConfig | None = None,
-                       acts_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       config: GemmConfig | None = None, acts_out: torch.Tensor | None = None,
+                       clamp: tuple[float, float] | None = None,
+                       b2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """dh [R, 2I] = d(silu(g) * u) for dact = s[r] * dy @ w2[e]; with scale also ds [R] = <dy, act @ w2^T>;
-    acts_out (contiguous bf16 [R, I]) also gets s[r] * silu(g) * u from h, the dW2 operand when dy has no gate."""
+    acts_out (contiguous bf16 [R, I]) also gets s[r] * silu(g) * u from h, the dW2 operand when dy has no gate.
+    gpt-oss: ``clamp`` = (alpha, limit) differentiates its clamped SwiGLU (h holds the biased pre-activation) and
+    ``b2`` [E_l, H] adds <dy, b2[e]> to ds."""
     check_grouped(dy, w2, offs, w2.shape[1], "gemm2_dgrad_swiglu")
     _check_bf16("gemm2_dgrad_swiglu", dy, w2, h)
     R, I = dy.shape[0], w2.shape[2]
     if tuple(h.shape) != (R, 2 * I) or not h.is_contiguous():
         raise ValueError(f"gemm2_dgrad_swiglu: h must be contiguous [R, 2I] = {(R, 2 * I)}, got {tuple(h.shape)}")
     _check_scale(scale, R, "gemm2_dgrad_swiglu")
+    _check_clamp(clamp, "gemm2_dgrad_swiglu")
+    _check_bias(b2, (w2.shape[0], w2.shape[1]), "gemm2_dgrad_swiglu")
     dh = _out(out, (R, 2 * I), dy)
-    cfg = choose_config("dgrad_swiglu", config, dy, w2, n=I, epilogue=EPI_DSWIGLU, w_kn=True, h=h)
+    cfg = choose_config("dgrad_swiglu", config, dy, w2, n=I, epilogue=EPI_DSWIGLU, w_kn=True, h=h,
+                        gpt_oss=clamp is not None)
     dsp = None
     if scale is not None:
         dsp = torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dy.device, dtype=torch.float32)
     _check_acts(acts_out, R, I, dy.dtype, "gemm2_dgrad_swiglu")
     _launch_bf16(cfg, dy, w2, offs, dh, n=I, w_kn=True, epilogue=EPI_DSWIGLU, h=h, scale=scale, dsp=dsp,
-                 acts=acts_out)
-    return dh, (dsp.sum(0) if dsp is not None else None)
+                 acts=acts_out, clamp=clamp)
+    if dsp is None:
+        return dh, None
+    ds = dsp.sum(0)
+    return dh, (ds if b2 is None else ds + row_bias_dot(dy, b2, offs))
 
 
 def gemm1_dgrad(dh: torch.Tensor, w13: torch.Tensor, offs: torch.Tensor, *, out: torch.Tensor | None = None,
@@ -382,22 +421,60 @@ def grouped_gemm_ref(a, w, offs, *, w_layout="nk", scale=None):
     return out
 
 
-def gemm1_swiglu_ref(x, w13, offs):
-    """(act, h) twin of gemm1_swiglu."""
+def _expert_rows(offs, R: int, device):
+    """(expert id [R] long, row valid [R]) from offs (host read: twins only)."""
+    eid = torch.zeros(R, dtype=torch.long, device=device)
+    valid = torch.zeros(R, dtype=torch.bool, device=device)
+    for e, (s0, s1) in enumerate(_bounds(offs)):
+        eid[s0:s1], valid[s0:s1] = e, True
+    return eid, valid
+
+
+def _row_bias(bias, offs, R: int, dtype) -> torch.Tensor:
+    """bias [E_l, N] -> [R, N] in ``dtype``: each row's expert's bias, 0 on the padding."""
+    eid, valid = _expert_rows(offs, R, bias.device)
+    return bias.to(dtype)[eid] * valid.to(dtype)[:, None]
+
+
+def gemm1_swiglu_ref(x, w13, offs, *, bias=None, clamp=None):
+    """(act, h) twin of gemm1_swiglu (bias and clamp as there)."""
     h = grouped_gemm_ref(x, w13, offs)
     I = w13.shape[1] // 2
-    return F.silu(h[:, :I]) * h[:, I:], h
+    if bias is not None:
+        h = h + _row_bias(bias, offs, x.shape[0], x.dtype)
+    if clamp is None:
+        return F.silu(h[:, :I]) * h[:, I:], h
+    alpha, limit = clamp
+    g, u = h[:, :I].clamp(max=limit), h[:, I:].clamp(min=-limit, max=limit)
+    return g * torch.sigmoid(alpha * g) * (u + 1), h
 
 
-def gemm2_ref(act, w2, offs, *, scale=None):
-    return grouped_gemm_ref(act, w2, offs, scale=scale)
+def gemm2_ref(act, w2, offs, *, scale=None, bias=None):
+    if bias is None:
+        return grouped_gemm_ref(act, w2, offs, scale=scale)
+    out = grouped_gemm_ref(act, w2, offs) + _row_bias(bias, offs, act.shape[0], act.dtype)
+    return out if scale is None else out * scale.to(act.dtype)[:, None]
 
 
-def gemm2_dgrad_swiglu_ref(dy, w2, h, offs, *, scale=None):
+def gemm2_dgrad_swiglu_ref(dy, w2, h, offs, *, scale=None, clamp=None, b2=None):
     """(dh, ds) twin of gemm2_dgrad_swiglu (ds None without scale)."""
     dact = grouped_gemm_ref(dy, w2, offs, w_layout="kn")
     I = w2.shape[2]
     g, u = h[:, :I].to(dy.dtype), h[:, I:].to(dy.dtype)
+    if clamp is not None:  # by autograd through the clamps (torch.clamp's gradient: 0 where a bound holds)
+        alpha, limit = clamp
+        with torch.enable_grad():
+            g, u = g.detach().requires_grad_(), u.detach().requires_grad_()
+            gc, uc = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+            act = gc * torch.sigmoid(alpha * gc) * (uc + 1)
+        ds = None
+        if scale is not None:
+            ds = (dact * act.detach()).sum(1)
+            if b2 is not None:
+                ds = ds + (dy * _row_bias(b2, offs, dy.shape[0], dy.dtype)).sum(1)
+            dact = dact * scale.to(dy.dtype)[:, None]
+        dg, du = torch.autograd.grad(act, [g, u], dact)
+        return torch.cat([dg, du], 1), ds
     sig = torch.sigmoid(g)
     ds = None
     if scale is not None:

@@ -673,7 +673,7 @@ def _fused_case(name: str) -> dict:
     from megamoe.reference import experts_ref
 
     dev = rank_device()
-    # the preset's shapes with SwiGLU experts (the megakernel's form; gpt-oss's own runs on backend torch)
+    # the preset's shapes with SwiGLU experts (the megakernel's form; gpt-oss's own runs on torch and split)
     cfg = preset(name, num_experts=PRESETS[name].num_experts // EP, max_tokens_per_rank=TOKENS, expert_kind="swiglu",
                  router_bias=False)
     why = gluon_fused_reason(default_fused_config(dev), H=cfg.hidden, I=cfg.intermediate, device=dev)

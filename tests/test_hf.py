@@ -120,7 +120,7 @@ def test_block_matches_transformers(arch):
     assert not worse, worse
 
 
-@pytest.mark.parametrize("arch,backend", [("qwen3_moe", "split"), ("deepseek_v3", "fused")])
+@pytest.mark.parametrize("arch,backend", [("qwen3_moe", "split"), ("deepseek_v3", "fused"), ("gpt_oss", "split")])
 def test_block_on_triton_backends(arch, backend):
     # one process, no process group; bf16 against transformers' float64 block, no worse than its bf16 block (1.5x)
     model = tiny_model(arch)
@@ -141,10 +141,11 @@ def _autocast_run(block, x, g):
         return _block_run(block, x, g)
 
 
-def test_fp32_model_under_bf16_autocast_on_split():
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_fp32_model_under_bf16_autocast_on_split(arch):
     # mixed-precision training: an fp32 model patched onto split runs under bf16 autocast (the weights cast per call),
     # its gradients reach the fp32 parameters, no further from float64 than transformers' own block under autocast
-    model = tiny_model("qwen3_moe", seed=7)
+    model = tiny_model(arch, seed=7)
     ref_block = _block(model)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(2, 24, 48, generator=gen, dtype=torch.float64)
@@ -157,7 +158,10 @@ def test_fp32_model_under_bf16_autocast_on_split():
     out, grads = _autocast_run(ours, x.float(), g)
     assert out.dtype == torch.bfloat16 and all(v.dtype == torch.float32 for v in grads.values())
     e_ours = _errors(out, grads, out64, grads64)
-    worse = {k: (e_ours[k], e_hf[k]) for k in e_hf if not e_ours[k] <= 1.5 * e_hf[k]}
+    # gpt_oss: 2x (its router bias's gradient measured 1.85x transformers' autocast block: megamoe's expert rows,
+    # biases included, are stored in bf16 before the gate gradient reads them), and the bf16 bound of 1e-2
+    ratio = 2.0 if arch == "gpt_oss" else 1.5
+    worse = {k: (e_ours[k], e_hf[k]) for k in e_hf if not (e_ours[k] <= ratio * e_hf[k] and e_ours[k] < 1e-2)}
     assert not worse, worse
     # the whole model: a training step's loss under autocast near float64's
     patched = hf.patch(copy.deepcopy(model).float(), backend="split", max_tokens_per_rank=64)

@@ -2,7 +2,8 @@
 
     backend(x [T, H], topk_idx [T, k] int64, topk_w [T, k] float32, w13 [E_l, 2I, H], w2 [E_l, H, I]) -> y [T, H]
 
-differentiable w.r.t. x, topk_w, w13 and w2; built once per :class:`megamoe.MoE` (``make_backend``), so it may own
+differentiable w.r.t. x, topk_w, w13 and w2 (gpt_oss experts: also ``b13=`` [E_l, 2I], ``b2=`` [E_l, H],
+on ``torch`` and ``split``); built once per :class:`megamoe.MoE` (``make_backend``), so it may own
 workspaces for the module's lifetime.
 
 * ``torch``: all_to_all_single with host-read split sizes + grouped GEMM (torchtitan's recipe);

@@ -9,6 +9,10 @@ R_cap worst-case rows received, offs int32 [E_l + 1] on the device. Backward (sa
     dx              = dispatch_backward(d_recv, handle)       owner pulls and sums its k gradient rows
     dW2 = dy_R^T acts;  dW13 = dh^T recv                      deterministic, no atomics
 
+gpt-oss experts (``clamp`` = (alpha, limit), biases b13 / b2): GEMM1's epilogue adds b13[e] and applies the clamped
+SwiGLU, GEMM2's adds b2[e] before the gate; the backward's epilogue differentiates the clamps, ds gains <dy, b2[e]>,
+and db13 = per-expert row sums of dh, db2 = of gate * dy_R (kernels/bias_grad.py). bf16 GEMMs only.
+
 FP8 (``wq``, see :mod:`megamoe.backends.fp8_weights`): the forward and dgrad GEMMs run on e4m3 operands with
 DeepSeek-V3's block scales (1x128 activations, 128x128 weights, fp32 promotion every 128 of K). Rows arrive quantised
 (dispatch_fp8, once per token on its home rank); act, dy rows and dh are quantised where made, only the offs[E_l]
@@ -16,6 +20,8 @@ rows received. Weight gradients stay bf16 (dW13 reads the dequantised rows).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +37,7 @@ from megamoe.experts import (
     gemm2_fp8,
     grouped_wgrad,
     quantize_act,
+    segment_sum,
 )
 from megamoe.kernels.gemm_config import interpreting
 from megamoe.kernels.gemm_config import num_sms as device_sms
@@ -59,12 +66,12 @@ def dgrad_buffer(recv: torch.Tensor, heap=None) -> torch.Tensor:
     return row_buffer(recv.shape, recv.dtype, recv.device) if buf is None else buf
 
 
-def expert_forward(recv, w13, w2, offs, wq=None, recv_scales=None, out=None):
+def expert_forward(recv, w13, w2, offs, wq=None, recv_scales=None, out=None, b13=None, b2=None, clamp=None):
     """(act [R, I], h [R, 2I], out [R, H]), bf16. With ``wq`` both GEMMs run FP8: recv is e4m3 with 1x128
-    ``recv_scales`` (dispatch_fp8). ``out``: GEMM2's output buffer."""
+    ``recv_scales`` (dispatch_fp8). ``out``: GEMM2's output buffer. gpt-oss: b13, b2 and clamp (module docstring)."""
     if wq is None:
-        act, h = gemm1_swiglu(recv, w13, offs, store_h=True)
-        return act, h, gemm2(act, w2, offs, out=out)
+        act, h = gemm1_swiglu(recv, w13, offs, store_h=True, bias=b13, clamp=clamp)
+        return act, h, gemm2(act, w2, offs, out=out, bias=b2)
     q13, s13, _, _, q2, s2, _, _ = wq
     act, h = gemm1_swiglu_fp8(recv, recv_scales, q13, s13, offs, store_h=True)
     return act, h, gemm2_fp8(*quantize_act(act, nrows=offs[-1:]), q2, s2, offs, out=out)
@@ -77,25 +84,46 @@ def wgrads(dy_rows, acts, dh, recv, offs, w13, w2):
     return dw13, dw2
 
 
-def expert_backward(dy, topk_w, handle, h, recv, w13, w2, num_sms, wq=None, presum=False):
-    """The backward up to dx's gather: (dy_rows [R_cap, H], acts [R_cap, I], dh [R_cap, 2I], d_recv [R_cap, H],
-    d_topk_w [T, k] fp32), operands of :func:`wgrads`. d_recv goes to the heap's ``rows`` region unless ``presum``."""
+class ExpertGrads(NamedTuple):
+    """What :func:`expert_backward` returns: dy_rows [R_cap, H], acts [R_cap, I], dh [R_cap, 2I] (operands of
+    :func:`wgrads`), d_recv [R_cap, H], d_topk_w [T, k] fp32; gpt-oss's db13 [E_l, 2I], db2 [E_l, H] (else None)."""
+
+    dy_rows: torch.Tensor
+    acts: torch.Tensor
+    dh: torch.Tensor
+    d_recv: torch.Tensor
+    d_topk_w: torch.Tensor
+    db13: torch.Tensor | None
+    db2: torch.Tensor | None
+
+
+def expert_backward(dy, topk_w, handle, h, recv, w13, w2, num_sms, wq=None, presum=False, b13=None, b2=None,
+                    clamp=None) -> ExpertGrads:
+    """The backward up to dx's gather (:class:`ExpertGrads`). d_recv goes to the heap's ``rows`` region unless
+    ``presum``. gpt-oss: b13, b2 (their dtypes are the gradients') and clamp, bf16 GEMMs only."""
     offs = handle.offs
     n = offs[-1:]  # rows received: only those are quantised (the buffers hold the worst case)
     dy_rows, gate = pull_grad(dy, topk_w, handle, num_sms=num_sms)
     acts = row_buffer((dy_rows.shape[0], w2.shape[2]), dy_rows.dtype, dy_rows.device)
     if wq is None:
-        dh, ds = gemm2_dgrad_swiglu(dy_rows, w2, h, offs, scale=gate, acts_out=acts)
+        dh, ds = gemm2_dgrad_swiglu(dy_rows, w2, h, offs, scale=gate, acts_out=acts, clamp=clamp, b2=b2)
     else:
         dh, ds = gemm2_dgrad_swiglu_fp8(*quantize_act(dy_rows, nrows=n), wq[6], wq[7], h, offs, scale=gate,
                                         acts_out=acts)
     d_topk_w = send_gate_grad(ds, handle, num_sms=num_sms)
+    db13 = None if b13 is None else segment_sum(dh, offs, out_dtype=b13.dtype)
+    db2 = None if b2 is None else segment_sum(dy_rows, offs, scale=gate, out_dtype=b2.dtype)
     d_recv = dgrad_buffer(recv, None if presum else handle.heap)
     if wq is None:
         gemm1_dgrad(dh, w13, offs, out=d_recv)
     else:  # (the FP8 kernel wants both operands K-major: w13^T)
         gemm1_dgrad_fp8(*quantize_act(dh, nrows=n), wq[2], wq[3], offs, out=d_recv)
-    return dy_rows, acts, dh, d_recv, d_topk_w
+    return ExpertGrads(dy_rows, acts, dh, d_recv, d_topk_w, db13, db2)
+
+
+def expert_clamp(cfg) -> tuple[float, float] | None:
+    """(alpha, limit) of gpt-oss's clamped SwiGLU for a MoEConfig with gpt_oss experts, else None."""
+    return (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.expert_kind == "gpt_oss" else None
 
 
 def comm_programs(comm_sms: int | None, device: torch.device) -> int:

@@ -69,11 +69,10 @@ class _FusedMoE(torch.autograd.Function):
         else:
             recv, h = saved[5:]
             handle = ctx.handle
-        dy_rows, acts, dh, d_recv, d_topk_w = expert_backward(dy.contiguous(), topk_w, handle, h, recv, w13, w2,
-                                                              b.comm_sms)
-        dx = dispatch_backward(d_recv, handle, num_sms=b.comm_sms, out_dtype=dy.dtype)
-        dw13, dw2 = wgrads(dy_rows, acts, dh, recv, handle.offs, w13, w2)
-        return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None
+        g = expert_backward(dy.contiguous(), topk_w, handle, h, recv, w13, w2, b.comm_sms)
+        dx = dispatch_backward(g.d_recv, handle, num_sms=b.comm_sms, out_dtype=dy.dtype)
+        dw13, dw2 = wgrads(g.dy_rows, g.acts, g.dh, recv, handle.offs, w13, w2)
+        return dx, g.d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None
 
 
 class FusedBackend:
@@ -91,9 +90,9 @@ class FusedBackend:
         if cfg.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"backend 'fused' needs a bfloat16 layer, or a float32 one run under bfloat16 autocast "
                              f"(its GEMMs are bf16), got {cfg.dtype}")
-        if cfg.expert_kind != "swiglu":  # the kernels' epilogues have no biases nor the clamped SwiGLU
+        if cfg.expert_kind != "swiglu":  # the megakernel's epilogues have no biases nor the clamped SwiGLU
             raise ValueError(f"backend 'fused' runs SwiGLU experts only; expert_kind {cfg.expert_kind!r} (gpt-oss: "
-                             "biases, clamped SwiGLU) runs on backend 'torch'")
+                             "biases, clamped SwiGLU) runs on backend 'torch' or 'split'")
         self.moe = weakref.proxy(moe)  # the layer owns its backend, not the reverse: deleting it frees both
         self.comm_sms = comm_programs(comm_sms, moe.device)
         self.config: FusedConfig = default_fused_config(moe.device)

@@ -5,8 +5,8 @@ layer, or a float32 one under bfloat16 autocast, whose weights the layer casts p
 R_cap = W * T_max * min(k, E_l) receive rows (worst case), offs int32 [E_l + 1] on the device:
 
     recv_RH, handle = dispatch(x, topk_idx, heap)          pull rows from the owners (comm/dispatch.py)
-    act, h          = gemm1_swiglu(recv, w13, offs)          grouped GEMM, SwiGLU epilogue
-    out_RH          = gemm2(act, w2, offs)                    grouped GEMM, written into the heap's rows region
+    act, h          = gemm1_swiglu(recv, w13, offs)          grouped GEMM, SwiGLU epilogue (gpt-oss: + b13, clamped)
+    out_RH          = gemm2(act, w2, offs)                    grouped GEMM (gpt-oss: + b2), into the heap's rows region
     y_TH            = combine(out, topk_w, handle)            owner pulls its k rows, sums with gates in fp32
     backward: backends/common.py
 
@@ -18,7 +18,7 @@ rank makes them in the same order.
 Options (measurements in docs/performance.md):
 
     fp8=False             e4m3 GEMMs, forward and dgrad; the rows travel FP8-packed (one quantisation per token);
-                          weight gradients stay bf16
+                          weight gradients stay bf16; SwiGLU experts only (gpt-oss's run on the bf16 GEMMs)
     presum_combine=False  2+ GPUs: each expert rank pre-sums a token's rows, so one row per remote rank crosses
                           NVLink instead of one per slot
     comm_sms=None         programs of the communication kernels (None: every SM; fewer leave SMs to another stream)
@@ -36,6 +36,7 @@ from megamoe.backends.common import (
     check_flag,
     comm_programs,
     expert_backward,
+    expert_clamp,
     expert_forward,
     heap_rows,
     triton_unavailable,
@@ -50,7 +51,7 @@ from megamoe.experts import dequantize_act
 
 class _SplitMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_w, w13, w2, topk_idx, backend, num_sms, presum, wq):
+    def forward(ctx, x, topk_w, w13, w2, b13, b2, topk_idx, backend, num_sms, presum, wq):
         heap = backend.heap
         gates = topk_w if presum else None  # presum: the gates travel with the rows, the expert ranks pre-sum
         a_s = None
@@ -61,24 +62,25 @@ class _SplitMoE(torch.autograd.Function):
         offs = handle.offs
         # GEMM2 writes into the heap's rows region (no staging copy for combine) unless presum's stage writes there
         out_buf = None if presum else heap_rows(heap, (recv.shape[0], w2.shape[1]), w2.dtype)
-        act, h, out = expert_forward(recv, w13, w2, offs, wq, a_s, out=out_buf)
+        clamp = backend.clamp
+        act, h, out = expert_forward(recv, w13, w2, offs, wq, a_s, out=out_buf, b13=b13, b2=b2, clamp=clamp)
         y = combine(out, None if presum else topk_w, handle, num_sms=num_sms, out_dtype=x.dtype, presum=presum)
-        ctx.save_for_backward(recv, h, topk_w, w13, w2, a_s)
-        ctx.handle, ctx.num_sms, ctx.presum, ctx.wq = handle, num_sms, presum, wq
+        ctx.save_for_backward(recv, h, topk_w, w13, w2, a_s, b13, b2)
+        ctx.handle, ctx.num_sms, ctx.presum, ctx.wq, ctx.clamp = handle, num_sms, presum, wq, clamp
         ctx.backend = backend  # the backward needs the heap, which a one-rank backend frees when collected
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        recv, h, topk_w, w13, w2, a_s = ctx.saved_tensors
+        recv, h, topk_w, w13, w2, a_s, b13, b2 = ctx.saved_tensors
         handle = ctx.handle
         if a_s is not None:  # FP8: dW13 = dh^T recv on the dequantised rows (only the received ones)
             recv = dequantize_act(recv, a_s, nrows=handle.offs[-1:])
-        dy_rows, acts, dh, d_recv, d_topk_w = expert_backward(dy.contiguous(), topk_w, handle, h, recv, w13, w2,
-                                                              ctx.num_sms, wq=ctx.wq, presum=ctx.presum)
-        dx = dispatch_backward(d_recv, handle, num_sms=ctx.num_sms, out_dtype=dy.dtype, presum=ctx.presum)
-        dw13, dw2 = wgrads(dy_rows, acts, dh, recv, handle.offs, w13, w2)
-        return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None, None, None
+        g = expert_backward(dy.contiguous(), topk_w, handle, h, recv, w13, w2, ctx.num_sms, wq=ctx.wq,
+                            presum=ctx.presum, b13=b13, b2=b2, clamp=ctx.clamp)
+        dx = dispatch_backward(g.d_recv, handle, num_sms=ctx.num_sms, out_dtype=dy.dtype, presum=ctx.presum)
+        dw13, dw2 = wgrads(g.dy_rows, g.acts, g.dh, recv, handle.offs, w13, w2)
+        return dx, g.d_topk_w.to(topk_w.dtype), dw13, dw2, g.db13, g.db2, None, None, None, None, None
 
 
 class SplitBackend(Fp8WeightCache):
@@ -97,15 +99,16 @@ class SplitBackend(Fp8WeightCache):
         if cfg.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"backend 'split' needs a bfloat16 layer, or a float32 one run under bfloat16 autocast "
                              f"(its GEMMs are bf16), got {cfg.dtype}")
-        if cfg.expert_kind != "swiglu":  # the kernels' epilogues have no biases nor the clamped SwiGLU
-            raise ValueError(f"backend 'split' runs SwiGLU experts only; expert_kind {cfg.expert_kind!r} (gpt-oss: "
-                             "biases, clamped SwiGLU) runs on backend 'torch'")
         self.moe = weakref.proxy(moe)  # the layer owns its backend, not the reverse: deleting it frees both
         self.comm_sms = comm_programs(comm_sms, moe.device)
         self.presum_combine = check_flag(self.name, "presum_combine", presum_combine)
         self._init_fp8_cache(check_flag(self.name, "fp8", fp8), moe.device)
         if self.fp8 and cfg.dtype != torch.bfloat16:  # the FP8 copies are keyed on the parameters the GEMMs read
             raise ValueError(f"backend 'split' with fp8=1 needs a bfloat16 layer, got {cfg.dtype}")
+        if self.fp8 and cfg.expert_kind != "swiglu":  # the FP8 epilogues have no biases nor the clamped SwiGLU
+            raise ValueError(f"backend 'split' with fp8=1 runs SwiGLU experts only; expert_kind "
+                             f"{cfg.expert_kind!r} (gpt-oss: biases, clamped SwiGLU) runs with fp8=0")
+        self.clamp = expert_clamp(cfg)  # gpt-oss's (alpha, limit), else None
         self.shape = CommShape(world=moe.world, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden,
                                topk=cfg.top_k, num_experts=cfg.num_experts, dtype=torch.bfloat16)
         self.heap = get_heap(self.shape, moe.group, moe.device, timeout_s, self.comm_sms)
@@ -124,9 +127,11 @@ class SplitBackend(Fp8WeightCache):
             out["fp8_weights"] = self.fp8_weight_bytes()
         return out
 
-    def __call__(self, x, topk_idx, topk_w, w13, w2):
+    def __call__(self, x, topk_idx, topk_w, w13, w2, b13=None, b2=None):
         if x.shape[0] > self.shape.max_tokens:
             raise ValueError(f"{x.shape[0]} tokens exceed the layer's max_tokens_per_rank "
                              f"({self.shape.max_tokens}); build the MoEConfig with a larger one")
         wq = self.fp8_weights(w13, w2) if self.fp8 else None
-        return _SplitMoE.apply(x, topk_w, w13, w2, topk_idx, self, self.comm_sms, self.presum_combine, wq)
+        if (b13 is None) != (self.clamp is None) or (b13 is None) != (b2 is None):
+            raise ValueError("backend 'split': b13 and b2 are given exactly for gpt_oss experts")
+        return _SplitMoE.apply(x, topk_w, w13, w2, b13, b2, topk_idx, self, self.comm_sms, self.presum_combine, wq)

@@ -43,10 +43,11 @@ from megamoe.kernels.tiles import epilogue, expert_tiles, load_a, load_b, locate
 @triton.jit
 def _gemm_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, k_tiles,
                a_desc, a_ptr, w_desc, w_ptr, out_ptr, h_ptr, scale_ptr, dsp_ptr, acts_ptr,
-               R, N, K, stride_am, stride_we, stride_wr, stride_om, stride_hm, N_UP,
+               R, N, K, stride_am, stride_we, stride_wr, stride_om, stride_hm, N_UP, bias_ptr, stride_be, alpha, limit,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                W_KN: tl.constexpr, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, STORE_H: tl.constexpr,
-               USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, EPI_SPLIT: tl.constexpr):
+               USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, EPI_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+               ACT: tl.constexpr):
     """One output tile: locate it, run the k-loop, write the epilogue (inlined by the compiler)."""
     e, row0, n_rows, mi, ni = locate_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, N, BLOCK_N, GROUP_M)
     off_m = row0 + mi * BLOCK_M
@@ -70,7 +71,8 @@ def _gemm_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, k_tiles,
                 b2 = b2.to(tl.float32)
             acc2 = tl.dot(a, b2, acc2)
     epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-              scale_ptr, dsp_ptr, acts_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H, EPI_SPLIT)
+              scale_ptr, dsp_ptr, acts_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H, EPI_SPLIT,
+              bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
 
 
 @triton.jit
@@ -86,16 +88,20 @@ def _grouped_gemm_kernel(
     R, N, K, E_l, num_progs,
     stride_am, stride_we, stride_wr, stride_om, stride_hm,
     N_UP,               # row of w where the up projection starts (EPI_SWIGLU: I)
+    bias_ptr,           # HAS_BIAS, bf16, row stride stride_be: EPI_NONE b [E_l, N], EPI_SWIGLU b13 [E_l, 2N] (gate, up)
+    stride_be,
+    alpha, limit,       # ACT=1: gpt-oss's clamped SwiGLU constants (fp32)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_E: tl.constexpr, W_KN: tl.constexpr, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr,
     STORE_H: tl.constexpr, USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, EPI_SPLIT: tl.constexpr,
-    FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
 ):
     """Grid: (P,) persistent programs. For each tile (e, mi, ni):
         acc = a[offs[e] + mi*BM : +BM, :] @ w[e][ni*BN : +BN, :]^T      (fp32; EPI_SWIGLU: acc2 with w rows N_UP + ..)
         epilogue(acc, acc2) writes rows < offs[e+1] only.
     FLATTEN: tl.range(..., flatten=True) fuses the tile loop with the k-loop, so the next tile's loads overlap this
-    tile's epilogue (faster on some shapes only: gemm_config picks it).
+    tile's epilogue (faster on some shapes only: gemm_config picks it). HAS_BIAS / ACT (gpt-oss's experts): see
+    tiles.epi_part; HAS_BIAS=False, ACT=0 generate the plain SwiGLU code.
     """
     pid = tl.program_id(0)
     e_idx, starts, cnts, m_tiles, cum_end, total = expert_tiles(offs_ptr, E_l, N, BLOCK_M, BLOCK_N, BLOCK_E)
@@ -104,15 +110,15 @@ def _grouped_gemm_kernel(
         for tile in tl.range(pid, total, num_progs, flatten=True):
             _gemm_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, k_tiles, a_desc, a_ptr, w_desc, w_ptr,
                        out_ptr, h_ptr, scale_ptr, dsp_ptr, acts_ptr, R, N, K, stride_am, stride_we, stride_wr,
-                       stride_om, stride_hm, N_UP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_KN, EPILOGUE, HAS_SCALE,
-                       STORE_H, USE_TMA, DOT_F32, EPI_SPLIT)
+                       stride_om, stride_hm, N_UP, bias_ptr, stride_be, alpha, limit, BLOCK_M, BLOCK_N, BLOCK_K,
+                       GROUP_M, W_KN, EPILOGUE, HAS_SCALE, STORE_H, USE_TMA, DOT_F32, EPI_SPLIT, HAS_BIAS, ACT)
     else:
         tile = pid
         while tile < total:
             _gemm_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, k_tiles, a_desc, a_ptr, w_desc, w_ptr,
                        out_ptr, h_ptr, scale_ptr, dsp_ptr, acts_ptr, R, N, K, stride_am, stride_we, stride_wr,
-                       stride_om, stride_hm, N_UP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_KN, EPILOGUE, HAS_SCALE,
-                       STORE_H, USE_TMA, DOT_F32, EPI_SPLIT)
+                       stride_om, stride_hm, N_UP, bias_ptr, stride_be, alpha, limit, BLOCK_M, BLOCK_N, BLOCK_K,
+                       GROUP_M, W_KN, EPILOGUE, HAS_SCALE, STORE_H, USE_TMA, DOT_F32, EPI_SPLIT, HAS_BIAS, ACT)
             tile += num_progs
 
 
@@ -145,9 +151,11 @@ def _resolve_tma(cfg: GemmConfig, tensors: list[torch.Tensor], name: str) -> boo
 def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, cfg: GemmConfig,
                         *, n: int, w_kn: bool, epilogue: int, h: torch.Tensor | None = None,
                         scale: torch.Tensor | None = None, dsp: torch.Tensor | None = None,
-                        store_h: bool = False, n_up: int = 0, acts: torch.Tensor | None = None) -> None:
+                        store_h: bool = False, n_up: int = 0, acts: torch.Tensor | None = None,
+                        bias: torch.Tensor | None = None, clamp: tuple[float, float] | None = None) -> None:
     """Launch _grouped_gemm_kernel (inputs validated by megamoe.experts). acts (EPI_DSWIGLU only): [R, n] output of
-    the gated activation s[r] * silu(g) * u, for the backward's dW2."""
+    the gated activation s[r] * silu(g) * u, for the backward's dW2. bias (EPI_NONE [E_l, n], EPI_SWIGLU [E_l, 2n],
+    unit column stride) and clamp = (alpha, limit), gpt-oss's clamped SwiGLU (EPI_SWIGLU, EPI_DSWIGLU)."""
     R, K = a.shape
     E_l = w.shape[0]
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
@@ -172,11 +180,12 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ou
         acts if acts is not None else dummy, offs,
         R, n, K, E_l, grid,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0), h.stride(0) if h is not None else 0,
-        n_up,
+        n_up, bias if bias is not None else dummy, bias.stride(0) if bias is not None else 0,
+        float(clamp[0]) if clamp is not None else 1.0, float(clamp[1]) if clamp is not None else 0.0,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.group_m,
         BLOCK_E=triton.next_power_of_2(max(E_l, 2)), W_KN=w_kn, EPILOGUE=epilogue,
         HAS_SCALE=scale is not None, STORE_H=store_h or acts is not None, USE_TMA=use_tma, DOT_F32=interpreting(),
-        EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.flatten,
+        EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.flatten, HAS_BIAS=bias is not None, ACT=int(clamp is not None),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     record("_grouped_gemm_kernel", k)

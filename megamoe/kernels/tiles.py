@@ -54,7 +54,9 @@ def locate_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, N, BLOCK_N: tl.cons
 def epi_part(acc, acc2, off_m, off_n, row_end, R, N,
               out_ptr, stride_om, h_ptr, stride_hm, scale_ptr, acts_ptr,
               BLOCK_M: tl.constexpr, NP: tl.constexpr,
-              EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, STORE_H: tl.constexpr):
+              EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, STORE_H: tl.constexpr,
+              bias_ptr=None, e=0, stride_be=0, alpha=1.0, limit=0.0,
+              HAS_BIAS: tl.constexpr = False, ACT: tl.constexpr = 0):
     """Write a [BLOCK_M, NP] column slice of the output tile; rows >= row_end and cols >= N are dropped.
     EPI_NONE:    out = acc (* s[r])
     EPI_SWIGLU:  acc = g, acc2 = u; h[:, n] = g, h[:, N + n] = u (STORE_H); out = silu(g) * u
@@ -62,6 +64,11 @@ def epi_part(acc, acc2, off_m, off_n, row_end, R, N,
                  out[:, n] = da * u * silu'(g), out[:, N + n] = da * silu(g); STORE_H here: also
                  acts[:, n] = s[r] * silu(g) * u ([R, N], the gated activation that dW2 = dy^T @ acts needs)
     Returns the row sums of dact * silu(g) * u (EPI_DSWIGLU with HAS_SCALE: the gate's gradient), else 0.
+    HAS_BIAS (bias_ptr: [E_l, *] with row stride stride_be, e: the tile's expert): EPI_NONE adds b[e, n] before
+    the scale; EPI_SWIGLU adds b[e, n] to g and b[e, N + n] to u (h keeps the biased values). ACT=1 (gpt-oss):
+    the clamped SwiGLU act = min(g, limit) * sigmoid(alpha * min(g, limit)) * (clamp(u, -limit, limit) + 1) in
+    place of silu(g) * u, forward and backward (zero gradient where a clamp holds, as torch.clamp's). The defaults
+    (HAS_BIAS=False, ACT=0) generate the plain code.
     Pointers are a 64-bit tile base plus 32-bit in-tile offsets, to keep registers down."""
     lm = tl.arange(0, BLOCK_M)
     rn = off_n + tl.arange(0, NP)
@@ -72,6 +79,9 @@ def epi_part(acc, acc2, off_m, off_n, row_end, R, N,
     o_offs = lm[:, None] * stride_om + rn[None, :]
     part = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if EPILOGUE == 0:
+        if HAS_BIAS:
+            b_base = bias_ptr + e.to(tl.int64) * stride_be
+            acc = acc + tl.load(b_base + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         if HAS_SCALE:
             s = tl.load(scale_ptr + rm, mask=mmask, other=0.0)
             acc = acc * s[:, None]
@@ -79,13 +89,24 @@ def epi_part(acc, acc2, off_m, off_n, row_end, R, N,
     elif EPILOGUE == 1:
         g = acc
         u = acc2
+        if HAS_BIAS:
+            b_base = bias_ptr + e.to(tl.int64) * stride_be
+            g = g + tl.load(b_base + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            u = u + tl.load(b_base + N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         if STORE_H:
             h_base = h_ptr + off_m.to(tl.int64) * stride_hm
             h_offs = lm[:, None] * stride_hm + rn[None, :]
             tl.store(h_base + h_offs, g.to(h_ptr.dtype.element_ty), mask=mask)
             tl.store(h_base + N + h_offs, u.to(h_ptr.dtype.element_ty), mask=mask)
-        act = g / (1.0 + tl.exp(-g)) * u
+        if ACT == 0:
+            act = g / (1.0 + tl.exp(-g)) * u
+        else:
+            gc = tl.minimum(g, limit)
+            act = gc / (1.0 + tl.exp(-alpha * gc)) * (tl.minimum(tl.maximum(u, -limit), limit) + 1.0)
         tl.store(o_base + o_offs, act.to(out_ptr.dtype.element_ty), mask=mask)
+    elif ACT == 1:
+        part = _dact_clamped(acc, off_m, N, out_ptr, o_base, o_offs, h_ptr, stride_hm, scale_ptr, acts_ptr,
+                             lm, rn, rm, mmask, mask, alpha, limit, BLOCK_M, HAS_SCALE, STORE_H)
     else:
         h_base = h_ptr + off_m.to(tl.int64) * stride_hm
         h_offs = lm[:, None] * stride_hm + rn[None, :]
@@ -116,6 +137,42 @@ def epi_part(acc, acc2, off_m, off_n, row_end, R, N,
 
 
 @triton.jit
+def _dact_clamped(acc, off_m, N, out_ptr, o_base, o_offs, h_ptr, stride_hm, scale_ptr, acts_ptr,
+                  lm, rn, rm, mmask, mask, alpha, limit, BLOCK_M: tl.constexpr, HAS_SCALE: tl.constexpr,
+                  STORE_H: tl.constexpr):
+    """EPI_DSWIGLU of gpt-oss's clamped SwiGLU (epi_part, ACT=1): from g, u in h (biased, unclamped),
+    gc = min(g, limit), uc = clamp(u, -limit, limit), sig = sigmoid(alpha * gc), act = gc * sig * (uc + 1);
+    da = s[r] * acc; dg = da * (uc + 1) * sig * (1 + alpha * gc * (1 - sig)) where g <= limit, else 0;
+    du = da * gc * sig where -limit <= u <= limit, else 0. Returns the row sums of acc * act."""
+    h_base = h_ptr + off_m.to(tl.int64) * stride_hm
+    h_offs = lm[:, None] * stride_hm + rn[None, :]
+    g = tl.load(h_base + h_offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_base + N + h_offs, mask=mask, other=0.0).to(tl.float32)
+    gc = tl.minimum(g, limit)
+    up1 = tl.minimum(tl.maximum(u, -limit), limit) + 1.0
+    sig = 1.0 / (1.0 + tl.exp(-alpha * gc))
+    glu = gc * sig
+    act = glu * up1
+    part = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    da = acc
+    if HAS_SCALE:
+        s = tl.load(scale_ptr + rm, mask=mmask, other=0.0)
+        part = tl.sum(acc * act, axis=1)
+        if STORE_H:
+            tl.store(acts_ptr + off_m.to(tl.int64) * N + (lm[:, None] * N + rn[None, :]),
+                     (act * s[:, None]).to(acts_ptr.dtype.element_ty), mask=mask)
+        da = acc * s[:, None]
+    elif STORE_H:
+        tl.store(acts_ptr + off_m.to(tl.int64) * N + (lm[:, None] * N + rn[None, :]),
+                 act.to(acts_ptr.dtype.element_ty), mask=mask)
+    dg = tl.where(g <= limit, da * up1 * (sig * (1.0 + alpha * gc * (1.0 - sig))), 0.0)
+    tl.store(o_base + o_offs, dg.to(out_ptr.dtype.element_ty), mask=mask)
+    du = tl.where((u >= -limit) & (u <= limit), da * glu, 0.0)
+    tl.store(o_base + N + o_offs, du.to(out_ptr.dtype.element_ty), mask=mask)
+    return part
+
+
+@triton.jit
 def halves(x, BLOCK_M: tl.constexpr, NP: tl.constexpr):
     """[BLOCK_M, NP] -> (cols 0..NP/2-1, cols NP/2..NP-1)."""
     x = tl.permute(tl.reshape(x, (BLOCK_M, 2, NP // 2)), (0, 2, 1))
@@ -126,20 +183,26 @@ def halves(x, BLOCK_M: tl.constexpr, NP: tl.constexpr):
 def epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N,
               out_ptr, stride_om, h_ptr, stride_hm, scale_ptr, dsp_ptr, acts_ptr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, STORE_H: tl.constexpr, EPI_SPLIT: tl.constexpr):
+              EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, STORE_H: tl.constexpr, EPI_SPLIT: tl.constexpr,
+              bias_ptr=None, e=0, stride_be=0, alpha=1.0, limit=0.0,
+              HAS_BIAS: tl.constexpr = False, ACT: tl.constexpr = 0):
     """Write one [BLOCK_M, BLOCK_N] output tile in EPI_SPLIT column slices (1, 2 or 4; fewer live registers),
-    see epi_part; EPI_DSWIGLU with HAS_SCALE also writes dsp[ni, r] = sum over the tile's columns."""
+    see epi_part (also for the bias and activation arguments); EPI_DSWIGLU with HAS_SCALE also writes
+    dsp[ni, r] = sum over the tile's columns."""
     if EPI_SPLIT == 1:
         part = epi_part(acc, acc2, off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                         scale_ptr, acts_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H)
+                         scale_ptr, acts_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H,
+                         bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
     elif EPI_SPLIT == 2:
         HN: tl.constexpr = BLOCK_N // 2
         a0, a1 = halves(acc, BLOCK_M, BLOCK_N)
         b0, b1 = halves(acc2, BLOCK_M, BLOCK_N)
         part = epi_part(a0, b0, off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                         scale_ptr, acts_ptr, BLOCK_M, HN, EPILOGUE, HAS_SCALE, STORE_H)
+                         scale_ptr, acts_ptr, BLOCK_M, HN, EPILOGUE, HAS_SCALE, STORE_H,
+                         bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
         part += epi_part(a1, b1, off_m, off_n + HN, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                          scale_ptr, acts_ptr, BLOCK_M, HN, EPILOGUE, HAS_SCALE, STORE_H)
+                          scale_ptr, acts_ptr, BLOCK_M, HN, EPILOGUE, HAS_SCALE, STORE_H,
+                         bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
     else:
         HN: tl.constexpr = BLOCK_N // 2
         QN: tl.constexpr = BLOCK_N // 4
@@ -148,15 +211,19 @@ def epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N,
         a00, a01 = halves(a0, BLOCK_M, HN)
         b00, b01 = halves(b0, BLOCK_M, HN)
         part = epi_part(a00, b00, off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                         scale_ptr, acts_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H)
+                         scale_ptr, acts_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H,
+                         bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
         part += epi_part(a01, b01, off_m, off_n + QN, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                          scale_ptr, acts_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H)
+                          scale_ptr, acts_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H,
+                         bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
         a10, a11 = halves(a1, BLOCK_M, HN)
         b10, b11 = halves(b1, BLOCK_M, HN)
         part += epi_part(a10, b10, off_m, off_n + HN, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                          scale_ptr, acts_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H)
+                          scale_ptr, acts_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H,
+                         bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
         part += epi_part(a11, b11, off_m, off_n + HN + QN, row_end, R, N, out_ptr, stride_om, h_ptr,
-                          stride_hm, scale_ptr, acts_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H)
+                          stride_hm, scale_ptr, acts_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H,
+                         bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
     if EPILOGUE == 2:
         if HAS_SCALE:
             rm = off_m + tl.arange(0, BLOCK_M)
