@@ -255,9 +255,9 @@ def _bf16_full(cfg, seed):
     return {k: v.to(torch.bfloat16).double() for k, v in _full(cfg, seed).items()}
 
 
-def _split_layer(full, group=None, **cfg_kw):
+def _split_layer(full, group=None, presum_combine=False, **cfg_kw):
     cfg = _cfg(dtype=torch.bfloat16, max_tokens_per_rank=64, **cfg_kw)
-    moe = MoE(cfg, group=group, backend="split", device="cpu", init="none")
+    moe = MoE(cfg, group=group, backend="split", device="cpu", init="none", presum_combine=presum_combine)
     _load(moe, {k: v.to(torch.bfloat16) for k, v in full.items()})
     return moe
 
@@ -284,7 +284,7 @@ def test_split_backend_matches_reference(tokens):
         assert all((grads[k] == 0).all() for k in ("w13", "w2", "b13", "b2"))
 
 
-def _split_ep_rank(rank: int, world: int) -> dict:
+def _split_ep_rank(rank: int, world: int, presum_combine: bool = False) -> dict:
     import torch.distributed as dist
 
     from megamoe.layer import gather_experts
@@ -293,7 +293,7 @@ def _split_ep_rank(rank: int, world: int) -> dict:
     cfg64 = _cfg()
     full = _bf16_full(cfg64, 2)
     full["logit_bias"][3] = -40.0  # expert 3 (rank 0's at world 2) receives no token
-    moe = _split_layer(full, group=dist.group.WORLD)
+    moe = _split_layer(full, group=dist.group.WORLD, presum_combine=presum_combine)
     tokens = [19, 0] if world == 2 else [19]
     gen = torch.Generator().manual_seed(4)
     x_all = torch.randn(sum(tokens), cfg64.hidden, generator=gen, dtype=torch.float64).bfloat16().double()
@@ -324,10 +324,10 @@ def _split_ep_rank(rank: int, world: int) -> dict:
     return errs, same
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_split_expert_parallel_sync_free(world):
+@pytest.mark.parametrize("world,presum", [(1, False), (2, False), (2, True)])  # presum: the expert rank sums
+def test_split_expert_parallel_sync_free(world, presum):
     # world 2: rank 1 has no tokens, expert 3 none; every expert's gradient complete on its owner; the warm step
     # reads nothing on the host and repeats bitwise
-    for errs, same in spawn(_split_ep_rank, world, timeout_s=600):
+    for errs, same in spawn(_split_ep_rank, world, presum, timeout_s=600):
         assert same, "not bitwise reproducible"
         assert max(errs.values()) < SPLIT_BOUND, errs
