@@ -26,8 +26,8 @@ patched model's shards or full [E, ...] tensors from a transformers checkpoint (
 replicated: reduce their gradients over the data-parallel group as for any replicated parameter.
 
 Patch after moving or casting the model (the backend is built for the device and dtype it finds; an fp32 model runs
-on ``split`` / ``fused`` under bf16 autocast). gpt_oss runs on backends ``torch`` and ``split`` (``fused``'s megakernel
-has no biases nor the clamped SwiGLU). An unsupported block, activation or option raises ``ValueError`` naming it.
+on ``split`` / ``fused`` under bf16 autocast). gpt_oss runs on backends ``torch``, ``split`` and ``fused`` (the Triton
+megakernel's items). An unsupported block, activation or option raises ``ValueError`` naming it.
 """
 
 from __future__ import annotations

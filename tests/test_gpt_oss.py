@@ -1,8 +1,8 @@
 """gpt-oss experts (router logit bias, projection biases, clamped SwiGLU) in megamoe.MoE against the float64
-reference: forward and every gradient on the torch and split backends, world 1 and sharded over 2 gloo ranks (split:
-also without host reads, bitwise reproducible); the Triton epilogues (bias, clamped SwiGLU and its backward) and the
-bias-gradient kernels against their float64 twins; the reference's activation against its definition; and fused
-refusing the form at construction."""
+reference: forward and every gradient on the torch, split and fused backends, world 1 and sharded over 2 gloo ranks
+(split and fused: also without host reads, bitwise reproducible; fused also with a ring); the Triton epilogues (bias,
+clamped SwiGLU and its backward) and the bias-gradient kernels against their float64 twins; the reference's
+activation against its definition; and the Gluon kernels (grouped GEMMs, megakernel items) never taking the form."""
 
 from __future__ import annotations
 
@@ -128,11 +128,6 @@ def test_expert_parallel_world_2():
         assert max(r.values()) < 1e-12, r
 
 
-def test_fused_refuses_gpt_oss_experts():
-    with pytest.raises(ValueError, match="gpt-oss.*backend 'torch' or 'split'"):
-        MoE(_cfg(dtype=torch.bfloat16), backend="fused", device="cpu")
-
-
 def test_split_fp8_refuses_gpt_oss_experts():
     with pytest.raises(ValueError, match="fp8=1 runs SwiGLU experts only"):
         MoE(_cfg(dtype=torch.bfloat16), backend="split", device="cpu", fp8=True)
@@ -255,18 +250,21 @@ def _bf16_full(cfg, seed):
     return {k: v.to(torch.bfloat16).double() for k, v in _full(cfg, seed).items()}
 
 
-def _split_layer(full, group=None, presum_combine=False, **cfg_kw):
-    cfg = _cfg(dtype=torch.bfloat16, max_tokens_per_rank=64, **cfg_kw)
-    moe = MoE(cfg, group=group, backend="split", device="cpu", init="none", presum_combine=presum_combine)
+def _bf16_layer(full, group=None, backend="split", **opts):
+    cfg = _cfg(dtype=torch.bfloat16, max_tokens_per_rank=64)
+    moe = MoE(cfg, group=group, backend=backend, device="cpu", init="none", **opts)
     _load(moe, {k: v.to(torch.bfloat16) for k, v in full.items()})
+    if backend == "fused":  # the megakernel's Triton items (the Gluon ones have no gpt-oss epilogues)
+        assert moe.backend.config.kernel == "triton"
     return moe
 
 
+@pytest.mark.parametrize("backend", ["split", "fused"])
 @pytest.mark.parametrize("tokens", [37, 0])  # ragged; an empty batch
-def test_split_backend_matches_reference(tokens):
+def test_bf16_backend_matches_reference(tokens, backend):
     cfg64 = _cfg()
     full = _bf16_full(cfg64, 0)
-    moe = _split_layer(full)
+    moe = _bf16_layer(full, backend=backend)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(tokens, cfg64.hidden, generator=gen, dtype=torch.float64).bfloat16().double()
     g = torch.randn(tokens, cfg64.hidden, generator=gen, dtype=torch.float64)
@@ -284,7 +282,7 @@ def test_split_backend_matches_reference(tokens):
         assert all((grads[k] == 0).all() for k in ("w13", "w2", "b13", "b2"))
 
 
-def _split_ep_rank(rank: int, world: int, presum_combine: bool = False) -> dict:
+def _bf16_ep_rank(rank: int, world: int, backend: str, opts: dict) -> dict:
     import torch.distributed as dist
 
     from megamoe.layer import gather_experts
@@ -293,7 +291,7 @@ def _split_ep_rank(rank: int, world: int, presum_combine: bool = False) -> dict:
     cfg64 = _cfg()
     full = _bf16_full(cfg64, 2)
     full["logit_bias"][3] = -40.0  # expert 3 (rank 0's at world 2) receives no token
-    moe = _split_layer(full, group=dist.group.WORLD, presum_combine=presum_combine)
+    moe = _bf16_layer(full, group=dist.group.WORLD, backend=backend, **opts)
     tokens = [19, 0] if world == 2 else [19]
     gen = torch.Generator().manual_seed(4)
     x_all = torch.randn(sum(tokens), cfg64.hidden, generator=gen, dtype=torch.float64).bfloat16().double()
@@ -324,10 +322,47 @@ def _split_ep_rank(rank: int, world: int, presum_combine: bool = False) -> dict:
     return errs, same
 
 
-@pytest.mark.parametrize("world,presum", [(1, False), (2, False), (2, True)])  # presum: the expert rank sums
-def test_split_expert_parallel_sync_free(world, presum):
+@pytest.mark.parametrize("world,backend,opts", [
+    (1, "split", {}), (2, "split", {}),
+    (2, "split", {"presum_combine": True}),  # the expert rank pre-sums (bias inside the pre-summed rows)
+    (1, "fused", {}), (2, "fused", {}),
+    (1, "fused", {"ring_blocks": 4}), (2, "fused", {"ring_blocks": 4}),  # the ring cycles; the backward recomputes h
+], ids=["split-w1", "split-w2", "split-w2-presum", "fused-w1", "fused-w2", "fused-w1-ring", "fused-w2-ring"])
+def test_expert_parallel_sync_free(world, backend, opts):
     # world 2: rank 1 has no tokens, expert 3 none; every expert's gradient complete on its owner; the warm step
     # reads nothing on the host and repeats bitwise
-    for errs, same in spawn(_split_ep_rank, world, presum, timeout_s=600):
+    for errs, same in spawn(_bf16_ep_rank, world, backend, opts, timeout_s=600):
         assert same, "not bitwise reproducible"
         assert max(errs.values()) < SPLIT_BOUND, errs
+
+
+def test_fused_takes_the_triton_items_for_gpt_oss(monkeypatch):
+    # as on Hopper (device check left out, the GPU's default config): a SwiGLU layer gets the Gluon items, a gpt-oss
+    # one the Triton items, and a config pinning kernel="gluon" on gpt-oss experts raises before anything is staged
+    import megamoe.backends.fused as fused
+    from megamoe.kernels.fused_moe import FusedConfig, fused_forward
+    from megamoe.kernels.gluon import fused as gluon_fused
+
+    reason = gluon_fused.gluon_fused_reason
+    assert "Triton megakernel" in reason(FusedConfig(), H=2048, I=768, gpt_oss=True)
+    monkeypatch.setattr(gluon_fused, "interpreting", lambda: False)
+    assert reason(FusedConfig(), H=2048, I=768) is None
+    assert "Triton megakernel" in reason(FusedConfig(), H=2048, I=768, gpt_oss=True)
+    monkeypatch.setattr(fused, "gluon_fused_reason", lambda cfg, **kw: reason(FusedConfig(), **{**kw, "device": None}))
+    swiglu = preset("qwen3-30b-a3b", hidden=64, intermediate=32, num_experts=4, top_k=2, max_tokens_per_rank=8)
+    assert MoE(swiglu, backend="fused", device="cpu").backend.config.kernel == "gluon"
+    moe = MoE(_cfg(dtype=torch.bfloat16, max_tokens_per_rank=8), backend="fused", device="cpu")
+    assert moe.backend.config.kernel == "triton"
+    monkeypatch.undo()
+    b = moe.backend
+    x, idx = torch.zeros(2, moe.config.hidden, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.int64)
+    args = (b.heap, x, idx, torch.ones(2, 2), moe.w13.detach(), moe.w2.detach())
+    bias = dict(b13=moe.b13.detach(), b2=moe.b2.detach(), clamp=b.clamp)
+    with pytest.raises(ValueError, match="kernel='gluon'.*Triton megakernel"):
+        fused_forward(*args, b.config.with_(kernel="gluon"), **bias)
+    with pytest.raises(ValueError, match="b13, b2 and clamp together"):
+        fused_forward(*args, b.config, b13=moe.b13.detach(), b2=moe.b2.detach())
+    with pytest.raises(ValueError, match="b2 must be a contiguous bf16"):
+        fused_forward(*args, b.config, **{**bias, "b2": moe.b2.detach().float()})
+    with pytest.raises(ValueError, match="b13 and b2 are given exactly for gpt_oss experts"):
+        moe.backend(x, idx, torch.ones(2, 2), moe.w13.detach(), moe.w2.detach())

@@ -120,7 +120,8 @@ def test_block_matches_transformers(arch):
     assert not worse, worse
 
 
-@pytest.mark.parametrize("arch,backend", [("qwen3_moe", "split"), ("deepseek_v3", "fused"), ("gpt_oss", "split")])
+@pytest.mark.parametrize("arch,backend", [("qwen3_moe", "split"), ("deepseek_v3", "fused"), ("gpt_oss", "split"),
+                                          ("gpt_oss", "fused")])
 def test_block_on_triton_backends(arch, backend):
     # one process, no process group; bf16 against transformers' float64 block, no worse than its bf16 block (1.5x)
     model = tiny_model(arch)

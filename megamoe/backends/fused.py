@@ -8,12 +8,15 @@ forward (one torch.autograd.Function):
     schedule                                  (comm/schedule.py, device-side)
     megakernel: pull rows -> GEMM1+SwiGLU -> GEMM2, whose epilogue stores each row into its owner's slot buffer;
     then its tail (a launch of its own): after every rank's DONE, y[t] = sum_j topk_w[t, j] * slot[t, j] in j order
+    (gpt-oss experts: GEMM1's epilogue adds b13 and applies the clamped SwiGLU, GEMM2's adds b2 to the slot rows,
+    so the gates multiply act @ w2^T + b2)
 backward: split's (backends/common.py), reusing what the forward kept: the received rows and h. With a ring the
 forward overwrote them, so the backward first recomputes them (dispatch of x + GEMM1, split's kernels).
 
 On Hopper the megakernel's work items run warp-specialised in Gluon (kernels/gluon/fused.py: a TMA loader warp and
 two consumer warpgroups, the same items, order, waits and results as the Triton kernel) wherever they can (H and I
-multiples of 8); everywhere else, and on the CPU under the interpreter, the Triton kernel. bf16 GEMMs only (a
+multiples of 8, SwiGLU experts); everywhere else (gpt-oss's experts included), and on the CPU under the interpreter,
+the Triton kernel. bf16 GEMMs only (a
 float32 layer runs under bfloat16 autocast, its weights cast per call by the layer): an FP8
 megakernel measured slower than both this one and split's FP8 layer (docs/performance.md); split:fp8=1 is the FP8
 layer.
@@ -37,7 +40,7 @@ import weakref
 
 import torch
 
-from megamoe.backends.common import comm_programs, expert_backward, triton_unavailable, wgrads
+from megamoe.backends.common import comm_programs, expert_backward, expert_clamp, triton_unavailable, wgrads
 from megamoe.comm.combine import dispatch_backward
 from megamoe.comm.dispatch import dispatch
 from megamoe.comm.heap import CommShape, get_heap, heap_bytes, hold_heap
@@ -48,12 +51,13 @@ from megamoe.kernels.gluon.fused import gluon_fused_reason
 
 class _FusedMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_w, w13, w2, topk_idx, backend, train):
+    def forward(ctx, x, topk_w, w13, w2, b13, b2, topk_idx, backend, train):
         ring = backend.ring_blocks or 0
         y, st = fused_forward(backend.heap, x, topk_idx, topk_w, w13, w2, backend.config, ring_blocks=ring,
-                              store_h=train and not ring, comm_programs=backend.comm_sms)
+                              store_h=train and not ring, comm_programs=backend.comm_sms, b13=b13, b2=b2,
+                              clamp=backend.clamp)
         if train:
-            ctx.save_for_backward(x, topk_idx, topk_w, w13, w2, *(() if ring else (st.xbuf, st.h)))
+            ctx.save_for_backward(x, topk_idx, topk_w, w13, w2, b13, b2, *(() if ring else (st.xbuf, st.h)))
             ctx.handle = st.handle
             ctx.backend = backend
         return y
@@ -62,17 +66,18 @@ class _FusedMoE(torch.autograd.Function):
     def backward(ctx, dy):
         b = ctx.backend
         saved = ctx.saved_tensors
-        x, topk_idx, topk_w, w13, w2 = saved[:5]
+        x, topk_idx, topk_w, w13, w2, b13, b2 = saved[:7]
         if b.ring_blocks:  # the ring overwrote the forward's rows: recompute them (dispatch + GEMM1)
             recv, handle = dispatch(x, topk_idx, b.heap, num_sms=b.comm_sms)
-            _, h = gemm1_swiglu(recv, w13, handle.offs, store_h=True)
+            _, h = gemm1_swiglu(recv, w13, handle.offs, store_h=True, bias=b13, clamp=b.clamp)
         else:
-            recv, h = saved[5:]
+            recv, h = saved[7:]
             handle = ctx.handle
-        g = expert_backward(dy.contiguous(), topk_w, handle, h, recv, w13, w2, b.comm_sms)
+        g = expert_backward(dy.contiguous(), topk_w, handle, h, recv, w13, w2, b.comm_sms, b13=b13, b2=b2,
+                            clamp=b.clamp)
         dx = dispatch_backward(g.d_recv, handle, num_sms=b.comm_sms, out_dtype=dy.dtype)
         dw13, dw2 = wgrads(g.dy_rows, g.acts, g.dh, recv, handle.offs, w13, w2)
-        return dx, g.d_topk_w.to(topk_w.dtype), dw13, dw2, None, None, None
+        return dx, g.d_topk_w.to(topk_w.dtype), dw13, dw2, g.db13, g.db2, None, None, None
 
 
 class FusedBackend:
@@ -90,13 +95,12 @@ class FusedBackend:
         if cfg.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"backend 'fused' needs a bfloat16 layer, or a float32 one run under bfloat16 autocast "
                              f"(its GEMMs are bf16), got {cfg.dtype}")
-        if cfg.expert_kind != "swiglu":  # the megakernel's epilogues have no biases nor the clamped SwiGLU
-            raise ValueError(f"backend 'fused' runs SwiGLU experts only; expert_kind {cfg.expert_kind!r} (gpt-oss: "
-                             "biases, clamped SwiGLU) runs on backend 'torch' or 'split'")
+        self.clamp = expert_clamp(cfg)  # gpt-oss's (alpha, limit), else None
         self.moe = weakref.proxy(moe)  # the layer owns its backend, not the reverse: deleting it frees both
         self.comm_sms = comm_programs(comm_sms, moe.device)
         self.config: FusedConfig = default_fused_config(moe.device)
-        if gluon_fused_reason(self.config, H=cfg.hidden, I=cfg.intermediate, device=moe.device) is None:
+        if gluon_fused_reason(self.config, H=cfg.hidden, I=cfg.intermediate, device=moe.device,
+                              gpt_oss=self.clamp is not None) is None:
             self.config = self.config.with_(kernel="gluon")  # the warp-specialised items, where they can run
         if ring_blocks is not None:
             if isinstance(ring_blocks, bool) or not isinstance(ring_blocks, int):
@@ -123,9 +127,12 @@ class FusedBackend:
         h_bytes = 0 if self.ring_blocks else 2 * inter * 2
         return {"symmetric": heap_bytes(self.shape), "per_call": rows * ((sh.hidden + inter) * 2 + h_bytes)}
 
-    def __call__(self, x, topk_idx, topk_w, w13, w2):
+    def __call__(self, x, topk_idx, topk_w, w13, w2, b13=None, b2=None):
         if x.shape[0] > self.shape.max_tokens:
             raise ValueError(f"{x.shape[0]} tokens exceed the layer's max_tokens_per_rank "
                              f"({self.shape.max_tokens}); build the MoEConfig with a larger one")
-        train = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_w, w13, w2))
-        return _FusedMoE.apply(x, topk_w, w13, w2, topk_idx, self, train)
+        if (b13 is None) != (self.clamp is None) or (b13 is None) != (b2 is None):
+            raise ValueError("backend 'fused': b13 and b2 are given exactly for gpt_oss experts")
+        leaves = (x, topk_w, w13, w2) + (() if b13 is None else (b13, b2))
+        train = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
+        return _FusedMoE.apply(x, topk_w, w13, w2, b13, b2, topk_idx, self, train)

@@ -126,8 +126,14 @@ def _fused_fwd_kernel(
     BLOCK_E: tl.constexpr, EPI_SPLIT1: tl.constexpr, EPI_SPLIT2: tl.constexpr,
     GB: tl.constexpr, PULL_SPLIT: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_H: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, STORE_H: tl.constexpr, ALIGNED: tl.constexpr, WP2: tl.constexpr,
+    b13_ptr, b2_ptr,        # HAS_BIAS: b13 [E_l, 2I], b2 [E_l, H] bf16, contiguous (else None)
+    alpha, limit,           # ACT=1: gpt-oss's clamped SwiGLU constants (else None)
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
 ):
-    """grid (P,): the work items of the module docstring, until none is left."""
+    """grid (P,): the work items of the module docstring, until none is left. HAS_BIAS / ACT (gpt-oss's experts):
+    GEMM1's epilogue adds b13[e] and applies the clamped SwiGLU (tiles.epi_part), GEMM2's adds b2[e] to the rows it
+    pushes (the tail applies the gates to them); the trailing arguments come last so that the plain kernel's code
+    stays as it was."""
     call = current_call(tab, W, rank)
     ok = wait_flags(tab, W, rank, READY, 0, W, call, OP_FUSED, timeout_ns, WP2)
     DT = x_ptr.dtype.element_ty
@@ -190,7 +196,8 @@ def _fused_fwd_kernel(
                             acc = tl.dot(a, bg, acc)
                             acc2 = tl.dot(a, bu, acc2)
                         epilogue(acc, acc2, base, off_n, base + nrows, j, 0, I, act_ptr, I, h_ptr, 2 * I,
-                                 act_ptr, act_ptr, act_ptr, BM, BN1, 1, False, STORE_H, EPI_SPLIT1)
+                                 act_ptr, act_ptr, act_ptr, BM, BN1, 1, False, STORE_H, EPI_SPLIT1,
+                                 b13_ptr, e, 2 * I, alpha, limit, HAS_BIAS, ACT)
                     signal_counter(g1 + b)
                     go = fine
             else:  # GEMM2(b, j) for the blocks of step s - L1 - L2, j-major
@@ -215,6 +222,10 @@ def _fused_fwd_kernel(
                                 a = a.to(tl.float32)
                                 bw = bw.to(tl.float32)
                             acc = tl.dot(a, bw, acc)
+                        if HAS_BIAS:  # before the gate, which the tail applies: y = sum_j w_j * (a @ w2^T + b2)
+                            rn = off_n + tl.arange(0, BN2)
+                            b2v = tl.load(b2_ptr + e.to(tl.int64) * H + rn, mask=rn < H, other=0.0)
+                            acc = acc + b2v.to(tl.float32)[None, :]
                         push_epilogue(acc, off_n, rp, rvalid, H, BM, BN2, DT, EPI_SPLIT2)
                     signal_counter(g2 + b)
                     go = fine
@@ -288,10 +299,10 @@ def _plan(cfg: FusedConfig, device: torch.device, H: int, I: int, ring_blocks: i
 
 
 def _prepare(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y, T: int, I: int, nb_max: int,
-             ring_blocks: int, group: int, lookahead: int, lag: int):
+             ring_blocks: int, group: int, lookahead: int, lag: int, b13=None, b2=None, clamp=None):
     """Everything the launches need (counters, descriptors), built before the call is staged; returns the function
     that launches the items on P programs (Triton or Gluon), then DONE and the tail. a = received rows [NROWS, H],
-    w1 = w13, act [NROWS, I], w2."""
+    w1 = w13, act [NROWS, I], w2; gpt-oss: b13, b2, clamp (Triton items only)."""
     sh = heap.shape
     H, k, E_l = sh.hidden, sh.topk, sh.local_experts
     BM, BK = cfg.block_m, cfg.block_k
@@ -320,7 +331,10 @@ def _prepare(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, 
                 EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, GB=group, PULL_SPLIT=cfg.pull_split,
                 ROWS_P=max(1, min(BM // cfg.pull_split, cfg.pull_elems // block_h)), BLOCK_H=block_h,
                 USE_TMA=use_tma, DOT_F32=interpreting(), STORE_H=h is not None, ALIGNED=(H * 2) % 16 == 0,
-                WP2=max(2, heap.wp2), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                WP2=max(2, heap.wp2),
+                b13_ptr=b13, b2_ptr=b2, alpha=None if clamp is None else float(clamp[0]),
+                limit=None if clamp is None else float(clamp[1]), HAS_BIAS=b13 is not None, ACT=int(clamp is not None),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
             record("_fused_fwd_kernel", compiled)
     block_hc = min(triton.next_power_of_2(H), 1024)
@@ -343,10 +357,13 @@ def _prepare(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, 
 
 def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w13: torch.Tensor,
                   w2: torch.Tensor, cfg: FusedConfig, ring_blocks: int = 0, store_h: bool = False,
-                  comm_programs: int | None = None) -> tuple[torch.Tensor, FusedState]:
+                  comm_programs: int | None = None, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                  clamp: tuple[float, float] | None = None) -> tuple[torch.Tensor, FusedState]:
     """y [T, H] = the MoE layer's expert part for this rank's tokens (gates applied), via the megakernel.
     ring_blocks: 0 = dense buffers (R_cap rows, split's layout); else the ring's slots (>= lag + 3 blocks).
-    store_h: keep the SwiGLU input h (dense only, for the backward)."""
+    store_h: keep the SwiGLU input h (dense only, for the backward; gpt-oss: the biased pre-activation).
+    gpt-oss experts: b13 [E_l, 2I], b2 [E_l, H] bf16 and clamp = (alpha, limit), all three or none; y[t] =
+    sum_j topk_w[t, j] * (act_j @ w2[e_j]^T + b2[e_j]); the Triton items only (gluon_fused_reason)."""
     sh = heap.shape
     if not sh.slots:
         raise ValueError("fused_forward pushes rows into the owners' slots: the heap needs CommShape(slots=True)")
@@ -360,13 +377,21 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
         raise ValueError("fused_forward takes bf16 x, w13, w2")
     if tuple(topk_idx.shape) != (T, k) or tuple(topk_w.shape) != (T, k):
         raise ValueError(f"topk_idx and topk_w must be [T={T}, k={k}]")
+    gpt_oss = clamp is not None
+    if (b13 is None) == gpt_oss or (b2 is None) == gpt_oss:
+        raise ValueError("fused_forward: give b13, b2 and clamp together (gpt-oss experts) or none of them")
+    if gpt_oss:
+        for name, b, shape in (("b13", b13, (E_l, 2 * I)), ("b2", b2, (E_l, H))):
+            if tuple(b.shape) != shape or b.dtype != torch.bfloat16 or not b.is_contiguous():
+                raise ValueError(f"fused_forward: {name} must be a contiguous bf16 {list(shape)}, got {b.dtype} "
+                                 f"{list(b.shape)}")
     # every check before anything is staged: a staged call must be followed by its kernels
     if cfg.block_m % cfg.pull_split:
         raise ValueError(f"pull_split={cfg.pull_split} must divide the block's {cfg.block_m} rows")
     if cfg.kernel not in ("triton", "gluon"):
         raise ValueError(f"FusedConfig.kernel must be 'triton' or 'gluon', got {cfg.kernel!r}")
     if cfg.kernel == "gluon":
-        why = gluon_fused_reason(cfg, H=H, I=I, device=heap.device)
+        why = gluon_fused_reason(cfg, H=H, I=I, device=heap.device, gpt_oss=gpt_oss)
         if why is not None:
             raise ValueError(f"fused_forward (kernel='gluon'): {why}")
     BM = cfg.block_m
@@ -383,7 +408,8 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     gate = topk_w.to(torch.float32).contiguous()
     sched = schedule_buffers(heap)
     launch = _prepare(heap, cfg, sched, P, a=xbuf, w1=w13, act=act, w2=w2, h=h, gate=gate, y=y, T=T, I=I,
-                      nb_max=nb_max, ring_blocks=ring_blocks, group=GB, lookahead=L1, lag=L2)
+                      nb_max=nb_max, ring_blocks=ring_blocks, group=GB, lookahead=L1, lag=L2, b13=b13, b2=b2,
+                      clamp=clamp)
     # 1. stage x and the routing, publish READY; 2. schedule (device-side, no host reads); 3. the megakernel
     stage_and_schedule(heap, x, topk_idx, Pc, sched=sched)
     launch()

@@ -475,9 +475,12 @@ def smem_bytes(cfg) -> int:
     return cfg.num_stages * 128 * (cfg.block_m + bw) + 4 * (cfg.block_m // 2) * 64 * 2 + 1024
 
 
-def gluon_fused_reason(cfg, *, H: int, I: int, device: torch.device | None = None) -> str | None:
+def gluon_fused_reason(cfg, *, H: int, I: int, device: torch.device | None = None,
+                       gpt_oss: bool = False) -> str | None:
     """Why ``FusedConfig(kernel="gluon")`` cannot run a forward of these sizes on ``device`` (None: it can; device
-    None: the config and sizes only)."""
+    None: the config and sizes only). ``gpt_oss``: the layer's experts are gpt-oss's (biases, clamped SwiGLU)."""
+    if gpt_oss:
+        return "gpt-oss's epilogues (biases, clamped SwiGLU) exist in the Triton megakernel's items only"
     if interpreting():
         return "Gluon kernels do not run under the Triton interpreter (TRITON_INTERPRET=1)"
     if device is not None and device.type != "cuda":
