@@ -139,6 +139,14 @@ def test_close_and_delete_free_the_heap():
     del b
     gc.collect()
     assert heap._closed and heap.users == 0
+    # the comm API on the closed heap says so instead of a KeyError deep inside a launcher
+    from megamoe.comm import dispatch
+
+    for use in (heap.tokens_buffer, heap.rows_buffer, lambda: heap.peer_buffer("tok", 0),
+                lambda: dispatch(torch.randn(2, cfg.hidden, dtype=cfg.dtype), torch.zeros(2, 2, dtype=torch.int64),
+                                 heap)):
+        with pytest.raises(RuntimeError, match="SymmetricHeap is closed"):
+            use()
 
 
 @pytest.mark.parametrize("backend", ["split", "fused"])

@@ -327,19 +327,21 @@ class SymmetricHeap:
 
     def buffer(self, name: str) -> torch.Tensor:
         """This rank's view of region ``name`` (see the module docstring)."""
+        if self._closed:
+            raise RuntimeError(f"SymmetricHeap is closed: no region {name!r} to use (build a new heap or layer)")
         return self._views[name]
 
     def tokens_buffer(self) -> torch.Tensor:
         """[T_max, H] symmetric buffer: write x[:T] here and dispatch skips its staging copy. Peers read it until
         they finish the op that pulled from it (dispatch, pull_grad): write it only after a later op of this heap
         has been enqueued (e.g. the combine after a dispatch), whose stage kernel waits until they are done."""
-        return self._views["tok"]
+        return self.buffer("tok")
 
     def rows_buffer(self) -> torch.Tensor:
         """[R_cap, H] symmetric buffer: let the expert GEMM write here and combine skips its staging copy. Peers
         read it during combine / dispatch_backward; a write from any kernel that is no stage kernel is safe once
         ``rows_busy`` is False (a stage kernel enqueued since: signals.py, "What each wait guards")."""
-        return self._views["rows"]
+        return self.buffer("rows")
 
     def peer_ptrs(self, name: str) -> torch.Tensor:
         """int64 [W]: this process's addresses of every rank's copy of region ``name``."""
@@ -353,7 +355,7 @@ class SymmetricHeap:
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} out of range for a heap of {self.world} ranks")
         if rank == self.rank:
-            return self._views[name]
+            return self.buffer(name)
         off, dims, dtype = self.layout[name]
         if self.backend == "cuda" and self._peers is None:
             return self._handle.get_buffer(rank, tuple(dims), dtype, off // dtype.itemsize)
