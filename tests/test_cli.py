@@ -189,3 +189,26 @@ def test_floor_counts_the_experts_a_rank_uses():
     assert layer_floor_seconds(cfg, rows, 4, None) is None
     with pytest.raises(ValueError, match="experts used"):
         forward_bytes(cfg, 10, 4, 33)
+
+
+def _bench_reference_error_rank(rank: int, world: int) -> list[float]:
+    from megamoe.apps.bench import _reference_error
+    from megamoe.layer import MoE
+
+    errs = []
+    for cfg in (preset("tiny", shared_intermediate=32, shared_gate=True, dtype=torch.float32),  # gated shared expert
+                preset("gpt-oss-20b", hidden=64, intermediate=32, num_experts=8, dtype=torch.float32)):  # gpt-oss
+        moe = MoE(cfg, backend="torch", device="cpu", seed=1, group=torch.distributed.group.WORLD)
+        x = torch.randn(23, cfg.hidden, generator=torch.Generator().manual_seed(rank)) * 4
+        with torch.no_grad():
+            errs.append(_reference_error(moe, x, moe(x).out))
+    return errs
+
+
+def test_bench_reference_check_covers_the_layers_form():
+    # the bench's float64 check is the layer's whole function: gpt-oss's biases and clamped activation, the shared
+    # expert and its gate (a plain SwiGLU reference reads 1e-1 or worse there)
+    from megamoe.dist import spawn
+
+    for errs in spawn(_bench_reference_error_rank, 2, timeout_s=300):
+        assert max(errs) < 1e-5, errs  # float32 layers against float64

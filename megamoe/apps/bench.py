@@ -135,8 +135,9 @@ def _max_over_ranks(times: list[float], device) -> list[float]:
 
 
 def _reference_error(moe, x: torch.Tensor, y: torch.Tensor) -> float:
-    """||y - y_ref|| / ||y_ref|| over the global batch; the routing is the layer's own (shared by backends)."""
-    from megamoe.reference import experts_ref
+    """||y - y_ref|| / ||y_ref|| over the global batch; the routing is the layer's own (shared by backends), the
+    experts' form (biases, activation) and the shared expert the layer's config's."""
+    from megamoe.reference import expert_act, experts_ref, shared_ref
 
     W = moe.world
     with torch.no_grad():
@@ -157,10 +158,14 @@ def _reference_error(moe, x: torch.Tensor, y: torch.Tensor) -> float:
         x_all = gather(x.double())
         idx_all = gather(r.topk_idx)
         w_all = gather(r.topk_w.double())
-        y_part = experts_ref(x_all, idx_all, w_all, moe.w13, moe.w2, moe.expert_offset)  # float64 per expert
+        w13, w2, b13, b2 = moe.expert_weights(torch.float64)
+        y_part = experts_ref(x_all, idx_all, w_all, w13, w2, moe.expert_offset, b13=b13, b2=b2,
+                             act=expert_act(moe.config))
         dist.all_reduce(y_part)
         lo = sum(Ts[: moe.rank])
         ref = y_part[lo: lo + x.shape[0]]
+        if moe.shared_w13 is not None:  # replicated: every rank adds it for its own tokens
+            ref = ref + shared_ref(x.double(), moe.shared_w13, moe.shared_w2, moe.shared_gate)
         num = (y.double() - ref).norm() ** 2
         den = ref.norm() ** 2
         nd = torch.stack([num, den])
@@ -295,18 +300,9 @@ def _eager_entry(spec: str, module, ref_moe, xs, dys, args, timer, device, show:
     return entry
 
 
-def _free_layer(device) -> None:
-    """Drop what the last backend left cached (heaps, allocator blocks) so the next one's memory is its own."""
-    from megamoe.comm.heap import close_heaps
-
-    close_heaps()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def _peers(cfg, args, xs, dys, offset, timer, device, show, results, interleaved) -> None:
     """--peers: transformers' modules on the torch backend's weights (same seed as every backend), timed as the
-    backends are; under --cuda-graph also graphed (a capture that fails is recorded, not fatal)."""
+    backends are; under --cuda-graph also graphed."""
     from megamoe.apps.peers import HFPeer
     from megamoe.layer import MoE
 
@@ -317,9 +313,10 @@ def _peers(cfg, args, xs, dys, offset, timer, device, show, results, interleaved
         peer = HFPeer(ref)
     except ValueError as exc:
         raise SystemExit(f"megamoe bench --peers: {exc}") from None
-    with torch.no_grad():  # the reference check reads the peer's copies, so the peer's memory is its own
+    if peer.family != "gpt_oss":  # same layout: the reference check reads the peer's copies, its memory its own
         ref.w13.data, ref.w2.data = peer.experts.gate_up_proj.data, peer.experts.down_proj.data
-    _free_layer(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     results.append(_eager_entry(peer.name, peer, ref, xs, dys, args, timer, device, show))
     if args.cuda_graph:
         graphed = {"backend": peer.name, "timing": "cuda-graph", "rel_err": results[-1].get("rel_err")}
@@ -387,8 +384,10 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
             else:
                 graphed.update(_graph_times([(spec, make_moe)], xs, dys, args, timer, device, show)[0])
             results.append(graphed)
+        moe.close()  # its heap too (on every rank): the next backend's memory is its own
         del moe
-        _free_layer(device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if args.peers:
         _peers(cfg, args, xs, dys, offset, timer, device, show, results, interleaved)
     if interleaved:
