@@ -75,16 +75,26 @@ def _gate_class(cls: type) -> type:
     return _GATE_CLASSES[cls]
 
 
+def gpt_oss_from_transformers(gate_up, gate_up_bias, down, down_bias) -> tuple:
+    """transformers' gpt_oss experts (gate_up [E, H, 2I] and its bias [E, 2I], gate and up interleaved; down [E, I, H];
+    down_bias [E, H]) -> megamoe's (w13 [E, 2I, H] gate rows then up rows, w2 [E, H, I], b13, b2)."""
+    E, H, I2 = gate_up.shape
+    return (gate_up.view(E, H, I2 // 2, 2).permute(0, 3, 2, 1).reshape(E, I2, H), down.transpose(1, 2).contiguous(),
+            gate_up_bias.view(E, I2 // 2, 2).transpose(1, 2).reshape(E, I2), down_bias)
+
+
+def gpt_oss_to_transformers(w13, w2, b13, b2) -> tuple:
+    """The inverse of :func:`gpt_oss_from_transformers`: (gate_up, gate_up_bias, down, down_bias)."""
+    E, I2, H = w13.shape
+    return (w13.view(E, 2, I2 // 2, H).permute(0, 3, 2, 1).reshape(E, H, I2),
+            b13.view(E, 2, I2 // 2).transpose(1, 2).reshape(E, I2), w2.transpose(1, 2), b2)
+
+
 class GptOssMoE(MoE):
-    """The layer of a patched gpt_oss block: ``w13`` [E_l, H, 2I] (gate, up interleaved), ``b13`` [E_l, 2I]
-    (interleaved), ``w2`` [E_l, I, H], ``b2`` [E_l, H] in transformers' layout, converted per call."""
+    """A patched gpt_oss block's layer: ``w13``, ``b13``, ``w2``, ``b2`` in transformers' layout, converted per call."""
 
     def expert_weights(self, dtype: torch.dtype) -> tuple:
-        gu = self.w13.to(dtype)
-        E_l, H, I2 = gu.shape
-        w13 = gu.view(E_l, H, I2 // 2, 2).permute(0, 3, 2, 1).reshape(E_l, I2, H)  # gate rows, then up rows
-        b13 = self.b13.to(dtype).view(E_l, I2 // 2, 2).transpose(1, 2).reshape(E_l, I2)
-        return w13, self.w2.to(dtype).transpose(1, 2).contiguous(), b13, self.b2.to(dtype)
+        return gpt_oss_from_transformers(*(t.to(dtype) for t in (self.w13, self.b13, self.w2, self.b2)))
 
 
 class MegaMoEExperts(nn.Module):
@@ -209,22 +219,17 @@ def patch(model: nn.Module, backend: str = "torch", group=None, max_tokens_per_r
     tokens (batch x sequence) per rank per call the ``split`` / ``fused`` buffers are sized for. Raises
     ``ValueError`` naming a block it cannot patch (a module with an ``experts`` child of an unknown class), or when
     the model has no MoE block."""
-    found = []
+    found, patched = [], blocks(model)  # a block patched already stays as it is
     for name, module in list(model.named_modules()):
         kind = type(module).__name__
-        if isinstance(module, MegaMoEBlock):
-            found.append(name)
-        elif kind in SUPPORTED:
+        if kind in SUPPORTED:
             found.append((name, module))
-        elif isinstance(getattr(module, "experts", None), nn.Module):
+        elif not isinstance(module, MegaMoEBlock) and isinstance(getattr(module, "experts", None), nn.Module):
             raise ValueError(_unsupported(kind) + f" (module {name!r})")
-    if not found:
+    if not found and not patched:
         raise ValueError(f"{type(model).__name__} has no sparse MoE block megamoe.hf can patch; supported blocks: "
                          f"{', '.join(SUPPORTED)}")
-    for item in found:
-        if isinstance(item, str):
-            continue  # patched already
-        name, block = item
+    for name, block in found:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, MegaMoEBlock(block, group=group, backend=backend,

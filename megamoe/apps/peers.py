@@ -80,13 +80,14 @@ class HFPeer(nn.Module):
         self.to(device=moe.device, dtype=dt)
         with torch.no_grad():
             self.router.weight.copy_(moe.router.weight.to(self.router.weight.dtype))
-            if self.family == "gpt_oss":  # transformers' layout: [E, H, 2I] with gate/up interleaved, [E, I, H]
-                E, I2, H = moe.w13.shape
+            if self.family == "gpt_oss":  # transformers' own layout
+                from megamoe.hf import gpt_oss_to_transformers
+
                 self.router.bias.copy_(moe.router.logit_bias)
-                self.experts.gate_up_proj.copy_(moe.w13.view(E, 2, I2 // 2, H).permute(0, 3, 2, 1).reshape(E, H, I2))
-                self.experts.gate_up_proj_bias.copy_(moe.b13.view(E, 2, I2 // 2).transpose(1, 2).reshape(E, I2))
-                self.experts.down_proj.copy_(moe.w2.transpose(1, 2))
-                self.experts.down_proj_bias.copy_(moe.b2)
+                ex = self.experts
+                for dst, src in zip((ex.gate_up_proj, ex.gate_up_proj_bias, ex.down_proj, ex.down_proj_bias),
+                                    gpt_oss_to_transformers(moe.w13, moe.w2, moe.b13, moe.b2), strict=True):
+                    dst.copy_(src)
             else:
                 self.experts.gate_up_proj.copy_(moe.w13)
                 self.experts.down_proj.copy_(moe.w2)
