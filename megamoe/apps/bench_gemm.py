@@ -122,10 +122,7 @@ def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[
     """The rows of one shape; candidates(op) -> the configs to time for op (default: the default config only)."""
     import megamoe.experts as X
 
-    def configs(op):
-        return candidates(op) if candidates is not None else [None]
-
-
+    configs = candidates or (lambda op: [None])
     H, I, E, k = {**PRESETS, **TINY}[preset]
     E_l = E // ep
     R = tokens * k

@@ -31,7 +31,6 @@ from megamoe.apps.data import ByteCorpus
 from megamoe.apps.model import ModelConfig, MoETransformer
 from megamoe.apps.perf import run_metadata, safe_name
 from megamoe.backends import parse_backend
-from megamoe.comm.heap import close_heaps
 from megamoe.config import PRESETS, parse_dtype, preset
 from megamoe.dist import init_from_env, rank_device, spawn, under_torchrun
 from megamoe.layer import capture_moe_layers
@@ -347,7 +346,6 @@ def run_rank(args, device: torch.device) -> dict | None:
     for b in args.backends.split(","):
         results.append(train_backend(b, args, device, corpus))
         gc.collect()  # what the finished run's locals held (graphs, their pool) goes before the next run
-        close_heaps()  # and its heaps: each backend's peak memory is its own
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if dist.get_rank() != 0:
