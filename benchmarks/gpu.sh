@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU runner: named scenarios for one device call (one H200 unless said), logs under $OUT, a short summary last.
-#   bash benchmarks/gpu.sh twins,bounds
+#   bash benchmarks/gpu.sh tests,bench
 # Scenarios:
 #   twins   every Hopper default kernel against its Triton twin on every preset's EP-4 share (tests/test_gpu_twins.py,
 #           one pytest process per preset); summary table and $OUT/twins-<preset>.json
-#   bounds  the GPU numeric tests with their errors recorded (MEGAMOE_ERRLOG), then the worst error per quantity: what
-#           the CUDA bounds of megamoe.testing.BOUNDS and tests/test_grouped_gemm.py are set from
-#   tests   every GPU test (pytest -m gpu), in parallel chunks (compiles are CPU-bound; 16 cores)
+#   tests   every GPU test (pytest -m gpu), in parallel chunks (compiles are CPU-bound; 16 cores), with every checked
+#           error recorded (MEGAMOE_ERRLOG), then the worst error per quantity: what the CUDA bounds of
+#           megamoe.testing.BOUNDS and tests/test_grouped_gemm.py are set from
 #   bench   megamoe bench --experts E/4 --tokens 4096 --cuda-graph --interleave for qwen3-30b-a3b (32), deepseek-v3 (64),
 #           mixtral-8x7b (2); with BASE=<dir holding another tree's megamoe/> that tree too, runs alternating (new, base,
 #           new, base), then a table of new / base per backend and mode (benchmarks/ab_table.py)
@@ -20,6 +20,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 SCEN=",${1:-twins},"
 want() { [[ "$SCEN" == *",$1,"* ]]; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader
@@ -30,7 +31,8 @@ par_pytest() {  # par_pytest <name> <timeout s> <selection per process, ';'-sepa
   local name=$1 tmo=$2 IFS=';' i=0 pids=()
   for sel in $3; do
     # shellcheck disable=SC2086  # the selection is several pytest args
-    ( IFS=' '; timeout "$tmo" python3 -m pytest -q -p no:cacheprovider -m gpu $sel "${@:4}" > "$OUT/$name-$i.log" 2>&1 ) &
+    ( IFS=' '; export MEGAMOE_TWINS_JSON=${MEGAMOE_TWINS_JSON:+$MEGAMOE_TWINS_JSON.$i}
+      timeout "$tmo" python3 -m pytest -q -p no:cacheprovider -m gpu $sel "${@:4}" > "$OUT/$name-$i.log" 2>&1 ) &
     pids+=($!); i=$((i + 1))
   done
   wait "${pids[@]}"
@@ -52,12 +54,19 @@ if want twins; then
   done
 fi
 
-if want bounds; then
-  echo "== bounds"
+if want tests; then
+  echo "== tests"
   rm -f "$OUT/errors.jsonl"
-  export MEGAMOE_ERRLOG="$OUT/errors.jsonl"
-  par_pytest bounds 560 "tests/test_grouped_gemm.py;tests/test_gpu_split.py::test_split_on_gpus[1];tests/test_gpu_fused.py::test_fused_on_gpus[1];tests/test_gpu_fused.py::test_fused_triton_items_on_hopper[1] tests/test_gpu_split.py::test_split_fp8_on_gpus;tests/test_gpu_layer.py::test_torch_backend_on_gpus[1]"
-  unset MEGAMOE_ERRLOG
+  ids=$(python3 -m pytest -q -p no:cacheprovider --collect-only -m gpu 2>/dev/null | grep "::")
+  n=$(echo "$ids" | wc -l); per=$(( (n + 9) / 10 )); sels=""
+  for s in 0 1 2 3 4 5 6 7 8 9; do
+    chunk=$(echo "$ids" | sed -n "$(( s * per + 1 )),$(( (s + 1) * per ))p" | tr '\n' ' ')
+    [ -n "$chunk" ] && sels+="$chunk;"
+  done
+  echo "$n GPU tests in chunks of $per"
+  MEGAMOE_ERRLOG="$OUT/errors.jsonl" MEGAMOE_TWINS_JSON="$OUT/twins-tests.json" \
+    par_pytest tests "${TESTS_TIMEOUT:-540}" "$sels" -v -v -rfE --durations=10
+  SUMMARY+=$(for f in "$OUT"/tests-*.log; do grep -E '[0-9]+ (passed|failed|error)' "$f" | tail -1; done)$'\n'
   python3 - "$OUT/errors.jsonl" <<'EOF'
 import collections, json, sys
 worst = collections.defaultdict(float)
@@ -67,17 +76,6 @@ for line in open(sys.argv[1]):
 for k in sorted(worst):
     print(f"{k:<44} {worst[k]:10.3g}  x1.3 {1.3 * worst[k]:10.3g}")
 EOF
-fi
-
-if want tests; then
-  echo "== tests"
-  ids=$(python3 -m pytest -q -p no:cacheprovider --collect-only -m gpu 2>/dev/null | grep "::")
-  n=$(echo "$ids" | wc -l); per=$(( (n + 7) / 8 )); sels=""
-  for s in 0 1 2 3 4 5 6 7; do
-    chunk=$(echo "$ids" | sed -n "$(( s * per + 1 )),$(( (s + 1) * per ))p" | tr '\n' ' ')
-    [ -n "$chunk" ] && sels+="$chunk;"
-  done
-  par_pytest tests 580 "$sels"
 fi
 
 BENCH_SET="qwen3-30b-a3b:32 deepseek-v3:64 mixtral-8x7b:2"
@@ -91,10 +89,10 @@ if want bench; then
   for pe in $BENCH_SET; do
     p=${pe%%:*}; e=${pe##*:}
     for r in 1 2; do
-      bench_one . "$p" "$e" 4096 "$PWD/$OUT/bench-$p-new$r.json" > "$OUT/bench-$p-new$r.log" 2>&1
+      bench_one . "$p" "$e" 4096 "$OUT/bench-$p-new$r.json" > "$OUT/bench-$p-new$r.log" 2>&1
       tail -8 "$OUT/bench-$p-new$r.log"
       if [ -n "${BASE:-}" ]; then
-        bench_one "$BASE" "$p" "$e" 4096 "$PWD/$OUT/bench-$p-base$r.json" > "$OUT/bench-$p-base$r.log" 2>&1
+        bench_one "$BASE" "$p" "$e" 4096 "$OUT/bench-$p-base$r.json" > "$OUT/bench-$p-base$r.log" 2>&1
         tail -8 "$OUT/bench-$p-base$r.log"
       fi
     done
@@ -107,7 +105,7 @@ if want peers; then
   for pe in $BENCH_SET; do
     for t in 1 512 4096; do
       p=${pe%%:*}; e=${pe##*:}
-      bench_one . "$p" "$e" "$t" "$PWD/$OUT/peers-$p-$t.json" --peers > "$OUT/peers-$p-$t.log" 2>&1
+      bench_one . "$p" "$e" "$t" "$OUT/peers-$p-$t.json" --peers > "$OUT/peers-$p-$t.log" 2>&1
       tail -9 "$OUT/peers-$p-$t.log"
     done
   done

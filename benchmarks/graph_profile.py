@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from megamoe.apps.bench import capture_step  # noqa: E402
 from megamoe.backends import parse_backend  # noqa: E402
 from megamoe.config import preset  # noqa: E402
-from megamoe.dist import init_from_env  # noqa: E402
+from megamoe.dist import init_from_env, under_torchrun  # noqa: E402
 from megamoe.layer import MoE  # noqa: E402
 
 
@@ -33,7 +33,7 @@ def main() -> None:
     p.add_argument("--mode", default="forward", choices=["forward", "forward+backward"])
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args()
-    dev = init_from_env()
+    dev = init_from_env() if under_torchrun() else torch.device("cuda")  # world 1 needs no group
     cfg = preset(args.preset, max_tokens_per_rank=args.tokens)
     if args.experts is not None:
         cfg = cfg.replace(num_experts=args.experts)

@@ -670,7 +670,7 @@ def _fused_case(name: str) -> dict:
     from megamoe.kernels.fused_moe import default_fused_config
     from megamoe.kernels.gluon.fused import gluon_fused_reason
     from megamoe.layer import MoE
-    from megamoe.reference import experts_ref
+    from megamoe.reference import experts_ref, shared_ref
 
     dev = rank_device()
     # the preset's shapes with SwiGLU experts (the megakernel's form; gpt-oss's own runs on torch and split)
@@ -701,6 +701,8 @@ def _fused_case(name: str) -> dict:
     with torch.no_grad():
         r = moe.router(x)
         ref = experts_ref(x.double(), r.topk_idx, r.topk_w, moe.w13, moe.w2)
+        if moe.shared_w13 is not None:  # the layer adds its shared expert to the experts' sum
+            ref = ref + shared_ref(x.double(), moe.shared_w13, moe.shared_w2, moe.shared_gate)
     tally = _Tally()
     tally.add(ys["gluon"], ys["triton"], ref)
     gerr, terr, diff = tally.errors()

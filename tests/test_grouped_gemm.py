@@ -37,13 +37,14 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 #: and 2e-7 for fp32 ones (measured 1.2e-7). ``mlp.*`` (the autograd Function against the float64 MLP, which keeps
 #: every intermediate unrounded) carries the storage roundings: worst 2.6e-3 (out) to 3.5e-3 (dw2). The CUDA
 #: column (tensor cores, larger K) is measured on an H200 the same way.
-GEMM_BOUNDS = {  # quantity: (interpreter, CUDA)
-    "act": (3e-4, 1e-2), "h": (3e-4, 1e-2), "out": (3e-4, 1e-2), "dh": (3e-4, 1e-2), "ds": (2e-7, 1e-2),
-    "acts": (3e-4, 1e-2), "dx": (3e-4, 1e-2), "dw": (2e-7, 1e-2),
-    "mlp.out": (3.5e-3, 1e-2), "mlp.dx": (4.5e-3, 1e-2), "mlp.dw13": (4.6e-3, 1e-2), "mlp.dw2": (4.6e-3, 1e-2),
-    "mlp.ds": (4e-3, 1e-2),
-    "fp8.act": (3e-4, 1e-2), "fp8.h": (3e-4, 1e-2), "fp8.out": (3e-4, 1e-2), "fp8.dh": (3e-4, 1e-2),
-    "fp8.ds": (2e-7, 5e-3), "fp8.acts": (3e-4, 1e-2), "fp8.plain": (3e-4, 1e-2),
+GEMM_BOUNDS = {  # quantity: (interpreter, CUDA); CUDA: one H200's worst error plus 30% (benchmarks/gpu.sh tests), None
+    # where only CPU tests check the quantity
+    "act": (3e-4, 1.3e-4), "h": (3e-4, 9.6e-5), "out": (3e-4, 9.2e-5), "dh": (3e-4, 9.5e-5), "ds": (2e-7, 1.4e-6),
+    "acts": (3e-4, 2.1e-5), "dx": (3e-4, 1.4e-4), "dw": (2e-7, 6.3e-6),
+    "mlp.out": (3.5e-3, None), "mlp.dx": (4.5e-3, None), "mlp.dw13": (4.6e-3, None), "mlp.dw2": (4.6e-3, None),
+    "mlp.ds": (4e-3, None),
+    "fp8.act": (3e-4, 1.2e-3), "fp8.h": (3e-4, 9.1e-4), "fp8.out": (3e-4, 1.1e-3), "fp8.dh": (3e-4, 9.0e-4),
+    "fp8.ds": (2e-7, 1.7e-4), "fp8.acts": (3e-4, 4.9e-5), "fp8.plain": (3e-4, None),
 }
 
 
@@ -55,6 +56,7 @@ def check(key: str, got: torch.Tensor, ref: torch.Tensor) -> None:
     err = rel(got, ref.to(got.dtype) if got.dtype != torch.float32 else ref)
     note_error(f"gemm.{'cuda' if CUDA else 'cpu'}.{key}", err)
     bound = GEMM_BOUNDS[key][int(CUDA)]
+    assert bound is not None, f"{key}: no CUDA bound measured (set it from benchmarks/gpu.sh tests)"
     assert err < bound, f"{key}: rel err {err:.3g} >= {bound:.3g}"
 
 
