@@ -193,26 +193,31 @@ def test_fused_triton_items_sync_free_and_graph_capturable():
 
 
 def _occupier():
-    """A Triton kernel of 1024 threads per program that spins until ``*flag != 0`` (bounded by ``limit_ns``) and
-    records its SM: launched on a side stream, it holds the SMs it lands on."""
+    """A Triton kernel that holds a whole SM until ``*flag != 0`` (bounded by ``limit_ns``) and records its SM: 512
+    threads keep KEEP fp32 values live across the spin, so ptxas gives each the 128 registers the launch bounds allow
+    (compiled for sm_90a: 128 registers, 96 B spilled), i.e. the SM's whole register file. No second program of any
+    kernel fits beside it, so a grid of n programs holds exactly n SMs and leaves the rest wholly free."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def spin(flag_ptr, sm_ptr, out_ptr, limit_ns):
+    def hog(flag_ptr, sm_ptr, out_ptr, keep_ptr, limit_ns, KEEP: tl.constexpr):
         t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
                                        pack=1)
         sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
         tl.store(sm_ptr + tl.program_id(0), sm)
+        v = tl.load(keep_ptr + tl.arange(0, KEEP))
         seen = tl.load(flag_ptr, volatile=True)
         now = t0
         while (seen == 0) & (now - t0 < limit_ns):
+            v = v * 1.5 + seen.to(tl.float32)
             seen = tl.load(flag_ptr, volatile=True)
             now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
                                             is_pure=False, pack=1)
         tl.store(out_ptr + tl.program_id(0), seen)  # 0: it ran out its time (the layer did not finish under it)
+        tl.store(keep_ptr + tl.program_id(0), tl.sum(v, axis=0))  # keeps v live
 
-    return spin
+    return hog
 
 
 def _residency(rank: int, world: int) -> dict:
@@ -250,18 +255,21 @@ def _residency(rank: int, world: int) -> dict:
     before = fwd_bwd()
     fwd_bwd()  # the caching allocator now holds a second set of outputs' blocks: no cudaMalloc (which can
     # serialise against the occupier's stream) while the occupier runs
-    # most SMs held by a kernel on another stream: two 1024-thread programs per SM fill an SM's threads; the
-    # scheduler places one per SM first, so 2 * (sms - 8) programs leave some SMs with room for the layer
-    spin = _occupier()
-    n = 2 * (sms - 8)
+    # all SMs but 8 held by a kernel on another stream (one program per SM, nothing beside it): the layer's kernels
+    # get 8 SMs, far fewer than their grids' programs
+    from megamoe.dist import share_gpus
+
+    hog = _occupier()
+    n = (sms - 8) // (world if share_gpus() else 1)  # ranks sharing a GPU split its SMs
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
     where = torch.full((n,), -1, dtype=torch.int32, device=dev)
     ended = torch.zeros(n, dtype=torch.int32, device=dev)
+    keep = torch.zeros(65536, device=dev)
     side = torch.cuda.Stream(dev)
     torch.cuda.synchronize(dev)
     t0 = time.monotonic()
     with torch.cuda.stream(side):
-        spin[(n,)](flag, where, ended, 30 * 10**9, num_warps=32)
+        hog[(n,)](flag, where, ended, keep, 30 * 10**9, KEEP=65536, num_warps=16)
     time.sleep(0.5)  # the occupier is resident before the layer starts
     held = fwd_bwd()
     out["launched_s"] = time.monotonic() - t0
@@ -271,7 +279,7 @@ def _residency(rank: int, world: int) -> dict:
     out["held"] = compare_runs(held, before)
     out["held_vs_fresh_layer"] = compare_runs(held, base)
     out["occupier_released_by_flag"] = bool((ended == 1).all())
-    out["sms_held"] = len(set(where.tolist()))
+    out["sms_held"], out["occupier_programs"] = len(set(where.tolist())), n
     moe.close()
     return out
 
@@ -283,6 +291,7 @@ def _check_residency(results) -> None:
             assert all(v[0] for v in r[key].values()), (key, r[key])
         # the layer finished under the occupier
         timing = {k: r[k] for k in ("launched_s", "held_s", "occupier_released_by_flag", "sms_held", "programs")}
+        assert r["sms_held"] == r["occupier_programs"], timing  # one occupier program per SM, as designed
         assert r["occupier_released_by_flag"] and r["held_s"] < 20, timing
 
 
