@@ -5,6 +5,7 @@ names. Every import counts, also one inside a function: a lazy import only hides
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "megamoe"
@@ -150,3 +151,11 @@ def test_size():
     assert sum(lines.values()) <= PACKAGE_LINES, f"{sum(lines.values())} lines in megamoe/"
     big = {name: n for name, n in lines.items() if n > 900}
     assert not big, f"modules over 900 lines: {big}"
+
+
+def test_front_page():
+    # the README is a front page: at most 15 KB, and no commit hashes (results are named by path, history is git's)
+    text = (PKG.parent / "README.md").read_text()
+    assert len(text.encode()) <= 15_000, f"README.md is {len(text.encode())} bytes"
+    hashes = [w for w in re.findall(r"\b[0-9a-f]{7,40}\b", text) if re.search(r"\d", w) and re.search(r"[a-f]", w)]
+    assert not hashes, f"commit hashes in README.md: {hashes}"
