@@ -24,6 +24,7 @@ def _parse(version: str) -> tuple[int, ...]:
 
 def _check_versions() -> None:
     for name, minimum in _MIN_VERSIONS.items():
+        need = f"megamoe needs {name} >= {'.'.join(map(str, minimum))}"
         try:
             found = _metadata.version(name)
         except _metadata.PackageNotFoundError:
@@ -31,27 +32,18 @@ def _check_versions() -> None:
             try:
                 found = importlib.import_module(name).__version__
             except ImportError as exc:
-                raise ImportError(
-                    f"megamoe needs {name} >= {'.'.join(map(str, minimum))}, and {name} is not installed"
-                ) from exc
+                raise ImportError(f"{need}, and {name} is not installed") from exc
         if _parse(found) < minimum:
-            raise ImportError(
-                f"megamoe needs {name} >= {'.'.join(map(str, minimum))}, found {name} {found}; "
-                f"upgrade it (on a CPU machine: pip install torch==2.13.0 triton==3.6.0)"
-            )
+            raise ImportError(f"{need}, found {name} {found}; upgrade it (on a CPU machine: pip install "
+                              "torch==2.13.0 triton==3.6.0)")
 
 
 _check_versions()
 
 _LAZY = {
-    "MoEConfig": "megamoe.config",
-    "PRESETS": "megamoe.config",
-    "preset": "megamoe.config",
-    "MoE": "megamoe.layer",
-    "MoEOutput": "megamoe.layer",
-    "capture_moe_layers": "megamoe.layer",
-    "Router": "megamoe.router",
-    "RouterOutput": "megamoe.router",
+    "MoEConfig": "megamoe.config", "PRESETS": "megamoe.config", "preset": "megamoe.config",
+    "MoE": "megamoe.layer", "MoEOutput": "megamoe.layer", "capture_moe_layers": "megamoe.layer",
+    "Router": "megamoe.router", "RouterOutput": "megamoe.router",
     "available_backends": "megamoe.backends",
 }
 

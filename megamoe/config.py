@@ -17,14 +17,10 @@ RouterKind = Literal["softmax", "sigmoid"]
 ExpertKind = Literal["swiglu", "gpt_oss"]
 
 _DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "fp64": torch.float64,
-    "float64": torch.float64,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32,
+    "fp64": torch.float64, "float64": torch.float64,
 }
 
 
@@ -86,9 +82,7 @@ class MoEConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"MoEConfig.{field} must be a positive int, got {value!r}")
         if self.top_k > self.num_experts:
-            raise ValueError(
-                f"MoEConfig: top_k ({self.top_k}) must be <= num_experts ({self.num_experts})"
-            )
+            raise ValueError(f"MoEConfig: top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
         if self.router not in ("softmax", "sigmoid"):
             raise ValueError(f"MoEConfig.router must be 'softmax' or 'sigmoid', got {self.router!r}")
         if not (self.route_scale > 0):
@@ -129,10 +123,8 @@ class MoEConfig:
         if not isinstance(world, int) or world < 1:
             raise ValueError(f"world size must be a positive int, got {world!r}")
         if self.num_experts % world != 0:
-            raise ValueError(
-                f"num_experts ({self.num_experts}) must be divisible by the world size ({world}) "
-                f"for expert parallelism (E/W experts per rank)"
-            )
+            raise ValueError(f"num_experts ({self.num_experts}) must be divisible by the world size ({world}) "
+                             f"for expert parallelism (E/W experts per rank)")
 
     def flops_forward(self, rows: int) -> int:
         """Routed-expert FLOPs of a forward pass over ``rows`` (token, expert) pairs: 2*rows*H*2I + 2*rows*I*H."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -125,16 +126,8 @@ def init_from_env(device: str | None = None, timeout_s: float = 300.0):
 
 def _child(rank: int, world: int, port: int, device: str, fn: Callable, args: tuple, queue) -> None:
     disable_multicast()
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-    )
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     import torch
     import torch.distributed as dist
 
@@ -181,24 +174,18 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, device: str = "cpu", t
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [
-        ctx.Process(target=_child, args=(r, world, port, device, fn, args, q), daemon=True) for r in range(world)
-    ]
+    procs = [ctx.Process(target=_child, args=(r, world, port, device, fn, args, q), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
-    import time
-
     deadline = time.monotonic() + timeout_s
     try:
         while len(results) + len(failures) < world:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(
-                    f"spawned ranks not done after {timeout_s:.0f} s; finished: "
-                    f"{sorted(results)}, failed: {sorted(failures)}"
-                )
+                raise TimeoutError(f"spawned ranks not done after {timeout_s:.0f} s; finished: {sorted(results)}, "
+                                   f"failed: {sorted(failures)}")
             try:
                 rank, ok, payload = q.get(timeout=min(remaining, 1.0))
             except queue_mod.Empty:

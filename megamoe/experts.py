@@ -59,13 +59,11 @@ __all__ = [
     "GemmConfig", "default_config", "pin_config", "choose_config", "gluon_reason",
     "grouped_gemm", "gemm1_swiglu", "gemm2", "gemm2_dgrad_swiglu", "gemm1_dgrad", "grouped_wgrad", "segment_sum",
     "quantize_act", "dequantize_act", "quantize_weight", "quantize_weight_both", "grouped_gemm_fp8", "gemm1_swiglu_fp8",
-    "gemm2_fp8",
-    "gemm2_dgrad_swiglu_fp8", "gemm1_dgrad_fp8",
-    "ExpertsFn", "experts_mlp",
+    "gemm2_fp8", "gemm2_dgrad_swiglu_fp8", "gemm1_dgrad_fp8", "ExpertsFn", "experts_mlp",
     "grouped_gemm_ref", "gemm1_swiglu_ref", "gemm2_ref", "gemm2_dgrad_swiglu_ref", "gemm1_dgrad_ref",
     "grouped_wgrad_ref", "segment_sum_ref", "experts_mlp_ref", "grouped_gemm_fp8_ref", "gemm1_swiglu_fp8_ref",
-    "gemm2_dgrad_swiglu_fp8_ref",
-    "quantize_act_ref", "quantize_weight_ref", "dequantize_act_ref", "dequantize_weight_ref",
+    "gemm2_dgrad_swiglu_fp8_ref", "quantize_act_ref", "quantize_weight_ref", "dequantize_act_ref",
+    "dequantize_weight_ref",
 ]
 
 
@@ -521,5 +519,3 @@ def gemm2_dgrad_swiglu_fp8_ref(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, d
     w2 = dequantize_weight_ref(w2tq, w2t_s, dtype).transpose(1, 2)
     return gemm2_dgrad_swiglu_ref(dequantize_act_ref(dyq, dy_s, dtype), w2, h, offs,
                                   scale=scale.to(dtype) if scale is not None else None)
-
-

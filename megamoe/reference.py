@@ -117,18 +117,9 @@ def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return _stored(o if b2 is None else o + b2, store_dtype)
 
 
-def experts_ref(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_w: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    expert_offset: int = 0,
-    store_dtype: torch.dtype | None = None,
-    b13: torch.Tensor | None = None,
-    b2: torch.Tensor | None = None,
-    act=swiglu,
-) -> torch.Tensor:
+def experts_ref(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                expert_offset: int = 0, store_dtype: torch.dtype | None = None, b13: torch.Tensor | None = None,
+                b2: torch.Tensor | None = None, act=swiglu) -> torch.Tensor:
     """y [T, H] = sum_j topk_w[t, j] * expert_{idx[t, j]}(x_t) over the experts ``expert_offset ..
     expert_offset + E_sub - 1`` held in w13 [E_sub, 2I, H], w2 [E_sub, H, I] (with biases b13 [E_sub, 2I], b2
     [E_sub, H] and activation ``act`` as :func:`expert_mlp`); other slots contribute nothing.
@@ -160,18 +151,10 @@ def shared_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gate: torch
     return out
 
 
-def moe_forward(
-    x: torch.Tensor,
-    router_weight: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    config: MoEConfig,
-    router_bias: torch.Tensor | None = None,
-    logit_offset: torch.Tensor | None = None,
-    store_dtype: torch.dtype | None = None,
-    shared: tuple | None = None,
-    expert_bias: tuple | None = None,
-) -> tuple[torch.Tensor, RouteRef]:
+def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, config: MoEConfig,
+                router_bias: torch.Tensor | None = None, logit_offset: torch.Tensor | None = None,
+                store_dtype: torch.dtype | None = None, shared: tuple | None = None,
+                expert_bias: tuple | None = None) -> tuple[torch.Tensor, RouteRef]:
     """The whole layer on one process: x [T, H], router_weight [E, H], w13 [E, 2I, H], w2 [E, H, I] ->
     (y [T, H], RouteRef), differentiable. ``shared``: (w13 [2S, H], w2 [H, S], gate [1, H] or None) of the shared
     expert, whose output is added (:func:`shared_ref`). gpt_oss experts: ``expert_bias`` = (b13 [E, 2I], b2 [E, H]);
@@ -191,10 +174,8 @@ def moe_forward(
     return y, r
 
 
-def moe_forward_loop(
-    x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, config: MoEConfig,
-    router_bias: torch.Tensor | None = None,
-) -> torch.Tensor:
+def moe_forward_loop(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     config: MoEConfig, router_bias: torch.Tensor | None = None) -> torch.Tensor:
     """An explicit per-token, per-slot loop of SwiGLU experts (slow; tests check :func:`moe_forward` against it)."""
     if config.expert_kind != "swiglu":
         raise ValueError("moe_forward_loop has SwiGLU experts only")

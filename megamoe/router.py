@@ -75,14 +75,8 @@ def _logits(x: torch.Tensor, weight: torch.Tensor, cdt: torch.dtype) -> torch.Te
 IMPLS = ("auto", "torch", "triton")
 
 
-def route(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    config: MoEConfig,
-    bias: torch.Tensor | None = None,
-    logit_offset: torch.Tensor | None = None,
-    impl: str = "auto",
-) -> RouterOutput:
+def route(x: torch.Tensor, weight: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None = None,
+          logit_offset: torch.Tensor | None = None, impl: str = "auto") -> RouterOutput:
     """``x`` [T, H], ``weight`` [E, H] -> :class:`RouterOutput`. ``logit_offset`` [E] is added to the logits
     (benchmarks skew the routing with it). ``impl`` "triton" needs float32 compute, and TRITON_INTERPRET=1 on CPU."""
     if impl not in IMPLS:
@@ -181,9 +175,8 @@ class Router(nn.Module):
             self.bias = None
         self.logit_bias = (nn.Parameter(torch.empty(config.num_experts, device=device, dtype=dtype))
                            if config.router_bias else None)
-        self.register_buffer(
-            "logit_offset", torch.zeros(config.num_experts, device=device, dtype=torch.float32), persistent=False
-        )
+        self.register_buffer("logit_offset", torch.zeros(config.num_experts, device=device, dtype=torch.float32),
+                             persistent=False)
         self._offset_set = False
         if init:
             self.reset_parameters()

@@ -158,9 +158,7 @@ def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[
 
     # ---------------------------------------------------------------- bf16 forward
     act, h = X.gemm1_swiglu(x, w13, offs)
-    extra1 = {}
-    t1 = None
-    err = None
+    extra1, t1, err = {}, None, None
     try:
         h_t = torch._grouped_mm(x, w13.transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16)
         extra1["rel_err_h_vs_torch"] = _rel(h, h_t)

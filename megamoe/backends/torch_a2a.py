@@ -107,10 +107,7 @@ class TorchBackend:
         rc = recv_counts.view(W, E_l)
         # destination of each received row in the padded, expert-grouped layout
         n_l = rc.sum(0)  # [E_l]
-        if align > 1:
-            padded = torch.clamp_min((n_l + align - 1) // align * align, align)
-        else:
-            padded = n_l
+        padded = torch.clamp_min((n_l + align - 1) // align * align, align) if align > 1 else n_l
         P = R + (E_l * align if align > 1 else 0)  # host-known upper bound of sum(padded)
         pend = torch.cumsum(padded, 0)
         pstart = pend - padded
@@ -118,9 +115,7 @@ class TorchBackend:
         in_group = torch.cumsum(rc, 0) - rc  # [W, E_l]
         block_dest = (pstart[None, :] + in_group).reshape(-1)  # [(s, l)]
         block_src = torch.cumsum(rc.reshape(-1), 0) - rc.reshape(-1)
-        block_of_row = torch.repeat_interleave(
-            torch.arange(W * E_l, device=dev), rc.reshape(-1), output_size=R
-        )
+        block_of_row = torch.repeat_interleave(torch.arange(W * E_l, device=dev), rc.reshape(-1), output_size=R)
         dest = block_dest[block_of_row] + (torch.arange(R, device=dev) - block_src[block_of_row])
         xs = recv.new_zeros(P, H).index_copy(0, dest, recv)
         offs = pend.to(torch.int32)

@@ -22,20 +22,7 @@ from .heap import (  # noqa: E402
 from .schedule import Schedule  # noqa: E402
 
 __all__ = [
-    "CommShape",
-    "CommTimeoutError",
-    "DispatchHandle",
-    "Schedule",
-    "SymmetricHeap",
-    "close_heaps",
-    "get_heap",
-    "release_heap",
-    "combine",
-    "pull_grad",
-    "send_gate_grad",
-    "dispatch",
-    "dispatch_backward",
-    "dispatch_fp8",
-    "heap_bytes",
-    "workspace_bytes",
+    "CommShape", "CommTimeoutError", "DispatchHandle", "Schedule", "SymmetricHeap", "close_heaps", "get_heap",
+    "release_heap", "combine", "pull_grad", "send_gate_grad", "dispatch", "dispatch_backward", "dispatch_fp8",
+    "heap_bytes", "workspace_bytes",
 ]
