@@ -34,6 +34,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import logging
+import math
 import mmap
 import os
 import struct
@@ -117,11 +118,13 @@ def _layout(shape: CommShape) -> tuple[dict[str, tuple[int, tuple[int, ...], tor
     out, off = {}, 0
     for name, dims, dtype in _regions(shape):
         out[name] = (off, dims, dtype)
-        n = dtype.itemsize
-        for d in dims:
-            n *= d
-        off += (n + _ALIGN - 1) // _ALIGN * _ALIGN
+        off += (math.prod(dims) * dtype.itemsize + _ALIGN - 1) // _ALIGN * _ALIGN
     return out, off
+
+
+def _region_view(buf: torch.Tensor, off: int, dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The region at byte ``off`` of the uint8 buffer ``buf`` as a ``dims`` tensor of ``dtype``."""
+    return buf[off : off + math.prod(dims) * dtype.itemsize].view(dtype).view(dims)
 
 
 def heap_bytes(shape: CommShape) -> int:
@@ -317,13 +320,7 @@ class SymmetricHeap:
             pass
 
     def _make_views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        views = {}
-        for name, (off, dims, dtype) in self.layout.items():
-            n = dtype.itemsize
-            for d in dims:
-                n *= d
-            views[name] = buf[off : off + n].view(dtype).view(dims)
-        return views
+        return {name: _region_view(buf, *spec) for name, spec in self.layout.items()}
 
     def buffer(self, name: str) -> torch.Tensor:
         """This rank's view of region ``name`` (see the module docstring)."""
@@ -360,10 +357,7 @@ class SymmetricHeap:
         if self.backend == "cuda" and self._peers is None:
             return self._handle.get_buffer(rank, tuple(dims), dtype, off // dtype.itemsize)
         buf = self._peers[rank] if self.backend == "cuda" else torch.frombuffer(self._maps[rank], dtype=torch.uint8)
-        n = dtype.itemsize
-        for d in dims:
-            n *= d
-        return buf[off : off + n].view(dtype).view(dims)
+        return _region_view(buf, off, dims, dtype)
 
     @property
     def timeout_ns(self) -> int:
