@@ -261,9 +261,15 @@ def _summary(k) -> dict:
             "compile_s": round(_COMPILE_S.get(k.hash, 0.0), 2)}  # 0: taken from Triton's cache
 
 
-def _mark(compiled: dict, where: dict, kernel: str, before: set, label: str) -> None:
-    for key in set(compiled.get(kernel, {})) - before:
-        where[f"{kernel}#{key[:8]}"] = label
+@contextlib.contextmanager
+def _compiling(compiled: dict, where: dict, label: str, *kernels: str):
+    """:func:`compile_only`, labelling ``label`` in ``where`` each kernel of these names that the block compiles."""
+    before = {n: set(compiled.get(n, {})) for n in kernels}
+    with compile_only(compiled):
+        yield
+    for n, keys in before.items():
+        for key in set(compiled.get(n, {})) - keys:
+            where[f"{n}#{key[:8]}"] = label
 
 
 #: :func:`_gluon_fp8_ws`'s variants (label, epilogue, block_n, stages, experts, rows): the defaults at deepseek-v3's
@@ -297,11 +303,9 @@ def _gluon_fp8_ws(compiled: dict, where: dict) -> None:
                          kernel="gluon")
         out = torch.empty(R, N, dtype=bf)
         h = torch.empty(R, 2 * I, dtype=bf) if epi == 1 else None
-        before = set(compiled.get("_gluon_fp8_ws_kernel", {}))
-        with compile_only(compiled):
+        with _compiling(compiled, where, f"gluon-fp8-ws/{label}", "_gluon_fp8_ws_kernel"):
             launch_gluon_fp8_ws(aq, a_s, wq, w_s, offs, out, cfg, n=N, epilogue=epi, h=h, store_h=epi == 1,
                                 n_up=I if epi == 1 else 0, scale=torch.ones(R) if epi == 0 else None)
-        _mark(compiled, where, "_gluon_fp8_ws_kernel", before, f"gluon-fp8-ws/{label}")
 
 
 #: :func:`_gluon_fp8_dswiglu`'s variants (label, (block_m, block_n, stages, warps), gate scale, one row and one
@@ -336,10 +340,8 @@ def _gluon_fp8_dswiglu(compiled: dict, where: dict) -> None:
         scale = torch.ones(R) if scaled else None
         dsp = torch.zeros(I // bn, R) if scaled else None
         acts = torch.empty(R, I, dtype=bf) if "acts" in label.split("/") else None
-        before = set(compiled.get("_gluon_fp8_dswiglu_kernel", {}))
-        with compile_only(compiled):
+        with _compiling(compiled, where, f"gluon-fp8-dswiglu/{label}", "_gluon_fp8_dswiglu_kernel"):
             launch_gluon_fp8_dswiglu(aq, a_s, wq, w_s, offs, out, cfg, n=I, h=h, scale=scale, dsp=dsp, acts=acts)
-        _mark(compiled, where, "_gluon_fp8_dswiglu_kernel", before, f"gluon-fp8-dswiglu/{label}")
 
 
 #: :func:`_gluon_bf16_ws`'s variants (label, epilogue, block_n, stages, experts, rows, TMA-able output): the defaults
@@ -381,11 +383,9 @@ def _gluon_bf16_ws(compiled: dict, where: dict) -> None:
         scale = torch.ones(R) if epi == 0 or "scale" in label else None
         dsp = torch.zeros((N + bn - 1) // bn, R) if epi == 2 and scale is not None else None
         acts = torch.empty(R, N, dtype=bf) if "acts" in label else None
-        before = set(compiled.get("_gluon_bf16_ws_kernel", {}))
-        with compile_only(compiled):
+        with _compiling(compiled, where, f"gluon-bf16-ws/{label}", "_gluon_bf16_ws_kernel"):
             launch_gluon_bf16_ws(a, w, offs, out, cfg, n=N, epilogue=epi, h=h, store_h=epi == 1, w_kn=kn,
                                  n_up=I if epi == 1 else 0, scale=scale, dsp=dsp, acts=acts)
-        _mark(compiled, where, "_gluon_bf16_ws_kernel", before, f"gluon-bf16-ws/{label}")
 
 
 def _wgrad_outputs(compiled: dict, where: dict) -> None:
@@ -400,11 +400,8 @@ def _wgrad_outputs(compiled: dict, where: dict) -> None:
     y = torch.zeros(512, 7168, dtype=torch.bfloat16)
     offs = torch.tensor([0, 200, 512], dtype=torch.int32)
     for dt in (torch.bfloat16, torch.float32):
-        before = set(compiled.get("_grouped_wgrad_kernel", {}))
-        with compile_only(compiled):
+        with _compiling(compiled, where, f"wgrad/default/{str(dt).replace('torch.', '')}", "_grouped_wgrad_kernel"):
             grouped_wgrad(x, y, offs, out_dtype=dt)
-        for key in set(compiled.get("_grouped_wgrad_kernel", {})) - before:
-            where[f"_grouped_wgrad_kernel#{key[:8]}"] = f"wgrad/default/{str(dt).replace('torch.', '')}"
 
 
 #: :func:`_gluon_wgrad_ws`'s variants (label, M, N, experts, rows, output dtype, BLOCK_K, stages): the default
@@ -433,10 +430,8 @@ def _gluon_wgrad_ws(compiled: dict, where: dict) -> None:
         cfg = dataclasses.replace(default_config("wgrad", R, N, M, kernel="gluon"), num_sms=132)
         if bk is not None:
             cfg = dataclasses.replace(cfg, block_k=bk, num_stages=stages)
-        before = set(compiled.get("_gluon_wgrad_ws_kernel", {}))
-        with compile_only(compiled):
+        with _compiling(compiled, where, f"gluon-wgrad-ws/{label}", "_gluon_wgrad_ws_kernel"):
             launch_gluon_wgrad_ws(x, y, offs, out, cfg)
-        _mark(compiled, where, "_gluon_wgrad_ws_kernel", before, f"gluon-wgrad-ws/{label}")
 
 
 #: :func:`_router`'s cases of megamoe/kernels/router_topk.py (label, E, k, sigmoid, bias, tokens; T = 1 arrives as
@@ -458,15 +453,11 @@ def _router(compiled: dict, where: dict) -> None:
 
     for label, E, k, sigmoid, bias, T in ROUTER_CASES:
         names = ("_route_fwd_kernel", "_route_finish_kernel", "_route_bwd_kernel")
-        before = {n: set(compiled.get(n, {})) for n in names}
-        with compile_only(compiled):
+        with _compiling(compiled, where, f"router/{label}", *names):
             logits = torch.zeros(T, E, requires_grad=True)
             idx, gates, aux, counts = RouteTopk.apply(logits, torch.zeros(E) if bias else None, k, sigmoid, True,
                                                       2.5 if sigmoid else 1.0, 0.01)
             (gates.sum() + aux).backward()
-        for n, keys in before.items():
-            for key in set(compiled.get(n, {})) - keys:
-                where[f"{n}#{key[:8]}"] = f"router/{label}"
 
 
 def launch_nothing():
