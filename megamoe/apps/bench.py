@@ -75,14 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _defaults(args, on_gpu: bool) -> argparse.Namespace:
     args = argparse.Namespace(**vars(args))
-    if args.preset is None:
-        args.preset = "deepseek-v3" if on_gpu else "tiny"
-    if args.tokens is None:
-        args.tokens = 4096 if on_gpu else 64
-    if args.iters is None:
-        args.iters = 20 if on_gpu else 3
-    if args.warmup is None:
-        args.warmup = 5 if on_gpu else 1
+    for name, gpu, cpu in (("preset", "deepseek-v3", "tiny"), ("tokens", 4096, 64), ("iters", 20, 3), ("warmup", 5, 1)):
+        if getattr(args, name) is None:
+            setattr(args, name, gpu if on_gpu else cpu)
     if args.cuda_graph and not on_gpu:
         raise ValueError("--cuda-graph needs CUDA GPUs")
     if args.interleave and not args.cuda_graph:
@@ -358,9 +353,14 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
     rows_per_rank = experts_per_rank = None
     for spec in backends:
         name, options = parse_backend(spec)
-        moe = _pin(MoE(cfg, backend=name, device=device, seed=args.seed, **options), args)
-        if offset is not None:
-            moe.router.set_logit_offset(offset)
+
+        def make_moe(name=name, options=options):
+            m = _pin(MoE(cfg, backend=name, device=device, seed=args.seed, **options), args)
+            if offset is not None:
+                m.router.set_logit_offset(offset)
+            return m
+
+        moe = make_moe()
         if rows_per_rank is None:  # per input set: the timings rotate over all of them
             with torch.no_grad():
                 counts = torch.stack([moe.router(x).tokens_per_expert for x in xs])
@@ -371,13 +371,6 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
         results.append(entry)
         if args.cuda_graph and getattr(moe.backend, "graph_capturable", False):
             graphed = {"backend": spec, "timing": "cuda-graph", "rel_err": entry.get("rel_err")}
-
-            def make_moe(name=name, options=options):
-                m = _pin(MoE(cfg, backend=name, device=device, seed=args.seed, **options), args)
-                if offset is not None:
-                    m.router.set_logit_offset(offset)
-                return m
-
             if args.interleave:  # timed after the loop, all backends' replays in turn
                 graphed["interleaved"] = True
                 interleaved.append((graphed, (spec, make_moe)))

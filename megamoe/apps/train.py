@@ -104,20 +104,19 @@ def _defaults(args, on_gpu: bool) -> argparse.Namespace:
     a = argparse.Namespace(**vars(args))
     if a.fp8:
         a.backends = with_fp8(a.backends)
-    gpu = on_gpu
-    a.preset = a.preset or ("qwen3-30b-a3b" if gpu else "tiny")
-    for name, on_gpu_, on_cpu in (("layers", 4, 2), ("heads", 16, 4), ("seq", 4096, 64), ("batch", 1, 4),
-                                  ("steps", 200, 30), ("lr", 1e-3, 3e-3)):
+    a.preset = a.preset or ("qwen3-30b-a3b" if on_gpu else "tiny")
+    for name, gpu, cpu in (("layers", 4, 2), ("heads", 16, 4), ("seq", 4096, 64), ("batch", 1, 4),
+                           ("steps", 200, 30), ("lr", 1e-3, 3e-3)):
         if getattr(a, name) is None:
-            setattr(a, name, on_gpu_ if gpu else on_cpu)
+            setattr(a, name, gpu if on_gpu else cpu)
         elif not getattr(a, name) > 0:
             raise SystemExit(f"megamoe train: --{name} must be > 0, got {getattr(a, name)}")
     a.warmup = a.warmup if a.warmup is not None else max(1, a.steps // 10)
     a.eval_every = a.eval_every if a.eval_every is not None else max(1, a.steps // 5)
     if a.eval_every < 1 or a.warmup < 0:
         raise SystemExit(f"megamoe train: --eval-every must be >= 1 and --warmup >= 0, got {a.eval_every}, {a.warmup}")
-    a.timing_skip = a.timing_skip if a.timing_skip is not None else (10 if gpu else 2)
-    a.dtype = a.dtype or ("bf16" if gpu else "fp32")
+    a.timing_skip = a.timing_skip if a.timing_skip is not None else (10 if on_gpu else 2)
+    a.dtype = a.dtype or ("bf16" if on_gpu else "fp32")
     return a
 
 
@@ -175,8 +174,6 @@ def train_step(ddp, data: torch.Tensor, opt: MasterAdamW, replicated: list[torch
 
 def _evaluates_after(step: int, args) -> bool:
     return (step + 1) % args.eval_every == 0 or step + 1 == args.steps
-
-
 
 
 def _ckpt_path(out: str, backend: str, rank: int) -> str:
@@ -247,14 +244,10 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
         stats = (stats / W).tolist()
         fwd, bwd, optim = marks.elapsed()
         if step - start >= args.timing_skip:
-            for key, v in zip(("forward", "backward", "optimizer"), (fwd, bwd, optim), strict=True):
+            for key, v in zip(times, (fwd, bwd, optim, fwd + bwd + optim), strict=True):
                 times[key].append(v)
-            times["step"].append(fwd + bwd + optim)
-        history["step"].append(step)
-        history["loss"].append(stats[0])
-        history["aux"].append(stats[1])
-        history["lr"].append(lr)
-        history["grad_norm"].append(float(gnorm))
+        for key, v in zip(("step", "loss", "aux", "lr", "grad_norm"), (step, *stats, lr, float(gnorm)), strict=True):
+            history[key].append(v)
         if _evaluates_after(step, args):
             history["eval"].append((step, evaluate(ddp, corpus, args, device, autocast, rank, W)))
         if show:
