@@ -12,7 +12,8 @@
 #           new, base), then a table of new / base per backend and mode (benchmarks/ab_table.py)
 #   peers   the same at 1, 512 and 4096 tokens with --peers (transformers' modules beside the backends; no base)
 #   gemm    megamoe bench-gemm at the EP-4 shapes, 4096 and 16384 tokens per GPU
-#   profile benchmarks/graph_profile.py: per-kernel device times of a graphed forward+backward (qwen3, deepseek)
+#   profile benchmarks/graph_profile.py: per-kernel device times of a graphed forward and forward+backward (qwen3,
+#           deepseek, mixtral); with BASE=<dir> (its megamoe/ and benchmarks/graph_profile.py) that tree's too
 #   train   a short megamoe train (torch, split, split:fp8=1, fused; qwen3-30b-a3b dims, 2 layers), then
 #           examples/hf_train.py (a transformers Qwen3-MoE, 4 layers, as transformers runs it and patched)
 set -u
@@ -119,11 +120,18 @@ fi
 
 if want profile; then
   echo "== profile"
-  for pe in qwen3-30b-a3b:32 deepseek-v3:64; do
+  for pe in qwen3-30b-a3b:32 deepseek-v3:64 mixtral-8x7b:2; do
     p=${pe%%:*}
-    timeout 300 python3 benchmarks/graph_profile.py --preset "$p" --experts "${pe##*:}" --mode forward+backward \
-        > "$OUT/profile-$p.log" 2>&1
-    tail -25 "$OUT/profile-$p.log"
+    for mode in forward forward+backward; do
+      timeout 120 python3 benchmarks/graph_profile.py --preset "$p" --experts "${pe##*:}" --mode "$mode" --backends split,fused \
+          > "$OUT/profile-$p-$mode-new.log" 2>&1
+      grep -A14 "^==" "$OUT/profile-$p-$mode-new.log"
+      if [ -n "${BASE:-}" ]; then  # the other tree's own graph_profile.py, under torchrun (older trees need a group)
+        ( cd "$BASE" && PYTHONPATH=. timeout 120 torchrun --standalone --nproc_per_node 1 benchmarks/graph_profile.py \
+            --preset "$p" --experts "${pe##*:}" --mode "$mode" --backends split,fused > "$OUT/profile-$p-$mode-base.log" 2>&1 )
+        grep -A14 "^==" "$OUT/profile-$p-$mode-base.log"
+      fi
+    done
   done
 fi
 

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from megamoe.config import MoEConfig
-from megamoe.layer import MoE, gather_experts, shard_experts
+from megamoe.layer import MoE, capture_graphs, gather_experts, shard_experts
 from megamoe.router import route
 
 #: transformers block class -> model type
@@ -196,11 +196,15 @@ class MegaMoEBlock(nn.Module):
         if self.training and self.jitter_noise > 0:  # Mixtral's multiplicative input jitter
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         x = x.reshape(-1, shape[-1])
+        tokens = getattr(self.moe, "_megamoe_captured", False)
+        if tokens and x.shape[0] != tokens:
+            raise ValueError(f"this block's experts were captured for {tokens} tokens per call (hf.capture), got "
+                             f"{x.shape[0]}")
         if self.model_type == "gpt_oss":
             _, gates, idx = self.router(x)
-            return self.moe.experts_forward(x, idx, gates).reshape(shape), gates
+            return self.experts(x, idx, gates).reshape(shape), gates
         _, gates, idx = self.gate(x)
-        y = self.moe.experts_forward(x, idx, gates)
+        y = self.experts(x, idx, gates)
         if self.model_type == "qwen2_moe":
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif self.model_type == "deepseek_v3":
@@ -234,6 +238,26 @@ def patch(model: nn.Module, backend: str = "torch", group=None, max_tokens_per_r
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, MegaMoEBlock(block, group=group, backend=backend,
                                             max_tokens_per_rank=max_tokens_per_rank, **backend_options))
+    return model
+
+
+def capture(model: nn.Module, tokens: int, autocast=None) -> nn.Module:
+    """Capture the routed experts of every patched block in CUDA graphs, forward and backward, as
+    :func:`megamoe.capture_moe_layers` does for MoE layers (its rules hold), and return ``model``: the host cost of the
+    backend's kernel chain, which an eager training loop pays per layer, goes. Router and shared experts stay eager;
+    every call must have ``tokens`` tokens (batch x sequence; another count raises ``ValueError``)."""
+    found = blocks(model)
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no patched MoE block: call megamoe.hf.patch first")
+
+    def sample(moe: MoE, gen: torch.Generator) -> tuple:
+        c, dev = moe.config, moe.device
+        idx = torch.rand(tokens, c.num_experts, device=dev, generator=gen).topk(c.top_k, dim=-1).indices
+        gates = torch.rand(tokens, c.top_k, device=dev, generator=gen).requires_grad_()  # the router's float32
+        x = torch.randn(tokens, c.hidden, device=dev, dtype=moe.w13.dtype, generator=gen).requires_grad_()
+        return x, idx, gates
+
+    capture_graphs("hf.capture", [b.experts for b in found], [b.moe for b in found], tokens, sample, autocast)
     return model
 
 

@@ -247,30 +247,37 @@ def capture_moe_layers(layers, tokens: int, autocast=None) -> None:
     parameter gradients live in static buffers the next replay overwrites: consume them within the step (no gradient
     accumulation). Host-side state changed after capture (``router.set_logit_offset``) is not seen.
     """
-    import contextlib
-
     layers = tuple(layers)
-    if not layers:
-        raise ValueError("capture_moe_layers: no layers given")
-    if not isinstance(tokens, int) or tokens <= 0:
-        raise ValueError(f"capture_moe_layers: tokens must be a positive int, got {tokens!r}")
     for m in layers:
         if not isinstance(m, MoE):
             raise TypeError(f"capture_moe_layers: expected megamoe.MoE modules, got {type(m).__name__}")
+    capture_graphs("capture_moe_layers", layers, layers, tokens, lambda m, gen: (torch.randn(
+        tokens, m.config.hidden, device=m.device, dtype=m.w13.dtype, generator=gen).requires_grad_(),), autocast)
+
+
+def capture_graphs(name: str, modules, layers, tokens: int, sample, autocast=None) -> None:
+    """make_graphed_callables on ``modules`` (one pool), each running MoE layer ``layers[i]``, with the sample
+    arguments ``sample(layer, generator)`` of ``tokens`` tokens; the checks every capture of MoE layers needs."""
+    import contextlib
+
+    if not modules:
+        raise ValueError(f"{name}: no layers given")
+    if not isinstance(tokens, int) or tokens <= 0:
+        raise ValueError(f"{name}: tokens must be a positive int, got {tokens!r}")
+    for m in layers:
         if m.backend_name == "torch":
             raise ValueError("backend 'torch' cannot run in a CUDA graph (it reads split sizes on the host); "
                              "use split or fused")
         if m.device.type != "cuda":
             raise ValueError(f"CUDA graphs need CUDA devices, the MoE layers are on {m.device}")
         if getattr(m, "_megamoe_captured", False):
-            raise ValueError("capture_moe_layers: a layer was captured already")
+            raise ValueError(f"{name}: a layer was captured already")
     gen = torch.Generator(device=layers[0].device).manual_seed(1234)
-    samples = tuple((torch.randn(tokens, m.config.hidden, device=m.device, dtype=m.w13.dtype, generator=gen)
-                     .requires_grad_(),) for m in layers)
+    samples = tuple(sample(m, gen) for m in layers)
     with autocast if autocast is not None else contextlib.nullcontext():
-        torch.cuda.make_graphed_callables(layers, samples, num_warmup_iters=3, allow_unused_input=True)
+        torch.cuda.make_graphed_callables(tuple(modules), samples, num_warmup_iters=3, allow_unused_input=True)
     for m in layers:
-        m._megamoe_captured = True
+        m._megamoe_captured = tokens
 
 
 def shard_experts(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
