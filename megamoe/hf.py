@@ -198,8 +198,7 @@ class MegaMoEBlock(nn.Module):
         x = x.reshape(-1, shape[-1])
         tokens = getattr(self.moe, "_megamoe_captured", False)
         if tokens and x.shape[0] != tokens:
-            raise ValueError(f"this block's experts were captured for {tokens} tokens per call (hf.capture), got "
-                             f"{x.shape[0]}")
+            raise ValueError(f"the experts were captured for {tokens} tokens per call (hf.capture), got {x.shape[0]}")
         if self.model_type == "gpt_oss":
             _, gates, idx = self.router(x)
             return self.experts(x, idx, gates).reshape(shape), gates

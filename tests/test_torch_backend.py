@@ -28,3 +28,28 @@ def check_results(results: list[list[dict]], world: int) -> None:
 def test_torch_backend_matches_reference(world):
     results = spawn(_rank_cases, world, "torch", timeout_s=600)
     check_results(results, world)
+
+
+def test_loop_grouped_mm_takes_each_weight_slice_once():
+    # the CPU / non-bf16 grouped GEMM: right values and gradients, and a backward that builds b's gradient once
+    # (indexing b[g] per group made each group's backward allocate and add a zero tensor the size of all of b)
+    from megamoe.backends.torch_a2a import grouped_mm
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(7, 5, dtype=torch.float64, generator=gen).requires_grad_()
+    b = torch.randn(3, 5, 4, dtype=torch.float64, generator=gen).requires_grad_()
+    offs = torch.tensor([2, 2, 7], dtype=torch.int32)  # the middle group is empty
+    out = grouped_mm(a, b, offs)
+    ref = torch.cat([a[:2] @ b[0], a[2:7] @ b[2]])
+    assert torch.equal(out, ref)
+    g = torch.randn_like(out)
+    da, db = torch.autograd.grad(out, (a, b), g)
+    ra, rb = torch.autograd.grad(ref, (a, b), g)
+    assert torch.equal(da, ra) and torch.equal(db, rb) and not db[1].any()
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None and fn not in seen:
+            seen.add(fn)
+            todo += [f for f, _ in fn.next_functions]
+    assert "SelectBackward0" not in {type(f).__name__ for f in seen}

@@ -62,8 +62,9 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     ends = offs.tolist()
     if ends[-1] != a.shape[0]:
         raise ValueError(f"grouped_mm: the last offset ({ends[-1]}) must equal the rows of a ({a.shape[0]})")
-    starts = [0] + ends[:-1]
-    return torch.cat([a[s:e] @ b[g] for g, (s, e) in enumerate(zip(starts, ends, strict=True))])
+    # unbind, not b[g]: each b[g]'s backward would allocate and add a zero gradient the size of all of b
+    starts, bs = [0] + ends[:-1], b.unbind(0)
+    return torch.cat([a[s:e] @ bs[g] for g, (s, e) in enumerate(zip(starts, ends, strict=True))])
 
 
 class TorchBackend:
