@@ -13,7 +13,8 @@
 #   peers   the same at 1, 512 and 4096 tokens with --peers (transformers' modules beside the backends; no base)
 #   gemm    megamoe bench-gemm at the EP-4 shapes, 4096 and 16384 tokens per GPU
 #   profile benchmarks/graph_profile.py: per-kernel device times of a graphed forward and forward+backward (qwen3,
-#           deepseek, mixtral); with BASE=<dir> (its megamoe/ and benchmarks/graph_profile.py) that tree's too
+#           deepseek, mixtral); with BASE=<dir> (its megamoe/ and benchmarks/graph_profile.py) that tree's too; an
+#           eager step's host time against its kernels' (qwen3, 512 tokens)
 #   train   a short megamoe train (torch, split, split:fp8=1, fused; qwen3-30b-a3b dims, 2 layers), then
 #           examples/hf_train.py (a transformers Qwen3-MoE, 4 layers, as transformers runs it and patched)
 set -u
@@ -133,6 +134,10 @@ if want profile; then
       fi
     done
   done
+  # eager: the host's time per step against the kernels' (eager steps below 4096 tokens are launch-bound)
+  timeout 120 python3 benchmarks/graph_profile.py --preset qwen3-30b-a3b --experts 32 --tokens 512 \
+      --mode forward+backward --backends split,fused --eager > "$OUT/profile-eager.log" 2>&1
+  grep -A14 "^==" "$OUT/profile-eager.log"
 fi
 
 if want train; then

@@ -3,13 +3,17 @@ megamoe.apps.bench.capture_step), one GPU: where a graphed forward's time goes, 
 events).
 
     python benchmarks/graph_profile.py --preset qwen3-30b-a3b --tokens 4096 --backends split,fused
-        [--mode forward|forward+backward] [--iters 20] [--experts N]
+        [--mode forward|forward+backward] [--iters 20] [--experts N] [--eager]
+
+--eager profiles eager steps instead: host time per step beside the GPU's busy time, and the host's most expensive
+operations (an eager step whose host time exceeds its kernels' time is launch-bound).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_k, _v)
@@ -32,6 +36,7 @@ def main() -> None:
     p.add_argument("--backends", default="split,fused")
     p.add_argument("--mode", default="forward", choices=["forward", "forward+backward"])
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--eager", action="store_true", help="profile eager steps' host time instead of graph replays")
     args = p.parse_args()
     dev = init_from_env() if under_torchrun() else torch.device("cuda")  # world 1 needs no group
     cfg = preset(args.preset, max_tokens_per_rank=args.tokens)
@@ -41,6 +46,9 @@ def main() -> None:
     x0 = torch.randn(args.tokens, cfg.hidden, device=dev, dtype=cfg.dtype, generator=gen)
     for spec in args.backends.split(","):
         name, opts = parse_backend(spec)
+        if args.eager:
+            eager_profile(MoE(cfg, backend=name, device=dev, seed=0, **opts), x0, spec, args)
+            continue
         graph, moe, _, _ = capture_step(lambda name=name, opts=opts: MoE(cfg, backend=name, device=dev, seed=0, **opts),
                                         x0, torch.randn_like(x0), dev, args.mode)
         ts = []
@@ -64,6 +72,34 @@ def main() -> None:
         for k, t, n in rows[:14]:
             print(f"   {t:7.3f} ms  x{n:<3d} {k}")
         del graph, moe
+
+
+def eager_profile(moe, x0: torch.Tensor, spec: str, args) -> None:
+    def step():
+        x = x0.detach().clone().requires_grad_()
+        out = moe(x)
+        if args.mode == "forward+backward":
+            out.out.backward(torch.ones_like(out.out))
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.iters):
+        step()
+    host = (time.perf_counter() - t0) / args.iters  # the host's time to issue a step (the GPU runs behind)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
+        for _ in range(args.iters):
+            step()
+        torch.cuda.synchronize()
+    events = pr.key_averages()
+    gpu = sum(e.self_device_time_total for e in events) / 1e3 / args.iters
+    print(f"== {spec} eager {args.mode}: host {host * 1e3:.3f} ms per step, kernels {gpu:.3f} ms", flush=True)
+    rows = sorted(((e.key[:44], e.self_cpu_time_total / 1e3 / args.iters, e.count // args.iters) for e in events),
+                  key=lambda r: -r[1])
+    for k, t, n in rows[:14]:
+        print(f"   {t:7.3f} ms host  x{n:<3d} {k}")
 
 
 if __name__ == "__main__":
