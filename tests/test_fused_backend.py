@@ -103,7 +103,6 @@ def _rank(rank: int, world: int) -> tuple[list[dict], list[bool]]:
             results.append(r)
         dets.append(determinism_case(sk, "fused", dev, ring_blocks=4))
         for label, fields, case, opts in (
-                ("pull_split2", {"pull_split": 2, "lookahead": 1}, cases[1], {}),  # two pull items per block
                 # the GPU's default distances (the interpreter's default config uses lookahead 2 / lag 1: fewer
                 # empty items)
                 ("lookahead8-lag3", {"lookahead": 8, "lag": 3}, cases[1], {}),

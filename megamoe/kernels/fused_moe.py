@@ -11,12 +11,11 @@ then the device-side schedule (comm/schedule.py: offs, and each received row's (
 Work items, taken in order from one atomic counter:
 
     step s = 0, 1, ... covers blocks sG .. sG + G - 1 (G = ``group``):
-        [PULL(b, p) of its blocks, GEMM1(b, j) of step s - L1's blocks, GEMM2(b, j) of step s - L1 - L2's
+        [PULL(b) of its blocks, GEMM1(b, j) of step s - L1's blocks, GEMM2(b, j) of step s - L1 - L2's
          blocks], the GEMM items j-major (tile j of every block of the group, then j + 1), so the tiles that
          read one weight tile run side by side and share it in L2
-    PULL(b, p):  part p (of PULL_SPLIT) of block b's x rows from their owners' ``tok`` regions (NVLink) ->
-                 xbuf slot of b; ready[b] += 1
-    GEMM1(b, j): wait ready[b] == PULL_SPLIT; act[:, j-th BN1 cols] = silu(x @ w13g^T) * (x @ w13u^T)
+    PULL(b):     block b's x rows from their owners' ``tok`` regions (NVLink) -> xbuf slot of b; ready[b] += 1
+    GEMM1(b, j): wait ready[b] == 1; act[:, j-th BN1 cols] = silu(x @ w13g^T) * (x @ w13u^T)
                  (and h when STORE_H); g1[b] += 1
     GEMM2(b, j): wait g1[b] == T1; out = act @ w2[e]^T (cols j*BN2..); each row r = (src, t, slot) is stored
                  straight into rank src's ``slots`` region at [t, slot, cols]; g2[b] += 1
@@ -124,7 +123,7 @@ def _fused_fwd_kernel(
     H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
     K: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     BLOCK_E: tl.constexpr, EPI_SPLIT1: tl.constexpr, EPI_SPLIT2: tl.constexpr,
-    GB: tl.constexpr, PULL_SPLIT: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_H: tl.constexpr,
+    GB: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_H: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, STORE_H: tl.constexpr, ALIGNED: tl.constexpr, WP2: tl.constexpr,
     b13_ptr, b2_ptr,        # HAS_BIAS: b13 [E_l, 2I], b2 [E_l, H] bf16, contiguous (else None)
     alpha, limit,           # ACT=1: gpt-oss's clamped SwiGLU constants (else None)
@@ -140,7 +139,7 @@ def _fused_fwd_kernel(
     e_idx, starts, cnts, nblk, cum, nb = expert_tiles(offs_ptr, E_l, 1, BM, 1, BLOCK_E)  # BM-row blocks
     T1 = tl.cdiv(I, BN1)
     T2 = tl.cdiv(H, BN2)
-    PS = GB * (PULL_SPLIT + T1 + T2)
+    PS = GB * (1 + T1 + T2)
     n_steps = tl.where(nb > 0, tl.cdiv(nb, GB) + L1 + L2, 0)
     ready = ctr_ptr + 1
     g1 = ready + NB_MAX
@@ -152,9 +151,8 @@ def _fused_fwd_kernel(
         sub = (item % PS).to(tl.int32)
         go = s < n_steps
         if go:
-            if sub < GB * PULL_SPLIT:  # PULL(b, part) for the GB blocks of step s
-                b = s * GB + sub // PULL_SPLIT
-                part_i = sub % PULL_SPLIT
+            if sub < GB:  # PULL(b) for the GB blocks of step s
+                b = s * GB + sub
                 if b < nb:
                     e, row0, nrows, base = locate(b, e_idx, starts, cnts, nblk, cum, NS, BM)
                     free = b >= 0
@@ -162,18 +160,17 @@ def _fused_fwd_kernel(
                         if b >= NS:  # the slot's previous block has been read by all its GEMM1 tiles
                             free = wait_counter(g1 + b - NS, T1, tab, W, rank, call, timeout_ns)
                     if free:
-                        part = (BM + PULL_SPLIT - 1) // PULL_SPLIT
-                        pull_block(tab, W, row0, nrows, base, part_i * part, part_i * part + part,
-                                    row_src_ptr, row_tok_ptr, x_ptr, H, H, ROWS_P, BLOCK_H, ALIGNED)
+                        pull_block(tab, W, row0, nrows, base, 0, BM, row_src_ptr, row_tok_ptr, x_ptr, H, H, ROWS_P,
+                                   BLOCK_H, ALIGNED)
                     signal_counter(ready + b)
                     go = free
-            elif sub < GB * (PULL_SPLIT + T1):  # GEMM1(b, j) for the blocks of step s - L1, j-major
-                q = sub - GB * PULL_SPLIT
+            elif sub < GB * (1 + T1):  # GEMM1(b, j) for the blocks of step s - L1, j-major
+                q = sub - GB
                 b = (s - L1) * GB + q % GB
                 j = q // GB
                 if (b >= 0) & (b < nb):
                     e, row0, nrows, base = locate(b, e_idx, starts, cnts, nblk, cum, NS, BM)
-                    fine = wait_counter(ready + b, PULL_SPLIT, tab, W, rank, call, timeout_ns)
+                    fine = wait_counter(ready + b, 1, tab, W, rank, call, timeout_ns)
                     if NS > 0:
                         if b >= NS:  # act slot: GEMM2 of the slot's previous block is done
                             fine = fine & wait_counter(g2 + b - NS, T2, tab, W, rank, call, timeout_ns)
@@ -201,7 +198,7 @@ def _fused_fwd_kernel(
                     signal_counter(g1 + b)
                     go = fine
             else:  # GEMM2(b, j) for the blocks of step s - L1 - L2, j-major
-                q = sub - GB * (PULL_SPLIT + T1)
+                q = sub - GB * (1 + T1)
                 b = (s - L1 - L2) * GB + q % GB
                 j = q // GB
                 if (b >= 0) & (b < nb):
@@ -251,7 +248,6 @@ class FusedConfig:
     lookahead: int | None = None
     lag: int | None = None
     pull_elems: int = 16384  # ROWS_P x BLOCK_H of one pull step
-    pull_split: int = 1      # pull items per block (each moves block rows / pull_split rows)
     group: int = 8           # blocks per step (GEMM items j-major over them: L2 reuse of weight tiles)
     use_tma: bool | None = None
     kernel: str = "triton"
@@ -288,7 +284,7 @@ def _plan(cfg: FusedConfig, device: torch.device, H: int, I: int, ring_blocks: i
     every wait is on an earlier item (PULL(b) on GEMM1(b - NS), GEMM1(b) on GEMM2(b - NS): NS // G > L1 + L2)."""
     P = cfg.programs if cfg.programs is not None else num_sms(device)
     G, L2 = cfg.group, plan_lag(cfg, ring_blocks)
-    steps_items = G * (cfg.pull_split + triton.cdiv(I, cfg.bn1) + triton.cdiv(H, cfg.bn2))
+    steps_items = G * (1 + triton.cdiv(I, cfg.bn1) + triton.cdiv(H, cfg.bn2))
     L1 = cfg.lookahead if cfg.lookahead is not None else max(triton.cdiv(P, steps_items) + 1, 8)
     if ring_blocks:
         G = max(1, min(G, ring_blocks // (L2 + 3)))
@@ -328,8 +324,8 @@ def _prepare(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, 
                 sched.offs, sched.row_src, sched.row_tok, sched.row_slot, ctr,
                 H, I, E_l, nb_max, ring_blocks, lookahead, lag, heap.timeout_ns,
                 K=k, BM=BM, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
-                EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, GB=group, PULL_SPLIT=cfg.pull_split,
-                ROWS_P=max(1, min(BM // cfg.pull_split, cfg.pull_elems // block_h)), BLOCK_H=block_h,
+                EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, GB=group,
+                ROWS_P=max(1, min(BM, cfg.pull_elems // block_h)), BLOCK_H=block_h,
                 USE_TMA=use_tma, DOT_F32=interpreting(), STORE_H=h is not None, ALIGNED=(H * 2) % 16 == 0,
                 WP2=max(2, heap.wp2),
                 b13_ptr=b13, b2_ptr=b2, alpha=None if clamp is None else float(clamp[0]),
@@ -386,8 +382,6 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
                 raise ValueError(f"fused_forward: {name} must be a contiguous bf16 {list(shape)}, got {b.dtype} "
                                  f"{list(b.shape)}")
     # every check before anything is staged: a staged call must be followed by its kernels
-    if cfg.block_m % cfg.pull_split:
-        raise ValueError(f"pull_split={cfg.pull_split} must divide the block's {cfg.block_m} rows")
     if cfg.kernel not in ("triton", "gluon"):
         raise ValueError(f"FusedConfig.kernel must be 'triton' or 'gluon', got {cfg.kernel!r}")
     if cfg.kernel == "gluon":

@@ -107,18 +107,17 @@ CONSUMER_REGS = 208
 
 # ------------------------------------------------------------------------------------------ item bookkeeping
 @gluon.jit
-def _decode(item, PS, T1, L1, L2, GB: gl.constexpr, PULL_SPLIT: gl.constexpr):
-    """item -> (step, kind 0 PULL / 1 GEMM1 / 2 GEMM2, block, pull part or column tile): fused_moe's order."""
+def _decode(item, PS, T1, L1, L2, GB: gl.constexpr):
+    """item -> (step, kind 0 PULL / 1 GEMM1 / 2 GEMM2, block, column tile; 0 for a PULL): fused_moe's order."""
     s = (item // PS).to(gl.int32)
     sub = (item % PS).to(gl.int32)
-    is_pull = sub < GB * PULL_SPLIT
-    is_g1 = (sub >= GB * PULL_SPLIT) & (sub < GB * (PULL_SPLIT + T1))
-    q1 = gl.maximum(sub - GB * PULL_SPLIT, 0)
-    q2 = gl.maximum(sub - GB * (PULL_SPLIT + T1), 0)
-    b = gl.where(is_pull, s * GB + sub // PULL_SPLIT, gl.where(is_g1, (s - L1) * GB + q1 % GB,
-                                                               (s - L1 - L2) * GB + q2 % GB))
+    is_pull = sub < GB
+    is_g1 = (sub >= GB) & (sub < GB * (1 + T1))
+    q1 = gl.maximum(sub - GB, 0)
+    q2 = gl.maximum(sub - GB * (1 + T1), 0)
+    b = gl.where(is_pull, s * GB + sub, gl.where(is_g1, (s - L1) * GB + q1 % GB, (s - L1 - L2) * GB + q2 % GB))
     kind = gl.where(is_pull, 0, gl.where(is_g1, 1, 2))
-    j = gl.where(is_pull, sub % PULL_SPLIT, gl.where(is_g1, q1 // GB, q2 // GB))
+    j = gl.where(is_pull, 0, gl.where(is_g1, q1 // GB, q2 // GB))
     return s, kind, b, j
 
 
@@ -171,7 +170,7 @@ def _issue_loads(x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, emp
 def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
             q_smem, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
             BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, BLOCK_E: gl.constexpr, GB: gl.constexpr,
-            PULL_SPLIT: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr, tok_descs,
+            STAGES: gl.constexpr, QD_: gl.constexpr, tok_descs,
             row_src_ptr, row_tok_ptr, BULK: gl.constexpr, RA: gl.constexpr, RB: gl.constexpr, RV: gl.constexpr,
             C: gl.constexpr, WP2: gl.constexpr, NP: gl.constexpr, BR: gl.constexpr):
     """Claims the items, waits for their inputs, hands them over, then issues their loads. BULK: the PULL items' loads
@@ -182,7 +181,7 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
     e_idx, starts, cnts, nblk, cum, nb = schedule(offs_ptr, E_l, 1, BM, 1, BLOCK_E, lay)
     T1 = gl.cdiv(I, BN1)
     T2 = gl.cdiv(H, BN2)
-    PS = GB * (PULL_SPLIT + T1 + T2)
+    PS = GB * (1 + T1 + T2)
     n_steps = gl.where(nb > 0, gl.cdiv(nb, GB) + L1 + L2, 0)
     rdy = ctr_ptr + 1
     g1 = rdy + NB_MAX
@@ -200,7 +199,7 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
         qs = n % QD_
         mbarrier.wait(q_empty.index(qs), ((n // QD_) & 1) ^ 1)  # (the first pass finds every slot free)
         item = gl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
-        s, kind, b, j = _decode(item, PS, T1, L1, L2, GB, PULL_SPLIT)
+        s, kind, b, j = _decode(item, PS, T1, L1, L2, GB)
         go = s < n_steps
         fine = nb >= 0
         live = go & (b >= 0) & (b < nb)
@@ -210,7 +209,7 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
                 if (NS > 0) & (b >= NS):
                     fine = fine & wait_counter(g1 + b - NS, 2 * T1, tab, W, rank, call, timeout_ns)
             elif kind == 1:  # GEMM1(b, j): b pulled; with a ring, the act slot's previous block's GEMM2 done
-                fine = wait_counter(rdy + b, 2 * PULL_SPLIT, tab, W, rank, call, timeout_ns)
+                fine = wait_counter(rdy + b, 2, tab, W, rank, call, timeout_ns)
                 if (NS > 0) & (b >= NS):
                     fine = fine & wait_counter(g2 + b - NS, 2 * T2, tab, W, rank, call, timeout_ns)
             else:  # GEMM2(b, j): every GEMM1 tile of b done
@@ -231,7 +230,7 @@ def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, r
                               I, k1, k2, it, BN1, BN2, STAGES)
         if BULK:
             if live & fine & (kind == 0):
-                part: gl.constexpr = BM // PULL_SPLIT
+                part: gl.constexpr = BM
                 it = issue_pull(tok_descs, a_smem, b_smem, ready, empty, row_src_ptr, row_tok_ptr, row0, j * part,
                                  gl.minimum(j * part + part, nrows), it, RA, RB, RV, C, STAGES, NP, BR)
         go = go & fine
@@ -335,7 +334,7 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_sme
               offs_ptr, row_src_ptr, row_tok_ptr, row_slot_ptr, ctr_ptr,
               H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
               K: gl.constexpr, BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, BLOCK_E: gl.constexpr,
-              GB: gl.constexpr, PULL_SPLIT: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr,
+              GB: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr,
               ROWS_P: gl.constexpr, BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr,
               EPI_TMA: gl.constexpr, ALIGNED: gl.constexpr, WG: gl.constexpr, SQ: gl.constexpr, xv_desc,
               BULK: gl.constexpr,
@@ -369,8 +368,8 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_sme
         gl.thread_barrier()
         mbarrier.arrive(q_empty.index(qs), count=1)
         if go:
-            if kind == 0:  # PULL(b, part j)
-                part: gl.constexpr = BM // PULL_SPLIT
+            if kind == 0:  # PULL(b)
+                part: gl.constexpr = BM
                 if BULK:  # the part's rows, loaded by the loader into the ring: stored from there
                     it = store_pull(xv_desc, a_smem, b_smem, ready, empty, base, j * part,
                                      gl.minimum(j * part + part, nrows), it, RA, RB, RV, C, STAGES, WG, BR)
@@ -421,7 +420,7 @@ def _gluon_fused_fwd_kernel(
     ctr_ptr,            # int64 [1 + 3 * NB_MAX] zeroed: queue, ready[NB_MAX], g1[NB_MAX], g2[NB_MAX]
     H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
     K: gl.constexpr, BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, BLOCK_E: gl.constexpr,
-    GB: gl.constexpr, PULL_SPLIT: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr, ROWS_P: gl.constexpr,
+    GB: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr, ROWS_P: gl.constexpr,
     BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr, EPI_TMA: gl.constexpr, ALIGNED: gl.constexpr,
     CONSUMER_REGS_: gl.constexpr, LOADER_REGS: gl.constexpr, SQ_: gl.constexpr,
     xv_desc, tok0, tok1, tok2, tok3, tok4, tok5, tok6, tok7,
@@ -448,17 +447,16 @@ def _gluon_fused_fwd_kernel(
         (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_smem, s_full, s_empty, s_smem,
                      epi_smem, act_st_desc, hg_desc, hu_desc, x_ptr, act_ptr, h_ptr, offs_ptr, row_src_ptr,
                      row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
-                     BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, ALIGNED, 0, SQ_,
+                     BLOCK_E, GB, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, ALIGNED, 0, SQ_,
                      xv_desc, BULK, RA, RB, RV, C, BR, IDLE_)),
         (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_smem, s_full, s_empty, s_smem,
                      epi_smem, act_st_desc, hg_desc, hu_desc, x_ptr, act_ptr, h_ptr, offs_ptr, row_src_ptr,
                      row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
-                     BLOCK_E, GB, PULL_SPLIT, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, ALIGNED, 1, SQ_,
+                     BLOCK_E, GB, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, ALIGNED, 1, SQ_,
                      xv_desc, BULK, RA, RB, RV, C, BR, IDLE_)),
         (_loader, (tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
                    q_smem, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, BM, BN1, BN2, BLOCK_E, GB,
-                   PULL_SPLIT, STAGES, QD_, tok_descs, row_src_ptr, row_tok_ptr, BULK, RA, RB, RV, C, WP2, NP,
-                   BR)),
+                   STAGES, QD_, tok_descs, row_src_ptr, row_tok_ptr, BULK, RA, RB, RV, C, WP2, NP, BR)),
         (signaller, (s_full, s_empty, s_smem, ctr_ptr, E_l, SQ_)),
     ], [4, 1, 1], [CONSUMER_REGS_, LOADER_REGS, LOADER_REGS])
     ring_done(ready, empty, STAGES)
@@ -536,7 +534,7 @@ def prepare_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: 
         a, act, h if h is not None else a, sched.offs, sched.row_src, sched.row_tok, sched.row_slot, ctr,
         H, I, E_l, nb_max, ring_blocks, lookahead, lag, heap.timeout_ns,
         K=k, BM=BM, BN1=BN1, BN2=BN2, BLOCK_E=triton.next_power_of_2(max(E_l, 2)), GB=group,
-        PULL_SPLIT=cfg.pull_split, STAGES=cfg.num_stages, QD_=QD,
+        STAGES=cfg.num_stages, QD_=QD,
         ROWS_P=max(1, min(BM // 2, PULL_ELEMS // block_h)), BLOCK_H=block_h, WP2=max(2, heap.wp2),
         STORE_H=h is not None, EPI_TMA=epi_tma, ALIGNED=(H * 2) % 16 == 0,
         CONSUMER_REGS_=CONSUMER_REGS, LOADER_REGS=REG_POOL - 2 * CONSUMER_REGS, SQ_=SQ, xv_desc=xv_desc,
