@@ -307,6 +307,8 @@ def load_full_weights(moe: MoE, router_weight: torch.Tensor, w13: torch.Tensor, 
         moe.router.logit_bias.copy_(logit_bias)
     if (shared is not None) != (moe.shared_w13 is not None):
         raise ValueError("give shared=(w13, w2, gate) exactly when the layer has a shared expert")
+    if shared is not None and (shared[2] is not None) != (moe.shared_gate is not None):
+        raise ValueError("give the shared expert's gate exactly when the layer's shared expert is gated")
     for p, t in zip((moe.shared_w13, moe.shared_w2, moe.shared_gate), shared or (), strict=False):
         if p is not None:
             p.copy_(t)

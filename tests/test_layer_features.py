@@ -121,6 +121,12 @@ def test_init_none_draws_nothing_and_loads():
                       shared=(full.shared_w13, full.shared_w2, full.shared_gate))
     x = torch.randn(6, cfg.hidden)
     assert torch.equal(empty(x).out, full(x).out)
+    with pytest.raises(ValueError, match="gate exactly when the layer's shared expert is gated"):
+        load_full_weights(empty, full.router.weight, full.w13, full.w2, shared=(full.shared_w13, full.shared_w2, None))
+    ungated = MoE(cfg.replace(shared_gate=False), init="none")
+    with pytest.raises(ValueError, match="gate exactly when the layer's shared expert is gated"):  # not dropped
+        load_full_weights(ungated, full.router.weight, full.w13, full.w2,
+                          shared=(full.shared_w13, full.shared_w2, full.shared_gate))
     with pytest.raises(ValueError, match="init must be"):
         MoE(cfg, init="zeros")
 
