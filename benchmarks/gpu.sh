@@ -10,7 +10,8 @@
 #   bench   megamoe bench --experts E/4 --tokens 4096 --cuda-graph --interleave for qwen3-30b-a3b (32), deepseek-v3 (64),
 #           mixtral-8x7b (2); with BASE=<dir holding another tree's megamoe/> that tree too, runs alternating (new, base,
 #           new, base), then a table of new / base per backend and mode (benchmarks/ab_table.py)
-#   peers   the same at 1, 512 and 4096 tokens with --peers (transformers' modules beside the backends; no base)
+#   peers   the same at 1, 512 and 4096 tokens with --peers (transformers' modules beside the backends; no base), and
+#           SonicMoE where .whl/sonic/ holds its wheels (benchmarks/sonic_wheels.sh; carry .whl)
 #   gemm    megamoe bench-gemm at the EP-4 shapes, 4096 and 16384 tokens per GPU
 #   profile benchmarks/graph_profile.py: per-kernel device times of a graphed forward and forward+backward (qwen3,
 #           deepseek, mixtral); with BASE=<dir> (its megamoe/ and benchmarks/graph_profile.py) that tree's too; an
@@ -82,7 +83,7 @@ fi
 
 BENCH_SET="qwen3-30b-a3b:32 deepseek-v3:64 mixtral-8x7b:2"
 bench_one() {  # bench_one <tree> <preset> <experts> <tokens> <json> [more bench args]
-  ( cd "$1" && PYTHONPATH=. timeout 560 python3 -m megamoe bench --preset "$2" --experts "$3" --tokens "$4" \
+  ( cd "$1" && PYTHONPATH=.:$PYTHONPATH timeout 560 python3 -m megamoe bench --preset "$2" --experts "$3" --tokens "$4" \
       --cuda-graph --interleave --quiet --json "$5" "${@:6}" )
 }
 
@@ -104,6 +105,12 @@ fi
 
 if want peers; then
   echo "== peers"
+  if [ -d .whl/sonic ]; then  # SonicMoE as a peer (benchmarks/sonic_wheels.sh made them; carried as .whl)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/sonic/*.whl
+    python3 -c "import tarfile; tarfile.open('.whl/sonic/cutlass_dsl_libs_base.tar.xz').extractall('/tmp/site')"
+    export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages  # its .pth, by hand
+    python3 -c "import sonicmoe; print('sonicmoe', sonicmoe.__version__)" || echo "sonicmoe does not import"
+  fi
   for pe in $BENCH_SET; do
     for t in 1 512 4096; do
       p=${pe%%:*}; e=${pe##*:}

@@ -22,12 +22,7 @@ import triton.language as tl
 from torch.autograd.graph import increment_version
 
 from megamoe.kernels import interpreter
-from megamoe.kernels.fp8_quant import (
-    Fp8Weight,
-    quantize_weight_both,
-    quantize_weight_ref,
-    weight_key,
-)
+from megamoe.kernels.fp8_quant import Fp8Weight, quantize_weight_both, quantize_weight_ref, weight_key
 
 interpreter.apply()  # under TRITON_INTERPRET=1: bf16 stores round to nearest, as on the GPU
 

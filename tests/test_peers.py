@@ -56,6 +56,10 @@ def test_no_peer_for_other_clamps_or_several_ranks():
                      swiglu_limit=5.0), device="cpu")
     with pytest.raises(ValueError, match="no peer for gpt-oss experts other than"):
         HFPeer(moe)
+    from megamoe.apps.peers import SonicPeer
+
+    with pytest.raises(ValueError, match="SonicMoE runs on one GPU process"):
+        SonicPeer(MoE(preset("tiny"), device="cpu"))
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "megamoe", "bench", "--cpu", "--world", "2", "--peers"],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
@@ -79,3 +83,4 @@ def test_bench_peers_beside_the_backends(tmp_path):
         assert e["forward"]["peak_bytes"] is None  # no CUDA here
         assert 0 < e["rel_err"] < 2e-2, e  # bf16 against the float64 reference
     assert "hf-qwen3_moe:grouped_mm" in proc.stdout
+    assert "no SonicMoE peer (SonicMoE runs on one GPU process)" in proc.stdout

@@ -298,7 +298,7 @@ def _eager_entry(spec: str, module, ref_moe, xs, dys, args, timer, device, show:
 def _peers(cfg, args, xs, dys, offset, timer, device, show, results, interleaved) -> None:
     """--peers: transformers' modules on the torch backend's weights (same seed as every backend), timed as the
     backends are; under --cuda-graph also graphed."""
-    from megamoe.apps.peers import HFPeer
+    from megamoe.apps.peers import HFPeer, SonicPeer
     from megamoe.layer import MoE
 
     if offset is not None:
@@ -310,19 +310,25 @@ def _peers(cfg, args, xs, dys, offset, timer, device, show, results, interleaved
         raise SystemExit(f"megamoe bench --peers: {exc}") from None
     if peer.family != "gpt_oss":  # same layout: the reference check reads the peer's copies, its memory its own
         ref.w13.data, ref.w2.data = peer.experts.gate_up_proj.data, peer.experts.down_proj.data
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    results.append(_eager_entry(peer.name, peer, ref, xs, dys, args, timer, device, show))
-    if args.cuda_graph:
-        graphed = {"backend": peer.name, "timing": "cuda-graph", "rel_err": results[-1].get("rel_err")}
-        make = (peer.name, lambda: HFPeer(ref))
-        if args.interleave:
-            graphed["interleaved"] = True
-            interleaved.append((graphed, make))
-        else:
-            graphed.update(_graph_times([make], xs, dys, args, timer, device, show)[0])
-        results.append(graphed)
-    del peer
+    peers = [(peer, HFPeer)]
+    try:
+        peers.append((SonicPeer(ref), SonicPeer))
+    except ValueError as exc:
+        print(f"megamoe bench --peers: no SonicMoE peer ({exc})", flush=True)
+    for peer, kind in peers:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        results.append(_eager_entry(peer.name, peer, ref, xs, dys, args, timer, device, show))
+        if args.cuda_graph:
+            graphed = {"backend": peer.name, "timing": "cuda-graph", "rel_err": results[-1].get("rel_err")}
+            make = (peer.name, lambda kind=kind: kind(ref))
+            if args.interleave:
+                graphed["interleaved"] = True
+                interleaved.append((graphed, make))
+            else:
+                graphed.update(_graph_times([make], xs, dys, args, timer, device, show)[0])
+            results.append(graphed)
+    del peer, peers
 
 
 def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:

@@ -5,7 +5,8 @@ presets, mixtral for ``mixtral-8x7b``, deepseek_v3 with one group for sigmoid pr
 with the experts implementation ``grouped_mm`` (transformers' fastest built-in on a GPU), the layer's router and expert
 weights copied in (converted to transformers' layout: gpt_oss stores gate/up interleaved as [E, H, 2I] and down_proj
 as [E, I, H]), run on one process. It computes what HF's block does, except DeepSeek-V3's shared expert, which
-megamoe's preset does not have.
+megamoe's preset does not have. SonicMoE (``sonicmoe``, where installed: Hopper, softmax top-k routers) is a second
+peer: its fused layer on the same weights and router, gate/up in megamoe's concatenated layout.
 """
 
 from __future__ import annotations
@@ -97,3 +98,31 @@ class HFPeer(nn.Module):
     def forward(self, x: torch.Tensor) -> PeerOutput:
         _, top_w, top_idx = self.router(x)
         return PeerOutput(self.experts(x, top_idx, top_w))  # the weights as HF's block passes them
+
+
+class SonicPeer(nn.Module):
+    """SonicMoE's layer (``sonicmoe.moe_TC_softmax_topk_layer``: softmax over the top-k logits, which is megamoe's
+    softmax router with top-k renormalisation) on ``moe``'s weights, viewed in its (2I, H, E) / (H, I, E) layouts
+    without a copy. ValueError says why there is none (not installed, another router or expert kind, not a GPU)."""
+
+    def __init__(self, moe):
+        super().__init__()
+        c = moe.config
+        if moe.world != 1 or moe.device.type != "cuda":
+            raise ValueError("SonicMoE runs on one GPU process")
+        if (c.router, c.norm_topk, c.route_scale, c.n_group, c.expert_kind, c.router_bias, c.shared_intermediate) != (
+                "softmax", True, 1.0, 1, "swiglu", False, 0):
+            raise ValueError("SonicMoE's layer has a softmax top-k router and SwiGLU experts only")
+        try:
+            import sonicmoe
+        except ImportError:
+            raise ValueError("sonicmoe is not installed") from None
+        self.fn, self.act, self.k, self.name = sonicmoe.moe_TC_softmax_topk_layer, "swiglu", c.top_k, "sonicmoe"
+        self.router_w = nn.Parameter(moe.router.weight.detach().to(c.dtype))
+        self.w13, self.w2 = nn.Parameter(moe.w13.detach()), nn.Parameter(moe.w2.detach())  # shared storage
+
+    def forward(self, x: torch.Tensor) -> PeerOutput:
+        y, _, _ = self.fn(x, self.router_w, self.w13.permute(1, 2, 0), None, self.w2.permute(1, 2, 0), None, self.k,
+                          torch.cuda.current_stream().cuda_stream, self.act, not torch.is_grad_enabled(), True, False,
+                          True)  # (inference, softmax over the top k, norm_topk_probs, concat_layout)
+        return PeerOutput(y)

@@ -29,18 +29,7 @@ from megamoe.kernels.interpreter import row_buffer
 from . import signals as S
 from .heap import SymmetricHeap
 from .schedule import Schedule, build_schedule, schedule_buffers
-from .signals import (
-    ARRIVE_WORK,
-    DONE,
-    OP_PULL,
-    READY,
-    REG_W,
-    arrive_last,
-    current_call,
-    error_set,
-    publish,
-    wait_flags,
-)
+from .signals import ARRIVE_WORK, DONE, OP_PULL, READY, REG_W, arrive_last, current_call, error_set, publish, wait_flags
 
 
 @dataclass

@@ -53,15 +53,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.comm.dispatch import DispatchHandle, stage_and_schedule
 from megamoe.comm.schedule import schedule_buffers
-from megamoe.comm.signals import (
-    DONE,
-    OP_FUSED,
-    READY,
-    current_call,
-    error_set,
-    publish,
-    wait_flags,
-)
+from megamoe.comm.signals import DONE, OP_FUSED, READY, current_call, error_set, publish, wait_flags
 from megamoe.kernels.fused_parts import (
     fence_proxy_async,
     locate,

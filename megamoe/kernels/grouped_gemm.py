@@ -29,14 +29,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.kernels.gemm_config import (
-    EPI_DSWIGLU,
-    GemmConfig,
-    grid_size,
-    interpreting,
-    record,
-    tma_ok,
-)
+from megamoe.kernels.gemm_config import EPI_DSWIGLU, GemmConfig, grid_size, interpreting, record, tma_ok
 from megamoe.kernels.tiles import epilogue, expert_tiles, load_a, load_b, locate_tile
 
 

@@ -50,9 +50,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from megamoe.comm.signals import (
-    SEQ,
-)
+from megamoe.comm.signals import SEQ
 from megamoe.kernels.gemm_config import interpreting, record
 from megamoe.kernels.gluon.common import (
     REG_POOL,
