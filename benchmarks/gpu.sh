@@ -61,12 +61,17 @@ if want tests; then
   echo "== tests"
   rm -f "$OUT/errors.jsonl"
   ids=$(python3 -m pytest -q -p no:cacheprovider --collect-only -m gpu 2>/dev/null | grep "::")
-  n=$(echo "$ids" | wc -l); per=$(( (n + 9) / 10 )); sels=""
-  for s in 0 1 2 3 4 5 6 7 8 9; do
-    chunk=$(echo "$ids" | sed -n "$(( s * per + 1 )),$(( (s + 1) * per ))p" | tr '\n' ' ')
-    [ -n "$chunk" ] && sels+="$chunk;"
-  done
-  echo "$n GPU tests in chunks of $per"
+  # 10 processes: the twins (module fixtures shared by a preset's cases) in 3 contiguous chunks, every other test
+  # dealt round-robin over 7, so that one file's heavy neighbours (the fused and split layer cases) run apart
+  sels=$(echo "$ids" | python3 -c "
+import sys
+ids = sys.stdin.read().split()
+tw = [i for i in ids if 'test_gpu_twins.py' in i]
+rest = [i for i in ids if 'test_gpu_twins.py' not in i]
+per = -(-len(tw) // 3)
+chunks = [tw[k * per:(k + 1) * per] for k in range(3)] + [rest[k::7] for k in range(7)]
+print(';'.join(' '.join(c) for c in chunks if c))")
+  echo "$(echo "$ids" | wc -l) GPU tests in 10 processes"
   MEGAMOE_ERRLOG="$OUT/errors.jsonl" MEGAMOE_TWINS_JSON="$OUT/twins-tests.json" \
     par_pytest tests "${TESTS_TIMEOUT:-540}" "$sels" -v -v -rfE --durations=10
   SUMMARY+=$(for f in "$OUT"/tests-*.log; do grep -E '[0-9]+ (passed|failed|error)' "$f" | tail -1; done)$'\n'
