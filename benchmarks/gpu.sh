@@ -14,7 +14,8 @@
 #           SonicMoE where .whl/sonic/ holds its wheels (benchmarks/sonic_wheels.sh; carry .whl)
 #   gemm    megamoe bench-gemm at the EP-4 shapes, 4096 and 16384 tokens per GPU
 #   profile benchmarks/graph_profile.py: per-kernel device times of a graphed forward and forward+backward (qwen3,
-#           deepseek, mixtral); with BASE=<dir> (its megamoe/ and benchmarks/graph_profile.py) that tree's too; an
+#           deepseek, mixtral); with BASE=<dir> (its megamoe/ and benchmarks/graph_profile.py) that tree's forward on
+#           deepseek and mixtral; an
 #           eager step's host time against its kernels' (qwen3, 512 tokens)
 #   train   a short megamoe train (torch, split, split:fp8=1, fused; qwen3-30b-a3b dims, 2 layers), then
 #           examples/hf_train.py (a transformers Qwen3-MoE, 4 layers, as transformers runs it and patched)
@@ -136,13 +137,17 @@ if want profile; then
   for pe in qwen3-30b-a3b:32 deepseek-v3:64 mixtral-8x7b:2; do
     p=${pe%%:*}
     for mode in forward forward+backward; do
+      m=${mode/+/-}  # file names: letters, digits, '.', '_' and '-' only (what the device tool returns)
       timeout 120 python3 benchmarks/graph_profile.py --preset "$p" --experts "${pe##*:}" --mode "$mode" --backends split,fused \
-          > "$OUT/profile-$p-$mode-new.log" 2>&1
-      grep -A14 "^==" "$OUT/profile-$p-$mode-new.log"
-      if [ -n "${BASE:-}" ]; then  # the other tree's own graph_profile.py, under torchrun (older trees need a group)
-        ( cd "$BASE" && PYTHONPATH=. timeout 120 torchrun --standalone --nproc_per_node 1 benchmarks/graph_profile.py \
-            --preset "$p" --experts "${pe##*:}" --mode "$mode" --backends split,fused > "$OUT/profile-$p-$mode-base.log" 2>&1 )
-        grep -A14 "^==" "$OUT/profile-$p-$mode-base.log"
+          > "$OUT/profile-$p-$m-new.log" 2>&1
+      grep -A14 "^==" "$OUT/profile-$p-$m-new.log"
+      # the other tree's forward where split's graphed forward lost to it (its own graph_profile.py, under torchrun:
+      # older trees need a group; its fused default was the Triton megakernel, so Gluon is asked for)
+      if [ -n "${BASE:-}" ] && [ "$mode" = forward ] && [ "$p" != qwen3-30b-a3b ]; then
+        ( cd "$BASE" && PYTHONPATH=. timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
+            benchmarks/graph_profile.py --preset "$p" --experts "${pe##*:}" --mode "$mode" --backends split,fused:kernel=gluon \
+            > "$OUT/profile-$p-$m-base.log" 2>&1 )
+        grep -A14 "^==" "$OUT/profile-$p-$m-base.log"
       fi
     done
   done
@@ -164,3 +169,7 @@ fi
 
 echo "== summary"
 printf "%s" "$SUMMARY"
+# the device tool returns at most 8 files from $OUT: past that, everything goes into one archive
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  tar czf /tmp/gpu-logs.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/gpu-logs.tgz "$OUT/logs.tgz"
+fi

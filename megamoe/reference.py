@@ -172,21 +172,3 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     if shared is not None:
         y = (y.to(_wide(x.dtype)) + shared_ref(x, *shared)).to(x.dtype)
     return y, r
-
-
-def moe_forward_loop(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                     config: MoEConfig, router_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """An explicit per-token, per-slot loop of SwiGLU experts (slow; tests check :func:`moe_forward` against it)."""
-    if config.expert_kind != "swiglu":
-        raise ValueError("moe_forward_loop has SwiGLU experts only")
-    r = route_ref(x, router_weight, config, router_bias)
-    rows = []
-    for t in range(x.shape[0]):
-        acc = torch.zeros(x.shape[1], dtype=_wide(x.dtype), device=x.device)
-        for j in range(config.top_k):
-            e = int(r.topk_idx[t, j])
-            h = w13[e] @ x[t]
-            a = F.silu(h[: config.intermediate]) * h[config.intermediate:]
-            acc = acc + r.topk_w[t, j] * (w2[e] @ a)
-        rows.append(acc.to(x.dtype))
-    return torch.stack(rows) if rows else x.new_zeros(0, x.shape[1])

@@ -8,12 +8,28 @@ import torch
 from megamoe import MoE, MoEConfig, preset
 from megamoe.backends import BackendUnavailable, available_backends
 from megamoe.config import PRESETS
-from megamoe.reference import moe_forward, moe_forward_loop
+from megamoe.reference import moe_forward, route_ref
 from megamoe.router import route
 
 
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def moe_forward_loop(x, router_weight, w13, w2, config, router_bias=None):
+    """The layer as an explicit per-token, per-slot loop of SwiGLU experts in float64 (slow): what
+    megamoe.reference.moe_forward is checked against."""
+    r = route_ref(x, router_weight, config, router_bias)
+    rows = []
+    for t in range(x.shape[0]):
+        acc = torch.zeros(x.shape[1], dtype=torch.float64)
+        for j in range(config.top_k):
+            e = int(r.topk_idx[t, j])
+            h = w13[e] @ x[t]
+            a = torch.nn.functional.silu(h[: config.intermediate]) * h[config.intermediate:]
+            acc = acc + r.topk_w[t, j] * (w2[e] @ a)
+        rows.append(acc)
+    return torch.stack(rows)
 
 
 def test_presets_have_published_shapes():

@@ -337,3 +337,6 @@ def test_captured_experts_train_like_eager(arch):
     assert all(torch.equal(a, b) for a, b in zip(w0, w1, strict=True))
     with pytest.raises(ValueError, match="captured for 32 tokens per call"):
         graphed_model(torch.zeros(1, 8, dtype=torch.long, device=dev))
+    hf.blocks(graphed_model)[0].moe.close()  # its graphs address the freed heap: refused, not replayed
+    with pytest.raises(ValueError, match="this MoE layer was closed"):
+        graphed_model(torch.zeros(2, 16, dtype=torch.long, device=dev))

@@ -318,7 +318,16 @@ def _peers(cfg, args, xs, dys, offset, timer, device, show, results, interleaved
     for peer, kind in peers:
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        results.append(_eager_entry(peer.name, peer, ref, xs, dys, args, timer, device, show))
+        try:  # SonicMoE may fail at its first launch or capture: dropped with the reason, the rest still timed
+            entry = _eager_entry(peer.name, peer, ref, xs, dys, args, timer, device, show)
+            if kind is SonicPeer and args.cuda_graph:
+                capture_step(lambda: SonicPeer(ref), xs[0], dys[0], device, "forward+backward")
+        except Exception as exc:  # noqa: BLE001
+            if kind is not SonicPeer:
+                raise
+            print(f"megamoe bench --peers: SonicMoE dropped ({type(exc).__name__}: {exc})", flush=True)
+            continue
+        results.append(entry)
         if args.cuda_graph:
             graphed = {"backend": peer.name, "timing": "cuda-graph", "rel_err": results[-1].get("rel_err")}
             make = (peer.name, lambda kind=kind: kind(ref))

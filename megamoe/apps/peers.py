@@ -113,10 +113,12 @@ class SonicPeer(nn.Module):
         if (c.router, c.norm_topk, c.route_scale, c.n_group, c.expert_kind, c.router_bias, c.shared_intermediate) != (
                 "softmax", True, 1.0, 1, "swiglu", False, 0):
             raise ValueError("SonicMoE's layer has a softmax top-k router and SwiGLU experts only")
+        if c.num_experts % 8 or c.num_experts > 4096 or c.top_k > 128:  # its top-k kernel asserts these
+            raise ValueError(f"SonicMoE's router takes 8k <= 4096 experts and top-k <= 128, not E {c.num_experts}")
         try:
             import sonicmoe
-        except ImportError:
-            raise ValueError("sonicmoe is not installed") from None
+        except Exception as exc:  # noqa: BLE001 - not installed, or its CUTLASS DSL does not load here
+            raise ValueError(f"sonicmoe does not import ({type(exc).__name__}: {exc})") from None
         self.fn, self.act, self.k, self.name = sonicmoe.moe_TC_softmax_topk_layer, "swiglu", c.top_k, "sonicmoe"
         self.router_w = nn.Parameter(moe.router.weight.detach().to(c.dtype))
         self.w13, self.w2 = nn.Parameter(moe.w13.detach()), nn.Parameter(moe.w2.detach())  # shared storage
