@@ -255,12 +255,13 @@ def _residency(rank: int, world: int) -> dict:
     before = fwd_bwd()
     fwd_bwd()  # the caching allocator now holds a second set of outputs' blocks: no cudaMalloc (which can
     # serialise against the occupier's stream) while the occupier runs
-    # all SMs but 8 held by a kernel on another stream (one program per SM, nothing beside it): the layer's kernels
-    # get 8 SMs, far fewer than their grids' programs
+    # all SMs but 16 held by a kernel on another stream (one program per SM, nothing beside it): the layer's kernels
+    # get 16 SMs, far fewer than their grids' programs (16, not 8: a cuBLAS kernel of 2-CTA clusters needs two free
+    # SMs in one GPC)
     from megamoe.dist import share_gpus
 
     hog = _occupier()
-    n = (sms - 8) // (world if share_gpus() else 1)  # ranks sharing a GPU split its SMs
+    n = (sms - 16) // (world if share_gpus() else 1)  # ranks sharing a GPU split its SMs
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
     where = torch.full((n,), -1, dtype=torch.int32, device=dev)
     ended = torch.zeros(n, dtype=torch.int32, device=dev)
@@ -269,7 +270,7 @@ def _residency(rank: int, world: int) -> dict:
     torch.cuda.synchronize(dev)
     t0 = time.monotonic()
     with torch.cuda.stream(side):
-        hog[(n,)](flag, where, ended, keep, 30 * 10**9, KEEP=65536, num_warps=16)
+        compiled = hog[(n,)](flag, where, ended, keep, 30 * 10**9, KEEP=65536, num_warps=16)
     time.sleep(0.5)  # the occupier is resident before the layer starts
     held = fwd_bwd()
     out["launched_s"] = time.monotonic() - t0
@@ -280,6 +281,7 @@ def _residency(rank: int, world: int) -> dict:
     out["held_vs_fresh_layer"] = compare_runs(held, base)
     out["occupier_released_by_flag"] = bool((ended == 1).all())
     out["sms_held"], out["occupier_programs"] = len(set(where.tolist())), n
+    out["occupier_regs"] = compiled.n_regs  # 128: the whole register file for 512 threads
     moe.close()
     return out
 
@@ -290,17 +292,22 @@ def _check_residency(results) -> None:
         for key in ("2x_programs", "held", "held_vs_fresh_layer"):
             assert all(v[0] for v in r[key].values()), (key, r[key])
         # the layer finished under the occupier
-        timing = {k: r[k] for k in ("launched_s", "held_s", "occupier_released_by_flag", "sms_held", "programs")}
-        assert r["sms_held"] == r["occupier_programs"], timing  # one occupier program per SM, as designed
+        timing = {k: r[k] for k in ("launched_s", "held_s", "occupier_released_by_flag", "sms_held", "programs",
+                                    "occupier_regs")}
+        assert r["occupier_regs"] == 128 and r["sms_held"] == r["occupier_programs"], timing  # one per SM
         assert r["occupier_released_by_flag"] and r["held_s"] < 20, timing
 
 
 @pytest.mark.skipif(NGPU < 1, reason="needs a GPU")
-def test_fused_completes_with_more_programs_than_resident_one_rank():
+def test_fused_completes_with_more_programs_than_resident_one_rank(monkeypatch):
+    # every stream its own hardware queue: with the default 8 the occupier's stream may share one with the layer's,
+    # whose kernels would then wait behind it
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     _check_residency(spawn(_residency, 1, device="cuda", timeout_s=600))
 
 
 @pytest.mark.skipif(not gpu_ranks_possible(2), reason="needs 2 GPUs or MEGAMOE_SHARE_GPUS=1")
-def test_fused_completes_with_more_programs_than_resident_two_ranks():
+def test_fused_completes_with_more_programs_than_resident_two_ranks(monkeypatch):
     # with MEGAMOE_SHARE_GPUS=1 on one GPU: the two ranks' kernels share its SMs as well
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     _check_residency(spawn(_residency, 2, device="cuda", timeout_s=900))
