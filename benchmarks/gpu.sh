@@ -15,8 +15,7 @@
 #   gemm    megamoe bench-gemm at the EP-4 shapes, 4096 and 16384 tokens per GPU
 #   profile benchmarks/graph_profile.py: per-kernel device times of a graphed forward and forward+backward (qwen3,
 #           deepseek, mixtral); with BASE=<dir> (its megamoe/ and benchmarks/graph_profile.py) that tree's forward on
-#           deepseek and mixtral; an
-#           eager step's host time against its kernels' (qwen3, 512 tokens)
+#           deepseek and mixtral; an eager step's host time against its kernels' (qwen3, 512 tokens)
 #   train   a short megamoe train (torch, split, split:fp8=1, fused; qwen3-30b-a3b dims, 2 layers), then
 #           examples/hf_train.py (a transformers Qwen3-MoE, 4 layers, as transformers runs it and patched)
 set -u

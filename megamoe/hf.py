@@ -197,9 +197,8 @@ class MegaMoEBlock(nn.Module):
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         x = x.reshape(-1, shape[-1])
         tokens = getattr(self.moe, "_megamoe_captured", False)
-        if tokens and (self.moe.backend is None or x.shape[0] != tokens):  # (the graphs address the layer's heap)
-            raise ValueError("this MoE layer was closed" if self.moe.backend is None else
-                             f"the experts were captured for {tokens} tokens per call (hf.capture), got {x.shape[0]}")
+        if tokens and x.shape[0] != tokens:
+            raise ValueError(f"the experts were captured for {tokens} tokens per call (hf.capture), got {x.shape[0]}")
         if self.model_type == "gpt_oss":
             _, gates, idx = self.router(x)
             return self.experts(x, idx, gates).reshape(shape), gates

@@ -118,8 +118,8 @@ class MoE(nn.Module):
         if close is not None:
             close()
         self.backend = None
-        # capture_moe_layers installed a forward replaying CUDA graphs whose kernels address the freed heap
-        self.__dict__.pop("forward", None)
+        # a forward capture_graphs installed (here or on the module running the layer) would replay into the freed heap
+        self.__dict__.pop("_graphed", self).__dict__.pop("forward", None)
 
     def reset_parameters(self, seed: int = 0) -> None:
         """Router from ``seed``; expert e (global id) from ``seed`` and e, std 1/sqrt(fan_in); the shared expert
@@ -276,8 +276,9 @@ def capture_graphs(name: str, modules, layers, tokens: int, sample, autocast=Non
     samples = tuple(sample(m, gen) for m in layers)
     with autocast if autocast is not None else contextlib.nullcontext():
         torch.cuda.make_graphed_callables(tuple(modules), samples, num_warmup_iters=3, allow_unused_input=True)
-    for m in layers:
+    for mod, m in zip(modules, layers, strict=True):
         m._megamoe_captured = tokens
+        m.__dict__["_graphed"] = mod  # for close() (not an attribute: nn.Module would register it as a child)
 
 
 def shard_experts(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
