@@ -86,7 +86,7 @@ for k in sorted(worst):
 EOF
 fi
 
-BENCH_SET="qwen3-30b-a3b:32 deepseek-v3:64 mixtral-8x7b:2"
+BENCH_SET=${BENCH_SET:-"qwen3-30b-a3b:32 deepseek-v3:64 mixtral-8x7b:2"}
 bench_one() {  # bench_one <tree> <preset> <experts> <tokens> <json> [more bench args]
   ( cd "$1" && PYTHONPATH=.:$PYTHONPATH timeout 560 python3 -m megamoe bench --preset "$2" --experts "$3" --tokens "$4" \
       --cuda-graph --interleave --quiet --json "$5" "${@:6}" )
@@ -117,7 +117,7 @@ if want peers; then
     python3 -c "import sonicmoe; print('sonicmoe', sonicmoe.__version__)" || echo "sonicmoe does not import"
   fi
   for pe in $BENCH_SET; do
-    for t in 1 512 4096; do
+    for t in ${PEER_TOKENS:-1 512 4096}; do
       p=${pe%%:*}; e=${pe##*:}
       bench_one . "$p" "$e" "$t" "$OUT/peers-$p-$t.json" --peers > "$OUT/peers-$p-$t.log" 2>&1
       tail -9 "$OUT/peers-$p-$t.log"
