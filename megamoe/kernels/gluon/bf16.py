@@ -160,18 +160,18 @@ def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, epi_smem, h_smem, h_ba
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
         nt += 1
 
-        a0, a1, a2, a3 = slices(acc, HM, BLOCK_N, mma_s)
+        sl = slices(acc, HM, BLOCK_N, mma_s)
         tma_ok = off_m + HM <= row_end  # TMA stores cannot stop at the expert's last row
         b0 = 2 * WG + (nst & 1)
         # (1 or 3 stores per slice: each slice starts on the buffer after the previous slice's last)
         if DSWIGLU:
             hb = WG * 2 * NSL
             mbarrier.wait(h_bar.index(WG), hph)
-            part = _epi_dswiglu_slice(a0, h_smem.index(hb), h_smem.index(hb + NSL), off_m, off_n, row_end, N,
+            part = _epi_dswiglu_slice(sl[0], h_smem.index(hb), h_smem.index(hb + NSL), off_m, off_n, row_end, N,
                                       out_desc, du_desc, acts_desc, out_ptr, stride_om, acts_ptr, scale_ptr,
                                       epi_smem, b0, tma_ok, HM, HAS_SCALE, ACTS, EPI_TMA, mma_s, store_l)
             if NSL > 1:
-                part += _epi_dswiglu_slice(a1, h_smem.index(hb + 1), h_smem.index(hb + NSL + 1), off_m, off_n + 64,
+                part += _epi_dswiglu_slice(sl[1], h_smem.index(hb + 1), h_smem.index(hb + NSL + 1), off_m, off_n + 64,
                                            row_end, N, out_desc, du_desc, acts_desc, out_ptr, stride_om, acts_ptr,
                                            scale_ptr, epi_smem, b0 ^ (PER_SLICE & 1), tma_ok, HM, HAS_SCALE, ACTS,
                                            EPI_TMA, mma_s, store_l)
@@ -182,24 +182,15 @@ def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, epi_smem, h_smem, h_ba
             gl.thread_barrier()
             fence_async_shared()
         elif SWIGLU:
-            u0, u1, u2, u3 = slices(acc2, HM, BLOCK_N, mma_s)
-            epi_swiglu_slice(a0, u0, off_m, off_n, row_end, N, out_desc, hg_desc, hu_desc, out_ptr, stride_om,
-                              h_ptr, stride_hm, epi_smem, b0, tma_ok, HM, STORE_H, EPI_TMA, store_l)
-            if NSL > 1:
-                epi_swiglu_slice(a1, u1, off_m, off_n + 64, row_end, N, out_desc, hg_desc, hu_desc, out_ptr,
-                                  stride_om, h_ptr, stride_hm, epi_smem, b0 ^ 1, tma_ok, HM, STORE_H, EPI_TMA,
-                                  store_l)
+            us = slices(acc2, HM, BLOCK_N, mma_s)
+            for c in gl.static_range(NSL):
+                epi_swiglu_slice(sl[c], us[c], off_m, off_n + 64 * c, row_end, N, out_desc, hg_desc, hu_desc,
+                                 out_ptr, stride_om, h_ptr, stride_hm, epi_smem, b0 ^ (c % 2), tma_ok, HM, STORE_H,
+                                 EPI_TMA, store_l)
         else:
-            epi_none_slice(a0, off_m, off_n, row_end, N, out_desc, out_ptr, stride_om, scale_ptr, epi_smem, b0,
-                            tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
-            if NSL > 1:
-                epi_none_slice(a1, off_m, off_n + 64, row_end, N, out_desc, out_ptr, stride_om, scale_ptr,
-                                epi_smem, b0 ^ 1, tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
-            if NSL > 2:
-                epi_none_slice(a2, off_m, off_n + 128, row_end, N, out_desc, out_ptr, stride_om, scale_ptr,
-                                epi_smem, b0, tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
-                epi_none_slice(a3, off_m, off_n + 192, row_end, N, out_desc, out_ptr, stride_om, scale_ptr,
-                                epi_smem, b0 ^ 1, tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
+            for c in gl.static_range(NSL):
+                epi_none_slice(sl[c], off_m, off_n + 64 * c, row_end, N, out_desc, out_ptr, stride_om, scale_ptr,
+                               epi_smem, b0 ^ (c % 2), tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
         nst += PER_TILE
     if EPI_TMA:  # the staging buffers stay allocated until the last store has read them
         tma.store_wait(0)

@@ -90,13 +90,13 @@ def slices(x, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, mma_s: gl.constexpr)
 
 
 @gluon.jit
-def ring(STAGES: gl.constexpr, EMPTY_COUNT: gl.constexpr):
-    """The ring's barriers, initialised: ready[s] (the loader's TMA bytes of stage s landed) and empty[s] (its
-    EMPTY_COUNT consumer warpgroups released it)."""
+def ring(STAGES: gl.constexpr, EMPTY_COUNT: gl.constexpr, READY_COUNT: gl.constexpr = 1):
+    """The ring's barriers, initialised: ready[s] (the loader's TMA bytes of stage s landed; READY_COUNT arrivals)
+    and empty[s] (its EMPTY_COUNT consumer warpgroups released it)."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(ready.index(s), count=READY_COUNT)
         mbarrier.init(empty.index(s), count=EMPTY_COUNT)
     return ready, empty
 

@@ -128,27 +128,22 @@ def _ws_consumer(a_smem, b_smem, b2_smem, ready, empty, epi_smem, out_desc, hg_d
             it += 1
         tma_ok = off_m + HM <= row_end  # TMA stores cannot stop at the expert's last row
         b0 = 2 * HALF + (nst & 1)  # (1 or 3 stores per slice: each slice starts on the buffer after the previous's)
-        a0, a1, a2, a3 = slices(acc, HM, BLOCK_N, mma_s)
+        sl = slices(acc, HM, BLOCK_N, mma_s)
         if MODE == 1:
-            u0, u1, u2, u3 = slices(acc2, HM, BLOCK_N, mma_s)
-            epi_swiglu_slice(a0, u0, off_m, off_n, row_end, N, out_desc, hg_desc, hu_desc, out_ptr, stride_om, h_ptr,
-                              stride_hm, epi_smem, b0, tma_ok, HM, STORE_H, EPI_TMA, store_l)
-            if NSL > 1:
-                epi_swiglu_slice(a1, u1, off_m, off_n + 64, row_end, N, out_desc, hg_desc, hu_desc, out_ptr,
-                                  stride_om, h_ptr, stride_hm, epi_smem, b0 ^ 1, tma_ok, HM, STORE_H, EPI_TMA,
-                                  store_l)
+            us = slices(acc2, HM, BLOCK_N, mma_s)
+            for c in gl.static_range(NSL):
+                epi_swiglu_slice(sl[c], us[c], off_m, off_n + 64 * c, row_end, N, out_desc, hg_desc, hu_desc, out_ptr,
+                                 stride_om, h_ptr, stride_hm, epi_smem, b0 ^ (c % 2), tma_ok, HM, STORE_H, EPI_TMA,
+                                 store_l)
         else:
-            epi_none_slice(a0, off_m, off_n, row_end, N, out_desc, out_ptr, stride_om, scale_ptr, epi_smem, b0,
-                            tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
-            if NSL > 1:
-                epi_none_slice(a1, off_m, off_n + 64, row_end, N, out_desc, out_ptr, stride_om, scale_ptr, epi_smem,
-                                b0 ^ 1, tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
-            if MODE == 2:
-                c0, c1, c2, c3 = slices(acc2, HM, BLOCK_N, mma_s)
-                epi_none_slice(c0, off_m, off_n + BLOCK_N, row_end, N, out_desc, out_ptr, stride_om, scale_ptr,
-                                epi_smem, b0, tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
-                epi_none_slice(c1, off_m, off_n + BLOCK_N + 64, row_end, N, out_desc, out_ptr, stride_om, scale_ptr,
-                                epi_smem, b0 ^ 1, tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
+            for c in gl.static_range(NSL):
+                epi_none_slice(sl[c], off_m, off_n + 64 * c, row_end, N, out_desc, out_ptr, stride_om, scale_ptr,
+                               epi_smem, b0 ^ (c % 2), tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
+            if MODE == 2:  # (BLOCK_N 128: two slices per product)
+                sl2 = slices(acc2, HM, BLOCK_N, mma_s)
+                for c in gl.static_range(2):
+                    epi_none_slice(sl2[c], off_m, off_n + BLOCK_N + 64 * c, row_end, N, out_desc, out_ptr, stride_om,
+                                   scale_ptr, epi_smem, b0 ^ c, tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
         nst += PER_TILE
     if EPI_TMA:  # the staging buffers stay allocated until the last store has read them
         tma.store_wait(0)

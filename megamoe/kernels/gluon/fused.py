@@ -266,13 +266,11 @@ def _gemm1_half(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc, hu
     tma_ok = off_m + HM <= row_end
     off_n = j * BN1
     b0 = 2 * WG + (nst & 1)
-    a0, a1, a2, a3 = slices(acc, HM, BN1, mma_s)
-    u0, u1, u2, u3 = slices(acc2, HM, BN1, mma_s)
-    epi_swiglu_slice(a0, u0, off_m, off_n, row_end, I, act_st_desc, hg_desc, hu_desc, act_ptr, I, h_ptr, 2 * I,
-                      epi_smem, b0, tma_ok, HM, STORE_H, EPI_TMA, store_l)
-    if NSL1 > 1:
-        epi_swiglu_slice(a1, u1, off_m, off_n + 64, row_end, I, act_st_desc, hg_desc, hu_desc, act_ptr, I, h_ptr,
-                          2 * I, epi_smem, b0 ^ 1, tma_ok, HM, STORE_H, EPI_TMA, store_l)
+    sl = slices(acc, HM, BN1, mma_s)
+    us = slices(acc2, HM, BN1, mma_s)
+    for c in gl.static_range(NSL1):
+        epi_swiglu_slice(sl[c], us[c], off_m, off_n + 64 * c, row_end, I, act_st_desc, hg_desc, hu_desc, act_ptr, I,
+                         h_ptr, 2 * I, epi_smem, b0 ^ (c % 2), tma_ok, HM, STORE_H, EPI_TMA, store_l)
     nst += NSL1 * (3 if STORE_H else 1)
     if EPI_TMA:  # act / h written before the counter says so (GEMM2, maybe on another SM, reads them by TMA)
         bulk_writes_done()
@@ -435,11 +433,7 @@ def _gluon_fused_fwd_kernel(
     q_smem = gl.allocate_shared_memory(gl.int32, [QD_, MSG], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_full, q_empty = ring(QD_, 2)  # the item queue: filled by the loader, taken by both consumers
     s_smem = gl.allocate_shared_memory(gl.int32, [SQ_, MSG], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    s_full = gl.allocate_shared_memory(gl.int64, [SQ_, 1], mbarrier.MBarrierLayout())
-    s_empty = gl.allocate_shared_memory(gl.int64, [SQ_, 1], mbarrier.MBarrierLayout())
-    for ss in gl.static_range(SQ_):
-        mbarrier.init(s_full.index(ss), count=2)
-        mbarrier.init(s_empty.index(ss), count=1)
+    s_full, s_empty = ring(SQ_, 1, 2)  # the signal queue: filled by both consumers, taken by the signaller
     # (the partitions' argument lists written out: constexprs packed into a tuple lose their constexpr-ness)
     gl.warp_specialize([
         (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_smem, s_full, s_empty, s_smem,
@@ -459,9 +453,7 @@ def _gluon_fused_fwd_kernel(
     ], [4, 1, 1], [CONSUMER_REGS_, LOADER_REGS, LOADER_REGS])
     ring_done(ready, empty, STAGES)
     ring_done(q_full, q_empty, QD_)
-    for ss in gl.static_range(SQ_):
-        mbarrier.invalidate(s_full.index(ss))
-        mbarrier.invalidate(s_empty.index(ss))
+    ring_done(s_full, s_empty, SQ_)
 
 
 def smem_bytes(cfg) -> int:

@@ -143,13 +143,9 @@ def _wgrad_consumer(x_smem, y_smem, ready, empty, epi_smem, c_desc, offs_ptr, M,
         row = off_m + WG * HM
         if row < M:  # (M % 64 == 0: a half is all inside the expert's M rows or all past them)
             crow = e * M + row
-            a0, a1, a2, a3 = slices(acc, HM, BLOCK_N, mma_s)
-            b = WG * NB
-            _wgrad_put(a0.to(cdt), c_desc, epi_smem, b + nst % NB, crow, off_n, NB)
-            _wgrad_put(a1.to(cdt), c_desc, epi_smem, b + (nst + 1) % NB, crow, off_n + 64, NB)
-            if BLOCK_N == 256:
-                _wgrad_put(a2.to(cdt), c_desc, epi_smem, b + (nst + 2) % NB, crow, off_n + 128, NB)
-                _wgrad_put(a3.to(cdt), c_desc, epi_smem, b + (nst + 3) % NB, crow, off_n + 192, NB)
+            sl = slices(acc, HM, BLOCK_N, mma_s)
+            for c in gl.static_range(BLOCK_N // 64):
+                _wgrad_put(sl[c].to(cdt), c_desc, epi_smem, WG * NB + (nst + c) % NB, crow, off_n + 64 * c, NB)
             nst += BLOCK_N // 64
     tma.store_wait(0)  # the staging buffers stay allocated until the last store has read them
 
