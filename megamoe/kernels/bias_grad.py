@@ -128,13 +128,4 @@ def segment_sum_ref(x: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor | N
     return torch.stack([xs[o[e]:o[e + 1]].sum(0) for e in range(len(o) - 1)])
 
 
-def row_bias_dot_ref(y: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Twin of row_bias_dot in y's dtype (reads offs on the host)."""
-    o = offs.tolist()
-    out = y.new_zeros(y.shape[0])
-    for e in range(len(o) - 1):
-        out[o[e]:o[e + 1]] = y[o[e]:o[e + 1]] @ b[e].to(y.dtype)
-    return out
-
-
-__all__ = ["segment_sum", "row_bias_dot", "segment_sum_ref", "row_bias_dot_ref"]
+__all__ = ["segment_sum", "row_bias_dot", "segment_sum_ref"]

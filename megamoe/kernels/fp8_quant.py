@@ -80,17 +80,6 @@ def _quant_act_kernel(
 
 
 @triton.jit
-def weight_block(N, K):
-    """The 128x128 block of a [E_l, N, K] weight that program (e, nb, kb) of a (E_l, n_nb, n_kb) grid owns:
-    (e, nb, kb, rk = its 128 columns, kmask = rk < K, base = e's int64 offset)."""
-    e = tl.program_id(0)
-    nb = tl.program_id(1)
-    kb = tl.program_id(2)
-    rk = kb * 128 + tl.arange(0, 128)
-    return e, nb, kb, rk, rk < K, e.to(tl.int64) * N * K
-
-
-@triton.jit
 def quantise_slice(ptrs, mask, s, RNE_IN_FP32: tl.constexpr):
     """e4m3(*ptrs / s) for one slice of a weight block (the block's scale s), read as float32."""
     w = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -115,7 +104,12 @@ def _quant_weight_kernel(
     quantise it, so a thread holds fewer values (more programs per SM in flight); same values either way.
     COLS_T: the transposed orientation from its own loop over CHUNK-column slices, so each transposed row gets
     128 bytes per store instead of CHUNK; one more read of the block."""
-    e, nb, kb, rk, kmask, base = weight_block(N, K)
+    e = tl.program_id(0)
+    nb = tl.program_id(1)
+    kb = tl.program_id(2)
+    rk = kb * 128 + tl.arange(0, 128)
+    kmask = rk < K
+    base = e.to(tl.int64) * N * K
     amax = tl.zeros([CHUNK], dtype=tl.float32)
     for c in range(0, 128, CHUNK):
         rn = nb * 128 + c + tl.arange(0, CHUNK)
@@ -169,9 +163,16 @@ def _act_rows() -> int:
     return 128 if INTERPRETER_TILES and interpreting() else 32
 
 
-def _weight_config(mode: str) -> tuple[int, int, bool]:
-    chunk, warps, cols_t = WEIGHT_QUANT_CONFIG[mode]
-    return (128 if INTERPRETER_TILES and interpreting() else chunk), warps, cols_t
+def _quant_weight(w: torch.Tensor, q, s, qt, st, *, pow2_scale: bool, transpose: bool, both: bool) -> None:
+    """One _quant_weight_kernel launch over the blocks of w [E_l, N, K] (contiguous, non-empty), with
+    WEIGHT_QUANT_CONFIG's "both" or "one" tiling."""
+    E_l, N, K = w.shape
+    n_nb, n_kb = triton.cdiv(N, QBLOCK), triton.cdiv(K, QBLOCK)
+    chunk, warps, cols_t = WEIGHT_QUANT_CONFIG["both" if both else "one"]
+    chunk = 128 if INTERPRETER_TILES and interpreting() else chunk
+    _quant_weight_kernel[(E_l, n_nb, n_kb)](w, q, s, qt, st, N, K, n_nb, n_kb, CHUNK=chunk, POW2=pow2_scale,
+                                            RNE_IN_FP32=interpreting(), TRANSPOSE=transpose, BOTH=both,
+                                            COLS_T=cols_t and (transpose or both), num_warps=warps)
 
 
 def quantize_act(x: torch.Tensor, *, pow2_scale: bool = False, nrows: torch.Tensor | None = None,
@@ -269,10 +270,7 @@ def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False,
         q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
         s = torch.empty((E_l, n_nb, n_kb), device=w.device, dtype=torch.float32)
     if E_l and N and K:
-        chunk, warps, cols_t = _weight_config("one")
-        _quant_weight_kernel[(E_l, n_nb, n_kb)](w, q, s, q, s, N, K, n_nb, n_kb, CHUNK=chunk, POW2=pow2_scale,
-                                                RNE_IN_FP32=interpreting(), TRANSPOSE=transpose, BOTH=False,
-                                                COLS_T=cols_t and transpose, num_warps=warps)
+        _quant_weight(w, q, s, q, s, pow2_scale=pow2_scale, transpose=transpose, both=False)
     return q, s
 
 
@@ -343,32 +341,17 @@ def quantize_weight_both(w: torch.Tensor, *, pow2_scale: bool = False,
     if w.dim() != 3 or not w.is_contiguous():
         raise ValueError(f"quantize_weight_both: w must be a contiguous 3-D [E_l, N, K] tensor, got "
                          f"{tuple(w.shape)} with strides {w.stride()}")
-    E_l, N, K = w.shape
-    n_nb, n_kb = triton.cdiv(N, QBLOCK), triton.cdiv(K, QBLOCK)
     if out is not None:
         out.check(w, "quantize_weight_both")
         if out.pow2_scale != pow2_scale:
             raise ValueError(f"quantize_weight_both: pow2_scale={pow2_scale} but the out buffers are for "
                              f"pow2_scale={out.pow2_scale}")
-        q, s, qt, st = out.tensors()
-    else:
-        q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
-        s = torch.empty((E_l, n_nb, n_kb), device=w.device, dtype=torch.float32)
-        qt = torch.empty((E_l, K, N), device=w.device, dtype=torch.float8_e4m3fn)
-        st = torch.empty((E_l, n_kb, n_nb), device=w.device, dtype=torch.float32)
-    if E_l and N and K and not one_pass_ok(w):
-        # two single-orientation passes: see one_pass_ok
-        chunk, warps, cols_t = _weight_config("one")
-        for qq, ss, tr in ((q, s, False), (qt, st, True)):
-            _quant_weight_kernel[(E_l, n_nb, n_kb)](w, qq, ss, qq, ss, N, K, n_nb, n_kb, CHUNK=chunk, POW2=pow2_scale,
-                                                    RNE_IN_FP32=interpreting(), TRANSPOSE=tr, BOTH=False,
-                                                    COLS_T=cols_t and tr, num_warps=warps)
-    elif E_l and N and K:
-        # 16 warps: 91 registers each (8 warps would need 174 and fit one CTA per SM)
-        chunk, warps, cols_t = _weight_config("both")
-        _quant_weight_kernel[(E_l, n_nb, n_kb)](w, q, s, qt, st, N, K, n_nb, n_kb, CHUNK=chunk, POW2=pow2_scale,
-                                                RNE_IN_FP32=interpreting(), TRANSPOSE=False, BOTH=True,
-                                                COLS_T=cols_t, num_warps=warps)
+    q, s, qt, st = (out if out is not None else Fp8Weight.empty_like(w)).tensors()
+    if w.numel() and not one_pass_ok(w):  # two single-orientation passes: see one_pass_ok
+        _quant_weight(w, q, s, q, s, pow2_scale=pow2_scale, transpose=False, both=False)
+        _quant_weight(w, qt, st, qt, st, pow2_scale=pow2_scale, transpose=True, both=False)
+    elif w.numel():  # "both": 16 warps, 91 registers each (8 warps would need 174 and fit one CTA per SM)
+        _quant_weight(w, q, s, qt, st, pow2_scale=pow2_scale, transpose=False, both=True)
     return q, s, qt, st
 
 

@@ -182,7 +182,7 @@ DEN_ONE = 4294967296.0
 
 #: (BLOCK_T, CHUNKS, num_warps) of the forward kernel, or None for :func:`_blocks`' choice (benchmarks/router_bench.py)
 PIN: tuple[int, int, int] | None = None
-#: (BLOCK_T, num_warps) of the backward kernel, or None for :func:`_bwd_block_t` at 4 warps
+#: (BLOCK_T, num_warps) of the backward kernel, or None for ~4 values per thread at 4 warps (not swept)
 PIN_BWD: tuple[int, int] | None = None
 
 
@@ -201,11 +201,6 @@ def _blocks(E: int, K: int) -> tuple[int, int, int, int, int]:
         block_t = max(1, 2048 // block_e)
     warps = 8 if block_e >= 256 else 4
     return block_t, block_e, kp, 1, warps
-
-
-def _bwd_block_t(block_e: int) -> int:
-    """Tokens per program of the backward kernel (4 warps; not swept): ~4 values per thread."""
-    return max(1, 512 // block_e)
 
 
 class RouteTopk(torch.autograd.Function):
@@ -248,7 +243,7 @@ class RouteTopk(torch.autograd.Function):
         k, sigmoid, norm, scale, coef_e = ctx.cfg
         T, E = logits.shape
         _, block_e, kp, _, _ = _blocks(E, k)
-        block_t, warps = (_bwd_block_t(block_e), 4) if PIN_BWD is None else PIN_BWD
+        block_t, warps = (max(1, 512 // block_e), 4) if PIN_BWD is None else PIN_BWD
         dlogits = torch.empty_like(logits)
         has_dg = d_gates is not None
         has_daux = d_aux is not None and coef_e != 0.0
