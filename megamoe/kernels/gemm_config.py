@@ -180,3 +180,16 @@ def tma_ok(tensors: list[torch.Tensor]) -> bool:
             if (s * t.element_size()) % 16 != 0:
                 return False
     return True
+
+
+def resolve_tma(cfg: GemmConfig, tensors: list[torch.Tensor], name: str) -> bool:
+    """Whether a Triton launch loads ``tensors`` through TMA: cfg.use_tma where pinned (True: ValueError unless
+    tma_ok), else where tma_ok."""
+    ok = tma_ok(tensors)
+    if cfg.use_tma is None:
+        return ok
+    if cfg.use_tma and not ok:
+        raise ValueError(f"{name}: config pins use_tma=True, but TMA needs 16-byte aligned base pointers and "
+                         f"row strides (bf16: the inner dims must be multiples of 8, fp8: of 16); shapes "
+                         f"{[tuple(t.shape) for t in tensors]}")
+    return bool(cfg.use_tma)

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.kernels.gemm_config import EPI_DSWIGLU, GemmConfig, grid_size, interpreting, record, tma_ok
+from megamoe.kernels.gemm_config import EPI_DSWIGLU, GemmConfig, grid_size, interpreting, record, resolve_tma
 from megamoe.kernels.tiles import epilogue, expert_tiles, load_a, load_b, locate_tile
 
 
@@ -130,17 +130,6 @@ def check_grouped(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, k_dim: i
         raise ValueError(f"{name}: a, w and offs must be on one device")
 
 
-def _resolve_tma(cfg: GemmConfig, tensors: list[torch.Tensor], name: str) -> bool:
-    ok = tma_ok(tensors)
-    if cfg.use_tma is None:
-        return ok
-    if cfg.use_tma and not ok:
-        raise ValueError(f"{name}: config pins use_tma=True, but TMA needs 16-byte aligned base pointers and "
-                         f"row strides (bf16: the inner dims must be multiples of 8); shapes "
-                         f"{[tuple(t.shape) for t in tensors]}")
-    return bool(cfg.use_tma)
-
-
 def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, cfg: GemmConfig,
                         *, n: int, w_kn: bool, epilogue: int, h: torch.Tensor | None = None,
                         scale: torch.Tensor | None = None, dsp: torch.Tensor | None = None,
@@ -154,7 +143,7 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ou
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     if acts is not None and epilogue != EPI_DSWIGLU:
         raise ValueError("grouped_gemm: acts is an output of the SwiGLU-backward epilogue only")
-    use_tma = _resolve_tma(cfg, [a, w], "grouped_gemm")
+    use_tma = resolve_tma(cfg, [a, w], "grouped_gemm")
     if R == 0 or n == 0 or E_l == 0:
         return
     if use_tma:

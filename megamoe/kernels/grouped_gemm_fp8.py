@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.kernels.gemm_config import EPI_DSWIGLU, GemmConfig, grid_size, interpreting, record, tma_ok
+from megamoe.kernels.gemm_config import EPI_DSWIGLU, GemmConfig, grid_size, interpreting, record, resolve_tma
 from megamoe.kernels.tiles import epilogue, expert_tiles, load_a, load_b, locate_tile
 
 
@@ -127,11 +127,7 @@ def launch_grouped_gemm_fp8(aq, a_s, wq, w_s, offs, out, cfg: GemmConfig, *, n: 
         raise ValueError("grouped_gemm_fp8: store_h is for the SwiGLU forward epilogue")
     if acts is not None and epilogue != EPI_DSWIGLU:
         raise ValueError("grouped_gemm_fp8: acts is an output of the SwiGLU-backward epilogue only")
-    ok = tma_ok([aq, wq])
-    if cfg.use_tma and not ok:
-        raise ValueError("grouped_gemm_fp8: config pins use_tma=True, but TMA needs 16-byte aligned strides "
-                         f"(fp8: K a multiple of 16); got K = {K}")
-    use_tma = ok if cfg.use_tma is None else bool(cfg.use_tma)
+    use_tma = resolve_tma(cfg, [aq, wq], "grouped_gemm_fp8")
     if R == 0 or n == 0 or E_l == 0:
         return
     if use_tma:

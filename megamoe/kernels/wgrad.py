@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.kernels.gemm_config import GemmConfig, grid_size, interpreting, record, tma_ok
+from megamoe.kernels.gemm_config import GemmConfig, grid_size, interpreting, record, resolve_tma, tma_ok
 
 
 @triton.jit
@@ -121,11 +121,7 @@ def launch_grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, o
     N = y.shape[1]
     E_l = out.shape[0]
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
-    ok = tma_ok([x, y])
-    if cfg.use_tma and not ok:
-        raise ValueError("grouped_wgrad: config pins use_tma=True, but TMA needs 16-byte aligned row strides "
-                         f"(bf16: column counts multiple of 8); got x {tuple(x.shape)}, y {tuple(y.shape)}")
-    use_tma = ok if cfg.use_tma is None else bool(cfg.use_tma)
+    use_tma = resolve_tma(cfg, [x, y], "grouped_wgrad")
     store_tma = use_tma and tma_ok([out]) and _store_fits(cfg, out.element_size())
     if R == 0:
         out.zero_()
