@@ -166,20 +166,16 @@ def _push_part(acc, off_n, rp, valid, H, NP: tl.constexpr, DT: tl.constexpr):
 @triton.jit
 def push_epilogue(acc, off_n, rp, valid, H, BM: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr,
                    EPI_SPLIT: tl.constexpr):
+    """GEMM2's [BM, BN] tile pushed in EPI_SPLIT column slices (1, 2 or 4; fewer live registers)."""
     if EPI_SPLIT == 1:
         _push_part(acc, off_n, rp, valid, H, BN, DT)
-    elif EPI_SPLIT == 2:
-        HN: tl.constexpr = BN // 2
-        a0, a1 = halves(acc, BM, BN)
-        _push_part(a0, off_n, rp, valid, H, HN, DT)
-        _push_part(a1, off_n + HN, rp, valid, H, HN, DT)
     else:
-        HN: tl.constexpr = BN // 2
-        QN: tl.constexpr = BN // 4
+        NP: tl.constexpr = BN // EPI_SPLIT
         a0, a1 = halves(acc, BM, BN)
-        a00, a01 = halves(a0, BM, HN)
-        a10, a11 = halves(a1, BM, HN)
-        _push_part(a00, off_n, rp, valid, H, QN, DT)
-        _push_part(a01, off_n + QN, rp, valid, H, QN, DT)
-        _push_part(a10, off_n + HN, rp, valid, H, QN, DT)
-        _push_part(a11, off_n + HN + QN, rp, valid, H, QN, DT)
+        parts = (a0, a1)
+        if EPI_SPLIT == 4:
+            a00, a01 = halves(a0, BM, BN // 2)
+            a10, a11 = halves(a1, BM, BN // 2)
+            parts = (a00, a01, a10, a11)
+        for c in tl.static_range(EPI_SPLIT):
+            _push_part(parts[c], off_n + c * NP, rp, valid, H, NP, DT)

@@ -29,16 +29,13 @@ run with the structure of the warp-specialised GEMMs (kernels/gluon/bf16.py):
                targets are 2x the Triton kernel's (2 per pull part, 2 per GEMM tile). A release waits until the stores
                before it are performed: done here it holds no consumer's next item back.
 
-Deadlock freedom is the Triton kernel's argument: every wait is on an earlier item, and items are taken only by
-running programs. Within a program the consumers run the items in claim order; the loader hands an item over as soon
-as its inputs are ready and then issues its loads, and waits for the next item's inputs only after all of this item's
-loads are issued, so a loader waiting on a counter never waits on a consumer that waits on that loader. The loader does
-every wait (the consumers wait only on mbarriers that the loader or the signaller always completes; the signaller only
-on the consumers' posts, and each consumer posts an end message however its loop ends), so a timeout cannot leave one
-partition stopped while another waits for it.
-
-The tail (DONE once every item is done, then each token's k slots summed with the gates) runs as its own launches
-after this kernel (fused_moe._launch): stream order makes every push complete before DONE is published.
+Deadlock freedom is the Triton kernel's argument (fused_moe.py). Within a program the consumers run the items in
+claim order; the loader hands an item over as soon as its inputs are ready and then issues its loads, and waits for the
+next item's inputs only after all of this item's loads are issued, so a loader waiting on a counter never waits on a
+consumer that waits on that loader. The loader does every wait (the consumers wait only on mbarriers that the loader or
+the signaller always completes; the signaller only on the consumers' posts, and each consumer posts an end message
+however its loop ends), so a timeout cannot leave one partition stopped while another waits for it. DONE and the tail
+are fused_moe.py's launches.
 """
 
 from __future__ import annotations

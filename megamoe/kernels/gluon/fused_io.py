@@ -163,10 +163,8 @@ def post(s_full, s_empty, s_smem, ns, off, ml: gl.constexpr, SQ: gl.constexpr, W
 
 @gluon.jit
 def signaller(s_full, s_empty, s_smem, ctr_ptr, E_l, SQ: gl.constexpr):
-    """1 warp: the consumers' counter signals, in order: ``ctr_ptr[off] += 2`` (release, GPU scope: the consumers'
-    stores reached this warp through the slot's mbarrier, acquire at CTA scope, and a release is cumulative) until
-    the end (off < 0). The release waits until those stores are performed; here it does not hold the consumers'
-    next item back (their GEMM epilogues 0.4-0.8 us shorter than with the release in them)."""
+    """1 warp: ``ctr_ptr[off] += 2`` (release, GPU scope) per posted signal, in order, until the end (off < 0); why
+    here (the GEMM epilogues 0.4-0.8 us shorter than with the release in them): fused.py's module docstring."""
     ml: gl.constexpr = gl.BlockedLayout([MSG], [32], [1], [0])
     n = 0
     go = E_l >= 0  # (a runtime True)
@@ -190,15 +188,10 @@ def pack(item, go, fine, kind, b, j, e, row0, nrows, base, ml: gl.constexpr):
     first buffer row] as int32, every thread of the partition holding all MSG words (ml: [MSG] per thread)."""
     w = gl.arange(0, MSG, layout=ml)
     v = gl.where(w == 0, item.to(gl.int32), 0)
-    v = gl.where(w == 1, go.to(gl.int32), v)
-    v = gl.where(w == 2, fine.to(gl.int32), v)
-    v = gl.where(w == 3, kind, v)
-    v = gl.where(w == 4, b, v)
-    v = gl.where(w == 5, j, v)
-    v = gl.where(w == 6, e, v)
-    v = gl.where(w == 7, row0, v)
-    v = gl.where(w == 8, nrows, v)
-    return gl.where(w == 9, base, v)
+    words = (go.to(gl.int32), fine.to(gl.int32), kind, b, j, e, row0, nrows, base)
+    for i in gl.static_range(9):
+        v = gl.where(w == i + 1, words[i], v)
+    return v
 
 
 @gluon.jit
@@ -433,11 +426,10 @@ def bulk_pull_plan(heap, cfg, a):
     c = 256 if H % 256 == 0 else (128 if H % 128 == 0 else 64)
     rv = H // c
     br = rv & -rv  # (a box's rows are a power of 2: a row is rv / br boxes)
-    while br > 256 or rv // br > 8:  # (at most 8 boxes per row)
-        if br > 256:
-            br //= 2
-        else:
-            return None
+    while br > 256:
+        br //= 2
+    if rv // br > 8:  # (at most 8 boxes per row)
+        return None
     bw = max(2 * cfg.bn1, cfg.bn2)
     ra = min(cfg.block_m * 64 // H, 8)  # (rows of a stage's tiles; at most 16 in all: each is an unrolled TMA issue)
     rb = min(bw * 64 // H, 16 - ra)
