@@ -296,8 +296,8 @@ def ws_bf16_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, 
     widths = WIDTHS[epilogue]
     if cfg.block_n not in widths:
         return (f"block_n must be one of {widths}{' with SwiGLU (gate = up columns per tile)' if two else ''} (128 "
-                f"accumulator registers per thread "
-                f"at most; the SwiGLU backward's epilogue holds g and u besides), got {cfg.block_n}")
+                f"accumulator registers per thread at most; the SwiGLU backward's epilogue holds g and u besides), "
+                f"got {cfg.block_n}")
     if cfg.num_stages < 2:
         return f"num_stages must be >= 2, got {cfg.num_stages}"
     smem = smem_bytes(cfg, epilogue)
