@@ -46,8 +46,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import triton
 
 from . import signals as S
+from .schedule import chunk_tokens
 from .signals import CommTimeoutError
 
 log = logging.getLogger("megamoe.comm")
@@ -136,13 +138,9 @@ def workspace_bytes(shape: CommShape) -> int:
     """Bytes of ordinary device memory one dispatch call allocates (receive buffer + schedule tables)."""
     W, T, H, k, E = shape.world, shape.max_tokens, shape.hidden, shape.topk, shape.num_experts
     recv = shape.rows_cap * H * shape.dtype.itemsize
-    chunks = -(-T // max(1, 128 // _next_pow2(k)))
+    chunks = triton.cdiv(T, chunk_tokens(k))
     tables = 4 * (W * chunks * E + 2 * W * E + W * T * k + 2 * T * k + 3 * shape.rows_cap + shape.local_experts + 1 + W)
     return recv + tables
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 class SymmetricHeap:
@@ -154,7 +152,6 @@ class SymmetricHeap:
         self,
         shape: CommShape,
         group: dist.ProcessGroup | None = None,
-        backend: str = "auto",
         device: torch.device | str | None = None,
         timeout_s: float = 60.0,
         num_sms: int = 32,
@@ -169,21 +166,18 @@ class SymmetricHeap:
             self.group, self.rank, self.world = None, 0, 1
         if self.world != shape.world:
             raise ValueError(f"shape.world={shape.world} but the process group has {self.world} ranks")
-        if backend == "auto":  # by the device; else by the group (nccl, or GPU ranks on gloo: megamoe.dist)
-            if device is not None:
-                backend = "cuda" if torch.device(device).type == "cuda" else "host"
-            else:
-                from megamoe.dist import gpu_ranks_on_gloo
+        if device is not None:  # the backend by the device; else by the group (nccl, or GPU ranks on gloo)
+            backend = "cuda" if torch.device(device).type == "cuda" else "host"
+        else:
+            from megamoe.dist import gpu_ranks_on_gloo
 
-                gpu_group = self.group is not None and (dist.get_backend(self.group) == "nccl" or gpu_ranks_on_gloo())
-                backend = "cuda" if torch.cuda.is_available() and gpu_group else "host"
-        if backend not in ("cuda", "host"):
-            raise ValueError(f"backend must be 'cuda', 'host' or 'auto', got {backend!r}")
+            gpu_group = self.group is not None and (dist.get_backend(self.group) == "nccl" or gpu_ranks_on_gloo())
+            backend = "cuda" if torch.cuda.is_available() and gpu_group else "host"
         self.shape = shape
         self.backend = backend
         self.timeout_s = float(timeout_s)
         self.num_sms = int(num_sms)
-        self.wp2 = _next_pow2(self.world)
+        self.wp2 = triton.next_power_of_2(self.world)
         self.layout, self.nbytes = _layout(shape)
         self._closed = False
         self._error: str | None = None
