@@ -152,17 +152,14 @@ def choose_config(op: str, config: GemmConfig | None, a: torch.Tensor, w: torch.
 
 def _launch_bf16(cfg: GemmConfig, a, w, offs, out, *, n: int, w_kn: bool, epilogue: int, h=None, scale=None,
                  dsp=None, store_h: bool = False, n_up: int = 0, acts=None, bias=None, clamp=None) -> None:
-    if bias is not None or clamp is not None:  # choose_config gave the Triton kernel (gluon_reason)
-        launch_grouped_gemm(a, w, offs, out, cfg, n=n, w_kn=w_kn, epilogue=epilogue, h=h, scale=scale, dsp=dsp,
-                            store_h=store_h, n_up=n_up, acts=acts, bias=bias, clamp=clamp)
-    elif cfg.kernel == "gluon":
+    if cfg.kernel == "gluon" and bias is None and clamp is None:  # gpt-oss's epilogue: Triton only (gluon_reason)
         from megamoe.kernels.gluon.bf16 import launch_gluon_bf16_ws
 
         launch_gluon_bf16_ws(a, w, offs, out, cfg, n=n, epilogue=epilogue, h=h, scale=scale, store_h=store_h,
                              n_up=n_up, w_kn=w_kn, dsp=dsp, acts=acts)
     else:
         launch_grouped_gemm(a, w, offs, out, cfg, n=n, w_kn=w_kn, epilogue=epilogue, h=h, scale=scale, dsp=dsp,
-                            store_h=store_h, n_up=n_up, acts=acts)
+                            store_h=store_h, n_up=n_up, acts=acts, bias=bias, clamp=clamp)
 
 
 def _launch_fp8(cfg: GemmConfig, aq, a_s, wq, w_s, offs, out, *, n: int, epilogue: int, h=None, scale=None,
@@ -419,18 +416,12 @@ def grouped_gemm_ref(a, w, offs, *, w_layout="nk", scale=None):
     return out
 
 
-def _expert_rows(offs, R: int, device):
-    """(expert id [R] long, row valid [R]) from offs (host read: twins only)."""
-    eid = torch.zeros(R, dtype=torch.long, device=device)
-    valid = torch.zeros(R, dtype=torch.bool, device=device)
+def _row_bias(bias, offs, R: int, dtype) -> torch.Tensor:
+    """bias [E_l, N] -> [R, N] in ``dtype``: each row's expert's bias, 0 on the padding (host read: twins only)."""
+    eid = torch.zeros(R, dtype=torch.long, device=bias.device)
+    valid = torch.zeros(R, dtype=torch.bool, device=bias.device)
     for e, (s0, s1) in enumerate(_bounds(offs)):
         eid[s0:s1], valid[s0:s1] = e, True
-    return eid, valid
-
-
-def _row_bias(bias, offs, R: int, dtype) -> torch.Tensor:
-    """bias [E_l, N] -> [R, N] in ``dtype``: each row's expert's bias, 0 on the padding."""
-    eid, valid = _expert_rows(offs, R, bias.device)
     return bias.to(dtype)[eid] * valid.to(dtype)[:, None]
 
 

@@ -169,10 +169,6 @@ class MoE(nn.Module):
                             "torch.autocast, where the layer computes in the autocast dtype)")
         return x.reshape(-1, cfg.hidden).to(dtype).contiguous(), dtype
 
-    def check_input(self, x: torch.Tensor) -> None:
-        """Raise a clear error if ``x`` cannot be this layer's input."""
-        self._prepare(x)
-
     def expert_weights(self, dtype: torch.dtype) -> tuple:
         """(w13 [E_l, 2I, H], w2 [E_l, H, I], b13 [E_l, 2I] or None, b2 [E_l, H] or None) in ``dtype`` as the backend
         reads them, differentiable (a cast per call under autocast). A subclass storing the experts in another layout
@@ -182,8 +178,6 @@ class MoE(nn.Module):
 
     def _run_experts(self, x2: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         w13, w2, b13, b2 = self.expert_weights(dtype)
-        if b13 is None:
-            return self.backend(x2, idx, w, w13, w2)
         return self.backend(x2, idx, w, w13, w2, b13=b13, b2=b2)
 
     def forward(self, x: torch.Tensor) -> MoEOutput:

@@ -163,11 +163,10 @@ class Router(nn.Module):
     added to the logits; ``config.router_bias`` only, else None), ``logit_offset`` [E] (non-persistent, zeros; see
     :meth:`set_logit_offset`)."""
 
-    def __init__(self, config: MoEConfig, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, init: bool = True):
+    def __init__(self, config: MoEConfig, device: torch.device | str | None = None, init: bool = True):
         super().__init__()
         self.config = config
-        dtype = dtype or config.dtype
+        dtype = config.dtype
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden, device=device, dtype=dtype))
         if config.router == "sigmoid":
             self.register_buffer("bias", torch.zeros(config.num_experts, device=device, dtype=torch.float32))
