@@ -262,10 +262,9 @@ def gemm2_dgrad_swiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, offs
     dh = _out(out, (R, 2 * I), dy)
     cfg = choose_config("dgrad_swiglu", config, dy, w2, n=I, epilogue=EPI_DSWIGLU, w_kn=True, h=h,
                         gpt_oss=clamp is not None)
-    dsp = None
-    if scale is not None:
-        dsp = torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dy.device, dtype=torch.float32)
     _check_acts(acts_out, R, I, dy.dtype, "gemm2_dgrad_swiglu")
+    dsp = None if scale is None else torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dy.device,
+                                                 dtype=torch.float32)
     _launch_bf16(cfg, dy, w2, offs, dh, n=I, w_kn=True, epilogue=EPI_DSWIGLU, h=h, scale=scale, dsp=dsp,
                  acts=acts_out, clamp=clamp)
     if dsp is None:
@@ -350,9 +349,8 @@ def gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, out=N
     cfg = choose_config("dgrad_swiglu_fp8", config, dyq, w2tq, n=I, epilogue=EPI_DSWIGLU, h=h)
     dh = _out(out, (R, 2 * I), dyq)
     _check_acts(acts_out, R, I, torch.bfloat16, "gemm2_dgrad_swiglu_fp8")
-    dsp = None
-    if scale is not None:
-        dsp = torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dyq.device, dtype=torch.float32)
+    dsp = None if scale is None else torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dyq.device,
+                                                 dtype=torch.float32)
     _launch_fp8(cfg, dyq, dy_s, w2tq, w2t_s, offs, dh, n=I, epilogue=EPI_DSWIGLU, h=h, scale=scale, dsp=dsp,
                 acts=acts_out)
     return dh, (dsp.sum(0) if dsp is not None else None)

@@ -13,12 +13,10 @@ forward (one torch.autograd.Function):
 backward: split's (backends/common.py), reusing what the forward kept: the received rows and h. With a ring the
 forward overwrote them, so the backward first recomputes them (dispatch of x + GEMM1, split's kernels).
 
-On Hopper the megakernel's work items run warp-specialised in Gluon (kernels/gluon/fused.py: a TMA loader warp and
-two consumer warpgroups, the same items, order, waits and results as the Triton kernel) wherever they can (H and I
-multiples of 8, SwiGLU experts); everywhere else (gpt-oss's experts included), and on the CPU under the interpreter,
-the Triton kernel. bf16 GEMMs only (a float32 layer runs under bfloat16 autocast, its weights cast per call by the
-layer): an FP8 megakernel measured slower than both this one and split's FP8 layer (docs/performance.md);
-split:fp8=1 is the FP8 layer.
+On Hopper the megakernel's work items run warp-specialised in Gluon (kernels/gluon/fused.py: the same items, order,
+waits and results) where they can (H and I multiples of 8, SwiGLU experts); elsewhere, and under the interpreter, the
+Triton kernel. bf16 GEMMs only: an FP8 megakernel measured slower than both this one and split:fp8=1
+(docs/performance.md).
 
 Options (docs/performance.md has the measurements behind each default):
 

@@ -418,9 +418,7 @@ class SymmetricHeap:
             atexit.unregister(self._report_at_exit)
         self._views = {}
         if self.backend == "cuda":
-            self._handle = None
-            self._peers = None
-            self._buf = None
+            self._handle = self._peers = self._buf = None
         else:
             self._unlink_own()
             for mm in self._maps:
