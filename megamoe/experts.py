@@ -68,9 +68,7 @@ __all__ = [
 
 
 def _check_scale(scale: torch.Tensor | None, R: int, name: str) -> None:
-    if scale is None:
-        return
-    if scale.dtype != torch.float32 or scale.shape != (R,) or not scale.is_contiguous():
+    if scale is not None and (scale.dtype != torch.float32 or scale.shape != (R,) or not scale.is_contiguous()):
         raise ValueError(f"{name}: scale must be a contiguous float32 [R] = [{R}] tensor, got {scale.dtype} "
                          f"{tuple(scale.shape)}")
 

@@ -1,6 +1,5 @@
-"""Backend ``split``: megamoe's own kernels launched back to back, no host-device synchronisation (bf16 GEMMs: a bf16
-layer, or a float32 one under bfloat16 autocast, whose weights the layer casts per call; other dtypes raise
-``ValueError`` at construction).
+"""Backend ``split``: megamoe's own kernels launched back to back, no host-device synchronisation (bf16 GEMMs: a
+float32 layer runs under bfloat16 autocast, the layer casting its weights per call).
 
 R_cap = W * T_max * min(k, E_l) receive rows (worst case), offs int32 [E_l + 1] on the device:
 

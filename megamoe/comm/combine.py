@@ -14,9 +14,8 @@ tokens) and a second pass to sum it; pulling reads each row once and sums in reg
 GEMM2 epilogue stores each row into the owner's slots, with no second launch over the rows.) presum.py sends one row
 per remote rank instead of one per slot.
 
-Backward: :func:`pull_grad` brings dy rows (unscaled) and each row's gate to the expert ranks; the dgrad GEMM's epilogue
-computes d(topk_w) per row (<dy, act @ w2^T>, fp32) and the gated activation for dW2; :func:`send_gate_grad` stores each
-row's value into its owner's ``dw`` slot and raises DW_DONE. dispatch_backward is the gather-sum without gates.
+Backward: :func:`pull_grad` and :func:`send_gate_grad` (around the dgrad GEMM: backends/common.py);
+:func:`dispatch_backward` is the gather-sum without gates.
 """
 
 from __future__ import annotations

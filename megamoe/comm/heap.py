@@ -94,9 +94,16 @@ class CommShape:
         return self.world * self.max_tokens * min(self.topk, self.local_experts)
 
 
-def _regions(shape: CommShape) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+#: region name -> its row of the pointer table, the kernels' signals.REG_* constants
+_REG_INDEX = {name: getattr(S, f"REG_{name.upper()}").value
+              for name in ("flags", "ctrl", "meta", "idx", "w", "dw", "tok", "rows", "err", "slots")}
+assert sorted(_REG_INDEX.values()) == list(range(S.NUM_REGIONS))
+
+
+def _layout(shape: CommShape) -> tuple[dict[str, tuple[int, tuple[int, ...], torch.dtype]], int]:
+    """({region: (byte offset, dims, dtype)}, total bytes) of the module docstring's table."""
     W, T, H, k = shape.world, shape.max_tokens, shape.hidden, shape.topk
-    return [
+    regions = [
         ("flags", (3, W), torch.int64),
         ("ctrl", (8,), torch.int64),
         ("meta", (8,), torch.int64),
@@ -108,17 +115,8 @@ def _regions(shape: CommShape) -> list[tuple[str, tuple[int, ...], torch.dtype]]
         ("err", (S.ERR_SLOTS,), torch.int64),
         ("slots", (T, k, H) if shape.slots else (0,), shape.dtype),
     ]
-
-
-#: region name -> its row of the pointer table, the kernels' signals.REG_* constants
-_REG_INDEX = {name: getattr(S, f"REG_{name.upper()}").value
-              for name in ("flags", "ctrl", "meta", "idx", "w", "dw", "tok", "rows", "err", "slots")}
-assert sorted(_REG_INDEX.values()) == list(range(S.NUM_REGIONS))
-
-
-def _layout(shape: CommShape) -> tuple[dict[str, tuple[int, tuple[int, ...], torch.dtype]], int]:
     out, off = {}, 0
-    for name, dims, dtype in _regions(shape):
+    for name, dims, dtype in regions:
         out[name] = (off, dims, dtype)
         off += (math.prod(dims) * dtype.itemsize + _ALIGN - 1) // _ALIGN * _ALIGN
     return out, off
