@@ -32,6 +32,7 @@ Backends:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import logging
 import math
@@ -260,16 +261,11 @@ class SymmetricHeap:
     def _alloc_symm_mem(self) -> list[int]:
         import torch.distributed._symmetric_memory as symm_mem
 
-        try:
+        with contextlib.suppress(Exception):  # already set, or an older torch without set_backend
             symm_mem.set_backend("CUDA")
-        except Exception:  # noqa: BLE001 - already set, or an older torch without set_backend
-            pass
-        try:
-            with warnings.catch_warnings():  # deprecated (a no-op) on torch 2.11; needed on older versions
-                warnings.simplefilter("ignore")
-                symm_mem.enable_symm_mem_for_group(self.group.group_name)
-        except Exception:  # noqa: BLE001 - not needed on recent torch
-            pass
+        with contextlib.suppress(Exception), warnings.catch_warnings():  # needed before torch 2.11 only
+            warnings.simplefilter("ignore")  # deprecated on torch 2.11, where it is a no-op
+            symm_mem.enable_symm_mem_for_group(self.group.group_name)
         self._buf = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self._buf.zero_()
         self._handle = symm_mem.rendezvous(self._buf, self.group)
@@ -306,10 +302,8 @@ class SymmetricHeap:
         return bases
 
     def _unlink_own(self) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self._paths[self.rank])
-        except FileNotFoundError:
-            pass
 
     def _make_views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         return {name: _region_view(buf, *spec) for name, spec in self.layout.items()}
@@ -420,10 +414,8 @@ class SymmetricHeap:
         else:
             self._unlink_own()
             for mm in self._maps:
-                try:
+                with contextlib.suppress(BufferError):  # a view handed out earlier is alive; the mapping goes with it
                     mm.close()
-                except BufferError:  # a view handed out earlier is still alive; the mapping goes with it
-                    pass
             self._maps = []
 
     def __enter__(self):
