@@ -15,11 +15,8 @@ _MIN_VERSIONS = {"torch": (2, 11), "triton": (3, 6)}
 
 
 def _parse(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split("+")[0].split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
+    pieces = version.split("+")[0].split(".")[:2]
+    return tuple(int("".join(ch for ch in piece if ch.isdigit()) or 0) for piece in pieces)
 
 
 def _check_versions() -> None:

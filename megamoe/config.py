@@ -77,7 +77,7 @@ class MoEConfig:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        for field in ("hidden", "intermediate", "num_experts", "top_k", "max_tokens_per_rank"):
+        for field in ("hidden", "intermediate", "num_experts", "top_k", "max_tokens_per_rank", "n_group", "topk_group"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"MoEConfig.{field} must be a positive int, got {value!r}")
@@ -87,10 +87,6 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.router must be 'softmax' or 'sigmoid', got {self.router!r}")
         if not (self.route_scale > 0):
             raise ValueError(f"MoEConfig.route_scale must be > 0, got {self.route_scale}")
-        for field in ("n_group", "topk_group"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"MoEConfig.{field} must be a positive int, got {value!r}")
         if self.num_experts % self.n_group or self.topk_group > self.n_group:
             raise ValueError(f"MoEConfig: n_group ({self.n_group}) must divide num_experts ({self.num_experts}) and "
                              f"topk_group ({self.topk_group}) be <= n_group")

@@ -12,6 +12,7 @@ ordering than real peers, and none of NVLink speed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -141,10 +142,8 @@ def _child(rank: int, world: int, port: int, device: str, fn: Callable, args: tu
         queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):  # a failed peer can leave the group unusable
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a failed peer can leave the group unusable
-                pass
 
 
 def wire_dtype(dtype, group=None):

@@ -68,9 +68,7 @@ __all__ = [
 
 
 def _check_scale(scale: torch.Tensor | None, R: int, name: str) -> None:
-    if scale is None:
-        return
-    if scale.dtype != torch.float32 or scale.shape != (R,) or not scale.is_contiguous():
+    if scale is not None and (scale.dtype != torch.float32 or scale.shape != (R,) or not scale.is_contiguous()):
         raise ValueError(f"{name}: scale must be a contiguous float32 [R] = [{R}] tensor, got {scale.dtype} "
                          f"{tuple(scale.shape)}")
 
@@ -152,17 +150,14 @@ def choose_config(op: str, config: GemmConfig | None, a: torch.Tensor, w: torch.
 
 def _launch_bf16(cfg: GemmConfig, a, w, offs, out, *, n: int, w_kn: bool, epilogue: int, h=None, scale=None,
                  dsp=None, store_h: bool = False, n_up: int = 0, acts=None, bias=None, clamp=None) -> None:
-    if bias is not None or clamp is not None:  # choose_config gave the Triton kernel (gluon_reason)
-        launch_grouped_gemm(a, w, offs, out, cfg, n=n, w_kn=w_kn, epilogue=epilogue, h=h, scale=scale, dsp=dsp,
-                            store_h=store_h, n_up=n_up, acts=acts, bias=bias, clamp=clamp)
-    elif cfg.kernel == "gluon":
+    if cfg.kernel == "gluon" and bias is None and clamp is None:  # gpt-oss's epilogue: Triton only (gluon_reason)
         from megamoe.kernels.gluon.bf16 import launch_gluon_bf16_ws
 
         launch_gluon_bf16_ws(a, w, offs, out, cfg, n=n, epilogue=epilogue, h=h, scale=scale, store_h=store_h,
                              n_up=n_up, w_kn=w_kn, dsp=dsp, acts=acts)
     else:
         launch_grouped_gemm(a, w, offs, out, cfg, n=n, w_kn=w_kn, epilogue=epilogue, h=h, scale=scale, dsp=dsp,
-                            store_h=store_h, n_up=n_up, acts=acts)
+                            store_h=store_h, n_up=n_up, acts=acts, bias=bias, clamp=clamp)
 
 
 def _launch_fp8(cfg: GemmConfig, aq, a_s, wq, w_s, offs, out, *, n: int, epilogue: int, h=None, scale=None,
@@ -265,10 +260,9 @@ def gemm2_dgrad_swiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, offs
     dh = _out(out, (R, 2 * I), dy)
     cfg = choose_config("dgrad_swiglu", config, dy, w2, n=I, epilogue=EPI_DSWIGLU, w_kn=True, h=h,
                         gpt_oss=clamp is not None)
-    dsp = None
-    if scale is not None:
-        dsp = torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dy.device, dtype=torch.float32)
     _check_acts(acts_out, R, I, dy.dtype, "gemm2_dgrad_swiglu")
+    dsp = None if scale is None else torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dy.device,
+                                                 dtype=torch.float32)
     _launch_bf16(cfg, dy, w2, offs, dh, n=I, w_kn=True, epilogue=EPI_DSWIGLU, h=h, scale=scale, dsp=dsp,
                  acts=acts_out, clamp=clamp)
     if dsp is None:
@@ -353,9 +347,8 @@ def gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, out=N
     cfg = choose_config("dgrad_swiglu_fp8", config, dyq, w2tq, n=I, epilogue=EPI_DSWIGLU, h=h)
     dh = _out(out, (R, 2 * I), dyq)
     _check_acts(acts_out, R, I, torch.bfloat16, "gemm2_dgrad_swiglu_fp8")
-    dsp = None
-    if scale is not None:
-        dsp = torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dyq.device, dtype=torch.float32)
+    dsp = None if scale is None else torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dyq.device,
+                                                 dtype=torch.float32)
     _launch_fp8(cfg, dyq, dy_s, w2tq, w2t_s, offs, dh, n=I, epilogue=EPI_DSWIGLU, h=h, scale=scale, dsp=dsp,
                 acts=acts_out)
     return dh, (dsp.sum(0) if dsp is not None else None)
@@ -419,18 +412,12 @@ def grouped_gemm_ref(a, w, offs, *, w_layout="nk", scale=None):
     return out
 
 
-def _expert_rows(offs, R: int, device):
-    """(expert id [R] long, row valid [R]) from offs (host read: twins only)."""
-    eid = torch.zeros(R, dtype=torch.long, device=device)
-    valid = torch.zeros(R, dtype=torch.bool, device=device)
+def _row_bias(bias, offs, R: int, dtype) -> torch.Tensor:
+    """bias [E_l, N] -> [R, N] in ``dtype``: each row's expert's bias, 0 on the padding (host read: twins only)."""
+    eid = torch.zeros(R, dtype=torch.long, device=bias.device)
+    valid = torch.zeros(R, dtype=torch.bool, device=bias.device)
     for e, (s0, s1) in enumerate(_bounds(offs)):
         eid[s0:s1], valid[s0:s1] = e, True
-    return eid, valid
-
-
-def _row_bias(bias, offs, R: int, dtype) -> torch.Tensor:
-    """bias [E_l, N] -> [R, N] in ``dtype``: each row's expert's bias, 0 on the padding."""
-    eid, valid = _expert_rows(offs, R, bias.device)
     return bias.to(dtype)[eid] * valid.to(dtype)[:, None]
 
 

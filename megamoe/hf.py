@@ -98,10 +98,8 @@ class GptOssMoE(MoE):
 
 
 class MegaMoEExperts(nn.Module):
-    """A patched block's ``experts``: this rank's ``gate_up_proj`` [E_l, 2I, H] and ``down_proj`` [E_l, H, I] (the
-    layer's ``w13``, ``w2``; gpt_oss: its own layout and biases, see the module docstring); ``forward(hidden_states
-    [T, H], top_k_index [T, k], top_k_weights [T, k])`` has transformers' signature and runs
-    :meth:`megamoe.MoE.experts_forward`."""
+    """A patched block's ``experts``: this rank's expert tensors under transformers' names (module docstring);
+    ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])`` runs :meth:`MoE.experts_forward`."""
 
     def __init__(self, moe: MoE):
         super().__init__()

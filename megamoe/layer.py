@@ -40,14 +40,6 @@ class MoEOutput(NamedTuple):
     tokens_per_expert: torch.Tensor
 
 
-def _group_world_rank(group) -> tuple[int, int]:
-    if not dist.is_available() or not dist.is_initialized():
-        if group is not None:
-            raise ValueError("a process group was given but torch.distributed is not initialised")
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
 class MoE(nn.Module):
     """Expert-parallel SwiGLU MoE layer.
 
@@ -55,10 +47,10 @@ class MoE(nn.Module):
     every backend runs as world 1). ``backend``: ``"torch"``, ``"split"`` or ``"fused"``; an unavailable one raises,
     never replaced by another. ``device``: default the current CUDA device, else CPU; "meta" (with ``init="none"``,
     backend ``torch``) builds the layer without memory, for ``to_empty(device=...)`` and a checkpoint load. ``seed``:
-    the router is drawn
-    from it (same on every rank), expert e from seed and e (independent of W). ``init``: ``"random"`` (from ``seed``)
-    or ``"none"`` (uninitialised memory, for a checkpoint to be copied in: one copy). ``backend_options``: the table
-    in the backend's module. :meth:`close` (or deleting the layer) frees what the backend holds on the device.
+    the router is drawn from it (same on every rank), expert e from seed and e (independent of W). ``init``:
+    ``"random"`` (from ``seed``) or ``"none"`` (uninitialised memory, for a checkpoint to be copied in: one copy).
+    ``backend_options``: the table in the backend's module. :meth:`close` (or deleting the layer) frees what the
+    backend holds on the device.
     """
 
     def __init__(self, config: MoEConfig, group=None, backend: str = "torch", device=None, seed: int = 0,
@@ -70,7 +62,12 @@ class MoE(nn.Module):
             raise ValueError(f"init must be 'random' or 'none', got {init!r}")
         self.config = config
         self.group = group
-        self.world, self.rank = _group_world_rank(group)
+        if dist.is_available() and dist.is_initialized():
+            self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        elif group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialised")
+        else:
+            self.world, self.rank = 1, 0
         self.local_experts = config.local_experts(self.world)  # raises unless W divides E
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -169,10 +166,6 @@ class MoE(nn.Module):
                             "torch.autocast, where the layer computes in the autocast dtype)")
         return x.reshape(-1, cfg.hidden).to(dtype).contiguous(), dtype
 
-    def check_input(self, x: torch.Tensor) -> None:
-        """Raise a clear error if ``x`` cannot be this layer's input."""
-        self._prepare(x)
-
     def expert_weights(self, dtype: torch.dtype) -> tuple:
         """(w13 [E_l, 2I, H], w2 [E_l, H, I], b13 [E_l, 2I] or None, b2 [E_l, H] or None) in ``dtype`` as the backend
         reads them, differentiable (a cast per call under autocast). A subclass storing the experts in another layout
@@ -182,8 +175,6 @@ class MoE(nn.Module):
 
     def _run_experts(self, x2: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         w13, w2, b13, b2 = self.expert_weights(dtype)
-        if b13 is None:
-            return self.backend(x2, idx, w, w13, w2)
         return self.backend(x2, idx, w, w13, w2, b13=b13, b2=b2)
 
     def forward(self, x: torch.Tensor) -> MoEOutput:
@@ -322,10 +313,9 @@ def load_full_weights(moe: MoE, router_weight: torch.Tensor, w13: torch.Tensor, 
     moe.w2.copy_(shard_experts(w2, moe.rank, moe.world))
 
 
-def gather_experts(moe: MoE, tensor: torch.Tensor | None = None) -> torch.Tensor:
-    """All ranks' [E_l, ...] shards of ``tensor`` (default ``moe.w13``; gradients too) as [E, ...] on every rank."""
-    t = moe.w13 if tensor is None else tensor
-    t = t.detach().contiguous()
+def gather_experts(moe: MoE, tensor: torch.Tensor) -> torch.Tensor:
+    """All ranks' [E_l, ...] shards of ``tensor`` (a weight or its gradient) as [E, ...] on every rank."""
+    t = tensor.detach().contiguous()
     if moe.world == 1:
         return t.clone()
     wire = wire_dtype(t.dtype, moe.group)

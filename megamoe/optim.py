@@ -192,8 +192,6 @@ class MasterAdamW:
                     # the kernel wrote the parameter behind autograd's back: bump its version as an in-place op
                     # would, so saved-tensor checks and version-keyed caches see the change
                     increment_version(s.param)
-                    if s.fp8 is not None:  # both orientations from the new parameter
-                        self._refresh_fp8(s)
                 else:
                     gf = g.float() if mult is None else g.float() * mult
                     s.master.mul_(decay)
@@ -208,8 +206,8 @@ class MasterAdamW:
                     s.exp_avg_sq.copy_(v)
                     if s.master is not s.param:
                         s.param.copy_(s.master)
-                    if s.fp8 is not None:
-                        self._refresh_fp8(s)
+                if s.fp8 is not None:  # both orientations from the new parameter
+                    self._refresh_fp8(s)
 
     def maintain_fp8(self, param: torch.Tensor, fp8: Fp8Weight) -> None:
         """Keep ``fp8`` (an Fp8Weight of ``param`` [E_l, N, K], both orientations) current: filled now and after

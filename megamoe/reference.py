@@ -48,8 +48,7 @@ def route_ref(x: torch.Tensor, weight: torch.Tensor, config: MoEConfig, bias: to
     if config.router == "softmax":
         z = torch.exp(logits - logits.max(-1, keepdim=True).values)
         probs = z / z.sum(-1, keepdim=True)
-        rank_by = probs
-        density = probs
+        rank_by = density = probs
     else:
         probs = 1.0 / (1.0 + torch.exp(-logits))
         rank_by = probs + (0 if bias is None else bias.to(cdt).detach())

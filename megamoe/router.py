@@ -86,13 +86,9 @@ def route(x: torch.Tensor, weight: torch.Tensor, config: MoEConfig, bias: torch.
 
 
 def _use_triton(impl: str, x: torch.Tensor, cdt: torch.dtype, config: MoEConfig) -> bool:
-    if impl == "torch":
-        return False
-    if impl == "triton" and config.n_group > 1:
-        raise ValueError("router impl 'triton' has no group-limited routing (n_group > 1); use 'torch' or 'auto'")
-    if config.n_group > 1:
-        return False
     if impl == "triton":
+        if config.n_group > 1:
+            raise ValueError("router impl 'triton' has no group-limited routing (n_group > 1); use 'torch' or 'auto'")
         if cdt != torch.float32:
             raise ValueError("router impl 'triton' computes in float32; float64 input needs impl 'torch' or 'auto'")
         if not x.is_cuda:
@@ -101,7 +97,7 @@ def _use_triton(impl: str, x: torch.Tensor, cdt: torch.dtype, config: MoEConfig)
             if not interpreting():
                 raise ValueError("router impl 'triton' on CPU needs TRITON_INTERPRET=1 (the Triton interpreter)")
         return True
-    return x.is_cuda and cdt == torch.float32
+    return impl == "auto" and config.n_group == 1 and x.is_cuda and cdt == torch.float32
 
 
 def _route(x, weight, config, bias, logit_offset, impl) -> RouterOutput:
@@ -163,11 +159,10 @@ class Router(nn.Module):
     added to the logits; ``config.router_bias`` only, else None), ``logit_offset`` [E] (non-persistent, zeros; see
     :meth:`set_logit_offset`)."""
 
-    def __init__(self, config: MoEConfig, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, init: bool = True):
+    def __init__(self, config: MoEConfig, device: torch.device | str | None = None, init: bool = True):
         super().__init__()
         self.config = config
-        dtype = dtype or config.dtype
+        dtype = config.dtype
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden, device=device, dtype=dtype))
         if config.router == "sigmoid":
             self.register_buffer("bias", torch.zeros(config.num_experts, device=device, dtype=torch.float32))

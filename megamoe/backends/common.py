@@ -1,4 +1,4 @@
-"""What the ``split`` and ``fused`` backends share: the expert GEMMs of the forward and the whole backward.
+"""What the ``split`` and ``fused`` backends share: their setup, the expert GEMMs of the forward, the whole backward.
 
 R_cap worst-case rows received, offs int32 [E_l + 1] on the device. Backward (saved: received rows, h, topk_w):
     dy_R, gate_R    = pull_grad(dy, topk_w, handle)           dy rows pulled unscaled with each row's gate
@@ -21,11 +21,13 @@ rows received. Weight gradients stay bf16 (dW13 reads the dequantised rows).
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
 
 from megamoe.comm.combine import pull_grad, send_gate_grad
+from megamoe.comm.heap import CommShape, get_heap, hold_heap
 from megamoe.experts import (
     gemm1_dgrad,
     gemm1_dgrad_fp8,
@@ -121,38 +123,63 @@ def expert_backward(dy, topk_w, handle, h, recv, w13, w2, num_sms, wq=None, pres
     return ExpertGrads(dy_rows, acts, dh, d_recv, d_topk_w, db13, db2)
 
 
-def expert_clamp(cfg) -> tuple[float, float] | None:
-    """(alpha, limit) of gpt-oss's clamped SwiGLU for a MoEConfig with gpt_oss experts, else None."""
-    return (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.expert_kind == "gpt_oss" else None
-
-
-def comm_programs(comm_sms: int | None, device: torch.device) -> int:
-    """``comm_sms``, else every SM (2 under the interpreter, which runs programs one by one)."""
-    if comm_sms is None:
-        return 2 if interpreting() else device_sms(device)
-    if comm_sms < 1:
-        raise ValueError(f"comm_sms must be >= 1, got {comm_sms}")
-    return int(comm_sms)
-
-
-def triton_unavailable(device) -> str | None:
-    """Why the Triton backends cannot run on ``device``, or None. Off CUDA they need the Triton interpreter (which
-    ``triton.jit`` reads when a kernel module is imported, so the variable has to be set before Python starts) or a
-    driver standing in for a GPU (megamoe.testing.sm90 compiles for Hopper on a CPU)."""
-    if torch.device(device).type == "cuda" or interpreting():
-        return None
-    from triton.runtime import driver
-
-    try:
-        driver.active  # noqa: B018 - raises without a GPU ("0 active drivers")
-        return None
-    except RuntimeError:
-        return ("the Triton kernels run on a CPU only under the Triton interpreter: start Python with "
-                "TRITON_INTERPRET=1 in the environment (e.g. `TRITON_INTERPRET=1 python train.py`), or use backend "
-                "'torch'")
-
-
 def check_flag(backend: str, name: str, value) -> bool:
     if value not in (True, False, 0, 1):
         raise ValueError(f"backend '{backend}': {name} must be a flag (True/False or 1/0), got {value!r}")
     return bool(value)
+
+
+class HeapBackend:
+    """What ``split`` and ``fused`` share: bf16 GEMMs, the symmetric heap of the layer's shape (given back by
+    :meth:`close`), no host sync in forward or backward (a whole step can be captured in a CUDA graph)."""
+
+    name: str
+    graph_capturable = True
+
+    @staticmethod
+    def why_unavailable(device) -> str | None:
+        """Off CUDA the Triton kernels need the interpreter (which ``triton.jit`` reads when a kernel module is
+        imported, so the variable has to be set before Python starts) or a driver standing in for a GPU
+        (megamoe.testing.sm90 compiles for Hopper on a CPU)."""
+        if torch.device(device).type == "cuda" or interpreting():
+            return None
+        from triton.runtime import driver
+
+        try:
+            driver.active  # noqa: B018 - raises without a GPU ("0 active drivers")
+            return None
+        except RuntimeError:
+            return ("the Triton kernels run on a CPU only under the Triton interpreter: start Python with "
+                    "TRITON_INTERPRET=1 in the environment (e.g. `TRITON_INTERPRET=1 python train.py`), or use "
+                    "backend 'torch'")
+
+    def _init_common(self, moe, comm_sms: int | None) -> None:
+        """The checks and settings before the backend's own (which come before :meth:`_open_heap`)."""
+        cfg = moe.config
+        if cfg.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"backend '{self.name}' needs a bfloat16 layer, or a float32 one run under bfloat16 "
+                             f"autocast (its GEMMs are bf16), got {cfg.dtype}")
+        self.moe = weakref.proxy(moe)  # the layer owns its backend, not the reverse: deleting it frees both
+        if comm_sms is not None and comm_sms < 1:
+            raise ValueError(f"comm_sms must be >= 1, got {comm_sms}")
+        # default every SM (2 under the interpreter, which runs programs one by one)
+        self.comm_sms = int(comm_sms) if comm_sms is not None else 2 if interpreting() else device_sms(moe.device)
+        self.clamp = (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.expert_kind == "gpt_oss" else None  # clamped SwiGLU
+
+    def _open_heap(self, moe, timeout_s: float, slots: bool = False) -> None:
+        cfg = moe.config
+        self.shape = CommShape(world=moe.world, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden,
+                               topk=cfg.top_k, num_experts=cfg.num_experts, dtype=torch.bfloat16, slots=slots)
+        self.heap = get_heap(self.shape, moe.group, moe.device, timeout_s, self.comm_sms)
+        self._release = hold_heap(self, self.heap)
+
+    def close(self) -> None:
+        """Give the symmetric heap back (freed with its last layer)."""
+        self._release()
+
+    def _check_call(self, x, b13, b2) -> None:
+        if x.shape[0] > self.shape.max_tokens:
+            raise ValueError(f"{x.shape[0]} tokens exceed the layer's max_tokens_per_rank "
+                             f"({self.shape.max_tokens}); build the MoEConfig with a larger one")
+        if (b13 is None) != (self.clamp is None) or (b13 is None) != (b2 is None):
+            raise ValueError(f"backend '{self.name}': b13 and b2 are given exactly for gpt_oss experts")

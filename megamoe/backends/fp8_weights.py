@@ -12,12 +12,6 @@ from megamoe.experts import quantize_weight, quantize_weight_both
 from megamoe.kernels.fp8_quant import Fp8Weight, weight_key
 
 
-def _capturing_on(device: torch.device) -> bool:
-    """Whether the current stream of ``device`` (not necessarily the current device) is capturing a CUDA graph."""
-    with torch.cuda.device(device):
-        return torch.cuda.is_current_stream_capturing()
-
-
 class Fp8WeightCache:
     """fp8_weights / fp8_copies / invalidate_fp8_weights of an FP8 backend (see the module docstring)."""
 
@@ -52,7 +46,10 @@ class Fp8WeightCache:
         unless the copy is *managed* (kept by the optimizer or :meth:`pin_fp8_weights`): then it is read as it is,
         and a stale one raises at capture. Inference-mode tensors (no version counter) are quantised fresh; a fresh
         quantisation with autograd off makes only the forward orientation (the t entries None)."""
-        capturing = w13.is_cuda and _capturing_on(w13.device)
+        capturing = False
+        if w13.is_cuda:
+            with torch.cuda.device(w13.device):  # the current stream of w13's device, not of the current device
+                capturing = torch.cuda.is_current_stream_capturing()
 
         def fresh(w):
             if torch.is_grad_enabled():

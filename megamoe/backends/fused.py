@@ -13,12 +13,10 @@ forward (one torch.autograd.Function):
 backward: split's (backends/common.py), reusing what the forward kept: the received rows and h. With a ring the
 forward overwrote them, so the backward first recomputes them (dispatch of x + GEMM1, split's kernels).
 
-On Hopper the megakernel's work items run warp-specialised in Gluon (kernels/gluon/fused.py: a TMA loader warp and
-two consumer warpgroups, the same items, order, waits and results as the Triton kernel) wherever they can (H and I
-multiples of 8, SwiGLU experts); everywhere else (gpt-oss's experts included), and on the CPU under the interpreter,
-the Triton kernel. bf16 GEMMs only (a float32 layer runs under bfloat16 autocast, its weights cast per call by the
-layer): an FP8 megakernel measured slower than both this one and split's FP8 layer (docs/performance.md);
-split:fp8=1 is the FP8 layer.
+On Hopper the megakernel's work items run warp-specialised in Gluon (kernels/gluon/fused.py: the same items, order,
+waits and results) where they can (H and I multiples of 8, SwiGLU experts); elsewhere, and under the interpreter, the
+Triton kernel. bf16 GEMMs only: an FP8 megakernel measured slower than both this one and split:fp8=1
+(docs/performance.md).
 
 Options (docs/performance.md has the measurements behind each default):
 
@@ -35,14 +33,12 @@ cycles as many times as the routing needs. The symmetric heap adds a [T_max, k, 
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
-from megamoe.backends.common import comm_programs, expert_backward, expert_clamp, triton_unavailable, wgrads
+from megamoe.backends.common import HeapBackend, expert_backward, wgrads
 from megamoe.comm.combine import dispatch_backward
 from megamoe.comm.dispatch import dispatch
-from megamoe.comm.heap import CommShape, get_heap, heap_bytes, hold_heap
+from megamoe.comm.heap import heap_bytes
 from megamoe.experts import gemm1_swiglu
 from megamoe.kernels.fused_moe import FusedConfig, default_fused_config, fused_forward, plan_lag
 from megamoe.kernels.gluon.fused import gluon_fused_reason
@@ -79,24 +75,14 @@ class _FusedMoE(torch.autograd.Function):
         return dx, g.d_topk_w.to(topk_w.dtype), dw13, dw2, g.db13, g.db2, None, None, None
 
 
-class FusedBackend:
+class FusedBackend(HeapBackend):
     """See the module docstring for the options."""
 
     name = "fused"
-    graph_capturable = True  # no host sync in forward or backward
-
-    @staticmethod
-    def why_unavailable(device) -> str | None:
-        return triton_unavailable(device)
 
     def __init__(self, moe, ring_blocks: int | None = None, comm_sms: int | None = None, timeout_s: float = 60.0):
         cfg = moe.config
-        if cfg.dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"backend 'fused' needs a bfloat16 layer, or a float32 one run under bfloat16 autocast "
-                             f"(its GEMMs are bf16), got {cfg.dtype}")
-        self.clamp = expert_clamp(cfg)  # gpt-oss's (alpha, limit), else None
-        self.moe = weakref.proxy(moe)  # the layer owns its backend, not the reverse: deleting it frees both
-        self.comm_sms = comm_programs(comm_sms, moe.device)
+        self._init_common(moe, comm_sms)
         self.config: FusedConfig = default_fused_config(moe.device)
         if gluon_fused_reason(self.config, H=cfg.hidden, I=cfg.intermediate, device=moe.device,
                               gpt_oss=self.clamp is not None) is None:
@@ -108,15 +94,7 @@ class FusedBackend:
             if ring_blocks < need:
                 raise ValueError(f"ring_blocks must be >= {need} (lag + 3), got {ring_blocks}")
         self.ring_blocks = ring_blocks
-        self.shape = CommShape(world=moe.world, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden,
-                               topk=cfg.top_k, num_experts=cfg.num_experts, dtype=torch.bfloat16,
-                               slots=True)
-        self.heap = get_heap(self.shape, moe.group, moe.device, timeout_s, self.comm_sms)
-        self._release = hold_heap(self, self.heap)
-
-    def close(self) -> None:
-        """Give the symmetric heap back (freed with its last layer)."""
-        self._release()
+        self._open_heap(moe, timeout_s, slots=True)
 
     def workspace_bytes(self) -> dict:
         """Symmetric heap bytes (shared by layers of this shape) and the megakernel's per-call buffers."""
@@ -127,11 +105,7 @@ class FusedBackend:
         return {"symmetric": heap_bytes(self.shape), "per_call": rows * ((sh.hidden + inter) * 2 + h_bytes)}
 
     def __call__(self, x, topk_idx, topk_w, w13, w2, b13=None, b2=None):
-        if x.shape[0] > self.shape.max_tokens:
-            raise ValueError(f"{x.shape[0]} tokens exceed the layer's max_tokens_per_rank "
-                             f"({self.shape.max_tokens}); build the MoEConfig with a larger one")
-        if (b13 is None) != (self.clamp is None) or (b13 is None) != (b2 is None):
-            raise ValueError("backend 'fused': b13 and b2 are given exactly for gpt_oss experts")
+        self._check_call(x, b13, b2)
         leaves = (x, topk_w, w13, w2) + (() if b13 is None else (b13, b2))
         train = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
         return _FusedMoE.apply(x, topk_w, w13, w2, b13, b2, topk_idx, self, train)

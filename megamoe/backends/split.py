@@ -1,6 +1,5 @@
-"""Backend ``split``: megamoe's own kernels launched back to back, no host-device synchronisation (bf16 GEMMs: a bf16
-layer, or a float32 one under bfloat16 autocast, whose weights the layer casts per call; other dtypes raise
-``ValueError`` at construction).
+"""Backend ``split``: megamoe's own kernels launched back to back, no host-device synchronisation (bf16 GEMMs: a
+float32 layer runs under bfloat16 autocast, the layer casting its weights per call).
 
 R_cap = W * T_max * min(k, E_l) receive rows (worst case), offs int32 [E_l + 1] on the device:
 
@@ -28,79 +27,58 @@ Options (measurements in docs/performance.md):
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
-from megamoe.backends.common import (
-    check_flag,
-    comm_programs,
-    expert_backward,
-    expert_clamp,
-    expert_forward,
-    heap_rows,
-    triton_unavailable,
-    wgrads,
-)
+from megamoe.backends.common import HeapBackend, check_flag, expert_backward, expert_forward, heap_rows, wgrads
 from megamoe.backends.fp8_weights import Fp8WeightCache
 from megamoe.comm.combine import combine, dispatch_backward
 from megamoe.comm.dispatch import dispatch, dispatch_fp8
-from megamoe.comm.heap import CommShape, get_heap, heap_bytes, hold_heap, workspace_bytes
+from megamoe.comm.heap import heap_bytes, workspace_bytes
 from megamoe.experts import dequantize_act
 
 
 class _SplitMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_w, w13, w2, b13, b2, topk_idx, backend, num_sms, presum, wq):
-        heap = backend.heap
+    def forward(ctx, x, topk_w, w13, w2, b13, b2, topk_idx, backend, wq):
+        heap, num_sms, presum = backend.heap, backend.comm_sms, backend.presum_combine
         gates = topk_w if presum else None  # presum: the gates travel with the rows, the expert ranks pre-sum
         a_s = None
         if wq is not None:  # x quantised once per token on its home rank; GEMM1 reads the packed rows
             recv, a_s, handle = dispatch_fp8(x, topk_idx, heap, num_sms=num_sms, topk_w=gates)
         else:
             recv, handle = dispatch(x, topk_idx, heap, num_sms=num_sms, topk_w=gates)
-        offs = handle.offs
         # GEMM2 writes into the heap's rows region (no staging copy for combine) unless presum's stage writes there
         out_buf = None if presum else heap_rows(heap, (recv.shape[0], w2.shape[1]), w2.dtype)
-        clamp = backend.clamp
-        act, h, out = expert_forward(recv, w13, w2, offs, wq, a_s, out=out_buf, b13=b13, b2=b2, clamp=clamp)
+        act, h, out = expert_forward(recv, w13, w2, handle.offs, wq, a_s, out=out_buf, b13=b13, b2=b2,
+                                     clamp=backend.clamp)
         y = combine(out, None if presum else topk_w, handle, num_sms=num_sms, out_dtype=x.dtype, presum=presum)
         ctx.save_for_backward(recv, h, topk_w, w13, w2, a_s, b13, b2)
-        ctx.handle, ctx.num_sms, ctx.presum, ctx.wq, ctx.clamp = handle, num_sms, presum, wq, clamp
+        ctx.handle, ctx.wq = handle, wq
         ctx.backend = backend  # the backward needs the heap, which a one-rank backend frees when collected
         return y
 
     @staticmethod
     def backward(ctx, dy):
         recv, h, topk_w, w13, w2, a_s, b13, b2 = ctx.saved_tensors
-        handle = ctx.handle
+        handle, b = ctx.handle, ctx.backend
         if a_s is not None:  # FP8: dW13 = dh^T recv on the dequantised rows (only the received ones)
             recv = dequantize_act(recv, a_s, nrows=handle.offs[-1:])
-        g = expert_backward(dy.contiguous(), topk_w, handle, h, recv, w13, w2, ctx.num_sms, wq=ctx.wq,
-                            presum=ctx.presum, b13=b13, b2=b2, clamp=ctx.clamp)
-        dx = dispatch_backward(g.d_recv, handle, num_sms=ctx.num_sms, out_dtype=dy.dtype, presum=ctx.presum)
+        g = expert_backward(dy.contiguous(), topk_w, handle, h, recv, w13, w2, b.comm_sms, wq=ctx.wq,
+                            presum=b.presum_combine, b13=b13, b2=b2, clamp=b.clamp)
+        dx = dispatch_backward(g.d_recv, handle, num_sms=b.comm_sms, out_dtype=dy.dtype, presum=b.presum_combine)
         dw13, dw2 = wgrads(g.dy_rows, g.acts, g.dh, recv, handle.offs, w13, w2)
-        return dx, g.d_topk_w.to(topk_w.dtype), dw13, dw2, g.db13, g.db2, None, None, None, None, None
+        return dx, g.d_topk_w.to(topk_w.dtype), dw13, dw2, g.db13, g.db2, None, None, None
 
 
-class SplitBackend(Fp8WeightCache):
+class SplitBackend(HeapBackend, Fp8WeightCache):
     """See the module docstring for the options."""
 
     name = "split"
-    graph_capturable = True  # no host sync: a whole step can be captured in a CUDA graph
-
-    @staticmethod
-    def why_unavailable(device) -> str | None:
-        return triton_unavailable(device)
 
     def __init__(self, moe, fp8: bool = False, presum_combine: bool = False, comm_sms: int | None = None,
                  timeout_s: float = 60.0):
         cfg = moe.config
-        if cfg.dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"backend 'split' needs a bfloat16 layer, or a float32 one run under bfloat16 autocast "
-                             f"(its GEMMs are bf16), got {cfg.dtype}")
-        self.moe = weakref.proxy(moe)  # the layer owns its backend, not the reverse: deleting it frees both
-        self.comm_sms = comm_programs(comm_sms, moe.device)
+        self._init_common(moe, comm_sms)
         self.presum_combine = check_flag(self.name, "presum_combine", presum_combine)
         self._init_fp8_cache(check_flag(self.name, "fp8", fp8), moe.device)
         if self.fp8 and cfg.dtype != torch.bfloat16:  # the FP8 copies are keyed on the parameters the GEMMs read
@@ -108,15 +86,11 @@ class SplitBackend(Fp8WeightCache):
         if self.fp8 and cfg.expert_kind != "swiglu":  # the FP8 epilogues have no biases nor the clamped SwiGLU
             raise ValueError(f"backend 'split' with fp8=1 runs SwiGLU experts only; expert_kind "
                              f"{cfg.expert_kind!r} (gpt-oss: biases, clamped SwiGLU) runs with fp8=0")
-        self.clamp = expert_clamp(cfg)  # gpt-oss's (alpha, limit), else None
-        self.shape = CommShape(world=moe.world, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden,
-                               topk=cfg.top_k, num_experts=cfg.num_experts, dtype=torch.bfloat16)
-        self.heap = get_heap(self.shape, moe.group, moe.device, timeout_s, self.comm_sms)
-        self._release = hold_heap(self, self.heap)
+        self._open_heap(moe, timeout_s)
 
     def close(self) -> None:
         """Give the symmetric heap back (freed with its last layer) and drop the FP8 weight copies."""
-        self._release()
+        super().close()
         self._fp8_copies = {}
 
     def workspace_bytes(self) -> dict:
@@ -128,10 +102,6 @@ class SplitBackend(Fp8WeightCache):
         return out
 
     def __call__(self, x, topk_idx, topk_w, w13, w2, b13=None, b2=None):
-        if x.shape[0] > self.shape.max_tokens:
-            raise ValueError(f"{x.shape[0]} tokens exceed the layer's max_tokens_per_rank "
-                             f"({self.shape.max_tokens}); build the MoEConfig with a larger one")
+        self._check_call(x, b13, b2)
         wq = self.fp8_weights(w13, w2) if self.fp8 else None
-        if (b13 is None) != (self.clamp is None) or (b13 is None) != (b2 is None):
-            raise ValueError("backend 'split': b13 and b2 are given exactly for gpt_oss experts")
-        return _SplitMoE.apply(x, topk_w, w13, w2, b13, b2, topk_idx, self, self.comm_sms, self.presum_combine, wq)
+        return _SplitMoE.apply(x, topk_w, w13, w2, b13, b2, topk_idx, self, wq)

@@ -131,10 +131,7 @@ class TorchBackend:
         if b2 is not None:
             o = (o.to(wide) + b2.to(wide)[eid]).to(x.dtype)
         o_recv = o[dest]  # [R, H] back in received order
-        if W > 1:
-            back = _AllToAll.apply(o_recv, in_splits, out_splits, moe.group)
-        else:
-            back = o_recv
+        back = _AllToAll.apply(o_recv, in_splits, out_splits, moe.group) if W > 1 else o_recv
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=dev)
         out_tk = back[inv].view(T, k, H)

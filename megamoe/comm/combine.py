@@ -14,9 +14,8 @@ tokens) and a second pass to sum it; pulling reads each row once and sums in reg
 GEMM2 epilogue stores each row into the owner's slots, with no second launch over the rows.) presum.py sends one row
 per remote rank instead of one per slot.
 
-Backward: :func:`pull_grad` brings dy rows (unscaled) and each row's gate to the expert ranks; the dgrad GEMM's epilogue
-computes d(topk_w) per row (<dy, act @ w2^T>, fp32) and the gated activation for dW2; :func:`send_gate_grad` stores each
-row's value into its owner's ``dw`` slot and raises DW_DONE. dispatch_backward is the gather-sum without gates.
+Backward: :func:`pull_grad` and :func:`send_gate_grad` (around the dgrad GEMM: backends/common.py);
+:func:`dispatch_backward` is the gather-sum without gates.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from megamoe.kernels.interpreter import row_buffer
 
 from . import signals as S
 from .dispatch import DispatchHandle, pull_rows
+from .presum import presum_gather
 from .signals import (
     ARRIVE_WORK,
     DONE,
@@ -107,29 +107,26 @@ def _gather_sum_kernel(
             publish(tab, W, rank, DONE, call, WP2)
 
 
-def _stage_rows(heap, rows: torch.Tensor, P: int, nrows: torch.Tensor) -> None:
+def _gather(rows: torch.Tensor, topk_w: torch.Tensor | None, handle: DispatchHandle, num_sms: int | None,
+            out_dtype: torch.dtype | None, presum: bool, gated: bool) -> torch.Tensor:
+    """:func:`combine` / :func:`dispatch_backward` after their own checks: y [T, H] from the rows [<= R_cap, H]."""
+    heap = handle.heap
     sh = heap.shape
     if rows.dim() != 2 or rows.shape[1] != sh.hidden or rows.shape[0] > sh.rows_cap or rows.dtype != sh.dtype:
         raise ValueError(f"expert rows must be [<= R_cap={sh.rows_cap}, H={sh.hidden}] {sh.dtype}, "
                          f"got {tuple(rows.shape)} {rows.dtype}")
-    buf = heap.rows_buffer()
-    in_place = rows.data_ptr() == buf.data_ptr() and rows.stride() == (sh.hidden, 1)
-    # only rows < offs[E_l] hold data; that count lives on the device, so the kernel reads it there
-    S.stage(heap, act=None if in_place else rows.contiguous(), act_reg=S.REG_ROWS.value, programs=P,
-            nrows=nrows)
-
-
-def _gather_sum(rows: torch.Tensor, topk_w: torch.Tensor | None, handle: DispatchHandle,
-                num_sms: int | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    heap = handle.heap
-    sh = heap.shape
+    if presum:
+        return presum_gather(rows, handle, gated, num_sms, out_dtype)
     T = handle.num_tokens
     P = max(1, int(num_sms or handle.num_sms))
     if topk_w is not None and tuple(topk_w.shape) != (T, sh.topk):
         raise ValueError(f"topk_w must be [T={T}, k={sh.topk}], got {tuple(topk_w.shape)}")
     y = torch.empty(T, sh.hidden, dtype=out_dtype or sh.dtype, device=heap.device)  # before READY is published
     w = topk_w.contiguous() if topk_w is not None else None
-    _stage_rows(heap, rows, P, handle.offs[-1:])
+    in_place = rows.data_ptr() == heap.rows_buffer().data_ptr() and rows.stride() == (sh.hidden, 1)
+    # only rows < offs[E_l] hold data; that count lives on the device, so the kernel reads it there
+    S.stage(heap, act=None if in_place else rows.contiguous(), act_reg=S.REG_ROWS.value, programs=P,
+            nrows=handle.offs[-1:])
     rws, block_h, warps = S.launch_config(sh.hidden, "gather")
     has_w = topk_w is not None
     sched = handle.schedule
@@ -155,19 +152,11 @@ def combine(out: torch.Tensor, topk_w: torch.Tensor | None, handle: DispatchHand
     presum: presum.py's path; topk_w must then be None (the gates given to ``dispatch(..., topk_w=...)`` are used,
     never a second copy that could differ) and ``out`` is read locally, never staged.
     """
-    if presum:
-        if topk_w is not None:
-            raise ValueError("combine(presum=True) weights with the gates given to dispatch; pass topk_w=None")
-        return _presum_gather(out, True, handle, num_sms, out_dtype)
-    if topk_w is None:
+    if presum and topk_w is not None:
+        raise ValueError("combine(presum=True) weights with the gates given to dispatch; pass topk_w=None")
+    if not presum and topk_w is None:
         raise ValueError("combine needs topk_w (or presum=True with gates given to dispatch)")
-    return _gather_sum(out, topk_w, handle, num_sms, out_dtype)
-
-
-def _presum_gather(rows, gated: bool, handle: DispatchHandle, num_sms, out_dtype):
-    from .presum import presum_gather
-
-    return presum_gather(rows, handle, gated, num_sms, out_dtype)
+    return _gather(out, topk_w, handle, num_sms, out_dtype, presum, gated=True)
 
 
 def dispatch_backward(grad_recv: torch.Tensor, handle: DispatchHandle, num_sms: int | None = None,
@@ -176,29 +165,7 @@ def dispatch_backward(grad_recv: torch.Tensor, handle: DispatchHandle, num_sms: 
     grad_recv: [R_cap, H] (rows >= offs[E_l] ignored), staged unless it is ``heap.rows_buffer()``. Returns grad_x
     [T, H] in ``out_dtype`` (default: heap dtype). presum: as :func:`combine`'s (rank order).
     """
-    if presum:
-        return _presum_gather(grad_recv, False, handle, num_sms, out_dtype)
-    return _gather_sum(grad_recv, None, handle, num_sms, out_dtype)
-
-
-def stage_grad(heap, dy: torch.Tensor, topk_w: torch.Tensor, programs: int) -> None:
-    """Open a new call: dy [T, H] into this rank's ``tok`` region and topk_w [T, k] (as fp32) into ``w``, for
-    the expert ranks' pull of w * dy (combine's backward, and the fused backend's backward)."""
-    w32 = topk_w.to(torch.float32).contiguous().view(torch.int32)
-    act = dy.contiguous()
-    S.stage(heap, act=act, act_reg=S.REG_TOK.value, small=w32, small_reg=S.REG_W.value, ntok=-1, programs=programs)
-
-
-def _grad_call(dy: torch.Tensor, topk_w: torch.Tensor, handle: DispatchHandle, num_sms: int | None):
-    """(heap, its shape, T, programs) of a backward call, after checking dy [T, H] (heap dtype) and topk_w [T, k]."""
-    heap = handle.heap
-    sh = heap.shape
-    T = handle.num_tokens
-    if tuple(dy.shape) != (T, sh.hidden) or dy.dtype != sh.dtype:
-        raise ValueError(f"dy must be [T={T}, H={sh.hidden}] {sh.dtype}, got {tuple(dy.shape)} {dy.dtype}")
-    if tuple(topk_w.shape) != (T, sh.topk):
-        raise ValueError(f"topk_w must be [T={T}, k={sh.topk}], got {tuple(topk_w.shape)}")
-    return heap, sh, T, max(1, int(num_sms or handle.num_sms))
+    return _gather(grad_recv, None, handle, num_sms, out_dtype, presum, gated=False)
 
 
 @triton.jit(do_not_specialize=["rank"])
@@ -232,10 +199,20 @@ def pull_grad(dy: torch.Tensor, topk_w: torch.Tensor, handle: DispatchHandle,
     """Open a backward call and pull dy to the expert ranks: (dy_rows [R_cap, H] heap dtype, gate [R_cap] fp32),
     dy_rows[r] = dy_s[t] (unscaled), gate[r] = topk_w_s[t, j] for every received row r = (s, t, j) (rows >= R
     unwritten). The caller sends d(topk_w) home with :func:`send_gate_grad`, which closes the call."""
-    heap, sh, T, P = _grad_call(dy, topk_w, handle, num_sms)
+    heap = handle.heap
+    sh = heap.shape
+    T = handle.num_tokens
+    P = max(1, int(num_sms or handle.num_sms))
+    if tuple(dy.shape) != (T, sh.hidden) or dy.dtype != sh.dtype:
+        raise ValueError(f"dy must be [T={T}, H={sh.hidden}] {sh.dtype}, got {tuple(dy.shape)} {dy.dtype}")
+    if tuple(topk_w.shape) != (T, sh.topk):
+        raise ValueError(f"topk_w must be [T={T}, k={sh.topk}], got {tuple(topk_w.shape)}")
     rows = row_buffer((sh.rows_cap, sh.hidden), sh.dtype, heap.device)  # before READY is published
     gate = row_buffer((sh.rows_cap,), torch.float32, heap.device)
-    stage_grad(heap, dy, topk_w, P)
+    w32 = topk_w.to(torch.float32).contiguous().view(torch.int32)
+    # open a new call: dy into this rank's ``tok`` region, the gates (as fp32) into ``w``
+    S.stage(heap, act=dy.contiguous(), act_reg=S.REG_TOK.value, small=w32, small_reg=S.REG_W.value, ntok=-1,
+            programs=P)
     pull_rows(heap, handle.schedule, rows, P, gate=gate)
     return rows, gate
 
@@ -265,4 +242,4 @@ def send_gate_grad(ds: torch.Tensor, handle: DispatchHandle, num_sms: int | None
     return grad_w
 
 
-__all__ = ["combine", "dispatch_backward", "stage_grad", "pull_grad", "send_gate_grad"]
+__all__ = ["combine", "dispatch_backward", "pull_grad", "send_gate_grad"]

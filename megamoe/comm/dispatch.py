@@ -292,28 +292,12 @@ def fp8_row_layout(hidden: int) -> tuple[int, int, int]:
     return so, row, row // 2
 
 
-def fp8_rows_fit(hidden: int) -> bool:
-    """Whether a packed FP8 row (:func:`fp8_row_layout`) fits in a 16-bit row of ``hidden`` elements, the symmetric
-    heap's token rows it is staged in (H >= 32 always fits; so do 16 and 24-31)."""
-    return fp8_row_layout(hidden)[2] <= hidden
-
-
 def fp8_row_views(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 values [n, H], fp32 scales [n, cdiv(H, 128)]): row-strided views of packed FP8 rows (``rows`` [n, words]
     of a 16-bit dtype, :func:`fp8_row_layout`)."""
     so = fp8_row_layout(hidden)[0]
     rb = rows.view(torch.uint8)
     return rb[:, :hidden].view(torch.float8_e4m3fn), rb[:, so:so + 4 * triton.cdiv(hidden, 128)].view(torch.float32)
-
-
-def pack_fp8_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x [T, H] quantised per row (1x128 blocks, quantize_act) into packed FP8 rows [T, words] of the 16-bit
-    ``dtype`` (:func:`fp8_row_layout`; the padding bytes are never read as data)."""
-    from megamoe.kernels.fp8_quant import quantize_act  # lazy: comm does not need the GEMM kernels otherwise
-
-    packed = torch.empty(x.shape[0], fp8_row_layout(x.shape[1])[2], dtype=dtype, device=x.device)
-    quantize_act(x, out=fp8_row_views(packed, x.shape[1]))
-    return packed
 
 
 def dispatch_fp8(
@@ -326,16 +310,21 @@ def dispatch_fp8(
     """:func:`dispatch` of x quantised once per token on its home rank: (aq [R_cap, H] float8_e4m3fn, a_s [R_cap,
     cdiv(H, 128)] fp32, handle), row-strided views of one buffer of packed rows, ready for the FP8 GEMM1. T rows
     are quantised (not up to k received copies) and each moves ~H + H / 32 bytes instead of 2H; bitwise what
-    quantize_act gives on :func:`dispatch`'s rows. Needs a 16-bit heap and :func:`fp8_rows_fit`."""
+    quantize_act gives on :func:`dispatch`'s rows. Needs a 16-bit heap whose token rows hold a packed row (H >= 32
+    always fits; so do 16 and 24-31)."""
+    from megamoe.kernels.fp8_quant import quantize_act  # lazy: comm does not need the GEMM kernels otherwise
+
     T = _check_inputs(heap, x, topk_idx, topk_w)
     sh = heap.shape
     H = sh.hidden
-    if sh.dtype.itemsize != 2 or not fp8_rows_fit(H):
+    if sh.dtype.itemsize != 2 or fp8_row_layout(H)[2] > H:
         raise ValueError(f"dispatch_fp8: needs a 16-bit heap whose rows hold a packed FP8 row "
                          f"({fp8_row_layout(H)[1]} bytes), got {sh.dtype} with H = {H}")
-    recv, handle = _stage_and_pull(heap, pack_fp8_rows(x, sh.dtype), T, topk_idx, topk_w, num_sms)
+    packed = torch.empty(T, fp8_row_layout(H)[2], dtype=sh.dtype, device=x.device)  # padding bytes never read
+    quantize_act(x, out=fp8_row_views(packed, H))  # per row, 1x128 blocks
+    recv, handle = _stage_and_pull(heap, packed, T, topk_idx, topk_w, num_sms)
     return (*fp8_row_views(recv, H), handle)
 
 
-__all__ = ["DispatchHandle", "check_pull", "dispatch", "dispatch_fp8", "fp8_row_layout", "fp8_row_views",
-           "fp8_rows_fit", "pack_fp8_rows", "pull_rows", "stage_and_schedule"]
+__all__ = ["DispatchHandle", "check_pull", "dispatch", "dispatch_fp8", "fp8_row_layout", "fp8_row_views", "pull_rows",
+           "stage_and_schedule"]

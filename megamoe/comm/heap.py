@@ -32,6 +32,7 @@ Backends:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import logging
 import math
@@ -46,8 +47,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import triton
 
 from . import signals as S
+from .schedule import chunk_tokens
 from .signals import CommTimeoutError
 
 log = logging.getLogger("megamoe.comm")
@@ -92,9 +95,16 @@ class CommShape:
         return self.world * self.max_tokens * min(self.topk, self.local_experts)
 
 
-def _regions(shape: CommShape) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+#: region name -> its row of the pointer table, the kernels' signals.REG_* constants
+_REG_INDEX = {name: getattr(S, f"REG_{name.upper()}").value
+              for name in ("flags", "ctrl", "meta", "idx", "w", "dw", "tok", "rows", "err", "slots")}
+assert sorted(_REG_INDEX.values()) == list(range(S.NUM_REGIONS))
+
+
+def _layout(shape: CommShape) -> tuple[dict[str, tuple[int, tuple[int, ...], torch.dtype]], int]:
+    """({region: (byte offset, dims, dtype)}, total bytes) of the module docstring's table."""
     W, T, H, k = shape.world, shape.max_tokens, shape.hidden, shape.topk
-    return [
+    regions = [
         ("flags", (3, W), torch.int64),
         ("ctrl", (8,), torch.int64),
         ("meta", (8,), torch.int64),
@@ -106,17 +116,8 @@ def _regions(shape: CommShape) -> list[tuple[str, tuple[int, ...], torch.dtype]]
         ("err", (S.ERR_SLOTS,), torch.int64),
         ("slots", (T, k, H) if shape.slots else (0,), shape.dtype),
     ]
-
-
-#: region name -> its row of the pointer table, the kernels' signals.REG_* constants
-_REG_INDEX = {name: getattr(S, f"REG_{name.upper()}").value
-              for name in ("flags", "ctrl", "meta", "idx", "w", "dw", "tok", "rows", "err", "slots")}
-assert sorted(_REG_INDEX.values()) == list(range(S.NUM_REGIONS))
-
-
-def _layout(shape: CommShape) -> tuple[dict[str, tuple[int, tuple[int, ...], torch.dtype]], int]:
     out, off = {}, 0
-    for name, dims, dtype in _regions(shape):
+    for name, dims, dtype in regions:
         out[name] = (off, dims, dtype)
         off += (math.prod(dims) * dtype.itemsize + _ALIGN - 1) // _ALIGN * _ALIGN
     return out, off
@@ -136,13 +137,9 @@ def workspace_bytes(shape: CommShape) -> int:
     """Bytes of ordinary device memory one dispatch call allocates (receive buffer + schedule tables)."""
     W, T, H, k, E = shape.world, shape.max_tokens, shape.hidden, shape.topk, shape.num_experts
     recv = shape.rows_cap * H * shape.dtype.itemsize
-    chunks = -(-T // max(1, 128 // _next_pow2(k)))
+    chunks = triton.cdiv(T, chunk_tokens(k))
     tables = 4 * (W * chunks * E + 2 * W * E + W * T * k + 2 * T * k + 3 * shape.rows_cap + shape.local_experts + 1 + W)
     return recv + tables
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 class SymmetricHeap:
@@ -154,7 +151,6 @@ class SymmetricHeap:
         self,
         shape: CommShape,
         group: dist.ProcessGroup | None = None,
-        backend: str = "auto",
         device: torch.device | str | None = None,
         timeout_s: float = 60.0,
         num_sms: int = 32,
@@ -169,21 +165,18 @@ class SymmetricHeap:
             self.group, self.rank, self.world = None, 0, 1
         if self.world != shape.world:
             raise ValueError(f"shape.world={shape.world} but the process group has {self.world} ranks")
-        if backend == "auto":  # by the device; else by the group (nccl, or GPU ranks on gloo: megamoe.dist)
-            if device is not None:
-                backend = "cuda" if torch.device(device).type == "cuda" else "host"
-            else:
-                from megamoe.dist import gpu_ranks_on_gloo
+        if device is not None:  # the backend by the device; else by the group (nccl, or GPU ranks on gloo)
+            backend = "cuda" if torch.device(device).type == "cuda" else "host"
+        else:
+            from megamoe.dist import gpu_ranks_on_gloo
 
-                gpu_group = self.group is not None and (dist.get_backend(self.group) == "nccl" or gpu_ranks_on_gloo())
-                backend = "cuda" if torch.cuda.is_available() and gpu_group else "host"
-        if backend not in ("cuda", "host"):
-            raise ValueError(f"backend must be 'cuda', 'host' or 'auto', got {backend!r}")
+            gpu_group = self.group is not None and (dist.get_backend(self.group) == "nccl" or gpu_ranks_on_gloo())
+            backend = "cuda" if torch.cuda.is_available() and gpu_group else "host"
         self.shape = shape
         self.backend = backend
         self.timeout_s = float(timeout_s)
         self.num_sms = int(num_sms)
-        self.wp2 = _next_pow2(self.world)
+        self.wp2 = triton.next_power_of_2(self.world)
         self.layout, self.nbytes = _layout(shape)
         self._closed = False
         self._error: str | None = None
@@ -268,16 +261,11 @@ class SymmetricHeap:
     def _alloc_symm_mem(self) -> list[int]:
         import torch.distributed._symmetric_memory as symm_mem
 
-        try:
+        with contextlib.suppress(Exception):  # already set, or an older torch without set_backend
             symm_mem.set_backend("CUDA")
-        except Exception:  # noqa: BLE001 - already set, or an older torch without set_backend
-            pass
-        try:
-            with warnings.catch_warnings():  # deprecated (a no-op) on torch 2.11; needed on older versions
-                warnings.simplefilter("ignore")
-                symm_mem.enable_symm_mem_for_group(self.group.group_name)
-        except Exception:  # noqa: BLE001 - not needed on recent torch
-            pass
+        with contextlib.suppress(Exception), warnings.catch_warnings():  # needed before torch 2.11 only
+            warnings.simplefilter("ignore")  # deprecated on torch 2.11, where it is a no-op
+            symm_mem.enable_symm_mem_for_group(self.group.group_name)
         self._buf = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self._buf.zero_()
         self._handle = symm_mem.rendezvous(self._buf, self.group)
@@ -314,10 +302,8 @@ class SymmetricHeap:
         return bases
 
     def _unlink_own(self) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self._paths[self.rank])
-        except FileNotFoundError:
-            pass
 
     def _make_views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         return {name: _region_view(buf, *spec) for name, spec in self.layout.items()}
@@ -424,16 +410,12 @@ class SymmetricHeap:
             atexit.unregister(self._report_at_exit)
         self._views = {}
         if self.backend == "cuda":
-            self._handle = None
-            self._peers = None
-            self._buf = None
+            self._handle = self._peers = self._buf = None
         else:
             self._unlink_own()
             for mm in self._maps:
-                try:
+                with contextlib.suppress(BufferError):  # a view handed out earlier is alive; the mapping goes with it
                     mm.close()
-                except BufferError:  # a view handed out earlier is still alive; the mapping goes with it
-                    pass
             self._maps = []
 
     def __enter__(self):

@@ -2,8 +2,9 @@
 
 Every rank's symmetric heap holds ``flags`` int64 [3, W]: ``flags[purpose, s]`` (READY, DONE, DW_DONE) is written
 only by rank ``s`` (a remote store into this rank's copy), so no cross-process atomics decide anything. A slot
-carries the *call number* (a per-heap counter bumped once per communication op), so a stale signal from call n-1 is
-never mistaken for call n; values only grow.
+carries the *call number* (``ctrl[SEQ]``, a per-heap device counter the stage kernel bumps once per communication op,
+so a captured CUDA graph replays with fresh numbers): values only grow, and a stale signal from call n-1 is never
+mistaken for call n.
 
 Protocol of one op (call s), every rank running the same sequence of ops:
 
@@ -33,15 +34,10 @@ record with one compare-and-swap and writes (op, call, rank, peer, expected, see
 host-visible (pinned host memory, or the ``host`` backend's shared segment), so the host reads it without
 synchronising the device (SymmetricHeap.check).
 
-Fail-stop: a wait that fails (its own timeout, or the record already set by another wait) never lets its kernel go
-on. On a GPU it executes ``trap`` once the record is complete (:func:`fail_stop`): the kernel aborts and the CUDA
-context is lost, so no later kernel of the process (the rest of the step, the optimizer, a replayed graph) computes
-on rows that never arrived, and the heap's watchdog stops the process with the record's message. Under the
-interpreter the launch runs to its end with the failed programs' work skipped and the launcher raises
-``CommTimeoutError`` as soon as it returns (SymmetricHeap.after_launch), before any output reaches the caller.
-
-The call counter ``ctrl[SEQ]`` lives on the device and is bumped by the stage kernel, so a captured CUDA graph replays
-with fresh call numbers.
+Fail-stop (docs/design.md): a wait that fails (its own timeout, or the record already set by another wait) never lets
+its kernel go on. On a GPU it executes ``trap`` once the record is complete (:func:`fail_stop`) and the heap's watchdog
+stops the process; under the interpreter the failed programs skip their work and the launcher raises
+``CommTimeoutError`` as soon as the launch returns (SymmetricHeap.after_launch), before any output reaches the caller.
 """
 
 from __future__ import annotations
