@@ -23,13 +23,11 @@ import sys
 import torch
 
 from megamoe.apps.perf import git_commit
+from megamoe.config import PRESETS as CONFIGS
 
-PRESETS = {  # name: (H, I, E, k)
-    "qwen3-30b-a3b": (2048, 768, 128, 8),
-    "deepseek-v3": (7168, 2048, 256, 8),
-    "mixtral-8x7b": (4096, 14336, 8, 2),
-    "gpt-oss-120b": (2880, 2880, 128, 4),
-}
+#: name -> (H, I, E, k) of megamoe.config's preset
+PRESETS = {n: (CONFIGS[n].hidden, CONFIGS[n].intermediate, CONFIGS[n].num_experts, CONFIGS[n].top_k)
+           for n in ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "gpt-oss-120b")}
 TINY = {"tiny": (256, 128, 8, 2)}  # CPU smoke test under the interpreter (--device cpu)
 PEAK = {"bf16": 790e12, "fp8": 1345e12}
 HBM = 4.3e12
@@ -165,14 +163,11 @@ def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[
     by2 = 2 * (R * I + E_l * H * I + R * H)
 
     def add(op, dtype, flops, nbytes, ours, torch_ms=None, torch_err=None, extra=None):
-        ok = [r for r in ours if "ms" in r]
-        best = min(ok, key=lambda r: r["ms"]) if ok else None
+        best = min((r for r in ours if "ms" in r), key=lambda r: r["ms"], default={})
         floor = max(flops / PEAK[dtype], nbytes / HBM) * 1e3
-        row = dict(base, op=op, dtype=dtype, flops=flops, bytes=nbytes, floor_ms=floor,
-                   ours_ms=best["ms"] if best else None,
-                   ours_tflops=flops / best["ms"] / 1e9 if best else None,
-                   ours_config=best["config"] if best else None, ours_kernel=best.get("kernel") if best else None,
-                   n_regs=best.get("n_regs") if best else None, n_spills=best.get("n_spills") if best else None,
+        row = dict(base, op=op, dtype=dtype, flops=flops, bytes=nbytes, floor_ms=floor, ours_ms=best.get("ms"),
+                   ours_tflops=flops / best["ms"] / 1e9 if best else None, ours_config=best.get("config"),
+                   ours_kernel=best.get("kernel"), n_regs=best.get("n_regs"), n_spills=best.get("n_spills"),
                    torch_ms=torch_ms, torch_tflops=flops / torch_ms / 1e9 if torch_ms else None,
                    torch_error=torch_err, candidates=ours, **(extra or {}))
         rows.append(row)
