@@ -237,10 +237,9 @@ def _stats(per_iter: list[float]) -> dict:
 
 def bench_config(args: argparse.Namespace):
     """The layer's MoEConfig: the preset, its dtype, ``--experts`` if given (MoEConfig checks top_k <= E)."""
-    cfg = preset(args.preset, dtype=parse_dtype(args.dtype))
-    if args.experts is not None:
-        cfg = cfg.replace(num_experts=args.experts)
-    return cfg.replace(max_tokens_per_rank=max(1, args.tokens))  # split/fused size their buffers for this
+    # split and fused size their buffers for max_tokens_per_rank
+    cfg = preset(args.preset, dtype=parse_dtype(args.dtype), max_tokens_per_rank=max(1, args.tokens))
+    return cfg if args.experts is None else cfg.replace(num_experts=args.experts)
 
 
 def _eager_entry(spec: str, module, ref_moe, xs, dys, args, timer, device, show: bool) -> dict:
@@ -346,9 +345,7 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
           for _ in range(n_sets)]
     dys = [torch.randn(args.tokens, cfg.hidden, generator=gen, device=device, dtype=cfg.dtype)
            for _ in range(n_sets)]
-    offset = None
-    if args.skew:
-        offset = torch.linspace(args.skew, 0.0, cfg.num_experts, device=device)
+    offset = torch.linspace(args.skew, 0.0, cfg.num_experts, device=device) if args.skew else None
 
     timer = _Timer(device)
     results = []

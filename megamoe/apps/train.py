@@ -179,8 +179,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     W, rank = dist.get_world_size(), dist.get_rank()
     on_gpu = device.type == "cuda"
     ep_group = dist.new_group(list(range(W)))  # the MoE layers' own communicator, apart from DDP's
-    moe_cfg = preset(args.preset, dtype=parse_dtype(args.dtype))
-    moe_cfg = moe_cfg.replace(max_tokens_per_rank=args.batch * args.seq)
+    moe_cfg = preset(args.preset, dtype=parse_dtype(args.dtype), max_tokens_per_rank=args.batch * args.seq)
     cfg = ModelConfig(moe_cfg, layers=args.layers, heads=args.heads, max_seq=args.seq)
     model = MoETransformer(cfg, group=ep_group, backend=backend, device=device, seed=args.seed)
     graphed = bool(args.graph_moe) and model.blocks[0].moe.backend_name != "torch"
@@ -201,8 +200,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
             opt.maintain_fp8(p, copy)
     if graphed:  # after maintain_fp8: a layer whose FP8 copies the optimizer keeps reads them in its graphs
         capture_moe_layers([blk.moe for blk in model.blocks], args.batch * args.seq, autocast)
-    expert_names = model.expert_parameter_names()
-    DDP._set_params_and_buffers_to_ignore_for_model(model, expert_names)
+    DDP._set_params_and_buffers_to_ignore_for_model(model, model.expert_parameter_names())
     ddp = DDP(model, device_ids=[device.index] if on_gpu else None, broadcast_buffers=False)
     opt.reload_masters(replicated)  # the masters follow DDP's broadcast of rank 0's replicated parameters
 
