@@ -23,12 +23,11 @@ import math
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-from megamoe.apps.perf import ceilings_for, forward_flops, layer_floor_seconds, run_metadata
+from megamoe.apps.perf import Marks, ceilings_for, layer_floor_seconds, run_metadata
 from megamoe.backends import parse_backend
 from megamoe.config import PRESETS, parse_dtype, preset
 from megamoe.dist import init_from_env, rank_device, spawn, under_torchrun
@@ -91,25 +90,17 @@ def _defaults(args, on_gpu: bool) -> argparse.Namespace:
 
 class _Timer:
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+        self.device = device
 
-    def start(self):
-        if self.cuda:
+    def start(self) -> Marks:
+        if self.device.type == "cuda":
             torch.cuda.synchronize()
         dist.barrier()
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
+        return Marks(self.device)
 
-    def stop(self, t0) -> float:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            ev.synchronize()
-            return t0.elapsed_time(ev) * 1e-3
-        return time.perf_counter() - t0
+    def stop(self, t0: Marks) -> float:
+        t0.mark()
+        return t0.elapsed()[0]
 
 
 def _progress(msg: str, enabled: bool, step: bool = False) -> None:
@@ -244,20 +235,11 @@ def _stats(per_iter: list[float]) -> dict:
             "iters": len(per_iter)}
 
 
-def _pin(moe, args: argparse.Namespace):
-    """``--fp8-weights pinned``: an FP8 layer quantises its weights once, here (see the option)."""
-    b = moe.backend
-    if getattr(args, "fp8_weights", "layer") == "pinned" and getattr(b, "fp8", False):
-        b.pin_fp8_weights()
-    return moe
-
-
 def bench_config(args: argparse.Namespace):
     """The layer's MoEConfig: the preset, its dtype, ``--experts`` if given (MoEConfig checks top_k <= E)."""
-    cfg = preset(args.preset, dtype=parse_dtype(args.dtype))
-    if getattr(args, "experts", None) is not None:
-        cfg = cfg.replace(num_experts=args.experts)
-    return cfg.replace(max_tokens_per_rank=max(1, args.tokens))  # split/fused size their buffers for this
+    # split and fused size their buffers for max_tokens_per_rank
+    cfg = preset(args.preset, dtype=parse_dtype(args.dtype), max_tokens_per_rank=max(1, args.tokens))
+    return cfg if args.experts is None else cfg.replace(num_experts=args.experts)
 
 
 def _eager_entry(spec: str, module, ref_moe, xs, dys, args, timer, device, show: bool) -> dict:
@@ -295,6 +277,18 @@ def _eager_entry(spec: str, module, ref_moe, xs, dys, args, timer, device, show:
     return entry
 
 
+def _graphed_entry(spec: str, make, rel_err, interleaved: list, xs, dys, args, timer, device, show: bool) -> dict:
+    """The CUDA-graph entry of ``make``'s module: timed now, or with ``--interleave`` left on ``interleaved`` to be
+    timed after the loop, every backend's replays in turn."""
+    graphed = {"backend": spec, "timing": "cuda-graph", "rel_err": rel_err}
+    if args.interleave:
+        graphed["interleaved"] = True
+        interleaved.append((graphed, (spec, make)))
+    else:
+        graphed.update(_graph_times([(spec, make)], xs, dys, args, timer, device, show)[0])
+    return graphed
+
+
 def _peers(cfg, args, xs, dys, offset, timer, device, show, results, interleaved) -> None:
     """--peers: transformers' modules on the torch backend's weights (same seed as every backend), timed as the
     backends are; under --cuda-graph also graphed."""
@@ -329,15 +323,8 @@ def _peers(cfg, args, xs, dys, offset, timer, device, show, results, interleaved
             continue
         results.append(entry)
         if args.cuda_graph:
-            graphed = {"backend": peer.name, "timing": "cuda-graph", "rel_err": results[-1].get("rel_err")}
-            make = (peer.name, lambda kind=kind: kind(ref))
-            if args.interleave:
-                graphed["interleaved"] = True
-                interleaved.append((graphed, make))
-            else:
-                graphed.update(_graph_times([make], xs, dys, args, timer, device, show)[0])
-            results.append(graphed)
-    del peer, peers
+            results.append(_graphed_entry(peer.name, lambda kind=kind: kind(ref), entry.get("rel_err"), interleaved,
+                                          xs, dys, args, timer, device, show))
 
 
 def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
@@ -358,9 +345,7 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
           for _ in range(n_sets)]
     dys = [torch.randn(args.tokens, cfg.hidden, generator=gen, device=device, dtype=cfg.dtype)
            for _ in range(n_sets)]
-    offset = None
-    if args.skew:
-        offset = torch.linspace(args.skew, 0.0, cfg.num_experts, device=device)
+    offset = torch.linspace(args.skew, 0.0, cfg.num_experts, device=device) if args.skew else None
 
     timer = _Timer(device)
     results = []
@@ -370,7 +355,9 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
         name, options = parse_backend(spec)
 
         def make_moe(name=name, options=options):
-            m = _pin(MoE(cfg, backend=name, device=device, seed=args.seed, **options), args)
+            m = MoE(cfg, backend=name, device=device, seed=args.seed, **options)
+            if args.fp8_weights == "pinned" and getattr(m.backend, "fp8", False):  # quantised once (see the option)
+                m.backend.pin_fp8_weights()
             if offset is not None:
                 m.router.set_logit_offset(offset)
             return m
@@ -385,13 +372,8 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
         entry = _eager_entry(spec, moe, moe, xs, dys, args, timer, device, show)
         results.append(entry)
         if args.cuda_graph and getattr(moe.backend, "graph_capturable", False):
-            graphed = {"backend": spec, "timing": "cuda-graph", "rel_err": entry.get("rel_err")}
-            if args.interleave:  # timed after the loop, all backends' replays in turn
-                graphed["interleaved"] = True
-                interleaved.append((graphed, (spec, make_moe)))
-            else:
-                graphed.update(_graph_times([(spec, make_moe)], xs, dys, args, timer, device, show)[0])
-            results.append(graphed)
+            results.append(_graphed_entry(spec, make_moe, entry.get("rel_err"), interleaved, xs, dys, args, timer,
+                                          device, show))
         moe.close()  # its heap too (on every rank): the next backend's memory is its own
         del moe
         if device.type == "cuda":
@@ -409,7 +391,7 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
     for entry in results:
         for mode, passes in (("forward", 1.0), ("forward+backward", 3.0)):
             m = entry[mode]
-            m["tflops"] = passes * forward_flops(cfg, total_rows) / W / m["median_s"] / 1e12
+            m["tflops"] = passes * float(cfg.flops_forward(total_rows)) / W / m["median_s"] / 1e12
             # the lowest input set's floor: a bound for every iteration the median is taken over
             floors = [layer_floor_seconds(cfg, r, W, ceil, passes, e)
                       for r, e in zip(rows_per_rank, experts_per_rank, strict=True)]
@@ -428,8 +410,7 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
                    "rows_per_rank": rows_per_rank[0], "experts_per_rank": experts_per_rank[0],
                    "rows_per_rank_sets": rows_per_rank, "experts_per_rank_sets": experts_per_rank,
                    "floor": "the lowest over the input sets of the largest rank floor (perf.layer_floor_seconds)",
-                   "fp8_weights": getattr(args, "fp8_weights", "layer"), "peers": bool(getattr(args, "peers", False)),
-                   "interleave": bool(getattr(args, "interleave", False))},
+                   "fp8_weights": args.fp8_weights, "peers": args.peers, "interleave": args.interleave},
         "timing": "CUDA events (CPU: perf_counter) per iteration after device sync + barrier; "
                   "max over ranks per iteration; median over iterations; entries with interleaved: true were "
                   "replayed in turn with the other backends' graphs (--interleave)",

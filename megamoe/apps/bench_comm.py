@@ -103,17 +103,19 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
            "dispatch_remote_bytes": disp_bytes, "combine_remote_bytes": comb_bytes,
            "combine_presum_remote_bytes": presum_bytes, "rows": []}
 
-    def add(op, sms, us, samples, nbytes):
+    def add(op, sms, fn, nbytes):
+        """Time ``fn`` (see _time) and record it as ``op``'s row."""
+        us, samples = _time(fn, iters, warmup)
         row = {"op": op, "sms": sms, "us": round(us, 2), "GBps": round(nbytes / (us * 1e-6) / 1e9, 1),
                "bytes": nbytes, "samples_us": [round(s, 2) for s in samples]}
         res["rows"].append(row)
         if rank == 0:
             print(f"{name:14s} {op:14s} sms={str(sms):>4s} {us:9.1f} us {row['GBps']:7.1f} GB/s", flush=True)
 
-    us, smp = _time(lambda: dist.all_to_all_single(a2a_out_d, a2a_in_d, out_split_d, in_split_d), iters, warmup)
-    add("nccl_a2a_dispatch", "nccl", us, smp, disp_bytes)
-    us, smp = _time(lambda: dist.all_to_all_single(a2a_out_c, a2a_in_c, out_split_c, in_split_c), iters, warmup)
-    add("nccl_a2a_combine", "nccl", us, smp, comb_bytes)
+    add("nccl_a2a_dispatch", "nccl", lambda: dist.all_to_all_single(a2a_out_d, a2a_in_d, out_split_d, in_split_d),
+        disp_bytes)
+    add("nccl_a2a_combine", "nccl", lambda: dist.all_to_all_single(a2a_out_c, a2a_in_c, out_split_c, in_split_c),
+        comb_bytes)
 
     recv = torch.empty(heap.shape.rows_cap, H, dtype=torch.bfloat16, device=dev)
     rows = heap.rows_buffer()
@@ -132,33 +134,24 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
         disp(sms)
         h = state["h"]
         rows.copy_(recv)  # identity experts, written where combine reads them
-        us, smp = _time(lambda sms=sms, h=h: pull_rows(heap, h.schedule, recv, sms), iters, warmup)
-        add("pull", sms, us, smp, disp_bytes)
-        us, smp = _time(lambda sms=sms, h=h: combine(rows, w, h, num_sms=sms), iters, warmup)
-        add("gather", sms, us, smp, comb_bytes)
-        us, smp = _time(lambda sms=sms: disp(sms), iters, warmup)
-        add("dispatch", sms, us, smp, disp_bytes)
-        us, smp = _time(lambda sms=sms: dispatch(x, idx, heap, num_sms=sms, recv=recv), iters, warmup)
-        add("dispatch+copy", sms, us, smp, disp_bytes)
+        add("pull", sms, lambda sms=sms, h=h: pull_rows(heap, h.schedule, recv, sms), disp_bytes)
+        add("gather", sms, lambda sms=sms, h=h: combine(rows, w, h, num_sms=sms), comb_bytes)
+        add("dispatch", sms, lambda sms=sms: disp(sms), disp_bytes)
+        add("dispatch+copy", sms, lambda sms=sms: dispatch(x, idx, heap, num_sms=sms, recv=recv), disp_bytes)
         sb = schedule_buffers(heap)
-        us, smp = _time(lambda sb=sb: build_schedule(heap, sb), iters, warmup)
-        add("schedule", sms, us, smp, 0)
+        add("schedule", sms, lambda sb=sb: build_schedule(heap, sb), 0)
         g = graph_of(lambda sms=sms: disp(sms))
-        us, smp = _time(g.replay, iters, warmup)
-        add("dispatch(graph)", sms, us, smp, disp_bytes)
+        add("dispatch(graph)", sms, g.replay, disp_bytes)
         h = state["h"]
-        us, smp = _time(lambda sms=sms, h=h: combine(rows, w, h, num_sms=sms), iters, warmup)
-        add("combine", sms, us, smp, comb_bytes)
+        add("combine", sms, lambda sms=sms, h=h: combine(rows, w, h, num_sms=sms), comb_bytes)
         g2 = graph_of(lambda sms=sms, h=h: combine(rows, w, h, num_sms=sms))
-        us, smp = _time(g2.replay, iters, warmup)
-        add("combine(graph)", sms, us, smp, comb_bytes)
+        add("combine(graph)", sms, g2.replay, comb_bytes)
         # pre-summing combine: gates travel with dispatch, expert ranks pre-sum, owner pulls <= W rows
         _, hp = dispatch(x_heap, idx, heap, num_sms=sms, recv=recv, topk_w=w)
-        us, smp = _time(lambda sms=sms, hp=hp: combine(recv, None, hp, num_sms=sms, presum=True), iters, warmup)
-        add("combine_presum", sms, us, smp, presum_bytes)
+        add("combine_presum", sms, lambda sms=sms, hp=hp: combine(recv, None, hp, num_sms=sms, presum=True),
+            presum_bytes)
         g3 = graph_of(lambda sms=sms, hp=hp: combine(recv, None, hp, num_sms=sms, presum=True))
-        us, smp = _time(g3.replay, iters, warmup)
-        add("combine_presum(graph)", sms, us, smp, presum_bytes)
+        add("combine_presum(graph)", sms, g3.replay, presum_bytes)
         del g, g2, g3
         disp(sms)
         h = state["h"]

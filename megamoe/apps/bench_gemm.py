@@ -23,13 +23,11 @@ import sys
 import torch
 
 from megamoe.apps.perf import git_commit
+from megamoe.config import PRESETS as CONFIGS
 
-PRESETS = {  # name: (H, I, E, k)
-    "qwen3-30b-a3b": (2048, 768, 128, 8),
-    "deepseek-v3": (7168, 2048, 256, 8),
-    "mixtral-8x7b": (4096, 14336, 8, 2),
-    "gpt-oss-120b": (2880, 2880, 128, 4),
-}
+#: name -> (H, I, E, k) of megamoe.config's preset
+PRESETS = {n: (CONFIGS[n].hidden, CONFIGS[n].intermediate, CONFIGS[n].num_experts, CONFIGS[n].top_k)
+           for n in ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "gpt-oss-120b")}
 TINY = {"tiny": (256, 128, 8, 2)}  # CPU smoke test under the interpreter (--device cpu)
 PEAK = {"bf16": 790e12, "fp8": 1345e12}
 HBM = 4.3e12
@@ -61,6 +59,29 @@ def _rowwise_fp8(t: torch.Tensor, dim: int):
     return (t.float() / s).to(torch.float8_e4m3fn), s.squeeze(dim)
 
 
+def _failure(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def _torch_time(a, w, ends, rep_ms: float, extra: dict, fp8: bool = False, check=None):
+    """(ms, None) of torch's grouped GEMM a [R, K] x w [E_l, N, K]^T -> [R, N] bf16 (fp8: both quantised per row to
+    e4m3, torch._scaled_grouped_mm), or (None, the error) where torch does not take it; ``check(out)`` first adds
+    fields to ``extra``."""
+    try:
+        if fp8:
+            ar, ars = _rowwise_fp8(a, 1)
+            wr, wrs = _rowwise_fp8(w, 2)
+            fn = lambda: torch._scaled_grouped_mm(ar, wr.transpose(-2, -1), ars, wrs, offs=ends,
+                                                  out_dtype=torch.bfloat16, use_fast_accum=True)
+        else:
+            fn = lambda: torch._grouped_mm(a, w.transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16)
+        if check is not None:
+            extra.update(check(fn()))
+        return _bench(fn, rep_ms), None
+    except Exception as exc:  # noqa: BLE001 - a shape or dtype torch does not take is reported
+        return None, _failure(exc)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm())
@@ -73,13 +94,12 @@ DGRAD1_KERNELS = ("_grouped_gemm_kernel",)  # GEMM1's dgrad (kn weights): the Tr
 WGRAD_KERNELS = ("_gluon_wgrad_ws_kernel", "_grouped_wgrad_kernel")
 
 
-def _regs(kernel_name: str | tuple[str, ...]) -> dict:
-    """Registers, spills and shared memory of the kernel that the last call launched (of kernel_name, or the
-    first of the names that was launched; LAST_COMPILED is cleared of them before the call)."""
+def _regs(kernel_names: tuple[str, ...]) -> dict:
+    """Registers, spills and shared memory of the kernel of ``kernel_names`` that the last call launched (the first
+    that was; LAST_COMPILED is cleared of them before the call)."""
     from megamoe.kernels.gemm_config import LAST_COMPILED
 
-    names = (kernel_name,) if isinstance(kernel_name, str) else kernel_name
-    name = next((n for n in names if n in LAST_COMPILED), None)
+    name = next((n for n in kernel_names if n in LAST_COMPILED), None)
     if name is None:
         return {}
     k = LAST_COMPILED[name]
@@ -96,7 +116,7 @@ def _regs(kernel_name: str | tuple[str, ...]) -> dict:
     return out
 
 
-def _time_ours(make_call, configs, kernel_name, rep_ms):
+def _time_ours(make_call, configs, kernel_names, rep_ms):
     """Time one of our ops with each config (None: the default); returns the rows."""
     from megamoe.kernels.gemm_config import LAST_COMPILED
 
@@ -104,17 +124,16 @@ def _time_ours(make_call, configs, kernel_name, rep_ms):
     for cfg in configs:
         try:
             fn = make_call(cfg)
-            for n in ((kernel_name,) if isinstance(kernel_name, str) else kernel_name):
+            for n in kernel_names:
                 LAST_COMPILED.pop(n, None)
             fn()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            regs = _regs(kernel_name)
+            regs = _regs(kernel_names)
             ms = _bench(fn, rep_ms)
             results.append({"config": None if cfg is None else cfg.__dict__, "ms": ms, **regs})
         except Exception as exc:  # noqa: BLE001 - a config that does not fit (shared memory) is reported
-            results.append({"config": None if cfg is None else cfg.__dict__, "error": f"{type(exc).__name__}: "
-                            f"{str(exc)[:200]}"})
+            results.append({"config": None if cfg is None else cfg.__dict__, "error": _failure(exc)})
     return results
 
 
@@ -144,46 +163,30 @@ def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[
     by2 = 2 * (R * I + E_l * H * I + R * H)
 
     def add(op, dtype, flops, nbytes, ours, torch_ms=None, torch_err=None, extra=None):
-        ok = [r for r in ours if "ms" in r]
-        best = min(ok, key=lambda r: r["ms"]) if ok else None
+        best = min((r for r in ours if "ms" in r), key=lambda r: r["ms"], default={})
         floor = max(flops / PEAK[dtype], nbytes / HBM) * 1e3
-        row = dict(base, op=op, dtype=dtype, flops=flops, bytes=nbytes, floor_ms=floor,
-                   ours_ms=best["ms"] if best else None,
-                   ours_tflops=flops / best["ms"] / 1e9 if best else None,
-                   ours_config=best["config"] if best else None, ours_kernel=best.get("kernel") if best else None,
-                   n_regs=best.get("n_regs") if best else None, n_spills=best.get("n_spills") if best else None,
+        row = dict(base, op=op, dtype=dtype, flops=flops, bytes=nbytes, floor_ms=floor, ours_ms=best.get("ms"),
+                   ours_tflops=flops / best["ms"] / 1e9 if best else None, ours_config=best.get("config"),
+                   ours_kernel=best.get("kernel"), n_regs=best.get("n_regs"), n_spills=best.get("n_spills"),
                    torch_ms=torch_ms, torch_tflops=flops / torch_ms / 1e9 if torch_ms else None,
                    torch_error=torch_err, candidates=ours, **(extra or {}))
         rows.append(row)
 
     # ---------------------------------------------------------------- bf16 forward
     act, h = X.gemm1_swiglu(x, w13, offs)
-    extra1, t1, err = {}, None, None
-    try:
-        h_t = torch._grouped_mm(x, w13.transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16)
-        extra1["rel_err_h_vs_torch"] = _rel(h, h_t)
-        del h_t
-        t1 = _bench(lambda: torch._grouped_mm(x, w13.transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16),
-                    args.rep)
-    except Exception as exc:  # noqa: BLE001
-        err = f"{type(exc).__name__}: {str(exc)[:200]}"
+    extra = {}
+    t, err = _torch_time(x, w13, ends, args.rep, extra, check=lambda h_t: {"rel_err_h_vs_torch": _rel(h, h_t)})
     ours = _time_ours(lambda c: (lambda: X.gemm1_swiglu(x, w13, offs, out=act, h_out=h, config=c)),
                       configs("gemm1"), BF16_KERNELS, args.rep)
-    add("gemm1_swiglu", "bf16", fl1, by1, ours, t1, err, extra1)
+    add("gemm1_swiglu", "bf16", fl1, by1, ours, t, err, extra)
 
     out = X.gemm2(act, w2, offs, scale=s)
-    extra2, t2, err = {}, None, None
-    try:
-        o_t = torch._grouped_mm(act, w2.transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16) * s[:, None]
-        extra2["rel_err_vs_torch"] = _rel(out, o_t)
-        del o_t
-        t2 = _bench(lambda: torch._grouped_mm(act, w2.transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16),
-                    args.rep)
-    except Exception as exc:  # noqa: BLE001
-        err = f"{type(exc).__name__}: {str(exc)[:200]}"
+    extra = {}
+    t, err = _torch_time(act, w2, ends, args.rep, extra,
+                         check=lambda o_t: {"rel_err_vs_torch": _rel(out, o_t * s[:, None])})
     ours = _time_ours(lambda c: (lambda: X.gemm2(act, w2, offs, scale=s, out=out, config=c)), configs("gemm2"),
                       BF16_KERNELS, args.rep)
-    add("gemm2", "bf16", fl2, by2, ours, t2, err, extra2)
+    add("gemm2", "bf16", fl2, by2, ours, t, err, extra)
 
     # ---------------------------------------------------------------- fp8 forward
     if not args.no_fp8:
@@ -193,33 +196,15 @@ def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[
         w2q, w2s = X.quantize_weight(w2)
         a8, h8 = X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs)
         extra = {"rel_err_h_vs_bf16": _rel(h8, h), "rel_err_act_vs_bf16": _rel(a8, act)}
-        t, err = None, None
-        try:
-            xr, xrs = _rowwise_fp8(x, 1)
-            wr, wrs = _rowwise_fp8(w13, 2)
-            fn = lambda: torch._scaled_grouped_mm(xr, wr.transpose(-2, -1), xrs, wrs, offs=ends,
-                                                  out_dtype=torch.bfloat16, use_fast_accum=True)
-            extra["torch_rowwise_rel_err_h_vs_bf16"] = _rel(fn(), h)
-            t = _bench(fn, args.rep)
-            del xr, wr
-        except Exception as exc:  # noqa: BLE001
-            err = f"{type(exc).__name__}: {str(exc)[:200]}"
+        t, err = _torch_time(x, w13, ends, args.rep, extra, fp8=True,
+                             check=lambda h_t: {"torch_rowwise_rel_err_h_vs_bf16": _rel(h_t, h)})
         ours = _time_ours(lambda c: (lambda: X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs, config=c)),
                           configs("gemm1_fp8"), FP8_KERNELS, args.rep)
         add("gemm1_swiglu", "fp8", fl1, by1 // 2, ours, t, err, extra)
         del a8, h8
         o8 = X.gemm2_fp8(aq, as_, w2q, w2s, offs, scale=s)
         extra = {"rel_err_vs_bf16": _rel(o8, out)}
-        t, err = None, None
-        try:
-            ar, ars = _rowwise_fp8(act, 1)
-            wr, wrs = _rowwise_fp8(w2, 2)
-            fn = lambda: torch._scaled_grouped_mm(ar, wr.transpose(-2, -1), ars, wrs, offs=ends,
-                                                  out_dtype=torch.bfloat16, use_fast_accum=True)
-            t = _bench(fn, args.rep)
-            del ar, wr
-        except Exception as exc:  # noqa: BLE001
-            err = f"{type(exc).__name__}: {str(exc)[:200]}"
+        t, err = _torch_time(act, w2, ends, args.rep, extra, fp8=True)
         ours = _time_ours(lambda c: (lambda: X.gemm2_fp8(aq, as_, w2q, w2s, offs, scale=s, config=c)),
                           configs("gemm2_fp8"), FP8_KERNELS, args.rep)
         add("gemm2", "fp8", fl2, by2 // 2, ours, t, err, extra)

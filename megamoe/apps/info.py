@@ -17,10 +17,7 @@ def _symm_mem_probe(rank: int, world: int) -> str:
     t.fill_(rank + 1)
     torch.cuda.synchronize()
     dist.barrier()
-    seen = []
-    for peer in range(world):
-        buf = handle.get_buffer(peer, (4,), torch.int32)
-        seen.append(int(buf[0].item()))
+    seen = [int(handle.get_buffer(peer, (4,), torch.int32)[0].item()) for peer in range(world)]
     dist.barrier()
     expected = [p + 1 for p in range(world)]
     return "ok" if seen == expected else f"wrong values: read {seen}, expected {expected}"

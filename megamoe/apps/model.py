@@ -43,16 +43,6 @@ class ModelConfig:
             raise ValueError(f"layers must be >= 1, got {self.layers}")
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
 def rotary_tables(seq: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
     inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)  # [S, hd/2]
@@ -85,9 +75,9 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, group, backend: str, device, seed: int):
         super().__init__()
         D = cfg.moe.hidden
-        self.norm1 = RMSNorm(D)
+        self.norm1 = nn.RMSNorm(D, eps=1e-6)
         self.attn = Attention(D, cfg.heads)
-        self.norm2 = RMSNorm(D)
+        self.norm2 = nn.RMSNorm(D, eps=1e-6)
         name, options = parse_backend(backend)  # "split:presum_combine=1" -> ("split", {...})
         self.moe = MoE(cfg.moe, group=group, backend=name, device=device, seed=seed, **options)
 
@@ -112,7 +102,7 @@ class MoETransformer(nn.Module):
         gen = torch.Generator().manual_seed(seed)  # replicated parameters: the same on every rank
         self.embed = nn.Embedding(VOCAB, D, device=device)
         self.blocks = nn.ModuleList(Block(cfg, group, backend, device, seed * 100 + i) for i in range(cfg.layers))
-        self.norm = RMSNorm(D).to(device)
+        self.norm = nn.RMSNorm(D, eps=1e-6, device=device)
         self.head = nn.Linear(D, VOCAB, bias=False, device=device)
         with torch.no_grad():
             for name, p in self.named_parameters():

@@ -15,6 +15,7 @@ import os
 import platform
 import re
 import subprocess
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -47,10 +48,6 @@ def ceilings_for(device: torch.device) -> Ceilings | None:
     return None
 
 
-def forward_flops(cfg: MoEConfig, rows: int) -> float:
-    return float(cfg.flops_forward(rows))
-
-
 def forward_bytes(cfg: MoEConfig, rows: int, world: int, experts: int | None = None) -> float:
     """HBM bytes of one forward on a rank: the weights of the ``experts`` it uses (default: all its local experts)
     read once, and its ``rows`` read and written once."""
@@ -70,7 +67,7 @@ def floor_seconds(cfg: MoEConfig, rows: int, world: int, ceil: Ceilings | None, 
     ``experts`` of its local experts (default all; unused experts' weights need not be read)."""
     if ceil is None:
         return None
-    flops = passes * forward_flops(cfg, rows)
+    flops = passes * float(cfg.flops_forward(rows))
     nbytes = passes * forward_bytes(cfg, rows, world, experts)
     return max(flops / ceil.matmul_bf16, nbytes / ceil.hbm)
 
@@ -82,6 +79,29 @@ def layer_floor_seconds(cfg: MoEConfig, rows_per_rank: list[int], world: int, ce
         return None
     experts = experts_per_rank if experts_per_rank is not None else [None] * len(rows_per_rank)
     return max(floor_seconds(cfg, r, world, ceil, passes, e) for r, e in zip(rows_per_rank, experts, strict=True))
+
+
+class Marks:
+    """Time points from construction on: CUDA events (read once the last is done) or host clocks (the CPU)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.points = []
+        self.mark()
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.points.append(ev)
+        else:
+            self.points.append(time.perf_counter())
+
+    def elapsed(self) -> list[float]:
+        if self.cuda:
+            self.points[-1].synchronize()
+            return [a.elapsed_time(b) * 1e-3 for a, b in zip(self.points, self.points[1:], strict=False)]
+        return [b - a for a, b in zip(self.points, self.points[1:], strict=False)]
 
 
 def event_median_s(fn, iters: int, warmup: int = 3) -> float:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from megamoe.apps.data import ByteCorpus
 from megamoe.apps.model import ModelConfig, MoETransformer
-from megamoe.apps.perf import run_metadata, safe_name
+from megamoe.apps.perf import Marks, run_metadata, safe_name
 from megamoe.backends import parse_backend
 from megamoe.config import PRESETS, parse_dtype, preset
 from megamoe.dist import init_from_env, rank_device, spawn, under_torchrun
@@ -150,7 +150,7 @@ def clip_multipliers(replicated: list[torch.Tensor], local: list[torch.Tensor], 
 
 
 def train_step(ddp, data: torch.Tensor, opt: MasterAdamW, replicated: list[torch.Tensor], experts: list[torch.Tensor],
-               clip: float, world: int, autocast, marks: _Marks | None = None):
+               clip: float, world: int, autocast, marks: Marks | None = None):
     """One step on ``data`` int64 [B, S + 1] (inputs [:, :-1], targets [:, 1:]): forward, backward, clip
     multipliers, update, grads cleared. No host reads (tests/test_sync_free_cpu.py checks), so it returns detached
     device tensors (cross-entropy, aux loss, tokens per expert [L, E], grad norm). ``marks``: timing marks after the
@@ -172,14 +172,6 @@ def train_step(ddp, data: torch.Tensor, opt: MasterAdamW, replicated: list[torch
     return ce.detach(), aux.detach(), load.detach(), gnorm
 
 
-def _evaluates_after(step: int, args) -> bool:
-    return (step + 1) % args.eval_every == 0 or step + 1 == args.steps
-
-
-def _ckpt_path(out: str, backend: str, rank: int) -> str:
-    return os.path.join(out, f"ckpt-{safe_name(backend)}", f"rank{rank}.pt")
-
-
 def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) -> dict:
     """Train one model with ``backend``; returns this rank's summary (rank 0's is the one reported)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -187,8 +179,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     W, rank = dist.get_world_size(), dist.get_rank()
     on_gpu = device.type == "cuda"
     ep_group = dist.new_group(list(range(W)))  # the MoE layers' own communicator, apart from DDP's
-    moe_cfg = preset(args.preset, dtype=parse_dtype(args.dtype))
-    moe_cfg = moe_cfg.replace(max_tokens_per_rank=args.batch * args.seq)
+    moe_cfg = preset(args.preset, dtype=parse_dtype(args.dtype), max_tokens_per_rank=args.batch * args.seq)
     cfg = ModelConfig(moe_cfg, layers=args.layers, heads=args.heads, max_seq=args.seq)
     model = MoETransformer(cfg, group=ep_group, backend=backend, device=device, seed=args.seed)
     graphed = bool(args.graph_moe) and model.blocks[0].moe.backend_name != "torch"
@@ -209,14 +200,13 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
             opt.maintain_fp8(p, copy)
     if graphed:  # after maintain_fp8: a layer whose FP8 copies the optimizer keeps reads them in its graphs
         capture_moe_layers([blk.moe for blk in model.blocks], args.batch * args.seq, autocast)
-    expert_names = model.expert_parameter_names()
-    DDP._set_params_and_buffers_to_ignore_for_model(model, expert_names)
+    DDP._set_params_and_buffers_to_ignore_for_model(model, model.expert_parameter_names())
     ddp = DDP(model, device_ids=[device.index] if on_gpu else None, broadcast_buffers=False)
     opt.reload_masters(replicated)  # the masters follow DDP's broadcast of rank 0's replicated parameters
 
     history = {"step": [], "loss": [], "aux": [], "lr": [], "grad_norm": [], "eval": []}
     start = 0
-    ckpt = _ckpt_path(args.out, backend, rank)
+    ckpt = os.path.join(args.out, f"ckpt-{safe_name(backend)}", f"rank{rank}.pt")
     if args.resume and os.path.exists(ckpt):
         state = torch.load(ckpt, map_location=device, weights_only=False)
         model.load_state_dict(state["model"])
@@ -235,7 +225,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
         lr = lr_at(step, args)
         opt.lr = lr
         data = corpus.batch("train", args.batch, args.seq, args.seed, step, rank).to(device)
-        marks = _Marks(device)
+        marks = Marks(device)
         ce, aux, load, gnorm = train_step(ddp, data, opt, replicated, experts, args.clip, W, autocast, marks)
         # what follows reads the step's results on the host (logging, timing): kept out of train_step
         load_sum = load.clone() if load_sum is None else load_sum + load
@@ -248,7 +238,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
                 times[key].append(v)
         for key, v in zip(("step", "loss", "aux", "lr", "grad_norm"), (step, *stats, lr, float(gnorm)), strict=True):
             history[key].append(v)
-        if _evaluates_after(step, args):
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             history["eval"].append((step, evaluate(ddp, corpus, args, device, autocast, rank, W)))
         if show:
             tps = tokens_per_step / statistics.median(times["step"]) if times["step"] else float("nan")
@@ -290,29 +280,6 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     close_heaps()  # the split and fused backends' symmetric heaps belong to ep_group
     dist.destroy_process_group(ep_group)
     return summary
-
-
-class _Marks:
-    """Phase boundaries of one step: CUDA events (read once the step is over) or host clocks."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.points = []
-        self.mark()
-
-    def mark(self):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.points.append(ev)
-        else:
-            self.points.append(time.perf_counter())
-
-    def elapsed(self) -> list[float]:
-        if self.cuda:
-            self.points[-1].synchronize()
-            return [a.elapsed_time(b) * 1e-3 for a, b in zip(self.points, self.points[1:], strict=False)]
-        return [b - a for a, b in zip(self.points, self.points[1:], strict=False)]
 
 
 @torch.no_grad()

@@ -16,18 +16,28 @@ unset (interpreted @triton.jit functions cannot be compiled), so the test runs i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from unittest import mock
 
+import torch
+import torch.distributed as dist
+from triton import knobs
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.runtime import driver as drv
+from triton.runtime.jit import JITFunction
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -77,9 +87,6 @@ SASS_KERNELS = ("_gluon_fp8_dswiglu_kernel",)
 def ptxas_usage(compiled, sass_always: bool = False) -> dict[str, int]:
     """Registers, spill bytes, shared memory and wgmma-serialisation warnings from ptxas -v; from the SASS (where the
     kernel spills, or sass_always) ffma_under_wgmma and spills_by_regs, else None and {}."""
-    from triton import knobs
-    from triton.backends.nvidia.compiler import get_ptxas
-
     text = _PTXAS_LOGS.get(compiled.hash)
     with tempfile.TemporaryDirectory() as tmp:
         if text is None:  # taken from the cache: run ptxas again
@@ -154,9 +161,6 @@ _COMPILE_S: dict[str, float] = {}
 def _launches_to(run):
     """Inside the block every Triton launch calls ``run(self, *args, grid=, warmup=, **kwargs)``, on the Hopper
     stand-in target."""
-    from triton.runtime import driver as drv
-    from triton.runtime.jit import JITFunction
-
     orig_run = JITFunction.run
     prev = drv._active
     drv.set_active(_HopperTarget())
@@ -173,9 +177,6 @@ def compile_only(compiled: dict[str, dict[str, object]]):
     """Inside the block every Triton launch compiles for sm_90a with its real specialisation and launches nothing;
     ``compiled[kernel name][cache key]`` collects the kernels. Outputs stay unwritten, so only code that never reads
     device results on the host (the sync-free backends) runs unchanged."""
-    from triton import knobs
-    from triton.runtime.jit import JITFunction
-
     orig_run = JITFunction.run
     env = os.environ.get("TRITON_DUMP_PTXAS_LOG")
 
@@ -287,8 +288,6 @@ WS_VARIANTS = [
 def _gluon_fp8_ws(compiled: dict, where: dict) -> None:
     """Compile megamoe/kernels/gluon/fp8.py's kernel for WS_VARIANTS (plain: K = I = 2048, N = H = 7168; SwiGLU:
     K = H, I = 2048)."""
-    import torch
-
     from megamoe.kernels.gemm_config import GemmConfig
     from megamoe.kernels.gluon.fp8 import launch_gluon_fp8_ws
 
@@ -322,8 +321,6 @@ DSWIGLU_VARIANTS = [
 
 def _gluon_fp8_dswiglu(compiled: dict, where: dict) -> None:
     """Compile megamoe/kernels/gluon/fp8_dswiglu.py's kernel for DSWIGLU_VARIANTS (K = H = 7168, N = I = 2048)."""
-    import torch
-
     from megamoe.kernels.gemm_config import GemmConfig
     from megamoe.kernels.gluon.fp8_dswiglu import launch_gluon_fp8_dswiglu
 
@@ -363,8 +360,6 @@ WS_BF16_VARIANTS = [
 def _gluon_bf16_ws(compiled: dict, where: dict) -> None:
     """Compile megamoe/kernels/gluon/bf16.py's kernel for WS_BF16_VARIANTS (GEMM2: K = I = 2048, N = H = 7168;
     GEMM1: K = H, I = 2048; SwiGLU backward: kn w2 [E, H, I], K = H, N = I)."""
-    import torch
-
     from megamoe.kernels.gemm_config import GemmConfig
     from megamoe.kernels.gluon.bf16 import launch_gluon_bf16_ws
 
@@ -392,8 +387,6 @@ def _wgrad_outputs(compiled: dict, where: dict) -> None:
     """grouped_wgrad with its default config and both output dtypes (bf16 as the layers use, float32 the default)
     at deepseek-v3's dW13 width: the float32 output's TMA staging tile can overflow shared memory, which only the
     report's shared bytes show without a GPU."""
-    import torch
-
     from megamoe.experts import grouped_wgrad
 
     x = torch.zeros(512, 4096, dtype=torch.bfloat16)
@@ -416,10 +409,6 @@ WGRAD_WS_VARIANTS = [
 
 def _gluon_wgrad_ws(compiled: dict, where: dict) -> None:
     """Compile megamoe/kernels/gluon/wgrad.py's kernel for WGRAD_WS_VARIANTS (out [E, M, N] = x^T y per expert)."""
-    import dataclasses
-
-    import torch
-
     from megamoe.kernels.gemm_config import default_config
     from megamoe.kernels.gluon.wgrad import launch_gluon_wgrad_ws
 
@@ -447,8 +436,6 @@ ROUTER_CASES = [
 def _router(compiled: dict, where: dict) -> None:
     """The router's forward and backward kernels at every preset's (E, k, router): a spill there nearly doubles
     their time."""
-    import torch
-
     from megamoe.kernels.router_topk import RouteTopk
 
     for label, E, k, sigmoid, bias, T in ROUTER_CASES:
@@ -465,30 +452,19 @@ def launch_nothing():
     return _launches_to(lambda self, *args, grid, warmup, **kwargs: None)
 
 
-@contextlib.contextmanager
 def _experts_uninitialised(moe_cls):
     """MoE layers built inside the block initialise only the router: under compile_only no kernel reads the expert
     weights, and drawing them costs ~6% of the report's time."""
-    import torch
-
-    orig = moe_cls.reset_parameters
 
     def router_only(self, seed: int = 0) -> None:
         self.router.reset_parameters(torch.Generator().manual_seed(seed))
 
-    moe_cls.reset_parameters = router_only
-    try:
-        yield
-    finally:
-        moe_cls.reset_parameters = orig
+    return mock.patch.object(moe_cls, "reset_parameters", router_only)
 
 
 def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
     """This rank's LAYERS entries of this world size under compile_only; ``standalone``: also the Gluon GEMM,
     wgrad and router variants."""
-    import torch
-    import torch.distributed as dist
-
     from megamoe.config import preset
     from megamoe.layer import MoE
 
@@ -532,8 +508,6 @@ def layer_report() -> dict[str, dict]:
     """{kernel: summary} of every Triton kernel the LAYERS variants launch on their gloo ranks and of the standalone
     variants, compiled for sm_90a. The world sizes' groups run at once (the standalone kernels on the one-rank group,
     which has least else to do), ~1.5x faster than one after the other."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from megamoe.dist import spawn
 
     worlds = sorted({entry[0] for entry in LAYERS}, reverse=True)
@@ -550,8 +524,6 @@ def layer_report() -> dict[str, dict]:
 
 def run_report_subprocess(timeout_s: float = 1500.0) -> dict[str, dict]:
     """:func:`layer_report` in a fresh interpreter without TRITON_INTERPRET (for interpreted processes)."""
-    import signal
-
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = str(Path(__file__).resolve().parents[2])  # the source tree, whether installed or not
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

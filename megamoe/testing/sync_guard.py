@@ -67,23 +67,14 @@ def _megamoe_caller(frame):
     return None
 
 
-T = torch.Tensor
-#: torch callables that always read tensor data on the host -> the name reported
-_ALWAYS = {
-    T.item: "Tensor.item", T.tolist: "Tensor.tolist", T.numpy: "Tensor.numpy", T.__array__: "Tensor.__array__",
-    T.__bool__: "Tensor.__bool__", T.__int__: "Tensor.__int__", T.__float__: "Tensor.__float__",
-    T.__complex__: "Tensor.__complex__", T.__index__: "Tensor.__index__", T.cpu: "Tensor.cpu",
-    T.nonzero: "Tensor.nonzero", torch.nonzero: "torch.nonzero", T.argwhere: "Tensor.argwhere",
-    torch.argwhere: "torch.argwhere", T.unique: "Tensor.unique", torch.unique: "torch.unique",
-    T.unique_consecutive: "Tensor.unique_consecutive", torch.unique_consecutive: "torch.unique_consecutive",
-    torch._unique: "torch._unique", torch._unique2: "torch._unique2",
-    T.masked_select: "Tensor.masked_select", torch.masked_select: "torch.masked_select",
-    T.bincount: "Tensor.bincount", torch.bincount: "torch.bincount", T.equal: "Tensor.equal",
-    torch.equal: "torch.equal", T.allclose: "Tensor.allclose", torch.allclose: "torch.allclose",
-    T.is_nonzero: "Tensor.is_nonzero", torch.is_nonzero: "torch.is_nonzero",
-    T.__repr__: "Tensor.__repr__", T.__format__: "Tensor.__format__",  # (str(t) reaches torch as __repr__)
-}
-del T
+#: torch callables that always read tensor data on the host -> the name reported (str(t) reaches torch as __repr__)
+_ALWAYS = {getattr(torch.Tensor, n): f"Tensor.{n}" for n in (
+    "item", "tolist", "numpy", "__array__", "__bool__", "__int__", "__float__", "__complex__", "__index__", "cpu",
+    "nonzero", "argwhere", "unique", "unique_consecutive", "masked_select", "bincount", "equal", "allclose",
+    "is_nonzero", "__repr__", "__format__")}
+_ALWAYS |= {getattr(torch, n): f"torch.{n}" for n in (
+    "nonzero", "argwhere", "unique", "unique_consecutive", "_unique", "_unique2", "masked_select", "bincount", "equal",
+    "allclose", "is_nonzero")}
 
 
 def _is_mask(i) -> bool:
@@ -92,27 +83,14 @@ def _is_mask(i) -> bool:
     return isinstance(i, (tuple, list)) and any(_is_mask(j) for j in i)
 
 
-def _to_cpu(args, kwargs) -> bool:
-    devs = [kwargs.get("device")] + [a for a in args[1:] if isinstance(a, (str, torch.device))]
-    return any(d is not None and torch.device(d).type == "cpu" for d in devs)
-
-
-def _repeats_on_host(method: bool, args, kwargs) -> bool:
-    if kwargs.get("output_size") is not None or len(args) > 3:  # (output_size given: no read)
-        return False
-    if not method and len(args) == 1 and "repeats" not in kwargs:  # torch.repeat_interleave(repeats)
-        return True
-    repeats = kwargs.get("repeats", args[1] if len(args) > 1 else None)
-    return isinstance(repeats, torch.Tensor)
-
-
 def _host_read(func, args, kwargs) -> str | None:
     """The name of the host read ``func(*args, **kwargs)`` would make, or None."""
     name = _ALWAYS.get(func)
     if name is not None:
         return name
     if func is torch.Tensor.to:
-        return "Tensor.to(cpu)" if _to_cpu(args, kwargs) else None
+        devs = [kwargs.get("device")] + [a for a in args[1:] if isinstance(a, (str, torch.device))]
+        return "Tensor.to(cpu)" if any(d is not None and torch.device(d).type == "cpu" for d in devs) else None
     if func is torch.Tensor.__getitem__ or func is torch.Tensor.__setitem__:
         if len(args) > 1 and _is_mask(args[1]):
             return f"Tensor.{func.__name__} with a boolean mask"
@@ -120,9 +98,13 @@ def _host_read(func, args, kwargs) -> str | None:
     if func is torch.where:
         return "torch.where(condition)" if len(args) + len(kwargs) == 1 else None
     if func is torch.repeat_interleave or func is torch.Tensor.repeat_interleave:
-        method = func is torch.Tensor.repeat_interleave
-        if _repeats_on_host(method, args, kwargs):
-            return ("Tensor" if method else "torch") + ".repeat_interleave without output_size"
+        if kwargs.get("output_size") is not None or len(args) > 3:  # (output_size given: no read)
+            return None
+        what = f"{'torch' if func is torch.repeat_interleave else 'Tensor'}.repeat_interleave without output_size"
+        if func is torch.repeat_interleave and len(args) == 1 and "repeats" not in kwargs:  # (repeats alone)
+            return what
+        repeats = kwargs.get("repeats", args[1] if len(args) > 1 else None)
+        return what if isinstance(repeats, torch.Tensor) else None
     return None
 
 
