@@ -159,3 +159,21 @@ def test_front_page():
     assert len(text.encode()) <= 15_000, f"README.md is {len(text.encode())} bytes"
     hashes = [w for w in re.findall(r"\b[0-9a-f]{7,40}\b", text) if re.search(r"\d", w) and re.search(r"[a-f]", w)]
     assert not hashes, f"commit hashes in README.md: {hashes}"
+    perf = (PKG.parent / "docs" / "performance.md").read_text()
+    assert len(perf.encode()) < 40_000, f"docs/performance.md is {len(perf.encode())} bytes: current figures only"
+
+
+def test_mutation_sites_exist():
+    # tools/mutate.py plants its bugs at exact snippets: a refactor that moves one must move the mutation with it,
+    # or the check stops at its first run instead of testing anything
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("megamoe_mutate", PKG.parent / "tools" / "mutate.py")
+    mutate = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mutate  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(mutate)
+        assert len(mutate.check_sites(PKG.parent, mutate.MUTATIONS)) >= 1
+    finally:
+        del sys.modules[spec.name]

@@ -161,8 +161,8 @@ MUTATIONS = [
     ),
     Mutation(
         "split-host-check",
-        "split backend validates the expert ids on the host (a device -> host sync in every forward)",
-        "megamoe/backends/split.py",
+        "split and fused backends validate the expert ids on the host (a device -> host sync in every forward)",
+        "megamoe/backends/common.py",
         "        if x.shape[0] > self.shape.max_tokens:",
         "        if x.shape[0] > self.shape.max_tokens or bool((topk_idx >= self.moe.config.num_experts).any()):",
         SYNC,
