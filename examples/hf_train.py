@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
+
+from megamoe.apps.perf import Marks
 
 QWEN3_30B_A3B = dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                      num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
@@ -47,27 +50,40 @@ def run(model, name, args, corpus) -> dict:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(dev)
-    losses, t0 = [], None
+    losses, t0, marks = [], None, []
     for step in range(args.steps):
         if step == args.warmup:
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
         batch = corpus.batch("train", args.batch, args.seq, args.seed, step, 0).to(dev)
+        # where a step's time goes (read after the loop: reading an event per step would stop the host running ahead)
+        m = Marks(dev) if t0 is not None else None
         out = model(batch[:, :-1], labels=batch[:, :-1].contiguous())
+        if m:
+            m.mark()
         out.loss.backward()
+        if m:
+            m.mark()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if m:
+            m.mark()
+            marks.append(m)
         losses.append(out.loss.detach())
     if cuda:
         torch.cuda.synchronize()
     timed = args.steps - args.warmup
     secs = time.perf_counter() - t0 if t0 is not None else float("nan")
+    phases = [m.elapsed() for m in marks]
     res = {"name": name, "losses": [float(v) for v in losses],
            "tokens_per_s": timed * args.batch * args.seq / secs if timed > 0 else None,
-           "peak_memory_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None}
+           "peak_memory_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None,
+           "phase_ms": {k: 1e3 * statistics.median(p[i] for p in phases)
+                        for i, k in enumerate(("forward", "backward", "optimizer"))} if phases else None}
+    split = " / ".join(f"{v:.1f}" for v in res["phase_ms"].values()) if phases else "-"
     print(f"{name}: final loss {res['losses'][-1]:.4f}, {res['tokens_per_s'] or 0:.0f} tokens/s, "
-          f"peak {res['peak_memory_gib'] or 0:.2f} GiB", flush=True)
+          f"peak {res['peak_memory_gib'] or 0:.2f} GiB, forward / backward / optimizer {split} ms", flush=True)
     return res
 
 

@@ -292,6 +292,10 @@ def test_training_example_runs_tiny(tmp_path):
                     "float64", "--device", "cpu", "--json", str(tmp_path / "r.json"), "--png", str(tmp_path / "r.png")])
     base, ours = rep["runs"]
     assert len(base["losses"]) == 3 and ours["tokens_per_s"] > 0
+    for r in (base, ours):  # a timed step's phases: positive, and together within the 2 timed steps' time
+        assert sorted(r["phase_ms"]) == ["backward", "forward", "optimizer"], r["phase_ms"]
+        assert all(v > 0 for v in r["phase_ms"].values()), r["phase_ms"]
+        assert sum(r["phase_ms"].values()) <= 1e3 * 2 * 32 / r["tokens_per_s"], r  # 2 steps of 32 tokens
     for a, b in zip(base["losses"], ours["losses"], strict=True):
         assert abs(a - b) <= 1e-6 * abs(a)
     assert (tmp_path / "r.json").exists()
