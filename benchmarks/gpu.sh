@@ -7,6 +7,9 @@
 #   tests   every GPU test (pytest -m gpu), in parallel chunks (compiles are CPU-bound; 16 cores), with every checked
 #           error recorded (MEGAMOE_ERRLOG), then the worst error per quantity: what the CUDA bounds of
 #           megamoe.testing.BOUNDS and tests/test_grouped_gemm.py are set from
+#   shared  the GPU tests of several ranks (EP 2-4: the fused, split and torch layers, their sync-free and graphed
+#           steps, the FP8 presum case, graphed training) on ranks sharing this GPU (MEGAMOE_SHARE_GPUS=1: real
+#           cross-process device memory, not NVLink, never speed); `tests` skips them on one GPU
 #   bench   megamoe bench --experts E/4 --tokens 4096 --cuda-graph --interleave for qwen3-30b-a3b (32), deepseek-v3 (64),
 #           mixtral-8x7b (2); with BASE=<dir holding another tree's megamoe/> that tree too, runs alternating (new, base,
 #           new, base), then a table of new / base per backend and mode (benchmarks/ab_table.py)
@@ -84,6 +87,19 @@ for line in open(sys.argv[1]):
 for k in sorted(worst):
     print(f"{k:<44} {worst[k]:10.3g}  x1.3 {1.3 * worst[k]:10.3g}")
 EOF
+fi
+
+if want shared; then
+  echo "== shared"
+  # five processes side by side, each running its cases in order
+  F=tests/test_gpu_fused.py S=tests/test_gpu_split.py
+  MEGAMOE_SHARE_GPUS=1 par_pytest shared 560 "$F::test_fused_on_gpus $F::test_fused_triton_items_on_hopper;\
+$F::test_fused_sync_free $F::test_fused_graph_capturable $F::test_fused_triton_items_sync_free_and_graph_capturable\
+ $F::test_fused_completes_with_more_programs_than_resident_two_ranks;$S::test_split_on_gpus;$S::test_split_sync_free\
+ $S::test_split_graph_capturable $S::test_split_fp8_presum_sync_free_and_graph_capturable\
+ $S::test_split_fp8_copies_kept_by_the_optimizer;tests/test_gpu_layer.py::test_torch_backend_on_gpus\
+ tests/test_gpu_train.py::test_graphed_moe_layers_train_like_eager" -rfE
+  SUMMARY+=$(for f in "$OUT"/shared-*.log; do grep -E '[0-9]+ (passed|failed|error)' "$f" | tail -1; done)$'\n'
 fi
 
 BENCH_SET=${BENCH_SET:-"qwen3-30b-a3b:32 deepseek-v3:64 mixtral-8x7b:2"}
