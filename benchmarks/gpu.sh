@@ -129,8 +129,36 @@ if want peers; then
   if [ -d .whl/sonic ]; then  # SonicMoE as a peer (benchmarks/sonic_wheels.sh made them; carried as .whl)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/sonic/*.whl
     python3 -c "import tarfile; tarfile.open('.whl/sonic/cutlass_dsl_libs_base.tar.xz').extractall('/tmp/site')"
-    export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages  # its .pth, by hand
-    python3 -c "import sonicmoe; print('sonicmoe', sonicmoe.__version__)" || echo "sonicmoe does not import"
+    sonic=/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages  # its .pth, by hand
+    # its first calls alone, bounded, with the Python stacks every 60 s (its CUTLASS DSL JIT compiles on first use; a
+    # bench call once sat silent past 300 s): the benches get SonicMoE only if these finish
+    if PYTHONPATH=$PYTHONPATH:$sonic timeout "${SONIC_PROBE_S:-240}" python3 - > "$OUT/sonic-probe.log" 2>&1 <<'EOF'
+import faulthandler, signal, sys, time
+import torch
+faulthandler.dump_traceback_later(60, repeat=True, file=sys.stdout)
+faulthandler.register(signal.SIGTERM, file=sys.stdout, chain=True)  # where it was when timeout stopped it
+import sonicmoe
+from megamoe import preset
+from megamoe.apps.peers import SonicPeer
+from megamoe.layer import MoE
+print("sonicmoe", sonicmoe.__version__, flush=True)
+cfg = preset("qwen3-30b-a3b", num_experts=32, max_tokens_per_rank=512)
+moe = MoE(cfg, backend="torch", device="cuda", seed=0)
+peer = SonicPeer(moe)
+x = torch.randn(512, cfg.hidden, device="cuda", dtype=cfg.dtype, requires_grad=True)
+for i in range(3):
+    t = time.perf_counter()
+    y = peer(x).out
+    y.float().sum().backward()
+    torch.cuda.synchronize()
+    print(f"forward+backward {i}: {time.perf_counter() - t:.2f} s", flush=True)
+ref = moe(x.detach()).out.float()
+print(f"error against the torch backend: {((y.float() - ref).norm() / ref.norm()).item():.2e}")
+EOF
+    then export PYTHONPATH=$PYTHONPATH:$sonic
+    else echo "SonicMoE left out: its first calls did not finish (sonic-probe.log)"
+    fi
+    tail -5 "$OUT/sonic-probe.log"
   fi
   for pe in $BENCH_SET; do
     for t in ${PEER_TOKENS:-1 512 4096}; do
