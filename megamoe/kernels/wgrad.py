@@ -18,6 +18,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.kernels.gemm_config import GemmConfig, grid_size, interpreting, record, resolve_tma, tma_ok
+from megamoe.kernels.gluon.common import SMEM_LIMIT
 
 
 @triton.jit
@@ -103,8 +104,8 @@ def _grouped_wgrad_kernel(
             tile += num_progs
 
 
-#: shared memory per CTA on sm_90 (227 KB), less a margin for the barriers and the compiler's scratch
-_SMEM_LIMIT = 232448 - 4096
+#: gluon.common's SMEM_LIMIT less a margin for the barriers and the compiler's scratch
+_SMEM_LIMIT = SMEM_LIMIT - 4096
 
 
 def _store_fits(cfg: GemmConfig, out_bytes: int) -> bool:
