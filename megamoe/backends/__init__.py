@@ -2,13 +2,9 @@
 
     backend(x [T, H], topk_idx [T, k] int64, topk_w [T, k] float32, w13 [E_l, 2I, H], w2 [E_l, H, I]) -> y [T, H]
 
-differentiable w.r.t. x, topk_w, w13 and w2 (gpt_oss experts: also ``b13=`` [E_l, 2I], ``b2=`` [E_l, H],
-on ``torch`` and ``split``); built once per :class:`megamoe.MoE` (``make_backend``), so it may own
-workspaces for the module's lifetime.
-
-* ``torch``: all_to_all_single with host-read split sizes + grouped GEMM (torchtitan's recipe);
-* ``split``: megamoe kernels launched back to back, no host sync (bf16, optional FP8 GEMMs);
-* ``fused``: the forward megakernel (pull + GEMMs + combine push); backward on split's kernels.
+differentiable w.r.t. x, topk_w, w13 and w2 (gpt_oss experts: also ``b13=`` [E_l, 2I], ``b2=`` [E_l, H]); built
+once per :class:`megamoe.MoE` (``make_backend``), so it may own workspaces for the module's lifetime. What ``torch``,
+``split`` and ``fused`` are: docs/design.md, "Backends, one interface"; their options: README's table.
 """
 
 from __future__ import annotations

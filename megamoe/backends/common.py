@@ -9,13 +9,11 @@ R_cap worst-case rows received, offs int32 [E_l + 1] on the device. Backward (sa
     dx              = dispatch_backward(d_recv, handle)       owner pulls and sums its k gradient rows
     dW2 = dy_R^T acts;  dW13 = dh^T recv                      deterministic, no atomics
 
-gpt-oss experts (``clamp`` = (alpha, limit), biases b13 / b2): GEMM1's epilogue adds b13[e] and applies the clamped
-SwiGLU, GEMM2's adds b2[e] before the gate; the backward's epilogue differentiates the clamps, ds gains <dy, b2[e]>,
-and db13 = per-expert row sums of dh, db2 = of gate * dy_R (kernels/bias_grad.py). bf16 GEMMs only.
+gpt-oss experts (``clamp`` = (alpha, limit), biases b13 / b2; bf16 GEMMs only): docs/design.md, "gpt-oss experts";
+db13 = per-expert row sums of dh, db2 = of gate * dy_R (kernels/bias_grad.py).
 
-FP8 (``wq``, see :mod:`megamoe.backends.fp8_weights`): the forward and dgrad GEMMs run on e4m3 operands with
-DeepSeek-V3's block scales (1x128 activations, 128x128 weights, fp32 promotion every 128 of K). Rows arrive quantised
-(dispatch_fp8, once per token on its home rank); act, dy rows and dh are quantised where made, only the offs[E_l]
+FP8 (``wq``, :mod:`megamoe.backends.fp8_weights`; the recipe: docs/design.md, "FP8"): the forward and dgrad GEMMs
+run on e4m3. Rows arrive quantised (dispatch_fp8); act, dy rows and dh are quantised where made, only the offs[E_l]
 rows received. Weight gradients stay bf16 (dW13 reads the dequantised rows).
 """
 

@@ -3,13 +3,8 @@
 Shape legend: T tokens on this rank, H hidden, I intermediate, E_l local experts, k top-k, R_cap worst-case
 rows received, BM rows of a block.
 
-forward (one torch.autograd.Function):
-    stage x + top-k ids, publish             (comm/signals.stage)
-    schedule                                  (comm/schedule.py, device-side)
-    megakernel: pull rows -> GEMM1+SwiGLU -> GEMM2, whose epilogue stores each row into its owner's slot buffer;
-    then its tail (a launch of its own): after every rank's DONE, y[t] = sum_j topk_w[t, j] * slot[t, j] in j order
-    (gpt-oss experts: GEMM1's epilogue adds b13 and applies the clamped SwiGLU, GEMM2's adds b2 to the slot rows,
-    so the gates multiply act @ w2^T + b2)
+forward (one torch.autograd.Function): stage, schedule, the megakernel and its tail, as kernels/fused_moe.py's
+docstring lays out (gpt-oss experts: docs/design.md, "gpt-oss experts").
 backward: split's (backends/common.py), reusing what the forward kept: the received rows and h. With a ring the
 forward overwrote them, so the backward first recomputes them (dispatch of x + GEMM1, split's kernels).
 
@@ -22,13 +17,10 @@ Options (docs/performance.md has the measurements behind each default):
 
     ring_blocks=None  memory bounded by a routing-independent ring of that many 128-row blocks (>= 4; None: dense
                       buffers); the backward recomputes the rows
-    comm_sms=None     programs of the staging and backward communication kernels (None: every SM)
-    timeout_s=60      bound of every device-side wait; a peer that never signals raises CommTimeoutError
-                      (on a GPU the kernel traps and the process stops: docs/design.md, "Fail-stop")
+    comm_sms, timeout_s  as split's (backends/split.py); comm_sms programs run the staging and backward kernels
 
-Capacity: no token is ever dropped: dense buffers hold the worst case (every token of every rank routed here); a ring
-cycles as many times as the routing needs. The symmetric heap adds a [T_max, k, H] slot buffer per rank
-(``CommShape(slots=True)``); sizes are reported by :meth:`FusedBackend.workspace_bytes`.
+No token is dropped (docs/design.md, "Capacity"): dense buffers hold the worst case, a ring cycles. The heap adds a
+[T_max, k, H] slot buffer per rank (``CommShape(slots=True)``); sizes: :meth:`FusedBackend.workspace_bytes`.
 """
 
 from __future__ import annotations

@@ -9,10 +9,9 @@ R_cap = W * T_max * min(k, E_l) receive rows (worst case), offs int32 [E_l + 1] 
     y_TH            = combine(out, topk_w, handle)            owner pulls its k rows, sums with gates in fp32
     backward: backends/common.py
 
-The host knows every size (T, R_cap) before the call and group sizes stay on the device, so a step never waits for
-the GPU and can be graph-captured. R_cap is the worst case, so no routing drops a token (bytes:
-:meth:`SplitBackend.workspace_bytes`). Layers of one shape in a group share one heap: calls are numbered, and every
-rank makes them in the same order.
+The host knows every size (T, R_cap) before the call and group sizes stay on the device: no sync, graph-capturable.
+R_cap is the worst case (bytes: :meth:`SplitBackend.workspace_bytes`). Layers of one shape share one heap
+(docs/design.md, "The communication protocol"): every rank makes their calls in the same order.
 
 Options (measurements in docs/performance.md):
 

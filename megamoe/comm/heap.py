@@ -21,10 +21,9 @@ Its size is known before anything is allocated (:func:`heap_bytes`), logged, all
 
 Backends:
 * ``cuda``: ``torch.distributed._symmetric_memory``: one uint8 allocation, ``rendezvous`` once, peer addresses from
-  ``handle.buffer_ptrs``. The error record is pinned host memory that a watchdog thread polls, so the host learns of
-  a timeout without synchronising; the kernel that timed out traps, and the watchdog stops the process. Ranks
-  sharing a GPU (``MEGAMOE_SHARE_GPUS=1``, which torch's symmetric memory refuses) map ordinary allocations through
-  CUDA IPC instead.
+  ``handle.buffer_ptrs``. The error record is pinned host memory that a watchdog thread polls (docs/design.md,
+  "Fail-stop"). Ranks sharing a GPU (``MEGAMOE_SHARE_GPUS=1``, which torch's symmetric memory refuses) map
+  ordinary allocations through CUDA IPC instead.
 * ``host``: one POSIX shared-memory file per rank in /dev/shm, mapped by every CPU rank (unlinked once all have
   mapped them, so a crash leaks nothing); the same Triton kernels run under TRITON_INTERPRET=1.
 """
@@ -323,7 +322,7 @@ class SymmetricHeap:
     def rows_buffer(self) -> torch.Tensor:
         """[R_cap, H] symmetric buffer: let the expert GEMM write here and combine skips its staging copy. Peers
         read it during combine / dispatch_backward; a write from any kernel that is no stage kernel is safe once
-        ``rows_busy`` is False (a stage kernel enqueued since: signals.py, "What each wait guards")."""
+        ``rows_busy`` is False (a stage kernel enqueued since: docs/design.md, after the flag table)."""
         return self.buffer("rows")
 
     def peer_ptrs(self, name: str) -> torch.Tensor:

@@ -5,8 +5,8 @@ Shape legend: W world size, T_s tokens on rank s (<= T_max, may be 0), k top-k, 
 
 Global order: expert e's rows are the entries (s, t, j) with topk_idx_s[t, j] == e, ordered by
 (source rank s, token t, slot j); an expert rank stores its experts' segments one after another. Every rank
-computes the same counts from all W routing tables (read over NVLink from the peers' ``idx`` regions), so
-placement never depends on timing. Row of entry (s, t, j) with expert e on rank q = e // E_l:
+computes the same counts from all W routing tables (the peers' ``idx`` regions). Row of entry (s, t, j) with expert
+e on rank q = e // E_l:
 
     row = segoff[e]                       # rows of q's experts before e (all sources)
         + sum_{s' < s} tot[s', e]         # rows of e from earlier source ranks

@@ -1,10 +1,8 @@
 """Cross-rank signals on single-writer slots, with bounded waits (W world size, P programs of a launch).
 
 Every rank's symmetric heap holds ``flags`` int64 [3, W]: ``flags[purpose, s]`` (READY, DONE, DW_DONE) is written
-only by rank ``s`` (a remote store into this rank's copy), so no cross-process atomics decide anything. A slot
-carries the *call number* (``ctrl[SEQ]``, a per-heap device counter the stage kernel bumps once per communication op,
-so a captured CUDA graph replays with fresh numbers): values only grow, and a stale signal from call n-1 is never
-mistaken for call n.
+only by rank ``s`` and carries the call number ``ctrl[SEQ]``, which the stage kernel bumps once per op. Why single
+writers and growing call numbers, and what each flag's wait guards: docs/design.md, "The communication protocol".
 
 Protocol of one op (call s), every rank running the same sequence of ops:
 
@@ -15,29 +13,19 @@ Protocol of one op (call s), every rank running the same sequence of ops:
                          last program to arrive: publish DONE=s into every peer's flags[DONE, me]
     finish (optional):   wait flags[DONE, p] >= s (only where peers *write* into my memory)
 
-What each wait guards. The stage's DONE wait: no peer still reads any of my regions from an earlier call (a peer
-publishes DONE of call n at the end of its work kernel, after its reads of call n and, by stream order, of every
-earlier call); send_gate_grad writes peers' memory and publishes DW_DONE instead, awaited by finish. DONE is thus also
-the "every peer finished reading ``rows``" flag: writers of ``rows`` that are no stage kernel (GEMM2's output in the
-split forward, d_recv in the backward: backends/common.heap_rows and dgrad_buffer) write only while the host-side
-``heap.rows_busy`` is False, i.e. once a stage kernel has been enqueued after the last gather of ``rows`` (set by the
-gather launchers, cleared by the stage launchers; in enqueue order, so no sync and the same under graph capture).
-The work kernels' READY wait: the peer's sources of this call are staged.
+The ``rows`` rule (design.md's paragraph after the flag table) is kept on the host: ``heap.rows_busy`` is set by
+the gather launchers and cleared by the stage launchers, in enqueue order, so with no sync and the same under graph
+capture; its readers are backends/common.heap_rows and dgrad_buffer.
 
-Polling uses acquire loads (``ld.acquire.sys`` on the GPU, a volatile ``tl.load`` in the interpreter), never an atomic
-read-modify-write (38 us against 7-8 us per round trip). Publishing is one ``atomic_xchg(sem="release", scope="sys")``
-per peer slot.
+Polling: ``ld.acquire.sys`` on the GPU, a volatile ``tl.load`` in the interpreter, never a read-modify-write.
+Publishing: one ``atomic_xchg(sem="release", scope="sys")`` per peer slot.
 
-Bounded waits read a clock (``%globaltimer``; under the interpreter a Python helper that also sleeps 100 us per poll
-so spinning ranks leave the CPU to the others). After ``timeout_ns`` the waiting program claims the rank's error
-record with one compare-and-swap and writes (op, call, rank, peer, expected, seen, purpose). The record is
-host-visible (pinned host memory, or the ``host`` backend's shared segment), so the host reads it without
-synchronising the device (SymmetricHeap.check).
+Bounded waits read ``%globaltimer`` (the interpreter: a Python helper that also sleeps 100 us per poll so spinning
+ranks leave the CPU to the others); after ``timeout_ns`` the waiter claims the error record (design.md, "Fail-stop"),
+which lives in pinned host memory or the ``host`` backend's shared segment: SymmetricHeap.check reads it, no sync.
 
-Fail-stop (docs/design.md): a wait that fails (its own timeout, or the record already set by another wait) never lets
-its kernel go on. On a GPU it executes ``trap`` once the record is complete (:func:`fail_stop`) and the heap's watchdog
-stops the process; under the interpreter the failed programs skip their work and the launcher raises
-``CommTimeoutError`` as soon as the launch returns (SymmetricHeap.after_launch), before any output reaches the caller.
+Fail-stop (docs/design.md, "Fail-stop"): a failed wait never lets its kernel go on; on a GPU :func:`fail_stop`
+traps once the record is complete; under the interpreter the launcher raises (SymmetricHeap.after_launch).
 """
 
 from __future__ import annotations

@@ -23,10 +23,9 @@ Work items, taken in order from one atomic counter:
 Then, in launches of their own (stream order completes this rank's pushes first): one program publishes DONE to
 every rank, and the tail waits for every rank's DONE and sums y[t] = sum_j topk_w[t, j] * slot[t, j] in j order, fp32.
 
-Deadlock-free without any occupancy assumption: an item only waits on items with a smaller index (taken earlier by
-a running program), and the ring only makes PULL(b) wait on GEMM1(b - NS) and GEMM1(b) on GEMM2(b - NS), earlier
-items when NS > L1 + L2. No program waits for another to arrive, so the GPU may be shared (other streams, MPS).
-Under the interpreter a single program runs every item in order.
+Deadlock-free without any occupancy assumption (docs/design.md, "Residency"): an item only waits on items with a
+smaller index, and the ring only makes PULL(b) wait on GEMM1(b - NS) and GEMM1(b) on GEMM2(b - NS), earlier items
+when NS > L1 + L2. Under the interpreter a single program runs every item in order.
 
 Ring (``NS`` > 0): xbuf / act / h hold NS blocks, block b in slot b % NS: NS * BM rows whatever the routing. NS = 0
 (dense): block b's rows live at their receive rows (split's expert-grouped layout), so the backward can reuse them.
