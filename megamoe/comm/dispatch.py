@@ -317,10 +317,11 @@ def dispatch_fp8(
     T = _check_inputs(heap, x, topk_idx, topk_w)
     sh = heap.shape
     H = sh.hidden
-    if sh.dtype.itemsize != 2 or fp8_row_layout(H)[2] > H:
-        raise ValueError(f"dispatch_fp8: needs a 16-bit heap whose rows hold a packed FP8 row "
-                         f"({fp8_row_layout(H)[1]} bytes), got {sh.dtype} with H = {H}")
-    packed = torch.empty(T, fp8_row_layout(H)[2], dtype=sh.dtype, device=x.device)  # padding bytes never read
+    _, row_bytes, words = fp8_row_layout(H)
+    if sh.dtype.itemsize != 2 or words > H:
+        raise ValueError(f"dispatch_fp8: needs a 16-bit heap whose rows hold a packed FP8 row ({row_bytes} bytes), "
+                         f"got {sh.dtype} with H = {H}")
+    packed = torch.empty(T, words, dtype=sh.dtype, device=x.device)  # padding bytes never read
     quantize_act(x, out=fp8_row_views(packed, H))  # per row, 1x128 blocks
     recv, handle = _stage_and_pull(heap, packed, T, topk_idx, topk_w, num_sms)
     return (*fp8_row_views(recv, H), handle)
