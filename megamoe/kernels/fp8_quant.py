@@ -261,15 +261,10 @@ def quantize_weight(w: torch.Tensor, *, pow2_scale: bool = False,
     if not w.is_contiguous() and w.transpose(1, 2).is_contiguous():  # a transposed view: quantise its base
         w, transpose = w.transpose(1, 2), not transpose
     w = w.contiguous()
-    E_l, N, K = w.shape
-    n_nb, n_kb = triton.cdiv(N, QBLOCK), triton.cdiv(K, QBLOCK)
-    if transpose:
-        q = torch.empty((E_l, K, N), device=w.device, dtype=torch.float8_e4m3fn)
-        s = torch.empty((E_l, n_kb, n_nb), device=w.device, dtype=torch.float32)
-    else:
-        q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
-        s = torch.empty((E_l, n_nb, n_kb), device=w.device, dtype=torch.float32)
-    if E_l and N and K:
+    specs = Fp8Weight.specs(w)  # one orientation's pair of the layouts quantize_weight_both fills
+    names = ("qt", "st") if transpose else ("q", "s")
+    q, s = (torch.empty(specs[n][0], device=w.device, dtype=specs[n][1]) for n in names)
+    if w.numel():
         _quant_weight(w, q, s, q, s, pow2_scale=pow2_scale, transpose=transpose, both=False)
     return q, s
 
