@@ -211,7 +211,7 @@ def _rank_fp8_cache(rank: int, world: int) -> dict:
     invalidate_fp8_weights() for a write through .data (which does not); a no_grad forward and a second backward over
     a retained graph give the same values."""
     from megamoe import MoE
-    from megamoe.testing import counting_weight_quantisations
+    from megamoe.testing import counting_weight_quantisations, run_grads
 
     dev = torch.device("cpu")
     cfg = LayerCase("cache", dtype="bf16", tokens=(11,), overrides={"num_experts": 4}).config()
@@ -221,10 +221,7 @@ def _rank_fp8_cache(rank: int, world: int) -> dict:
     cached = MoE(cfg, backend="split", device=dev, seed=3, fp8=True)
 
     def run(moe):
-        xi = x.clone().requires_grad_()
-        out = moe(xi).out
-        grads = torch.autograd.grad((out.float() * g.float()).sum(), (xi, moe.router.weight, moe.w13, moe.w2))
-        return [out.detach(), *grads]
+        return run_grads(moe, x, g)
 
     def fresh():  # a new layer holding the cached layer's current weights: its first call quantises them
         m = MoE(cfg, backend="split", device=dev, seed=0, fp8=True)

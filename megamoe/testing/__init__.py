@@ -209,7 +209,7 @@ def _grads(loss: torch.Tensor, inputs: tuple) -> tuple:
     return torch.autograd.grad(loss, inputs, allow_unused=True, materialize_grads=True)
 
 
-def _run(moe: MoE, x: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+def run_grads(moe: MoE, x: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
     """[out, dx, drouter, dw13, dw2] of one forward + backward of ``moe`` on x with L = sum(out * g)."""
     xi = x.clone().requires_grad_()
     out = moe(xi).out
@@ -267,7 +267,7 @@ def determinism_case(case: LayerCase, backend: str, device: torch.device, **back
     gen = torch.Generator().manual_seed(case.seed + 10 + rank)
     x = torch.randn(case.tokens[rank], cfg.hidden, generator=gen).to(cfg.dtype).to(device)
     g = torch.randn(case.tokens[rank], cfg.hidden, generator=gen).to(cfg.dtype).to(device)
-    return all(torch.equal(a, b) for a, b in zip(_run(moe, x, g), _run(moe, x, g), strict=True))
+    return all(torch.equal(a, b) for a, b in zip(run_grads(moe, x, g), run_grads(moe, x, g), strict=True))
 
 
 def qwen3_experts(world: int) -> int:
@@ -346,7 +346,7 @@ def layer_runs(cfg: MoEConfig, tokens: int, device: torch.device, specs: list[tu
             for e, v in offset.items():
                 logit[e] = v
             moe.router.set_logit_offset(logit.to(device))
-        runs.append(_run(moe, x, g))
+        runs.append(run_grads(moe, x, g))
         del moe
     return runs
 
