@@ -18,6 +18,7 @@ Under ``torchrun`` it joins that group; otherwise it spawns ``--world N`` gloo C
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -304,27 +305,27 @@ def _peers(cfg, args, xs, dys, offset, timer, device, show, results, interleaved
         raise SystemExit(f"megamoe bench --peers: {exc}") from None
     if peer.family != "gpt_oss":  # same layout: the reference check reads the peer's copies, its memory its own
         ref.w13.data, ref.w2.data = peer.experts.gate_up_proj.data, peer.experts.down_proj.data
-    peers = [(peer, HFPeer)]
+    peers = [peer]
     try:
-        peers.append((SonicPeer(ref), SonicPeer))
+        peers.append(SonicPeer(ref))
     except ValueError as exc:
         print(f"megamoe bench --peers: no SonicMoE peer ({exc})", flush=True)
-    for peer, kind in peers:
+    for peer in peers:
+        sonic, make = isinstance(peer, SonicPeer), functools.partial(type(peer), ref)  # a fresh one per capture
         if device.type == "cuda":
             torch.cuda.empty_cache()
         try:  # SonicMoE may fail at its first launch or capture: dropped with the reason, the rest still timed
             entry = _eager_entry(peer.name, peer, ref, xs, dys, args, timer, device, show)
-            if kind is SonicPeer and args.cuda_graph:
-                capture_step(lambda: SonicPeer(ref), xs[0], dys[0], device, "forward+backward")
+            if sonic and args.cuda_graph and args.interleave:  # captured after this loop, outside this try: try it now
+                capture_step(make, xs[0], dys[0], device, "forward+backward")
+            graphed = _graphed_entry(peer.name, make, entry.get("rel_err"), interleaved, xs, dys, args, timer, device,
+                                     show) if args.cuda_graph else None
         except Exception as exc:  # noqa: BLE001
-            if kind is not SonicPeer:
+            if not sonic:
                 raise
             print(f"megamoe bench --peers: SonicMoE dropped ({type(exc).__name__}: {exc})", flush=True)
             continue
-        results.append(entry)
-        if args.cuda_graph:
-            results.append(_graphed_entry(peer.name, lambda kind=kind: kind(ref), entry.get("rel_err"), interleaved,
-                                          xs, dys, args, timer, device, show))
+        results += [entry] if graphed is None else [entry, graphed]
 
 
 def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
