@@ -21,6 +21,7 @@ EPI_SWIGLU = 1
 EPI_DSWIGLU = 2
 #: values of GemmConfig.kernel
 KERNELS = (None, "gluon", "triton")
+SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
 
 
 @dataclass(frozen=True)

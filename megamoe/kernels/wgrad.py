@@ -17,8 +17,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.kernels.gemm_config import GemmConfig, grid_size, interpreting, record, resolve_tma, tma_ok
-from megamoe.kernels.gluon.common import SMEM_LIMIT
+from megamoe.kernels.gemm_config import SMEM_LIMIT, GemmConfig, grid_size, interpreting, record, resolve_tma, tma_ok
 
 
 @triton.jit
@@ -104,16 +103,12 @@ def _grouped_wgrad_kernel(
             tile += num_progs
 
 
-#: gluon.common's SMEM_LIMIT less a margin for the barriers and the compiler's scratch
-_SMEM_LIMIT = SMEM_LIMIT - 4096
-
-
 def _store_fits(cfg: GemmConfig, out_bytes: int) -> bool:
     """Whether the TMA store's staging tile fits beside the operand ring (flattened loop: its own buffer; else it
     reuses the ring). The default 128x256x32, 5 stages: 188 KB with a bf16 output, 254 KB (too many) with fp32."""
     ring = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * 2
     staging = cfg.block_m * cfg.block_n * out_bytes if cfg.flatten else 0
-    return ring + staging <= _SMEM_LIMIT
+    return ring + staging <= SMEM_LIMIT - 4096  # a margin for the barriers and the compiler's scratch
 
 
 def launch_grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,

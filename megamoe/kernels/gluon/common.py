@@ -10,7 +10,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
+from megamoe.kernels.gemm_config import SMEM_LIMIT  # noqa: F401 - the Gluon modules' limit checks import it from here
+
 REG_POOL = 504  # registers per thread summed over the three warpgroups (168 each: 65536 / 384 threads, a multiple of 8)
 
 
