@@ -194,9 +194,6 @@ class MegaMoEBlock(nn.Module):
         if self.training and self.jitter_noise > 0:  # Mixtral's multiplicative input jitter
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         x = x.reshape(-1, shape[-1])
-        tokens = getattr(self.moe, "_megamoe_captured", False)
-        if tokens and x.shape[0] != tokens:
-            raise ValueError(f"the experts were captured for {tokens} tokens per call (hf.capture), got {x.shape[0]}")
         if self.model_type == "gpt_oss":
             _, gates, idx = self.router(x)
             return self.experts(x, idx, gates).reshape(shape), gates

@@ -17,6 +17,7 @@ outside autocast raises ``ValueError``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -233,15 +234,13 @@ def capture_moe_layers(layers, tokens: int, autocast=None) -> None:
     pool): each call then replays one graph instead of ~25 launches, removing eager training's per-layer host cost.
 
     ``layers``: MoE modules in forward order, backend split or fused (torch reads split sizes on the host);
-    ``tokens``: the token count of every call; ``autocast``: the step's autocast context with ``cache_enabled=False``,
-    or None. Call on every rank at once (the warm-up communicates), before wrapping the model in DDP. Outputs and
-    parameter gradients live in static buffers the next replay overwrites: consume them within the step (no gradient
-    accumulation). Host-side state changed after capture (``router.set_logit_offset``) is not seen.
+    ``tokens``: the token count of every call (input [tokens, H]; another shape raises ``ValueError``);
+    ``autocast``: the step's autocast context with ``cache_enabled=False``, or None. Call on every rank at once (the
+    warm-up communicates), before wrapping the model in DDP. Outputs and parameter gradients live in static buffers
+    the next replay overwrites: consume them within the step (no gradient accumulation). Host-side state changed after
+    capture (``router.set_logit_offset``) is not seen.
     """
     layers = tuple(layers)
-    for m in layers:
-        if not isinstance(m, MoE):
-            raise TypeError(f"capture_moe_layers: expected megamoe.MoE modules, got {type(m).__name__}")
     capture_graphs("capture_moe_layers", layers, layers, tokens, lambda m, gen: (torch.randn(
         tokens, m.config.hidden, device=m.device, dtype=m.w13.dtype, generator=gen).requires_grad_(),), autocast)
 
@@ -249,27 +248,37 @@ def capture_moe_layers(layers, tokens: int, autocast=None) -> None:
 def capture_graphs(name: str, modules, layers, tokens: int, sample, autocast=None) -> None:
     """make_graphed_callables on ``modules`` (one pool), each running MoE layer ``layers[i]``, with the sample
     arguments ``sample(layer, generator)`` of ``tokens`` tokens; the checks every capture of MoE layers needs."""
-    import contextlib
-
     if not modules:
         raise ValueError(f"{name}: no layers given")
     if not isinstance(tokens, int) or tokens <= 0:
         raise ValueError(f"{name}: tokens must be a positive int, got {tokens!r}")
     for m in layers:
+        if not isinstance(m, MoE):
+            raise TypeError(f"{name}: expected megamoe.MoE modules, got {type(m).__name__}")
         if m.backend_name == "torch":
             raise ValueError("backend 'torch' cannot run in a CUDA graph (it reads split sizes on the host); "
                              "use split or fused")
         if m.device.type != "cuda":
             raise ValueError(f"CUDA graphs need CUDA devices, the MoE layers are on {m.device}")
-        if getattr(m, "_megamoe_captured", False):
+        if "_graphed" in m.__dict__:
             raise ValueError(f"{name}: a layer was captured already")
     gen = torch.Generator(device=layers[0].device).manual_seed(1234)
     samples = tuple(sample(m, gen) for m in layers)
     with autocast if autocast is not None else contextlib.nullcontext():
         torch.cuda.make_graphed_callables(tuple(modules), samples, num_warmup_iters=3, allow_unused_input=True)
-    for mod, m in zip(modules, layers, strict=True):
-        m._megamoe_captured = tokens
+    for mod, m, args in zip(modules, layers, samples, strict=True):
+        mod.forward = _same_shape_only(name, tokens, tuple(args[0].shape), mod.forward)
         m.__dict__["_graphed"] = mod  # for close() (not an attribute: nn.Module would register it as a child)
+
+
+def _same_shape_only(name: str, tokens: int, shape: tuple, replay):
+    """Graphed forward ``replay`` refusing other input shapes: its copy into the static input would broadcast them."""
+
+    def forward(x, *args, **kwargs):
+        if x.shape != shape:
+            raise ValueError(f"{name}: captured for {tokens} tokens per call (input {shape}), got {tuple(x.shape)}")
+        return replay(x, *args, **kwargs)
+    return forward
 
 
 def shard_experts(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:

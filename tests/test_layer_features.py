@@ -189,10 +189,22 @@ def test_close_undoes_the_captured_forward():
     def replay(*args, **kwargs):
         raise AssertionError("replayed a captured graph of a closed layer")
 
-    moe.forward, moe._megamoe_captured = replay, True
+    moe.forward = replay
     moe.close()
     with pytest.raises(ValueError, match="closed"):
         moe(torch.randn(2, cfg.hidden, dtype=cfg.dtype))
+
+
+def test_captured_forward_refuses_another_shape():
+    # a graph copies its input into the static one it was captured with: a [1, H] input would be broadcast into it
+    # silently, so the installed forward refuses any shape but the captured one and passes that one through
+    from megamoe.layer import _same_shape_only
+
+    forward = _same_shape_only("capture_moe_layers", 4, (4, 8), lambda x, *a, **k: (x.sum().item(), a, k))
+    assert forward(torch.ones(4, 8), 1, b=2) == (32.0, (1,), {"b": 2})
+    for shape in ((1, 8), (2, 2, 8), (4, 7)):
+        with pytest.raises(ValueError, match=r"captured for 4 tokens per call \(input \(4, 8\)\), got \("):
+            forward(torch.ones(shape))
 
 
 def test_triton_backend_on_cpu_without_interpreter_refuses_at_construction():
