@@ -26,7 +26,7 @@ run with the structure of the warp-specialised GEMMs (kernels/gluon/bf16.py):
                queue once its stores are done and goes on to its next item.
     signaller  1 warp: once both consumers posted an item, ``counter += 2`` (release, GPU scope: cumulative, so it
                publishes the consumers' stores, which reached this warp through the mbarrier), in posting order. The
-               targets are 2x the Triton kernel's (2 per pull part, 2 per GEMM tile). A release waits until the stores
+               targets are 2x the Triton kernel's (2 per pull item, 2 per GEMM tile). A release waits until the stores
                before it are performed: done here it holds no consumer's next item back.
 
 Deadlock freedom is the Triton kernel's argument (fused_moe.py). Within a program the consumers run the items in
