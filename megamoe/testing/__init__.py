@@ -260,10 +260,15 @@ def bf16_cases(world: int) -> list[LayerCase]:
 
 
 def determinism_case(case: LayerCase, backend: str, device: torch.device, **backend_options) -> bool:
-    """Two forward+backward passes on the same inputs give bitwise-equal outputs and gradients."""
+    """Two forward+backward passes on the same inputs, routed as the case's ``offset`` forces, give bitwise-equal
+    outputs and gradients."""
     cfg = case.config()
     rank = dist.get_rank() if dist.is_initialized() else 0
     moe = MoE(cfg, backend=backend, device=device, seed=case.seed, **backend_options)
+    if case.offset:
+        offset = torch.zeros(cfg.num_experts)
+        offset[list(case.offset)] = torch.tensor(list(case.offset.values()))
+        moe.router.set_logit_offset(offset.to(device))
     gen = torch.Generator().manual_seed(case.seed + 10 + rank)
     x = torch.randn(case.tokens[rank], cfg.hidden, generator=gen).to(cfg.dtype).to(device)
     g = torch.randn(case.tokens[rank], cfg.hidden, generator=gen).to(cfg.dtype).to(device)
