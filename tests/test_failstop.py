@@ -37,13 +37,12 @@ def _step(rank: int, world: int, backend: str, where: str) -> dict:
     opt = torch.optim.SGD(moe.parameters(), lr=0.1)
     before = [p.detach().clone() for p in moe.parameters()]
     if rank == 1 and where == "backward-last":
-        import megamoe.backends.fused as fused_mod
-        import megamoe.backends.split as split_mod
+        import megamoe.backends.common as common
 
         def stop(*args, **kwargs):
             raise _Stopped
 
-        split_mod.dispatch_backward = fused_mod.dispatch_backward = stop
+        common.dispatch_backward = stop  # (heap_backward's, for split and fused)
     x = torch.randn(8, moe.config.hidden).to(torch.bfloat16).requires_grad_()
     out = {"stepped": False, "error": None, "phase": None}
     t0 = time.monotonic()

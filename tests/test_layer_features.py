@@ -180,6 +180,69 @@ def test_backward_outlives_the_layer(backend):
     assert heap._closed and heap.users == 0
 
 
+def _backend_node(out):
+    node = out.grad_fn
+    while not type(node).__name__.endswith("MoEBackward"):  # the backend's node, below the layer's reshapes
+        node = next(f for f, _ in node.next_functions if f is not None and "Accumulate" not in type(f).__name__)
+    return node
+
+
+@pytest.mark.parametrize("backend", ["split", "fused"])
+def test_backward_frees_h_before_the_weight_gradients(backend, monkeypatch):
+    # GEMM1's pre-activation h [R_cap, 2I] is the largest saved buffer: the backward drops it once GEMM2's dgrad has
+    # read it, so the peak never holds it beside dW13 and dW2; with retain_graph a second backward still has it
+    import weakref
+
+    import megamoe.backends.common as common
+
+    cfg = preset("tiny", max_tokens_per_rank=16)
+    moe = MoE(cfg, backend=backend, device="cpu", seed=6)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(5, cfg.hidden, generator=gen).to(cfg.dtype).requires_grad_()
+    g = torch.randn(5, cfg.hidden, generator=gen).to(cfg.dtype)
+    alive, wgrad = [], common.grouped_wgrad
+
+    def spy(*args, **kwargs):
+        alive.append(h_ref() is not None)
+        return wgrad(*args, **kwargs)
+
+    monkeypatch.setattr(common, "grouped_wgrad", spy)
+    grads = []
+    for retain in (True, False):
+        out = moe(x).out
+        h_ref = weakref.ref(_backend_node(out).rows[1])
+        alive.clear()
+        grads.append(torch.autograd.grad(out, x, g, retain_graph=retain)[0])
+        assert alive == [retain, retain]  # (dW2, dW13)
+        if retain:
+            assert torch.equal(torch.autograd.grad(out, x, g)[0], grads[0])  # the retained graph, again
+            assert alive[2:] == [False, False]
+        del out
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("backend", ["split", "fused"])
+def test_one_rank_sizes_its_rows_by_the_call(backend):
+    # one rank receives exactly its own T * k slots: a layer built for 64 tokens called with 5 holds 5 * k rows per
+    # buffer (not R_cap = 64 * k) and computes bitwise what a layer built for 5 tokens does
+    gen = torch.Generator().manual_seed(8)
+    cfg = preset("tiny", max_tokens_per_rank=64)
+    x = torch.randn(5, cfg.hidden, generator=gen).to(cfg.dtype)
+    g = torch.randn(5, cfg.hidden, generator=gen).to(cfg.dtype)
+    runs = []
+    for max_tokens in (64, 5):
+        moe = MoE(preset("tiny", max_tokens_per_rank=max_tokens), backend=backend, device="cpu", seed=8)
+        xi = x.clone().requires_grad_()
+        out = moe(xi).out
+        recv, h = _backend_node(out).rows
+        assert recv.shape[0] == h.shape[0] == 5 * cfg.top_k
+        del recv, h
+        out.backward(g)
+        runs.append([out.detach(), xi.grad, moe.router.weight.grad, moe.w13.grad, moe.w2.grad])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_close_undoes_the_captured_forward():
     # capture_moe_layers (torch.cuda.make_graphed_callables) sets the module's forward to a graph replay, which would
     # address the freed heap after close(); stand-in for it on a CPU: a closed layer raises instead of replaying

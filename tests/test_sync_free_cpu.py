@@ -144,9 +144,9 @@ def _guard_catches(rank: int, world: int, backend: str, plant: tuple[str, str] |
 @CPU_ONLY
 @pytest.mark.parametrize("backend, plant, phase", [
     ("split", ("megamoe.backends.split", "expert_forward"), "forward"),  # called by _SplitMoE.forward
-    ("split", ("megamoe.backends.split", "wgrads"), "backward"),  # called by _SplitMoE.backward
+    ("split", ("megamoe.backends.split", "heap_backward"), "backward"),  # called by _SplitMoE.backward
     ("fused", ("megamoe.backends.fused", "fused_forward"), "forward"),  # called by _FusedMoE.forward
-    ("fused", ("megamoe.backends.fused", "wgrads"), "backward"),  # called by _FusedMoE.backward
+    ("fused", ("megamoe.backends.fused", "heap_backward"), "backward"),  # called by _FusedMoE.backward
 ])
 def test_guard_catches_planted_reads(backend, plant, phase):
     for got, msg in spawn(_guard_catches, 2, backend, plant, timeout_s=600):

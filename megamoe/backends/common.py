@@ -9,6 +9,9 @@ R_cap worst-case rows received, offs int32 [E_l + 1] on the device. Backward (sa
     dx              = dispatch_backward(d_recv, handle)       owner pulls and sums its k gradient rows
     dW2 = dy_R^T acts;  dW13 = dh^T recv                      deterministic, no atomics
 
+Each buffer goes once its last reader is enqueued (h after GEMM2's dgrad; dy_R and acts after dW2): the peak holds
+no saved row buffer beside both weight gradients (unless the graph is retained).
+
 gpt-oss experts (``clamp`` = (alpha, limit), biases b13 / b2; bf16 GEMMs only): docs/design.md, "gpt-oss experts";
 db13 = per-expert row sums of dh, db2 = of gate * dy_R (kernels/bias_grad.py).
 
@@ -20,13 +23,13 @@ rows received. Weight gradients stay bf16 (dW13 reads the dequantised rows).
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple
 
 import torch
 
-from megamoe.comm.combine import pull_grad, send_gate_grad
+from megamoe.comm.combine import dispatch_backward, pull_grad, send_gate_grad
 from megamoe.comm.heap import CommShape, get_heap, hold_heap
 from megamoe.experts import (
+    dequantize_act,
     gemm1_dgrad,
     gemm1_dgrad_fp8,
     gemm1_swiglu,
@@ -48,22 +51,22 @@ POISON_PADDING = False
 
 
 def heap_rows(heap, shape, dtype) -> torch.Tensor | None:
-    """``heap.rows_buffer()`` if it has this shape and dtype and no peer may still read it (``heap.rows_busy``), else
-    None. A GEMM writing there (GEMM2, GEMM1's dgrad) saves combine's / dispatch_backward's staging copy; why that is
+    """The first rows of ``heap.rows_buffer()`` if they fit this shape and dtype and no peer may still read them
+    (``heap.rows_busy``), else None. A GEMM writing there (GEMM2, GEMM1's dgrad) saves combine's / dispatch_backward's staging copy; why that is
     safe: comm/signals.py, "What each wait guards"."""
     rb = heap.rows_buffer()
-    return rb if tuple(rb.shape) == tuple(shape) and rb.dtype == dtype and not heap.rows_busy else None
+    fits = shape[0] <= rb.shape[0] and tuple(shape[1:]) == tuple(rb.shape[1:]) and rb.dtype == dtype
+    return rb[:shape[0]] if fits and not heap.rows_busy else None
 
 
-def dgrad_buffer(recv: torch.Tensor, heap=None) -> torch.Tensor:
-    """Storage for d_recv [R_cap, H], not zero-filled on a GPU: only its first offs[E_l] rows are written and read.
+def dgrad_buffer(shape, device, heap=None) -> torch.Tensor:
+    """Storage for d_recv [R_cap, H] bf16, not zero-filled on a GPU: only its first offs[E_l] rows are written and read.
 
     ``heap``: use the heap's ``rows`` region (see heap_rows). Only without presum (whose stage writes its sums there)
     and only after pull_grad, whose pull waits for READY from every peer: no peer still reads ``rows`` then."""
-    buf = None if heap is None else heap_rows(heap, recv.shape, recv.dtype)
-    if POISON_PADDING:
-        return torch.full_like(recv, float("nan")) if buf is None else buf.fill_(float("nan"))
-    return row_buffer(recv.shape, recv.dtype, recv.device) if buf is None else buf
+    buf = None if heap is None else heap_rows(heap, shape, torch.bfloat16)
+    buf = row_buffer(shape, torch.bfloat16, device) if buf is None else buf
+    return buf.fill_(float("nan")) if POISON_PADDING else buf
 
 
 def expert_forward(recv, w13, w2, offs, wq=None, recv_scales=None, out=None, b13=None, b2=None, clamp=None):
@@ -77,30 +80,22 @@ def expert_forward(recv, w13, w2, offs, wq=None, recv_scales=None, out=None, b13
     return act, h, gemm2_fp8(*quantize_act(act, nrows=offs[-1:]), q2, s2, offs, out=out)
 
 
-def wgrads(dy_rows, acts, dh, recv, offs, w13, w2):
-    """(dW13, dW2): dW2 = dy_rows^T acts and dW13 = dh^T recv per expert, deterministic."""
-    dw2 = grouped_wgrad(dy_rows, acts, offs, out_dtype=w2.dtype)
-    dw13 = grouped_wgrad(dh, recv, offs, out_dtype=w13.dtype)
-    return dw13, dw2
+def retained() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph=True``), so that its saved rows must outlive it.
+    Asked as torch's AOTAutograd asks before it frees saved tensors early; a torch without the query keeps them."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep is None else keep()
 
 
-class ExpertGrads(NamedTuple):
-    """What :func:`expert_backward` returns: dy_rows [R_cap, H], acts [R_cap, I], dh [R_cap, 2I] (operands of
-    :func:`wgrads`), d_recv [R_cap, H], d_topk_w [T, k] fp32; gpt-oss's db13 [E_l, 2I], db2 [E_l, H] (else None)."""
-
-    dy_rows: torch.Tensor
-    acts: torch.Tensor
-    dh: torch.Tensor
-    d_recv: torch.Tensor
-    d_topk_w: torch.Tensor
-    db13: torch.Tensor | None
-    db2: torch.Tensor | None
-
-
-def expert_backward(dy, topk_w, handle, h, recv, w13, w2, num_sms, wq=None, presum=False, b13=None, b2=None,
-                    clamp=None) -> ExpertGrads:
-    """The backward up to dx's gather (:class:`ExpertGrads`). d_recv goes to the heap's ``rows`` region unless
-    ``presum``. gpt-oss: b13, b2 (their dtypes are the gradients') and clamp, bf16 GEMMs only."""
+def heap_backward(dy, topk_w, handle, rows: list, w13, w2, num_sms, *, wq=None, recv_scales=None, presum=False,
+                  b13=None, b2=None, clamp=None) -> tuple:
+    """The whole backward: (dx, d_topk_w, dW13, dW2, db13, db2). ``rows`` = [recv, h], the forward's received rows
+    and GEMM1's pre-activation, handed over (the list is emptied): h is dropped once GEMM2's dgrad has read it, dy's
+    rows and the activations once dW2 has, so the peak never holds them all beside both weight gradients. d_recv
+    goes to the heap's ``rows`` region unless ``presum``. FP8 (``wq``): recv is e4m3 with 1x128 ``recv_scales``,
+    dequantised for dW13 only. gpt-oss: b13, b2 (their dtypes are the gradients') and clamp, bf16 GEMMs only."""
+    recv, h = rows
+    rows.clear()
     offs = handle.offs
     n = offs[-1:]  # rows received: only those are quantised (the buffers hold the worst case)
     dy_rows, gate = pull_grad(dy, topk_w, handle, num_sms=num_sms)
@@ -110,15 +105,23 @@ def expert_backward(dy, topk_w, handle, h, recv, w13, w2, num_sms, wq=None, pres
     else:
         dh, ds = gemm2_dgrad_swiglu_fp8(*quantize_act(dy_rows, nrows=n), wq[6], wq[7], h, offs, scale=gate,
                                         acts_out=acts)
+    del h
     d_topk_w = send_gate_grad(ds, handle, num_sms=num_sms)
     db13 = None if b13 is None else segment_sum(dh, offs, out_dtype=b13.dtype)
     db2 = None if b2 is None else segment_sum(dy_rows, offs, scale=gate, out_dtype=b2.dtype)
-    d_recv = dgrad_buffer(recv, None if presum else handle.heap)
+    d_recv = dgrad_buffer((recv.shape[0], w13.shape[2]), recv.device, None if presum else handle.heap)
     if wq is None:
         gemm1_dgrad(dh, w13, offs, out=d_recv)
     else:  # (the FP8 kernel wants both operands K-major: w13^T)
         gemm1_dgrad_fp8(*quantize_act(dh, nrows=n), wq[2], wq[3], offs, out=d_recv)
-    return ExpertGrads(dy_rows, acts, dh, d_recv, d_topk_w, db13, db2)
+    dx = dispatch_backward(d_recv, handle, num_sms=num_sms, out_dtype=dy.dtype, presum=presum)
+    del d_recv
+    dw2 = grouped_wgrad(dy_rows, acts, offs, out_dtype=w2.dtype)  # deterministic, no atomics
+    del dy_rows, acts
+    if recv_scales is not None:
+        recv = dequantize_act(recv, recv_scales, nrows=n)
+    dw13 = grouped_wgrad(dh, recv, offs, out_dtype=w13.dtype)
+    return dx, d_topk_w, dw13, dw2, db13, db2
 
 
 def check_flag(backend: str, name: str, value) -> bool:

@@ -10,7 +10,7 @@ R_cap = W * T_max * min(k, E_l) receive rows (worst case), offs int32 [E_l + 1] 
     backward: backends/common.py
 
 The host knows every size (T, R_cap) before the call and group sizes stay on the device: no sync, graph-capturable.
-R_cap is the worst case (bytes: :meth:`SplitBackend.workspace_bytes`). Layers of one shape share one heap
+R_cap is the worst case (bytes: :meth:`SplitBackend.workspace_bytes`); one rank sizes its rows by the call (T * k). Layers of one shape share one heap
 (docs/design.md, "The communication protocol"): every rank makes their calls in the same order.
 
 Options (measurements in docs/performance.md):
@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.backends.common import HeapBackend, check_flag, expert_backward, expert_forward, heap_rows, wgrads
+from megamoe.backends.common import HeapBackend, check_flag, expert_forward, heap_backward, heap_rows, retained
 from megamoe.backends.fp8_weights import Fp8WeightCache
-from megamoe.comm.combine import combine, dispatch_backward
+from megamoe.comm.combine import combine
 from megamoe.comm.dispatch import dispatch, dispatch_fp8
 from megamoe.comm.heap import heap_bytes, workspace_bytes
-from megamoe.experts import dequantize_act
 
 
 class _SplitMoE(torch.autograd.Function):
@@ -51,22 +50,21 @@ class _SplitMoE(torch.autograd.Function):
         act, h, out = expert_forward(recv, w13, w2, handle.offs, wq, a_s, out=out_buf, b13=b13, b2=b2,
                                      clamp=backend.clamp)
         y = combine(out, None if presum else topk_w, handle, num_sms=num_sms, out_dtype=x.dtype, presum=presum)
-        ctx.save_for_backward(recv, h, topk_w, w13, w2, a_s, b13, b2)
+        ctx.save_for_backward(topk_w, w13, w2, a_s, b13, b2)
+        ctx.rows = [recv, h]  # not saved tensors: the backward drops them as it goes (heap_backward)
         ctx.handle, ctx.wq = handle, wq
         ctx.backend = backend  # the backward needs the heap, which a one-rank backend frees when collected
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        recv, h, topk_w, w13, w2, a_s, b13, b2 = ctx.saved_tensors
-        handle, b = ctx.handle, ctx.backend
-        if a_s is not None:  # FP8: dW13 = dh^T recv on the dequantised rows (only the received ones)
-            recv = dequantize_act(recv, a_s, nrows=handle.offs[-1:])
-        g = expert_backward(dy.contiguous(), topk_w, handle, h, recv, w13, w2, b.comm_sms, wq=ctx.wq,
-                            presum=b.presum_combine, b13=b13, b2=b2, clamp=b.clamp)
-        dx = dispatch_backward(g.d_recv, handle, num_sms=b.comm_sms, out_dtype=dy.dtype, presum=b.presum_combine)
-        dw13, dw2 = wgrads(g.dy_rows, g.acts, g.dh, recv, handle.offs, w13, w2)
-        return dx, g.d_topk_w.to(topk_w.dtype), dw13, dw2, g.db13, g.db2, None, None, None
+        topk_w, w13, w2, a_s, b13, b2 = ctx.saved_tensors
+        b = ctx.backend
+        rows = list(ctx.rows) if retained() else ctx.__dict__.pop("rows")
+        dx, d_topk_w, dw13, dw2, db13, db2 = heap_backward(
+            dy.contiguous(), topk_w, ctx.handle, rows, w13, w2, b.comm_sms, wq=ctx.wq, recv_scales=a_s,
+            presum=b.presum_combine, b13=b13, b2=b2, clamp=b.clamp)
+        return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, db13, db2, None, None, None
 
 
 class SplitBackend(HeapBackend, Fp8WeightCache):

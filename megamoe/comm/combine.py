@@ -196,7 +196,7 @@ def _send_dw_kernel(tab, W, rank, offs_ptr, E_l, row_src_ptr, row_tok_ptr, row_s
 
 def pull_grad(dy: torch.Tensor, topk_w: torch.Tensor, handle: DispatchHandle,
               num_sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Open a backward call and pull dy to the expert ranks: (dy_rows [R_cap, H] heap dtype, gate [R_cap] fp32),
+    """Open a backward call and pull dy to the expert ranks: (dy_rows [R_b, H] heap dtype, gate [R_b] fp32),
     dy_rows[r] = dy_s[t] (unscaled), gate[r] = topk_w_s[t, j] for every received row r = (s, t, j) (rows >= R
     unwritten). The caller sends d(topk_w) home with :func:`send_gate_grad`, which closes the call."""
     heap = handle.heap
@@ -207,8 +207,9 @@ def pull_grad(dy: torch.Tensor, topk_w: torch.Tensor, handle: DispatchHandle,
         raise ValueError(f"dy must be [T={T}, H={sh.hidden}] {sh.dtype}, got {tuple(dy.shape)} {dy.dtype}")
     if tuple(topk_w.shape) != (T, sh.topk):
         raise ValueError(f"topk_w must be [T={T}, k={sh.topk}], got {tuple(topk_w.shape)}")
-    rows = row_buffer((sh.rows_cap, sh.hidden), sh.dtype, heap.device)  # before READY is published
-    gate = row_buffer((sh.rows_cap,), torch.float32, heap.device)
+    R = handle.schedule.row_src.shape[0]  # the call's row bound (CommShape.rows_for)
+    rows = row_buffer((R, sh.hidden), sh.dtype, heap.device)  # before READY is published
+    gate = row_buffer((R,), torch.float32, heap.device)
     w32 = topk_w.to(torch.float32).contiguous().view(torch.int32)
     # open a new call: dy into this rank's ``tok`` region, the gates (as fp32) into ``w``
     S.stage(heap, act=dy.contiguous(), act_reg=S.REG_TOK.value, small=w32, small_reg=S.REG_W.value, ntok=-1,
@@ -226,13 +227,14 @@ def send_gate_grad(ds: torch.Tensor, handle: DispatchHandle, num_sms: int | None
     sched = handle.schedule
     T = handle.num_tokens
     P = max(1, int(num_sms or handle.num_sms))
-    if ds.dtype != torch.float32 or ds.dim() != 1 or not ds.is_contiguous() or ds.shape[0] < sh.rows_cap:
-        raise ValueError(f"ds must be a contiguous 1-D float32 tensor of >= R_cap = {sh.rows_cap} values (one per "
-                         f"receive row), got {tuple(ds.shape)} {ds.dtype}")
+    R = sched.row_src.shape[0]  # the call's row bound (CommShape.rows_for)
+    if ds.dtype != torch.float32 or ds.dim() != 1 or not ds.is_contiguous() or ds.shape[0] < R:
+        raise ValueError(f"ds must be a contiguous 1-D float32 tensor of >= {R} values (one per receive row), got "
+                         f"{tuple(ds.shape)} {ds.dtype}")
     E_l = sh.local_experts
     block = 1024
     grad_w = torch.empty(T, sh.topk, dtype=torch.float32, device=heap.device)  # before DW_DONE is published
-    _send_dw_kernel[(max(1, min(P, triton.cdiv(sh.rows_cap, block))),)](
+    _send_dw_kernel[(max(1, min(P, triton.cdiv(R, block))),)](
         heap.tab, heap.world, heap.rank, sched.offs, E_l, sched.row_src, sched.row_tok, sched.row_slot, ds,
         K=sh.topk, BLOCK=block, WP2=heap.wp2,
     )

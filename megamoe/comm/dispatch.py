@@ -183,13 +183,15 @@ def _pull_kernel(
             publish(tab, W, rank, DONE, call, WP2)
 
 
-def check_pull(heap: SymmetricHeap, dst: torch.Tensor, width: int | None = None) -> int:
-    """:func:`pull_rows`'s checks (callers run them before staging): the elements moved per row."""
+def check_pull(heap: SymmetricHeap, dst: torch.Tensor, width: int | None = None, rows: int | None = None) -> int:
+    """:func:`pull_rows`'s checks (callers run them before staging): the elements moved per row. ``rows``: the
+    call's row bound (CommShape.rows_for), which dst must hold."""
     hp = heap.shape.hidden if width is None else int(width)
     if not 0 < hp <= heap.shape.hidden:
         raise ValueError(f"pull_rows: width must be in (0, H={heap.shape.hidden}], got {width}")
-    if tuple(dst.shape[1:]) != (hp,) or dst.stride(-1) != 1:
-        raise ValueError(f"pull_rows: dst must be [R_cap, {hp}] with unit inner stride, got {tuple(dst.shape)}")
+    if dst.dim() != 2 or dst.shape[1] != hp or dst.stride(-1) != 1 or dst.shape[0] < (rows or 0):
+        raise ValueError(f"pull_rows: dst must be [>= {rows or 'R'}, {hp}] with unit inner stride, got "
+                         f"{tuple(dst.shape)}")
     return hp
 
 
@@ -243,7 +245,7 @@ def stage_and_schedule(heap: SymmetricHeap, x: torch.Tensor, topk_idx: torch.Ten
     w32 = None if topk_w is None else topk_w.to(torch.float32).contiguous().view(torch.int32)
     act = None if in_place else x.contiguous()
     ids = topk_idx.to(torch.int32).contiguous()
-    sched = sched if sched is not None else schedule_buffers(heap)
+    sched = sched if sched is not None else schedule_buffers(heap, T)
     S.stage(heap, act=act, act_reg=S.REG_TOK.value, small=ids, small_reg=S.REG_IDX.value, ntok=T,
             programs=programs, small2=w32, small2_reg=S.REG_W.value)
     return build_schedule(heap, sched)
@@ -257,9 +259,10 @@ def dispatch(
     recv: torch.Tensor | None = None,
     topk_w: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, DispatchHandle]:
-    """Route x_TH to the ranks owning its experts; returns (recv_RH [R_cap, H], handle).
+    """Route x_TH to the ranks owning its experts; returns (recv_RH [R_b, H], handle), R_b = heap.shape.rows_for(T)
+    (R_cap; on one rank T * k).
     x: [T, H] heap dtype, T <= heap.shape.max_tokens (T may be 0). topk_idx: [T, k] integer ids in [0, E).
-    num_sms: programs (default heap.num_sms). recv: optional preallocated [R_cap, H] output. topk_w: optional
+    num_sms: programs (default heap.num_sms). recv: optional preallocated [>= R_b, H] output. topk_w: optional
     [T, k] gates that travel with the rows (``handle.row_gate``), for ``combine(..., presum=True)``.
     """
     T = _check_inputs(heap, x, topk_idx, topk_w)
@@ -273,11 +276,12 @@ def _stage_and_pull(heap: SymmetricHeap, payload: torch.Tensor, T: int, topk_idx
     sh = heap.shape
     P = max(1, int(num_sms or heap.num_sms))
     width = payload.shape[1]
+    R = sh.rows_for(T)
     if recv is None:  # every allocation and check before the stage publishes READY
-        recv = row_buffer((sh.rows_cap, width), sh.dtype, heap.device)
-    check_pull(heap, recv, width)
-    gate = None if topk_w is None else row_buffer((sh.rows_cap,), torch.float32, heap.device)
-    sched = stage_and_schedule(heap, payload, topk_idx, P, topk_w)
+        recv = row_buffer((R, width), sh.dtype, heap.device)
+    check_pull(heap, recv, width, R)
+    gate = None if topk_w is None else row_buffer((R,), torch.float32, heap.device)
+    sched = stage_and_schedule(heap, payload, topk_idx, P, topk_w, schedule_buffers(heap, T))
     pull_rows(heap, sched, recv, P, gate=gate, width=width)
     return recv, DispatchHandle(heap=heap, num_tokens=T, schedule=sched, offs=sched.offs, num_sms=P,
                                 row_gate=gate)

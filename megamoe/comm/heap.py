@@ -93,6 +93,14 @@ class CommShape:
         """R_cap: worst-case rows one rank receives (every token of every rank, min(k, E_l) copies)."""
         return self.world * self.max_tokens * min(self.topk, self.local_experts)
 
+    def rows_for(self, tokens: int | None) -> int:
+        """Rows the per-call buffers of a call with ``tokens`` here hold: on one rank every row is one of its own
+        T * k slots, so the call sizes them (at least 1); with peers, whose T the host does not know without a
+        sync, R_cap. None: R_cap."""
+        if tokens is None or self.world > 1:
+            return self.rows_cap
+        return max(1, tokens * min(self.topk, self.local_experts))
+
 
 #: region name -> its row of the pointer table, the kernels' signals.REG_* constants
 _REG_INDEX = {name: getattr(S, f"REG_{name.upper()}").value

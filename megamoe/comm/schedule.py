@@ -161,8 +161,8 @@ def _place_kernel(
     recv_row_ptr,  # int32 [W, T_max, K] out
     dest_row_ptr,  # int32 [T_max, K] out
     dest_rank_ptr,  # int32 [T_max, K] out
-    row_src_ptr, row_tok_ptr, row_slot_ptr,  # int32 [R_cap] out
-    T_max, NCH, E, E_l, R_cap,
+    row_src_ptr, row_tok_ptr, row_slot_ptr,  # int32 [R_b] out (R_b: the call's row bound, <= R_cap)
+    T_max, NCH, E, E_l, R_b,
     K: tl.constexpr, KP2: tl.constexpr, CH: tl.constexpr,
 ):
     """grid (W, NCH): rows of the entries of chunk c of rank s (see the module docstring)."""
@@ -187,7 +187,7 @@ def _place_kernel(
     base = tl.load(base_ptr + s * E + e, mask=m, other=0)
     row = base + pref + rk
     q = e // E_l
-    m = m & (row >= 0) & (row < R_cap)  # only after a timed-out wait could counts disagree; never write out of bounds
+    m = m & (row >= 0) & (row < R_b)  # only after a timed-out wait could counts disagree; never write out of bounds
     local = m & (q == rank)
     in_tab = (t < T_max) & (j < K)
     tl.store(recv_row_ptr + (s * T_max + t) * K + j, tl.where(local, row, -1), mask=in_tab)
@@ -204,13 +204,14 @@ def chunk_tokens(topk: int) -> int:
     return max(1, 128 // triton.next_power_of_2(topk))
 
 
-def schedule_buffers(heap) -> Schedule:
+def schedule_buffers(heap, tokens: int | None = None) -> Schedule:
     """The tables of one call's schedule, allocated (unwritten): before the call is staged, so that running out of
-    memory cannot leave a published call without its kernels."""
+    memory cannot leave a published call without its kernels. Row tables of ``heap.shape.rows_for(tokens)`` rows."""
     sh = heap.shape
     W, T_max, K, E, E_l = sh.world, sh.max_tokens, sh.topk, sh.num_experts, sh.local_experts
     dev = heap.device
     NCH = triton.cdiv(T_max, chunk_tokens(K))
+    R = sh.rows_for(tokens)
     i32 = dict(dtype=torch.int32, device=dev)
     return Schedule(
         recv_row=torch.empty(W, T_max, K, **i32),
@@ -218,9 +219,9 @@ def schedule_buffers(heap) -> Schedule:
         dest_rank=torch.empty(T_max, K, **i32),
         offs=torch.empty(E_l + 1, **i32),
         counts=torch.empty(E_l, **i32),
-        row_src=torch.empty(sh.rows_cap, **i32),
-        row_tok=torch.empty(sh.rows_cap, **i32),
-        row_slot=torch.empty(sh.rows_cap, **i32),
+        row_src=torch.empty(R, **i32),
+        row_tok=torch.empty(R, **i32),
+        row_slot=torch.empty(R, **i32),
         tokens_per_rank=torch.empty(W, dtype=torch.int64, device=dev),
         scratch=(torch.empty(W, NCH, E, **i32), torch.empty(W, E, **i32), torch.empty(W, E, **i32)),
     )
@@ -249,7 +250,7 @@ def build_schedule(heap, sched: Schedule) -> Schedule:
     )
     _place_kernel[(W, NCH)](
         heap.tab, W, heap.rank, cnt, base, sched.tokens_per_rank, sched.recv_row, sched.dest_row,
-        sched.dest_rank, sched.row_src, sched.row_tok, sched.row_slot, T_max, NCH, E, E_l, sh.rows_cap,
+        sched.dest_rank, sched.row_src, sched.row_tok, sched.row_slot, T_max, NCH, E, E_l, sched.row_src.shape[0],
         K=K, KP2=KP2, CH=CH, num_warps=4,
     )
     return sched

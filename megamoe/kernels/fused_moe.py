@@ -384,14 +384,15 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     P, GB, L1, L2 = _plan(cfg, dev, H, I, ring_blocks)
     # every buffer and descriptor first: an error after READY is published would leave the peers waiting for DONE
     Pc = max(1, int(comm_programs or heap.num_sms))
-    nrows = ring_blocks * BM if ring_blocks else sh.rows_cap
+    R = sh.rows_for(T)
+    nrows = ring_blocks * BM if ring_blocks else R
     xbuf = row_buffer((nrows, H), x.dtype, dev)
     act = row_buffer((nrows, I), x.dtype, dev)
-    nb_max = triton.cdiv(sh.rows_cap, BM) + E_l + GB
+    nb_max = triton.cdiv(R, BM) + E_l + GB
     h = row_buffer((nrows, 2 * I), torch.bfloat16, dev) if (store_h and not ring_blocks) else None
     y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     gate = topk_w.to(torch.float32).contiguous()
-    sched = schedule_buffers(heap)
+    sched = schedule_buffers(heap, T)
     launch = _prepare(heap, cfg, sched, P, a=xbuf, w1=w13, act=act, w2=w2, h=h, gate=gate, y=y, T=T, I=I,
                       nb_max=nb_max, ring_blocks=ring_blocks, group=GB, lookahead=L1, lag=L2, b13=b13, b2=b2,
                       clamp=clamp)
