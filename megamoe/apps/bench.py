@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import statistics
@@ -28,10 +27,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megamoe.apps.perf import Marks, ceilings_for, layer_floor_seconds, run_metadata
+from megamoe.apps.perf import Marks, ceilings_for, layer_floor_seconds, run_metadata, run_ranks, write_json
 from megamoe.backends import parse_backend
 from megamoe.config import PRESETS, parse_dtype, preset
-from megamoe.dist import init_from_env, rank_device, spawn, under_torchrun
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -449,11 +447,6 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _spawned_rank(rank: int, world: int, args: argparse.Namespace, device_type: str):
-    device = rank_device() if device_type == "cuda" else torch.device("cpu")
-    return run_rank(args, device)
-
-
 def _finish(report: dict, args, on_gpu: bool) -> None:
     print(format_table(report))
     path = args.json
@@ -463,34 +456,21 @@ def _finish(report: dict, args, on_gpu: bool) -> None:
                             f"bench-{args.preset}{'' if args.experts is None else f'-E{args.experts}'}-{args.tokens}-"
                             f"{report['config']['world']}gpu-{stamp}.json")
     if path:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(path, report)
         print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
     raw = build_parser().parse_args(argv)
-    if under_torchrun():
-        device = init_from_env("cpu" if raw.cpu else None)
-        on_gpu = device.type == "cuda"
-        args = _defaults(raw, on_gpu)
-        report = run_rank(args, device)
-        if report is not None:
-            _finish(report, args, on_gpu)
-        dist.destroy_process_group()
-        return 0
     on_gpu = torch.cuda.is_available() and not raw.cpu
     args = _defaults(raw, on_gpu)
-    if on_gpu:
-        world = args.world or torch.cuda.device_count()
-        if world > torch.cuda.device_count():
+
+    def check_world(world: int) -> None:
+        if on_gpu and world > torch.cuda.device_count():
             raise SystemExit(f"megamoe bench: --world {world} but only {torch.cuda.device_count()} GPUs")
-    else:
-        world = args.world or 2
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU ranks run the Triton kernels interpreted
-    bench_config(args).validate_world(world)
-    reports = spawn(_spawned_rank, world, args, "cuda" if on_gpu else "cpu",
-                    device="cuda" if on_gpu else "cpu", timeout_s=3600)
-    _finish(reports[0], args, on_gpu)
+        bench_config(args).validate_world(world)
+
+    report = run_ranks(run_rank, args, on_gpu, check_world, timeout_s=3600)
+    if report is not None:
+        _finish(report, args, on_gpu)
     return 0

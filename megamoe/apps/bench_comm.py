@@ -14,9 +14,12 @@ other ranks x H x 2 / time, per rank (the slowest rank's bytes).
 from __future__ import annotations
 
 import argparse
-import json
 
-from megamoe.apps.perf import run_metadata
+import torch
+import torch.distributed as dist
+
+from megamoe.apps.perf import run_metadata, write_json
+from megamoe.dist import init_from_env
 
 CONFIGS = {
     "deepseek-v3": dict(hidden=7168, num_experts=256, topk=8),
@@ -25,9 +28,6 @@ CONFIGS = {
 
 
 def _time(fn, iters: int, warmup: int):
-    import torch
-    import torch.distributed as dist
-
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -42,17 +42,12 @@ def _time(fn, iters: int, warmup: int):
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3)  # us
-    t = torch.tensor(times, device="cuda")
-    allt = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(allt, t)
-    per_iter_max = torch.stack(allt).max(0).values
-    return float(per_iter_max.median()), [float(v) for v in per_iter_max.tolist()]
+    per_iter_max = torch.tensor(times, device="cuda")
+    dist.all_reduce(per_iter_max, op=dist.ReduceOp.MAX)
+    return float(per_iter_max.median()), per_iter_max.tolist()
 
 
 def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: int, seed: int) -> dict:
-    import torch
-    import torch.distributed as dist
-
     from megamoe.comm import CommShape, SymmetricHeap, combine, dispatch
     from megamoe.comm.dispatch import pull_rows
     from megamoe.comm.schedule import build_schedule, schedule_buffers
@@ -81,23 +76,13 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
     all_slots = [torch.empty_like(send_slots) for _ in range(W)]
     dist.all_gather(all_slots, send_slots)
     recv_dedup = torch.stack([a[rank] for a in all_dedup])  # from each source
+    recv_slots = torch.stack([a[rank] for a in all_slots])  # combine: expert rank q sends back these rows to me
     disp_remote = int(recv_dedup.sum() - recv_dedup[rank])
     comb_remote = int(send_slots.sum() - send_slots[rank])
     presum_remote = int(send_dedup.sum() - send_dedup[rank])  # presum combine: one row per (token, remote rank)
     remote = torch.tensor([disp_remote, comb_remote, presum_remote], device=dev)
     dist.all_reduce(remote, op=dist.ReduceOp.MAX)
     disp_bytes, comb_bytes, presum_bytes = int(remote[0]) * H * 2, int(remote[1]) * H * 2, int(remote[2]) * H * 2
-
-    # NCCL all_to_all_single on the same rows (buffers and splits prepared before timing)
-    in_split_d = send_dedup.tolist()
-    out_split_d = recv_dedup.tolist()
-    a2a_in_d = torch.randn(sum(in_split_d), H, device=dev).to(torch.bfloat16)
-    a2a_out_d = torch.empty(sum(out_split_d), H, device=dev, dtype=torch.bfloat16)
-    recv_slots = torch.stack([a[rank] for a in all_slots])  # combine: expert rank q sends back these rows to me
-    in_split_c = recv_slots.tolist()  # as the expert rank, I send rows of source s back to s
-    out_split_c = send_slots.tolist()
-    a2a_in_c = torch.randn(sum(in_split_c), H, device=dev).to(torch.bfloat16)
-    a2a_out_c = torch.empty(sum(out_split_c), H, device=dev, dtype=torch.bfloat16)
 
     res = {"config": name, "hidden": H, "num_experts": E, "topk": k, "tokens_per_rank": tokens, "world": W,
            "dispatch_remote_bytes": disp_bytes, "combine_remote_bytes": comb_bytes,
@@ -112,10 +97,15 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
         if rank == 0:
             print(f"{name:14s} {op:14s} sms={str(sms):>4s} {us:9.1f} us {row['GBps']:7.1f} GB/s", flush=True)
 
-    add("nccl_a2a_dispatch", "nccl", lambda: dist.all_to_all_single(a2a_out_d, a2a_in_d, out_split_d, in_split_d),
-        disp_bytes)
-    add("nccl_a2a_combine", "nccl", lambda: dist.all_to_all_single(a2a_out_c, a2a_in_c, out_split_c, in_split_c),
-        comb_bytes)
+    def a2a(send: list[int], recv: list[int]):
+        """NCCL all_to_all_single of send[q] rows to and recv[q] rows from each rank q, buffers made before timing."""
+        a2a_in = torch.randn(sum(send), H, device=dev).to(torch.bfloat16)
+        a2a_out = torch.empty(sum(recv), H, device=dev, dtype=torch.bfloat16)
+        return lambda: dist.all_to_all_single(a2a_out, a2a_in, recv, send)
+
+    add("nccl_a2a_dispatch", "nccl", a2a(send_dedup.tolist(), recv_dedup.tolist()), disp_bytes)
+    # combine: as the expert rank I send rows of source s back to s
+    add("nccl_a2a_combine", "nccl", a2a(recv_slots.tolist(), send_slots.tolist()), comb_bytes)
 
     recv = torch.empty(heap.shape.rows_cap, H, dtype=torch.bfloat16, device=dev)
     rows = heap.rows_buffer()
@@ -177,12 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results here (rank 0)")
     args = p.parse_args(argv)
-
-    import torch
-    import torch.distributed as dist
-
-    from megamoe.dist import init_from_env
-
     init_from_env("cuda")
     sms_list = [int(s) for s in args.sms.split(",")]
     results = []
@@ -199,8 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             "time_definition": "median over iterations of the per-iteration max over ranks, CUDA events, us",
             "results": results,
         }
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out)
         print(f"wrote {args.json}", flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import math
 import os
 import statistics
@@ -29,10 +28,9 @@ import torch.nn.functional as F
 
 from megamoe.apps.data import ByteCorpus
 from megamoe.apps.model import ModelConfig, MoETransformer
-from megamoe.apps.perf import Marks, run_metadata, safe_name
+from megamoe.apps.perf import Marks, run_metadata, run_ranks, safe_name, write_json
 from megamoe.backends import parse_backend
 from megamoe.config import PRESETS, parse_dtype, preset
-from megamoe.dist import init_from_env, rank_device, spawn, under_torchrun
 from megamoe.layer import capture_moe_layers
 from megamoe.optim import MasterAdamW
 
@@ -317,10 +315,8 @@ def run_rank(args, device: torch.device) -> dict | None:
 
 
 def _finish(report: dict, args) -> None:
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "summary.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(path, report)
     bw = max([8] + [len(r["backend"]) for r in report["results"]])
     lines = [f"{'backend':<{bw}} {'tok/s/GPU':>10} {'step ms':>8} {'fwd':>7} {'bwd':>7} {'opt':>7} {'peak GiB':>9} "
              f"{'final loss':>10}"]
@@ -359,33 +355,14 @@ def _finish(report: dict, args) -> None:
     print(f"wrote {os.path.join(args.out, 'loss.png')}")
 
 
-def _spawned(rank, world, args, device_type):
-    dev = rank_device() if device_type == "cuda" else torch.device("cpu")
-    return run_rank(args, dev)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     raw = parser.parse_args(argv)
-    if raw.graph_moe and (raw.cpu or not torch.cuda.is_available()):
-        parser.error("--graph-moe captures CUDA graphs and needs CUDA GPUs")
-    if under_torchrun():
-        device = init_from_env("cpu" if raw.cpu else None)
-        args = _defaults(raw, device.type == "cuda")
-        report = run_rank(args, device)
-        if report is not None:
-            _finish(report, args)
-        dist.destroy_process_group()
-        return 0
     on_gpu = torch.cuda.is_available() and not raw.cpu
-    if raw.deterministic:  # before the spawned ranks start cuBLAS
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if raw.graph_moe and not on_gpu:
+        parser.error("--graph-moe captures CUDA graphs and needs CUDA GPUs")
     args = _defaults(raw, on_gpu)
-    world = args.world or (torch.cuda.device_count() if on_gpu else 2)
-    if not on_gpu:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    preset(args.preset).validate_world(world)
-    reports = spawn(_spawned, world, args, "cuda" if on_gpu else "cpu", device="cuda" if on_gpu else "cpu",
-                    timeout_s=7200)
-    _finish(reports[0], args)
+    report = run_ranks(run_rank, args, on_gpu, lambda world: preset(args.preset).validate_world(world), timeout_s=7200)
+    if report is not None:
+        _finish(report, args)
     return 0
