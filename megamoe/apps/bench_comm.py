@@ -14,6 +14,7 @@ other ranks x H x 2 / time, per rank (the slowest rank's bytes).
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import torch.distributed as dist
@@ -114,35 +115,31 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
     def disp(sms):
         state["recv"], state["h"] = dispatch(x_heap, idx, heap, num_sms=sms, recv=recv)
 
-    def graph_of(fn):
+    def add_graphed(op, sms, fn, nbytes):
+        """Capture ``fn`` in a CUDA graph and time its replays as ``op``."""
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             fn()
-        return g
+        add(op, sms, g.replay, nbytes)
 
     for sms in sms_list:
         disp(sms)
         h = state["h"]
         rows.copy_(recv)  # identity experts, written where combine reads them
-        add("pull", sms, lambda sms=sms, h=h: pull_rows(heap, h.schedule, recv, sms), disp_bytes)
-        add("gather", sms, lambda sms=sms, h=h: combine(rows, w, h, num_sms=sms), comb_bytes)
-        add("dispatch", sms, lambda sms=sms: disp(sms), disp_bytes)
-        add("dispatch+copy", sms, lambda sms=sms: dispatch(x, idx, heap, num_sms=sms, recv=recv), disp_bytes)
-        sb = schedule_buffers(heap)
-        add("schedule", sms, lambda sb=sb: build_schedule(heap, sb), 0)
-        g = graph_of(lambda sms=sms: disp(sms))
-        add("dispatch(graph)", sms, g.replay, disp_bytes)
-        h = state["h"]
-        add("combine", sms, lambda sms=sms, h=h: combine(rows, w, h, num_sms=sms), comb_bytes)
-        g2 = graph_of(lambda sms=sms, h=h: combine(rows, w, h, num_sms=sms))
-        add("combine(graph)", sms, g2.replay, comb_bytes)
+        add("pull", sms, functools.partial(pull_rows, heap, h.schedule, recv, sms), disp_bytes)
+        add("gather", sms, functools.partial(combine, rows, w, h, num_sms=sms), comb_bytes)
+        add("dispatch", sms, functools.partial(disp, sms), disp_bytes)
+        add("dispatch+copy", sms, functools.partial(dispatch, x, idx, heap, num_sms=sms, recv=recv), disp_bytes)
+        add("schedule", sms, functools.partial(build_schedule, heap, schedule_buffers(heap)), 0)
+        add_graphed("dispatch(graph)", sms, functools.partial(disp, sms), disp_bytes)
+        comb = functools.partial(combine, rows, w, state["h"], num_sms=sms)
+        add("combine", sms, comb, comb_bytes)
+        add_graphed("combine(graph)", sms, comb, comb_bytes)
         # pre-summing combine: gates travel with dispatch, expert ranks pre-sum, owner pulls <= W rows
         _, hp = dispatch(x_heap, idx, heap, num_sms=sms, recv=recv, topk_w=w)
-        add("combine_presum", sms, lambda sms=sms, hp=hp: combine(recv, None, hp, num_sms=sms, presum=True),
-            presum_bytes)
-        g3 = graph_of(lambda sms=sms, hp=hp: combine(recv, None, hp, num_sms=sms, presum=True))
-        add("combine_presum(graph)", sms, g3.replay, presum_bytes)
-        del g, g2, g3
+        presum = functools.partial(combine, recv, None, hp, num_sms=sms, presum=True)
+        add("combine_presum", sms, presum, presum_bytes)
+        add_graphed("combine_presum(graph)", sms, presum, presum_bytes)
         disp(sms)
         h = state["h"]
         rows.copy_(recv)  # the pre-summing combine wrote partial sums over the identity rows

@@ -14,9 +14,11 @@ Timing: triton.testing.do_bench, median, after warm-up; every operand is larger 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import math
+import operator
 import sys
 
 import torch
@@ -103,15 +105,9 @@ def _regs(kernel_names: tuple[str, ...]) -> dict:
         return {}
     k = LAST_COMPILED[name]
     out = {"kernel": name}
-    for attr in ("n_regs", "n_spills"):
-        try:
-            out[attr] = int(getattr(k, attr))
-        except Exception:  # noqa: BLE001 - attribute names differ across triton versions
-            pass
-    try:
-        out["shared_bytes"] = int(k.metadata.shared)
-    except Exception:  # noqa: BLE001
-        pass
+    for key, attr in (("n_regs", "n_regs"), ("n_spills", "n_spills"), ("shared_bytes", "metadata.shared")):
+        with contextlib.suppress(Exception):  # attribute names differ across triton versions
+            out[key] = int(operator.attrgetter(attr)(k))
     return out
 
 
