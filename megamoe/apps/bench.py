@@ -127,14 +127,11 @@ def _reference_error(moe, x: torch.Tensor, y: torch.Tensor) -> float:
     W = moe.world
     with torch.no_grad():
         r = moe.router(x)
-        T = torch.tensor([x.shape[0]], device=x.device)
-        Ts = [torch.zeros_like(T) for _ in range(W)]
-        dist.all_gather(Ts, T)
-        Ts = [int(t) for t in torch.cat(Ts).tolist()]
-        Tmax = max(Ts)
+        Ts = [0] * W  # tokens per rank
+        dist.all_gather_object(Ts, x.shape[0])
 
         def gather(t):
-            pad = t.new_zeros((Tmax,) + tuple(t.shape[1:]))
+            pad = t.new_zeros((max(Ts),) + tuple(t.shape[1:]))
             pad[: t.shape[0]] = t
             parts = [torch.empty_like(pad) for _ in range(W)]
             dist.all_gather(parts, pad)
@@ -151,9 +148,7 @@ def _reference_error(moe, x: torch.Tensor, y: torch.Tensor) -> float:
         ref = y_part[lo: lo + x.shape[0]]
         if moe.shared_w13 is not None:  # replicated: every rank adds it for its own tokens
             ref = ref + shared_ref(x.double(), moe.shared_w13, moe.shared_w2, moe.shared_gate)
-        num = (y.double() - ref).norm() ** 2
-        den = ref.norm() ** 2
-        nd = torch.stack([num, den])
+        nd = torch.stack([(y.double() - ref).norm() ** 2, ref.norm() ** 2])
         dist.all_reduce(nd)
         num, den = nd.tolist()
         if not math.isfinite(num):

@@ -126,8 +126,8 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def clip_multipliers(replicated: list[torch.Tensor], local: list[torch.Tensor], max_norm: float, world: int,
-                     group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def clip_multipliers(replicated: list[torch.Tensor], local: list[torch.Tensor], max_norm: float,
+                     world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(global norm, replicated multiplier, expert multiplier) as device scalars: min(1, max_norm / norm) and that
     over W. Replicated grads (DDP-averaged) count once; expert grads are divided by W and their squares summed over
     the ranks. Nothing is scaled here: MasterAdamW.step applies the multipliers."""
@@ -141,14 +141,14 @@ def clip_multipliers(replicated: list[torch.Tensor], local: list[torch.Tensor], 
 
     rep = sq(replicated)
     loc = sq(local)
-    dist.all_reduce(loc, group=group)
+    dist.all_reduce(loc)
     norm = (rep + loc / world**2).sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     return norm, coef, coef / world
 
 
 def train_step(ddp, data: torch.Tensor, opt: MasterAdamW, replicated: list[torch.Tensor], experts: list[torch.Tensor],
-               clip: float, world: int, autocast, marks: Marks | None = None):
+               clip: float, world: int, autocast, marks: Marks):
     """One step on ``data`` int64 [B, S + 1] (inputs [:, :-1], targets [:, 1:]): forward, backward, clip
     multipliers, update, grads cleared. No host reads (tests/test_sync_free_cpu.py checks), so it returns detached
     device tensors (cross-entropy, aux loss, tokens per expert [L, E], grad norm). ``marks``: timing marks after the
@@ -157,16 +157,13 @@ def train_step(ddp, data: torch.Tensor, opt: MasterAdamW, replicated: list[torch
         logits, aux, load = ddp(data[:, :-1])
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), data[:, 1:].reshape(-1))
         loss = ce + aux
-    if marks is not None:
-        marks.mark()
+    marks.mark()
     loss.backward()
-    if marks is not None:
-        marks.mark()
+    marks.mark()
     gnorm, mult_rep, mult_exp = clip_multipliers(replicated, experts, clip, world)
     opt.step([mult_rep, mult_exp])  # the multipliers scale the grads as the update reads them
     opt.zero_grad()
-    if marks is not None:
-        marks.mark()
+    marks.mark()
     return ce.detach(), aux.detach(), load.detach(), gnorm
 
 
