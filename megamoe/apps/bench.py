@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import statistics
@@ -28,10 +27,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megamoe.apps.perf import Marks, ceilings_for, layer_floor_seconds, run_metadata
+from megamoe.apps.perf import Marks, ceilings_for, layer_floor_seconds, run_metadata, run_ranks, write_json
 from megamoe.backends import parse_backend
 from megamoe.config import PRESETS, parse_dtype, preset
-from megamoe.dist import init_from_env, rank_device, spawn, under_torchrun
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,14 +127,11 @@ def _reference_error(moe, x: torch.Tensor, y: torch.Tensor) -> float:
     W = moe.world
     with torch.no_grad():
         r = moe.router(x)
-        T = torch.tensor([x.shape[0]], device=x.device)
-        Ts = [torch.zeros_like(T) for _ in range(W)]
-        dist.all_gather(Ts, T)
-        Ts = [int(t) for t in torch.cat(Ts).tolist()]
-        Tmax = max(Ts)
+        Ts = [0] * W  # tokens per rank
+        dist.all_gather_object(Ts, x.shape[0])
 
         def gather(t):
-            pad = t.new_zeros((Tmax,) + tuple(t.shape[1:]))
+            pad = t.new_zeros((max(Ts),) + tuple(t.shape[1:]))
             pad[: t.shape[0]] = t
             parts = [torch.empty_like(pad) for _ in range(W)]
             dist.all_gather(parts, pad)
@@ -153,9 +148,7 @@ def _reference_error(moe, x: torch.Tensor, y: torch.Tensor) -> float:
         ref = y_part[lo: lo + x.shape[0]]
         if moe.shared_w13 is not None:  # replicated: every rank adds it for its own tokens
             ref = ref + shared_ref(x.double(), moe.shared_w13, moe.shared_w2, moe.shared_gate)
-        num = (y.double() - ref).norm() ** 2
-        den = ref.norm() ** 2
-        nd = torch.stack([num, den])
+        nd = torch.stack([(y.double() - ref).norm() ** 2, ref.norm() ** 2])
         dist.all_reduce(nd)
         num, den = nd.tolist()
         if not math.isfinite(num):
@@ -449,11 +442,6 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _spawned_rank(rank: int, world: int, args: argparse.Namespace, device_type: str):
-    device = rank_device() if device_type == "cuda" else torch.device("cpu")
-    return run_rank(args, device)
-
-
 def _finish(report: dict, args, on_gpu: bool) -> None:
     print(format_table(report))
     path = args.json
@@ -463,34 +451,21 @@ def _finish(report: dict, args, on_gpu: bool) -> None:
                             f"bench-{args.preset}{'' if args.experts is None else f'-E{args.experts}'}-{args.tokens}-"
                             f"{report['config']['world']}gpu-{stamp}.json")
     if path:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(path, report)
         print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
     raw = build_parser().parse_args(argv)
-    if under_torchrun():
-        device = init_from_env("cpu" if raw.cpu else None)
-        on_gpu = device.type == "cuda"
-        args = _defaults(raw, on_gpu)
-        report = run_rank(args, device)
-        if report is not None:
-            _finish(report, args, on_gpu)
-        dist.destroy_process_group()
-        return 0
     on_gpu = torch.cuda.is_available() and not raw.cpu
     args = _defaults(raw, on_gpu)
-    if on_gpu:
-        world = args.world or torch.cuda.device_count()
-        if world > torch.cuda.device_count():
+
+    def check_world(world: int) -> None:
+        if on_gpu and world > torch.cuda.device_count():
             raise SystemExit(f"megamoe bench: --world {world} but only {torch.cuda.device_count()} GPUs")
-    else:
-        world = args.world or 2
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU ranks run the Triton kernels interpreted
-    bench_config(args).validate_world(world)
-    reports = spawn(_spawned_rank, world, args, "cuda" if on_gpu else "cpu",
-                    device="cuda" if on_gpu else "cpu", timeout_s=3600)
-    _finish(reports[0], args, on_gpu)
+        bench_config(args).validate_world(world)
+
+    report = run_ranks(run_rank, args, on_gpu, check_world, timeout_s=3600)
+    if report is not None:
+        _finish(report, args, on_gpu)
     return 0

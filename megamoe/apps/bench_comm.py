@@ -14,9 +14,13 @@ other ranks x H x 2 / time, per rank (the slowest rank's bytes).
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 
-from megamoe.apps.perf import run_metadata
+import torch
+import torch.distributed as dist
+
+from megamoe.apps.perf import run_metadata, write_json
+from megamoe.dist import init_from_env
 
 CONFIGS = {
     "deepseek-v3": dict(hidden=7168, num_experts=256, topk=8),
@@ -25,9 +29,6 @@ CONFIGS = {
 
 
 def _time(fn, iters: int, warmup: int):
-    import torch
-    import torch.distributed as dist
-
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -42,17 +43,12 @@ def _time(fn, iters: int, warmup: int):
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3)  # us
-    t = torch.tensor(times, device="cuda")
-    allt = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(allt, t)
-    per_iter_max = torch.stack(allt).max(0).values
-    return float(per_iter_max.median()), [float(v) for v in per_iter_max.tolist()]
+    per_iter_max = torch.tensor(times, device="cuda")
+    dist.all_reduce(per_iter_max, op=dist.ReduceOp.MAX)
+    return float(per_iter_max.median()), per_iter_max.tolist()
 
 
 def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: int, seed: int) -> dict:
-    import torch
-    import torch.distributed as dist
-
     from megamoe.comm import CommShape, SymmetricHeap, combine, dispatch
     from megamoe.comm.dispatch import pull_rows
     from megamoe.comm.schedule import build_schedule, schedule_buffers
@@ -81,23 +77,13 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
     all_slots = [torch.empty_like(send_slots) for _ in range(W)]
     dist.all_gather(all_slots, send_slots)
     recv_dedup = torch.stack([a[rank] for a in all_dedup])  # from each source
+    recv_slots = torch.stack([a[rank] for a in all_slots])  # combine: expert rank q sends back these rows to me
     disp_remote = int(recv_dedup.sum() - recv_dedup[rank])
     comb_remote = int(send_slots.sum() - send_slots[rank])
     presum_remote = int(send_dedup.sum() - send_dedup[rank])  # presum combine: one row per (token, remote rank)
     remote = torch.tensor([disp_remote, comb_remote, presum_remote], device=dev)
     dist.all_reduce(remote, op=dist.ReduceOp.MAX)
     disp_bytes, comb_bytes, presum_bytes = int(remote[0]) * H * 2, int(remote[1]) * H * 2, int(remote[2]) * H * 2
-
-    # NCCL all_to_all_single on the same rows (buffers and splits prepared before timing)
-    in_split_d = send_dedup.tolist()
-    out_split_d = recv_dedup.tolist()
-    a2a_in_d = torch.randn(sum(in_split_d), H, device=dev).to(torch.bfloat16)
-    a2a_out_d = torch.empty(sum(out_split_d), H, device=dev, dtype=torch.bfloat16)
-    recv_slots = torch.stack([a[rank] for a in all_slots])  # combine: expert rank q sends back these rows to me
-    in_split_c = recv_slots.tolist()  # as the expert rank, I send rows of source s back to s
-    out_split_c = send_slots.tolist()
-    a2a_in_c = torch.randn(sum(in_split_c), H, device=dev).to(torch.bfloat16)
-    a2a_out_c = torch.empty(sum(out_split_c), H, device=dev, dtype=torch.bfloat16)
 
     res = {"config": name, "hidden": H, "num_experts": E, "topk": k, "tokens_per_rank": tokens, "world": W,
            "dispatch_remote_bytes": disp_bytes, "combine_remote_bytes": comb_bytes,
@@ -112,10 +98,15 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
         if rank == 0:
             print(f"{name:14s} {op:14s} sms={str(sms):>4s} {us:9.1f} us {row['GBps']:7.1f} GB/s", flush=True)
 
-    add("nccl_a2a_dispatch", "nccl", lambda: dist.all_to_all_single(a2a_out_d, a2a_in_d, out_split_d, in_split_d),
-        disp_bytes)
-    add("nccl_a2a_combine", "nccl", lambda: dist.all_to_all_single(a2a_out_c, a2a_in_c, out_split_c, in_split_c),
-        comb_bytes)
+    def a2a(send: list[int], recv: list[int]):
+        """NCCL all_to_all_single of send[q] rows to and recv[q] rows from each rank q, buffers made before timing."""
+        a2a_in = torch.randn(sum(send), H, device=dev).to(torch.bfloat16)
+        a2a_out = torch.empty(sum(recv), H, device=dev, dtype=torch.bfloat16)
+        return lambda: dist.all_to_all_single(a2a_out, a2a_in, recv, send)
+
+    add("nccl_a2a_dispatch", "nccl", a2a(send_dedup.tolist(), recv_dedup.tolist()), disp_bytes)
+    # combine: as the expert rank I send rows of source s back to s
+    add("nccl_a2a_combine", "nccl", a2a(recv_slots.tolist(), send_slots.tolist()), comb_bytes)
 
     recv = torch.empty(heap.shape.rows_cap, H, dtype=torch.bfloat16, device=dev)
     rows = heap.rows_buffer()
@@ -124,35 +115,31 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
     def disp(sms):
         state["recv"], state["h"] = dispatch(x_heap, idx, heap, num_sms=sms, recv=recv)
 
-    def graph_of(fn):
+    def add_graphed(op, sms, fn, nbytes):
+        """Capture ``fn`` in a CUDA graph and time its replays as ``op``."""
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             fn()
-        return g
+        add(op, sms, g.replay, nbytes)
 
     for sms in sms_list:
         disp(sms)
         h = state["h"]
         rows.copy_(recv)  # identity experts, written where combine reads them
-        add("pull", sms, lambda sms=sms, h=h: pull_rows(heap, h.schedule, recv, sms), disp_bytes)
-        add("gather", sms, lambda sms=sms, h=h: combine(rows, w, h, num_sms=sms), comb_bytes)
-        add("dispatch", sms, lambda sms=sms: disp(sms), disp_bytes)
-        add("dispatch+copy", sms, lambda sms=sms: dispatch(x, idx, heap, num_sms=sms, recv=recv), disp_bytes)
-        sb = schedule_buffers(heap)
-        add("schedule", sms, lambda sb=sb: build_schedule(heap, sb), 0)
-        g = graph_of(lambda sms=sms: disp(sms))
-        add("dispatch(graph)", sms, g.replay, disp_bytes)
-        h = state["h"]
-        add("combine", sms, lambda sms=sms, h=h: combine(rows, w, h, num_sms=sms), comb_bytes)
-        g2 = graph_of(lambda sms=sms, h=h: combine(rows, w, h, num_sms=sms))
-        add("combine(graph)", sms, g2.replay, comb_bytes)
+        add("pull", sms, functools.partial(pull_rows, heap, h.schedule, recv, sms), disp_bytes)
+        add("gather", sms, functools.partial(combine, rows, w, h, num_sms=sms), comb_bytes)
+        add("dispatch", sms, functools.partial(disp, sms), disp_bytes)
+        add("dispatch+copy", sms, functools.partial(dispatch, x, idx, heap, num_sms=sms, recv=recv), disp_bytes)
+        add("schedule", sms, functools.partial(build_schedule, heap, schedule_buffers(heap)), 0)
+        add_graphed("dispatch(graph)", sms, functools.partial(disp, sms), disp_bytes)
+        comb = functools.partial(combine, rows, w, state["h"], num_sms=sms)
+        add("combine", sms, comb, comb_bytes)
+        add_graphed("combine(graph)", sms, comb, comb_bytes)
         # pre-summing combine: gates travel with dispatch, expert ranks pre-sum, owner pulls <= W rows
         _, hp = dispatch(x_heap, idx, heap, num_sms=sms, recv=recv, topk_w=w)
-        add("combine_presum", sms, lambda sms=sms, hp=hp: combine(recv, None, hp, num_sms=sms, presum=True),
-            presum_bytes)
-        g3 = graph_of(lambda sms=sms, hp=hp: combine(recv, None, hp, num_sms=sms, presum=True))
-        add("combine_presum(graph)", sms, g3.replay, presum_bytes)
-        del g, g2, g3
+        presum = functools.partial(combine, recv, None, hp, num_sms=sms, presum=True)
+        add("combine_presum", sms, presum, presum_bytes)
+        add_graphed("combine_presum(graph)", sms, presum, presum_bytes)
         disp(sms)
         h = state["h"]
         rows.copy_(recv)  # the pre-summing combine wrote partial sums over the identity rows
@@ -177,12 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results here (rank 0)")
     args = p.parse_args(argv)
-
-    import torch
-    import torch.distributed as dist
-
-    from megamoe.dist import init_from_env
-
     init_from_env("cuda")
     sms_list = [int(s) for s in args.sms.split(",")]
     results = []
@@ -199,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             "time_definition": "median over iterations of the per-iteration max over ranks, CUDA events, us",
             "results": results,
         }
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out)
         print(f"wrote {args.json}", flush=True)
     dist.barrier()
     dist.destroy_process_group()

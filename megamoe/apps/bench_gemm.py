@@ -14,15 +14,16 @@ Timing: triton.testing.do_bench, median, after warm-up; every operand is larger 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
-import json
+import functools
 import math
-import os
+import operator
 import sys
 
 import torch
 
-from megamoe.apps.perf import git_commit
+from megamoe.apps.perf import git_commit, write_json
 from megamoe.config import PRESETS as CONFIGS
 
 #: name -> (H, I, E, k) of megamoe.config's preset
@@ -104,26 +105,20 @@ def _regs(kernel_names: tuple[str, ...]) -> dict:
         return {}
     k = LAST_COMPILED[name]
     out = {"kernel": name}
-    for attr in ("n_regs", "n_spills"):
-        try:
-            out[attr] = int(getattr(k, attr))
-        except Exception:  # noqa: BLE001 - attribute names differ across triton versions
-            pass
-    try:
-        out["shared_bytes"] = int(k.metadata.shared)
-    except Exception:  # noqa: BLE001
-        pass
+    for key, attr in (("n_regs", "n_regs"), ("n_spills", "n_spills"), ("shared_bytes", "metadata.shared")):
+        with contextlib.suppress(Exception):  # attribute names differ across triton versions
+            out[key] = int(operator.attrgetter(attr)(k))
     return out
 
 
-def _time_ours(make_call, configs, kernel_names, rep_ms):
-    """Time one of our ops with each config (None: the default); returns the rows."""
+def _time_ours(call, configs, kernel_names, rep_ms):
+    """Time ``call(config)``, one of our ops, with each config (None: the default); returns the rows."""
     from megamoe.kernels.gemm_config import LAST_COMPILED
 
     results = []
     for cfg in configs:
         try:
-            fn = make_call(cfg)
+            fn = functools.partial(call, cfg)
             for n in kernel_names:
                 LAST_COMPILED.pop(n, None)
             fn()
@@ -162,7 +157,9 @@ def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[
     by1 = 2 * (R * H + E_l * 2 * I * H + R * I + R * 2 * I)
     by2 = 2 * (R * I + E_l * H * I + R * H)
 
-    def add(op, dtype, flops, nbytes, ours, torch_ms=None, torch_err=None, extra=None):
+    def add(op, dtype, flops, nbytes, key, kernels, call, torch_ms=None, torch_err=None, extra=None):
+        """Time ``call(config)`` over ``candidates(key)`` and add op's row (torch's time measured before)."""
+        ours = _time_ours(call, configs(key), kernels, args.rep)
         best = min((r for r in ours if "ms" in r), key=lambda r: r["ms"], default={})
         floor = max(flops / PEAK[dtype], nbytes / HBM) * 1e3
         row = dict(base, op=op, dtype=dtype, flops=flops, bytes=nbytes, floor_ms=floor, ours_ms=best.get("ms"),
@@ -176,17 +173,15 @@ def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[
     act, h = X.gemm1_swiglu(x, w13, offs)
     extra = {}
     t, err = _torch_time(x, w13, ends, args.rep, extra, check=lambda h_t: {"rel_err_h_vs_torch": _rel(h, h_t)})
-    ours = _time_ours(lambda c: (lambda: X.gemm1_swiglu(x, w13, offs, out=act, h_out=h, config=c)),
-                      configs("gemm1"), BF16_KERNELS, args.rep)
-    add("gemm1_swiglu", "bf16", fl1, by1, ours, t, err, extra)
+    add("gemm1_swiglu", "bf16", fl1, by1, "gemm1", BF16_KERNELS,
+        lambda c: X.gemm1_swiglu(x, w13, offs, out=act, h_out=h, config=c), t, err, extra)
 
     out = X.gemm2(act, w2, offs, scale=s)
     extra = {}
     t, err = _torch_time(act, w2, ends, args.rep, extra,
                          check=lambda o_t: {"rel_err_vs_torch": _rel(out, o_t * s[:, None])})
-    ours = _time_ours(lambda c: (lambda: X.gemm2(act, w2, offs, scale=s, out=out, config=c)), configs("gemm2"),
-                      BF16_KERNELS, args.rep)
-    add("gemm2", "bf16", fl2, by2, ours, t, err, extra)
+    add("gemm2", "bf16", fl2, by2, "gemm2", BF16_KERNELS,
+        lambda c: X.gemm2(act, w2, offs, scale=s, out=out, config=c), t, err, extra)
 
     # ---------------------------------------------------------------- fp8 forward
     if not args.no_fp8:
@@ -198,35 +193,29 @@ def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[
         extra = {"rel_err_h_vs_bf16": _rel(h8, h), "rel_err_act_vs_bf16": _rel(a8, act)}
         t, err = _torch_time(x, w13, ends, args.rep, extra, fp8=True,
                              check=lambda h_t: {"torch_rowwise_rel_err_h_vs_bf16": _rel(h_t, h)})
-        ours = _time_ours(lambda c: (lambda: X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs, config=c)),
-                          configs("gemm1_fp8"), FP8_KERNELS, args.rep)
-        add("gemm1_swiglu", "fp8", fl1, by1 // 2, ours, t, err, extra)
+        add("gemm1_swiglu", "fp8", fl1, by1 // 2, "gemm1_fp8", FP8_KERNELS,
+            lambda c: X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs, config=c), t, err, extra)
         del a8, h8
         o8 = X.gemm2_fp8(aq, as_, w2q, w2s, offs, scale=s)
         extra = {"rel_err_vs_bf16": _rel(o8, out)}
         t, err = _torch_time(act, w2, ends, args.rep, extra, fp8=True)
-        ours = _time_ours(lambda c: (lambda: X.gemm2_fp8(aq, as_, w2q, w2s, offs, scale=s, config=c)),
-                          configs("gemm2_fp8"), FP8_KERNELS, args.rep)
-        add("gemm2", "fp8", fl2, by2 // 2, ours, t, err, extra)
+        add("gemm2", "fp8", fl2, by2 // 2, "gemm2_fp8", FP8_KERNELS,
+            lambda c: X.gemm2_fp8(aq, as_, w2q, w2s, offs, scale=s, config=c), t, err, extra)
         del xq, w13q, aq, w2q, o8
 
     # ---------------------------------------------------------------- bf16 backward (ours only)
     if not args.no_bwd:
         dy = torch.randn(R, H, device=dev, dtype=torch.bfloat16)
         dh, _ = X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s)
-        ours = _time_ours(lambda c: (lambda: X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s, out=dh, config=c)),
-                          configs("dgrad2"), BF16_KERNELS, args.rep)
-        add("dgrad2_swiglu", "bf16", fl2, 2 * (R * H + E_l * H * I + 3 * R * 2 * I), ours)
+        add("dgrad2_swiglu", "bf16", fl2, 2 * (R * H + E_l * H * I + 3 * R * 2 * I), "dgrad2", BF16_KERNELS,
+            lambda c: X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s, out=dh, config=c))
         dx = torch.empty_like(x)
-        ours = _time_ours(lambda c: (lambda: X.gemm1_dgrad(dh, w13, offs, out=dx, config=c)), configs("dgrad1"),
-                          DGRAD1_KERNELS, args.rep)
-        add("dgrad1", "bf16", fl1, 2 * (R * 2 * I + E_l * 2 * I * H + R * H), ours)
-        ours = _time_ours(lambda c: (lambda: X.grouped_wgrad(dh, x, offs, out_dtype=torch.bfloat16, config=c)),
-                          configs("wgrad1"), WGRAD_KERNELS, args.rep)
-        add("wgrad1", "bf16", fl1, 2 * (R * 2 * I + R * H + E_l * 2 * I * H), ours)
-        ours = _time_ours(lambda c: (lambda: X.grouped_wgrad(dy, act, offs, out_dtype=torch.bfloat16, config=c)),
-                          configs("wgrad2"), WGRAD_KERNELS, args.rep)
-        add("wgrad2", "bf16", fl2, 2 * (R * H + R * I + E_l * H * I), ours)
+        add("dgrad1", "bf16", fl1, 2 * (R * 2 * I + E_l * 2 * I * H + R * H), "dgrad1", DGRAD1_KERNELS,
+            lambda c: X.gemm1_dgrad(dh, w13, offs, out=dx, config=c))
+        add("wgrad1", "bf16", fl1, 2 * (R * 2 * I + R * H + E_l * 2 * I * H), "wgrad1", WGRAD_KERNELS,
+            lambda c: X.grouped_wgrad(dh, x, offs, out_dtype=torch.bfloat16, config=c))
+        add("wgrad2", "bf16", fl2, 2 * (R * H + R * I + E_l * H * I), "wgrad2", WGRAD_KERNELS,
+            lambda c: X.grouped_wgrad(dy, act, offs, out_dtype=torch.bfloat16, config=c))
     return rows
 
 
@@ -284,10 +273,9 @@ def main(argv: list[str] | None = None, candidates=None) -> int:
             rows.extend(new)
             print_table(new)
             sys.stdout.flush()
-            _write(args, rows)
+            _write(args, rows)  # after every shape: a long run's partial results survive
     print("\n== all shapes ==")
     print_table(rows)
-    _write(args, rows)
     return 0
 
 
@@ -303,9 +291,7 @@ def _write(args, rows) -> None:
             "config": {k: v for k, v in vars(args).items() if k != "json"},
             "ceilings": {"bf16_tflops": 790, "fp8_tflops": 1345, "hbm_tbps": 4.3},
         }
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        write_json(args.json, {"meta": meta, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -31,14 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in COMMANDS:
         print(f"megamoe: unknown command {cmd!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = COMMANDS[cmd][0]
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name == module:
-            print(f"megamoe {cmd}: not built in this version of megamoe", file=sys.stderr)
-            return 2
-        raise
+    mod = importlib.import_module(COMMANDS[cmd][0])
     try:
         return int(mod.main(rest) or 0)
     except ValueError as exc:  # configuration errors: say what is wrong, no traceback

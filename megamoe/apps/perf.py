@@ -1,4 +1,4 @@
-"""Measured ceilings, flop/byte formulas and run metadata shared by the benchmarks.
+"""Measured ceilings, flop/byte formulas, run metadata and the rank launcher shared by the benchmarks and train.
 
 Ceilings are measured, not datasheet figures (docs/performance.md, section 1); a GPU without an entry gets no floor.
 Per rank, ``rows`` = (token, expert) pairs its experts process:
@@ -11,6 +11,7 @@ Per rank, ``rows`` = (token, expert) pairs its experts process:
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import re
@@ -19,8 +20,10 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed as dist
 
 from megamoe.config import MoEConfig
+from megamoe.dist import init_from_env, rank_device, spawn, under_torchrun
 
 
 @dataclass(frozen=True)
@@ -180,15 +183,37 @@ def run_metadata(device: torch.device, world: int) -> dict:
     return meta
 
 
+def write_json(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+
+
 def write_results(path: str | None, device: torch.device, what: str, rows: list) -> None:
     """A one-GPU benchmark script's JSON: {"meta": run_metadata, "what": its first docstring line, "results"}
     (nothing when path is None)."""
     if path:
-        import json
+        write_json(path, {"meta": run_metadata(device, 1), "what": what.strip().split("\n")[0], "results": rows})
 
-        with open(path, "w") as f:
-            json.dump({"meta": run_metadata(device, 1), "what": what.strip().split("\n")[0], "results": rows}, f,
-                      indent=1)
+
+def _spawned_rank(rank: int, world: int, run_rank, args, on_gpu: bool):
+    return run_rank(args, rank_device() if on_gpu else torch.device("cpu"))
+
+
+def run_ranks(run_rank, args, on_gpu: bool, check_world, timeout_s: float):
+    """Rank 0's ``run_rank(args, device)`` (other ranks return None): under torchrun in its group; otherwise on
+    ``args.world`` spawned ranks (default: one per GPU, or 2 gloo CPU ranks running the Triton kernels interpreted),
+    ``check_world(world)`` raising first where that world size cannot run."""
+    if under_torchrun():
+        report = run_rank(args, init_from_env("cuda" if on_gpu else "cpu"))
+        dist.destroy_process_group()
+        return report
+    world = args.world or (torch.cuda.device_count() if on_gpu else 2)
+    check_world(world)
+    if not on_gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return spawn(_spawned_rank, world, run_rank, args, on_gpu, device="cuda" if on_gpu else "cpu",
+                 timeout_s=timeout_s)[0]
 
 
 def safe_name(spec: str) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import math
 import os
 import statistics
@@ -29,10 +28,9 @@ import torch.nn.functional as F
 
 from megamoe.apps.data import ByteCorpus
 from megamoe.apps.model import ModelConfig, MoETransformer
-from megamoe.apps.perf import Marks, run_metadata, safe_name
+from megamoe.apps.perf import Marks, run_metadata, run_ranks, safe_name, write_json
 from megamoe.backends import parse_backend
 from megamoe.config import PRESETS, parse_dtype, preset
-from megamoe.dist import init_from_env, rank_device, spawn, under_torchrun
 from megamoe.layer import capture_moe_layers
 from megamoe.optim import MasterAdamW
 
@@ -128,8 +126,8 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def clip_multipliers(replicated: list[torch.Tensor], local: list[torch.Tensor], max_norm: float, world: int,
-                     group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def clip_multipliers(replicated: list[torch.Tensor], local: list[torch.Tensor], max_norm: float,
+                     world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(global norm, replicated multiplier, expert multiplier) as device scalars: min(1, max_norm / norm) and that
     over W. Replicated grads (DDP-averaged) count once; expert grads are divided by W and their squares summed over
     the ranks. Nothing is scaled here: MasterAdamW.step applies the multipliers."""
@@ -143,14 +141,14 @@ def clip_multipliers(replicated: list[torch.Tensor], local: list[torch.Tensor], 
 
     rep = sq(replicated)
     loc = sq(local)
-    dist.all_reduce(loc, group=group)
+    dist.all_reduce(loc)
     norm = (rep + loc / world**2).sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     return norm, coef, coef / world
 
 
 def train_step(ddp, data: torch.Tensor, opt: MasterAdamW, replicated: list[torch.Tensor], experts: list[torch.Tensor],
-               clip: float, world: int, autocast, marks: Marks | None = None):
+               clip: float, world: int, autocast, marks: Marks):
     """One step on ``data`` int64 [B, S + 1] (inputs [:, :-1], targets [:, 1:]): forward, backward, clip
     multipliers, update, grads cleared. No host reads (tests/test_sync_free_cpu.py checks), so it returns detached
     device tensors (cross-entropy, aux loss, tokens per expert [L, E], grad norm). ``marks``: timing marks after the
@@ -159,16 +157,13 @@ def train_step(ddp, data: torch.Tensor, opt: MasterAdamW, replicated: list[torch
         logits, aux, load = ddp(data[:, :-1])
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), data[:, 1:].reshape(-1))
         loss = ce + aux
-    if marks is not None:
-        marks.mark()
+    marks.mark()
     loss.backward()
-    if marks is not None:
-        marks.mark()
+    marks.mark()
     gnorm, mult_rep, mult_exp = clip_multipliers(replicated, experts, clip, world)
     opt.step([mult_rep, mult_exp])  # the multipliers scale the grads as the update reads them
     opt.zero_grad()
-    if marks is not None:
-        marks.mark()
+    marks.mark()
     return ce.detach(), aux.detach(), load.detach(), gnorm
 
 
@@ -317,10 +312,8 @@ def run_rank(args, device: torch.device) -> dict | None:
 
 
 def _finish(report: dict, args) -> None:
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "summary.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(path, report)
     bw = max([8] + [len(r["backend"]) for r in report["results"]])
     lines = [f"{'backend':<{bw}} {'tok/s/GPU':>10} {'step ms':>8} {'fwd':>7} {'bwd':>7} {'opt':>7} {'peak GiB':>9} "
              f"{'final loss':>10}"]
@@ -359,33 +352,14 @@ def _finish(report: dict, args) -> None:
     print(f"wrote {os.path.join(args.out, 'loss.png')}")
 
 
-def _spawned(rank, world, args, device_type):
-    dev = rank_device() if device_type == "cuda" else torch.device("cpu")
-    return run_rank(args, dev)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     raw = parser.parse_args(argv)
-    if raw.graph_moe and (raw.cpu or not torch.cuda.is_available()):
-        parser.error("--graph-moe captures CUDA graphs and needs CUDA GPUs")
-    if under_torchrun():
-        device = init_from_env("cpu" if raw.cpu else None)
-        args = _defaults(raw, device.type == "cuda")
-        report = run_rank(args, device)
-        if report is not None:
-            _finish(report, args)
-        dist.destroy_process_group()
-        return 0
     on_gpu = torch.cuda.is_available() and not raw.cpu
-    if raw.deterministic:  # before the spawned ranks start cuBLAS
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if raw.graph_moe and not on_gpu:
+        parser.error("--graph-moe captures CUDA graphs and needs CUDA GPUs")
     args = _defaults(raw, on_gpu)
-    world = args.world or (torch.cuda.device_count() if on_gpu else 2)
-    if not on_gpu:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    preset(args.preset).validate_world(world)
-    reports = spawn(_spawned, world, args, "cuda" if on_gpu else "cpu", device="cuda" if on_gpu else "cpu",
-                    timeout_s=7200)
-    _finish(reports[0], args)
+    report = run_ranks(run_rank, args, on_gpu, lambda world: preset(args.preset).validate_world(world), timeout_s=7200)
+    if report is not None:
+        _finish(report, args)
     return 0
