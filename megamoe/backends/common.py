@@ -52,8 +52,8 @@ POISON_PADDING = False
 
 def heap_rows(heap, shape, dtype) -> torch.Tensor | None:
     """The first rows of ``heap.rows_buffer()`` if they fit this shape and dtype and no peer may still read them
-    (``heap.rows_busy``), else None. A GEMM writing there (GEMM2, GEMM1's dgrad) saves combine's / dispatch_backward's staging copy; why that is
-    safe: comm/signals.py, "What each wait guards"."""
+    (``heap.rows_busy``), else None. A GEMM writing there (GEMM2, GEMM1's dgrad) saves combine's /
+    dispatch_backward's staging copy; why that is safe: comm/signals.py, "What each wait guards"."""
     rb = heap.rows_buffer()
     fits = shape[0] <= rb.shape[0] and tuple(shape[1:]) == tuple(rb.shape[1:]) and rb.dtype == dtype
     return rb[:shape[0]] if fits and not heap.rows_busy else None

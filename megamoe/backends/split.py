@@ -10,8 +10,9 @@ R_cap = W * T_max * min(k, E_l) receive rows (worst case), offs int32 [E_l + 1] 
     backward: backends/common.py
 
 The host knows every size (T, R_cap) before the call and group sizes stay on the device: no sync, graph-capturable.
-R_cap is the worst case (bytes: :meth:`SplitBackend.workspace_bytes`); one rank sizes its rows by the call (T * k). Layers of one shape share one heap
-(docs/design.md, "The communication protocol"): every rank makes their calls in the same order.
+R_cap is the worst case (bytes: :meth:`SplitBackend.workspace_bytes`); one rank sizes its rows by the call (T * k).
+Layers of one shape share one heap (docs/design.md, "The communication protocol"): every rank makes their calls in
+the same order.
 
 Options (measurements in docs/performance.md):
 
