@@ -6,7 +6,7 @@ Shapes: T tokens, H hidden, E experts, k top-k.
 * sigmoid: s = sigmoid(x @ W^T); idx = top-k(s + bias); g = s[idx]; then as softmax. ``bias`` is a buffer
   (DeepSeek-V3's auxiliary-loss-free balancing), not trained by autograd: it moves the choice, never the gates.
 * group-limited (``n_group`` > 1, DeepSeek-V3): the top-k runs only over the experts of the token's ``topk_group``
-  groups with the highest sum of their two best selection scores (p, or s + bias); always on the torch path.
+  groups with the highest sum of their two best selection scores (p, or s + bias).
 
 aux = coef * E * sum_e f_e * P_e per rank (Switch Transformer), f_e = (tokens routed to e) / (T k), P_e the mean
 router probability of e (sigmoid: s normalised over experts); 0 for an empty batch.
@@ -87,8 +87,6 @@ def route(x: torch.Tensor, weight: torch.Tensor, config: MoEConfig, bias: torch.
 
 def _use_triton(impl: str, x: torch.Tensor, cdt: torch.dtype, config: MoEConfig) -> bool:
     if impl == "triton":
-        if config.n_group > 1:
-            raise ValueError("router impl 'triton' has no group-limited routing (n_group > 1); use 'torch' or 'auto'")
         if cdt != torch.float32:
             raise ValueError("router impl 'triton' computes in float32; float64 input needs impl 'torch' or 'auto'")
         if not x.is_cuda:
@@ -97,7 +95,7 @@ def _use_triton(impl: str, x: torch.Tensor, cdt: torch.dtype, config: MoEConfig)
             if not interpreting():
                 raise ValueError("router impl 'triton' on CPU needs TRITON_INTERPRET=1 (the Triton interpreter)")
         return True
-    return impl == "auto" and config.n_group == 1 and x.is_cuda and cdt == torch.float32
+    return impl == "auto" and x.is_cuda and cdt == torch.float32
 
 
 def _route(x, weight, config, bias, logit_offset, impl) -> RouterOutput:
@@ -111,7 +109,8 @@ def _route(x, weight, config, bias, logit_offset, impl) -> RouterOutput:
         from megamoe.kernels.router_topk import RouteTopk
 
         idx, gates, aux, counts = RouteTopk.apply(
-            logits, bias, k, config.router == "sigmoid", config.norm_topk, config.route_scale, config.aux_loss_coef)
+            logits, bias, k, config.router == "sigmoid", config.norm_topk, config.route_scale, config.aux_loss_coef,
+            config.n_group, config.topk_group)
         return RouterOutput(idx, gates, aux, counts, logits)
     if config.router == "softmax":
         probs = torch.softmax(logits, dim=-1)

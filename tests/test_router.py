@@ -20,13 +20,15 @@ CUDA = torch.cuda.is_available()
 DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="the interpreter case; -m gpu covers CUDA")),
            pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")])]
 
-# (router, E, k, T, norm_topk, route_scale, aux_loss_coef, bias)
+# (router, E, k, T, norm_topk, route_scale, aux_loss_coef, bias, n_group, topk_group)
 CASES = [
-    ("softmax", 128, 8, 70, True, 1.0, 1e-2, False),   # qwen3's routing; 70 tokens: a partial last block
-    ("sigmoid", 256, 8, 37, True, 2.5, 1e-2, True),    # deepseek-v3's, with the selection bias
-    ("softmax", 12, 1, 33, True, 1.0, 1e-2, False),    # k = 1, E not a power of two
-    ("softmax", 8, 2, 5, False, 1.0, 0.0, False),      # no normalisation, aux loss off
-    ("sigmoid", 20, 3, 50, False, 1.5, 0.1, False),    # sigmoid without bias or normalisation
+    ("softmax", 128, 8, 70, True, 1.0, 1e-2, False, 1, 1),   # qwen3's routing; 70 tokens: a partial last block
+    ("sigmoid", 256, 8, 37, True, 2.5, 1e-2, True, 1, 1),    # deepseek-v3's, with the selection bias
+    ("sigmoid", 256, 8, 37, True, 2.5, 1e-2, True, 8, 4),    # and its group-limited routing
+    ("softmax", 24, 4, 29, True, 1.0, 1e-2, False, 3, 2),    # groups: 3 (not a power of two) of 8 experts
+    ("softmax", 12, 1, 33, True, 1.0, 1e-2, False, 1, 1),    # k = 1, E not a power of two
+    ("softmax", 8, 2, 5, False, 1.0, 0.0, False, 1, 1),      # no normalisation, aux loss off
+    ("sigmoid", 20, 3, 50, False, 1.5, 0.1, False, 1, 1),    # sigmoid without bias or normalisation
 ]
 
 
@@ -50,12 +52,13 @@ def _run(cfg, x, w, bias, impl, dg_seed=1):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-E{c[1]}-k{c[2]}-T{c[3]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-E{c[1]}-k{c[2]}-T{c[3]}-G{c[8]}")
 def test_triton_router_matches_torch(device, case):
-    router, E, k, T, norm, scale, coef, use_bias = case
+    router, E, k, T, norm, scale, coef, use_bias, n_group, topk_group = case
     H = 64
     cfg = preset("tiny", dtype=torch.float32).replace(
-        num_experts=E, top_k=k, router=router, norm_topk=norm, route_scale=scale, aux_loss_coef=coef)
+        num_experts=E, top_k=k, router=router, norm_topk=norm, route_scale=scale, aux_loss_coef=coef, n_group=n_group,
+        topk_group=topk_group)
     x, w, b, _ = _inputs(E, T, H, device)
     bias = b if use_bias else None
     rt, dxt, dwt = _run(cfg, x, w, bias, "torch")

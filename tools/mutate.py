@@ -56,6 +56,7 @@ FUSED_W1 = ("tests/test_fused_backend.py::test_fused_matches_reference_cpu[1]",)
 SYNC = ("tests/test_sync_free_cpu.py", "-k", "reads_nothing and split")
 FAILSTOP = ("tests/test_failstop.py", "-k", "survivor_raises")
 HF = ("tests/test_hf.py", "-k", "test_model_loss_and_gradients")
+ROUTER_KERNEL = ("tests/test_router.py", "-k", "matches_torch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +175,14 @@ MUTATIONS = [
         "group_score = choice.view(T, G, E // G).topk(2, dim=-1).values.sum(-1)",
         "group_score = choice.view(T, G, E // G).topk(1, dim=-1).values.sum(-1)",
         LAYER,
+    ),
+    Mutation(
+        "router-kernel-group-top1",
+        "the Triton router scores a group by twice its best expert instead of the sum of its two best",
+        "megamoe/kernels/router_topk.py",
+        "gsc = tl.where(gcols[None, :] == g, (m1 + m2)[:, None], gsc)",
+        "gsc = tl.where(gcols[None, :] == g, (m1 + m1)[:, None], gsc)",
+        ROUTER_KERNEL,
     ),
     Mutation(
         "shared-gate-no-sigmoid",

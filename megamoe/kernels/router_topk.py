@@ -2,8 +2,9 @@
 T tokens, E experts, k top-k.
 
 Forward, from float32 logits [T, E]: ``_route_fwd_kernel`` (CHUNKS x BLOCK_T tokens per program, each token's E
-logits in registers): softmax (or sigmoid and the biased choice), top-k by k rounds of arg-max (ties to the lowest
-id, NaN as +inf, as torch.topk), the gates; each program adds its picks per expert and the column sums of the
+logits in registers): softmax (or sigmoid and the biased choice), with n_group > 1 only the experts of the token's
+topk_group best groups as candidates (DeepSeek-V3), top-k by k rounds of arg-max (ties to the lowest id, NaN as +inf,
+as torch.topk), the gates; each program adds its picks per expert and the column sums of the
 balance loss's density (softmax: p; sigmoid: s / sum(s)) into two int64 [E] vectors with integer atomics, the density
 in fixed point: integer sums are order-free, so results are bitwise reproducible (float atomics would not be).
 ``_route_finish_kernel``: the aux loss from the two vectors. Backward: ``_route_bwd_kernel`` recomputes p (or s) and
@@ -43,6 +44,27 @@ def _load_scores(logits_ptr, rows, cols, T, E, SIGMOID: tl.constexpr):
 
 
 @triton.jit
+def _kept_groups(choice, cols, EG, G: tl.constexpr, GP: tl.constexpr, TOPK_G: tl.constexpr):
+    """[BLOCK_T, BLOCK_E] whether expert (column) e is in one of the token's TOPK_G best groups of EG consecutive
+    experts; a group scores the sum of its two best choices, ties to the lower group (router.limit_groups)."""
+    grp = cols // EG
+    gcols = tl.arange(0, GP)
+    gsc = tl.full([choice.shape[0], GP], -float("inf"), tl.float32)
+    for g in tl.static_range(G):
+        x = tl.where((grp == g)[None, :], choice, -float("inf"))
+        m1 = tl.max(x, 1)
+        top = x == m1[:, None]
+        m2 = tl.where(tl.sum(top.to(tl.int32), 1) >= 2, m1, tl.max(tl.where(top, -float("inf"), x), 1))
+        gsc = tl.where(gcols[None, :] == g, (m1 + m2)[:, None], gsc)
+    a = gsc[:, :, None]  # group g (axis 1) against g' (axis 2): the groups ranked above g
+    b = gsc[:, None, :]
+    above = (b > a) | ((b == a) & (gcols[None, None, :] < gcols[None, :, None]))
+    keep = (tl.sum(above.to(tl.int32), 2) < TOPK_G) & (gcols < G)[None, :]  # [BLOCK_T, GP]
+    mine = grp[None, None, :] == gcols[None, :, None]  # [1, GP, BLOCK_E]
+    return tl.sum((mine & keep[:, :, None]).to(tl.int32), 1) > 0
+
+
+@triton.jit
 def _route_fwd_kernel(
     logits_ptr,  # float32 [T, E] contiguous
     bias_ptr,    # float32 [E] (HAS_BIAS)
@@ -53,6 +75,7 @@ def _route_fwd_kernel(
     T, E, scale,
     K: tl.constexpr, KP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHUNKS: tl.constexpr, DEN_ONE: tl.constexpr,
+    G: tl.constexpr = 1, GP: tl.constexpr = 1, TOPK_G: tl.constexpr = 1,
 ):
     GATE_IS_CHOICE: tl.constexpr = not SIGMOID and not HAS_BIAS
     pid = tl.program_id(0)
@@ -77,6 +100,8 @@ def _route_fwd_kernel(
         key = (mono.to(tl.int64) << 32) + (BLOCK_E - 1 - cols)[None, :].to(tl.int64)
         gone = tl.full([BLOCK_T, BLOCK_E], -2147483648, tl.int64) << 32  # below the key of -inf
         key = tl.where(cmask2, key, gone)
+        if G > 1:  # outside the token's TOPK_G best groups: above taken, below every candidate
+            key = tl.where(_kept_groups(choice, cols, E // G, G, GP, TOPK_G), key, gone + 1)
         g2 = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
         i2 = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
         for j in tl.static_range(K):
@@ -205,10 +230,12 @@ def _blocks(E: int, K: int) -> tuple[int, int, int, int, int]:
 
 class RouteTopk(torch.autograd.Function):
     """(logits [T, E] float32, bias [E] or None) -> (topk_idx int64 [T, k], gates float32 [T, k], aux 0-d,
-    tokens_per_expert int64 [E]); gradients flow to the logits from the gates and the aux loss. T > 0."""
+    tokens_per_expert int64 [E]); gradients flow to the logits from the gates and the aux loss. T > 0. With
+    n_group > 1 each token picks among the experts of its topk_group best groups (router.limit_groups)."""
 
     @staticmethod
-    def forward(ctx, logits, bias, k: int, sigmoid: bool, norm: bool, scale: float, coef: float):
+    def forward(ctx, logits, bias, k: int, sigmoid: bool, norm: bool, scale: float, coef: float, n_group: int,
+                topk_group: int):
         logits = logits.contiguous()
         T, E = logits.shape
         if T >= 2**31:  # the fixed-point density sums (T * 2^32) and the kernels' int32 row numbers
@@ -226,7 +253,8 @@ class RouteTopk(torch.autograd.Function):
         _route_fwd_kernel[(triton.cdiv(T, block_t * chunks),)](
             logits, b, idx, gates, counts, denfx, T, E, float(scale),
             K=k, KP=kp, SIGMOID=sigmoid, HAS_BIAS=has_bias, NORM=norm, BLOCK_T=block_t, BLOCK_E=block_e,
-            CHUNKS=chunks, DEN_ONE=DEN_ONE, num_warps=warps,
+            CHUNKS=chunks, DEN_ONE=DEN_ONE, G=n_group, GP=triton.next_power_of_2(n_group), TOPK_G=topk_group,
+            num_warps=warps,
         )
         aux = torch.empty(1, dtype=torch.float32, device=dev)
         coef_e = float(coef) * E
@@ -254,4 +282,4 @@ class RouteTopk(torch.autograd.Function):
             K=k, KP=kp, SIGMOID=sigmoid, NORM=norm, HAS_DG=has_dg, HAS_DAUX=has_daux,
             BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps,
         )
-        return dlogits, None, None, None, None, None, None
+        return dlogits, None, None, None, None, None, None, None, None

@@ -423,13 +423,14 @@ def _gluon_wgrad_ws(compiled: dict, where: dict) -> None:
             launch_gluon_wgrad_ws(x, y, offs, out, cfg)
 
 
-#: :func:`_router`'s cases of megamoe/kernels/router_topk.py (label, E, k, sigmoid, bias, tokens; T = 1 arrives as
-#: a constexpr); the layers on CPU tensors take the torch router.
+#: :func:`_router`'s cases of megamoe/kernels/router_topk.py (label, E, k, sigmoid, bias, tokens, n_group,
+#: topk_group; T = 1 arrives as a constexpr); the layers on CPU tensors take the torch router.
 ROUTER_CASES = [
-    ("qwen3", 128, 8, False, False, 4096),
-    ("deepseek", 256, 8, True, True, 4096),
-    ("mixtral", 8, 2, False, False, 4096),
-    ("gpt-oss/1tok", 128, 4, False, False, 1),
+    ("qwen3", 128, 8, False, False, 4096, 1, 1),
+    ("deepseek", 256, 8, True, True, 4096, 1, 1),
+    ("deepseek/groups", 256, 8, True, True, 4096, 8, 4),
+    ("mixtral", 8, 2, False, False, 4096, 1, 1),
+    ("gpt-oss/1tok", 128, 4, False, False, 1, 1, 1),
 ]
 
 
@@ -438,12 +439,12 @@ def _router(compiled: dict, where: dict) -> None:
     their time."""
     from megamoe.kernels.router_topk import RouteTopk
 
-    for label, E, k, sigmoid, bias, T in ROUTER_CASES:
+    for label, E, k, sigmoid, bias, T, n_group, topk_group in ROUTER_CASES:
         names = ("_route_fwd_kernel", "_route_finish_kernel", "_route_bwd_kernel")
         with _compiling(compiled, where, f"router/{label}", *names):
             logits = torch.zeros(T, E, requires_grad=True)
             idx, gates, aux, counts = RouteTopk.apply(logits, torch.zeros(E) if bias else None, k, sigmoid, True,
-                                                      2.5 if sigmoid else 1.0, 0.01)
+                                                      2.5 if sigmoid else 1.0, 0.01, n_group, topk_group)
             (gates.sum() + aux).backward()
 
 
