@@ -180,19 +180,19 @@ def test_backward_outlives_the_layer(backend):
     assert heap._closed and heap.users == 0
 
 
-def _backend_node(out):
+def _saved_rows(out):
+    """(received rows, h) that the backend's autograd node saved for the backward of ``out``."""
     node = out.grad_fn
     while not type(node).__name__.endswith("MoEBackward"):  # the backend's node, below the layer's reshapes
         node = next(f for f, _ in node.next_functions if f is not None and "Accumulate" not in type(f).__name__)
-    return node
+    saved = node.saved_tensors
+    return saved[:2] if "Split" in type(node).__name__ else saved[7:9]
 
 
 @pytest.mark.parametrize("backend", ["split", "fused"])
 def test_backward_frees_h_before_the_weight_gradients(backend, monkeypatch):
-    # GEMM1's pre-activation h [R_cap, 2I] is the largest saved buffer: the backward drops it once GEMM2's dgrad has
-    # read it, so the peak never holds it beside dW13 and dW2; with retain_graph a second backward still has it
-    import weakref
-
+    # GEMM1's pre-activation h [R, 2I] is the largest saved buffer: the backward frees its memory once GEMM2's dgrad
+    # has read it, so the peak never holds it beside dW13 and dW2; with retain_graph a second backward still has it
     import megamoe.backends.common as common
 
     cfg = preset("tiny", max_tokens_per_rank=16)
@@ -200,25 +200,53 @@ def test_backward_frees_h_before_the_weight_gradients(backend, monkeypatch):
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(5, cfg.hidden, generator=gen).to(cfg.dtype).requires_grad_()
     g = torch.randn(5, cfg.hidden, generator=gen).to(cfg.dtype)
-    alive, wgrad = [], common.grouped_wgrad
+    held, wgrad = [], common.grouped_wgrad
 
     def spy(*args, **kwargs):
-        alive.append(h_ref() is not None)
+        held.append(h_storage.nbytes() > 0)
         return wgrad(*args, **kwargs)
 
     monkeypatch.setattr(common, "grouped_wgrad", spy)
     grads = []
     for retain in (True, False):
         out = moe(x).out
-        h_ref = weakref.ref(_backend_node(out).rows[1])
-        alive.clear()
+        h_storage = _saved_rows(out)[1].untyped_storage()
+        held.clear()
         grads.append(torch.autograd.grad(out, x, g, retain_graph=retain)[0])
-        assert alive == [retain, retain]  # (dW2, dW13)
+        assert held == [retain, retain]  # (dW2, dW13)
         if retain:
             assert torch.equal(torch.autograd.grad(out, x, g)[0], grads[0])  # the retained graph, again
-            assert alive[2:] == [False, False]
+            assert held[2:] == [False, False]
         del out
     assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("backend", ["split", "fused"])
+def test_saved_rows_go_through_saved_tensor_hooks(backend):
+    # non-reentrant checkpointing and activation offloading act on saved tensors through saved-tensor hooks: the
+    # layer's received rows and h must be among them, and a checkpointed layer computes the plain run's gradients
+    from torch.utils.checkpoint import checkpoint
+
+    cfg = preset("tiny", max_tokens_per_rank=16)
+    moe = MoE(cfg, backend=backend, device="cpu", seed=7)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, cfg.hidden, generator=gen).to(cfg.dtype)
+    g = torch.randn(5, cfg.hidden, generator=gen).to(cfg.dtype)
+    packed = []
+
+    def pack(t):
+        packed.append(tuple(t.shape))
+        return t
+
+    xi = x.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = moe(xi).out
+    rows = 5 * cfg.top_k
+    assert (rows, cfg.hidden) in packed and (rows, 2 * cfg.intermediate) in packed, packed
+    out.backward(g)
+    xc = x.clone().requires_grad_()
+    checkpoint(lambda t: moe(t).out, xc, use_reentrant=False).backward(g)
+    assert torch.equal(xc.grad, xi.grad)
 
 
 @pytest.mark.parametrize("backend", ["split", "fused"])
@@ -234,7 +262,7 @@ def test_one_rank_sizes_its_rows_by_the_call(backend):
         moe = MoE(preset("tiny", max_tokens_per_rank=max_tokens), backend=backend, device="cpu", seed=8)
         xi = x.clone().requires_grad_()
         out = moe(xi).out
-        recv, h = _backend_node(out).rows
+        recv, h = _saved_rows(out)
         assert recv.shape[0] == h.shape[0] == 5 * cfg.top_k
         del recv, h
         out.backward(g)

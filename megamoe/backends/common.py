@@ -10,7 +10,8 @@ R_cap worst-case rows received, offs int32 [E_l + 1] on the device. Backward (sa
     dW2 = dy_R^T acts;  dW13 = dh^T recv                      deterministic, no atomics
 
 Each buffer goes once its last reader is enqueued (h after GEMM2's dgrad; dy_R and acts after dW2): the peak holds
-no saved row buffer beside both weight gradients (unless the graph is retained).
+neither h nor the backward's row buffers beside both weight gradients (unless the graph is retained). The rows are
+saved tensors, so saved-tensor hooks (non-reentrant checkpointing, offloading) see them.
 
 gpt-oss experts (``clamp`` = (alpha, limit), biases b13 / b2; bf16 GEMMs only): docs/design.md, "gpt-oss experts";
 db13 = per-expert row sums of dh, db2 = of gate * dy_R (kernels/bias_grad.py).
@@ -87,15 +88,14 @@ def retained() -> bool:
     return True if keep is None else keep()
 
 
-def heap_backward(dy, topk_w, handle, rows: list, w13, w2, num_sms, *, wq=None, recv_scales=None, presum=False,
+def heap_backward(dy, topk_w, handle, recv, h, w13, w2, num_sms, *, wq=None, recv_scales=None, presum=False,
                   b13=None, b2=None, clamp=None) -> tuple:
-    """The whole backward: (dx, d_topk_w, dW13, dW2, db13, db2). ``rows`` = [recv, h], the forward's received rows
-    and GEMM1's pre-activation, handed over (the list is emptied): h is dropped once GEMM2's dgrad has read it, dy's
-    rows and the activations once dW2 has, so the peak never holds them all beside both weight gradients. d_recv
-    goes to the heap's ``rows`` region unless ``presum``. FP8 (``wq``): recv is e4m3 with 1x128 ``recv_scales``,
-    dequantised for dW13 only. gpt-oss: b13, b2 (their dtypes are the gradients') and clamp, bf16 GEMMs only."""
-    recv, h = rows
-    rows.clear()
+    """The whole backward: (dx, d_topk_w, dW13, dW2, db13, db2) from the forward's received rows ``recv`` and GEMM1's
+    pre-activation ``h``. h's memory goes once GEMM2's dgrad has read it (its storage shrunk to nothing, since the
+    saved tensor still refers to it; kept when the graph is retained), dy's rows and the activations once dW2 has,
+    so the peak never holds them all beside both weight gradients. d_recv goes to the heap's ``rows`` region unless
+    ``presum``. FP8 (``wq``): recv is e4m3 with 1x128 ``recv_scales``, dequantised for dW13 only. gpt-oss: b13, b2
+    (their dtypes are the gradients') and clamp, bf16 GEMMs only."""
     offs = handle.offs
     n = offs[-1:]  # rows received: only those are quantised (the buffers hold the worst case)
     dy_rows, gate = pull_grad(dy, topk_w, handle, num_sms=num_sms)
@@ -105,7 +105,8 @@ def heap_backward(dy, topk_w, handle, rows: list, w13, w2, num_sms, *, wq=None, 
     else:
         dh, ds = gemm2_dgrad_swiglu_fp8(*quantize_act(dy_rows, nrows=n), wq[6], wq[7], h, offs, scale=gate,
                                         acts_out=acts)
-    del h
+    if not retained():  # (stream-ordered: the allocator reuses the block only after the dgrad, as after a del)
+        h.untyped_storage().resize_(0)
     d_topk_w = send_gate_grad(ds, handle, num_sms=num_sms)
     db13 = None if b13 is None else segment_sum(dh, offs, out_dtype=b13.dtype)
     db2 = None if b2 is None else segment_sum(dy_rows, offs, scale=gate, out_dtype=b2.dtype)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.backends.common import HeapBackend, heap_backward, retained
+from megamoe.backends.common import HeapBackend, heap_backward
 from megamoe.comm.dispatch import dispatch
 from megamoe.comm.heap import heap_bytes
 from megamoe.experts import gemm1_swiglu
@@ -43,8 +43,7 @@ class _FusedMoE(torch.autograd.Function):
                               store_h=train and not ring, comm_programs=backend.comm_sms, b13=b13, b2=b2,
                               clamp=backend.clamp)
         if train:
-            ctx.save_for_backward(x, topk_idx, topk_w, w13, w2, b13, b2)
-            ctx.rows = None if ring else [st.xbuf, st.h]  # not saved tensors: heap_backward drops them as it goes
+            ctx.save_for_backward(x, topk_idx, topk_w, w13, w2, b13, b2, *(() if ring else (st.xbuf, st.h)))
             ctx.handle = st.handle
             ctx.backend = backend
         return y
@@ -52,16 +51,15 @@ class _FusedMoE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         b = ctx.backend
-        x, topk_idx, topk_w, w13, w2, b13, b2 = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        x, topk_idx, topk_w, w13, w2, b13, b2 = saved[:7]
         if b.ring_blocks:  # the ring overwrote the forward's rows: recompute them (dispatch + GEMM1)
             recv, handle = dispatch(x, topk_idx, b.heap, num_sms=b.comm_sms)
             _, h = gemm1_swiglu(recv, w13, handle.offs, store_h=True, bias=b13, clamp=b.clamp)
-            rows = [recv, h]
-            del recv, h
         else:
-            rows = list(ctx.rows) if retained() else ctx.__dict__.pop("rows")
+            recv, h = saved[7:]
             handle = ctx.handle
-        dx, d_topk_w, dw13, dw2, db13, db2 = heap_backward(dy.contiguous(), topk_w, handle, rows, w13, w2,
+        dx, d_topk_w, dw13, dw2, db13, db2 = heap_backward(dy.contiguous(), topk_w, handle, recv, h, w13, w2,
                                                            b.comm_sms, b13=b13, b2=b2, clamp=b.clamp)
         return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, db13, db2, None, None, None
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.backends.common import HeapBackend, check_flag, expert_forward, heap_backward, heap_rows, retained
+from megamoe.backends.common import HeapBackend, check_flag, expert_forward, heap_backward, heap_rows
 from megamoe.backends.fp8_weights import Fp8WeightCache
 from megamoe.comm.combine import combine
 from megamoe.comm.dispatch import dispatch, dispatch_fp8
@@ -51,19 +51,17 @@ class _SplitMoE(torch.autograd.Function):
         act, h, out = expert_forward(recv, w13, w2, handle.offs, wq, a_s, out=out_buf, b13=b13, b2=b2,
                                      clamp=backend.clamp)
         y = combine(out, None if presum else topk_w, handle, num_sms=num_sms, out_dtype=x.dtype, presum=presum)
-        ctx.save_for_backward(topk_w, w13, w2, a_s, b13, b2)
-        ctx.rows = [recv, h]  # not saved tensors: the backward drops them as it goes (heap_backward)
+        ctx.save_for_backward(recv, h, topk_w, w13, w2, a_s, b13, b2)
         ctx.handle, ctx.wq = handle, wq
         ctx.backend = backend  # the backward needs the heap, which a one-rank backend frees when collected
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        topk_w, w13, w2, a_s, b13, b2 = ctx.saved_tensors
+        recv, h, topk_w, w13, w2, a_s, b13, b2 = ctx.saved_tensors
         b = ctx.backend
-        rows = list(ctx.rows) if retained() else ctx.__dict__.pop("rows")
         dx, d_topk_w, dw13, dw2, db13, db2 = heap_backward(
-            dy.contiguous(), topk_w, ctx.handle, rows, w13, w2, b.comm_sms, wq=ctx.wq, recv_scales=a_s,
+            dy.contiguous(), topk_w, ctx.handle, recv, h, w13, w2, b.comm_sms, wq=ctx.wq, recv_scales=a_s,
             presum=b.presum_combine, b13=b13, b2=b2, clamp=b.clamp)
         return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, db13, db2, None, None, None
 
