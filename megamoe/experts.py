@@ -81,11 +81,8 @@ def _check_bf16(name: str, *ts: torch.Tensor) -> None:
 
 
 def _out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
-    if out is None:
-        return row_buffer(shape, dtype, like.device)
-    if tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {dtype} {shape} tensor, got {out.dtype} {tuple(out.shape)}")
-    return out
+    _check(out, "out", shape, dtype, "megamoe.experts")
+    return row_buffer(shape, dtype, like.device) if out is None else out
 
 
 def gluon_reason(op: str, cfg: GemmConfig, a: torch.Tensor, w: torch.Tensor, *, n: int, epilogue: int = EPI_NONE,
