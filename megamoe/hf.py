@@ -138,12 +138,8 @@ class MegaMoEBlock(nn.Module):
         if not gpt_oss and act not in ("SiLUActivation", "SiLU"):
             raise ValueError(f"{kind}: megamoe's experts are SwiGLU (silu); this block's activation is {act}")
         w13, w2 = experts.gate_up_proj, experts.down_proj
-        if gpt_oss:  # [E, H, 2I] and [E, I, H]
-            E, H, I2 = w13.shape
-            want = (E, I2 // 2, H)
-        else:
-            E, I2, H = w13.shape
-            want = (E, H, I2 // 2)
+        E, H, I2 = w13.shape if gpt_oss else w13.transpose(1, 2).shape  # gpt_oss: [E, H, 2I] and [E, I, H]
+        want = (E, I2 // 2, H) if gpt_oss else (E, H, I2 // 2)
         if tuple(w2.shape) != want:
             raise ValueError(f"{kind}: down_proj has shape {tuple(w2.shape)}, expected {want}")
         deepseek = self.model_type == "deepseek_v3"
