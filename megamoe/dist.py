@@ -188,17 +188,15 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, device: str = "cpu", t
             try:
                 rank, ok, payload = q.get(timeout=min(remaining, 1.0))
             except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                dead = [r for r in dead if r not in results and r not in failures]
-                if dead:
-                    # give a dying rank a moment to flush its report through the queue
-                    try:
-                        rank, ok, payload = q.get(timeout=2.0)
-                    except queue_mod.Empty:
-                        for r in dead:
-                            failures[r] = f"process exited with code {procs[r].exitcode} without a report"
-                        continue
-                else:
+                dead = [r for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in results and r not in failures]
+                if not dead:
+                    continue
+                try:  # give a dying rank a moment to flush its report through the queue
+                    rank, ok, payload = q.get(timeout=2.0)
+                except queue_mod.Empty:
+                    for r in dead:
+                        failures[r] = f"process exited with code {procs[r].exitcode} without a report"
                     continue
             (results if ok else failures)[rank] = payload
     finally:

@@ -67,17 +67,11 @@ __all__ = [
 ]
 
 
-def _check_scale(scale: torch.Tensor | None, R: int, name: str) -> None:
-    if scale is not None and (scale.dtype != torch.float32 or scale.shape != (R,) or not scale.is_contiguous()):
-        raise ValueError(f"{name}: scale must be a contiguous float32 [R] = [{R}] tensor, got {scale.dtype} "
-                         f"{tuple(scale.shape)}")
-
-
-def _check_acts(acts: torch.Tensor | None, R: int, I: int, dtype: torch.dtype, name: str) -> None:
-    """The SwiGLU backward's optional gated-activation output: contiguous [R, I] of ``dtype``."""
-    if acts is not None and (tuple(acts.shape) != (R, I) or acts.dtype != dtype or not acts.is_contiguous()):
-        raise ValueError(f"{name}: acts_out must be contiguous [R, I] = {(R, I)} {dtype}, got {tuple(acts.shape)} "
-                         f"{acts.dtype}")
+def _check(t: torch.Tensor | None, what: str, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> None:
+    """``t`` (None passes) must be a contiguous ``dtype`` tensor of ``shape``; ``what``: its name and symbolic shape."""
+    if t is not None and (tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous()):
+        raise ValueError(f"{name}: {what} must be a contiguous {dtype} {shape} tensor, got {t.dtype} "
+                         f"{tuple(t.shape)}")
 
 
 def _check_bf16(name: str, *ts: torch.Tensor) -> None:
@@ -87,11 +81,8 @@ def _check_bf16(name: str, *ts: torch.Tensor) -> None:
 
 
 def _out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
-    if out is None:
-        return row_buffer(shape, dtype, like.device)
-    if tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {dtype} {shape} tensor, got {out.dtype} {tuple(out.shape)}")
-    return out
+    _check(out, "out", shape, dtype, "megamoe.experts")
+    return row_buffer(shape, dtype, like.device) if out is None else out
 
 
 def gluon_reason(op: str, cfg: GemmConfig, a: torch.Tensor, w: torch.Tensor, *, n: int, epilogue: int = EPI_NONE,
@@ -186,17 +177,11 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, w_layo
     k_dim, n = (w.shape[1], w.shape[2]) if kn else (w.shape[2], w.shape[1])
     check_grouped(a, w, offs, k_dim, "grouped_gemm")
     _check_bf16("grouped_gemm", a, w)
-    _check_scale(scale, a.shape[0], "grouped_gemm")
+    _check(scale, "scale [R]", (a.shape[0],), torch.float32, "grouped_gemm")
     out = _out(out, (a.shape[0], n), a)
     cfg = choose_config("grouped_gemm", config, a, w, n=n, w_kn=kn)
     _launch_bf16(cfg, a, w, offs, out, n=n, w_kn=kn, epilogue=EPI_NONE, scale=scale)
     return out
-
-
-def _check_bias(bias: torch.Tensor | None, shape: tuple[int, int], name: str) -> None:
-    if bias is not None and (tuple(bias.shape) != shape or bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
-        raise ValueError(f"{name}: bias must be a contiguous bf16 {shape} tensor, got {bias.dtype} "
-                         f"{tuple(bias.shape)}")
 
 
 def _check_clamp(clamp, name: str) -> None:
@@ -215,7 +200,7 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, offs: torch.Tensor, *, stor
     if w13.shape[1] % 2:
         raise ValueError(f"gemm1_swiglu: w13 must be [E_l, 2I, H], got {tuple(w13.shape)}")
     R, I = x.shape[0], w13.shape[1] // 2
-    _check_bias(bias, (w13.shape[0], 2 * I), "gemm1_swiglu")
+    _check(bias, "bias [E_l, 2I]", (w13.shape[0], 2 * I), torch.bfloat16, "gemm1_swiglu")
     _check_clamp(clamp, "gemm1_swiglu")
     act = _out(out, (R, I), x)
     h = _out(h_out, (R, 2 * I), x) if store_h else None
@@ -232,8 +217,8 @@ def gemm2(act: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, *, scale: tor
     """out [R, H] = s[r] * (act @ w2[e]^T + b[e]) (s optional fp32 [R]; bias optional b2 [E_l, H], gpt-oss)."""
     check_grouped(act, w2, offs, w2.shape[2], "gemm2")
     _check_bf16("gemm2", act, w2)
-    _check_scale(scale, act.shape[0], "gemm2")
-    _check_bias(bias, (w2.shape[0], w2.shape[1]), "gemm2")
+    _check(scale, "scale [R]", (act.shape[0],), torch.float32, "gemm2")
+    _check(bias, "bias [E_l, H]", tuple(w2.shape[:2]), torch.bfloat16, "gemm2")
     out = _out(out, (act.shape[0], w2.shape[1]), act)
     cfg = choose_config("gemm2", config, act, w2, n=w2.shape[1], gpt_oss=bias is not None)
     _launch_bf16(cfg, act, w2, offs, out, n=w2.shape[1], w_kn=False, epilogue=EPI_NONE, scale=scale, bias=bias)
@@ -252,15 +237,14 @@ def gemm2_dgrad_swiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, offs
     check_grouped(dy, w2, offs, w2.shape[1], "gemm2_dgrad_swiglu")
     _check_bf16("gemm2_dgrad_swiglu", dy, w2, h)
     R, I = dy.shape[0], w2.shape[2]
-    if tuple(h.shape) != (R, 2 * I) or not h.is_contiguous():
-        raise ValueError(f"gemm2_dgrad_swiglu: h must be contiguous [R, 2I] = {(R, 2 * I)}, got {tuple(h.shape)}")
-    _check_scale(scale, R, "gemm2_dgrad_swiglu")
+    _check(h, "h [R, 2I]", (R, 2 * I), dy.dtype, "gemm2_dgrad_swiglu")
+    _check(scale, "scale [R]", (R,), torch.float32, "gemm2_dgrad_swiglu")
     _check_clamp(clamp, "gemm2_dgrad_swiglu")
-    _check_bias(b2, (w2.shape[0], w2.shape[1]), "gemm2_dgrad_swiglu")
+    _check(b2, "b2 [E_l, H]", tuple(w2.shape[:2]), torch.bfloat16, "gemm2_dgrad_swiglu")
     dh = _out(out, (R, 2 * I), dy)
     cfg = choose_config("dgrad_swiglu", config, dy, w2, n=I, epilogue=EPI_DSWIGLU, w_kn=True, h=h,
                         gpt_oss=clamp is not None)
-    _check_acts(acts_out, R, I, dy.dtype, "gemm2_dgrad_swiglu")
+    _check(acts_out, "acts_out [R, I]", (R, I), dy.dtype, "gemm2_dgrad_swiglu")
     dsp = None if scale is None else torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dy.device,
                                                  dtype=torch.float32)
     _launch_bf16(cfg, dy, w2, offs, dh, n=I, w_kn=True, epilogue=EPI_DSWIGLU, h=h, scale=scale, dsp=dsp,
@@ -306,7 +290,7 @@ def grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, *, out_d
 def _gemm_fp8(op, name, aq, a_s, wq, w_s, offs, scale, out, config) -> torch.Tensor:
     """The plain FP8 GEMM of grouped_gemm_fp8, gemm2_fp8 and gemm1_dgrad_fp8 (op: its config name)."""
     check_fp8(aq, a_s, wq, w_s, offs, name)
-    _check_scale(scale, aq.shape[0], name)
+    _check(scale, "scale [R]", (aq.shape[0],), torch.float32, name)
     out = _out(out, (aq.shape[0], wq.shape[1]), aq)
     cfg = choose_config(op, config, aq, wq, n=wq.shape[1])
     _launch_fp8(cfg, aq, a_s, wq, w_s, offs, out, n=wq.shape[1], epilogue=EPI_NONE, scale=scale)
@@ -341,12 +325,11 @@ def gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, out=N
     [E_l, I, H]; out: preallocated dh; acts_out as in gemm2_dgrad_swiglu."""
     check_fp8(dyq, dy_s, w2tq, w2t_s, offs, "gemm2_dgrad_swiglu_fp8")
     R, I = dyq.shape[0], w2tq.shape[1]
-    if tuple(h.shape) != (R, 2 * I) or h.dtype != torch.bfloat16 or not h.is_contiguous():
-        raise ValueError(f"gemm2_dgrad_swiglu_fp8: h must be contiguous bf16 [R, 2I] = {(R, 2 * I)}")
-    _check_scale(scale, R, "gemm2_dgrad_swiglu_fp8")
+    _check(h, "h [R, 2I]", (R, 2 * I), torch.bfloat16, "gemm2_dgrad_swiglu_fp8")
+    _check(scale, "scale [R]", (R,), torch.float32, "gemm2_dgrad_swiglu_fp8")
     cfg = choose_config("dgrad_swiglu_fp8", config, dyq, w2tq, n=I, epilogue=EPI_DSWIGLU, h=h)
     dh = _out(out, (R, 2 * I), dyq)
-    _check_acts(acts_out, R, I, torch.bfloat16, "gemm2_dgrad_swiglu_fp8")
+    _check(acts_out, "acts_out [R, I]", (R, I), torch.bfloat16, "gemm2_dgrad_swiglu_fp8")
     dsp = None if scale is None else torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dyq.device,
                                                  dtype=torch.float32)
     _launch_fp8(cfg, dyq, dy_s, w2tq, w2t_s, offs, dh, n=I, epilogue=EPI_DSWIGLU, h=h, scale=scale, dsp=dsp,
@@ -369,14 +352,13 @@ class ExpertsFn(torch.autograd.Function):
         act, h = gemm1_swiglu(x, w13, offs, store_h=True)
         out = gemm2(act, w2, offs, scale=scale)
         ctx.save_for_backward(x, offs, w13, w2, h, act, scale)
-        ctx.has_scale = scale is not None
         return out
 
     @staticmethod
     def backward(ctx, dy):
         x, offs, w13, w2, h, act, scale = ctx.saved_tensors
         dy = dy.contiguous()
-        dh, ds = gemm2_dgrad_swiglu(dy, w2, h, offs, scale=scale)
+        dh, ds = gemm2_dgrad_swiglu(dy, w2, h, offs, scale=scale)  # ds: None without scale
         dx = dw13 = dw2 = None
         if ctx.needs_input_grad[0]:
             dx = gemm1_dgrad(dh, w13, offs, out=torch.zeros_like(x))
@@ -385,7 +367,7 @@ class ExpertsFn(torch.autograd.Function):
             dw2 = grouped_wgrad(dys, act, offs, out_dtype=w2.dtype)
         if ctx.needs_input_grad[2]:
             dw13 = grouped_wgrad(dh, x, offs, out_dtype=w13.dtype)
-        return dx, None, dw13, dw2, (ds if ctx.has_scale else None)
+        return dx, None, dw13, dw2, ds
 
 
 def experts_mlp(x: torch.Tensor, offs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

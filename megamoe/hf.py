@@ -9,14 +9,12 @@ transformers' call signature, return value and parameter names: ``gate.weight`` 
 ``gate.e_score_correction_bias``), ``experts.gate_up_proj`` [E, 2I, H] (gate rows, then up) and
 ``experts.down_proj`` [E, H, I] (megamoe's ``w13`` / ``w2``, the same tensors), and the shared-expert modules
 (``shared_expert`` + ``shared_expert_gate``, ``shared_experts``), which stay transformers' dense MLPs. gpt_oss keeps
-its own names and layout: ``router.weight``, ``router.bias`` (megamoe's ``router.logit_bias``),
-``experts.gate_up_proj`` [E, H, 2I] (gate and up interleaved: columns 0::2, 1::2), ``experts.gate_up_proj_bias``
-[E, 2I], ``experts.down_proj`` [E, I, H], ``experts.down_proj_bias`` [E, H]; each call converts them to megamoe's
-layout (one copy of the expert weights, differentiable), and the block returns ``(out, router_scores)`` as
-transformers' does. Its ``gate`` (gpt_oss: ``router``) is
-an instance of the model's own router class whose forward runs megamoe's routing, so the router logits that
-transformers records for its load-balancing loss (``output_router_logits``) are still recorded, in float32. The
-routed experts run on the chosen backend (:meth:`megamoe.MoE.experts_forward`).
+its own names and layout (``router.weight``, ``router.bias``: megamoe's ``router.logit_bias``; ``experts.*_proj`` and
+``experts.*_proj_bias`` as :func:`gpt_oss_from_transformers` takes them), converted each call (one differentiable
+copy of the expert weights), and returns ``(out, router_scores)`` as transformers' does. Its ``gate`` (gpt_oss:
+``router``) is an instance of the model's own router class whose forward runs megamoe's routing, so the router
+logits that transformers records for its load-balancing loss (``output_router_logits``) are still recorded, in
+float32. The routed experts run on the chosen backend (:meth:`megamoe.MoE.experts_forward`).
 
 Expert parallelism (``group`` of W ranks): every rank builds and loads the whole model, and ``patch`` keeps rank r's
 experts r*E/W .. (r+1)*E/W - 1 of each block (the others are freed). Afterwards ``load_state_dict`` takes either a
@@ -76,8 +74,8 @@ def _gate_class(cls: type) -> type:
 
 
 def gpt_oss_from_transformers(gate_up, gate_up_bias, down, down_bias) -> tuple:
-    """transformers' gpt_oss experts (gate_up [E, H, 2I] and its bias [E, 2I], gate and up interleaved; down [E, I, H];
-    down_bias [E, H]) -> megamoe's (w13 [E, 2I, H] gate rows then up rows, w2 [E, H, I], b13, b2)."""
+    """transformers' gpt_oss experts (gate_up [E, H, 2I] and its bias [E, 2I], gate and up interleaved: 0::2, 1::2;
+    down [E, I, H]; down_bias [E, H]) -> megamoe's (w13 [E, 2I, H] gate rows then up rows, w2 [E, H, I], b13, b2)."""
     E, H, I2 = gate_up.shape
     return (gate_up.view(E, H, I2 // 2, 2).permute(0, 3, 2, 1).reshape(E, I2, H), down.transpose(1, 2).contiguous(),
             gate_up_bias.view(E, I2 // 2, 2).transpose(1, 2).reshape(E, I2), down_bias)
@@ -140,12 +138,8 @@ class MegaMoEBlock(nn.Module):
         if not gpt_oss and act not in ("SiLUActivation", "SiLU"):
             raise ValueError(f"{kind}: megamoe's experts are SwiGLU (silu); this block's activation is {act}")
         w13, w2 = experts.gate_up_proj, experts.down_proj
-        if gpt_oss:  # [E, H, 2I] and [E, I, H]
-            E, H, I2 = w13.shape
-            want = (E, I2 // 2, H)
-        else:
-            E, I2, H = w13.shape
-            want = (E, H, I2 // 2)
+        E, H, I2 = w13.shape if gpt_oss else w13.transpose(1, 2).shape  # gpt_oss: [E, H, 2I] and [E, I, H]
+        want = (E, I2 // 2, H) if gpt_oss else (E, H, I2 // 2)
         if tuple(w2.shape) != want:
             raise ValueError(f"{kind}: down_proj has shape {tuple(w2.shape)}, expected {want}")
         deepseek = self.model_type == "deepseek_v3"

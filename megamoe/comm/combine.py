@@ -122,19 +122,18 @@ def _gather(rows: torch.Tensor, topk_w: torch.Tensor | None, handle: DispatchHan
     if topk_w is not None and tuple(topk_w.shape) != (T, sh.topk):
         raise ValueError(f"topk_w must be [T={T}, k={sh.topk}], got {tuple(topk_w.shape)}")
     y = torch.empty(T, sh.hidden, dtype=out_dtype or sh.dtype, device=heap.device)  # before READY is published
-    w = topk_w.contiguous() if topk_w is not None else None
+    w = topk_w.contiguous() if gated else None  # gated: topk_w given (combine's check)
     in_place = rows.data_ptr() == heap.rows_buffer().data_ptr() and rows.stride() == (sh.hidden, 1)
     # only rows < offs[E_l] hold data; that count lives on the device, so the kernel reads it there
     S.stage(heap, act=None if in_place else rows.contiguous(), act_reg=S.REG_ROWS.value, programs=P,
             nrows=handle.offs[-1:])
     rws, block_h, warps = S.launch_config(sh.hidden, "gather")
-    has_w = topk_w is not None
     sched = handle.schedule
     _gather_sum_kernel[(P,)](
         heap.tab, heap.world, heap.rank, S.REG_ROWS.value, sched.dest_row, sched.dest_rank,
-        w if has_w else sched.dest_row, y if T > 0 else heap.tab.new_empty(1).view(sh.dtype),
+        w if gated else sched.dest_row, y if T > 0 else heap.tab.new_empty(1).view(sh.dtype),
         T, sh.hidden, heap.timeout_ns,
-        OP=S.OP_COMBINE.value if has_w else S.OP_DISPATCH_BWD.value, HAS_W=has_w,
+        OP=S.OP_COMBINE.value if gated else S.OP_DISPATCH_BWD.value, HAS_W=gated,
         K=sh.topk, KP2=triton.next_power_of_2(sh.topk), ROWS=rws, BLOCK_H=block_h,
         ALIGNED=(sh.hidden * sh.dtype.itemsize) % 16 == 0, WP2=heap.wp2, SRC_DT=TL_DTYPES[sh.dtype],
         num_warps=warps,
@@ -231,11 +230,10 @@ def send_gate_grad(ds: torch.Tensor, handle: DispatchHandle, num_sms: int | None
     if ds.dtype != torch.float32 or ds.dim() != 1 or not ds.is_contiguous() or ds.shape[0] < R:
         raise ValueError(f"ds must be a contiguous 1-D float32 tensor of >= {R} values (one per receive row), got "
                          f"{tuple(ds.shape)} {ds.dtype}")
-    E_l = sh.local_experts
     block = 1024
     grad_w = torch.empty(T, sh.topk, dtype=torch.float32, device=heap.device)  # before DW_DONE is published
     _send_dw_kernel[(max(1, min(P, triton.cdiv(R, block))),)](
-        heap.tab, heap.world, heap.rank, sched.offs, E_l, sched.row_src, sched.row_tok, sched.row_slot, ds,
+        heap.tab, heap.world, heap.rank, sched.offs, sh.local_experts, sched.row_src, sched.row_tok, sched.row_slot, ds,
         K=sh.topk, BLOCK=block, WP2=heap.wp2,
     )
     heap.after_launch()

@@ -234,7 +234,7 @@ def _check_inputs(heap: SymmetricHeap, x: torch.Tensor, topk_idx: torch.Tensor,
 
 
 def stage_and_schedule(heap: SymmetricHeap, x: torch.Tensor, topk_idx: torch.Tensor, programs: int,
-                       topk_w: torch.Tensor | None = None, sched: Schedule | None = None):
+                       sched: Schedule, topk_w: torch.Tensor | None = None):
     """Stage x [T, H] (unless it is the heap's tokens buffer), the top-k ids (and gates), publish READY, and return
     the device-side schedule: the first half of :func:`dispatch` and the megakernel's preamble (inputs checked; the
     caller has allocated everything the call needs, ``sched`` from schedule_buffers included, since an error between
@@ -245,7 +245,6 @@ def stage_and_schedule(heap: SymmetricHeap, x: torch.Tensor, topk_idx: torch.Ten
     w32 = None if topk_w is None else topk_w.to(torch.float32).contiguous().view(torch.int32)
     act = None if in_place else x.contiguous()
     ids = topk_idx.to(torch.int32).contiguous()
-    sched = sched if sched is not None else schedule_buffers(heap, T)
     S.stage(heap, act=act, act_reg=S.REG_TOK.value, small=ids, small_reg=S.REG_IDX.value, ntok=T,
             programs=programs, small2=w32, small2_reg=S.REG_W.value)
     return build_schedule(heap, sched)
@@ -281,7 +280,7 @@ def _stage_and_pull(heap: SymmetricHeap, payload: torch.Tensor, T: int, topk_idx
         recv = row_buffer((R, width), sh.dtype, heap.device)
     check_pull(heap, recv, width, R)
     gate = None if topk_w is None else row_buffer((R,), torch.float32, heap.device)
-    sched = stage_and_schedule(heap, payload, topk_idx, P, topk_w, schedule_buffers(heap, T))
+    sched = stage_and_schedule(heap, payload, topk_idx, P, schedule_buffers(heap, T), topk_w)
     pull_rows(heap, sched, recv, P, gate=gate, width=width)
     return recv, DispatchHandle(heap=heap, num_tokens=T, schedule=sched, offs=sched.offs, num_sms=P,
                                 row_gate=gate)

@@ -219,9 +219,9 @@ class SymmetricHeap:
             dist.barrier(self.group)
 
     def _alloc_cuda(self) -> list[int]:
+        self._handle = self._peers = None  # symmetric memory's handle, or the CUDA IPC path's peer tensors
         if self.group is None:  # no peers: an ordinary allocation
             self._buf = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
-            self._handle = self._peers = None
             bases = [int(self._buf.data_ptr())]
         elif self._ranks_share_a_gpu():
             bases = self._alloc_cuda_ipc()
@@ -262,7 +262,6 @@ class SymmetricHeap:
         dist.all_gather_object(handles, mine, group=self.group)
         self._peers = [self._buf if r == self.rank else handles[r][self.rank][0](*handles[r][self.rank][1])
                        for r in range(self.world)]
-        self._handle = None
         return [int(t.data_ptr()) for t in self._peers]
 
     def _alloc_symm_mem(self) -> list[int]:
@@ -276,7 +275,6 @@ class SymmetricHeap:
         self._buf = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self._buf.zero_()
         self._handle = symm_mem.rendezvous(self._buf, self.group)
-        self._peers = None
         return [int(p) for p in self._handle.buffer_ptrs]
 
     def _alloc_host(self) -> list[int]:
@@ -424,12 +422,6 @@ class SymmetricHeap:
                 with contextlib.suppress(BufferError):  # a view handed out earlier is alive; the mapping goes with it
                     mm.close()
             self._maps = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 #: one heap per (process group, shape, device, timeout, programs), shared by the layers of a model

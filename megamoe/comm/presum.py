@@ -173,11 +173,9 @@ def presum_gather(rows: torch.Tensor, handle: DispatchHandle, gated: bool, num_s
     P = max(1, int(num_sms or handle.num_sms))
     T = handle.num_tokens
     sched = handle.schedule
-    K = sh.topk
     rws, block_h, warps = S.launch_config(sh.hidden, "gather")
-    aligned = (sh.hidden * sh.dtype.itemsize) % 16 == 0
-    common = dict(K=K, KP2=triton.next_power_of_2(K), ROWS=rws, BLOCK_H=block_h, ALIGNED=aligned, WP2=heap.wp2,
-                  num_warps=warps)
+    common = dict(K=sh.topk, KP2=triton.next_power_of_2(sh.topk), ROWS=rws, BLOCK_H=block_h,
+                  ALIGNED=(sh.hidden * sh.dtype.itemsize) % 16 == 0, WP2=heap.wp2, num_warps=warps)
     heap.check()
     y = torch.empty(T, sh.hidden, dtype=out_dtype or sh.dtype, device=heap.device)  # before READY is published
     rows = rows.contiguous()

@@ -21,11 +21,10 @@ Polling: ``ld.acquire.sys`` on the GPU, a volatile ``tl.load`` in the interprete
 Publishing: one ``atomic_xchg(sem="release", scope="sys")`` per peer slot.
 
 Bounded waits read ``%globaltimer`` (the interpreter: a Python helper that also sleeps 100 us per poll so spinning
-ranks leave the CPU to the others); after ``timeout_ns`` the waiter claims the error record (design.md, "Fail-stop"),
-which lives in pinned host memory or the ``host`` backend's shared segment: SymmetricHeap.check reads it, no sync.
-
-Fail-stop (docs/design.md, "Fail-stop"): a failed wait never lets its kernel go on; on a GPU :func:`fail_stop`
-traps once the record is complete; under the interpreter the launcher raises (SymmetricHeap.after_launch).
+ranks leave the CPU to the others); after ``timeout_ns`` the waiter claims the error record (pinned host memory, or
+the ``host`` backend's shared segment: SymmetricHeap.check reads it, no sync) and never lets its kernel go on: on a
+GPU :func:`fail_stop` traps once the record is complete, under the interpreter the launcher raises
+(SymmetricHeap.after_launch). Why: docs/design.md, "Fail-stop".
 """
 
 from __future__ import annotations
@@ -370,7 +369,7 @@ TILES = {
 
 def launch_config(hidden: int, op: str = "stage") -> tuple[int, int, int]:
     """(ROWS, BLOCK_H, num_warps) for a row-moving kernel: ROWS x BLOCK_H ~ TILES[op] elements per step."""
-    elems, warps, cap, rows_cap = (tuple(TILES[op]) + (64,))[:4]
+    elems, warps, cap, rows_cap = TILES[op]
     if INTERPRET:  # registers are free there and every step costs Python overhead: take big steps
         rows_cap = 64
     block_h = min(triton.next_power_of_2(max(hidden, 1)), cap)
