@@ -193,37 +193,26 @@ def epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N,
         part = epi_part(acc, acc2, off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
                          scale_ptr, acts_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H,
                          bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
-    elif EPI_SPLIT == 2:
-        HN: tl.constexpr = BLOCK_N // 2
-        a0, a1 = halves(acc, BLOCK_M, BLOCK_N)
-        b0, b1 = halves(acc2, BLOCK_M, BLOCK_N)
-        part = epi_part(a0, b0, off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                         scale_ptr, acts_ptr, BLOCK_M, HN, EPILOGUE, HAS_SCALE, STORE_H,
-                         bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
-        part += epi_part(a1, b1, off_m, off_n + HN, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                          scale_ptr, acts_ptr, BLOCK_M, HN, EPILOGUE, HAS_SCALE, STORE_H,
-                         bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
     else:
-        HN: tl.constexpr = BLOCK_N // 2
-        QN: tl.constexpr = BLOCK_N // 4
+        NP: tl.constexpr = BLOCK_N // EPI_SPLIT
         a0, a1 = halves(acc, BLOCK_M, BLOCK_N)
         b0, b1 = halves(acc2, BLOCK_M, BLOCK_N)
-        a00, a01 = halves(a0, BLOCK_M, HN)
-        b00, b01 = halves(b0, BLOCK_M, HN)
-        part = epi_part(a00, b00, off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                         scale_ptr, acts_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H,
+        aa = (a0, a1)
+        bb = (b0, b1)
+        if EPI_SPLIT == 4:
+            a00, a01 = halves(a0, BLOCK_M, BLOCK_N // 2)
+            b00, b01 = halves(b0, BLOCK_M, BLOCK_N // 2)
+            a10, a11 = halves(a1, BLOCK_M, BLOCK_N // 2)
+            b10, b11 = halves(b1, BLOCK_M, BLOCK_N // 2)
+            aa = (a00, a01, a10, a11)
+            bb = (b00, b01, b10, b11)
+        part = epi_part(aa[0], bb[0], off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
+                         scale_ptr, acts_ptr, BLOCK_M, NP, EPILOGUE, HAS_SCALE, STORE_H,
                          bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
-        part += epi_part(a01, b01, off_m, off_n + QN, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                          scale_ptr, acts_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H,
-                         bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
-        a10, a11 = halves(a1, BLOCK_M, HN)
-        b10, b11 = halves(b1, BLOCK_M, HN)
-        part += epi_part(a10, b10, off_m, off_n + HN, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                          scale_ptr, acts_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H,
-                         bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
-        part += epi_part(a11, b11, off_m, off_n + HN + QN, row_end, R, N, out_ptr, stride_om, h_ptr,
-                          stride_hm, scale_ptr, acts_ptr, BLOCK_M, QN, EPILOGUE, HAS_SCALE, STORE_H,
-                         bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
+        for c in tl.static_range(1, EPI_SPLIT):
+            part += epi_part(aa[c], bb[c], off_m, off_n + c * NP, row_end, R, N, out_ptr, stride_om, h_ptr,
+                              stride_hm, scale_ptr, acts_ptr, BLOCK_M, NP, EPILOGUE, HAS_SCALE, STORE_H,
+                              bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
     if EPILOGUE == 2:
         if HAS_SCALE:
             rm = off_m + tl.arange(0, BLOCK_M)
