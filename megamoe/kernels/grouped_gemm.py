@@ -155,14 +155,12 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ou
     grid = grid_size(cfg, (triton.cdiv(R, BM) + E_l) * tiles_n, a.device)
     if grid == 0:
         return
-    dummy = out
-    k = _grouped_gemm_kernel[(grid,)](
-        a_desc, a, w_desc, w, out, h if h is not None else dummy,
-        scale if scale is not None else dummy, dsp if dsp is not None else dummy,
-        acts if acts is not None else dummy, offs,
+    k = _grouped_gemm_kernel[(grid,)](  # (absent pointer arguments: out, never read)
+        a_desc, a, w_desc, w, out, h if h is not None else out, scale if scale is not None else out,
+        dsp if dsp is not None else out, acts if acts is not None else out, offs,
         R, n, K, E_l, grid,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0), h.stride(0) if h is not None else 0,
-        n_up, bias if bias is not None else dummy, bias.stride(0) if bias is not None else 0,
+        n_up, bias if bias is not None else out, bias.stride(0) if bias is not None else 0,
         float(clamp[0]) if clamp is not None else 1.0, float(clamp[1]) if clamp is not None else 0.0,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.group_m,
         BLOCK_E=triton.next_power_of_2(max(E_l, 2)), W_KN=w_kn, EPILOGUE=epilogue,

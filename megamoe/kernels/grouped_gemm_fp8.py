@@ -138,11 +138,9 @@ def launch_grouped_gemm_fp8(aq, a_s, wq, w_s, offs, out, cfg: GemmConfig, *, n: 
     grid = grid_size(cfg, (triton.cdiv(R, BM) + E_l) * triton.cdiv(n, BN), aq.device)
     if grid == 0:
         return
-    dummy = out
     k = _grouped_gemm_fp8_kernel[(grid,)](
-        a_desc, aq, a_s, w_desc, wq, w_s, out, h if h is not None else dummy,
-        scale if scale is not None else dummy, dsp if dsp is not None else dummy,
-        acts if acts is not None else dummy, offs,
+        a_desc, aq, a_s, w_desc, wq, w_s, out, h if h is not None else out, scale if scale is not None else out,
+        dsp if dsp is not None else out, acts if acts is not None else out, offs,
         R, n, K, E_l, grid,
         aq.stride(0), a_s.stride(0), wq.stride(0), wq.stride(1), w_s.stride(0), w_s.stride(1),
         out.stride(0), h.stride(0) if h is not None else 0, n_up,

@@ -323,16 +323,13 @@ def _gemm2_half(tab, W, a_smem, b_smem, ready, empty, epi_smem, row_src_ptr, row
 
 @gluon.jit
 def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_smem, s_full, s_empty, s_smem, epi_smem,
-              act_st_desc, hg_desc, hu_desc, x_ptr, act_ptr, h_ptr,
-              offs_ptr, row_src_ptr, row_tok_ptr, row_slot_ptr, ctr_ptr,
-              H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
-              K: gl.constexpr, BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, BLOCK_E: gl.constexpr,
-              GB: gl.constexpr, STAGES: gl.constexpr, QD_: gl.constexpr,
-              ROWS_P: gl.constexpr, BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr,
+              act_st_desc, hg_desc, hu_desc, x_ptr, act_ptr, h_ptr, row_src_ptr, row_tok_ptr, row_slot_ptr,
+              H, I, E_l, NB_MAX, timeout_ns,
+              K: gl.constexpr, BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, STAGES: gl.constexpr,
+              QD_: gl.constexpr, ROWS_P: gl.constexpr, BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr,
               EPI_TMA: gl.constexpr, ALIGNED: gl.constexpr, WG: gl.constexpr, SQ: gl.constexpr, xv_desc,
-              BULK: gl.constexpr,
-              RA: gl.constexpr, RB: gl.constexpr, RV: gl.constexpr, C: gl.constexpr, BR: gl.constexpr,
-              IDLE_: gl.constexpr):
+              BULK: gl.constexpr, RA: gl.constexpr, RB: gl.constexpr, RV: gl.constexpr, C: gl.constexpr,
+              BR: gl.constexpr, IDLE_: gl.constexpr):
     """Consumer warpgroup WG: rows WG * 64 .. WG * 64 + 63 of every item's block (module docstring)."""
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     ml: gl.constexpr = gl.BlockedLayout([MSG], [32], [4], [0])
@@ -434,15 +431,13 @@ def _gluon_fused_fwd_kernel(
     # (the partitions' argument lists written out: constexprs packed into a tuple lose their constexpr-ness)
     gl.warp_specialize([
         (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_smem, s_full, s_empty, s_smem,
-                     epi_smem, act_st_desc, hg_desc, hu_desc, x_ptr, act_ptr, h_ptr, offs_ptr, row_src_ptr,
-                     row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
-                     BLOCK_E, GB, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, ALIGNED, 0, SQ_,
-                     xv_desc, BULK, RA, RB, RV, C, BR, IDLE_)),
+                     epi_smem, act_st_desc, hg_desc, hu_desc, x_ptr, act_ptr, h_ptr, row_src_ptr, row_tok_ptr,
+                     row_slot_ptr, H, I, E_l, NB_MAX, timeout_ns, K, BM, BN1, BN2, STAGES, QD_, ROWS_P, BLOCK_H, WP2,
+                     STORE_H, EPI_TMA, ALIGNED, 0, SQ_, xv_desc, BULK, RA, RB, RV, C, BR, IDLE_)),
         (_consumer, (tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_smem, s_full, s_empty, s_smem,
-                     epi_smem, act_st_desc, hg_desc, hu_desc, x_ptr, act_ptr, h_ptr, offs_ptr, row_src_ptr,
-                     row_tok_ptr, row_slot_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, K, BM, BN1, BN2,
-                     BLOCK_E, GB, STAGES, QD_, ROWS_P, BLOCK_H, WP2, STORE_H, EPI_TMA, ALIGNED, 1, SQ_,
-                     xv_desc, BULK, RA, RB, RV, C, BR, IDLE_)),
+                     epi_smem, act_st_desc, hg_desc, hu_desc, x_ptr, act_ptr, h_ptr, row_src_ptr, row_tok_ptr,
+                     row_slot_ptr, H, I, E_l, NB_MAX, timeout_ns, K, BM, BN1, BN2, STAGES, QD_, ROWS_P, BLOCK_H, WP2,
+                     STORE_H, EPI_TMA, ALIGNED, 1, SQ_, xv_desc, BULK, RA, RB, RV, C, BR, IDLE_)),
         (_loader, (tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
                    q_smem, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns, BM, BN1, BN2, BLOCK_E, GB,
                    STAGES, QD_, tok_descs, row_src_ptr, row_tok_ptr, BULK, RA, RB, RV, C, WP2, NP, BR)),
