@@ -415,11 +415,10 @@ BULK_PULL = 1
 
 def bulk_pull_plan(heap, cfg, a):
     """(receive-buffer view descriptor, every rank's ``tok`` view descriptor, rows per stage in the A tile and in the
-    weight tile, RV, C) for the TMA pull (BULK_PULL), or None where the register pull runs: H % 64 (a row in a stage
-    starts 128-byte aligned), a receive
-    buffer that is not dense, more than 8 ranks. A row of H bf16 is RV = H / C rows of C <= 256 elements, loaded
-    and stored as RV / BR boxes of [BR, C] (box dimensions are powers of 2 <= 256: deepseek-v3's 7168 is 7 boxes of
-    [4, 256]; at most 8 boxes per row)."""
+    weight tile, RV, C, BR) for the TMA pull (BULK_PULL), or None where the register pull runs: H % 64 (a row in a
+    stage starts 128-byte aligned), a receive buffer that is not dense, more than 8 ranks. A row of H bf16 is RV =
+    H / C rows of C <= 256 elements, loaded and stored as RV / BR boxes of [BR, C] (box dimensions are powers of 2
+    <= 256: deepseek-v3's 7168 is 7 boxes of [4, 256]; at most 8 boxes per row)."""
     H = heap.shape.hidden
     if not BULK_PULL or heap.world > 8 or H % 64 or not a.is_contiguous() or a.shape[1] != H:
         return None
