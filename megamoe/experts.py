@@ -434,22 +434,19 @@ def gemm2_dgrad_swiglu_ref(dy, w2, h, offs, *, scale=None, clamp=None, b2=None):
             g, u = g.detach().requires_grad_(), u.detach().requires_grad_()
             gc, uc = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
             act = gc * torch.sigmoid(alpha * gc) * (uc + 1)
-        ds = None
+        ds = None if scale is None else (dact * act.detach()).sum(1)
         if scale is not None:
-            ds = (dact * act.detach()).sum(1)
-            if b2 is not None:
-                ds = ds + (dy * _row_bias(b2, offs, dy.shape[0], dy.dtype)).sum(1)
             dact = dact * scale.to(dy.dtype)[:, None]
-        dg, du = torch.autograd.grad(act, [g, u], dact)
-        return torch.cat([dg, du], 1), ds
-    sig = torch.sigmoid(g)
-    ds = None
-    if scale is not None:
-        ds = (dact * (g * sig) * u).sum(1)
-        dact = dact * scale.to(dy.dtype)[:, None]
-    dg = dact * u * sig * (1 + g * (1 - sig))
-    du = dact * g * sig
-    return torch.cat([dg, du], 1), ds
+        dh = torch.cat(torch.autograd.grad(act, [g, u], dact), 1)
+    else:
+        sig = torch.sigmoid(g)
+        ds = None if scale is None else (dact * (g * sig) * u).sum(1)
+        if scale is not None:
+            dact = dact * scale.to(dy.dtype)[:, None]
+        dh = torch.cat([dact * u * sig * (1 + g * (1 - sig)), dact * g * sig], 1)
+    if ds is not None and b2 is not None:  # the output's bias is part of the expert row that ds differentiates
+        ds = ds + (dy * _row_bias(b2, offs, dy.shape[0], dy.dtype)).sum(1)
+    return dh, ds
 
 
 def gemm1_dgrad_ref(dh, w13, offs):

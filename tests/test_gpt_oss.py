@@ -366,3 +366,21 @@ def test_fused_takes_the_triton_items_for_gpt_oss(monkeypatch):
         fused_forward(*args, b.config, **{**bias, "b2": moe.b2.detach().float()})
     with pytest.raises(ValueError, match="b13 and b2 are given exactly for gpt_oss experts"):
         moe.backend(x, idx, torch.ones(2, 2), moe.w13.detach(), moe.w2.detach())
+
+
+def test_output_bias_reaches_ds_without_the_clamp():
+    # ds differentiates the whole expert row, its output bias b2 included, whether or not the SwiGLU is gpt-oss's
+    # clamped one: the kernel and its twin agree on the plain SwiGLU too (the twin once dropped b2 there)
+    import megamoe.experts as X
+
+    gen = torch.Generator().manual_seed(5)
+    E, R, H, I = 2, 40, 64, 32
+    offs = torch.tensor([0, 17, 40], dtype=torch.int32)
+    dy, h = torch.randn(R, H, generator=gen).bfloat16(), torch.randn(R, 2 * I, generator=gen).bfloat16()
+    w2, b2 = (torch.randn(E, H, I, generator=gen) * 0.1).bfloat16(), torch.randn(E, H, generator=gen).bfloat16()
+    s = torch.rand(R, generator=gen)
+    dh, ds = X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s, b2=b2)
+    rdh, rds = X.gemm2_dgrad_swiglu_ref(dy.double(), w2.double(), h.double(), offs, scale=s.double(), b2=b2.double())
+    _, no_bias = X.gemm2_dgrad_swiglu_ref(dy.double(), w2.double(), h.double(), offs, scale=s.double())
+    assert _rel(ds, rds) < 1e-6 < _rel(ds, no_bias)
+    assert _rel(dh, rdh.bfloat16()) < 3e-4
