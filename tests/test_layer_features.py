@@ -249,6 +249,31 @@ def test_saved_rows_go_through_saved_tensor_hooks(backend):
     assert torch.equal(xc.grad, xi.grad)
 
 
+def test_split_keeps_no_h_without_a_backward(monkeypatch):
+    # GEMM1's pre-activation is kept only for a backward: under no_grad (or with nothing requiring grad) split neither
+    # allocates nor writes its R x 2I values, and the output is bitwise the training forward's
+    import megamoe.backends.common as common
+
+    cfg = preset("tiny", max_tokens_per_rank=16)
+    moe = MoE(cfg, backend="split", device="cpu", seed=9)
+    x = torch.randn(5, cfg.hidden, generator=torch.Generator().manual_seed(9)).to(cfg.dtype)
+    kept, gemm1 = [], common.gemm1_swiglu
+
+    def spy(*args, store_h, **kwargs):
+        kept.append(store_h)
+        return gemm1(*args, store_h=store_h, **kwargs)
+
+    monkeypatch.setattr(common, "gemm1_swiglu", spy)
+    train = moe(x.clone().requires_grad_()).out
+    with torch.no_grad():
+        infer = moe(x).out
+    for p in moe.parameters():
+        p.requires_grad_(False)
+    frozen = moe(x).out
+    assert kept == [True, False, False]
+    assert torch.equal(train.detach(), infer) and torch.equal(infer, frozen)
+
+
 @pytest.mark.parametrize("backend", ["split", "fused"])
 def test_one_rank_sizes_its_rows_by_the_call(backend):
     # one rank receives exactly its own T * k slots: a layer built for 64 tokens called with 5 holds 5 * k rows per

@@ -70,14 +70,17 @@ def dgrad_buffer(shape, device, heap=None) -> torch.Tensor:
     return buf.fill_(float("nan")) if POISON_PADDING else buf
 
 
-def expert_forward(recv, w13, w2, offs, wq=None, recv_scales=None, out=None, b13=None, b2=None, clamp=None):
-    """(act [R, I], h [R, 2I], out [R, H]), bf16. With ``wq`` both GEMMs run FP8: recv is e4m3 with 1x128
-    ``recv_scales`` (dispatch_fp8). ``out``: GEMM2's output buffer. gpt-oss: b13, b2 and clamp (module docstring)."""
+def expert_forward(recv, w13, w2, offs, wq=None, recv_scales=None, out=None, b13=None, b2=None, clamp=None,
+                   store_h=True):
+    """(act [R, I], h [R, 2I] or None, out [R, H]), bf16. With ``wq`` both GEMMs run FP8: recv is e4m3 with 1x128
+    ``recv_scales`` (dispatch_fp8). ``out``: GEMM2's output buffer. ``store_h``: keep GEMM1's pre-activation for a
+    backward (without one, its R x 2I bf16 are neither allocated nor written). gpt-oss: b13, b2 and clamp (module
+    docstring)."""
     if wq is None:
-        act, h = gemm1_swiglu(recv, w13, offs, store_h=True, bias=b13, clamp=clamp)
+        act, h = gemm1_swiglu(recv, w13, offs, store_h=store_h, bias=b13, clamp=clamp)
         return act, h, gemm2(act, w2, offs, out=out, bias=b2)
     q13, s13, _, _, q2, s2, _, _ = wq
-    act, h = gemm1_swiglu_fp8(recv, recv_scales, q13, s13, offs, store_h=True)
+    act, h = gemm1_swiglu_fp8(recv, recv_scales, q13, s13, offs, store_h=store_h)
     return act, h, gemm2_fp8(*quantize_act(act, nrows=offs[-1:]), q2, s2, offs, out=out)
 
 
@@ -178,6 +181,11 @@ class HeapBackend:
     def close(self) -> None:
         """Give the symmetric heap back (freed with its last layer)."""
         self._release()
+
+    @staticmethod
+    def _training(*tensors) -> bool:
+        """Whether autograd will run a backward through this call (else nothing is kept for one)."""
+        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
     def _check_call(self, x, b13, b2) -> None:
         if x.shape[0] > self.shape.max_tokens:

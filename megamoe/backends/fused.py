@@ -95,6 +95,5 @@ class FusedBackend(HeapBackend):
 
     def __call__(self, x, topk_idx, topk_w, w13, w2, b13=None, b2=None):
         self._check_call(x, b13, b2)
-        leaves = (x, topk_w, w13, w2) + (() if b13 is None else (b13, b2))
-        train = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
+        train = self._training(x, topk_w, w13, w2, b13, b2)
         return _FusedMoE.apply(x, topk_w, w13, w2, b13, b2, topk_idx, self, train)

@@ -38,7 +38,7 @@ from megamoe.comm.heap import heap_bytes, workspace_bytes
 
 class _SplitMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_w, w13, w2, b13, b2, topk_idx, backend, wq):
+    def forward(ctx, x, topk_w, w13, w2, b13, b2, topk_idx, backend, wq, train):
         heap, num_sms, presum = backend.heap, backend.comm_sms, backend.presum_combine
         gates = topk_w if presum else None  # presum: the gates travel with the rows, the expert ranks pre-sum
         a_s = None
@@ -49,7 +49,7 @@ class _SplitMoE(torch.autograd.Function):
         # GEMM2 writes into the heap's rows region (no staging copy for combine) unless presum's stage writes there
         out_buf = None if presum else heap_rows(heap, (recv.shape[0], w2.shape[1]), w2.dtype)
         act, h, out = expert_forward(recv, w13, w2, handle.offs, wq, a_s, out=out_buf, b13=b13, b2=b2,
-                                     clamp=backend.clamp)
+                                     clamp=backend.clamp, store_h=train)
         y = combine(out, None if presum else topk_w, handle, num_sms=num_sms, out_dtype=x.dtype, presum=presum)
         ctx.save_for_backward(recv, h, topk_w, w13, w2, a_s, b13, b2)
         ctx.handle, ctx.wq = handle, wq
@@ -63,7 +63,7 @@ class _SplitMoE(torch.autograd.Function):
         dx, d_topk_w, dw13, dw2, db13, db2 = heap_backward(
             dy.contiguous(), topk_w, ctx.handle, recv, h, w13, w2, b.comm_sms, wq=ctx.wq, recv_scales=a_s,
             presum=b.presum_combine, b13=b13, b2=b2, clamp=b.clamp)
-        return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, db13, db2, None, None, None
+        return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, db13, db2, None, None, None, None
 
 
 class SplitBackend(HeapBackend, Fp8WeightCache):
@@ -100,4 +100,5 @@ class SplitBackend(HeapBackend, Fp8WeightCache):
     def __call__(self, x, topk_idx, topk_w, w13, w2, b13=None, b2=None):
         self._check_call(x, b13, b2)
         wq = self.fp8_weights(w13, w2) if self.fp8 else None
-        return _SplitMoE.apply(x, topk_w, w13, w2, b13, b2, topk_idx, self, wq)
+        train = self._training(x, topk_w, w13, w2, b13, b2)  # else no backward reads h
+        return _SplitMoE.apply(x, topk_w, w13, w2, b13, b2, topk_idx, self, wq, train)
