@@ -61,7 +61,8 @@ def heap_rows(heap, shape, dtype) -> torch.Tensor | None:
 
 
 def dgrad_buffer(shape, device, heap=None) -> torch.Tensor:
-    """Storage for d_recv [R_cap, H] bf16, not zero-filled on a GPU: only its first offs[E_l] rows are written and read.
+    """Storage for d_recv [R_b, H] bf16 (the call's rows), not zero-filled on a GPU: only its first offs[E_l] rows
+    are written and read.
 
     ``heap``: use the heap's ``rows`` region (see heap_rows). Only without presum (whose stage writes its sums there)
     and only after pull_grad, whose pull waits for READY from every peer: no peer still reads ``rows`` then."""
@@ -100,7 +101,7 @@ def heap_backward(dy, topk_w, handle, recv, h, w13, w2, num_sms, *, wq=None, rec
     ``presum``. FP8 (``wq``): recv is e4m3 with 1x128 ``recv_scales``, dequantised for dW13 only. gpt-oss: b13, b2
     (their dtypes are the gradients') and clamp, bf16 GEMMs only."""
     offs = handle.offs
-    n = offs[-1:]  # rows received: only those are quantised (the buffers hold the worst case)
+    n = offs[-1:]  # rows received: only those are quantised (the buffers may hold more)
     dy_rows, gate = pull_grad(dy, topk_w, handle, num_sms=num_sms)
     acts = row_buffer((dy_rows.shape[0], w2.shape[2]), dy_rows.dtype, dy_rows.device)
     if wq is None:

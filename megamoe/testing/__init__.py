@@ -77,6 +77,14 @@ class LayerCase:
         return preset(self.preset, dtype=parse_dtype(self.dtype), **self.overrides)
 
 
+def logit_offset(offset: dict, num_experts: int) -> torch.Tensor:
+    """float64 [E]: a case's {expert: logit offset}, 0 for the other experts."""
+    out = torch.zeros(num_experts, dtype=torch.float64)
+    for e, v in offset.items():
+        out[e] = v
+    return out
+
+
 def _full_weights(cfg: MoEConfig, seed: int, device: torch.device):
     """Unsharded float64 weights, the same on every rank (drawn on ``device``: fast for full-width cases)."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -112,9 +120,7 @@ def layer_case(case: LayerCase, backend: str, device: torch.device, group=None, 
     seed = case.seed + 1000 * seed_offset()
     router_w, w13, w2, bias, shared = _full_weights(cfg, seed, device)
     shared = None if shared is None else tuple(None if t is None else t.to(cfg.dtype) for t in shared)
-    offset = torch.zeros(cfg.num_experts, dtype=torch.float64)
-    for e, v in case.offset.items():
-        offset[e] = v
+    offset = logit_offset(case.offset, cfg.num_experts)
     moe = MoE(cfg, group=group, backend=backend, device=device, **backend_options)
     load_full_weights(moe, router_w.to(cfg.dtype), w13.to(cfg.dtype), w2.to(cfg.dtype),
                       None if bias is None else bias.float(), shared=shared)
@@ -266,9 +272,7 @@ def determinism_case(case: LayerCase, backend: str, device: torch.device, **back
     rank = dist.get_rank() if dist.is_initialized() else 0
     moe = MoE(cfg, backend=backend, device=device, seed=case.seed, **backend_options)
     if case.offset:
-        offset = torch.zeros(cfg.num_experts)
-        offset[list(case.offset)] = torch.tensor(list(case.offset.values()))
-        moe.router.set_logit_offset(offset.to(device))
+        moe.router.set_logit_offset(logit_offset(case.offset, cfg.num_experts).float().to(device))
     gen = torch.Generator().manual_seed(case.seed + 10 + rank)
     x = torch.randn(case.tokens[rank], cfg.hidden, generator=gen).to(cfg.dtype).to(device)
     g = torch.randn(case.tokens[rank], cfg.hidden, generator=gen).to(cfg.dtype).to(device)
@@ -347,10 +351,7 @@ def layer_runs(cfg: MoEConfig, tokens: int, device: torch.device, specs: list[tu
     for backend, opts in specs:
         moe = MoE(cfg, backend=backend, device=device, seed=weight_seed, **opts)
         if offset:
-            logit = torch.zeros(cfg.num_experts)
-            for e, v in offset.items():
-                logit[e] = v
-            moe.router.set_logit_offset(logit.to(device))
+            moe.router.set_logit_offset(logit_offset(offset, cfg.num_experts).float().to(device))
         runs.append(run_grads(moe, x, g))
         del moe
     return runs
