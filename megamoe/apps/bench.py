@@ -72,7 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _defaults(args, on_gpu: bool) -> argparse.Namespace:
-    args = argparse.Namespace(**vars(args))
     for name, gpu, cpu in (("preset", "deepseek-v3", "tiny"), ("tokens", 4096, 64), ("iters", 20, 3), ("warmup", 5, 1)):
         if getattr(args, name) is None:
             setattr(args, name, gpu if on_gpu else cpu)
@@ -151,9 +150,7 @@ def _reference_error(moe, x: torch.Tensor, y: torch.Tensor) -> float:
         nd = torch.stack([(y.double() - ref).norm() ** 2, ref.norm() ** 2])
         dist.all_reduce(nd)
         num, den = nd.tolist()
-        if not math.isfinite(num):
-            return math.inf
-        return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+        return math.sqrt(num / den) if math.isfinite(num) and den > 0 else (0.0 if num == 0 else math.inf)
 
 
 def capture_step(make_moe, x0: torch.Tensor, dy0: torch.Tensor, device, mode: str):
@@ -335,10 +332,8 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
 
     gen = torch.Generator(device=device).manual_seed(args.seed * 7 + rank + 1)
     n_sets = 4 if device.type == "cuda" else 2  # rotate inputs so L2 does not flatter
-    xs = [torch.randn(args.tokens, cfg.hidden, generator=gen, device=device, dtype=cfg.dtype)
-          for _ in range(n_sets)]
-    dys = [torch.randn(args.tokens, cfg.hidden, generator=gen, device=device, dtype=cfg.dtype)
-           for _ in range(n_sets)]
+    xs, dys = ([torch.randn(args.tokens, cfg.hidden, generator=gen, device=device, dtype=cfg.dtype)
+                for _ in range(n_sets)] for _ in range(2))
     offset = torch.linspace(args.skew, 0.0, cfg.num_experts, device=device) if args.skew else None
 
     timer = _Timer(device)
@@ -387,10 +382,9 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
             m = entry[mode]
             m["tflops"] = passes * float(cfg.flops_forward(total_rows)) / W / m["median_s"] / 1e12
             # the lowest input set's floor: a bound for every iteration the median is taken over
-            floors = [layer_floor_seconds(cfg, r, W, ceil, passes, e)
-                      for r, e in zip(rows_per_rank, experts_per_rank, strict=True)]
-            floor = None if ceil is None else min(floors)
-            m["floor_s"] = floor
+            m["floor_s"] = floor = None if ceil is None else min(
+                layer_floor_seconds(cfg, r, W, ceil, passes, e)
+                for r, e in zip(rows_per_rank, experts_per_rank, strict=True))
             m["x_floor"] = m["median_s"] / floor if floor else None
     if rank != 0:
         return None

@@ -31,12 +31,11 @@ class ByteCorpus:
         chunks, total = [], 0
         for path in self.files:
             with open(path, "rb") as f:
-                data = f.read()
-            chunks.append(np.frombuffer(data, dtype=np.uint8))
-            total += len(data)
+                chunks.append(np.frombuffer(f.read(), dtype=np.uint8))
+            total += len(chunks[-1])
             if total >= max_bytes:
                 break
-        data = np.concatenate(chunks)[:max_bytes] if chunks else np.zeros(0, np.uint8)
+        data = np.concatenate(chunks)[:max_bytes]
         n_eval = max(int(len(data) * eval_fraction), 1)
         self.train = torch.from_numpy(data[:-n_eval].copy())
         self.eval = torch.from_numpy(data[-n_eval:].copy())

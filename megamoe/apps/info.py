@@ -36,10 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"megamoe {megamoe.__version__}  python {platform.python_version()}  torch {torch.__version__}  "
           f"triton {triton.__version__}  numpy {numpy.__version__}")
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = "cuda" if n else "cpu"
     if n == 0:
         print("GPUs: none (CPU only: the layer runs on gloo ranks, Triton kernels under TRITON_INTERPRET=1, "
               "the symmetric heap in host shared memory)")
-        device = "cpu"
     else:
         print(f"CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, {n} GPU(s):")
         for i in range(n):
@@ -58,7 +58,6 @@ def main(argv: list[str] | None = None) -> int:
             print("symmetric memory: " + ("works on all " + str(n) + " GPUs" if not bad else "; ".join(bad)))
         except Exception as exc:  # noqa: BLE001 - report, do not crash the info command
             print(f"symmetric memory: FAILED ({str(exc).splitlines()[0]})")
-        device = "cuda"
     print("backends: " + ", ".join(
         f"{b} ({'available' if b in available_backends(device) else why_unavailable(b, device)})"
         for b in ("torch", "split", "fused")))

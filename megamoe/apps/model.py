@@ -52,8 +52,7 @@ def rotary_tables(seq: int, head_dim: int, base: float, device) -> tuple[torch.T
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, n, S, hd]: rotate pairs (x[..., :hd/2], x[..., hd/2:]) by the position angle."""
     x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-    return out.to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -94,11 +93,10 @@ class Block(nn.Module):
 
 
 class MoETransformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, group=None, backend: str = "torch", device=None, seed: int = 0):
+    def __init__(self, cfg: ModelConfig, group, backend: str, device: torch.device, seed: int):
         super().__init__()
         self.cfg = cfg
         D = cfg.moe.hidden
-        device = torch.device(device) if device is not None else torch.device("cpu")
         gen = torch.Generator().manual_seed(seed)  # replicated parameters: the same on every rank
         self.embed = nn.Embedding(VOCAB, D, device=device)
         self.blocks = nn.ModuleList(Block(cfg, group, backend, device, seed * 100 + i) for i in range(cfg.layers))

@@ -23,14 +23,14 @@ class PeerOutput(NamedTuple):
     out: torch.Tensor
 
 
-def _hf_modules(cfg, implementation: str):
+def _hf_modules(cfg):
     """(router, experts, family) of transformers for MoEConfig ``cfg``; ValueError names what has no peer."""
     try:
         import transformers  # noqa: F401
     except ImportError:
         raise ValueError("--peers needs transformers (pip install transformers)") from None
     common = dict(hidden_size=cfg.hidden, moe_intermediate_size=cfg.intermediate, num_experts_per_tok=cfg.top_k,
-                  norm_topk_prob=cfg.norm_topk, hidden_act="silu", experts_implementation=implementation)
+                  norm_topk_prob=cfg.norm_topk, hidden_act="silu", experts_implementation=IMPLEMENTATION)
     if cfg.expert_kind == "gpt_oss":
         if (cfg.swiglu_alpha, cfg.swiglu_limit) != (1.702, 7.0) or not cfg.router_bias or cfg.route_scale != 1.0:
             raise ValueError("no peer for gpt-oss experts other than transformers' (alpha 1.702, limit 7, router "
@@ -39,7 +39,7 @@ def _hf_modules(cfg, implementation: str):
         from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
 
         hf = GptOssConfig(hidden_size=cfg.hidden, intermediate_size=cfg.intermediate, num_local_experts=cfg.num_experts,
-                          num_experts_per_tok=cfg.top_k, experts_implementation=implementation)
+                          num_experts_per_tok=cfg.top_k, experts_implementation=IMPLEMENTATION)
         return m.GptOssTopKRouter(hf), m.GptOssExperts(hf), "gpt_oss"
     if cfg.expert_kind != "swiglu" or cfg.router_bias:
         raise ValueError(f"no peer for expert_kind {cfg.expert_kind!r} with router_bias={cfg.router_bias}")
@@ -71,12 +71,12 @@ class HFPeer(nn.Module):
     """transformers' router + experts for ``moe``'s config with ``moe``'s weights (one process: W must be 1).
     ``forward(x [T, H])`` -> PeerOutput(out [T, H]) in the layer dtype, as ``MoE.forward``'s ``.out``."""
 
-    def __init__(self, moe, implementation: str = IMPLEMENTATION):
+    def __init__(self, moe):
         super().__init__()
         if moe.world != 1:
             raise ValueError(f"peers run on one process; this layer has {moe.world} ranks")
-        self.router, self.experts, self.family = _hf_modules(moe.config, implementation)
-        self.name = f"hf-{self.family}:{implementation}"
+        self.router, self.experts, self.family = _hf_modules(moe.config)
+        self.name = f"hf-{self.family}:{IMPLEMENTATION}"
         dt = moe.config.dtype
         self.to(device=moe.device, dtype=dt)
         with torch.no_grad():

@@ -14,7 +14,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import subprocess
 import time
 from dataclasses import asdict, dataclass
@@ -45,10 +44,7 @@ def ceilings_for(device: torch.device) -> Ceilings | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for key, value in CEILINGS.items():
-        if key in name:
-            return value
-    return None
+    return next((ceil for key, ceil in CEILINGS.items() if key in name), None)
 
 
 def forward_bytes(cfg: MoEConfig, rows: int, world: int, experts: int | None = None) -> float:
@@ -56,8 +52,7 @@ def forward_bytes(cfg: MoEConfig, rows: int, world: int, experts: int | None = N
     read once, and its ``rows`` read and written once."""
     elem = torch.empty((), dtype=cfg.dtype).element_size()
     local = cfg.local_experts(world)
-    if experts is None:
-        experts = local
+    experts = local if experts is None else experts
     if not 0 <= experts <= local:
         raise ValueError(f"experts used on a rank must be in [0, {local}], got {experts}")
     weights = cfg.expert_weight_bytes(world) * experts // local
@@ -160,26 +155,16 @@ def source_digest(root: str | None = None) -> str:
 def run_metadata(device: torch.device, world: int) -> dict:
     import triton
 
-    meta = {
-        "commit": git_commit(),
-        "source_sha1": source_digest(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "host": platform.node(),
-        "world": world,
-        "device": device.type,
-    }
+    meta = {"commit": git_commit(), "source_sha1": source_digest(),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "torch": torch.__version__,
+            "triton": triton.__version__, "python": platform.python_version(), "host": platform.node(),
+            "world": world, "device": device.type}
     if device.type == "cuda":
-        meta["gpu"] = torch.cuda.get_device_name(device)
-        meta["cuda"] = torch.version.cuda
-        meta["gpu_count"] = torch.cuda.device_count()
         ceil = ceilings_for(device)
-        meta["ceilings"] = asdict(ceil) if ceil else None
+        meta.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                    gpu_count=torch.cuda.device_count(), ceilings=asdict(ceil) if ceil else None)
     else:
-        meta["gpu"] = None
-        meta["cpu"] = platform.processor() or platform.machine()
+        meta.update(gpu=None, cpu=platform.processor() or platform.machine())
     return meta
 
 
@@ -214,8 +199,3 @@ def run_ranks(run_rank, args, on_gpu: bool, check_world, timeout_s: float):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     return spawn(_spawned_rank, world, run_rank, args, on_gpu, device="cuda" if on_gpu else "cpu",
                  timeout_s=timeout_s)[0]
-
-
-def safe_name(spec: str) -> str:
-    """A backend spec as a file-name part: "split:presum_combine=1" -> "split_presum_combine_1"."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", spec)

@@ -8,7 +8,7 @@ host sync, no extra pass over the grads.
 
 ``--backends torch,split`` repeats the same run (seed, data) per backend in one group. ``--out`` gets
 ``summary.json`` (tokens/s/GPU, step breakdown, peak memory, losses, expert load), ``loss.png`` and, with
-``--ckpt-every``, per-rank checkpoints in ``ckpt-<safe_name(backend)>`` (``--resume`` continues from them).
+``--ckpt-every``, per-rank checkpoints in ``ckpt-<backend as a file name>`` (``--resume`` continues from them).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import contextlib
 import gc
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 from megamoe.apps.data import ByteCorpus
 from megamoe.apps.model import ModelConfig, MoETransformer
-from megamoe.apps.perf import Marks, run_metadata, run_ranks, safe_name, write_json
+from megamoe.apps.perf import Marks, run_metadata, run_ranks, write_json
 from megamoe.backends import parse_backend
 from megamoe.config import PRESETS, parse_dtype, preset
 from megamoe.layer import capture_moe_layers
@@ -98,8 +99,7 @@ def with_fp8(backends: str) -> str:
     return ",".join(dict.fromkeys(out))
 
 
-def _defaults(args, on_gpu: bool) -> argparse.Namespace:
-    a = argparse.Namespace(**vars(args))
+def _defaults(a, on_gpu: bool) -> argparse.Namespace:
     if a.fp8:
         a.backends = with_fp8(a.backends)
     a.preset = a.preset or ("qwen3-30b-a3b" if on_gpu else "tiny")
@@ -199,15 +199,13 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     ddp = DDP(model, device_ids=[device.index] if on_gpu else None, broadcast_buffers=False)
     opt.reload_masters(replicated)  # the masters follow DDP's broadcast of rank 0's replicated parameters
 
-    history = {"step": [], "loss": [], "aux": [], "lr": [], "grad_norm": [], "eval": []}
-    start = 0
-    ckpt = os.path.join(args.out, f"ckpt-{safe_name(backend)}", f"rank{rank}.pt")
+    history, start = {"step": [], "loss": [], "aux": [], "lr": [], "grad_norm": [], "eval": []}, 0
+    ckpt = os.path.join(args.out, "ckpt-" + re.sub(r"[^A-Za-z0-9_.-]", "_", backend), f"rank{rank}.pt")
     if args.resume and os.path.exists(ckpt):
         state = torch.load(ckpt, map_location=device, weights_only=False)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])  # also sets the bf16 parameters from the float32 masters
-        history = state["history"]
-        start = state["step"]
+        history, start = state["history"], state["step"]
     times = {"forward": [], "backward": [], "optimizer": [], "step": []}
     load_sum = None
     if on_gpu:
@@ -217,8 +215,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     end = min(args.steps, args.stop_at) if args.stop_at else args.steps
     tokens_per_step = args.batch * args.seq
     for step in range(start, end):
-        lr = lr_at(step, args)
-        opt.lr = lr
+        opt.lr = lr = lr_at(step, args)
         data = corpus.batch("train", args.batch, args.seq, args.seed, step, rank).to(device)
         marks = Marks(device)
         ce, aux, load, gnorm = train_step(ddp, data, opt, replicated, experts, args.clip, W, autocast, marks)
