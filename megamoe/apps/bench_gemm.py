@@ -17,11 +17,14 @@ import argparse
 import contextlib
 import datetime
 import functools
+import itertools
 import math
 import operator
 import sys
+import time
 
 import torch
+import triton
 
 from megamoe.apps.perf import git_commit, write_json
 from megamoe.config import PRESETS as CONFIGS
@@ -35,19 +38,14 @@ HBM = 4.3e12
 
 
 def _group_sizes(R: int, E_l: int, align: int, gen: torch.Generator) -> list[int]:
-    units = R // align
     probs = torch.full((E_l,), 1.0 / E_l)
-    counts = torch.multinomial(probs, units, replacement=True, generator=gen).bincount(minlength=E_l) * align
+    counts = torch.multinomial(probs, R // align, replacement=True, generator=gen).bincount(minlength=E_l) * align
     counts[-1] += R - int(counts.sum())
     return counts.tolist()
 
 
 def _bench(fn, rep_ms: float) -> float:
-    import triton
-
     if not torch.cuda.is_available():  # CPU smoke run: one timed call
-        import time
-
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
@@ -55,8 +53,7 @@ def _bench(fn, rep_ms: float) -> float:
 
 
 def _rowwise_fp8(t: torch.Tensor, dim: int):
-    amax = t.float().abs().amax(dim=dim, keepdim=True).clamp_min(1e-12)
-    s = amax / 448.0
+    s = t.float().abs().amax(dim=dim, keepdim=True).clamp_min(1e-12) / 448.0
     return (t.float() / s).to(torch.float8_e4m3fn), s.squeeze(dim)
 
 
@@ -64,7 +61,7 @@ def _failure(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
-def _torch_time(a, w, ends, rep_ms: float, extra: dict, fp8: bool = False, check=None):
+def _torch_time(a, w, ends, rep_ms: float, extra: dict, fp8: bool, check=None):
     """(ms, None) of torch's grouped GEMM a [R, K] x w [E_l, N, K]^T -> [R, N] bf16 (fp8: both quantised per row to
     e4m3, torch._scaled_grouped_mm), or (None, the error) where torch does not take it; ``check(out)`` first adds
     fields to ``extra``."""
@@ -125,8 +122,7 @@ def _time_ours(call, configs, kernel_names, rep_ms):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             regs = _regs(kernel_names)
-            ms = _bench(fn, rep_ms)
-            results.append({"config": None if cfg is None else cfg.__dict__, "ms": ms, **regs})
+            results.append({"config": None if cfg is None else cfg.__dict__, "ms": _bench(fn, rep_ms), **regs})
         except Exception as exc:  # noqa: BLE001 - a config that does not fit (shared memory) is reported
             results.append({"config": None if cfg is None else cfg.__dict__, "error": _failure(exc)})
     return results
@@ -157,8 +153,10 @@ def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[
     by1 = 2 * (R * H + E_l * 2 * I * H + R * I + R * 2 * I)
     by2 = 2 * (R * I + E_l * H * I + R * H)
 
-    def add(op, dtype, flops, nbytes, key, kernels, call, torch_ms=None, torch_err=None, extra=None):
-        """Time ``call(config)`` over ``candidates(key)`` and add op's row (torch's time measured before)."""
+    def add(op, dtype, flops, nbytes, key, kernels, call, vs_torch=(), check=None, **extra):
+        """op's row: torch's GEMM of ``vs_torch`` (a, w) timed if given, then ``call(config)`` per ``configs(key)``."""
+        torch_ms, torch_err = (_torch_time(*vs_torch, ends, args.rep, extra, dtype == "fp8", check) if vs_torch
+                               else (None, None))
         ours = _time_ours(call, configs(key), kernels, args.rep)
         best = min((r for r in ours if "ms" in r), key=lambda r: r["ms"], default={})
         floor = max(flops / PEAK[dtype], nbytes / HBM) * 1e3
@@ -166,22 +164,18 @@ def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[
                    ours_tflops=flops / best["ms"] / 1e9 if best else None, ours_config=best.get("config"),
                    ours_kernel=best.get("kernel"), n_regs=best.get("n_regs"), n_spills=best.get("n_spills"),
                    torch_ms=torch_ms, torch_tflops=flops / torch_ms / 1e9 if torch_ms else None,
-                   torch_error=torch_err, candidates=ours, **(extra or {}))
+                   torch_error=torch_err, candidates=ours, **extra)
         rows.append(row)
 
     # ---------------------------------------------------------------- bf16 forward
     act, h = X.gemm1_swiglu(x, w13, offs)
-    extra = {}
-    t, err = _torch_time(x, w13, ends, args.rep, extra, check=lambda h_t: {"rel_err_h_vs_torch": _rel(h, h_t)})
     add("gemm1_swiglu", "bf16", fl1, by1, "gemm1", BF16_KERNELS,
-        lambda c: X.gemm1_swiglu(x, w13, offs, out=act, h_out=h, config=c), t, err, extra)
+        lambda c: X.gemm1_swiglu(x, w13, offs, out=act, h_out=h, config=c), (x, w13),
+        lambda h_t: {"rel_err_h_vs_torch": _rel(h, h_t)})
 
     out = X.gemm2(act, w2, offs, scale=s)
-    extra = {}
-    t, err = _torch_time(act, w2, ends, args.rep, extra,
-                         check=lambda o_t: {"rel_err_vs_torch": _rel(out, o_t * s[:, None])})
-    add("gemm2", "bf16", fl2, by2, "gemm2", BF16_KERNELS,
-        lambda c: X.gemm2(act, w2, offs, scale=s, out=out, config=c), t, err, extra)
+    add("gemm2", "bf16", fl2, by2, "gemm2", BF16_KERNELS, lambda c: X.gemm2(act, w2, offs, scale=s, out=out, config=c),
+        (act, w2), lambda o_t: {"rel_err_vs_torch": _rel(out, o_t * s[:, None])})
 
     # ---------------------------------------------------------------- fp8 forward
     if not args.no_fp8:
@@ -190,17 +184,14 @@ def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[
         aq, as_ = X.quantize_act(act)
         w2q, w2s = X.quantize_weight(w2)
         a8, h8 = X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs)
-        extra = {"rel_err_h_vs_bf16": _rel(h8, h), "rel_err_act_vs_bf16": _rel(a8, act)}
-        t, err = _torch_time(x, w13, ends, args.rep, extra, fp8=True,
-                             check=lambda h_t: {"torch_rowwise_rel_err_h_vs_bf16": _rel(h_t, h)})
         add("gemm1_swiglu", "fp8", fl1, by1 // 2, "gemm1_fp8", FP8_KERNELS,
-            lambda c: X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs, config=c), t, err, extra)
+            lambda c: X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs, config=c), (x, w13),
+            lambda h_t: {"torch_rowwise_rel_err_h_vs_bf16": _rel(h_t, h)},
+            rel_err_h_vs_bf16=_rel(h8, h), rel_err_act_vs_bf16=_rel(a8, act))
         del a8, h8
         o8 = X.gemm2_fp8(aq, as_, w2q, w2s, offs, scale=s)
-        extra = {"rel_err_vs_bf16": _rel(o8, out)}
-        t, err = _torch_time(act, w2, ends, args.rep, extra, fp8=True)
         add("gemm2", "fp8", fl2, by2 // 2, "gemm2_fp8", FP8_KERNELS,
-            lambda c: X.gemm2_fp8(aq, as_, w2q, w2s, offs, scale=s, config=c), t, err, extra)
+            lambda c: X.gemm2_fp8(aq, as_, w2q, w2s, offs, scale=s, config=c), (act, w2), rel_err_vs_bf16=_rel(o8, out))
         del xq, w13q, aq, w2q, o8
 
     # ---------------------------------------------------------------- bf16 backward (ours only)
@@ -265,32 +256,27 @@ def main(argv: list[str] | None = None, candidates=None) -> int:
               file=sys.stderr)
         return 2
     rows = []
-    for preset in args.presets:
-        for tokens in args.tokens:
-            new = run_shape(preset, tokens, args.ep, args, candidates)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            rows.extend(new)
-            print_table(new)
-            sys.stdout.flush()
-            _write(args, rows)  # after every shape: a long run's partial results survive
+    for preset, tokens in itertools.product(args.presets, args.tokens):
+        new = run_shape(preset, tokens, args.ep, args, candidates)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        rows.extend(new)
+        print_table(new)
+        sys.stdout.flush()
+        _write(args, rows)  # after every shape: a long run's partial results survive
     print("\n== all shapes ==")
     print_table(rows)
     return 0
 
 
 def _write(args, rows) -> None:
-    import triton
-
     if args.json:
-        meta = {
-            "commit": args.commit or git_commit(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "triton": triton.__version__,
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "config": {k: v for k, v in vars(args).items() if k != "json"},
-            "ceilings": {"bf16_tflops": 790, "fp8_tflops": 1345, "hbm_tbps": 4.3},
-        }
+        meta = {"commit": args.commit or git_commit(),
+                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                "torch": torch.__version__, "triton": triton.__version__,
+                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "config": {k: v for k, v in vars(args).items() if k != "json"},
+                "ceilings": {"bf16_tflops": 790, "fp8_tflops": 1345, "hbm_tbps": 4.3}}
         write_json(args.json, {"meta": meta, "rows": rows})
 
 
