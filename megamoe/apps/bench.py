@@ -196,10 +196,8 @@ def _replay_times(captured: list, xs, dys, args, timer) -> list[list[float]]:
                 dy.copy_(dys[it % len(dys)])
             t0 = timer.start()
             graph.replay()
-            dt = timer.stop(t0)
-            if it >= args.warmup:
-                times[i].append(dt)
-    return times
+            times[i].append(timer.stop(t0))
+    return [t[args.warmup:] for t in times]
 
 
 def _graph_times(makers: list, xs, dys, args, timer, device, show: bool) -> list[dict]:
@@ -251,12 +249,10 @@ def _eager_entry(spec: str, module, ref_moe, xs, dys, args, timer, device, show:
             out = module(x)
             if mode == "forward+backward":
                 out.out.backward(dys[it % len(dys)])
-            dt = timer.stop(t0)
-            if it >= args.warmup:
-                times.append(dt)
+            times.append(timer.stop(t0))
             _progress(f"{spec} {mode} {it + 1}/{args.warmup + args.iters}", show, step=it > 0)
             del out
-        entry[mode] = _stats(_max_over_ranks(times, device))
+        entry[mode] = _stats(_max_over_ranks(times[args.warmup:], device))
         entry[mode]["peak_bytes"] = _max_over_ranks([torch.cuda.max_memory_allocated(device)], device)[0] \
             if cuda else None
     module.zero_grad(set_to_none=True)

@@ -19,7 +19,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from megamoe.apps.perf import run_metadata, write_json
+from megamoe.apps.perf import Marks, run_metadata, write_json
 from megamoe.dist import init_from_env
 
 CONFIGS = {
@@ -36,13 +36,10 @@ def _time(fn, iters: int, warmup: int):
     for _ in range(iters):
         dist.barrier()
         torch.cuda.synchronize()
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
+        marks = Marks(torch.device("cuda"))
         fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)  # us
+        marks.mark()
+        times.append(marks.elapsed()[0] * 1e6)  # us
     per_iter_max = torch.tensor(times, device="cuda")
     dist.all_reduce(per_iter_max, op=dist.ReduceOp.MAX)
     return float(per_iter_max.median()), per_iter_max.tolist()
@@ -72,25 +69,19 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
     onehot.scatter_(1, dest, True)
     send_dedup = onehot.sum(0)  # rows this rank sends to each rank in dispatch
     send_slots = torch.bincount(dest.reshape(-1), minlength=W)  # rows this rank receives back per rank in combine
-    all_dedup = [torch.empty_like(send_dedup) for _ in range(W)]
-    dist.all_gather(all_dedup, send_dedup)
-    all_slots = [torch.empty_like(send_slots) for _ in range(W)]
-    dist.all_gather(all_slots, send_slots)
-    recv_dedup = torch.stack([a[rank] for a in all_dedup])  # from each source
-    recv_slots = torch.stack([a[rank] for a in all_slots])  # combine: expert rank q sends back these rows to me
-    disp_remote = int(recv_dedup.sum() - recv_dedup[rank])
-    comb_remote = int(send_slots.sum() - send_slots[rank])
-    presum_remote = int(send_dedup.sum() - send_dedup[rank])  # presum combine: one row per (token, remote rank)
-    remote = torch.tensor([disp_remote, comb_remote, presum_remote], device=dev)
+    recv_dedup, recv_slots = torch.empty_like(send_dedup), torch.empty_like(send_slots)
+    dist.all_to_all_single(recv_dedup, send_dedup)  # from each source q: its send_dedup[rank]
+    dist.all_to_all_single(recv_slots, send_slots)  # combine: expert rank q sends back these rows to me
+    # remote rows of dispatch, combine and the presum combine (one row per (token, remote rank)), slowest rank's
+    remote = torch.tensor([int(t.sum() - t[rank]) for t in (recv_dedup, send_slots, send_dedup)], device=dev)
     dist.all_reduce(remote, op=dist.ReduceOp.MAX)
-    disp_bytes, comb_bytes, presum_bytes = int(remote[0]) * H * 2, int(remote[1]) * H * 2, int(remote[2]) * H * 2
+    disp_bytes, comb_bytes, presum_bytes = (int(r) * H * 2 for r in remote)
 
     res = {"config": name, "hidden": H, "num_experts": E, "topk": k, "tokens_per_rank": tokens, "world": W,
            "dispatch_remote_bytes": disp_bytes, "combine_remote_bytes": comb_bytes,
            "combine_presum_remote_bytes": presum_bytes, "rows": []}
 
     def add(op, sms, fn, nbytes):
-        """Time ``fn`` (see _time) and record it as ``op``'s row."""
         us, samples = _time(fn, iters, warmup)
         row = {"op": op, "sms": sms, "us": round(us, 2), "GBps": round(nbytes / (us * 1e-6) / 1e9, 1),
                "bytes": nbytes, "samples_us": [round(s, 2) for s in samples]}
@@ -113,10 +104,9 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
     state = {}
 
     def disp(sms):
-        state["recv"], state["h"] = dispatch(x_heap, idx, heap, num_sms=sms, recv=recv)
+        _, state["h"] = dispatch(x_heap, idx, heap, num_sms=sms, recv=recv)
 
-    def add_graphed(op, sms, fn, nbytes):
-        """Capture ``fn`` in a CUDA graph and time its replays as ``op``."""
+    def add_graphed(op, sms, fn, nbytes):  # fn captured in a CUDA graph, its replays timed
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             fn()
@@ -166,21 +156,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     init_from_env("cuda")
     sms_list = [int(s) for s in args.sms.split(",")]
-    results = []
     if dist.get_rank() == 0:
         print("bytes = rows received from other ranks x H x 2 (bf16); time = median over iterations of the max "
               "over ranks (CUDA events)", flush=True)
-    for name in args.configs.split(","):
-        results.append(run_config(name, args.tokens, sms_list, args.iters, args.warmup, args.seed))
+    results = [run_config(name, args.tokens, sms_list, args.iters, args.warmup, args.seed)
+               for name in args.configs.split(",")]
     if dist.get_rank() == 0 and args.json:
-        out = {
+        write_json(args.json, {
             "bench": "comm",
             "meta": run_metadata(torch.device("cuda", torch.cuda.current_device()), dist.get_world_size()),
             "bytes_definition": "rows received from other ranks x H x dtype size (2, bf16)",
             "time_definition": "median over iterations of the per-iteration max over ranks, CUDA events, us",
-            "results": results,
-        }
-        write_json(args.json, out)
+            "results": results})
         print(f"wrote {args.json}", flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -31,6 +31,7 @@ from megamoe.apps.data import ByteCorpus
 from megamoe.apps.model import ModelConfig, MoETransformer
 from megamoe.apps.perf import Marks, run_metadata, run_ranks, write_json
 from megamoe.backends import parse_backend
+from megamoe.comm import close_heaps
 from megamoe.config import PRESETS, parse_dtype, preset
 from megamoe.layer import capture_moe_layers
 from megamoe.optim import MasterAdamW
@@ -267,8 +268,6 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     gc.collect()
     if on_gpu:
         torch.cuda.empty_cache()
-    from megamoe.comm import close_heaps
-
     close_heaps()  # the split and fused backends' symmetric heaps belong to ep_group
     dist.destroy_process_group(ep_group)
     return summary
