@@ -214,8 +214,7 @@ def _graph_times(makers: list, xs, dys, args, timer, device, show: bool) -> list
         for i, times in enumerate(_replay_times(captured, xs, dys, args, timer)):
             out[i][mode] = _stats(_max_over_ranks(times, device))
         del captured
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
     return out
 
 
@@ -298,8 +297,7 @@ def _peers(cfg, args, xs, dys, offset, timer, device, show, results, interleaved
         print(f"megamoe bench --peers: no SonicMoE peer ({exc})", flush=True)
     for peer in peers:
         sonic, make = isinstance(peer, SonicPeer), functools.partial(type(peer), ref)  # a fresh one per capture
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
         try:  # SonicMoE may fail at its first launch or capture: dropped with the reason, the rest still timed
             entry = _eager_entry(peer.name, peer, ref, xs, dys, args, timer, device, show)
             if sonic and args.cuda_graph and args.interleave:  # captured after this loop, outside this try: try it now
@@ -361,8 +359,7 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
                                           device, show))
         moe.close()  # its heap too (on every rank): the next backend's memory is its own
         del moe
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
     if args.peers:
         _peers(cfg, args, xs, dys, offset, timer, device, show, results, interleaved)
     if interleaved:
@@ -411,10 +408,7 @@ def format_table(report: dict) -> str:
     w = max([8] + [len(label) for label in labels])
     lines = [head, f"{'backend':<{w}} {'fwd ms':>9} {'TFLOP/s':>8} {'x floor':>8} {'fwd+bwd ms':>11} "
                    f"{'TFLOP/s':>8} {'x floor':>8} {'rel err':>9} {'peak GiB':>8}"]
-
-    def fx(v):
-        return f"{v:8.2f}" if v is not None else f"{'n/a':>8}"
-
+    fx = lambda v: f"{v:8.2f}" if v is not None else f"{'n/a':>8}"
     for label, e in zip(labels, report["results"], strict=True):
         f, b = e["forward"], e["forward+backward"]
         err = e.get("rel_err")

@@ -258,8 +258,7 @@ def main(argv: list[str] | None = None, candidates=None) -> int:
     rows = []
     for preset, tokens in itertools.product(args.presets, args.tokens):
         new = run_shape(preset, tokens, args.ep, args, candidates)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
         rows.extend(new)
         print_table(new)
         sys.stdout.flush()

@@ -39,8 +39,6 @@ class ModelConfig:
             raise ValueError(f"hidden ({self.moe.hidden}) must be divisible by heads ({self.heads})")
         if (self.moe.hidden // self.heads) % 2:
             raise ValueError(f"head dim ({self.moe.hidden // self.heads}) must be even for rotary embeddings")
-        if self.layers < 1:
-            raise ValueError(f"layers must be >= 1, got {self.layers}")
 
 
 def rotary_tables(seq: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -140,8 +140,7 @@ def clip_multipliers(replicated: list[torch.Tensor], local: list[torch.Tensor], 
             return torch.zeros((), device=dev)
         return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).pow(2).sum()
 
-    rep = sq(replicated)
-    loc = sq(local)
+    rep, loc = sq(replicated), sq(local)
     dist.all_reduce(loc)
     norm = (rep + loc / world**2).sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -266,8 +265,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     del ddp, model, opt
     # make_graphed_callables leaves reference cycles: free the graphs and pool before the next backend's run
     gc.collect()
-    if on_gpu:
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()
     close_heaps()  # the split and fused backends' symmetric heaps belong to ep_group
     dist.destroy_process_group(ep_group)
     return summary
@@ -297,8 +295,7 @@ def run_rank(args, device: torch.device) -> dict | None:
     for b in args.backends.split(","):
         results.append(train_backend(b, args, device, corpus))
         gc.collect()  # what the finished run's locals held (graphs, their pool) goes before the next run
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
     if dist.get_rank() != 0:
         return None
     return {"meta": run_metadata(device, dist.get_world_size()),
@@ -313,12 +310,9 @@ def _finish(report: dict, args) -> None:
     bw = max([8] + [len(r["backend"]) for r in report["results"]])
     lines = [f"{'backend':<{bw}} {'tok/s/GPU':>10} {'step ms':>8} {'fwd':>7} {'bwd':>7} {'opt':>7} {'peak GiB':>9} "
              f"{'final loss':>10}"]
+    ms = lambda v: f"{v * 1e3:7.1f}" if v else f"{'n/a':>7}"
     for r in report["results"]:
         st = r["step_time_s"]
-
-        def ms(v):
-            return f"{v * 1e3:7.1f}" if v else f"{'n/a':>7}"
-
         peak = f"{r['peak_memory_bytes'] / 2**30:9.2f}" if r["peak_memory_bytes"] else f"{'n/a':>9}"
         tps = f"{r['tokens_per_s_per_gpu']:10,.0f}" if r["tokens_per_s_per_gpu"] else f"{'n/a':>10}"
         lines.append(f"{r['backend']:<{bw}} {tps} {ms(st['step']):>8} {ms(st['forward'])} {ms(st['backward'])} "
@@ -326,25 +320,21 @@ def _finish(report: dict, args) -> None:
     print("\n".join(lines))
     print(f"wrote {path}")
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # no pyplot: no backend to choose, no figure to close
     except ImportError:
         print("matplotlib not installed: no loss.png")
         return
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig = Figure(figsize=(6, 3.5))
+    ax = fig.subplots()
     for r in report["results"]:
         h = r["history"]
         ax.plot(h["step"], h["loss"], label=f"{r['backend']} train", lw=1)
         if h["eval"]:
             ax.plot([s for s, _ in h["eval"]], [v for _, v in h["eval"]], "o--", ms=3, label=f"{r['backend']} eval")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/byte)")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/byte)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "loss.png"), dpi=120)
-    plt.close(fig)
     print(f"wrote {os.path.join(args.out, 'loss.png')}")
 
 
