@@ -136,9 +136,7 @@ def _reference_error(moe, x: torch.Tensor, y: torch.Tensor) -> float:
             dist.all_gather(parts, pad)
             return torch.cat([p[:n] for p, n in zip(parts, Ts, strict=True)])
 
-        x_all = gather(x.double())
-        idx_all = gather(r.topk_idx)
-        w_all = gather(r.topk_w.double())
+        x_all, idx_all, w_all = (gather(t) for t in (x.double(), r.topk_idx, r.topk_w.double()))
         w13, w2, b13, b2 = moe.expert_weights(torch.float64)
         y_part = experts_ref(x_all, idx_all, w_all, w13, w2, moe.expert_offset, b13=b13, b2=b2,
                              act=expert_act(moe.config))

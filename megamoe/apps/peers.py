@@ -77,8 +77,7 @@ class HFPeer(nn.Module):
             raise ValueError(f"peers run on one process; this layer has {moe.world} ranks")
         self.router, self.experts, self.family = _hf_modules(moe.config)
         self.name = f"hf-{self.family}:{IMPLEMENTATION}"
-        dt = moe.config.dtype
-        self.to(device=moe.device, dtype=dt)
+        self.to(device=moe.device, dtype=moe.config.dtype)
         with torch.no_grad():
             self.router.weight.copy_(moe.router.weight.to(self.router.weight.dtype))
             if self.family == "gpt_oss":  # transformers' own layout
