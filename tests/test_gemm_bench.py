@@ -42,6 +42,11 @@ def test_bench_gemm_cpu_smoke(tmp_path):
             assert bench_gemm.KERNEL_TAGS[r["ours_kernel"]] == "triton", r["ours_kernel"]
         if "rel_err_h_vs_torch" in r:
             assert r["rel_err_h_vs_torch"] < 1e-2
+    # --seed draws the operands too: a second run's errors are the same numbers
+    again = tmp_path / "again.json"
+    assert bench_gemm.main(args + ["--json", str(again)]) == 0
+    errs = lambda d: [{k: v for k, v in r.items() if "err" in k} for r in d["rows"]]
+    assert errs(json.loads(again.read_text())) == errs(data)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's sweep (on a GPU it compiles ~70 configs)")
@@ -77,8 +82,8 @@ def test_sweep_candidates_suit_their_kernels(preset, monkeypatch):
     sweep = _gemm_sweep()
     H, I, E, _ = bench_gemm.PRESETS[preset]
     E_l, R = E // 4, 256
-    bf = lambda *shape: torch.empty(shape, dtype=torch.bfloat16)  # noqa: E731
-    f8 = lambda *shape: torch.empty(shape, dtype=torch.float8_e4m3fn)  # noqa: E731
+    bf = lambda *shape: torch.empty(shape, dtype=torch.bfloat16)
+    f8 = lambda *shape: torch.empty(shape, dtype=torch.float8_e4m3fn)
     h = bf(R, 2 * I)
     launches = {  # bench op: (config op, a, w, choose_config's keywords), as run_shape launches them
         "gemm1": ("gemm1_swiglu", bf(R, H), bf(E_l, 2 * I, H), dict(n=I, epilogue=EPI_SWIGLU, n_up=I)),

@@ -141,10 +141,11 @@ def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[
     sizes = _group_sizes(R, E_l, args.align, gen)
     offs = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32, device=dev)
     ends = offs[1:].contiguous()
-    x = torch.randn(R, H, device=dev, dtype=torch.bfloat16)
-    w13 = (torch.randn(E_l, 2 * I, H, device=dev) / math.sqrt(H)).to(torch.bfloat16)
-    w2 = (torch.randn(E_l, H, I, device=dev) / math.sqrt(I)).to(torch.bfloat16)
-    s = torch.rand(R, device=dev) + 0.5
+    dgen = torch.Generator(device=dev).manual_seed(args.seed)  # the operands too: rel_err fields repeat
+    x = torch.randn(R, H, device=dev, dtype=torch.bfloat16, generator=dgen)
+    w13 = (torch.randn(E_l, 2 * I, H, device=dev, generator=dgen) / math.sqrt(H)).to(torch.bfloat16)
+    w2 = (torch.randn(E_l, H, I, device=dev, generator=dgen) / math.sqrt(I)).to(torch.bfloat16)
+    s = torch.rand(R, device=dev, generator=dgen) + 0.5
     rows = []
     base = {"preset": preset, "tokens_per_gpu": tokens, "ep": ep, "R": R, "H": H, "I": I, "E_l": E_l,
             "group_min": min(sizes), "group_max": max(sizes)}
@@ -196,7 +197,7 @@ def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[
 
     # ---------------------------------------------------------------- bf16 backward (ours only)
     if not args.no_bwd:
-        dy = torch.randn(R, H, device=dev, dtype=torch.bfloat16)
+        dy = torch.randn(R, H, device=dev, dtype=torch.bfloat16, generator=dgen)
         dh, _ = X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s)
         add("dgrad2_swiglu", "bf16", fl2, 2 * (R * H + E_l * H * I + 3 * R * 2 * I), "dgrad2", BF16_KERNELS,
             lambda c: X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s, out=dh, config=c))
