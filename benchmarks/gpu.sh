@@ -130,13 +130,24 @@ if want peers; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/sonic/*.whl
     python3 -c "import tarfile; tarfile.open('.whl/sonic/cutlass_dsl_libs_base.tar.xz').extractall('/tmp/site')"
     sonic=/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages  # its .pth, by hand
-    # its first calls alone, bounded, with the Python stacks every 60 s (its CUTLASS DSL JIT compiles on first use; a
-    # bench call once sat silent past 300 s): the benches get SonicMoE only if these finish
-    if PYTHONPATH=$PYTHONPATH:$sonic timeout "${SONIC_PROBE_S:-240}" python3 - > "$OUT/sonic-probe.log" 2>&1 <<'EOF'
-import faulthandler, signal, sys, time
+    # its first calls alone, bounded, with the Python stacks every 60 s: quack compiles and autotunes every GEMM on
+    # first use (silent, ~90 CuTe DSL compiles tuned: more than one device call), so by default its one default config
+    # (MEGAMOE_SONIC_TUNE=default, named sonicmoe-untuned; =all tunes), compiled in-process (QUACK_COMPILE_WORKERS=1:
+    # quack 0.4.1's workers answer over their stdout, which the DSL's prints can wedge), each compile logged; the
+    # benches get SonicMoE only if these finish, and share the probe's kernel and tuning caches
+    export QUACK_CACHE_DIR=/tmp/quack_cache QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-1} \
+      MEGAMOE_SONIC_TUNE=${MEGAMOE_SONIC_TUNE:-default} CUTE_DSL_ARCH=sm_90a
+    if PYTHONPATH=$PYTHONPATH:$sonic QUACK_PRINT_AUTOTUNING=1 CUTE_DSL_LOG_TO_CONSOLE=1 CUTE_DSL_LOG_LEVEL=20 \
+        CUTE_DSL_JIT_TIME_PROFILING=1 timeout "${SONIC_PROBE_S:-420}" python3 - > "$OUT/sonic-probe.log" 2>&1 <<'EOF'
+import faulthandler, os, signal, sys, threading, time
 import torch
 faulthandler.dump_traceback_later(60, repeat=True, file=sys.stdout)
 faulthandler.register(signal.SIGTERM, file=sys.stdout, chain=True)  # where it was when timeout stopped it
+t0 = time.time()
+def watch():  # CPU time rising: compiling; flat, with the stacks in quack's _recv: wedged
+    while not time.sleep(30):
+        print(f"[{time.time() - t0:.0f} s] process CPU {sum(os.times()[:4]):.0f} s", flush=True)
+threading.Thread(target=watch, daemon=True).start()
 import sonicmoe
 from megamoe import preset
 from megamoe.apps.peers import SonicPeer
@@ -152,6 +163,11 @@ for i in range(3):
     y.float().sum().backward()
     torch.cuda.synchronize()
     print(f"forward+backward {i}: {time.perf_counter() - t:.2f} s", flush=True)
+t = time.perf_counter()
+with torch.no_grad():  # the inference form (no pre-activation kept) is a kernel of its own
+    peer(x.detach())
+torch.cuda.synchronize()
+print(f"no-grad forward: {time.perf_counter() - t:.2f} s", flush=True)
 ref = moe(x.detach()).out.float()
 print(f"error against the torch backend: {((y.float() - ref).norm() / ref.norm()).item():.2e}")
 EOF
