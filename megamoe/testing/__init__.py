@@ -21,6 +21,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -50,11 +51,8 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
         raise AssertionError(f"shape mismatch: {tuple(a.shape)} vs reference {tuple(ref.shape)}")
     if not torch.isfinite(a).all():
         return math.inf
-    denom = ref.norm().item()
-    num = (a - ref).norm().item()
-    if denom == 0.0:
-        return 0.0 if num == 0.0 else math.inf
-    return num / denom
+    num, denom = (a - ref).norm().item(), ref.norm().item()
+    return num / denom if denom else (0.0 if num == 0.0 else math.inf)
 
 
 @dataclass(frozen=True)
@@ -94,9 +92,8 @@ def _full_weights(cfg: MoEConfig, seed: int, device: torch.device):
     w13 = torch.randn(E, 2 * I, H, **kw) * H ** -0.5
     w2 = torch.randn(E, H, I, **kw) * I ** -0.5
     bias = torch.randn(E, **kw) * 0.1 if cfg.router == "sigmoid" else None
-    S = cfg.shared_intermediate
     shared = None
-    if S:
+    if S := cfg.shared_intermediate:
         gate = torch.randn(1, H, **kw) * H ** -0.5 if cfg.shared_gate else None
         shared = (torch.randn(2 * S, H, **kw) * H ** -0.5, torch.randn(H, S, **kw) * S ** -0.5, gate)
     return router, w13, w2, bias, shared
@@ -120,23 +117,19 @@ def layer_case(case: LayerCase, backend: str, device: torch.device, group=None, 
     seed = case.seed + 1000 * seed_offset()
     router_w, w13, w2, bias, shared = _full_weights(cfg, seed, device)
     shared = None if shared is None else tuple(None if t is None else t.to(cfg.dtype) for t in shared)
-    offset = logit_offset(case.offset, cfg.num_experts)
+    offset = logit_offset(case.offset, cfg.num_experts).float() if case.offset else None
     moe = MoE(cfg, group=group, backend=backend, device=device, **backend_options)
     load_full_weights(moe, router_w.to(cfg.dtype), w13.to(cfg.dtype), w2.to(cfg.dtype),
                       None if bias is None else bias.float(), shared=shared)
-    if case.offset:
-        moe.router.set_logit_offset(offset.float().to(device))
-    ref_weights = (router_w, w13, w2, bias, offset if case.offset else None, shared)
+    if offset is not None:
+        moe.router.set_logit_offset(offset.to(device))
+    ref_weights = (router_w, w13, w2, bias, offset, shared)
     errs: dict = {"case": case.name, "rank": rank, "counts_ok": True}
     for i, tokens in enumerate(calls):
-        r = _call(moe, cfg, tokens, rank, world, group, device, ref_weights, seed + 1 + 100 * i,
+        r = _call(moe, tokens, rank, world, group, device, ref_weights, seed + 1 + 100 * i,
                   repeat=case.repeat and i == 0)
-        for key in QUANTITIES:
-            errs[key] = max(errs.get(key, 0.0), r[key])
-        errs["counts_ok"] &= r["counts_ok"]
-        for key in ("out_shape", "max_expert_share", "tokens", "counts", "deterministic"):
-            if key in r:
-                errs[key] = r[key]
+        errs |= {**r, **{key: max(errs.get(key, 0.0), r[key]) for key in QUANTITIES},
+                 "counts_ok": errs["counts_ok"] and r["counts_ok"]}
     if tag is None:
         tag = f"{backend}.{'fp8' if backend_options.get('fp8') else case.dtype}"
         tag += ".cuda" if torch.device(device).type == "cuda" else ""
@@ -146,10 +139,10 @@ def layer_case(case: LayerCase, backend: str, device: torch.device, group=None, 
     return errs
 
 
-def _call(moe: MoE, cfg: MoEConfig, tokens: tuple[int, ...], rank: int, world: int, group, device, ref_weights,
-          seed: int, repeat: bool) -> dict:
+def _call(moe: MoE, tokens: tuple[int, ...], rank: int, world: int, group, device, ref_weights, seed: int,
+          repeat: bool) -> dict:
     """One forward + backward on this rank's share of a global batch from ``seed``, against the reference."""
-    router_w, w13, w2, bias, offset, shared = ref_weights
+    cfg, (router_w, w13, w2, bias, offset, shared) = moe.config, ref_weights
     gen = torch.Generator().manual_seed(seed)
     T_all = sum(tokens)
     x_all = torch.randn(T_all, cfg.hidden, generator=gen, dtype=torch.float64)
@@ -171,7 +164,7 @@ def _call(moe: MoE, cfg: MoEConfig, tokens: tuple[int, ...], rank: int, world: i
     ref_cfg = dataclasses.replace(cfg, dtype=torch.float64)
     xr, rw, r13, r2 = (t.to(cfg.dtype).double().to(device).requires_grad_() for t in (x_all, router_w, w13, w2))
     rb = None if bias is None else bias.float().double().to(device)
-    ro = None if offset is None else offset.float().double().to(device)
+    ro = None if offset is None else offset.double().to(device)
     sh = None if shared is None else tuple(None if t is None else t.double().to(device) for t in shared)
     y_ref, rr = moe_forward(xr, rw, r13, r2, ref_cfg, rb, ro, shared=sh)
     per_rank = [route_ref(xr[bounds[q]:bounds[q + 1]], rw, ref_cfg, rb, ro) for q in range(world)]
@@ -195,7 +188,6 @@ def _call(moe: MoE, cfg: MoEConfig, tokens: tuple[int, ...], rank: int, world: i
         "drouter": rel_err(drouter, ref_grads[1]),
         "dw13": rel_err(gather_experts(moe, dw13), ref_grads[2]),
         "dw2": rel_err(gather_experts(moe, dw2), ref_grads[3]),
-        "out_shape": tuple(out.out.shape),
         "max_expert_share": (out.tokens_per_expert.max().item() / max(1, (hi - lo) * cfg.top_k)),
         "tokens": hi - lo,
         "counts": out.tokens_per_expert.cpu().tolist(),
@@ -268,15 +260,10 @@ def bf16_cases(world: int) -> list[LayerCase]:
 def determinism_case(case: LayerCase, backend: str, device: torch.device, **backend_options) -> bool:
     """Two forward+backward passes on the same inputs, routed as the case's ``offset`` forces, give bitwise-equal
     outputs and gradients."""
-    cfg = case.config()
     rank = dist.get_rank() if dist.is_initialized() else 0
-    moe = MoE(cfg, backend=backend, device=device, seed=case.seed, **backend_options)
-    if case.offset:
-        moe.router.set_logit_offset(logit_offset(case.offset, cfg.num_experts).float().to(device))
-    gen = torch.Generator().manual_seed(case.seed + 10 + rank)
-    x = torch.randn(case.tokens[rank], cfg.hidden, generator=gen).to(cfg.dtype).to(device)
-    g = torch.randn(case.tokens[rank], cfg.hidden, generator=gen).to(cfg.dtype).to(device)
-    return all(torch.equal(a, b) for a, b in zip(run_grads(moe, x, g), run_grads(moe, x, g), strict=True))
+    a, b = layer_runs(case.config(), case.tokens[rank], device, [(backend, backend_options)], calls=2,
+                      input_seed=case.seed + 10 + rank, weight_seed=case.seed, offset=case.offset)
+    return all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
 
 
 def qwen3_experts(world: int) -> int:
@@ -341,9 +328,10 @@ def check_bounds(results: list[dict]) -> int:
 
 
 def layer_runs(cfg: MoEConfig, tokens: int, device: torch.device, specs: list[tuple[str, dict]], *, input_seed: int,
-               weight_seed: int, offset: dict | None = None) -> list[list[torch.Tensor]]:
-    """Per (backend, options) of ``specs``, this rank's [out, dx, drouter, dw13, dw2] of one forward + backward with
-    L = sum(out * g): weights from ``weight_seed``, x and g from ``input_seed``; ``offset``: {expert: logit offset}."""
+               weight_seed: int, offset: dict | None = None, calls: int = 1) -> list[list[torch.Tensor]]:
+    """Per (backend, options) of ``specs``, this rank's [out, dx, drouter, dw13, dw2] of ``calls`` forward + backward
+    passes in turn on one layer with L = sum(out * g): weights from ``weight_seed``, x and g from ``input_seed``;
+    ``offset``: {expert: logit offset}."""
     gen = torch.Generator().manual_seed(input_seed)
     x = torch.randn(tokens, cfg.hidden, generator=gen).to(cfg.dtype).to(device)
     g = torch.randn(tokens, cfg.hidden, generator=gen).to(cfg.dtype).to(device)
@@ -352,7 +340,7 @@ def layer_runs(cfg: MoEConfig, tokens: int, device: torch.device, specs: list[tu
         moe = MoE(cfg, backend=backend, device=device, seed=weight_seed, **opts)
         if offset:
             moe.router.set_logit_offset(logit_offset(offset, cfg.num_experts).float().to(device))
-        runs.append(run_grads(moe, x, g))
+        runs += [run_grads(moe, x, g) for _ in range(calls)]
         del moe
     return runs
 
@@ -455,8 +443,5 @@ def counting_weight_quantisations(moe: MoE):
         calls["n"] += w.data_ptr() in mine
         return real(w, *a, **kw)
 
-    split_mod.quantize_weight_both = counting
-    try:
+    with mock.patch.object(split_mod, "quantize_weight_both", counting):
         yield calls
-    finally:
-        split_mod.quantize_weight_both = real

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -97,8 +98,7 @@ def ptxas_usage(compiled, sass_always: bool = False) -> dict[str, int]:
             text = res.stdout + res.stderr
         else:
             (Path(tmp) / "k.o").write_bytes(compiled.asm["cubin"])
-        spill_st = re.search(r"(\d+) bytes spill stores", text)
-        spill_st = int(spill_st.group(1)) if spill_st else 0
+        spill_st = _count(r"(\d+) bytes spill stores", text)
         overlapped, by_regs = None, {}
         if sass_always or spill_st:
             try:
@@ -108,17 +108,20 @@ def ptxas_usage(compiled, sass_always: bool = False) -> dict[str, int]:
                 by_regs = {str(r): n for r, n in sorted(spills_by_regs(sass).items())}
             except Exception:  # noqa: BLE001 - a triton install without its bundled cuobjdump
                 overlapped, by_regs = -1, None
-    regs = re.search(r"Used (\d+) registers", text)
-    spill_ld = re.search(r"(\d+) bytes spill loads", text)
-    return {"registers": int(regs.group(1)) if regs else -1,
+    return {"registers": _count(r"Used (\d+) registers", text, -1),
             # ptxas C7510-C7519: "wgmma.mma_async instructions are serialized" (a wait after every wgmma)
             "wgmma_serialized": sorted(set(re.findall(r"\((C751\d)\)", text))),
             "spill_store_bytes": spill_st,
-            "spill_load_bytes": int(spill_ld.group(1)) if spill_ld else 0,
+            "spill_load_bytes": _count(r"(\d+) bytes spill loads", text),
             "shared_bytes": int(compiled.metadata.shared),
             "ffma_under_wgmma": overlapped,
             # spill-store bytes by the registers per thread where they are (spills_by_regs; None: no cuobjdump)
             "spill_store_bytes_by_regs": by_regs}
+
+
+def _count(pattern: str, text: str, missing: int = 0) -> int:
+    m = re.search(pattern, text)
+    return int(m.group(1)) if m else missing
 
 
 def spills_by_regs(sass: str) -> dict[int, int]:
@@ -137,18 +140,10 @@ def spills_by_regs(sass: str) -> dict[int, int]:
     return out
 
 
-class _HopperTarget:
-    """Stands in for Triton's CUDA driver where there is no GPU: the current target is sm_90a."""
-
-    def get_current_target(self):
-        return HOPPER
-
-    def get_current_device(self):
-        # its own key in JITFunction's per-device cache: sm_90a kernels never mix with real device-0 kernels
-        return "sm90a"
-
-    def get_current_stream(self, device=None):
-        return 0
+#: stands in for Triton's CUDA driver where there is no GPU: the current target is sm_90a; the device "sm90a" is its
+#: own key in JITFunction's per-device cache, so sm_90a kernels never mix with real device-0 kernels
+_HOPPER_DRIVER = types.SimpleNamespace(get_current_target=lambda: HOPPER, get_current_device=lambda: "sm90a",
+                                       get_current_stream=lambda device=None: 0)
 
 
 #: ptxas -v output of each kernel compiled under :func:`compile_only`, by hash, so ptxas_usage need not rerun ptxas
@@ -163,7 +158,7 @@ def _launches_to(run):
     stand-in target."""
     orig_run = JITFunction.run
     prev = drv._active
-    drv.set_active(_HopperTarget())
+    drv.set_active(_HOPPER_DRIVER)
     JITFunction.run = run
     try:
         yield
@@ -178,7 +173,6 @@ def compile_only(compiled: dict[str, dict[str, object]]):
     ``compiled[kernel name][cache key]`` collects the kernels. Outputs stay unwritten, so only code that never reads
     device results on the host (the sync-free backends) runs unchanged."""
     orig_run = JITFunction.run
-    env = os.environ.get("TRITON_DUMP_PTXAS_LOG")
 
     def run(self, *args, grid, warmup, **kwargs):
         log = io.StringIO()
@@ -191,16 +185,9 @@ def compile_only(compiled: dict[str, dict[str, object]]):
         compiled.setdefault(self.fn.__name__, {})[k.hash] = k
         return k
 
-    knobs.nvidia.dump_ptxas_log = True
-    try:
-        with _launches_to(run):
-            yield compiled
-    finally:
-        del knobs.nvidia.dump_ptxas_log  # setting the knob exported its environment variable: restore it
-        if env is None:
-            os.environ.pop("TRITON_DUMP_PTXAS_LOG", None)
-        else:
-            os.environ["TRITON_DUMP_PTXAS_LOG"] = env
+    with knobs.nvidia.scope(), _launches_to(run):  # scope: the knob exports an environment variable, restored after
+        knobs.nvidia.dump_ptxas_log = True
+        yield compiled
 
 
 #: the layers :func:`layer_report` compiles: (world, preset, experts, tokens per rank, backend, options). An int
@@ -235,26 +222,21 @@ def _fused_items(items: str | None):
     import megamoe.backends.fused as backend
     import megamoe.kernels.fused_moe as fm
 
-    if items is None:
-        yield
-        return
     orig = backend.gluon_fused_reason
 
     def no_device(cfg, **kw):
         return orig(cfg, **{**kw, "device": None})
 
-    backend.gluon_fused_reason = fm.gluon_fused_reason = no_device
-    try:
+    with contextlib.ExitStack() as stack:
+        for mod in (backend, fm) if items is not None else ():
+            stack.enter_context(mock.patch.object(mod, "gluon_fused_reason", no_device))
         yield
-    finally:
-        backend.gluon_fused_reason = fm.gluon_fused_reason = orig
 
 
 def _summary(k) -> dict:
-    widths = access_widths(k)
-    waits = Counter(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", k.asm["ptx"]))
-    tma_st = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", k.asm["ptx"]))
-    ptx = k.asm["ptx"]
+    widths, ptx = access_widths(k), k.asm["ptx"]
+    waits = Counter(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))
+    tma_st = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx))
     return {"ld": dict(widths["ld"]), "st": dict(widths["st"]), "tma_stores": tma_st, "wgmma_wait_groups": dict(waits),
             "bounded_waits": "%globaltimer" in ptx, "traps": len(re.findall(r"\btrap;", ptx)),
             "unfenced_publishes": unfenced_publishes(ptx),
@@ -264,13 +246,14 @@ def _summary(k) -> dict:
 
 @contextlib.contextmanager
 def _compiling(compiled: dict, where: dict, label: str, *kernels: str):
-    """:func:`compile_only`, labelling ``label`` in ``where`` each kernel of these names that the block compiles."""
-    before = {n: set(compiled.get(n, {})) for n in kernels}
+    """:func:`compile_only`, labelling ``label`` in ``where`` each kernel that the block compiles (of these names;
+    none named: any)."""
+    before = {n: set(v) for n, v in compiled.items()}
     with compile_only(compiled):
         yield
-    for n, keys in before.items():
-        for key in set(compiled.get(n, {})) - keys:
-            where[f"{n}#{key[:8]}"] = label
+    for n in kernels or list(compiled):
+        for key in set(compiled.get(n, {})) - before.get(n, set()):
+            where.setdefault(f"{n}#{key[:8]}", label)
 
 
 #: :func:`_gluon_fp8_ws`'s variants (label, epilogue, block_n, stages, experts, rows): the defaults at deepseek-v3's
@@ -479,17 +462,13 @@ def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
         for w, name, experts, tokens, backend, opts in entries:
             cfg = preset(name, num_experts=experts, max_tokens_per_rank=max(tokens, 1))
             label = f"W{w}/{name}/{tokens}tok/{backend}" + "".join(f":{k}={v}" for k, v in opts.items())
-            before = {n: set(v) for n, v in compiled.items()}
-            ctx = compile_only(compiled) if (rank > 0) == (compiling == 1) else launch_nothing()
+            ctx = _compiling(compiled, where, label) if (rank > 0) == (compiling == 1) else launch_nothing()
             layer_opts = {k: v for k, v in opts.items() if k != "items"}
             with ctx, _experts_uninitialised(MoE), _fused_items(opts.get("items")):
                 moe = MoE(cfg, backend=backend, device=torch.device("cpu"), seed=0, **layer_opts)
                 x = torch.zeros(tokens, cfg.hidden, dtype=cfg.dtype).requires_grad_()
                 out = moe(x).out
                 out.backward(torch.zeros_like(out))
-            for n, keys in compiled.items():
-                for key in set(keys) - before.get(n, set()):
-                    where.setdefault(f"{n}#{key[:8]}", label)
             del moe
     if standalone:
         for fn in (_gluon_fp8_dswiglu, _gluon_fp8_ws, _gluon_wgrad_ws, _wgrad_outputs, _router, _gluon_bf16_ws):
@@ -511,9 +490,7 @@ def layer_report() -> dict[str, dict]:
     which has least else to do), ~1.5x faster than one after the other."""
     from megamoe.dist import spawn
 
-    worlds = sorted({entry[0] for entry in LAYERS}, reverse=True)
-    if 1 not in worlds:
-        worlds.append(1)
+    worlds = sorted({entry[0] for entry in LAYERS} | {1}, reverse=True)
     out: dict[str, dict] = {}
     with ThreadPoolExecutor(len(worlds)) as pool:
         futs = [pool.submit(spawn, _layer_rank, w, w == 1, timeout_s=1500) for w in worlds]
