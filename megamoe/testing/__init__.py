@@ -84,19 +84,21 @@ def logit_offset(offset: dict, num_experts: int) -> torch.Tensor:
 
 
 def _full_weights(cfg: MoEConfig, seed: int, device: torch.device):
-    """Unsharded float64 weights, the same on every rank (drawn on ``device``: fast for full-width cases)."""
+    """Unsharded weights, the same on every rank (drawn on ``device``: fast for full-width cases) in float64 and
+    rounded as the layer keeps them: to its dtype, the router bias to float32."""
     gen = torch.Generator(device=device).manual_seed(seed)
     E, H, I = cfg.num_experts, cfg.hidden, cfg.intermediate
     kw = dict(generator=gen, dtype=torch.float64, device=device)
     router = torch.randn(E, H, **kw) * H ** -0.5
     w13 = torch.randn(E, 2 * I, H, **kw) * H ** -0.5
     w2 = torch.randn(E, H, I, **kw) * I ** -0.5
-    bias = torch.randn(E, **kw) * 0.1 if cfg.router == "sigmoid" else None
+    bias = (torch.randn(E, **kw) * 0.1).float() if cfg.router == "sigmoid" else None
     shared = None
     if S := cfg.shared_intermediate:
         gate = torch.randn(1, H, **kw) * H ** -0.5 if cfg.shared_gate else None
         shared = (torch.randn(2 * S, H, **kw) * H ** -0.5, torch.randn(H, S, **kw) * S ** -0.5, gate)
-    return router, w13, w2, bias, shared
+        shared = tuple(None if t is None else t.to(cfg.dtype) for t in shared)
+    return router.to(cfg.dtype), w13.to(cfg.dtype), w2.to(cfg.dtype), bias, shared
 
 
 #: weight of the aux loss in the checked loss: large enough that its gradient is a visible part of the router's
@@ -116,11 +118,9 @@ def layer_case(case: LayerCase, backend: str, device: torch.device, group=None, 
     cfg = case.config()
     seed = case.seed + 1000 * seed_offset()
     router_w, w13, w2, bias, shared = _full_weights(cfg, seed, device)
-    shared = None if shared is None else tuple(None if t is None else t.to(cfg.dtype) for t in shared)
     offset = logit_offset(case.offset, cfg.num_experts).float() if case.offset else None
     moe = MoE(cfg, group=group, backend=backend, device=device, **backend_options)
-    load_full_weights(moe, router_w.to(cfg.dtype), w13.to(cfg.dtype), w2.to(cfg.dtype),
-                      None if bias is None else bias.float(), shared=shared)
+    load_full_weights(moe, router_w, w13, w2, bias, shared=shared)
     if offset is not None:
         moe.router.set_logit_offset(offset.to(device))
     ref_weights = (router_w, w13, w2, bias, offset, shared)
@@ -163,8 +163,7 @@ def _call(moe: MoE, tokens: tuple[int, ...], rank: int, world: int, group, devic
     # --- float64 reference on the global batch, from the same (rounded) weights ---
     ref_cfg = dataclasses.replace(cfg, dtype=torch.float64)
     xr, rw, r13, r2 = (t.to(cfg.dtype).double().to(device).requires_grad_() for t in (x_all, router_w, w13, w2))
-    rb = None if bias is None else bias.float().double().to(device)
-    ro = None if offset is None else offset.double().to(device)
+    rb, ro = (None if t is None else t.double().to(device) for t in (bias, offset))
     sh = None if shared is None else tuple(None if t is None else t.double().to(device) for t in shared)
     y_ref, rr = moe_forward(xr, rw, r13, r2, ref_cfg, rb, ro, shared=sh)
     per_rank = [route_ref(xr[bounds[q]:bounds[q + 1]], rw, ref_cfg, rb, ro) for q in range(world)]

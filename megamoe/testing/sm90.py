@@ -185,7 +185,7 @@ def compile_only(compiled: dict[str, dict[str, object]]):
         compiled.setdefault(self.fn.__name__, {})[k.hash] = k
         return k
 
-    with knobs.nvidia.scope(), _launches_to(run):  # scope: the knob exports an environment variable, restored after
+    with knobs.nvidia.scope(), _launches_to(run):  # scope restores the knob and the environment variable it sets
         knobs.nvidia.dump_ptxas_log = True
         yield compiled
 
@@ -268,10 +268,16 @@ WS_VARIANTS = [
 ]
 
 
+def _grouped(E: int, R: int, **cfg):
+    """(offsets of R rows split evenly over E experts, a Gluon GemmConfig on 132 SMs)."""
+    from megamoe.kernels.gemm_config import GemmConfig
+
+    return torch.arange(0, E + 1, dtype=torch.int32) * (R // E), GemmConfig(num_sms=132, kernel="gluon", **cfg)
+
+
 def _gluon_fp8_ws(compiled: dict, where: dict) -> None:
     """Compile megamoe/kernels/gluon/fp8.py's kernel for WS_VARIANTS (plain: K = I = 2048, N = H = 7168; SwiGLU:
     K = H, I = 2048)."""
-    from megamoe.kernels.gemm_config import GemmConfig
     from megamoe.kernels.gluon.fp8 import launch_gluon_fp8_ws
 
     H, I = 7168, 2048
@@ -280,9 +286,7 @@ def _gluon_fp8_ws(compiled: dict, where: dict) -> None:
         N, K, N_w = (H, I, H) if epi == 0 else (I, H, 2 * I)
         aq, wq = torch.empty(R, K, dtype=f8), torch.empty(E, N_w, K, dtype=f8)  # never read: compiled only
         a_s, w_s = torch.ones(R, K // 128), torch.ones(E, N_w // 128, K // 128)
-        offs = torch.arange(0, E + 1, dtype=torch.int32) * (R // E)
-        cfg = GemmConfig(block_m=128, block_n=bn, block_k=128, num_stages=stages, num_warps=4, num_sms=132,
-                         kernel="gluon")
+        offs, cfg = _grouped(E, R, block_m=128, block_n=bn, block_k=128, num_stages=stages, num_warps=4)
         out = torch.empty(R, N, dtype=bf)
         h = torch.empty(R, 2 * I, dtype=bf) if epi == 1 else None
         with _compiling(compiled, where, f"gluon-fp8-ws/{label}", "_gluon_fp8_ws_kernel"):
@@ -304,7 +308,6 @@ DSWIGLU_VARIANTS = [
 
 def _gluon_fp8_dswiglu(compiled: dict, where: dict) -> None:
     """Compile megamoe/kernels/gluon/fp8_dswiglu.py's kernel for DSWIGLU_VARIANTS (K = H = 7168, N = I = 2048)."""
-    from megamoe.kernels.gemm_config import GemmConfig
     from megamoe.kernels.gluon.fp8_dswiglu import launch_gluon_fp8_dswiglu
 
     H, I = 7168, 2048
@@ -313,9 +316,7 @@ def _gluon_fp8_dswiglu(compiled: dict, where: dict) -> None:
         E, R = (1, 1) if edge else (8, 1024)
         aq, wq = torch.empty(R, H, dtype=f8), torch.empty(E, I, H, dtype=f8)  # never read: compiled only
         a_s, w_s = torch.ones(R, H // 128), torch.ones(E, I // 128, H // 128)
-        offs = torch.arange(0, E + 1, dtype=torch.int32) * (R // E)
-        cfg = GemmConfig(block_m=bm, block_n=bn, block_k=128, num_stages=stages, num_warps=warps, num_sms=132,
-                         kernel="gluon")
+        offs, cfg = _grouped(E, R, block_m=bm, block_n=bn, block_k=128, num_stages=stages, num_warps=warps)
         out, h = torch.empty(R, 2 * I, dtype=bf), torch.empty(R, 2 * I, dtype=bf)
         scale = torch.ones(R) if scaled else None
         dsp = torch.zeros(I // bn, R) if scaled else None
@@ -343,7 +344,6 @@ WS_BF16_VARIANTS = [
 def _gluon_bf16_ws(compiled: dict, where: dict) -> None:
     """Compile megamoe/kernels/gluon/bf16.py's kernel for WS_BF16_VARIANTS (GEMM2: K = I = 2048, N = H = 7168;
     GEMM1: K = H, I = 2048; SwiGLU backward: kn w2 [E, H, I], K = H, N = I)."""
-    from megamoe.kernels.gemm_config import GemmConfig
     from megamoe.kernels.gluon.bf16 import launch_gluon_bf16_ws
 
     H, I = 7168, 2048
@@ -353,9 +353,7 @@ def _gluon_bf16_ws(compiled: dict, where: dict) -> None:
         N, K, N_w = {0: (H if aligned else H - 4, I, H if aligned else H - 4), 1: (I, H, 2 * I), 2: (I, H, I)}[epi]
         a = torch.empty(R, K, dtype=bf)  # never read: zero-filling GBs of weights would cost ~1 s per variant
         w = torch.empty(E, K, N_w, dtype=bf) if kn else torch.empty(E, N_w, K, dtype=bf)
-        offs = torch.arange(0, E + 1, dtype=torch.int32) * (R // E)
-        cfg = GemmConfig(block_m=128, block_n=bn, block_k=64, num_stages=stages, num_warps=4, num_sms=132,
-                         kernel="gluon")
+        offs, cfg = _grouped(E, R, block_m=128, block_n=bn, block_k=64, num_stages=stages, num_warps=4)
         out = torch.empty(R, 2 * N if epi == 2 else N, dtype=bf)
         h = torch.empty(R, 2 * I, dtype=bf) if epi else None
         scale = torch.ones(R) if epi == 0 or "scale" in label else None
@@ -436,16 +434,6 @@ def launch_nothing():
     return _launches_to(lambda self, *args, grid, warmup, **kwargs: None)
 
 
-def _experts_uninitialised(moe_cls):
-    """MoE layers built inside the block initialise only the router: under compile_only no kernel reads the expert
-    weights, and drawing them costs ~6% of the report's time."""
-
-    def router_only(self, seed: int = 0) -> None:
-        self.router.reset_parameters(torch.Generator().manual_seed(seed))
-
-    return mock.patch.object(moe_cls, "reset_parameters", router_only)
-
-
 def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
     """This rank's LAYERS entries of this world size under compile_only; ``standalone``: also the Gluon GEMM,
     wgrad and router variants."""
@@ -455,6 +443,12 @@ def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
     compiled: dict[str, dict[str, object]] = {}
     where: dict[str, str] = {}
     entries = [e for e in LAYERS if e[0] == world]
+
+    # the layers initialise only the router: no kernel reads the expert weights, and drawing them costs ~6% of the
+    # report's time
+    def router_only(self, seed: int = 0) -> None:
+        self.router.reset_parameters(torch.Generator().manual_seed(seed))
+
     # pass 0: rank 0 compiles, the others skip their launches; pass 1: the reverse, rank 0's kernels from the cache
     for compiling in range(min(world, 2)):
         if compiling:  # else rank 1, running ahead, would compile rank 0's last entries too
@@ -464,7 +458,7 @@ def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
             label = f"W{w}/{name}/{tokens}tok/{backend}" + "".join(f":{k}={v}" for k, v in opts.items())
             ctx = _compiling(compiled, where, label) if (rank > 0) == (compiling == 1) else launch_nothing()
             layer_opts = {k: v for k, v in opts.items() if k != "items"}
-            with ctx, _experts_uninitialised(MoE), _fused_items(opts.get("items")):
+            with ctx, mock.patch.object(MoE, "reset_parameters", router_only), _fused_items(opts.get("items")):
                 moe = MoE(cfg, backend=backend, device=torch.device("cpu"), seed=0, **layer_opts)
                 x = torch.zeros(tokens, cfg.hidden, dtype=cfg.dtype).requires_grad_()
                 out = moe(x).out
