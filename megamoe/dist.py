@@ -57,9 +57,8 @@ def gpu_world(most: int = 4, least: int = 1) -> int:
     import torch
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    w = min(n, most)
-    if w >= least:
-        return w
+    if min(n, most) >= least:
+        return min(n, most)
     return least if n > 0 and share_gpus() else 0
 
 

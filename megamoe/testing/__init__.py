@@ -110,8 +110,7 @@ def layer_case(case: LayerCase, backend: str, device: torch.device, group=None, 
                **backend_options) -> dict:
     """Run ``case`` on this rank -> {"case", "rank", "tag", errors...}. ``tag``: its :data:`BOUNDS` entry (default
     "<backend>.<dtype>", or "<backend>.fp8" with fp8=1, + ".cuda" on a GPU)."""
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    world, rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
     calls = [case.tokens] + ([case.then] if case.then is not None else [])
     if any(len(t) != world for t in calls):
         raise ValueError(f"case {case.name}: token counts {calls} for {world} ranks")
@@ -157,8 +156,8 @@ def _call(moe: MoE, tokens: tuple[int, ...], rank: int, world: int, group, devic
         x = x_all[lo:hi].to(cfg.dtype).to(device).clone().requires_grad_()
         out = moe(x)
         loss = (out.out.double() * g_all[lo:hi].to(device)).sum() + AUX_WEIGHT * out.aux_loss.double()
-        runs.append((out, *_grads(loss, (x, moe.router.weight, moe.w13, moe.w2))))
-    out, dx, drouter, dw13, dw2 = runs[0]
+        runs.append((out, out.out, out.aux_loss, *_grads(loss, (x, moe.router.weight, moe.w13, moe.w2))))
+    out, _, _, dx, drouter, dw13, dw2 = runs[0]
 
     # --- float64 reference on the global batch, from the same (rounded) weights ---
     ref_cfg = dataclasses.replace(cfg, dtype=torch.float64)
@@ -193,9 +192,7 @@ def _call(moe: MoE, tokens: tuple[int, ...], rank: int, world: int, group, devic
         "counts_ok": torch.equal(out.tokens_per_expert.cpu(), mine.counts.cpu()),
     }
     if repeat:
-        a, b = runs
-        res["deterministic"] = torch.equal(a[0].out, b[0].out) and torch.equal(a[0].aux_loss, b[0].aux_loss) and \
-            all(torch.equal(p, q) for p, q in zip(a[1:], b[1:], strict=True))
+        res["deterministic"] = all(torch.equal(p, q) for p, q in zip(runs[0][1:], runs[1][1:], strict=True))
     return res
 
 

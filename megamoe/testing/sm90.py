@@ -129,15 +129,13 @@ def spills_by_regs(sass: str) -> dict[int, int]:
     warp-specialised kernel's partitions apart where ptxas -v gives only the total. -1: out-of-line blocks after
     the last EXIT, which cannot be attributed."""
     last_exit = max((m.start() for m in re.finditer(r"\bEXIT\b", sass)), default=len(sass))
-    out: dict[int, int] = {}
-    regs = 0
+    out, regs = Counter(), 0
     for m in re.finditer(r"USETMAXREG\.\S+\s+(?:\w+\s*,\s*)?0x([0-9a-f]+)|\bSTL(\.(?:64|128))?\b", sass):
         if m.group(1) is not None:
             regs = int(m.group(1), 16)
         else:
-            key = -1 if m.start() > last_exit else regs
-            out[key] = out.get(key, 0) + {".64": 8, ".128": 16}.get(m.group(2) or "", 4)
-    return out
+            out[-1 if m.start() > last_exit else regs] += {".64": 8, ".128": 16}.get(m.group(2) or "", 4)
+    return dict(out)
 
 
 #: stands in for Triton's CUDA driver where there is no GPU: the current target is sm_90a; the device "sm90a" is its
@@ -156,15 +154,8 @@ _COMPILE_S: dict[str, float] = {}
 def _launches_to(run):
     """Inside the block every Triton launch calls ``run(self, *args, grid=, warmup=, **kwargs)``, on the Hopper
     stand-in target."""
-    orig_run = JITFunction.run
-    prev = drv._active
-    drv.set_active(_HOPPER_DRIVER)
-    JITFunction.run = run
-    try:
+    with mock.patch.object(drv, "_active", _HOPPER_DRIVER), mock.patch.object(JITFunction, "run", run):
         yield
-    finally:
-        JITFunction.run = orig_run
-        drv._active = prev
 
 
 @contextlib.contextmanager
@@ -175,8 +166,7 @@ def compile_only(compiled: dict[str, dict[str, object]]):
     orig_run = JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
-        log = io.StringIO()
-        t0 = time.perf_counter()
+        log, t0 = io.StringIO(), time.perf_counter()
         with contextlib.redirect_stdout(log):  # a compile prints its ptxas -v output: kept for ptxas_usage
             k = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
         if "registers" in log.getvalue():  # compiled now (not from the cache)
@@ -370,8 +360,7 @@ def _wgrad_outputs(compiled: dict, where: dict) -> None:
     report's shared bytes show without a GPU."""
     from megamoe.experts import grouped_wgrad
 
-    x = torch.zeros(512, 4096, dtype=torch.bfloat16)
-    y = torch.zeros(512, 7168, dtype=torch.bfloat16)
+    x, y = torch.zeros(512, 4096, dtype=torch.bfloat16), torch.zeros(512, 7168, dtype=torch.bfloat16)
     offs = torch.tensor([0, 200, 512], dtype=torch.int32)
     for dt in (torch.bfloat16, torch.float32):
         with _compiling(compiled, where, f"wgrad/default/{str(dt).replace('torch.', '')}", "_grouped_wgrad_kernel"):

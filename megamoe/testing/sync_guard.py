@@ -106,16 +106,13 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         op = _host_read(func, args, kwargs)
-        if op is not None:
-            frame = _megamoe_caller(sys._getframe(1))
-            if frame is not None:
-                path, line = frame.f_code.co_filename, frame.f_lineno
-                where = f"{os.path.relpath(path, os.path.dirname(_PKG_DIR.rstrip(os.sep)))}:{line}"
-                module = frame.f_globals.get("__name__")
-                if not path.startswith(_PKG_DIR):  # (code run in a megamoe module's namespace from elsewhere)
-                    where += f" (module {module})"
-                raise HostSyncError(f"{op} reads tensor data on the host (a host-device sync on a GPU) at {where} "
-                                    f"in {frame.f_code.co_name}: {linecache.getline(path, line).strip()}")
+        if op is not None and (frame := _megamoe_caller(sys._getframe(1))) is not None:
+            path, line = frame.f_code.co_filename, frame.f_lineno
+            where = f"{os.path.relpath(path, os.path.dirname(_PKG_DIR.rstrip(os.sep)))}:{line}"
+            if not path.startswith(_PKG_DIR):  # (code run in a megamoe module's namespace from elsewhere)
+                where += f" (module {frame.f_globals.get('__name__')})"
+            raise HostSyncError(f"{op} reads tensor data on the host (a host-device sync on a GPU) at {where} "
+                                f"in {frame.f_code.co_name}: {linecache.getline(path, line).strip()}")
         return func(*args, **kwargs)
 
 
