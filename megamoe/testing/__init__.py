@@ -325,8 +325,8 @@ def check_bounds(results: list[dict]) -> int:
 
 def layer_runs(cfg: MoEConfig, tokens: int, device: torch.device, specs: list[tuple[str, dict]], *, input_seed: int,
                weight_seed: int, offset: dict | None = None, calls: int = 1) -> list[list[torch.Tensor]]:
-    """Per (backend, options) of ``specs``, this rank's [out, dx, drouter, dw13, dw2] of ``calls`` forward + backward
-    passes in turn on one layer with L = sum(out * g): weights from ``weight_seed``, x and g from ``input_seed``;
+    """Per (backend, options) of ``specs``, ``calls`` times in turn on one layer: this rank's [out, dx, drouter, dw13,
+    dw2] of a forward + backward with L = sum(out * g); weights from ``weight_seed``, x and g from ``input_seed``;
     ``offset``: {expert: logit offset}."""
     gen = torch.Generator().manual_seed(input_seed)
     x = torch.randn(tokens, cfg.hidden, generator=gen).to(cfg.dtype).to(device)
