@@ -31,8 +31,7 @@ NO_MULTICAST = {
 
 def disable_multicast() -> None:
     """Force the multicast switches off in this process (and in the children it starts)."""
-    for key, value in NO_MULTICAST.items():
-        os.environ[key] = value
+    os.environ.update(NO_MULTICAST)
 
 
 def under_torchrun() -> bool:
@@ -58,9 +57,8 @@ def gpu_world(most: int = 4, least: int = 1) -> int:
     import torch
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    w = min(n, most)
-    if w >= least:
-        return w
+    if min(n, most) >= least:
+        return min(n, most)
     return least if n > 0 and share_gpus() else 0
 
 
@@ -93,32 +91,28 @@ def init_from_env(device: str | None = None, timeout_s: float = 300.0):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    backend, dev = "gloo", torch.device("cpu")
     if device == "cuda":
         ngpu = torch.cuda.device_count()
-        backend = "nccl"
         if ngpu == 0:
             raise RuntimeError("device 'cuda' asked for, but no CUDA GPU is visible")
         local_world = os.environ.get("LOCAL_WORLD_SIZE")
+        crowded = local_world is not None and int(local_world) > ngpu  # more ranks on this host than GPUs
         if share_gpus():
             if local_world is None:
                 raise RuntimeError("MEGAMOE_SHARE_GPUS=1 needs LOCAL_WORLD_SIZE (the ranks on this host; torchrun and "
                                    "megamoe.dist.spawn set it) so that every rank picks the same process group")
-            if int(local_world) > ngpu:
-                backend = "gloo"  # NCCL refuses two ranks on one device
-        elif local_rank >= ngpu or (local_world is not None and int(local_world) > ngpu):
+        elif local_rank >= ngpu or crowded:
             # without LOCAL_WORLD_SIZE (srun / mpirun wrappers) a rank only knows its own index
             raise RuntimeError(f"local rank {local_rank} of {local_world or '?'} on this host, but this process sees "
                                f"{ngpu} GPU(s) (CUDA_VISIBLE_DEVICES?): one GPU per rank expected, GPU <local rank>; "
                                "MEGAMOE_SHARE_GPUS=1 lets more ranks than GPUs share them, on gloo, for correctness "
                                "runs only")
-        local_rank %= ngpu
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
+        dev = torch.device("cuda", local_rank % ngpu)
+        torch.cuda.set_device(dev.index)
+        backend = "gloo" if crowded else "nccl"  # NCCL refuses two ranks on one device
         global _GPU_RANKS_ON_GLOO
-        _GPU_RANKS_ON_GLOO = backend == "gloo"
-    else:
-        dev = torch.device("cpu")
-        backend = "gloo"
+        _GPU_RANKS_ON_GLOO = crowded
     if not dist.is_initialized():
         kwargs = {"device_id": dev} if backend == "nccl" else {}
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
@@ -151,9 +145,7 @@ def wire_dtype(dtype, group=None):
     import torch
     import torch.distributed as dist
 
-    if dtype == torch.bfloat16 and dist.get_backend(group) == "gloo":
-        return torch.float32
-    return dtype
+    return torch.float32 if dtype == torch.bfloat16 and dist.get_backend(group) == "gloo" else dtype
 
 
 class RankError(RuntimeError):

@@ -30,6 +30,8 @@ megakernel's items). An unsupported block, activation or option raises ``ValueEr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -62,15 +64,11 @@ def _gate_forward(self, hidden_states: torch.Tensor):
     return r.logits, r.topk_w, r.topk_idx
 
 
-_GATE_CLASSES: dict[type, type] = {}
-
-
+@functools.cache
 def _gate_class(cls: type) -> type:
     """A subclass of the model's router class (so transformers' output recorders still match it by isinstance)
     whose forward is megamoe's routing."""
-    if cls not in _GATE_CLASSES:
-        _GATE_CLASSES[cls] = type(f"MegaMoE{cls.__name__}", (cls,), {"forward": _gate_forward, "__module__": __name__})
-    return _GATE_CLASSES[cls]
+    return type(f"MegaMoE{cls.__name__}", (cls,), {"forward": _gate_forward, "__module__": __name__})
 
 
 def gpt_oss_from_transformers(gate_up, gate_up_bias, down, down_bias) -> tuple:
@@ -101,11 +99,9 @@ class MegaMoEExperts(nn.Module):
 
     def __init__(self, moe: MoE):
         super().__init__()
-        self.gate_up_proj = moe.w13
-        self.down_proj = moe.w2
-        if moe.b13 is not None:
-            self.gate_up_proj_bias = moe.b13
-            self.down_proj_bias = moe.b2
+        for name, t in zip(_EXPERT_TENSORS, (moe.w13, moe.w2, moe.b13, moe.b2), strict=True):
+            if t is not None:
+                setattr(self, name, t)
         self.num_experts = moe.config.num_experts
         self.__dict__["moe"] = moe  # not a submodule: its parameters are registered here under transformers' names
 

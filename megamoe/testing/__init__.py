@@ -21,6 +21,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -50,11 +51,8 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
         raise AssertionError(f"shape mismatch: {tuple(a.shape)} vs reference {tuple(ref.shape)}")
     if not torch.isfinite(a).all():
         return math.inf
-    denom = ref.norm().item()
-    num = (a - ref).norm().item()
-    if denom == 0.0:
-        return 0.0 if num == 0.0 else math.inf
-    return num / denom
+    num, denom = (a - ref).norm().item(), ref.norm().item()
+    return num / denom if denom else (0.0 if num == 0.0 else math.inf)
 
 
 @dataclass(frozen=True)
@@ -86,20 +84,21 @@ def logit_offset(offset: dict, num_experts: int) -> torch.Tensor:
 
 
 def _full_weights(cfg: MoEConfig, seed: int, device: torch.device):
-    """Unsharded float64 weights, the same on every rank (drawn on ``device``: fast for full-width cases)."""
+    """Unsharded weights, the same on every rank (drawn on ``device``: fast for full-width cases) in float64 and
+    rounded as the layer keeps them: to its dtype, the router bias to float32."""
     gen = torch.Generator(device=device).manual_seed(seed)
     E, H, I = cfg.num_experts, cfg.hidden, cfg.intermediate
     kw = dict(generator=gen, dtype=torch.float64, device=device)
     router = torch.randn(E, H, **kw) * H ** -0.5
     w13 = torch.randn(E, 2 * I, H, **kw) * H ** -0.5
     w2 = torch.randn(E, H, I, **kw) * I ** -0.5
-    bias = torch.randn(E, **kw) * 0.1 if cfg.router == "sigmoid" else None
-    S = cfg.shared_intermediate
+    bias = (torch.randn(E, **kw) * 0.1).float() if cfg.router == "sigmoid" else None
     shared = None
-    if S:
+    if S := cfg.shared_intermediate:
         gate = torch.randn(1, H, **kw) * H ** -0.5 if cfg.shared_gate else None
         shared = (torch.randn(2 * S, H, **kw) * H ** -0.5, torch.randn(H, S, **kw) * S ** -0.5, gate)
-    return router, w13, w2, bias, shared
+        shared = tuple(None if t is None else t.to(cfg.dtype) for t in shared)
+    return router.to(cfg.dtype), w13.to(cfg.dtype), w2.to(cfg.dtype), bias, shared
 
 
 #: weight of the aux loss in the checked loss: large enough that its gradient is a visible part of the router's
@@ -111,32 +110,25 @@ def layer_case(case: LayerCase, backend: str, device: torch.device, group=None, 
                **backend_options) -> dict:
     """Run ``case`` on this rank -> {"case", "rank", "tag", errors...}. ``tag``: its :data:`BOUNDS` entry (default
     "<backend>.<dtype>", or "<backend>.fp8" with fp8=1, + ".cuda" on a GPU)."""
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    world, rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
     calls = [case.tokens] + ([case.then] if case.then is not None else [])
     if any(len(t) != world for t in calls):
         raise ValueError(f"case {case.name}: token counts {calls} for {world} ranks")
     cfg = case.config()
     seed = case.seed + 1000 * seed_offset()
     router_w, w13, w2, bias, shared = _full_weights(cfg, seed, device)
-    shared = None if shared is None else tuple(None if t is None else t.to(cfg.dtype) for t in shared)
-    offset = logit_offset(case.offset, cfg.num_experts)
+    offset = logit_offset(case.offset, cfg.num_experts).float() if case.offset else None
     moe = MoE(cfg, group=group, backend=backend, device=device, **backend_options)
-    load_full_weights(moe, router_w.to(cfg.dtype), w13.to(cfg.dtype), w2.to(cfg.dtype),
-                      None if bias is None else bias.float(), shared=shared)
-    if case.offset:
-        moe.router.set_logit_offset(offset.float().to(device))
-    ref_weights = (router_w, w13, w2, bias, offset if case.offset else None, shared)
+    load_full_weights(moe, router_w, w13, w2, bias, shared=shared)
+    if offset is not None:
+        moe.router.set_logit_offset(offset.to(device))
+    ref_weights = (router_w, w13, w2, bias, offset, shared)
     errs: dict = {"case": case.name, "rank": rank, "counts_ok": True}
     for i, tokens in enumerate(calls):
-        r = _call(moe, cfg, tokens, rank, world, group, device, ref_weights, seed + 1 + 100 * i,
+        r = _call(moe, tokens, rank, world, group, device, ref_weights, seed + 1 + 100 * i,
                   repeat=case.repeat and i == 0)
-        for key in QUANTITIES:
-            errs[key] = max(errs.get(key, 0.0), r[key])
-        errs["counts_ok"] &= r["counts_ok"]
-        for key in ("out_shape", "max_expert_share", "tokens", "counts", "deterministic"):
-            if key in r:
-                errs[key] = r[key]
+        errs |= {**r, **{key: max(errs.get(key, 0.0), r[key]) for key in QUANTITIES},
+                 "counts_ok": errs["counts_ok"] and r["counts_ok"]}
     if tag is None:
         tag = f"{backend}.{'fp8' if backend_options.get('fp8') else case.dtype}"
         tag += ".cuda" if torch.device(device).type == "cuda" else ""
@@ -146,10 +138,10 @@ def layer_case(case: LayerCase, backend: str, device: torch.device, group=None, 
     return errs
 
 
-def _call(moe: MoE, cfg: MoEConfig, tokens: tuple[int, ...], rank: int, world: int, group, device, ref_weights,
-          seed: int, repeat: bool) -> dict:
+def _call(moe: MoE, tokens: tuple[int, ...], rank: int, world: int, group, device, ref_weights, seed: int,
+          repeat: bool) -> dict:
     """One forward + backward on this rank's share of a global batch from ``seed``, against the reference."""
-    router_w, w13, w2, bias, offset, shared = ref_weights
+    cfg, (router_w, w13, w2, bias, offset, shared) = moe.config, ref_weights
     gen = torch.Generator().manual_seed(seed)
     T_all = sum(tokens)
     x_all = torch.randn(T_all, cfg.hidden, generator=gen, dtype=torch.float64)
@@ -164,14 +156,13 @@ def _call(moe: MoE, cfg: MoEConfig, tokens: tuple[int, ...], rank: int, world: i
         x = x_all[lo:hi].to(cfg.dtype).to(device).clone().requires_grad_()
         out = moe(x)
         loss = (out.out.double() * g_all[lo:hi].to(device)).sum() + AUX_WEIGHT * out.aux_loss.double()
-        runs.append((out, *_grads(loss, (x, moe.router.weight, moe.w13, moe.w2))))
-    out, dx, drouter, dw13, dw2 = runs[0]
+        runs.append((out, out.out, out.aux_loss, *_grads(loss, (x, moe.router.weight, moe.w13, moe.w2))))
+    out, _, _, dx, drouter, dw13, dw2 = runs[0]
 
     # --- float64 reference on the global batch, from the same (rounded) weights ---
     ref_cfg = dataclasses.replace(cfg, dtype=torch.float64)
     xr, rw, r13, r2 = (t.to(cfg.dtype).double().to(device).requires_grad_() for t in (x_all, router_w, w13, w2))
-    rb = None if bias is None else bias.float().double().to(device)
-    ro = None if offset is None else offset.float().double().to(device)
+    rb, ro = (None if t is None else t.double().to(device) for t in (bias, offset))
     sh = None if shared is None else tuple(None if t is None else t.double().to(device) for t in shared)
     y_ref, rr = moe_forward(xr, rw, r13, r2, ref_cfg, rb, ro, shared=sh)
     per_rank = [route_ref(xr[bounds[q]:bounds[q + 1]], rw, ref_cfg, rb, ro) for q in range(world)]
@@ -195,16 +186,13 @@ def _call(moe: MoE, cfg: MoEConfig, tokens: tuple[int, ...], rank: int, world: i
         "drouter": rel_err(drouter, ref_grads[1]),
         "dw13": rel_err(gather_experts(moe, dw13), ref_grads[2]),
         "dw2": rel_err(gather_experts(moe, dw2), ref_grads[3]),
-        "out_shape": tuple(out.out.shape),
         "max_expert_share": (out.tokens_per_expert.max().item() / max(1, (hi - lo) * cfg.top_k)),
         "tokens": hi - lo,
         "counts": out.tokens_per_expert.cpu().tolist(),
         "counts_ok": torch.equal(out.tokens_per_expert.cpu(), mine.counts.cpu()),
     }
     if repeat:
-        a, b = runs
-        res["deterministic"] = torch.equal(a[0].out, b[0].out) and torch.equal(a[0].aux_loss, b[0].aux_loss) and \
-            all(torch.equal(p, q) for p, q in zip(a[1:], b[1:], strict=True))
+        res["deterministic"] = all(torch.equal(p, q) for p, q in zip(runs[0][1:], runs[1][1:], strict=True))
     return res
 
 
@@ -268,15 +256,10 @@ def bf16_cases(world: int) -> list[LayerCase]:
 def determinism_case(case: LayerCase, backend: str, device: torch.device, **backend_options) -> bool:
     """Two forward+backward passes on the same inputs, routed as the case's ``offset`` forces, give bitwise-equal
     outputs and gradients."""
-    cfg = case.config()
     rank = dist.get_rank() if dist.is_initialized() else 0
-    moe = MoE(cfg, backend=backend, device=device, seed=case.seed, **backend_options)
-    if case.offset:
-        moe.router.set_logit_offset(logit_offset(case.offset, cfg.num_experts).float().to(device))
-    gen = torch.Generator().manual_seed(case.seed + 10 + rank)
-    x = torch.randn(case.tokens[rank], cfg.hidden, generator=gen).to(cfg.dtype).to(device)
-    g = torch.randn(case.tokens[rank], cfg.hidden, generator=gen).to(cfg.dtype).to(device)
-    return all(torch.equal(a, b) for a, b in zip(run_grads(moe, x, g), run_grads(moe, x, g), strict=True))
+    a, b = layer_runs(case.config(), case.tokens[rank], device, [(backend, backend_options)], calls=2,
+                      input_seed=case.seed + 10 + rank, weight_seed=case.seed, offset=case.offset)
+    return all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
 
 
 def qwen3_experts(world: int) -> int:
@@ -341,9 +324,10 @@ def check_bounds(results: list[dict]) -> int:
 
 
 def layer_runs(cfg: MoEConfig, tokens: int, device: torch.device, specs: list[tuple[str, dict]], *, input_seed: int,
-               weight_seed: int, offset: dict | None = None) -> list[list[torch.Tensor]]:
-    """Per (backend, options) of ``specs``, this rank's [out, dx, drouter, dw13, dw2] of one forward + backward with
-    L = sum(out * g): weights from ``weight_seed``, x and g from ``input_seed``; ``offset``: {expert: logit offset}."""
+               weight_seed: int, offset: dict | None = None, calls: int = 1) -> list[list[torch.Tensor]]:
+    """Per (backend, options) of ``specs``, ``calls`` times in turn on one layer: this rank's [out, dx, drouter, dw13,
+    dw2] of a forward + backward with L = sum(out * g); weights from ``weight_seed``, x and g from ``input_seed``;
+    ``offset``: {expert: logit offset}."""
     gen = torch.Generator().manual_seed(input_seed)
     x = torch.randn(tokens, cfg.hidden, generator=gen).to(cfg.dtype).to(device)
     g = torch.randn(tokens, cfg.hidden, generator=gen).to(cfg.dtype).to(device)
@@ -352,7 +336,7 @@ def layer_runs(cfg: MoEConfig, tokens: int, device: torch.device, specs: list[tu
         moe = MoE(cfg, backend=backend, device=device, seed=weight_seed, **opts)
         if offset:
             moe.router.set_logit_offset(logit_offset(offset, cfg.num_experts).float().to(device))
-        runs.append(run_grads(moe, x, g))
+        runs += [run_grads(moe, x, g) for _ in range(calls)]
         del moe
     return runs
 
@@ -455,8 +439,5 @@ def counting_weight_quantisations(moe: MoE):
         calls["n"] += w.data_ptr() in mine
         return real(w, *a, **kw)
 
-    split_mod.quantize_weight_both = counting
-    try:
+    with mock.patch.object(split_mod, "quantize_weight_both", counting):
         yield calls
-    finally:
-        split_mod.quantize_weight_both = real

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -97,8 +98,7 @@ def ptxas_usage(compiled, sass_always: bool = False) -> dict[str, int]:
             text = res.stdout + res.stderr
         else:
             (Path(tmp) / "k.o").write_bytes(compiled.asm["cubin"])
-        spill_st = re.search(r"(\d+) bytes spill stores", text)
-        spill_st = int(spill_st.group(1)) if spill_st else 0
+        spill_st = _count(r"(\d+) bytes spill stores", text)
         overlapped, by_regs = None, {}
         if sass_always or spill_st:
             try:
@@ -108,17 +108,20 @@ def ptxas_usage(compiled, sass_always: bool = False) -> dict[str, int]:
                 by_regs = {str(r): n for r, n in sorted(spills_by_regs(sass).items())}
             except Exception:  # noqa: BLE001 - a triton install without its bundled cuobjdump
                 overlapped, by_regs = -1, None
-    regs = re.search(r"Used (\d+) registers", text)
-    spill_ld = re.search(r"(\d+) bytes spill loads", text)
-    return {"registers": int(regs.group(1)) if regs else -1,
+    return {"registers": _count(r"Used (\d+) registers", text, -1),
             # ptxas C7510-C7519: "wgmma.mma_async instructions are serialized" (a wait after every wgmma)
             "wgmma_serialized": sorted(set(re.findall(r"\((C751\d)\)", text))),
             "spill_store_bytes": spill_st,
-            "spill_load_bytes": int(spill_ld.group(1)) if spill_ld else 0,
+            "spill_load_bytes": _count(r"(\d+) bytes spill loads", text),
             "shared_bytes": int(compiled.metadata.shared),
             "ffma_under_wgmma": overlapped,
             # spill-store bytes by the registers per thread where they are (spills_by_regs; None: no cuobjdump)
             "spill_store_bytes_by_regs": by_regs}
+
+
+def _count(pattern: str, text: str, missing: int = 0) -> int:
+    m = re.search(pattern, text)
+    return int(m.group(1)) if m else missing
 
 
 def spills_by_regs(sass: str) -> dict[int, int]:
@@ -126,29 +129,19 @@ def spills_by_regs(sass: str) -> dict[int, int]:
     warp-specialised kernel's partitions apart where ptxas -v gives only the total. -1: out-of-line blocks after
     the last EXIT, which cannot be attributed."""
     last_exit = max((m.start() for m in re.finditer(r"\bEXIT\b", sass)), default=len(sass))
-    out: dict[int, int] = {}
-    regs = 0
+    out, regs = Counter(), 0
     for m in re.finditer(r"USETMAXREG\.\S+\s+(?:\w+\s*,\s*)?0x([0-9a-f]+)|\bSTL(\.(?:64|128))?\b", sass):
         if m.group(1) is not None:
             regs = int(m.group(1), 16)
         else:
-            key = -1 if m.start() > last_exit else regs
-            out[key] = out.get(key, 0) + {".64": 8, ".128": 16}.get(m.group(2) or "", 4)
-    return out
+            out[-1 if m.start() > last_exit else regs] += {".64": 8, ".128": 16}.get(m.group(2) or "", 4)
+    return dict(out)
 
 
-class _HopperTarget:
-    """Stands in for Triton's CUDA driver where there is no GPU: the current target is sm_90a."""
-
-    def get_current_target(self):
-        return HOPPER
-
-    def get_current_device(self):
-        # its own key in JITFunction's per-device cache: sm_90a kernels never mix with real device-0 kernels
-        return "sm90a"
-
-    def get_current_stream(self, device=None):
-        return 0
+#: stands in for Triton's CUDA driver where there is no GPU: the current target is sm_90a; the device "sm90a" is its
+#: own key in JITFunction's per-device cache, so sm_90a kernels never mix with real device-0 kernels
+_HOPPER_DRIVER = types.SimpleNamespace(get_current_target=lambda: HOPPER, get_current_device=lambda: "sm90a",
+                                       get_current_stream=lambda device=None: 0)
 
 
 #: ptxas -v output of each kernel compiled under :func:`compile_only`, by hash, so ptxas_usage need not rerun ptxas
@@ -161,15 +154,8 @@ _COMPILE_S: dict[str, float] = {}
 def _launches_to(run):
     """Inside the block every Triton launch calls ``run(self, *args, grid=, warmup=, **kwargs)``, on the Hopper
     stand-in target."""
-    orig_run = JITFunction.run
-    prev = drv._active
-    drv.set_active(_HopperTarget())
-    JITFunction.run = run
-    try:
+    with mock.patch.object(drv, "_active", _HOPPER_DRIVER), mock.patch.object(JITFunction, "run", run):
         yield
-    finally:
-        JITFunction.run = orig_run
-        drv._active = prev
 
 
 @contextlib.contextmanager
@@ -178,11 +164,9 @@ def compile_only(compiled: dict[str, dict[str, object]]):
     ``compiled[kernel name][cache key]`` collects the kernels. Outputs stay unwritten, so only code that never reads
     device results on the host (the sync-free backends) runs unchanged."""
     orig_run = JITFunction.run
-    env = os.environ.get("TRITON_DUMP_PTXAS_LOG")
 
     def run(self, *args, grid, warmup, **kwargs):
-        log = io.StringIO()
-        t0 = time.perf_counter()
+        log, t0 = io.StringIO(), time.perf_counter()
         with contextlib.redirect_stdout(log):  # a compile prints its ptxas -v output: kept for ptxas_usage
             k = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
         if "registers" in log.getvalue():  # compiled now (not from the cache)
@@ -191,16 +175,9 @@ def compile_only(compiled: dict[str, dict[str, object]]):
         compiled.setdefault(self.fn.__name__, {})[k.hash] = k
         return k
 
-    knobs.nvidia.dump_ptxas_log = True
-    try:
-        with _launches_to(run):
-            yield compiled
-    finally:
-        del knobs.nvidia.dump_ptxas_log  # setting the knob exported its environment variable: restore it
-        if env is None:
-            os.environ.pop("TRITON_DUMP_PTXAS_LOG", None)
-        else:
-            os.environ["TRITON_DUMP_PTXAS_LOG"] = env
+    with knobs.nvidia.scope(), _launches_to(run):  # scope restores the knob and the environment variable it sets
+        knobs.nvidia.dump_ptxas_log = True
+        yield compiled
 
 
 #: the layers :func:`layer_report` compiles: (world, preset, experts, tokens per rank, backend, options). An int
@@ -235,26 +212,21 @@ def _fused_items(items: str | None):
     import megamoe.backends.fused as backend
     import megamoe.kernels.fused_moe as fm
 
-    if items is None:
-        yield
-        return
     orig = backend.gluon_fused_reason
 
     def no_device(cfg, **kw):
         return orig(cfg, **{**kw, "device": None})
 
-    backend.gluon_fused_reason = fm.gluon_fused_reason = no_device
-    try:
+    with contextlib.ExitStack() as stack:
+        for mod in (backend, fm) if items is not None else ():
+            stack.enter_context(mock.patch.object(mod, "gluon_fused_reason", no_device))
         yield
-    finally:
-        backend.gluon_fused_reason = fm.gluon_fused_reason = orig
 
 
 def _summary(k) -> dict:
-    widths = access_widths(k)
-    waits = Counter(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", k.asm["ptx"]))
-    tma_st = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", k.asm["ptx"]))
-    ptx = k.asm["ptx"]
+    widths, ptx = access_widths(k), k.asm["ptx"]
+    waits = Counter(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))
+    tma_st = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx))
     return {"ld": dict(widths["ld"]), "st": dict(widths["st"]), "tma_stores": tma_st, "wgmma_wait_groups": dict(waits),
             "bounded_waits": "%globaltimer" in ptx, "traps": len(re.findall(r"\btrap;", ptx)),
             "unfenced_publishes": unfenced_publishes(ptx),
@@ -264,13 +236,14 @@ def _summary(k) -> dict:
 
 @contextlib.contextmanager
 def _compiling(compiled: dict, where: dict, label: str, *kernels: str):
-    """:func:`compile_only`, labelling ``label`` in ``where`` each kernel of these names that the block compiles."""
-    before = {n: set(compiled.get(n, {})) for n in kernels}
+    """:func:`compile_only`, labelling ``label`` in ``where`` each kernel that the block compiles (of these names;
+    none named: any)."""
+    before = {n: set(v) for n, v in compiled.items()}
     with compile_only(compiled):
         yield
-    for n, keys in before.items():
-        for key in set(compiled.get(n, {})) - keys:
-            where[f"{n}#{key[:8]}"] = label
+    for n in kernels or list(compiled):
+        for key in set(compiled.get(n, {})) - before.get(n, set()):
+            where.setdefault(f"{n}#{key[:8]}", label)
 
 
 #: :func:`_gluon_fp8_ws`'s variants (label, epilogue, block_n, stages, experts, rows): the defaults at deepseek-v3's
@@ -285,10 +258,16 @@ WS_VARIANTS = [
 ]
 
 
+def _grouped(E: int, R: int, **cfg):
+    """(offsets of R rows split evenly over E experts, a Gluon GemmConfig on 132 SMs)."""
+    from megamoe.kernels.gemm_config import GemmConfig
+
+    return torch.arange(0, E + 1, dtype=torch.int32) * (R // E), GemmConfig(num_sms=132, kernel="gluon", **cfg)
+
+
 def _gluon_fp8_ws(compiled: dict, where: dict) -> None:
     """Compile megamoe/kernels/gluon/fp8.py's kernel for WS_VARIANTS (plain: K = I = 2048, N = H = 7168; SwiGLU:
     K = H, I = 2048)."""
-    from megamoe.kernels.gemm_config import GemmConfig
     from megamoe.kernels.gluon.fp8 import launch_gluon_fp8_ws
 
     H, I = 7168, 2048
@@ -297,9 +276,7 @@ def _gluon_fp8_ws(compiled: dict, where: dict) -> None:
         N, K, N_w = (H, I, H) if epi == 0 else (I, H, 2 * I)
         aq, wq = torch.empty(R, K, dtype=f8), torch.empty(E, N_w, K, dtype=f8)  # never read: compiled only
         a_s, w_s = torch.ones(R, K // 128), torch.ones(E, N_w // 128, K // 128)
-        offs = torch.arange(0, E + 1, dtype=torch.int32) * (R // E)
-        cfg = GemmConfig(block_m=128, block_n=bn, block_k=128, num_stages=stages, num_warps=4, num_sms=132,
-                         kernel="gluon")
+        offs, cfg = _grouped(E, R, block_m=128, block_n=bn, block_k=128, num_stages=stages, num_warps=4)
         out = torch.empty(R, N, dtype=bf)
         h = torch.empty(R, 2 * I, dtype=bf) if epi == 1 else None
         with _compiling(compiled, where, f"gluon-fp8-ws/{label}", "_gluon_fp8_ws_kernel"):
@@ -321,7 +298,6 @@ DSWIGLU_VARIANTS = [
 
 def _gluon_fp8_dswiglu(compiled: dict, where: dict) -> None:
     """Compile megamoe/kernels/gluon/fp8_dswiglu.py's kernel for DSWIGLU_VARIANTS (K = H = 7168, N = I = 2048)."""
-    from megamoe.kernels.gemm_config import GemmConfig
     from megamoe.kernels.gluon.fp8_dswiglu import launch_gluon_fp8_dswiglu
 
     H, I = 7168, 2048
@@ -330,9 +306,7 @@ def _gluon_fp8_dswiglu(compiled: dict, where: dict) -> None:
         E, R = (1, 1) if edge else (8, 1024)
         aq, wq = torch.empty(R, H, dtype=f8), torch.empty(E, I, H, dtype=f8)  # never read: compiled only
         a_s, w_s = torch.ones(R, H // 128), torch.ones(E, I // 128, H // 128)
-        offs = torch.arange(0, E + 1, dtype=torch.int32) * (R // E)
-        cfg = GemmConfig(block_m=bm, block_n=bn, block_k=128, num_stages=stages, num_warps=warps, num_sms=132,
-                         kernel="gluon")
+        offs, cfg = _grouped(E, R, block_m=bm, block_n=bn, block_k=128, num_stages=stages, num_warps=warps)
         out, h = torch.empty(R, 2 * I, dtype=bf), torch.empty(R, 2 * I, dtype=bf)
         scale = torch.ones(R) if scaled else None
         dsp = torch.zeros(I // bn, R) if scaled else None
@@ -360,7 +334,6 @@ WS_BF16_VARIANTS = [
 def _gluon_bf16_ws(compiled: dict, where: dict) -> None:
     """Compile megamoe/kernels/gluon/bf16.py's kernel for WS_BF16_VARIANTS (GEMM2: K = I = 2048, N = H = 7168;
     GEMM1: K = H, I = 2048; SwiGLU backward: kn w2 [E, H, I], K = H, N = I)."""
-    from megamoe.kernels.gemm_config import GemmConfig
     from megamoe.kernels.gluon.bf16 import launch_gluon_bf16_ws
 
     H, I = 7168, 2048
@@ -370,9 +343,7 @@ def _gluon_bf16_ws(compiled: dict, where: dict) -> None:
         N, K, N_w = {0: (H if aligned else H - 4, I, H if aligned else H - 4), 1: (I, H, 2 * I), 2: (I, H, I)}[epi]
         a = torch.empty(R, K, dtype=bf)  # never read: zero-filling GBs of weights would cost ~1 s per variant
         w = torch.empty(E, K, N_w, dtype=bf) if kn else torch.empty(E, N_w, K, dtype=bf)
-        offs = torch.arange(0, E + 1, dtype=torch.int32) * (R // E)
-        cfg = GemmConfig(block_m=128, block_n=bn, block_k=64, num_stages=stages, num_warps=4, num_sms=132,
-                         kernel="gluon")
+        offs, cfg = _grouped(E, R, block_m=128, block_n=bn, block_k=64, num_stages=stages, num_warps=4)
         out = torch.empty(R, 2 * N if epi == 2 else N, dtype=bf)
         h = torch.empty(R, 2 * I, dtype=bf) if epi else None
         scale = torch.ones(R) if epi == 0 or "scale" in label else None
@@ -389,8 +360,7 @@ def _wgrad_outputs(compiled: dict, where: dict) -> None:
     report's shared bytes show without a GPU."""
     from megamoe.experts import grouped_wgrad
 
-    x = torch.zeros(512, 4096, dtype=torch.bfloat16)
-    y = torch.zeros(512, 7168, dtype=torch.bfloat16)
+    x, y = torch.zeros(512, 4096, dtype=torch.bfloat16), torch.zeros(512, 7168, dtype=torch.bfloat16)
     offs = torch.tensor([0, 200, 512], dtype=torch.int32)
     for dt in (torch.bfloat16, torch.float32):
         with _compiling(compiled, where, f"wgrad/default/{str(dt).replace('torch.', '')}", "_grouped_wgrad_kernel"):
@@ -453,16 +423,6 @@ def launch_nothing():
     return _launches_to(lambda self, *args, grid, warmup, **kwargs: None)
 
 
-def _experts_uninitialised(moe_cls):
-    """MoE layers built inside the block initialise only the router: under compile_only no kernel reads the expert
-    weights, and drawing them costs ~6% of the report's time."""
-
-    def router_only(self, seed: int = 0) -> None:
-        self.router.reset_parameters(torch.Generator().manual_seed(seed))
-
-    return mock.patch.object(moe_cls, "reset_parameters", router_only)
-
-
 def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
     """This rank's LAYERS entries of this world size under compile_only; ``standalone``: also the Gluon GEMM,
     wgrad and router variants."""
@@ -472,6 +432,12 @@ def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
     compiled: dict[str, dict[str, object]] = {}
     where: dict[str, str] = {}
     entries = [e for e in LAYERS if e[0] == world]
+
+    # the layers initialise only the router: no kernel reads the expert weights, and drawing them costs ~6% of the
+    # report's time
+    def router_only(self, seed: int = 0) -> None:
+        self.router.reset_parameters(torch.Generator().manual_seed(seed))
+
     # pass 0: rank 0 compiles, the others skip their launches; pass 1: the reverse, rank 0's kernels from the cache
     for compiling in range(min(world, 2)):
         if compiling:  # else rank 1, running ahead, would compile rank 0's last entries too
@@ -479,17 +445,13 @@ def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
         for w, name, experts, tokens, backend, opts in entries:
             cfg = preset(name, num_experts=experts, max_tokens_per_rank=max(tokens, 1))
             label = f"W{w}/{name}/{tokens}tok/{backend}" + "".join(f":{k}={v}" for k, v in opts.items())
-            before = {n: set(v) for n, v in compiled.items()}
-            ctx = compile_only(compiled) if (rank > 0) == (compiling == 1) else launch_nothing()
+            ctx = _compiling(compiled, where, label) if (rank > 0) == (compiling == 1) else launch_nothing()
             layer_opts = {k: v for k, v in opts.items() if k != "items"}
-            with ctx, _experts_uninitialised(MoE), _fused_items(opts.get("items")):
+            with ctx, mock.patch.object(MoE, "reset_parameters", router_only), _fused_items(opts.get("items")):
                 moe = MoE(cfg, backend=backend, device=torch.device("cpu"), seed=0, **layer_opts)
                 x = torch.zeros(tokens, cfg.hidden, dtype=cfg.dtype).requires_grad_()
                 out = moe(x).out
                 out.backward(torch.zeros_like(out))
-            for n, keys in compiled.items():
-                for key in set(keys) - before.get(n, set()):
-                    where.setdefault(f"{n}#{key[:8]}", label)
             del moe
     if standalone:
         for fn in (_gluon_fp8_dswiglu, _gluon_fp8_ws, _gluon_wgrad_ws, _wgrad_outputs, _router, _gluon_bf16_ws):
@@ -511,9 +473,7 @@ def layer_report() -> dict[str, dict]:
     which has least else to do), ~1.5x faster than one after the other."""
     from megamoe.dist import spawn
 
-    worlds = sorted({entry[0] for entry in LAYERS}, reverse=True)
-    if 1 not in worlds:
-        worlds.append(1)
+    worlds = sorted({entry[0] for entry in LAYERS} | {1}, reverse=True)
     out: dict[str, dict] = {}
     with ThreadPoolExecutor(len(worlds)) as pool:
         futs = [pool.submit(spawn, _layer_rank, w, w == 1, timeout_s=1500) for w in worlds]

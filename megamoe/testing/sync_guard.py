@@ -57,14 +57,12 @@ def _in(frame, pkg: str, pkg_dir: str) -> bool:
 
 def _megamoe_caller(frame):
     """The nearest frame outside torch (and this module): returned if it is megamoe code that counts, else None."""
-    while frame is not None:
-        if not (_in(frame, "torch", _TORCH_DIR) or frame.f_globals.get("__name__") == __name__):
-            if not _in(frame, "megamoe", _PKG_DIR):
-                return None
-            excluded = frame.f_globals.get("__name__") in EXCLUDED or frame.f_code.co_filename in _EXCLUDED_FILES
-            return None if excluded else frame
+    while frame is not None and (_in(frame, "torch", _TORCH_DIR) or frame.f_globals.get("__name__") == __name__):
         frame = frame.f_back
-    return None
+    if frame is None or not _in(frame, "megamoe", _PKG_DIR):
+        return None
+    excluded = frame.f_globals.get("__name__") in EXCLUDED or frame.f_code.co_filename in _EXCLUDED_FILES
+    return None if excluded else frame
 
 
 #: torch callables that always read tensor data on the host -> the name reported (str(t) reaches torch as __repr__)
@@ -92,19 +90,15 @@ def _host_read(func, args, kwargs) -> str | None:
         devs = [kwargs.get("device")] + [a for a in args[1:] if isinstance(a, (str, torch.device))]
         return "Tensor.to(cpu)" if any(d is not None and torch.device(d).type == "cpu" for d in devs) else None
     if func is torch.Tensor.__getitem__ or func is torch.Tensor.__setitem__:
-        if len(args) > 1 and _is_mask(args[1]):
-            return f"Tensor.{func.__name__} with a boolean mask"
-        return None
+        return f"Tensor.{func.__name__} with a boolean mask" if len(args) > 1 and _is_mask(args[1]) else None
     if func is torch.where:
         return "torch.where(condition)" if len(args) + len(kwargs) == 1 else None
     if func is torch.repeat_interleave or func is torch.Tensor.repeat_interleave:
         if kwargs.get("output_size") is not None or len(args) > 3:  # (output_size given: no read)
             return None
-        what = f"{'torch' if func is torch.repeat_interleave else 'Tensor'}.repeat_interleave without output_size"
-        if func is torch.repeat_interleave and len(args) == 1 and "repeats" not in kwargs:  # (repeats alone)
-            return what
-        repeats = kwargs.get("repeats", args[1] if len(args) > 1 else None)
-        return what if isinstance(repeats, torch.Tensor) else None
+        alone = args[0] if func is torch.repeat_interleave and len(args) == 1 else None  # (repeats alone)
+        if isinstance(kwargs.get("repeats", args[1] if len(args) > 1 else alone), torch.Tensor):
+            return f"{'torch' if func is torch.repeat_interleave else 'Tensor'}.repeat_interleave without output_size"
     return None
 
 
@@ -112,16 +106,13 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         op = _host_read(func, args, kwargs)
-        if op is not None:
-            frame = _megamoe_caller(sys._getframe(1))
-            if frame is not None:
-                path, line = frame.f_code.co_filename, frame.f_lineno
-                where = f"{os.path.relpath(path, os.path.dirname(_PKG_DIR.rstrip(os.sep)))}:{line}"
-                module = frame.f_globals.get("__name__")
-                if not path.startswith(_PKG_DIR):  # (code run in a megamoe module's namespace from elsewhere)
-                    where += f" (module {module})"
-                raise HostSyncError(f"{op} reads tensor data on the host (a host-device sync on a GPU) at {where} "
-                                    f"in {frame.f_code.co_name}: {linecache.getline(path, line).strip()}")
+        if op is not None and (frame := _megamoe_caller(sys._getframe(1))) is not None:
+            path, line = frame.f_code.co_filename, frame.f_lineno
+            where = f"{os.path.relpath(path, os.path.dirname(_PKG_DIR.rstrip(os.sep)))}:{line}"
+            if not path.startswith(_PKG_DIR):  # (code run in a megamoe module's namespace from elsewhere)
+                where += f" (module {frame.f_globals.get('__name__')})"
+            raise HostSyncError(f"{op} reads tensor data on the host (a host-device sync on a GPU) at {where} "
+                                f"in {frame.f_code.co_name}: {linecache.getline(path, line).strip()}")
         return func(*args, **kwargs)
 
 
@@ -138,10 +129,8 @@ def _install_backward_wrapper() -> None:
             continue
 
         def wrapped(self, *args, _orig=orig):
-            if not _active:
-                return _orig(self, *args)
-            mode = _active[-1]
-            if any(m is mode for m in torch.overrides._get_current_function_mode_stack()):
+            mode = _active[-1] if _active else None
+            if mode is None or any(m is mode for m in torch.overrides._get_current_function_mode_stack()):
                 return _orig(self, *args)
             with mode:
                 return _orig(self, *args)
