@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import inspect
 import math
 import os
 import re
@@ -196,7 +197,10 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     if graphed:  # after maintain_fp8: a layer whose FP8 copies the optimizer keeps reads them in its graphs
         capture_moe_layers([blk.moe for blk in model.blocks], args.batch * args.seq, autocast)
     DDP._set_params_and_buffers_to_ignore_for_model(model, model.expert_parameter_names())
-    ddp = DDP(model, device_ids=[device.index] if on_gpu else None, broadcast_buffers=False)
+    # the buffers (rope tables, router offsets) are equal on every rank: no broadcast before each forward (newer
+    # torch names this forward_sync_buffers and warns on the older broadcast_buffers)
+    no_sync = next(k for k in ("forward_sync_buffers", "broadcast_buffers") if k in inspect.signature(DDP).parameters)
+    ddp = DDP(model, device_ids=[device.index] if on_gpu else None, **{no_sync: False})
     opt.reload_masters(replicated)  # the masters follow DDP's broadcast of rank 0's replicated parameters
 
     history, start = {"step": [], "loss": [], "aux": [], "lr": [], "grad_norm": [], "eval": []}, 0
