@@ -119,16 +119,15 @@ class SonicPeer(nn.Module):
             import sonicmoe
         except Exception as exc:  # noqa: BLE001 - not installed, or its CUTLASS DSL does not load here
             raise ValueError(f"sonicmoe does not import ({type(exc).__name__}: {exc})") from None
-        if os.environ.get("MEGAMOE_SONIC_TUNE", "all") == "default":
-            # quack autotunes every GEMM on first use (~90 CuTe DSL compiles, minutes, more than one device call):
-            # its one default config instead, named apart
+        tune = os.environ.get("MEGAMOE_SONIC_TUNE", "all")
+        if tune == "default":  # quack's one default GEMM config, not its first-use tuning (~90 compiles, minutes)
             import quack.gemm_interface as qgi
             from quack.autotuner import AutotuneConfig
 
             for tuned in (qgi.gemm_tuned, qgi.gemm_gated_tuned, qgi.gemm_dgated_tuned):
-                tuned.configs = [AutotuneConfig(config=None)]  # one config: no tuning, config=None is its default
+                tuned.configs = [AutotuneConfig(config=None)]  # one config: no tuning; None is its default
         self.fn, self.act, self.k = sonicmoe.moe_TC_softmax_topk_layer, "swiglu", c.top_k
-        self.name = "sonicmoe" if os.environ.get("MEGAMOE_SONIC_TUNE", "all") == "all" else "sonicmoe-untuned"
+        self.name = "sonicmoe-untuned" if tune == "default" else "sonicmoe"
         self.router_w = nn.Parameter(moe.router.weight.detach().to(c.dtype))
         self.w13, self.w2 = nn.Parameter(moe.w13.detach()), nn.Parameter(moe.w2.detach())  # shared storage
 

@@ -197,8 +197,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     if graphed:  # after maintain_fp8: a layer whose FP8 copies the optimizer keeps reads them in its graphs
         capture_moe_layers([blk.moe for blk in model.blocks], args.batch * args.seq, autocast)
     DDP._set_params_and_buffers_to_ignore_for_model(model, model.expert_parameter_names())
-    # the buffers (rope tables, router offsets) are equal on every rank: no broadcast before each forward (newer
-    # torch names this forward_sync_buffers and warns on the older broadcast_buffers)
+    # buffers are equal on every rank: no broadcast per forward (torch 2.13 warns on the older broadcast_buffers)
     no_sync = next(k for k in ("forward_sync_buffers", "broadcast_buffers") if k in inspect.signature(DDP).parameters)
     ddp = DDP(model, device_ids=[device.index] if on_gpu else None, **{no_sync: False})
     opt.reload_masters(replicated)  # the masters follow DDP's broadcast of rank 0's replicated parameters
