@@ -229,8 +229,8 @@ def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w
                         offs: torch.Tensor, out: torch.Tensor, cfg: GemmConfig, *, n: int, epilogue: int,
                         h: torch.Tensor | None = None, scale: torch.Tensor | None = None, store_h: bool = False,
                         n_up: int = 0) -> None:
-    """Launch _gluon_fp8_ws_kernel with the arguments of grouped_gemm_fp8.launch_grouped_gemm_fp8 (operands validated
-    by the caller); ValueError naming the failing limit."""
+    """Launch _gluon_fp8_ws_kernel with the arguments of grouped_gemm.launch_grouped_gemm's FP8 launch (operands
+    validated by the caller); ValueError naming the failing limit."""
     R, K = aq.shape
     E_l, N_w, _ = wq.shape
     why = ws_limits(cfg, n=n, k=K, n_w=N_w, epilogue=epilogue, n_up=n_up)

@@ -243,7 +243,7 @@ def launch_gluon_fp8_dswiglu(dyq: torch.Tensor, dy_s: torch.Tensor, wq: torch.Te
                              offs: torch.Tensor, out: torch.Tensor, cfg: GemmConfig, *, n: int, h: torch.Tensor,
                              scale: torch.Tensor | None = None, dsp: torch.Tensor | None = None,
                              acts: torch.Tensor | None = None) -> None:
-    """Launch _gluon_fp8_dswiglu_kernel with the arguments of grouped_gemm_fp8.launch_grouped_gemm_fp8 (operands
+    """Launch _gluon_fp8_dswiglu_kernel with the arguments of grouped_gemm.launch_grouped_gemm's FP8 launch (operands
     validated by the caller); ValueError naming the failing limit."""
     R, K = dyq.shape
     E_l, N_w, _ = wq.shape
