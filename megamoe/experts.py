@@ -407,9 +407,8 @@ def gemm1_swiglu_ref(x, w13, offs, *, bias=None, clamp=None):
 
 
 def gemm2_ref(act, w2, offs, *, scale=None, bias=None):
-    if bias is None:
-        return grouped_gemm_ref(act, w2, offs, scale=scale)
-    out = grouped_gemm_ref(act, w2, offs) + _row_bias(bias, offs, act.shape[0], act.dtype)
+    out = grouped_gemm_ref(act, w2, offs)
+    out = out if bias is None else out + _row_bias(bias, offs, act.shape[0], act.dtype)
     return out if scale is None else out * scale.to(act.dtype)[:, None]
 
 
