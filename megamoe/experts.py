@@ -17,7 +17,7 @@ gradients are per-expert row sums (segment_sum). These epilogues exist in the Tr
 
 Launchers take ``config=`` to pin a GemmConfig (default: gemm_config.default_config per shape). On Hopper (not
 under the interpreter) every op of gemm_config.GLUON_OPS runs its Gluon kernel (kernels/gluon/) where its limits
-hold; everything else runs the Triton kernels (kernels/grouped_gemm*.py, kernels/wgrad.py), the Gluon kernels'
+hold; everything else runs the Triton kernels (kernels/grouped_gemm.py, kernels/wgrad.py), the Gluon kernels'
 references. A given or pinned config runs the kernel it names (``kernel="gluon"`` raises ValueError with the reason
 where it cannot run). Twins (``*_ref``): pure torch, any float dtype, padding rows 0.
 """
@@ -50,8 +50,7 @@ from megamoe.kernels.gemm_config import (
     pinned_config,
     tma_ok,
 )
-from megamoe.kernels.grouped_gemm import check_grouped, launch_grouped_gemm
-from megamoe.kernels.grouped_gemm_fp8 import check_fp8, launch_grouped_gemm_fp8
+from megamoe.kernels.grouped_gemm import check_fp8, check_grouped, launch_grouped_gemm
 from megamoe.kernels.interpreter import row_buffer
 from megamoe.kernels.wgrad import launch_grouped_wgrad
 
@@ -139,32 +138,24 @@ def choose_config(op: str, config: GemmConfig | None, a: torch.Tensor, w: torch.
     return cfg
 
 
-def _launch_bf16(cfg: GemmConfig, a, w, offs, out, *, n: int, w_kn: bool, epilogue: int, h=None, scale=None,
-                 dsp=None, store_h: bool = False, n_up: int = 0, acts=None, bias=None, clamp=None) -> None:
-    if cfg.kernel == "gluon" and bias is None and clamp is None:  # gpt-oss's epilogue: Triton only (gluon_reason)
+def _launch(cfg: GemmConfig, a, w, offs, out, *, n: int, epilogue: int = EPI_NONE, a_s=None, w_s=None, bias=None,
+            clamp=None, **kw) -> None:
+    """Run the kernel cfg names on a, w (FP8 with their scales a_s, w_s); kw: the launchers' optional arguments."""
+    if cfg.kernel != "gluon" or bias is not None or clamp is not None:  # gpt-oss's epilogue: Triton only
+        launch_grouped_gemm(a, w, offs, out, cfg, n=n, epilogue=epilogue, a_s=a_s, w_s=w_s, bias=bias, clamp=clamp,
+                            **kw)
+    elif a_s is None:
         from megamoe.kernels.gluon.bf16 import launch_gluon_bf16_ws
 
-        launch_gluon_bf16_ws(a, w, offs, out, cfg, n=n, epilogue=epilogue, h=h, scale=scale, store_h=store_h,
-                             n_up=n_up, w_kn=w_kn, dsp=dsp, acts=acts)
-    else:
-        launch_grouped_gemm(a, w, offs, out, cfg, n=n, w_kn=w_kn, epilogue=epilogue, h=h, scale=scale, dsp=dsp,
-                            store_h=store_h, n_up=n_up, acts=acts, bias=bias, clamp=clamp)
-
-
-def _launch_fp8(cfg: GemmConfig, aq, a_s, wq, w_s, offs, out, *, n: int, epilogue: int, h=None, scale=None,
-                dsp=None, store_h: bool = False, n_up: int = 0, acts=None) -> None:
-    if cfg.kernel != "gluon":
-        launch_grouped_gemm_fp8(aq, a_s, wq, w_s, offs, out, cfg, n=n, epilogue=epilogue, h=h, scale=scale, dsp=dsp,
-                                store_h=store_h, n_up=n_up, acts=acts)
+        launch_gluon_bf16_ws(a, w, offs, out, cfg, n=n, epilogue=epilogue, **kw)
     elif epilogue == EPI_DSWIGLU:
         from megamoe.kernels.gluon.fp8_dswiglu import launch_gluon_fp8_dswiglu
 
-        launch_gluon_fp8_dswiglu(aq, a_s, wq, w_s, offs, out, cfg, n=n, h=h, scale=scale, dsp=dsp, acts=acts)
+        launch_gluon_fp8_dswiglu(a, a_s, w, w_s, offs, out, cfg, n=n, **kw)
     else:
         from megamoe.kernels.gluon.fp8 import launch_gluon_fp8_ws
 
-        launch_gluon_fp8_ws(aq, a_s, wq, w_s, offs, out, cfg, n=n, epilogue=epilogue, h=h, scale=scale,
-                            store_h=store_h, n_up=n_up)
+        launch_gluon_fp8_ws(a, a_s, w, w_s, offs, out, cfg, n=n, epilogue=epilogue, **kw)
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, w_layout: str = "nk",
@@ -180,7 +171,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, w_layo
     _check(scale, "scale [R]", (a.shape[0],), torch.float32, "grouped_gemm")
     out = _out(out, (a.shape[0], n), a)
     cfg = choose_config("grouped_gemm", config, a, w, n=n, w_kn=kn)
-    _launch_bf16(cfg, a, w, offs, out, n=n, w_kn=kn, epilogue=EPI_NONE, scale=scale)
+    _launch(cfg, a, w, offs, out, n=n, w_kn=kn, scale=scale)
     return out
 
 
@@ -206,8 +197,7 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, offs: torch.Tensor, *, stor
     h = _out(h_out, (R, 2 * I), x) if store_h else None
     gpt_oss = bias is not None or clamp is not None
     cfg = choose_config("gemm1_swiglu", config, x, w13, n=I, epilogue=EPI_SWIGLU, n_up=I, gpt_oss=gpt_oss)
-    _launch_bf16(cfg, x, w13, offs, act, n=I, w_kn=False, epilogue=EPI_SWIGLU, h=h, store_h=store_h, n_up=I,
-                 bias=bias, clamp=clamp)
+    _launch(cfg, x, w13, offs, act, n=I, epilogue=EPI_SWIGLU, h=h, store_h=store_h, n_up=I, bias=bias, clamp=clamp)
     return act, h
 
 
@@ -221,7 +211,7 @@ def gemm2(act: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, *, scale: tor
     _check(bias, "bias [E_l, H]", tuple(w2.shape[:2]), torch.bfloat16, "gemm2")
     out = _out(out, (act.shape[0], w2.shape[1]), act)
     cfg = choose_config("gemm2", config, act, w2, n=w2.shape[1], gpt_oss=bias is not None)
-    _launch_bf16(cfg, act, w2, offs, out, n=w2.shape[1], w_kn=False, epilogue=EPI_NONE, scale=scale, bias=bias)
+    _launch(cfg, act, w2, offs, out, n=w2.shape[1], scale=scale, bias=bias)
     return out
 
 
@@ -247,8 +237,8 @@ def gemm2_dgrad_swiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, offs
     _check(acts_out, "acts_out [R, I]", (R, I), dy.dtype, "gemm2_dgrad_swiglu")
     dsp = None if scale is None else torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dy.device,
                                                  dtype=torch.float32)
-    _launch_bf16(cfg, dy, w2, offs, dh, n=I, w_kn=True, epilogue=EPI_DSWIGLU, h=h, scale=scale, dsp=dsp,
-                 acts=acts_out, clamp=clamp)
+    _launch(cfg, dy, w2, offs, dh, n=I, w_kn=True, epilogue=EPI_DSWIGLU, h=h, scale=scale, dsp=dsp, acts=acts_out,
+            clamp=clamp)
     if dsp is None:
         return dh, None
     ds = dsp.sum(0)
@@ -262,7 +252,7 @@ def gemm1_dgrad(dh: torch.Tensor, w13: torch.Tensor, offs: torch.Tensor, *, out:
     _check_bf16("gemm1_dgrad", dh, w13)
     out = _out(out, (dh.shape[0], w13.shape[2]), dh)
     cfg = choose_config("dgrad1", config, dh, w13, n=w13.shape[2], w_kn=True)
-    _launch_bf16(cfg, dh, w13, offs, out, n=w13.shape[2], w_kn=True, epilogue=EPI_NONE)
+    _launch(cfg, dh, w13, offs, out, n=w13.shape[2], w_kn=True)
     return out
 
 
@@ -293,7 +283,7 @@ def _gemm_fp8(op, name, aq, a_s, wq, w_s, offs, scale, out, config) -> torch.Ten
     _check(scale, "scale [R]", (aq.shape[0],), torch.float32, name)
     out = _out(out, (aq.shape[0], wq.shape[1]), aq)
     cfg = choose_config(op, config, aq, wq, n=wq.shape[1])
-    _launch_fp8(cfg, aq, a_s, wq, w_s, offs, out, n=wq.shape[1], epilogue=EPI_NONE, scale=scale)
+    _launch(cfg, aq, wq, offs, out, n=wq.shape[1], a_s=a_s, w_s=w_s, scale=scale)
     return out
 
 
@@ -311,7 +301,7 @@ def gemm1_swiglu_fp8(xq, x_s, w13q, w13_s, offs, *, store_h=True, out=None, h_ou
     act = _out(out, (R, I), xq)
     h = _out(h_out, (R, 2 * I), xq) if store_h else None
     cfg = choose_config("gemm1_swiglu_fp8", config, xq, w13q, n=I, epilogue=EPI_SWIGLU, n_up=I)
-    _launch_fp8(cfg, xq, x_s, w13q, w13_s, offs, act, n=I, epilogue=EPI_SWIGLU, h=h, store_h=store_h, n_up=I)
+    _launch(cfg, xq, w13q, offs, act, n=I, epilogue=EPI_SWIGLU, a_s=x_s, w_s=w13_s, h=h, store_h=store_h, n_up=I)
     return act, h
 
 
@@ -332,8 +322,8 @@ def gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, out=N
     _check(acts_out, "acts_out [R, I]", (R, I), torch.bfloat16, "gemm2_dgrad_swiglu_fp8")
     dsp = None if scale is None else torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dyq.device,
                                                  dtype=torch.float32)
-    _launch_fp8(cfg, dyq, dy_s, w2tq, w2t_s, offs, dh, n=I, epilogue=EPI_DSWIGLU, h=h, scale=scale, dsp=dsp,
-                acts=acts_out)
+    _launch(cfg, dyq, w2tq, offs, dh, n=I, epilogue=EPI_DSWIGLU, a_s=dy_s, w_s=w2t_s, h=h, scale=scale, dsp=dsp,
+            acts=acts_out)
     return dh, (dsp.sum(0) if dsp is not None else None)
 
 
@@ -417,9 +407,8 @@ def gemm1_swiglu_ref(x, w13, offs, *, bias=None, clamp=None):
 
 
 def gemm2_ref(act, w2, offs, *, scale=None, bias=None):
-    if bias is None:
-        return grouped_gemm_ref(act, w2, offs, scale=scale)
-    out = grouped_gemm_ref(act, w2, offs) + _row_bias(bias, offs, act.shape[0], act.dtype)
+    out = grouped_gemm_ref(act, w2, offs)
+    out = out if bias is None else out + _row_bias(bias, offs, act.shape[0], act.dtype)
     return out if scale is None else out * scale.to(act.dtype)[:, None]
 
 

@@ -300,20 +300,19 @@ class MasterAdamW:
         if [len(x) for x in sets] != [len(x) for x in self.sets]:
             raise ValueError(f"optimizer state has parameter sets of sizes {[len(x) for x in sets]}, this optimizer "
                              f"{[len(x) for x in self.sets]}")
-        for slots, saved in zip(self.sets, sets, strict=True):
-            for s, d in zip(slots, saved, strict=True):
-                if tuple(d["master"].shape) != tuple(s.master.shape):
-                    raise ValueError(f"optimizer state: a parameter of shape {tuple(d['master'].shape)} where this "
-                                     f"model has {tuple(s.master.shape)}")
-        for slots, saved in zip(self.sets, sets, strict=True):
-            for s, d in zip(slots, saved, strict=True):
-                s.step = int(d["step"])
-                s.weight_decay = float(d["weight_decay"])
-                s.exp_avg.copy_(d["exp_avg"])
-                s.exp_avg_sq.copy_(d["exp_avg_sq"])
-                s.master.copy_(d["master"])
-                if s.master is not s.param:
-                    s.param.copy_(s.master)
-                if s.fp8 is not None:
-                    self._refresh_fp8(s)
+        pairs = [(s, d) for sl, ds in zip(self.sets, sets, strict=True) for s, d in zip(sl, ds, strict=True)]
+        for s, d in pairs:  # every shape checked before anything is overwritten
+            if tuple(d["master"].shape) != tuple(s.master.shape):
+                raise ValueError(f"optimizer state: a parameter of shape {tuple(d['master'].shape)} where this "
+                                 f"model has {tuple(s.master.shape)}")
+        for s, d in pairs:
+            s.step = int(d["step"])
+            s.weight_decay = float(d["weight_decay"])
+            s.exp_avg.copy_(d["exp_avg"])
+            s.exp_avg_sq.copy_(d["exp_avg_sq"])
+            s.master.copy_(d["master"])
+            if s.master is not s.param:
+                s.param.copy_(s.master)
+            if s.fp8 is not None:
+                self._refresh_fp8(s)
         self.lr, self.betas, self.eps = state["lr"], tuple(state["betas"]), state["eps"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -350,15 +351,6 @@ def quantize_weight_both(w: torch.Tensor, *, pow2_scale: bool = False,
     return q, s, qt, st
 
 
-def _pad_to(x: torch.Tensor, dim: int, mult: int) -> torch.Tensor:
-    pad = (-x.shape[dim]) % mult
-    if pad == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = pad
-    return torch.cat([x, x.new_zeros(shape)], dim)
-
-
 def _scale_ref(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
     amax = amax.float().clamp_min(1e-12)
     # tensor / tensor: IEEE division (torch turns "tensor / python scalar" into a reciprocal multiply on CUDA)
@@ -371,7 +363,7 @@ def _scale_ref(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
 
 def quantize_act_ref(x: torch.Tensor, *, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     R, K = x.shape
-    xp = _pad_to(x.float(), 1, QBLOCK).view(R, -1, QBLOCK)
+    xp = F.pad(x.float(), (0, -K % QBLOCK)).view(R, -1, QBLOCK)
     s = _scale_ref(xp.abs().amax(-1), pow2_scale)
     q = torch.div(xp, s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(R, -1)[:, :K]
     return q.contiguous(), s
@@ -379,7 +371,7 @@ def quantize_act_ref(x: torch.Tensor, *, pow2_scale: bool = False) -> tuple[torc
 
 def quantize_weight_ref(w: torch.Tensor, *, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     E_l, N, K = w.shape
-    wp = _pad_to(_pad_to(w.float(), 1, QBLOCK), 2, QBLOCK)
+    wp = F.pad(w.float(), (0, -K % QBLOCK, 0, -N % QBLOCK))
     nb, kb = wp.shape[1] // QBLOCK, wp.shape[2] // QBLOCK
     blocks = wp.view(E_l, nb, QBLOCK, kb, QBLOCK)
     s = _scale_ref(blocks.abs().amax(dim=(2, 4)), pow2_scale)

@@ -174,13 +174,8 @@ def gluon_device_reason(t: torch.Tensor, cfg: GemmConfig) -> str | None:
 
 def tma_ok(tensors: list[torch.Tensor]) -> bool:
     """TMA descriptors need a 16-byte aligned base, unit inner stride and 16-byte aligned outer strides."""
-    for t in tensors:
-        if t.data_ptr() % 16 != 0 or t.stride(-1) != 1:
-            return False
-        for s in t.stride()[:-1]:
-            if (s * t.element_size()) % 16 != 0:
-                return False
-    return True
+    return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1
+               and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
 
 
 def resolve_tma(cfg: GemmConfig, tensors: list[torch.Tensor], name: str) -> bool:

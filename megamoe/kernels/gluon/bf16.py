@@ -35,21 +35,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.kernels.gemm_config import EPI_DSWIGLU, EPI_NONE, EPI_SWIGLU, GemmConfig, grid_size, record, tma_ok
 from megamoe.kernels.gluon.common import (
     REG_POOL,
-    SMEM_LIMIT,
-    consumer_regs_reason,
     epi_none_slice,
     epi_swiglu_slice,
     locate,
+    nvmma_desc,
     put,
     ring,
     ring_done,
     schedule,
     slices,
+    stages_reason,
     ws_loader,
 )
 
@@ -298,11 +297,8 @@ def ws_bf16_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, 
         return (f"block_n must be one of {widths}{' with SwiGLU (gate = up columns per tile)' if two else ''} (128 "
                 f"accumulator registers per thread at most; the SwiGLU backward's epilogue holds g and u besides), "
                 f"got {cfg.block_n}")
-    if cfg.num_stages < 2:
-        return f"num_stages must be >= 2, got {cfg.num_stages}"
-    smem = smem_bytes(cfg, epilogue)
-    if smem > SMEM_LIMIT:
-        return f"{cfg.num_stages} stages need ~{smem} bytes of shared memory, more than {SMEM_LIMIT}"
+    if (why := stages_reason(cfg, smem_bytes(cfg, epilogue))) is not None:
+        return why
     if k <= 0 or k % 8:
         return f"K must be a positive multiple of 8 (16-byte TMA strides), got K = {k}"
     if not two and n != n_w:
@@ -315,43 +311,34 @@ def ws_bf16_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, 
 def launch_gluon_bf16_ws(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, cfg: GemmConfig,
                          *, n: int, epilogue: int, h: torch.Tensor | None = None, scale: torch.Tensor | None = None,
                          store_h: bool = False, n_up: int = 0, w_kn: bool = False, dsp: torch.Tensor | None = None,
-                         acts: torch.Tensor | None = None, consumer_regs: int | None = None) -> None:
+                         acts: torch.Tensor | None = None) -> None:
     """Launch _gluon_bf16_ws_kernel with the arguments of grouped_gemm.launch_grouped_gemm (operands and device
-    checked by the caller); ValueError naming the failing limit. consumer_regs: per thread of each consumer
-    warpgroup, the loader gets the rest of REG_POOL. None: 224 (no spills, the loader keeps 56), 240 for the SwiGLU
-    backward with acts (its epilogue spills less)."""
+    checked by the caller); ValueError naming the failing limit."""
     R, K = a.shape
     E_l = w.shape[0]
     n_w = w.shape[2] if w_kn else w.shape[1]
-    if consumer_regs is None:
-        consumer_regs = 240 if epilogue == EPI_DSWIGLU and acts is not None else 224
+    # registers per thread of each consumer warpgroup (the loader gets the rest of REG_POOL): 224 (no spills, the
+    # loader keeps 56), 240 for the SwiGLU backward with acts (its epilogue spills less)
+    consumer_regs = 240 if epilogue == EPI_DSWIGLU and acts is not None else 224
     why = ws_bf16_limits(cfg, n=n, k=K, n_w=n_w, epilogue=epilogue, w_kn=w_kn, n_up=n_up)
     if why is None and epilogue == EPI_SWIGLU and scale is not None:
         why = "the SwiGLU epilogue takes no row scale"
     if why is None and epilogue == EPI_DSWIGLU and (h is None or (scale is None) != (dsp is None)):
         why = "the SwiGLU backward needs h, and dsp exactly with a scale"
-    if why is None:
-        why = consumer_regs_reason(consumer_regs)
     if why is not None:
         raise ValueError(f"grouped_gemm (warp-specialised Gluon bf16 kernel): {why}")
     if R == 0 or E_l == 0 or n == 0:
         return
     bm, bn = cfg.block_m, cfg.block_n
-    bf = gl.bfloat16
-    a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [bm, BLOCK_K],
-                              gl.NVMMASharedLayout.get_default_for([bm, BLOCK_K], bf))
+    a_desc = nvmma_desc(a, [bm, BLOCK_K])
     w2d = w.view(E_l * K, n_w) if w_kn else w.view(E_l * n_w, K)
-    wblock = [BLOCK_K, bn] if w_kn else [bn, BLOCK_K]
-    w_desc = TensorDescriptor(w2d, list(w2d.shape), list(w2d.stride()), wblock,
-                              gl.NVMMASharedLayout.get_default_for(wblock, bf))
+    w_desc = nvmma_desc(w2d, [BLOCK_K, bn] if w_kn else [bn, BLOCK_K])
     hm = cfg.block_m // 2
     two = epilogue == EPI_SWIGLU
     back = epilogue == EPI_DSWIGLU
-    epi_layout = gl.NVMMASharedLayout.get_default_for([hm, 64], bf)
 
     def halves(t):  # t [R, 2n] -> descriptors of its halves [R, n] (row stride 2n)
-        return (TensorDescriptor(t, [R, n], [t.stride(0), 1], [hm, 64], epi_layout),
-                TensorDescriptor(t[:, n:], [R, n], [t.stride(0), 1], [hm, 64], epi_layout))
+        return nvmma_desc(t, [hm, 64], shape=[R, n]), nvmma_desc(t[:, n:], [hm, 64], shape=[R, n])
 
     # TMA stores where the outputs are TMA-able: 16-byte aligned bases and row strides (a half's base: n % 8 == 0)
     if back:
@@ -365,9 +352,9 @@ def launch_gluon_bf16_ws(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, o
         if back:
             out_desc, du_desc = halves(out)
             if acts is not None:
-                acts_desc = TensorDescriptor(acts, [R, n], [acts.stride(0), 1], [hm, 64], epi_layout)
+                acts_desc = nvmma_desc(acts, [hm, 64], shape=[R, n])
         else:
-            out_desc = TensorDescriptor(out, [R, n], [out.stride(0), 1], [hm, 64], epi_layout)
+            out_desc = nvmma_desc(out, [hm, 64], shape=[R, n])
             if two and store_h:
                 hg_desc, hu_desc = halves(h)
     grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * triton.cdiv(n, bn), a.device)

@@ -9,18 +9,27 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from megamoe.kernels.gemm_config import SMEM_LIMIT  # noqa: F401 - the Gluon modules' limit checks import it from here
+from megamoe.kernels.gemm_config import SMEM_LIMIT
 
 REG_POOL = 504  # registers per thread summed over the three warpgroups (168 each: 65536 / 384 threads, a multiple of 8)
 
 
-def consumer_regs_reason(consumer_regs: int) -> str | None:
-    """Why a consumer register budget cannot be used (each of the two consumer warpgroups gets it, the loader the
-    rest of REG_POOL, at least 24; setmaxnreg takes multiples of 8 up to 256), or None."""
-    if consumer_regs % 8 == 0 and 24 <= REG_POOL - 2 * consumer_regs and consumer_regs <= 256:
-        return None
-    return f"consumer_regs must be a multiple of 8, at most {(REG_POOL - 24) // 2}, got {consumer_regs}"
+def nvmma_desc(t, block: list[int], dtype=gl.bfloat16, shape: list[int] | None = None) -> TensorDescriptor:
+    """A TMA descriptor over t (unit inner stride; ``shape``: its extent, default t's) with blocks ``block`` in their
+    default NVMMA shared layout."""
+    return TensorDescriptor(t, list(t.shape) if shape is None else shape, list(t.stride()), block,
+                            gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+
+def stages_reason(cfg, smem: int) -> str | None:
+    """Why ``cfg``'s ring cannot be used (fewer than 2 stages, or ``smem`` bytes over SMEM_LIMIT), or None."""
+    if cfg.num_stages < 2:
+        return f"num_stages must be >= 2, got {cfg.num_stages}"
+    if smem > SMEM_LIMIT:
+        return f"{cfg.num_stages} stages need ~{smem} bytes of shared memory, more than {SMEM_LIMIT}"
+    return None
 
 
 @gluon.jit

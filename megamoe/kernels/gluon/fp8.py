@@ -27,20 +27,19 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.kernels.gemm_config import EPI_NONE, EPI_SWIGLU, GemmConfig, grid_size, record, tma_ok
 from megamoe.kernels.gluon.common import (
     REG_POOL,
-    SMEM_LIMIT,
-    consumer_regs_reason,
     epi_none_slice,
     epi_swiglu_slice,
     locate,
+    nvmma_desc,
     ring,
     ring_done,
     schedule,
     slices,
+    stages_reason,
     ws_loader,
 )
 
@@ -210,12 +209,10 @@ def ws_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, n_up:
     if cfg.block_n not in widths:
         return (f"block_n must be one of {widths} (products of at most 128 columns, each inside one 128-row "
                 f"weight-scale block), got {cfg.block_n}")
-    if cfg.num_stages < 2:
-        return f"num_stages must be >= 2, got {cfg.num_stages}"
     # the ring (a, and the weight tiles: 2 x block_n rows for SwiGLU), four bf16 [64, 64] staging buffers, barriers
     smem = cfg.num_stages * 128 * (cfg.block_m + (2 if two else 1) * cfg.block_n) + 4 * 64 * 64 * 2 + 1024
-    if smem > SMEM_LIMIT:
-        return f"{cfg.num_stages} stages need ~{smem} bytes of shared memory, more than {SMEM_LIMIT}"
+    if (why := stages_reason(cfg, smem)) is not None:
+        return why
     if k <= 0 or k % 16:
         return f"K must be a positive multiple of 16 (TMA strides), got K = {k}"
     bn = cfg.block_n
@@ -231,11 +228,9 @@ def ws_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, n_up:
 def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w_s: torch.Tensor,
                         offs: torch.Tensor, out: torch.Tensor, cfg: GemmConfig, *, n: int, epilogue: int,
                         h: torch.Tensor | None = None, scale: torch.Tensor | None = None, store_h: bool = False,
-                        n_up: int = 0, consumer_regs: int | None = None, epi_tma: bool | None = None) -> None:
-    """Launch _gluon_fp8_ws_kernel with the arguments of grouped_gemm_fp8.launch_grouped_gemm_fp8 (operands validated
-    by the caller); ValueError naming the failing limit. consumer_regs: per thread of each consumer warpgroup (the
-    loader gets the rest of REG_POOL). epi_tma: None: TMA stores where the outputs allow; False: all masked (tests);
-    True: TMA stores or ValueError."""
+                        n_up: int = 0) -> None:
+    """Launch _gluon_fp8_ws_kernel with the arguments of grouped_gemm.launch_grouped_gemm's FP8 launch (operands
+    validated by the caller); ValueError naming the failing limit."""
     R, K = aq.shape
     E_l, N_w, _ = wq.shape
     why = ws_limits(cfg, n=n, k=K, n_w=N_w, epilogue=epilogue, n_up=n_up)
@@ -244,35 +239,26 @@ def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w
     mode = 1 if epilogue == EPI_SWIGLU else 2 if cfg.block_n == 256 else 0
     bn = 128 if mode == 2 else cfg.block_n  # columns of one product (one weight tile)
     block_e = triton.next_power_of_2(max(E_l, 2))
-    if consumer_regs is None:  # two 128-column products spill at 232 (10% slower), but 240 leave the loader 24, whose
-        # schedule vectors spill above 8 experts (15-20% slower): 240 for SwiGLU tiles and up to 8 experts, else 232
-        consumer_regs = 240 if mode == 1 and bn == 128 or mode == 2 and block_e <= 8 else 232
-    if why is None:
-        why = consumer_regs_reason(consumer_regs)
+    # registers per thread of each consumer warpgroup (the loader gets the rest of REG_POOL): two 128-column products
+    # spill at 232 (10% slower), but 240 leave the loader 24, whose schedule vectors spill above 8 experts (15-20%
+    # slower): 240 for SwiGLU tiles and up to 8 experts, else 232
+    consumer_regs = 240 if mode == 1 and bn == 128 or mode == 2 and block_e <= 8 else 232
     if why is not None:
         raise ValueError(f"grouped_gemm_fp8 (warp-specialised Gluon kernel): {why}")
     if R == 0 or E_l == 0 or n == 0:
         return
     bm = cfg.block_m
-    a_layout = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
-    w_layout = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
-    a_desc = TensorDescriptor(aq, list(aq.shape), list(aq.stride()), [bm, 128], a_layout)
-    w2d = wq.view(E_l * N_w, K)
-    w_desc = TensorDescriptor(w2d, list(w2d.shape), list(w2d.stride()), [bn, 128], w_layout)
+    a_desc = nvmma_desc(aq, [bm, 128], gl.float8e4nv)
+    w_desc = nvmma_desc(wq.view(E_l * N_w, K), [bn, 128], gl.float8e4nv)
     # TMA-store epilogue where the outputs are TMA-able (16-byte aligned bases and row strides; h's up half starts
     # at column n: n % 8 == 0); else every store masked (same staging buffers)
-    can_tma = tma_ok([out]) and (not (mode == 1 and store_h) or (tma_ok([h]) and n % 8 == 0))
-    if epi_tma and not can_tma:
-        raise ValueError("grouped_gemm_fp8 (warp-specialised Gluon kernel): epi_tma=True, but the outputs are not "
-                         "TMA-able (16-byte aligned bases and row strides)")
-    epi_tma = can_tma if epi_tma is None else epi_tma
+    epi_tma = tma_ok([out]) and (not (mode == 1 and store_h) or (tma_ok([h]) and n % 8 == 0))
     out_desc = hg_desc = hu_desc = a_desc  # unused where not set below
     if epi_tma:
-        epi_layout = gl.NVMMASharedLayout.get_default_for([bm // 2, 64], gl.bfloat16)
-        out_desc = TensorDescriptor(out, [R, n], [out.stride(0), 1], [bm // 2, 64], epi_layout)
+        out_desc = nvmma_desc(out, [bm // 2, 64], shape=[R, n])
         if mode == 1 and store_h:
-            hg_desc = TensorDescriptor(h, [R, n], [h.stride(0), 1], [bm // 2, 64], epi_layout)
-            hu_desc = TensorDescriptor(h[:, n:], [R, n], [h.stride(0), 1], [bm // 2, 64], epi_layout)
+            hg_desc = nvmma_desc(h, [bm // 2, 64], shape=[R, n])
+            hu_desc = nvmma_desc(h[:, n:], [bm // 2, 64], shape=[R, n])
     grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * triton.cdiv(n, cfg.block_n), aq.device)
     k = _gluon_fp8_ws_kernel[(grid,)](
         a_desc, w_desc, out_desc, hg_desc, hu_desc, a_s, w_s, out, h if h is not None else out,

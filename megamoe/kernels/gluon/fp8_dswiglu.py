@@ -24,10 +24,9 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.kernels.gemm_config import GemmConfig, grid_size, record
-from megamoe.kernels.gluon.common import SMEM_LIMIT, halves, locate, schedule
+from megamoe.kernels.gluon.common import halves, locate, nvmma_desc, schedule, stages_reason
 
 WARP_SHAPES = ((128, 8), (64, 8), (64, 4))  # (BLOCK_M, warps); 128 rows on 4 warps spill (three fp32 tiles live)
 
@@ -229,11 +228,9 @@ def dswiglu_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int) -> str | None:
         return f"(block_m, num_warps) must be one of {WARP_SHAPES}, got ({bm}, {warps})"
     if bn not in (64, 128):
         return f"block_n must be 64 or 128 (a tile inside one 128-row weight-scale block), got {bn}"
-    if stages < 2:
-        return f"num_stages must be >= 2, got {stages}"
     smem = stages * 128 * (bm + bn) + bm * bn * 4 + 4096  # the ring, the fp32 epilogue tile, schedule and barriers
-    if smem > SMEM_LIMIT:
-        return f"{stages} stages need ~{smem} bytes of shared memory, more than {SMEM_LIMIT}"
+    if (why := stages_reason(cfg, smem)) is not None:
+        return why
     if k <= 0 or k % 16:
         return f"K must be a positive multiple of 16 (TMA strides), got K = {k}"
     if n % bn or n != n_w:
@@ -246,7 +243,7 @@ def launch_gluon_fp8_dswiglu(dyq: torch.Tensor, dy_s: torch.Tensor, wq: torch.Te
                              offs: torch.Tensor, out: torch.Tensor, cfg: GemmConfig, *, n: int, h: torch.Tensor,
                              scale: torch.Tensor | None = None, dsp: torch.Tensor | None = None,
                              acts: torch.Tensor | None = None) -> None:
-    """Launch _gluon_fp8_dswiglu_kernel with the arguments of grouped_gemm_fp8.launch_grouped_gemm_fp8 (operands
+    """Launch _gluon_fp8_dswiglu_kernel with the arguments of grouped_gemm.launch_grouped_gemm's FP8 launch (operands
     validated by the caller); ValueError naming the failing limit."""
     R, K = dyq.shape
     E_l, N_w, _ = wq.shape
@@ -258,11 +255,8 @@ def launch_gluon_fp8_dswiglu(dyq: torch.Tensor, dy_s: torch.Tensor, wq: torch.Te
     bm, bn, warps = cfg.block_m, cfg.block_n, cfg.num_warps
     warps_m = min(warps, bm // 16)
     instr_n = bn // (warps // warps_m)
-    a_layout = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
-    w_layout = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
-    a_desc = TensorDescriptor(dyq, list(dyq.shape), list(dyq.stride()), [bm, 128], a_layout)
-    w2d = wq.view(E_l * N_w, K)
-    w_desc = TensorDescriptor(w2d, list(w2d.shape), list(w2d.stride()), [bn, 128], w_layout)
+    a_desc = nvmma_desc(dyq, [bm, 128], gl.float8e4nv)
+    w_desc = nvmma_desc(wq.view(E_l * N_w, K), [bn, 128], gl.float8e4nv)
     grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * (n // bn), dyq.device)
     k = _gluon_fp8_dswiglu_kernel[(grid,)](
         a_desc, w_desc, dy_s, w_s, out, h, scale if scale is not None else out, dsp if dsp is not None else out,

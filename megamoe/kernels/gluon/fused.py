@@ -45,19 +45,19 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.comm.signals import SEQ
 from megamoe.kernels.gemm_config import interpreting, record
 from megamoe.kernels.gluon.common import (
     REG_POOL,
-    SMEM_LIMIT,
     epi_swiglu_slice,
+    nvmma_desc,
     ring,
     ring_done,
     ring_skip,
     schedule,
     slices,
+    stages_reason,
 )
 from megamoe.kernels.gluon.fused_io import (
     MSG,
@@ -472,10 +472,8 @@ def gluon_fused_reason(cfg, *, H: int, I: int, device: torch.device | None = Non
         return (f"needs block_m=128, bn1=128, block_k=64 and bn2 128 or 256 (two 64-row consumer warpgroups with at "
                 f"most 128 accumulator registers each), got block_m={cfg.block_m}, bn1={cfg.bn1}, "
                 f"block_k={cfg.block_k}, bn2={cfg.bn2}")
-    if cfg.num_stages < 2:
-        return f"num_stages must be >= 2, got {cfg.num_stages}"
-    if smem_bytes(cfg) > SMEM_LIMIT:
-        return f"{cfg.num_stages} stages need ~{smem_bytes(cfg)} bytes of shared memory, more than {SMEM_LIMIT}"
+    if (why := stages_reason(cfg, smem_bytes(cfg))) is not None:
+        return why
     if H % 8 or I % 8:
         return f"H and I must be multiples of 8 (16-byte TMA row strides), got H={H}, I={I}"
     return None
@@ -489,23 +487,14 @@ def prepare_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: 
     sh = heap.shape
     H, k, E_l = sh.hidden, sh.topk, sh.local_experts
     BM, BN1, BN2 = cfg.block_m, cfg.bn1, cfg.bn2
-    bf = gl.bfloat16
-    bw = max(2 * BN1, BN2)
     nrows = a.shape[0]
-    lay_e = gl.NVMMASharedLayout.get_default_for([BM // 2, 64], bf)
-    lay_w = gl.NVMMASharedLayout.get_default_for([bw, 64], bf)
-    lay_a = gl.NVMMASharedLayout.get_default_for([BM, 64], bf)
-    x_desc = TensorDescriptor(a, [nrows, H], [a.stride(0), 1], [BM, 64], lay_a)
-    w13v = w1.view(E_l * 2 * I, H)
-    w13_desc = TensorDescriptor(w13v, list(w13v.shape), [H, 1], [BN1, 64], lay_w)
-    act_desc = TensorDescriptor(act, [nrows, I], [act.stride(0), 1], [BM, 64], lay_a)
-    w2v = w2.view(E_l * H, I)
-    w2_desc = TensorDescriptor(w2v, list(w2v.shape), [I, 1], [BN2, 64], lay_w)
-    act_st_desc = TensorDescriptor(act, [nrows, I], [act.stride(0), 1], [BM // 2, 64], lay_e)
+    x_desc, act_desc = nvmma_desc(a, [BM, 64], shape=[nrows, H]), nvmma_desc(act, [BM, 64], shape=[nrows, I])
+    w13_desc, w2_desc = nvmma_desc(w1.view(E_l * 2 * I, H), [BN1, 64]), nvmma_desc(w2.view(E_l * H, I), [BN2, 64])
+    act_st_desc = nvmma_desc(act, [BM // 2, 64], shape=[nrows, I])
     hg_desc = hu_desc = act_st_desc
     if h is not None:
-        hg_desc = TensorDescriptor(h, [nrows, I], [h.stride(0), 1], [BM // 2, 64], lay_e)
-        hu_desc = TensorDescriptor(h[:, I:], [nrows, I], [h.stride(0), 1], [BM // 2, 64], lay_e)
+        hg_desc = nvmma_desc(h, [BM // 2, 64], shape=[nrows, I])
+        hu_desc = nvmma_desc(h[:, I:], [BM // 2, 64], shape=[nrows, I])
     epi_tma = all(t.data_ptr() % 16 == 0 for t in [act] + ([h] if h is not None else []))
     block_h = min(triton.next_power_of_2(H), 2048)
     bulk = bulk_pull_plan(heap, cfg, a)

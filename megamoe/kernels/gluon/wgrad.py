@@ -32,10 +32,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.kernels.gemm_config import GemmConfig, grid_size, record, tma_ok
-from megamoe.kernels.gluon.common import REG_POOL, SMEM_LIMIT, consumer_regs_reason, ring, ring_done, slices
+from megamoe.kernels.gluon.common import REG_POOL, nvmma_desc, ring, ring_done, slices, stages_reason
 
 
 @gluon.jit
@@ -195,31 +194,27 @@ def ws_wgrad_limits(cfg: GemmConfig, *, m: int, n: int, out_dtype: torch.dtype) 
     if cfg.block_m != 128 or cfg.num_warps != 4 or cfg.block_n not in (128, 256) or cfg.block_k not in (32, 64):
         return (f"needs block_m 128, block_n 128 or 256, block_k 32 or 64 and num_warps 4 (two consumer warpgroups "
                 f"of 64 rows), got {cfg.block_m} x {cfg.block_n} x {cfg.block_k}, num_warps {cfg.num_warps}")
-    if cfg.num_stages < 2:
-        return f"num_stages must be >= 2, got {cfg.num_stages}"
     if out_dtype not in (torch.bfloat16, torch.float32):
         return f"the output must be bfloat16 or float32, got {out_dtype}"
-    smem = smem_bytes(cfg, torch.finfo(out_dtype).bits // 8)
-    if smem > SMEM_LIMIT:
-        return f"{cfg.num_stages} stages need ~{smem} bytes of shared memory, more than {SMEM_LIMIT}"
+    if (why := stages_reason(cfg, smem_bytes(cfg, torch.finfo(out_dtype).bits // 8))) is not None:
+        return why
     if m % 64 or n % 8:
         return (f"M must be a multiple of 64 (output halves stored by TMA without straddling experts) and N of 8, "
                 f"got M = {m}, N = {n}")
     return None
 
 
-def launch_gluon_wgrad_ws(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, cfg: GemmConfig,
-                          *, consumer_regs: int = 224) -> None:
+def launch_gluon_wgrad_ws(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
+                          cfg: GemmConfig) -> None:
     """Launch _gluon_wgrad_ws_kernel for wgrad.launch_grouped_wgrad's operands (validated by the caller: contiguous
-    bf16 x [R, M], y [R, N], out [E_l, M, N]); ValueError naming the failing limit."""
+    bf16 x [R, M], y [R, N], out [E_l, M, N]); ValueError naming the failing limit. Each consumer warpgroup gets
+    224 registers per thread, the loader the rest of REG_POOL."""
     R, M = x.shape
     N = y.shape[1]
     E_l = out.shape[0]
     why = ws_wgrad_limits(cfg, m=M, n=N, out_dtype=out.dtype)
     if why is None and not tma_ok([x, y, out]):
         why = "x, y and out must be TMA-able (16-byte aligned bases and rows)"
-    if why is None:
-        why = consumer_regs_reason(consumer_regs)
     if why is not None:
         raise ValueError(f"grouped_wgrad (warp-specialised Gluon kernel): {why}")
     if E_l == 0 or M == 0 or N == 0:
@@ -228,19 +223,15 @@ def launch_gluon_wgrad_ws(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, 
         out.zero_()
         return
     bk, bn = cfg.block_k, cfg.block_n
-    bf = gl.bfloat16
-    x_desc = TensorDescriptor(x, [R, M], [M, 1], [bk, 64], gl.NVMMASharedLayout.get_default_for([bk, 64], bf))
-    y_desc = TensorDescriptor(y, [R, N], [N, 1], [bk, bn], gl.NVMMASharedLayout.get_default_for([bk, bn], bf))
-    cdt = gl.bfloat16 if out.dtype == torch.bfloat16 else gl.float32
-    c2 = out.view(E_l * M, N)
-    c_desc = TensorDescriptor(c2, [E_l * M, N], [N, 1], [64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], cdt))
+    x_desc, y_desc = nvmma_desc(x, [bk, 64]), nvmma_desc(y, [bk, bn])
+    c_desc = nvmma_desc(out.view(E_l * M, N), [64, 64], gl.bfloat16 if out.dtype == torch.bfloat16 else gl.float32)
     total = E_l * triton.cdiv(M, 128) * triton.cdiv(N, bn)
     grid = grid_size(cfg, total, x.device)
     k = _gluon_wgrad_ws_kernel[(grid,)](
         x_desc, y_desc, c_desc, offs, M, N, total, grid,
         BLOCK_M=128, BLOCK_N=bn, BK=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
         NB=staging_buffers(cfg, out.element_size()),
-        CONSUMER_REGS=consumer_regs, LOADER_REGS=REG_POOL - 2 * consumer_regs, num_warps=4, maxnreg=REG_POOL // 3,
+        CONSUMER_REGS=224, LOADER_REGS=REG_POOL - 2 * 224, num_warps=4, maxnreg=REG_POOL // 3,
     )
     record("_gluon_wgrad_ws_kernel", k)
 
