@@ -131,7 +131,6 @@ def _layout(shape: CommShape) -> tuple[dict[str, tuple[int, tuple[int, ...], tor
 
 
 def _region_view(buf: torch.Tensor, off: int, dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The region at byte ``off`` of the uint8 buffer ``buf`` as a ``dims`` tensor of ``dtype``."""
     return buf[off : off + math.prod(dims) * dtype.itemsize].view(dtype).view(dims)
 
 
@@ -182,6 +181,7 @@ class SymmetricHeap:
         self.shape = shape
         self.backend = backend
         self.timeout_s = float(timeout_s)
+        self.timeout_ns = int(self.timeout_s * 1e9)
         self.num_sms = int(num_sms)
         self.wp2 = triton.next_power_of_2(self.world)
         self.layout, self.nbytes = _layout(shape)
@@ -349,10 +349,6 @@ class SymmetricHeap:
             return self._handle.get_buffer(rank, tuple(dims), dtype, off // dtype.itemsize)
         buf = self._peers[rank] if self.backend == "cuda" else torch.frombuffer(self._maps[rank], dtype=torch.uint8)
         return _region_view(buf, off, dims, dtype)
-
-    @property
-    def timeout_ns(self) -> int:
-        return int(self.timeout_s * 1e9)
 
     def _read_error(self) -> str | None:
         if self.backend == "cuda":  # pinned host memory: a host read, no device sync
