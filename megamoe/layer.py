@@ -281,11 +281,9 @@ def _same_shape_only(name: str, tokens: int, shape: tuple, replay):
 
 def shard_experts(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """Rows of ``full`` [E, ...] that rank ``rank`` of ``world`` holds: experts rank*E_l .. (rank+1)*E_l - 1."""
-    E = full.shape[0]
-    if E % world:
-        raise ValueError(f"num_experts ({E}) must be divisible by the world size ({world})")
-    E_l = E // world
-    return full[rank * E_l:(rank + 1) * E_l]
+    if full.shape[0] % world:
+        raise ValueError(f"num_experts ({full.shape[0]}) must be divisible by the world size ({world})")
+    return full.chunk(world)[rank]
 
 
 @torch.no_grad()

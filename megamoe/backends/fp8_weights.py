@@ -51,11 +51,7 @@ class Fp8WeightCache:
             with torch.cuda.device(w13.device):  # the current stream of w13's device, not of the current device
                 capturing = torch.cuda.is_current_stream_capturing()
 
-        def fresh(w):
-            if torch.is_grad_enabled():
-                return quantize_weight_both(w)
-            return (*quantize_weight(w), None, None)
-
+        fresh = lambda w: quantize_weight_both(w) if torch.is_grad_enabled() else (*quantize_weight(w), None, None)
         if w13.is_inference() or w2.is_inference():
             return (*fresh(w13), *fresh(w2))
         out = []

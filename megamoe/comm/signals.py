@@ -262,13 +262,10 @@ def _finish_kernel(tab, W, rank, src_reg, dst_ptr, n, timeout_ns, BLOCK: tl.cons
             start += P * BLOCK
 
 
-def finish(heap, src_reg: int, dst, n: int, programs: int, purpose: int = 1) -> None:
-    """dst[:n] = this rank's region ``src_reg`` once every peer has raised flag ``purpose`` (DONE = 1: the pull
-    that wrote it ended; DW_DONE = 2: the gate-gradient send) for the current call."""
+def finish(heap, src_reg: int, dst, n: int, programs: int, purpose: int) -> None:
+    """dst[:n] = this rank's region ``src_reg`` once every peer has raised flag ``purpose`` for the current call."""
     _finish_kernel[(max(1, min(programs, triton.cdiv(max(n, 1), 1024))),)](
-        heap.tab, heap.world, heap.rank, src_reg, dst, n, heap.timeout_ns, BLOCK=1024, WP2=heap.wp2,
-        PURPOSE=purpose,
-    )
+        heap.tab, heap.world, heap.rank, src_reg, dst, n, heap.timeout_ns, BLOCK=1024, WP2=heap.wp2, PURPOSE=purpose)
     heap.after_launch()
 
 
