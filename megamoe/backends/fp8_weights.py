@@ -103,10 +103,9 @@ class Fp8WeightCache:
         """Quantise the weights into the FP8 copies now and mark them managed without an optimizer, so graph replays
         read them as they are (inference, benchmarks on fixed weights). Eager calls still requantise a changed weight;
         before replaying after a change call :meth:`invalidate_fp8_weights`. Outside capture; ``fp8`` only."""
-        for w, copy in self.fp8_copies():
-            quantize_weight_both(w.detach(), out=copy)
-            copy.key = weight_key(w)
+        for _, copy in self.fp8_copies():
             copy.managed = True
+        self.invalidate_fp8_weights()  # which requantises the managed copies now
 
     def invalidate_fp8_weights(self) -> None:
         """After writes the version counter misses: mark unmanaged copies stale (the next eager call requantises)

@@ -96,7 +96,8 @@ class TorchBackend:
             recv_counts = torch.empty_like(counts)
             dist.all_to_all_single(recv_counts, counts, group=moe.group)
             # the host sync of the recipe: split sizes of the row all-to-all
-            in_splits, out_splits = torch.stack([counts.view(W, E_l).sum(1), recv_counts.view(W, E_l).sum(1)]).tolist()
+            splits = torch.stack([counts.view(W, E_l).sum(1), recv_counts.view(W, E_l).sum(1)]).tolist()
+            in_splits, out_splits = splits
             recv = _AllToAll.apply(send, out_splits, in_splits, moe.group)
         else:
             recv_counts, recv = counts, send
