@@ -128,9 +128,8 @@ class MoEConfig:
 
     def expert_weight_bytes(self, world: int) -> int:
         """Bytes of this rank's expert weights (w13 + w2, and gpt_oss's biases) in the layer dtype."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
         bias = 2 * self.intermediate + self.hidden if self.expert_kind == "gpt_oss" else 0
-        return self.local_experts(world) * (3 * self.hidden * self.intermediate + bias) * elem
+        return self.local_experts(world) * (3 * self.hidden * self.intermediate + bias) * self.dtype.itemsize
 
     def replace(self, **changes) -> MoEConfig:
         return dataclasses.replace(self, **changes)

@@ -112,9 +112,7 @@ class MoE(nn.Module):
         cannot be called afterwards. A one-rank layer does this also once it and the autograd graphs of its outputs
         are garbage collected; with peers call it on every rank after the last call's results are used (peers read
         this rank's buffers until they finish that call, and ranks must agree on which heaps exist)."""
-        close = getattr(self.backend, "close", None)
-        if close is not None:
-            close()
+        getattr(self.backend, "close", lambda: None)()  # backend torch holds nothing
         self.backend = None
         # a forward capture_graphs installed (here or on the module running the layer) would replay into the freed heap
         self.__dict__.pop("_graphed", self).__dict__.pop("forward", None)
@@ -283,11 +281,9 @@ def _same_shape_only(name: str, tokens: int, shape: tuple, replay):
 
 def shard_experts(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """Rows of ``full`` [E, ...] that rank ``rank`` of ``world`` holds: experts rank*E_l .. (rank+1)*E_l - 1."""
-    E = full.shape[0]
-    if E % world:
-        raise ValueError(f"num_experts ({E}) must be divisible by the world size ({world})")
-    E_l = E // world
-    return full[rank * E_l:(rank + 1) * E_l]
+    if full.shape[0] % world:
+        raise ValueError(f"num_experts ({full.shape[0]}) must be divisible by the world size ({world})")
+    return full.chunk(world)[rank]
 
 
 @torch.no_grad()
@@ -301,25 +297,19 @@ def load_full_weights(moe: MoE, router_weight: torch.Tensor, w13: torch.Tensor, 
         raise ValueError("give expert_bias=(b13, b2) exactly when the layer's experts have biases (gpt_oss)")
     if (logit_bias is not None) != (moe.router.logit_bias is not None):
         raise ValueError("give logit_bias exactly when the layer's router has one (router_bias)")
-    if expert_bias is not None:
-        moe.b13.copy_(shard_experts(expert_bias[0], moe.rank, moe.world))
-        moe.b2.copy_(shard_experts(expert_bias[1], moe.rank, moe.world))
-    if logit_bias is not None:
-        moe.router.logit_bias.copy_(logit_bias)
     if (shared is not None) != (moe.shared_w13 is not None):
         raise ValueError("give shared=(w13, w2, gate) exactly when the layer has a shared expert")
     if shared is not None and (shared[2] is not None) != (moe.shared_gate is not None):
         raise ValueError("give the shared expert's gate exactly when the layer's shared expert is gated")
-    for p, t in zip((moe.shared_w13, moe.shared_w2, moe.shared_gate), shared or (), strict=False):
-        if p is not None:
+    if router_bias is not None and moe.router.bias is None:
+        raise ValueError("this layer's router has no bias (router kind 'softmax')")
+    whole = (moe.router.weight, moe.router.bias, moe.router.logit_bias, moe.shared_w13, moe.shared_w2, moe.shared_gate)
+    for p, t in zip(whole, (router_weight, router_bias, logit_bias, *(shared or (None,) * 3)), strict=False):
+        if t is not None:  # (the checks above: every tensor given has its parameter)
             p.copy_(t)
-    moe.router.weight.copy_(router_weight)
-    if router_bias is not None:
-        if moe.router.bias is None:
-            raise ValueError("this layer's router has no bias (router kind 'softmax')")
-        moe.router.bias.copy_(router_bias)
-    moe.w13.copy_(shard_experts(w13, moe.rank, moe.world))
-    moe.w2.copy_(shard_experts(w2, moe.rank, moe.world))
+    for p, t in zip((moe.w13, moe.w2, moe.b13, moe.b2), (w13, w2, *(expert_bias or (None, None))), strict=False):
+        if t is not None:
+            p.copy_(shard_experts(t, moe.rank, moe.world))
 
 
 def gather_experts(moe: MoE, tensor: torch.Tensor) -> torch.Tensor:

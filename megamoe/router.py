@@ -75,17 +75,7 @@ def _logits(x: torch.Tensor, weight: torch.Tensor, cdt: torch.dtype) -> torch.Te
 IMPLS = ("auto", "torch", "triton")
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None = None,
-          logit_offset: torch.Tensor | None = None, impl: str = "auto") -> RouterOutput:
-    """``x`` [T, H], ``weight`` [E, H] -> :class:`RouterOutput`. ``logit_offset`` [E] is added to the logits
-    (benchmarks skew the routing with it). ``impl`` "triton" needs float32 compute, and TRITON_INTERPRET=1 on CPU."""
-    if impl not in IMPLS:
-        raise ValueError(f"router impl must be one of {IMPLS}, got {impl!r}")
-    with torch.autocast(x.device.type, enabled=False):  # float32 routing inside bf16 autocast regions too
-        return _route(x, weight, config, bias, logit_offset, impl)
-
-
-def _use_triton(impl: str, x: torch.Tensor, cdt: torch.dtype, config: MoEConfig) -> bool:
+def _use_triton(impl: str, x: torch.Tensor, cdt: torch.dtype) -> bool:
     if impl == "triton":
         if cdt != torch.float32:
             raise ValueError("router impl 'triton' computes in float32; float64 input needs impl 'torch' or 'auto'")
@@ -98,46 +88,52 @@ def _use_triton(impl: str, x: torch.Tensor, cdt: torch.dtype, config: MoEConfig)
     return impl == "auto" and x.is_cuda and cdt == torch.float32
 
 
-def _route(x, weight, config, bias, logit_offset, impl) -> RouterOutput:
-    cdt = compute_dtype(x.dtype)
-    T = x.shape[0]
-    E, k = config.num_experts, config.top_k
-    logits = _logits(x, weight, cdt)
-    if logit_offset is not None:
-        logits = logits + logit_offset.to(cdt)
-    if T > 0 and _use_triton(impl, x, cdt, config):
-        from megamoe.kernels.router_topk import RouteTopk
+def route(x: torch.Tensor, weight: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None = None,
+          logit_offset: torch.Tensor | None = None, impl: str = "auto") -> RouterOutput:
+    """``x`` [T, H], ``weight`` [E, H] -> :class:`RouterOutput`. ``logit_offset`` [E] is added to the logits
+    (benchmarks skew the routing with it). ``impl`` "triton" needs float32 compute, and TRITON_INTERPRET=1 on CPU."""
+    if impl not in IMPLS:
+        raise ValueError(f"router impl must be one of {IMPLS}, got {impl!r}")
+    with torch.autocast(x.device.type, enabled=False):  # float32 routing inside bf16 autocast regions too
+        cdt = compute_dtype(x.dtype)
+        T = x.shape[0]
+        E, k = config.num_experts, config.top_k
+        logits = _logits(x, weight, cdt)
+        if logit_offset is not None:
+            logits = logits + logit_offset.to(cdt)
+        if T > 0 and _use_triton(impl, x, cdt):
+            from megamoe.kernels.router_topk import RouteTopk
 
-        idx, gates, aux, counts = RouteTopk.apply(
-            logits, bias, k, config.router == "sigmoid", config.norm_topk, config.route_scale, config.aux_loss_coef,
-            config.n_group, config.topk_group)
-        return RouterOutput(idx, gates, aux, counts, logits)
-    if config.router == "softmax":
-        probs = torch.softmax(logits, dim=-1)
-        if config.n_group > 1:
-            idx = torch.topk(limit_groups(probs.detach(), config), k, dim=-1).indices
-            gates = probs.gather(1, idx)
+            idx, gates, aux, counts = RouteTopk.apply(
+                logits, bias, k, config.router == "sigmoid", config.norm_topk, config.route_scale, config.aux_loss_coef,
+                config.n_group, config.topk_group)
+            return RouterOutput(idx, gates, aux, counts, logits)
+        if config.router == "softmax":
+            probs = torch.softmax(logits, dim=-1)
+            if config.n_group > 1:
+                idx = torch.topk(limit_groups(probs.detach(), config), k, dim=-1).indices
+                gates = probs.gather(1, idx)
+            else:
+                gates, idx = torch.topk(probs, k, dim=-1)
+            density_probs = probs
         else:
-            gates, idx = torch.topk(probs, k, dim=-1)
-        density_probs = probs
-    else:
-        scores = torch.sigmoid(logits)
-        choice = scores if bias is None else scores + bias.to(cdt).detach()
-        idx = torch.topk(limit_groups(choice.detach(), config), k, dim=-1).indices
-        gates = scores.gather(1, idx)
-        density_probs = scores / scores.sum(-1, keepdim=True)
-    if config.norm_topk:
-        gates = gates / gates.sum(-1, keepdim=True)
-    if config.route_scale != 1.0:
-        gates = gates * config.route_scale
-    counts = torch.zeros(E, dtype=torch.int64, device=x.device)
-    counts.scatter_add_(0, idx.reshape(-1), torch.ones_like(idx.reshape(-1)))
-    if T > 0 and config.aux_loss_coef > 0:
-        frac = counts.to(cdt) / (T * k)
-        aux = config.aux_loss_coef * E * (frac * density_probs.mean(0)).sum()
-    else:
-        aux = logits.sum() * 0.0  # keeps the graph connected, exactly 0
-    return RouterOutput(idx, gates, aux, counts, logits)
+            scores = torch.sigmoid(logits)
+            choice = scores if bias is None else scores + bias.to(cdt).detach()
+            idx = torch.topk(limit_groups(choice.detach(), config), k, dim=-1).indices
+            gates = scores.gather(1, idx)
+            density_probs = scores / scores.sum(-1, keepdim=True)
+        if config.norm_topk:
+            gates = gates / gates.sum(-1, keepdim=True)
+        if config.route_scale != 1.0:
+            gates = gates * config.route_scale
+        counts = torch.zeros(E, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, idx.reshape(-1), torch.ones_like(idx.reshape(-1)))
+        if T > 0 and config.aux_loss_coef > 0:
+            frac = counts.to(cdt) / (T * k)
+            aux = config.aux_loss_coef * E * (frac * density_probs.mean(0)).sum()
+        else:
+            aux = logits.sum() * 0.0  # keeps the graph connected, exactly 0
+        return RouterOutput(idx, gates, aux, counts, logits)
 
 
 def limit_groups(choice: torch.Tensor, config: MoEConfig) -> torch.Tensor:

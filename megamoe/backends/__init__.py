@@ -9,6 +9,7 @@ once per :class:`megamoe.MoE` (``make_backend``), so it may own workspaces for t
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 from typing import TYPE_CHECKING
@@ -35,14 +36,11 @@ def parse_backend(spec: str) -> tuple[str, dict]:
             raise ValueError(f"backend option {opt!r} in {spec!r} is not key=value")
         if value.lower() in ("true", "false"):
             options[key] = value.lower() == "true"
-        else:
-            try:
-                options[key] = int(value)
-            except ValueError:
-                try:
-                    options[key] = float(value)
-                except ValueError:
-                    options[key] = value
+            continue
+        for parse in (int, float, str):  # the first that takes the value
+            with contextlib.suppress(ValueError):
+                options[key] = parse(value)
+                break
     return name, options
 
 

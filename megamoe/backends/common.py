@@ -54,7 +54,7 @@ POISON_PADDING = False
 def heap_rows(heap, shape, dtype) -> torch.Tensor | None:
     """The first rows of ``heap.rows_buffer()`` if they fit this shape and dtype and no peer may still read them
     (``heap.rows_busy``), else None. A GEMM writing there (GEMM2, GEMM1's dgrad) saves combine's /
-    dispatch_backward's staging copy; why that is safe: comm/signals.py, "What each wait guards"."""
+    dispatch_backward's staging copy; why that is safe: docs/design.md, after the flag table."""
     rb = heap.rows_buffer()
     fits = shape[0] <= rb.shape[0] and tuple(shape[1:]) == tuple(rb.shape[1:]) and rb.dtype == dtype
     return rb[:shape[0]] if fits and not heap.rows_busy else None
@@ -94,12 +94,13 @@ def retained() -> bool:
 
 def heap_backward(dy, topk_w, handle, recv, h, w13, w2, num_sms, *, wq=None, recv_scales=None, presum=False,
                   b13=None, b2=None, clamp=None) -> tuple:
-    """The whole backward: (dx, d_topk_w, dW13, dW2, db13, db2) from the forward's received rows ``recv`` and GEMM1's
-    pre-activation ``h``. h's memory goes once GEMM2's dgrad has read it (its storage shrunk to nothing, since the
-    saved tensor still refers to it; kept when the graph is retained), dy's rows and the activations once dW2 has,
-    so the peak never holds them all beside both weight gradients. d_recv goes to the heap's ``rows`` region unless
-    ``presum``. FP8 (``wq``): recv is e4m3 with 1x128 ``recv_scales``, dequantised for dW13 only. gpt-oss: b13, b2
-    (their dtypes are the gradients') and clamp, bf16 GEMMs only."""
+    """The whole backward: (dx, d_topk_w in topk_w's dtype, dW13, dW2, db13, db2) from the forward's received rows
+    ``recv`` and GEMM1's pre-activation ``h``. h's memory goes once GEMM2's dgrad has read it (its storage shrunk to
+    nothing, since the saved tensor still refers to it; kept when the graph is retained), dy's rows and the
+    activations once dW2 has, so the peak never holds them all beside both weight gradients. d_recv goes to the
+    heap's ``rows`` region unless ``presum``. FP8 (``wq``): recv is e4m3 with 1x128 ``recv_scales``, dequantised for
+    dW13 only. gpt-oss: b13, b2 (their dtypes are the gradients') and clamp, bf16 GEMMs only."""
+    dy = dy.contiguous()
     offs = handle.offs
     n = offs[-1:]  # rows received: only those are quantised (the buffers may hold more)
     dy_rows, gate = pull_grad(dy, topk_w, handle, num_sms=num_sms)
@@ -111,7 +112,7 @@ def heap_backward(dy, topk_w, handle, recv, h, w13, w2, num_sms, *, wq=None, rec
                                         acts_out=acts)
     if not retained():  # (stream-ordered: the allocator reuses the block only after the dgrad, as after a del)
         h.untyped_storage().resize_(0)
-    d_topk_w = send_gate_grad(ds, handle, num_sms=num_sms)
+    d_topk_w = send_gate_grad(ds, handle, num_sms=num_sms).to(topk_w.dtype)
     db13 = None if b13 is None else segment_sum(dh, offs, out_dtype=b13.dtype)
     db2 = None if b2 is None else segment_sum(dy_rows, offs, scale=gate, out_dtype=b2.dtype)
     d_recv = dgrad_buffer((recv.shape[0], w13.shape[2]), recv.device, None if presum else handle.heap)
@@ -183,14 +184,12 @@ class HeapBackend:
         """Give the symmetric heap back (freed with its last layer)."""
         self._release()
 
-    @staticmethod
-    def _training(*tensors) -> bool:
-        """Whether autograd will run a backward through this call (else nothing is kept for one)."""
-        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-    def _check_call(self, x, b13, b2) -> None:
+    def _check_call(self, x, topk_idx, topk_w, w13, w2, b13, b2) -> bool:
+        """Check a call on the host (not its expert ids: that would read them, a sync); whether autograd will run a
+        backward through it (else nothing is kept for one)."""
         if x.shape[0] > self.shape.max_tokens:
             raise ValueError(f"{x.shape[0]} tokens exceed the layer's max_tokens_per_rank "
                              f"({self.shape.max_tokens}); build the MoEConfig with a larger one")
         if (b13 is None) != (self.clamp is None) or (b13 is None) != (b2 is None):
             raise ValueError(f"backend '{self.name}': b13 and b2 are given exactly for gpt_oss experts")
+        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, topk_w, w13, w2, b13, b2))

@@ -51,11 +51,7 @@ class Fp8WeightCache:
             with torch.cuda.device(w13.device):  # the current stream of w13's device, not of the current device
                 capturing = torch.cuda.is_current_stream_capturing()
 
-        def fresh(w):
-            if torch.is_grad_enabled():
-                return quantize_weight_both(w)
-            return (*quantize_weight(w), None, None)
-
+        fresh = lambda w: quantize_weight_both(w) if torch.is_grad_enabled() else (*quantize_weight(w), None, None)
         if w13.is_inference() or w2.is_inference():
             return (*fresh(w13), *fresh(w2))
         out = []
@@ -107,10 +103,9 @@ class Fp8WeightCache:
         """Quantise the weights into the FP8 copies now and mark them managed without an optimizer, so graph replays
         read them as they are (inference, benchmarks on fixed weights). Eager calls still requantise a changed weight;
         before replaying after a change call :meth:`invalidate_fp8_weights`. Outside capture; ``fp8`` only."""
-        for w, copy in self.fp8_copies():
-            quantize_weight_both(w.detach(), out=copy)
-            copy.key = weight_key(w)
+        for _, copy in self.fp8_copies():
             copy.managed = True
+        self.invalidate_fp8_weights()  # which requantises the managed copies now
 
     def invalidate_fp8_weights(self) -> None:
         """After writes the version counter misses: mark unmanaged copies stale (the next eager call requantises)

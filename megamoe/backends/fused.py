@@ -59,9 +59,8 @@ class _FusedMoE(torch.autograd.Function):
         else:
             recv, h = saved[7:]
             handle = ctx.handle
-        dx, d_topk_w, dw13, dw2, db13, db2 = heap_backward(dy.contiguous(), topk_w, handle, recv, h, w13, w2,
-                                                           b.comm_sms, b13=b13, b2=b2, clamp=b.clamp)
-        return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, db13, db2, None, None, None
+        return (*heap_backward(dy, topk_w, handle, recv, h, w13, w2, b.comm_sms, b13=b13, b2=b2, clamp=b.clamp),
+                None, None, None)
 
 
 class FusedBackend(HeapBackend):
@@ -94,6 +93,5 @@ class FusedBackend(HeapBackend):
         return {"symmetric": heap_bytes(self.shape), "per_call": rows * ((sh.hidden + inter) * 2 + h_bytes)}
 
     def __call__(self, x, topk_idx, topk_w, w13, w2, b13=None, b2=None):
-        self._check_call(x, b13, b2)
-        train = self._training(x, topk_w, w13, w2, b13, b2)
+        train = self._check_call(x, topk_idx, topk_w, w13, w2, b13, b2)
         return _FusedMoE.apply(x, topk_w, w13, w2, b13, b2, topk_idx, self, train)

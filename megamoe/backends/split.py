@@ -60,10 +60,8 @@ class _SplitMoE(torch.autograd.Function):
     def backward(ctx, dy):
         recv, h, topk_w, w13, w2, a_s, b13, b2 = ctx.saved_tensors
         b = ctx.backend
-        dx, d_topk_w, dw13, dw2, db13, db2 = heap_backward(
-            dy.contiguous(), topk_w, ctx.handle, recv, h, w13, w2, b.comm_sms, wq=ctx.wq, recv_scales=a_s,
-            presum=b.presum_combine, b13=b13, b2=b2, clamp=b.clamp)
-        return dx, d_topk_w.to(topk_w.dtype), dw13, dw2, db13, db2, None, None, None, None
+        return (*heap_backward(dy, topk_w, ctx.handle, recv, h, w13, w2, b.comm_sms, wq=ctx.wq, recv_scales=a_s,
+                               presum=b.presum_combine, b13=b13, b2=b2, clamp=b.clamp), None, None, None, None)
 
 
 class SplitBackend(HeapBackend, Fp8WeightCache):
@@ -98,7 +96,6 @@ class SplitBackend(HeapBackend, Fp8WeightCache):
         return out
 
     def __call__(self, x, topk_idx, topk_w, w13, w2, b13=None, b2=None):
-        self._check_call(x, b13, b2)
+        train = self._check_call(x, topk_idx, topk_w, w13, w2, b13, b2)  # else no backward reads h
         wq = self.fp8_weights(w13, w2) if self.fp8 else None
-        train = self._training(x, topk_w, w13, w2, b13, b2)  # else no backward reads h
         return _SplitMoE.apply(x, topk_w, w13, w2, b13, b2, topk_idx, self, wq, train)

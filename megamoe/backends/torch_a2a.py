@@ -36,14 +36,12 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
-        ctx.splits = (out_splits, in_splits)
-        ctx.group = group
+        ctx.back = (in_splits, out_splits, group)
         return _a2a(x, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        return _a2a(grad, in_splits, out_splits, ctx.group), None, None, None
+        return _a2a(grad, *ctx.back), None, None, None
 
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -102,8 +100,7 @@ class TorchBackend:
             in_splits, out_splits = splits
             recv = _AllToAll.apply(send, out_splits, in_splits, moe.group)
         else:
-            recv_counts = counts
-            recv = send
+            recv_counts, recv = counts, send
         R = recv.shape[0]
         rc = recv_counts.view(W, E_l)
         # destination of each received row in the padded, expert-grouped layout

@@ -35,7 +35,6 @@ from .signals import (
     DW_DONE,
     READY,
     REG_DW,
-    TL_DTYPES,
     arrive_last,
     current_call,
     error_set,
@@ -112,31 +111,31 @@ def _gather(rows: torch.Tensor, topk_w: torch.Tensor | None, handle: DispatchHan
     """:func:`combine` / :func:`dispatch_backward` after their own checks: y [T, H] from the rows [<= R_cap, H]."""
     heap = handle.heap
     sh = heap.shape
+    T = handle.num_tokens
     if rows.dim() != 2 or rows.shape[1] != sh.hidden or rows.shape[0] > sh.rows_cap or rows.dtype != sh.dtype:
         raise ValueError(f"expert rows must be [<= R_cap={sh.rows_cap}, H={sh.hidden}] {sh.dtype}, "
                          f"got {tuple(rows.shape)} {rows.dtype}")
-    if presum:
-        return presum_gather(rows, handle, gated, num_sms, out_dtype)
-    T = handle.num_tokens
-    P = max(1, int(num_sms or handle.num_sms))
     if topk_w is not None and tuple(topk_w.shape) != (T, sh.topk):
         raise ValueError(f"topk_w must be [T={T}, k={sh.topk}], got {tuple(topk_w.shape)}")
+    if presum and gated and handle.row_gate is None:
+        raise ValueError("a pre-summing combine needs the gates at dispatch: call dispatch(..., topk_w=...)")
+    P = max(1, int(num_sms or handle.num_sms))
     y = torch.empty(T, sh.hidden, dtype=out_dtype or sh.dtype, device=heap.device)  # before READY is published
-    w = topk_w.contiguous() if gated else None  # gated: topk_w given (combine's check)
+    y_arg = y if T > 0 else heap.tab.new_empty(1).view(sh.dtype)
+    op = S.OP_COMBINE.value if gated else S.OP_DISPATCH_BWD.value
+    if presum:
+        presum_gather(rows, handle, gated, P, y_arg, op)
+        return y
+    sched = handle.schedule
+    w = topk_w.contiguous() if gated else sched.dest_row  # gated: topk_w given (combine's check)
     in_place = rows.data_ptr() == heap.rows_buffer().data_ptr() and rows.stride() == (sh.hidden, 1)
     # only rows < offs[E_l] hold data; that count lives on the device, so the kernel reads it there
     S.stage(heap, act=None if in_place else rows.contiguous(), act_reg=S.REG_ROWS.value, programs=P,
             nrows=handle.offs[-1:])
-    rws, block_h, warps = S.launch_config(sh.hidden, "gather")
-    sched = handle.schedule
     _gather_sum_kernel[(P,)](
-        heap.tab, heap.world, heap.rank, S.REG_ROWS.value, sched.dest_row, sched.dest_rank,
-        w if gated else sched.dest_row, y if T > 0 else heap.tab.new_empty(1).view(sh.dtype),
-        T, sh.hidden, heap.timeout_ns,
-        OP=S.OP_COMBINE.value if gated else S.OP_DISPATCH_BWD.value, HAS_W=gated,
-        K=sh.topk, KP2=triton.next_power_of_2(sh.topk), ROWS=rws, BLOCK_H=block_h,
-        ALIGNED=(sh.hidden * sh.dtype.itemsize) % 16 == 0, WP2=heap.wp2, SRC_DT=TL_DTYPES[sh.dtype],
-        num_warps=warps,
+        heap.tab, heap.world, heap.rank, S.REG_ROWS.value, sched.dest_row, sched.dest_rank, w, y_arg, T,
+        sh.hidden, heap.timeout_ns,
+        OP=op, HAS_W=gated, SRC_DT=S.TL_DTYPES[sh.dtype], **S.tile_args(heap, "gather"),
     )
     heap.rows_busy = True  # the peers read this rank's rows until their DONE of this call
     heap.after_launch()
@@ -211,8 +210,7 @@ def pull_grad(dy: torch.Tensor, topk_w: torch.Tensor, handle: DispatchHandle,
     gate = row_buffer((R,), torch.float32, heap.device)
     w32 = topk_w.to(torch.float32).contiguous().view(torch.int32)
     # open a new call: dy into this rank's ``tok`` region, the gates (as fp32) into ``w``
-    S.stage(heap, act=dy.contiguous(), act_reg=S.REG_TOK.value, small=w32, small_reg=S.REG_W.value, ntok=-1,
-            programs=P)
+    S.stage(heap, act=dy.contiguous(), act_reg=S.REG_TOK.value, small=w32, small_reg=S.REG_W.value, programs=P)
     pull_rows(heap, handle.schedule, rows, P, gate=gate)
     return rows, gate
 

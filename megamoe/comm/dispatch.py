@@ -202,14 +202,10 @@ def pull_rows(heap: SymmetricHeap, sched: Schedule, dst: torch.Tensor, programs:
     row (default H; dispatch_fp8's packed rows are narrower)."""
     sh = heap.shape
     hp = check_pull(heap, dst, width)
-    rows, block_h, warps = S.launch_config(sh.hidden, "pull")
     _pull_kernel[(programs,)](
         heap.tab, heap.world, heap.rank, S.REG_TOK.value, sched.recv_row, sched.tokens_per_rank, dst,
-        gate if gate is not None else dst, sh.max_tokens, sh.hidden, heap.timeout_ns, hp,
-        HAS_GATE=gate is not None, K=sh.topk, KP2=triton.next_power_of_2(sh.topk), ROWS=rows, BLOCK_H=block_h,
-        ALIGNED=(sh.hidden * sh.dtype.itemsize) % 16 == 0,
-        EPW=2 if sh.dtype.itemsize == 2 and sh.hidden % 2 == 0 and hp % 2 == 0 else 1, WP2=heap.wp2,
-        num_warps=warps,
+        gate if gate is not None else dst, sh.max_tokens, sh.hidden, heap.timeout_ns, hp, HAS_GATE=gate is not None,
+        EPW=2 if sh.dtype.itemsize == 2 and sh.hidden % 2 == 0 and hp % 2 == 0 else 1, **S.tile_args(heap, "pull"),
     )
     heap.after_launch()
 

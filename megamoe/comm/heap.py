@@ -131,7 +131,6 @@ def _layout(shape: CommShape) -> tuple[dict[str, tuple[int, tuple[int, ...], tor
 
 
 def _region_view(buf: torch.Tensor, off: int, dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The region at byte ``off`` of the uint8 buffer ``buf`` as a ``dims`` tensor of ``dtype``."""
     return buf[off : off + math.prod(dims) * dtype.itemsize].view(dtype).view(dims)
 
 
@@ -182,6 +181,7 @@ class SymmetricHeap:
         self.shape = shape
         self.backend = backend
         self.timeout_s = float(timeout_s)
+        self.timeout_ns = int(self.timeout_s * 1e9)
         self.num_sms = int(num_sms)
         self.wp2 = triton.next_power_of_2(self.world)
         self.layout, self.nbytes = _layout(shape)
@@ -200,6 +200,8 @@ class SymmetricHeap:
         else:
             self.device = torch.device("cpu")
             bases = self._alloc_host()
+        own = self._buf if backend == "cuda" else torch.frombuffer(self._maps[self.rank], dtype=torch.uint8)
+        self._views = {name: _region_view(own, *spec) for name, spec in self.layout.items()}
         tab = torch.empty(len(_REG_INDEX), self.world, dtype=torch.int64)
         for name, (off, _, _) in self.layout.items():
             tab[_REG_INDEX[name]] = torch.tensor([b + off for b in bases], dtype=torch.int64)
@@ -231,7 +233,6 @@ class SymmetricHeap:
         self._err_addr = self._err_host.data_ptr()
         torch.cuda.synchronize(self.device)
         self._barrier()
-        self._views = self._make_views(self._buf)
         self._watchdog_stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="megamoe-comm-watchdog", daemon=True)
         self._watchdog.start()
@@ -283,35 +284,24 @@ class SymmetricHeap:
             dist.broadcast_object_list(token, src=dist.get_global_rank(self.group, 0), group=self.group)
         root = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
         paths = [os.path.join(root, f"megamoe-{token[0]}-{r}") for r in range(self.world)]
-        fd = os.open(paths[self.rank], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, self.nbytes)
-        finally:
-            os.close(fd)
+        with os.fdopen(os.open(paths[self.rank], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600), "r+b") as f:
+            f.truncate(self.nbytes)
         self._barrier()  # every file exists, zero-filled
         bases = []
         for r in range(self.world):
-            fd = os.open(paths[r], os.O_RDWR)
-            try:
-                mm = mmap.mmap(fd, self.nbytes)
-            finally:
-                os.close(fd)
+            with open(paths[r], "r+b") as f:
+                mm = mmap.mmap(f.fileno(), self.nbytes)
             self._maps.append(mm)
             bases.append(ctypes.addressof(ctypes.c_char.from_buffer(mm)))
         self._barrier()  # every rank mapped every file: unlink now, nothing leaks on a crash
         self._paths = paths
         self._unlink_own()
-        own = torch.frombuffer(self._maps[self.rank], dtype=torch.uint8)
-        self._views = self._make_views(own)
         self._err_addr = bases[self.rank] + self.layout["err"][0]
         return bases
 
     def _unlink_own(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._paths[self.rank])
-
-    def _make_views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {name: _region_view(buf, *spec) for name, spec in self.layout.items()}
 
     def buffer(self, name: str) -> torch.Tensor:
         """This rank's view of region ``name`` (see the module docstring)."""
@@ -349,10 +339,6 @@ class SymmetricHeap:
             return self._handle.get_buffer(rank, tuple(dims), dtype, off // dtype.itemsize)
         buf = self._peers[rank] if self.backend == "cuda" else torch.frombuffer(self._maps[rank], dtype=torch.uint8)
         return _region_view(buf, off, dims, dtype)
-
-    @property
-    def timeout_ns(self) -> int:
-        return int(self.timeout_s * 1e9)
 
     def _read_error(self) -> str | None:
         if self.backend == "cuda":  # pinned host memory: a host read, no device sync

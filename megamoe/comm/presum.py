@@ -34,7 +34,6 @@ from .signals import (
     REG_CTRL,
     REG_ROWS,
     SEQ,
-    TL_DTYPES,
     arrive_last,
     current_call,
     error_set,
@@ -161,36 +160,26 @@ def _rank_gather_kernel(
             publish(tab, W, rank, DONE, call, WP2)
 
 
-def presum_gather(rows: torch.Tensor, handle: DispatchHandle, gated: bool, num_sms: int | None = None,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def presum_gather(rows: torch.Tensor, handle: DispatchHandle, gated: bool, programs: int, y: torch.Tensor,
+                  op: int) -> None:
     """y[t] = sum over expert ranks q (ascending) of q's partial sum of t's rows (gated: weighted by the gates
-    dispatch brought, ``handle.row_gate``). rows: [<= R_cap, H] local, heap dtype (checked by combine.py). Returns
-    y [T, H]."""
+    dispatch brought, ``handle.row_gate``), for combine.py's ``_gather``, which checked rows [<= R_cap, H] (local,
+    heap dtype) and allocated y [T, H] (a placeholder when T is 0). ``op``: the error record's op code."""
     heap = handle.heap
     sh = heap.shape
-    if gated and handle.row_gate is None:
-        raise ValueError("a pre-summing combine needs the gates at dispatch: call dispatch(..., topk_w=...)")
-    P = max(1, int(num_sms or handle.num_sms))
-    T = handle.num_tokens
     sched = handle.schedule
-    rws, block_h, warps = S.launch_config(sh.hidden, "gather")
-    common = dict(K=sh.topk, KP2=triton.next_power_of_2(sh.topk), ROWS=rws, BLOCK_H=block_h,
-                  ALIGNED=(sh.hidden * sh.dtype.itemsize) % 16 == 0, WP2=heap.wp2, num_warps=warps)
+    tiles = S.tile_args(heap, "gather")
     heap.check()
-    y = torch.empty(T, sh.hidden, dtype=out_dtype or sh.dtype, device=heap.device)  # before READY is published
     rows = rows.contiguous()
-    _presum_stage_kernel[(P,)](
+    _presum_stage_kernel[(programs,)](
         heap.tab, heap.world, heap.rank, rows, handle.row_gate if gated else rows,
-        sched.recv_row, sched.tokens_per_rank, sh.max_tokens, sh.hidden, heap.timeout_ns,
-        HAS_GATE=gated, **common,
+        sched.recv_row, sched.tokens_per_rank, sh.max_tokens, sh.hidden, heap.timeout_ns, HAS_GATE=gated, **tiles,
     )
     heap.rows_busy = False  # a stage kernel (waited for DONE of every earlier call from every peer)
     heap.after_launch()
-    _rank_gather_kernel[(P,)](
-        heap.tab, heap.world, heap.rank, sched.dest_rank, y if T > 0 else heap.tab.new_empty(1).view(sh.dtype),
-        T, sh.max_tokens, sh.hidden, heap.timeout_ns,
-        OP=S.OP_COMBINE.value if gated else S.OP_DISPATCH_BWD.value, SRC_DT=TL_DTYPES[sh.dtype], **common,
+    _rank_gather_kernel[(programs,)](
+        heap.tab, heap.world, heap.rank, sched.dest_rank, y, handle.num_tokens, sh.max_tokens, sh.hidden,
+        heap.timeout_ns, OP=op, SRC_DT=S.TL_DTYPES[sh.dtype], **tiles,
     )
     heap.rows_busy = True  # the peers read this rank's rows until their DONE of this call
     heap.after_launch()
-    return y

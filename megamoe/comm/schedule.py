@@ -230,13 +230,10 @@ def schedule_buffers(heap, tokens: int | None = None) -> Schedule:
 def build_schedule(heap, sched: Schedule) -> Schedule:
     """Launch the schedule kernels into ``sched`` (:func:`schedule_buffers`) for the call the last
     :func:`signals.stage` opened (ids in ``idx``)."""
-    sh = heap.shape
-    W, T_max, K, E, E_l = sh.world, sh.max_tokens, sh.topk, sh.num_experts, sh.local_experts
-    KP2 = triton.next_power_of_2(K)
-    CH = chunk_tokens(K)
-    NCH = triton.cdiv(T_max, CH)
-    EP2 = triton.next_power_of_2(E)
     cnt, tot, base = sched.scratch
+    W, NCH, E = cnt.shape  # as schedule_buffers sized them
+    T_max, K, E_l = heap.shape.max_tokens, heap.shape.topk, heap.shape.local_experts
+    KP2, CH, EP2 = triton.next_power_of_2(K), chunk_tokens(K), triton.next_power_of_2(E)
     _hist_kernel[(W, NCH)](
         heap.tab, W, heap.rank, cnt, T_max, NCH, E, heap.timeout_ns,
         K=K, KP2=KP2, CH=CH, EP2=EP2, WP2=heap.wp2, num_warps=4,

@@ -262,13 +262,10 @@ def _finish_kernel(tab, W, rank, src_reg, dst_ptr, n, timeout_ns, BLOCK: tl.cons
             start += P * BLOCK
 
 
-def finish(heap, src_reg: int, dst, n: int, programs: int, purpose: int = 1) -> None:
-    """dst[:n] = this rank's region ``src_reg`` once every peer has raised flag ``purpose`` (DONE = 1: the pull
-    that wrote it ended; DW_DONE = 2: the gate-gradient send) for the current call."""
+def finish(heap, src_reg: int, dst, n: int, programs: int, purpose: int) -> None:
+    """dst[:n] = this rank's region ``src_reg`` once every peer has raised flag ``purpose`` for the current call."""
     _finish_kernel[(max(1, min(programs, triton.cdiv(max(n, 1), 1024))),)](
-        heap.tab, heap.world, heap.rank, src_reg, dst, n, heap.timeout_ns, BLOCK=1024, WP2=heap.wp2,
-        PURPOSE=purpose,
-    )
+        heap.tab, heap.world, heap.rank, src_reg, dst, n, heap.timeout_ns, BLOCK=1024, WP2=heap.wp2, PURPOSE=purpose)
     heap.after_launch()
 
 
@@ -357,9 +354,9 @@ def _stage_kernel(
         tl.store(ctrl + SEQ, prev + 1)
 
 
-#: tile per program step of the row-moving kernels: op -> (elements per step, num_warps, max BLOCK_H, max ROWS);
-#: tests override it. From sweeps on 4x H200 (docs/performance.md); the pipelined pull keeps two units in flight, so
-#: half the unpipelined loop's best step keeps as many bytes in flight (twice that spills).
+#: tile per program step of the row-moving kernels: op -> (elements per step, num_warps, max BLOCK_H, max ROWS). From
+#: sweeps on 4x H200 (docs/performance.md); the pipelined pull keeps two units in flight, so half the unpipelined
+#: loop's best step keeps as many bytes in flight (twice that spills).
 TILES = {
     "stage": (8192, 8, 2048, 8),
     "pull": (16384, 16, 8192, 8),
@@ -367,14 +364,17 @@ TILES = {
 }
 
 
-def launch_config(hidden: int, op: str = "stage") -> tuple[int, int, int]:
-    """(ROWS, BLOCK_H, num_warps) for a row-moving kernel: ROWS x BLOCK_H ~ TILES[op] elements per step."""
+def tile_args(heap, op: str, topk: bool = True) -> dict:
+    """The launch arguments every row-moving kernel of ``heap`` takes: ROWS x BLOCK_H ~ TILES[op] elements per step,
+    num_warps, ALIGNED (rows start on 16-byte boundaries), WP2 and (``topk``) K, KP2."""
+    sh = heap.shape
     elems, warps, cap, rows_cap = TILES[op]
     if INTERPRET:  # registers are free there and every step costs Python overhead: take big steps
         rows_cap = 64
-    block_h = min(triton.next_power_of_2(max(hidden, 1)), cap)
-    rows = max(1, min(rows_cap, elems // block_h))
-    return rows, block_h, warps
+    block_h = min(triton.next_power_of_2(max(sh.hidden, 1)), cap)
+    args = dict(ROWS=max(1, min(rows_cap, elems // block_h)), BLOCK_H=block_h, num_warps=warps, WP2=heap.wp2,
+                ALIGNED=(sh.hidden * sh.dtype.itemsize) % 16 == 0)
+    return args | (dict(K=sh.topk, KP2=triton.next_power_of_2(sh.topk)) if topk else {})
 
 
 def stage(heap, act=None, act_reg: int = 0, small=None, small_reg: int = 0, ntok: int = -1, programs=None,
@@ -386,15 +386,11 @@ def stage(heap, act=None, act_reg: int = 0, small=None, small_reg: int = 0, ntok
     """
     heap.check()
     H = heap.shape.hidden
-    has_act = act is not None and act.numel() > 0
-    has_small = small is not None and small.numel() > 0
-    has_small2 = small2 is not None and small2.numel() > 0
+    has_act, has_small, has_small2 = (t is not None and t.numel() > 0 for t in (act, small, small2))
     HA = act.shape[1] if act is not None and act.dim() == 2 else H
     if has_act and (HA > H or act.stride() != (HA, 1)):
         raise ValueError(f"stage: act must be contiguous [n, <= {H}], got {tuple(act.shape)} strides {act.stride()}")
-    rows, block_h, warps = launch_config(H, "stage")
-    P = max(1, int(programs or heap.num_sms))
-    _stage_kernel[(P,)](
+    _stage_kernel[(max(1, int(programs or heap.num_sms)),)](
         heap.tab, heap.world, heap.rank,
         act if has_act else heap.tab, act.shape[0] if has_act else 0, nrows if nrows is not None else heap.tab,
         act_reg, H, HA,
@@ -402,8 +398,7 @@ def stage(heap, act=None, act_reg: int = 0, small=None, small_reg: int = 0, ntok
         small2 if has_small2 else heap.tab, small2.numel() if has_small2 else 0, small2_reg,
         ntok, heap.timeout_ns,
         HAS_ACT=has_act, HAS_SMALL=has_small, HAS_SMALL2=has_small2, HAS_NROWS=nrows is not None,
-        ROWS=rows, BLOCK_H=block_h,
-        ALIGNED=(H * heap.shape.dtype.itemsize) % 16 == 0, WP2=heap.wp2, num_warps=warps,
+        **tile_args(heap, "stage", topk=False),
     )
     heap.rows_busy = False  # the kernel waited for DONE of every earlier call from every peer, reads included
     heap.after_launch()
