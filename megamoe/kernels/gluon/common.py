@@ -79,22 +79,26 @@ def halves(x, BLOCK_M: gl.constexpr, NP: gl.constexpr):
 
 
 @gluon.jit
+def parts(x, BLOCK_M: gl.constexpr, NP: gl.constexpr, PARTS: gl.constexpr):
+    """x [BLOCK_M, NP] -> PARTS (1, 2 or 4) column blocks in order (halves: register-only), padded to four with the
+    first."""
+    if PARTS == 1:
+        s0, s1, s2, s3 = x, x, x, x
+    elif PARTS == 2:
+        s0, s1 = halves(x, BLOCK_M, NP)
+        s2, s3 = s0, s0
+    else:
+        h0, h1 = halves(x, BLOCK_M, NP)
+        s0, s1 = halves(h0, BLOCK_M, NP // 2)
+        s2, s3 = halves(h1, BLOCK_M, NP // 2)
+    return s0, s1, s2, s3
+
+
+@gluon.jit
 def slices(x, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, mma_s: gl.constexpr):
     """x [BLOCK_M, BLOCK_N] in the wgmma layout -> BLOCK_N // 64 (1, 2 or 4) slices [BLOCK_M, 64] in mma_s (the
     wgmma layout of a 64-column tile: the same registers), padded to four with the first slice."""
-    if BLOCK_N == 64:
-        s0 = x
-        s1 = x
-        s2 = x
-        s3 = x
-    elif BLOCK_N == 128:
-        s0, s1 = halves(x, BLOCK_M, BLOCK_N)
-        s2 = s0
-        s3 = s0
-    else:
-        h0, h1 = halves(x, BLOCK_M, BLOCK_N)
-        s0, s1 = halves(h0, BLOCK_M, BLOCK_N // 2)
-        s2, s3 = halves(h1, BLOCK_M, BLOCK_N // 2)
+    s0, s1, s2, s3 = parts(x, BLOCK_M, BLOCK_N, BLOCK_N // 64)
     return (gl.convert_layout(s0, mma_s, assert_trivial=True), gl.convert_layout(s1, mma_s, assert_trivial=True),
             gl.convert_layout(s2, mma_s, assert_trivial=True), gl.convert_layout(s3, mma_s, assert_trivial=True))
 

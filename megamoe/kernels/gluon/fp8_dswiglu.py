@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from megamoe.kernels.gemm_config import GemmConfig, grid_size, record
-from megamoe.kernels.gluon.common import halves, locate, nvmma_desc, schedule, stages_reason
+from megamoe.kernels.gluon.common import locate, nvmma_desc, parts, schedule, stages_reason
 
 WARP_SHAPES = ((128, 8), (64, 8), (64, 4))  # (BLOCK_M, warps); 128 rows on 4 warps spill (three fp32 tiles live)
 
@@ -82,20 +82,9 @@ def _epi_dswiglu(acc, epi_smem, off_m, off_n, ni, row_end, R, N, out_ptr, stride
     loop iteration; HAS_SCALE: dsp[ni, r] = the row sums over the tile's columns."""
     NP: gl.constexpr = BLOCK_N // SLICES
     store_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (NP // 8), NP // 8], [num_warps, 1], [1, 0])
-    if SLICES == 4:
-        h0, h1 = halves(acc, BLOCK_M, BLOCK_N)
-        q0, q1 = halves(h0, BLOCK_M, BLOCK_N // 2)
-        q2, q3 = halves(h1, BLOCK_M, BLOCK_N // 2)
-        epi_smem.index(0).store(q0)
-        epi_smem.index(1).store(q1)
-        epi_smem.index(2).store(q2)
-        epi_smem.index(3).store(q3)
-    elif SLICES == 2:
-        h0, h1 = halves(acc, BLOCK_M, BLOCK_N)
-        epi_smem.index(0).store(h0)
-        epi_smem.index(1).store(h1)
-    else:
-        epi_smem.index(0).store(acc)
+    q = parts(acc, BLOCK_M, BLOCK_N, SLICES)
+    for c in gl.static_range(SLICES):
+        epi_smem.index(c).store(q[c])
     gl.thread_barrier()  # written by every warp; rewritten only after the next tile's k-loop (CTA barriers)
     part = gl.zeros([BLOCK_M], dtype=gl.float32, layout=gl.SliceLayout(1, store_l))
     for c in range(SLICES):  # a loop, not unrolled: one slice's values live at a time
