@@ -39,8 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from megamoe.kernels.gemm_config import EPI_DSWIGLU, EPI_NONE, EPI_SWIGLU, GemmConfig, grid_size, record, tma_ok
 from megamoe.kernels.gluon.common import (
     REG_POOL,
-    epi_none_slice,
-    epi_swiglu_slice,
+    epi_tile,
     locate,
     nvmma_desc,
     put,
@@ -180,16 +179,10 @@ def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, epi_smem, h_smem, h_ba
             # every thread is done reading h_smem before the next tile's TMA rewrites it (async after generic)
             gl.thread_barrier()
             fence_async_shared()
-        elif SWIGLU:
-            us = slices(acc2, HM, BLOCK_N, mma_s)
-            for c in gl.static_range(NSL):
-                epi_swiglu_slice(sl[c], us[c], off_m, off_n + 64 * c, row_end, N, out_desc, hg_desc, hu_desc,
-                                 out_ptr, stride_om, h_ptr, stride_hm, epi_smem, b0 ^ (c % 2), tma_ok, HM, STORE_H,
-                                 EPI_TMA, store_l)
         else:
-            for c in gl.static_range(NSL):
-                epi_none_slice(sl[c], off_m, off_n + 64 * c, row_end, N, out_desc, out_ptr, stride_om, scale_ptr,
-                               epi_smem, b0 ^ (c % 2), tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
+            epi_tile(acc, acc2, off_m, off_n, row_end, N, out_desc, hg_desc, hu_desc, out_ptr, stride_om, h_ptr,
+                     stride_hm, scale_ptr, epi_smem, b0, tma_ok, HM, BLOCK_N, SWIGLU, STORE_H, HAS_SCALE, EPI_TMA,
+                     mma_s, store_l)
         nst += PER_TILE
     if EPI_TMA:  # the staging buffers stay allocated until the last store has read them
         tma.store_wait(0)

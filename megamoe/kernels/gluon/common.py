@@ -172,30 +172,34 @@ def masked_from(b, ptr, stride, row, col, row_end, N, HM: gl.constexpr, store_l:
 
 
 @gluon.jit
-def epi_swiglu_slice(g, u, off_m, col, row_end, N, out_desc, hg_desc, hu_desc, out_ptr, stride_om, h_ptr,
-                      stride_hm, epi_smem, b0, tma_ok, HM: gl.constexpr, STORE_H: gl.constexpr,
-                      EPI_TMA: gl.constexpr, store_l: gl.constexpr):
-    """One 64-column slice of the SwiGLU epilogue (h's gate, h's up, then act = silu(g) * u); b0: the first store's
-    staging buffer (the next ones alternate)."""
-    if STORE_H:
-        put(g.to(gl.bfloat16), hg_desc, h_ptr, stride_hm, off_m, col, row_end, N, epi_smem, b0, tma_ok, HM,
+def epi_tile(acc, acc2, off_m, off_n, row_end, N, out_desc, hg_desc, hu_desc, out_ptr, stride_om, h_ptr, stride_hm,
+             scale_ptr, epi_smem, b0, tma_ok, HM: gl.constexpr, BLOCK_N: gl.constexpr, SWIGLU: gl.constexpr,
+             STORE_H: gl.constexpr, HAS_SCALE: gl.constexpr, EPI_TMA: gl.constexpr, mma_s: gl.constexpr,
+             store_l: gl.constexpr):
+    """A consumer's [HM, BLOCK_N] tile stored in 64-column slices through put, each slice's first store on the buffer
+    after the previous slice's last (b0 first): SWIGLU (acc the gate, acc2 the up products) h's gate and up
+    (STORE_H), then act = silu(g) * u; else acc (HAS_SCALE: times scale[row])."""
+    sl = slices(acc, HM, BLOCK_N, mma_s)
+    us = slices(acc2, HM, BLOCK_N, mma_s)
+    for c in gl.static_range(BLOCK_N // 64):
+        col = off_n + 64 * c
+        buf = b0 ^ (c % 2)
+        if SWIGLU:
+            g = sl[c]
+            u = us[c]
+            if STORE_H:
+                put(g.to(gl.bfloat16), hg_desc, h_ptr, stride_hm, off_m, col, row_end, N, epi_smem, buf, tma_ok, HM,
+                     EPI_TMA, store_l)
+                put(u.to(gl.bfloat16), hu_desc, h_ptr + N, stride_hm, off_m, col, row_end, N, epi_smem, buf ^ 1,
+                     tma_ok, HM, EPI_TMA, store_l)
+            x = g / (1.0 + gl.exp(-g)) * u
+        else:
+            x = sl[c]
+            if HAS_SCALE:
+                rm = off_m + gl.arange(0, HM, layout=gl.SliceLayout(1, mma_s))
+                x = x * gl.load(scale_ptr + rm, mask=rm < row_end, other=0.0)[:, None]
+        put(x.to(gl.bfloat16), out_desc, out_ptr, stride_om, off_m, col, row_end, N, epi_smem, buf, tma_ok, HM,
              EPI_TMA, store_l)
-        put(u.to(gl.bfloat16), hu_desc, h_ptr + N, stride_hm, off_m, col, row_end, N, epi_smem, b0 ^ 1, tma_ok, HM,
-             EPI_TMA, store_l)
-    act = g / (1.0 + gl.exp(-g)) * u
-    put(act.to(gl.bfloat16), out_desc, out_ptr, stride_om, off_m, col, row_end, N, epi_smem, b0, tma_ok, HM,
-         EPI_TMA, store_l)
-
-
-@gluon.jit
-def epi_none_slice(x, off_m, col, row_end, N, out_desc, out_ptr, stride_om, scale_ptr, epi_smem, buf, tma_ok,
-                    HM: gl.constexpr, HAS_SCALE: gl.constexpr, EPI_TMA: gl.constexpr, mma_s: gl.constexpr,
-                    store_l: gl.constexpr):
-    if HAS_SCALE:
-        rm = off_m + gl.arange(0, HM, layout=gl.SliceLayout(1, mma_s))
-        x = x * gl.load(scale_ptr + rm, mask=rm < row_end, other=0.0)[:, None]
-    put(x.to(gl.bfloat16), out_desc, out_ptr, stride_om, off_m, col, row_end, N, epi_smem, buf, tma_ok, HM, EPI_TMA,
-         store_l)
 
 
 @gluon.jit
