@@ -138,15 +138,15 @@ def ring_skip(ready, empty, it, k, STAGES: gl.constexpr):
 
 @gluon.jit
 def put(val, desc, ptr, stride, row, col, row_end, N, epi_smem, buf, tma_ok, HM: gl.constexpr,
-         EPI_TMA: gl.constexpr, store_l: gl.constexpr):
-    """val (bf16 [HM, 64], accumulator layout) -> output rows row.., columns col.. through staging buffer buf: where
+         EPI_TMA: gl.constexpr, store_l: gl.constexpr, NB: gl.constexpr = 2):
+    """val ([HM, 64], accumulator layout) -> output rows row.., columns col.. through staging buffer buf: where
     tma_ok (every row belongs to the tile's expert; EPI_TMA: the output is TMA-able) by an asynchronous TMA store
     (drains under the next k-loop; columns >= N clipped by the descriptor), else read back in store_l and stored
-    with a mask (TMA cannot stop at an expert's last row). A consumer's two buffers alternate, so the store that
-    last read buf is the one before the latest: store_wait(1), then a warpgroup barrier, frees it."""
+    with a mask (TMA cannot stop at an expert's last row). A consumer's NB buffers are used in turn, so the store
+    that last read buf is NB - 1 before the latest: store_wait(NB - 1), then a warpgroup barrier, frees it."""
     b = epi_smem.index(buf)
     if EPI_TMA:
-        tma.store_wait(1)
+        tma.store_wait(NB - 1)
     gl.thread_barrier()
     b.store(val)
     if EPI_TMA:
