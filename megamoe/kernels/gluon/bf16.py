@@ -215,14 +215,9 @@ def _gluon_bf16_ws_kernel(
     HM: gl.constexpr = BLOCK_M // 2
     MODE: gl.constexpr = 1 if SWIGLU else 3 if W_KN else 0  # common.ws_loader's
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BK], a_desc.layout)
-    if W_KN:
-        b_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BK, BLOCK_N], w_desc.layout)
-    else:
-        b_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BK], w_desc.layout)
-    if SWIGLU:  # the up tiles
-        b2_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BK], w_desc.layout)
-    else:
-        b2_smem = b_smem  # unused
+    b_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)  # (kn: BK x N)
+    # the up tiles (SWIGLU; else unused)
+    b2_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BK], w_desc.layout) if SWIGLU else b_smem
     # two staging buffers per consumer, in the swizzled layout of a's [BLOCK_M, 64] tiles (the same for [HM, 64])
     epi_smem = gl.allocate_shared_memory(gl.bfloat16, [4, HM, 64], a_desc.layout)
     NSL: gl.constexpr = BLOCK_N // 64

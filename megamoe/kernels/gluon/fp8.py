@@ -158,10 +158,8 @@ def _gluon_fp8_ws_kernel(
     BLOCK_K: gl.constexpr = 128
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-    if MODE != 0:  # the second weight tiles (up, or the next BLOCK_N columns)
-        b2_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-    else:
-        b2_smem = b_smem  # unused
+    # the second weight tiles (up, or the next BLOCK_N columns; MODE 0: unused)
+    b2_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout) if MODE else b_smem
     # two bf16 staging buffers [64, 64] per consumer for the epilogue (128-byte swizzle, as the descriptors')
     epi_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     epi_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_M // 2, 64], epi_l)
