@@ -32,9 +32,10 @@ WARP_SHAPES = ((128, 8), (64, 8), (64, 4))  # (BLOCK_M, warps); 128 rows on 4 wa
 
 
 @gluon.jit
-def _load_stage(a_desc, w_desc, bar, a_buf, b_buf, off_m, wrow, off_k, nbytes: gl.constexpr):
-    """One ring stage: the a tile and the w tile into shared memory, on bar."""
-    mbarrier.expect(bar, nbytes)
+def _load_stage(a_desc, w_desc, bars, a_smem, b_smem, st, off_m, wrow, off_k):
+    """Ring stage st: the a tile and the w tile into shared memory, on bars[st]."""
+    bar, a_buf, b_buf = bars.index(st), a_smem.index(st), b_smem.index(st)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(a_desc, [off_m, off_k], bar, a_buf)
     tma.async_copy_global_to_shared(w_desc, [wrow, off_k], bar, b_buf)
 
@@ -125,7 +126,6 @@ def _gluon_fp8_dswiglu_kernel(
 
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
     # 32-column slices where the split is register-only (one warp along N), else the whole tile
     EPI_SLICES: gl.constexpr = BLOCK_N // 32 if WARPS_M == num_warps else 1
     epi_smem = gl.allocate_shared_memory(gl.float32, [EPI_SLICES, BLOCK_M, BLOCK_N // EPI_SLICES],
@@ -152,9 +152,7 @@ def _gluon_fp8_dswiglu_kernel(
 
         for s in gl.static_range(STAGES):  # prologue: the first STAGES k-steps in flight
             if s < k_tiles:
-                st = (it + s) % STAGES
-                _load_stage(a_desc, w_desc, bars.index(st), a_smem.index(st), b_smem.index(st), off_m, wrow,
-                            s * BLOCK_K, nbytes)
+                _load_stage(a_desc, w_desc, bars, a_smem, b_smem, (it + s) % STAGES, off_m, wrow, s * BLOCK_K)
 
         rm = off_m + gl.arange(0, BLOCK_M, layout=rows_l)
         mmask = rm < row_end
@@ -183,14 +181,12 @@ def _gluon_fp8_dswiglu_kernel(
             # P_a's stage is free once every warpgroup got here (each waits for its own wgmmas only)
             gl.thread_barrier()
             if ka + STAGES < k_tiles:
-                _load_stage(a_desc, w_desc, bars.index(sta), a_smem.index(sta), b_smem.index(sta), off_m, wrow,
-                            (ka + STAGES) * BLOCK_K, nbytes)
+                _load_stage(a_desc, w_desc, bars, a_smem, b_smem, sta, off_m, wrow, (ka + STAGES) * BLOCK_K)
             done = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
             acc = acc + done * sc_b[:, None]
             gl.thread_barrier()
             if ka + 1 + STAGES < k_tiles:
-                _load_stage(a_desc, w_desc, bars.index(stb), a_smem.index(stb), b_smem.index(stb), off_m, wrow,
-                            (ka + 1 + STAGES) * BLOCK_K, nbytes)
+                _load_stage(a_desc, w_desc, bars, a_smem, b_smem, stb, off_m, wrow, (ka + 1 + STAGES) * BLOCK_K)
         if k_tiles % 2 == 1:  # an odd last k-step, on its own
             kl = k_tiles - 1
             stl = (it + kl) % STAGES
