@@ -215,18 +215,13 @@ def ws_loader(a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, N
     e_idx, starts, cnts, m_tiles, cum_end, total = schedule(offs_ptr, E_l, N, BLOCK_M, TN, BLOCK_E, sched)
     tiles_n = gl.cdiv(N, TN)
     k_tiles = gl.cdiv(K, BLOCK_K)
-    if MODE == 1 or MODE == 2:
-        nbytes: gl.constexpr = a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
-    else:
-        nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
+    TWO: gl.constexpr = MODE == 1 or MODE == 2  # two weight tiles per stage
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if TWO else 1) * w_desc.block_type.nbytes
     it = 0
     for tile in range(gl.program_id(0), total, num_progs):
         e, row0, row_end, mi, ni = locate(tile, e_idx, starts, cnts, m_tiles, cum_end, tiles_n, GROUP_M)
         off_m = row0 + mi * BLOCK_M
-        if MODE == 3:
-            wrow = e * K
-        else:
-            wrow = e * N_W + ni * TN
+        wrow = e * K if MODE == 3 else e * N_W + ni * TN
         for ki in range(k_tiles):
             s = it % STAGES
             # empty barriers start in phase 0: the first pass over the ring waits for the (complete) phase 1
@@ -238,7 +233,7 @@ def ws_loader(a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, N
                                                 b_smem.index(s))
             else:
                 tma.async_copy_global_to_shared(w_desc, [wrow, ki * BLOCK_K], ready.index(s), b_smem.index(s))
-            if MODE == 1 or MODE == 2:
+            if TWO:
                 tma.async_copy_global_to_shared(w_desc, [wrow + B2_OFF, ki * BLOCK_K], ready.index(s),
                                                 b2_smem.index(s))
             it += 1

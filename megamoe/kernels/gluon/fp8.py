@@ -84,10 +84,7 @@ def _ws_consumer(a_smem, b_smem, b2_smem, ready, empty, epi_smem, out_desc, hg_d
         sw_nx = gl.load(ws_tile)
         if MODE != 0:
             # the second tile's scale row; MODE 2's last tile may start past N (its columns are dropped): clamped
-            if MODE == 2:
-                blk2 = gl.minimum((off_n + BLOCK_N) // 128, (N - 1) // 128)
-            else:
-                blk2 = (B2_OFF + off_n) // 128
+            blk2 = gl.minimum((off_n + BLOCK_N) // 128, (N - 1) // 128) if MODE == 2 else (B2_OFF + off_n) // 128
             ws_2 = ws_tile + (blk2 - off_n // 128) * stride_wsn
             su_nx = gl.load(ws_2)
             acc2 = gl.zeros((HM, BLOCK_N), dtype=gl.float32, layout=mma)
