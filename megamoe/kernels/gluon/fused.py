@@ -73,7 +73,6 @@ from megamoe.kernels.gluon.fused_io import (
     push_rows_base,
     push_rows_idx,
     push_rows_ptrs,
-    push_slice,
     rd,
     signaller,
     store_pull,
@@ -308,12 +307,10 @@ def _gemm2_half(tab, W, a_smem, b_smem, ready, empty, epi_smem, row_src_ptr, row
     a0, a1, a2, a3 = slices(acc, HM, BN2, mma_s)
     b0 = 2 * WG + (nst & 1)
     rp = push_rows_ptrs(sbase, sidx, H, ALIGNED)
-    if BN2 > 64:
-        push_pair(a0.to(gl.bfloat16), a1.to(gl.bfloat16), rp, rvalid, off_n, H, epi_smem, b0, HM, store_l)
-        if BN2 > 128:
-            push_pair(a2.to(gl.bfloat16), a3.to(gl.bfloat16), rp, rvalid, off_n + 128, H, epi_smem, b0, HM, store_l)
-    else:
-        push_slice(a0.to(gl.bfloat16), rp, rvalid, off_n, H, epi_smem, b0, HM, store_l)
+    # (BN2 is 128 or 256: gluon_fused_reason)
+    push_pair(a0.to(gl.bfloat16), a1.to(gl.bfloat16), rp, rvalid, off_n, H, epi_smem, b0, HM, store_l)
+    if BN2 > 128:
+        push_pair(a2.to(gl.bfloat16), a3.to(gl.bfloat16), rp, rvalid, off_n + 128, H, epi_smem, b0, HM, store_l)
     nst += BN2 // 64
     return it, nst
 
