@@ -68,19 +68,17 @@ def _epi_dswiglu_slice(dact, g_buf, u_buf, off_m, col, row_end, N, dg_desc, du_d
     sig = 1.0 / (1.0 + gl.exp(-g))
     silu = g * sig
     part = gl.zeros([HM], dtype=gl.float32, layout=gl.SliceLayout(1, mma_s))
-    da = dact
     if HAS_SCALE:
         rm = off_m + gl.arange(0, HM, layout=gl.SliceLayout(1, mma_s))
         sc = gl.load(scale_ptr + rm, mask=rm < row_end, other=0.0)
-        su = silu * u
-        part = gl.sum(dact * su, axis=1)
-        if ACTS:
-            put((su * sc[:, None]).to(gl.bfloat16), acts_desc, acts_ptr, N, off_m, col, row_end, N, epi_smem, b0,
-                 tma_ok, HM, EPI_TMA, store_l)
-        da = dact * sc[:, None]
-    elif ACTS:
-        put((silu * u).to(gl.bfloat16), acts_desc, acts_ptr, N, off_m, col, row_end, N, epi_smem, b0, tma_ok, HM,
-             EPI_TMA, store_l)
+    acts = silu * u  # the gated activation (times the scale where there is one)
+    if HAS_SCALE:
+        part = gl.sum(dact * acts, axis=1)
+        acts = acts * sc[:, None]
+    if ACTS:
+        put(acts.to(gl.bfloat16), acts_desc, acts_ptr, N, off_m, col, row_end, N, epi_smem, b0, tma_ok, HM, EPI_TMA,
+             store_l)
+    da = dact * sc[:, None] if HAS_SCALE else dact
     nb = b0 ^ 1 if ACTS else b0
     # du before dg: silu dies first (fewer live tiles at the peak; dg first spilled with scale and acts)
     du = da * silu

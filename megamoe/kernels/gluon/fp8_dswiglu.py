@@ -57,16 +57,14 @@ def _epi_dswiglu_part(dact, off_m, off_n, row_end, N, out_ptr, stride_om, h_ptr,
     silu = g * sig
     da = dact
     part = gl.zeros([BLOCK_M], dtype=gl.float32, layout=gl.SliceLayout(1, store_l))
+    acts = silu * u  # the gated activation (times the scale where there is one)
     if HAS_SCALE:
-        su = silu * u
-        part = gl.sum(dact * su, axis=1)
+        part = gl.sum(dact * acts, axis=1)
         s = gl.load(scale_ptr + srm, mask=rmask, other=0.0)
         da = dact * s[:, None]
-        if ACTS:
-            gl.store(acts_ptr + srm.to(gl.int64)[:, None] * N + srn[None, :], (su * s[:, None]).to(gl.bfloat16),
-                     mask=mask)
-    elif ACTS:
-        gl.store(acts_ptr + srm.to(gl.int64)[:, None] * N + srn[None, :], (silu * u).to(gl.bfloat16), mask=mask)
+        acts = acts * s[:, None]
+    if ACTS:
+        gl.store(acts_ptr + srm.to(gl.int64)[:, None] * N + srn[None, :], acts.to(gl.bfloat16), mask=mask)
     optrs = out_ptr + srm.to(gl.int64)[:, None] * stride_om + srn[None, :]
     dg = da * u * (sig * (1.0 + g * (1.0 - sig)))
     gl.store(optrs, dg.to(gl.bfloat16), mask=mask)
