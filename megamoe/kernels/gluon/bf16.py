@@ -39,8 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from megamoe.kernels.gemm_config import EPI_DSWIGLU, EPI_NONE, EPI_SWIGLU, GemmConfig, grid_size, record, tma_ok
 from megamoe.kernels.gluon.common import (
     REG_POOL,
-    epi_none_slice,
-    epi_swiglu_slice,
+    epi_tile,
     locate,
     nvmma_desc,
     put,
@@ -69,19 +68,17 @@ def _epi_dswiglu_slice(dact, g_buf, u_buf, off_m, col, row_end, N, dg_desc, du_d
     sig = 1.0 / (1.0 + gl.exp(-g))
     silu = g * sig
     part = gl.zeros([HM], dtype=gl.float32, layout=gl.SliceLayout(1, mma_s))
-    da = dact
     if HAS_SCALE:
         rm = off_m + gl.arange(0, HM, layout=gl.SliceLayout(1, mma_s))
         sc = gl.load(scale_ptr + rm, mask=rm < row_end, other=0.0)
-        su = silu * u
-        part = gl.sum(dact * su, axis=1)
-        if ACTS:
-            put((su * sc[:, None]).to(gl.bfloat16), acts_desc, acts_ptr, N, off_m, col, row_end, N, epi_smem, b0,
-                 tma_ok, HM, EPI_TMA, store_l)
-        da = dact * sc[:, None]
-    elif ACTS:
-        put((silu * u).to(gl.bfloat16), acts_desc, acts_ptr, N, off_m, col, row_end, N, epi_smem, b0, tma_ok, HM,
-             EPI_TMA, store_l)
+    acts = silu * u  # the gated activation (times the scale where there is one)
+    if HAS_SCALE:
+        part = gl.sum(dact * acts, axis=1)
+        acts = acts * sc[:, None]
+    if ACTS:
+        put(acts.to(gl.bfloat16), acts_desc, acts_ptr, N, off_m, col, row_end, N, epi_smem, b0, tma_ok, HM, EPI_TMA,
+             store_l)
+    da = dact * sc[:, None] if HAS_SCALE else dact
     nb = b0 ^ 1 if ACTS else b0
     # du before dg: silu dies first (fewer live tiles at the peak; dg first spilled with scale and acts)
     du = da * silu
@@ -180,16 +177,10 @@ def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, epi_smem, h_smem, h_ba
             # every thread is done reading h_smem before the next tile's TMA rewrites it (async after generic)
             gl.thread_barrier()
             fence_async_shared()
-        elif SWIGLU:
-            us = slices(acc2, HM, BLOCK_N, mma_s)
-            for c in gl.static_range(NSL):
-                epi_swiglu_slice(sl[c], us[c], off_m, off_n + 64 * c, row_end, N, out_desc, hg_desc, hu_desc,
-                                 out_ptr, stride_om, h_ptr, stride_hm, epi_smem, b0 ^ (c % 2), tma_ok, HM, STORE_H,
-                                 EPI_TMA, store_l)
         else:
-            for c in gl.static_range(NSL):
-                epi_none_slice(sl[c], off_m, off_n + 64 * c, row_end, N, out_desc, out_ptr, stride_om, scale_ptr,
-                               epi_smem, b0 ^ (c % 2), tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
+            epi_tile(acc, acc2, off_m, off_n, row_end, N, out_desc, hg_desc, hu_desc, out_ptr, stride_om, h_ptr,
+                     stride_hm, scale_ptr, epi_smem, b0, tma_ok, HM, BLOCK_N, SWIGLU, STORE_H, HAS_SCALE, EPI_TMA,
+                     mma_s, store_l)
         nst += PER_TILE
     if EPI_TMA:  # the staging buffers stay allocated until the last store has read them
         tma.store_wait(0)
@@ -222,14 +213,9 @@ def _gluon_bf16_ws_kernel(
     HM: gl.constexpr = BLOCK_M // 2
     MODE: gl.constexpr = 1 if SWIGLU else 3 if W_KN else 0  # common.ws_loader's
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BK], a_desc.layout)
-    if W_KN:
-        b_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BK, BLOCK_N], w_desc.layout)
-    else:
-        b_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BK], w_desc.layout)
-    if SWIGLU:  # the up tiles
-        b2_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BK], w_desc.layout)
-    else:
-        b2_smem = b_smem  # unused
+    b_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)  # (kn: BK x N)
+    # the up tiles (SWIGLU; else unused)
+    b2_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BK], w_desc.layout) if SWIGLU else b_smem
     # two staging buffers per consumer, in the swizzled layout of a's [BLOCK_M, 64] tiles (the same for [HM, 64])
     epi_smem = gl.allocate_shared_memory(gl.bfloat16, [4, HM, 64], a_desc.layout)
     NSL: gl.constexpr = BLOCK_N // 64

@@ -79,22 +79,26 @@ def halves(x, BLOCK_M: gl.constexpr, NP: gl.constexpr):
 
 
 @gluon.jit
+def parts(x, BLOCK_M: gl.constexpr, NP: gl.constexpr, PARTS: gl.constexpr):
+    """x [BLOCK_M, NP] -> PARTS (1, 2 or 4) column blocks in order (halves: register-only), padded to four with the
+    first."""
+    if PARTS == 1:
+        s0, s1, s2, s3 = x, x, x, x
+    elif PARTS == 2:
+        s0, s1 = halves(x, BLOCK_M, NP)
+        s2, s3 = s0, s0
+    else:
+        h0, h1 = halves(x, BLOCK_M, NP)
+        s0, s1 = halves(h0, BLOCK_M, NP // 2)
+        s2, s3 = halves(h1, BLOCK_M, NP // 2)
+    return s0, s1, s2, s3
+
+
+@gluon.jit
 def slices(x, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, mma_s: gl.constexpr):
     """x [BLOCK_M, BLOCK_N] in the wgmma layout -> BLOCK_N // 64 (1, 2 or 4) slices [BLOCK_M, 64] in mma_s (the
     wgmma layout of a 64-column tile: the same registers), padded to four with the first slice."""
-    if BLOCK_N == 64:
-        s0 = x
-        s1 = x
-        s2 = x
-        s3 = x
-    elif BLOCK_N == 128:
-        s0, s1 = halves(x, BLOCK_M, BLOCK_N)
-        s2 = s0
-        s3 = s0
-    else:
-        h0, h1 = halves(x, BLOCK_M, BLOCK_N)
-        s0, s1 = halves(h0, BLOCK_M, BLOCK_N // 2)
-        s2, s3 = halves(h1, BLOCK_M, BLOCK_N // 2)
+    s0, s1, s2, s3 = parts(x, BLOCK_M, BLOCK_N, BLOCK_N // 64)
     return (gl.convert_layout(s0, mma_s, assert_trivial=True), gl.convert_layout(s1, mma_s, assert_trivial=True),
             gl.convert_layout(s2, mma_s, assert_trivial=True), gl.convert_layout(s3, mma_s, assert_trivial=True))
 
@@ -134,15 +138,15 @@ def ring_skip(ready, empty, it, k, STAGES: gl.constexpr):
 
 @gluon.jit
 def put(val, desc, ptr, stride, row, col, row_end, N, epi_smem, buf, tma_ok, HM: gl.constexpr,
-         EPI_TMA: gl.constexpr, store_l: gl.constexpr):
-    """val (bf16 [HM, 64], accumulator layout) -> output rows row.., columns col.. through staging buffer buf: where
+         EPI_TMA: gl.constexpr, store_l: gl.constexpr, NB: gl.constexpr = 2):
+    """val ([HM, 64], accumulator layout) -> output rows row.., columns col.. through staging buffer buf: where
     tma_ok (every row belongs to the tile's expert; EPI_TMA: the output is TMA-able) by an asynchronous TMA store
     (drains under the next k-loop; columns >= N clipped by the descriptor), else read back in store_l and stored
-    with a mask (TMA cannot stop at an expert's last row). A consumer's two buffers alternate, so the store that
-    last read buf is the one before the latest: store_wait(1), then a warpgroup barrier, frees it."""
+    with a mask (TMA cannot stop at an expert's last row). A consumer's NB buffers are used in turn, so the store
+    that last read buf is NB - 1 before the latest: store_wait(NB - 1), then a warpgroup barrier, frees it."""
     b = epi_smem.index(buf)
     if EPI_TMA:
-        tma.store_wait(1)
+        tma.store_wait(NB - 1)
     gl.thread_barrier()
     b.store(val)
     if EPI_TMA:
@@ -168,30 +172,34 @@ def masked_from(b, ptr, stride, row, col, row_end, N, HM: gl.constexpr, store_l:
 
 
 @gluon.jit
-def epi_swiglu_slice(g, u, off_m, col, row_end, N, out_desc, hg_desc, hu_desc, out_ptr, stride_om, h_ptr,
-                      stride_hm, epi_smem, b0, tma_ok, HM: gl.constexpr, STORE_H: gl.constexpr,
-                      EPI_TMA: gl.constexpr, store_l: gl.constexpr):
-    """One 64-column slice of the SwiGLU epilogue (h's gate, h's up, then act = silu(g) * u); b0: the first store's
-    staging buffer (the next ones alternate)."""
-    if STORE_H:
-        put(g.to(gl.bfloat16), hg_desc, h_ptr, stride_hm, off_m, col, row_end, N, epi_smem, b0, tma_ok, HM,
+def epi_tile(acc, acc2, off_m, off_n, row_end, N, out_desc, hg_desc, hu_desc, out_ptr, stride_om, h_ptr, stride_hm,
+             scale_ptr, epi_smem, b0, tma_ok, HM: gl.constexpr, BLOCK_N: gl.constexpr, SWIGLU: gl.constexpr,
+             STORE_H: gl.constexpr, HAS_SCALE: gl.constexpr, EPI_TMA: gl.constexpr, mma_s: gl.constexpr,
+             store_l: gl.constexpr):
+    """A consumer's [HM, BLOCK_N] tile stored in 64-column slices through put, each slice's first store on the buffer
+    after the previous slice's last (b0 first): SWIGLU (acc the gate, acc2 the up products) h's gate and up
+    (STORE_H), then act = silu(g) * u; else acc (HAS_SCALE: times scale[row])."""
+    sl = slices(acc, HM, BLOCK_N, mma_s)
+    us = slices(acc2, HM, BLOCK_N, mma_s)
+    for c in gl.static_range(BLOCK_N // 64):
+        col = off_n + 64 * c
+        buf = b0 ^ (c % 2)
+        if SWIGLU:
+            g = sl[c]
+            u = us[c]
+            if STORE_H:
+                put(g.to(gl.bfloat16), hg_desc, h_ptr, stride_hm, off_m, col, row_end, N, epi_smem, buf, tma_ok, HM,
+                     EPI_TMA, store_l)
+                put(u.to(gl.bfloat16), hu_desc, h_ptr + N, stride_hm, off_m, col, row_end, N, epi_smem, buf ^ 1,
+                     tma_ok, HM, EPI_TMA, store_l)
+            x = g / (1.0 + gl.exp(-g)) * u
+        else:
+            x = sl[c]
+            if HAS_SCALE:
+                rm = off_m + gl.arange(0, HM, layout=gl.SliceLayout(1, mma_s))
+                x = x * gl.load(scale_ptr + rm, mask=rm < row_end, other=0.0)[:, None]
+        put(x.to(gl.bfloat16), out_desc, out_ptr, stride_om, off_m, col, row_end, N, epi_smem, buf, tma_ok, HM,
              EPI_TMA, store_l)
-        put(u.to(gl.bfloat16), hu_desc, h_ptr + N, stride_hm, off_m, col, row_end, N, epi_smem, b0 ^ 1, tma_ok, HM,
-             EPI_TMA, store_l)
-    act = g / (1.0 + gl.exp(-g)) * u
-    put(act.to(gl.bfloat16), out_desc, out_ptr, stride_om, off_m, col, row_end, N, epi_smem, b0, tma_ok, HM,
-         EPI_TMA, store_l)
-
-
-@gluon.jit
-def epi_none_slice(x, off_m, col, row_end, N, out_desc, out_ptr, stride_om, scale_ptr, epi_smem, buf, tma_ok,
-                    HM: gl.constexpr, HAS_SCALE: gl.constexpr, EPI_TMA: gl.constexpr, mma_s: gl.constexpr,
-                    store_l: gl.constexpr):
-    if HAS_SCALE:
-        rm = off_m + gl.arange(0, HM, layout=gl.SliceLayout(1, mma_s))
-        x = x * gl.load(scale_ptr + rm, mask=rm < row_end, other=0.0)[:, None]
-    put(x.to(gl.bfloat16), out_desc, out_ptr, stride_om, off_m, col, row_end, N, epi_smem, buf, tma_ok, HM, EPI_TMA,
-         store_l)
 
 
 @gluon.jit
@@ -207,18 +215,13 @@ def ws_loader(a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, N
     e_idx, starts, cnts, m_tiles, cum_end, total = schedule(offs_ptr, E_l, N, BLOCK_M, TN, BLOCK_E, sched)
     tiles_n = gl.cdiv(N, TN)
     k_tiles = gl.cdiv(K, BLOCK_K)
-    if MODE == 1 or MODE == 2:
-        nbytes: gl.constexpr = a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
-    else:
-        nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
+    TWO: gl.constexpr = MODE == 1 or MODE == 2  # two weight tiles per stage
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if TWO else 1) * w_desc.block_type.nbytes
     it = 0
     for tile in range(gl.program_id(0), total, num_progs):
         e, row0, row_end, mi, ni = locate(tile, e_idx, starts, cnts, m_tiles, cum_end, tiles_n, GROUP_M)
         off_m = row0 + mi * BLOCK_M
-        if MODE == 3:
-            wrow = e * K
-        else:
-            wrow = e * N_W + ni * TN
+        wrow = e * K if MODE == 3 else e * N_W + ni * TN
         for ki in range(k_tiles):
             s = it % STAGES
             # empty barriers start in phase 0: the first pass over the ring waits for the (complete) phase 1
@@ -230,7 +233,7 @@ def ws_loader(a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, N
                                                 b_smem.index(s))
             else:
                 tma.async_copy_global_to_shared(w_desc, [wrow, ki * BLOCK_K], ready.index(s), b_smem.index(s))
-            if MODE == 1 or MODE == 2:
+            if TWO:
                 tma.async_copy_global_to_shared(w_desc, [wrow + B2_OFF, ki * BLOCK_K], ready.index(s),
                                                 b2_smem.index(s))
             it += 1

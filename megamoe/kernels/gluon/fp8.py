@@ -31,14 +31,12 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from megamoe.kernels.gemm_config import EPI_NONE, EPI_SWIGLU, GemmConfig, grid_size, record, tma_ok
 from megamoe.kernels.gluon.common import (
     REG_POOL,
-    epi_none_slice,
-    epi_swiglu_slice,
+    epi_tile,
     locate,
     nvmma_desc,
     ring,
     ring_done,
     schedule,
-    slices,
     stages_reason,
     ws_loader,
 )
@@ -86,10 +84,7 @@ def _ws_consumer(a_smem, b_smem, b2_smem, ready, empty, epi_smem, out_desc, hg_d
         sw_nx = gl.load(ws_tile)
         if MODE != 0:
             # the second tile's scale row; MODE 2's last tile may start past N (its columns are dropped): clamped
-            if MODE == 2:
-                blk2 = gl.minimum((off_n + BLOCK_N) // 128, (N - 1) // 128)
-            else:
-                blk2 = (B2_OFF + off_n) // 128
+            blk2 = gl.minimum((off_n + BLOCK_N) // 128, (N - 1) // 128) if MODE == 2 else (B2_OFF + off_n) // 128
             ws_2 = ws_tile + (blk2 - off_n // 128) * stride_wsn
             su_nx = gl.load(ws_2)
             acc2 = gl.zeros((HM, BLOCK_N), dtype=gl.float32, layout=mma)
@@ -127,22 +122,13 @@ def _ws_consumer(a_smem, b_smem, b2_smem, ready, empty, epi_smem, out_desc, hg_d
             it += 1
         tma_ok = off_m + HM <= row_end  # TMA stores cannot stop at the expert's last row
         b0 = 2 * HALF + (nst & 1)  # (1 or 3 stores per slice: each slice starts on the buffer after the previous's)
-        sl = slices(acc, HM, BLOCK_N, mma_s)
-        if MODE == 1:
-            us = slices(acc2, HM, BLOCK_N, mma_s)
-            for c in gl.static_range(NSL):
-                epi_swiglu_slice(sl[c], us[c], off_m, off_n + 64 * c, row_end, N, out_desc, hg_desc, hu_desc, out_ptr,
-                                 stride_om, h_ptr, stride_hm, epi_smem, b0 ^ (c % 2), tma_ok, HM, STORE_H, EPI_TMA,
-                                 store_l)
-        else:
-            for c in gl.static_range(NSL):
-                epi_none_slice(sl[c], off_m, off_n + 64 * c, row_end, N, out_desc, out_ptr, stride_om, scale_ptr,
-                               epi_smem, b0 ^ (c % 2), tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
-            if MODE == 2:  # (BLOCK_N 128: two slices per product)
-                sl2 = slices(acc2, HM, BLOCK_N, mma_s)
-                for c in gl.static_range(2):
-                    epi_none_slice(sl2[c], off_m, off_n + BLOCK_N + 64 * c, row_end, N, out_desc, out_ptr, stride_om,
-                                   scale_ptr, epi_smem, b0 ^ c, tma_ok, HM, HAS_SCALE, EPI_TMA, mma_s, store_l)
+        epi_tile(acc, acc2 if MODE == 1 else acc, off_m, off_n, row_end, N, out_desc, hg_desc, hu_desc, out_ptr,
+                 stride_om, h_ptr, stride_hm, scale_ptr, epi_smem, b0, tma_ok, HM, BLOCK_N, MODE == 1, STORE_H,
+                 HAS_SCALE, EPI_TMA, mma_s, store_l)
+        if MODE == 2:  # (BLOCK_N 128: two slices per product)
+            epi_tile(acc2, acc2, off_m, off_n + BLOCK_N, row_end, N, out_desc, hg_desc, hu_desc, out_ptr, stride_om,
+                     h_ptr, stride_hm, scale_ptr, epi_smem, b0, tma_ok, HM, BLOCK_N, False, STORE_H, HAS_SCALE,
+                     EPI_TMA, mma_s, store_l)
         nst += PER_TILE
     if EPI_TMA:  # the staging buffers stay allocated until the last store has read them
         tma.store_wait(0)
@@ -169,10 +155,8 @@ def _gluon_fp8_ws_kernel(
     BLOCK_K: gl.constexpr = 128
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-    if MODE != 0:  # the second weight tiles (up, or the next BLOCK_N columns)
-        b2_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-    else:
-        b2_smem = b_smem  # unused
+    # the second weight tiles (up, or the next BLOCK_N columns; MODE 0: unused)
+    b2_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout) if MODE else b_smem
     # two bf16 staging buffers [64, 64] per consumer for the epilogue (128-byte swizzle, as the descriptors')
     epi_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     epi_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_M // 2, 64], epi_l)

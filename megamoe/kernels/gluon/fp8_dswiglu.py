@@ -26,15 +26,16 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from megamoe.kernels.gemm_config import GemmConfig, grid_size, record
-from megamoe.kernels.gluon.common import halves, locate, nvmma_desc, schedule, stages_reason
+from megamoe.kernels.gluon.common import locate, nvmma_desc, parts, schedule, stages_reason
 
 WARP_SHAPES = ((128, 8), (64, 8), (64, 4))  # (BLOCK_M, warps); 128 rows on 4 warps spill (three fp32 tiles live)
 
 
 @gluon.jit
-def _load_stage(a_desc, w_desc, bar, a_buf, b_buf, off_m, wrow, off_k, nbytes: gl.constexpr):
-    """One ring stage: the a tile and the w tile into shared memory, on bar."""
-    mbarrier.expect(bar, nbytes)
+def _load_stage(a_desc, w_desc, bars, a_smem, b_smem, st, off_m, wrow, off_k):
+    """Ring stage st: the a tile and the w tile into shared memory, on bars[st]."""
+    bar, a_buf, b_buf = bars.index(st), a_smem.index(st), b_smem.index(st)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(a_desc, [off_m, off_k], bar, a_buf)
     tma.async_copy_global_to_shared(w_desc, [wrow, off_k], bar, b_buf)
 
@@ -56,16 +57,14 @@ def _epi_dswiglu_part(dact, off_m, off_n, row_end, N, out_ptr, stride_om, h_ptr,
     silu = g * sig
     da = dact
     part = gl.zeros([BLOCK_M], dtype=gl.float32, layout=gl.SliceLayout(1, store_l))
+    acts = silu * u  # the gated activation (times the scale where there is one)
     if HAS_SCALE:
-        su = silu * u
-        part = gl.sum(dact * su, axis=1)
+        part = gl.sum(dact * acts, axis=1)
         s = gl.load(scale_ptr + srm, mask=rmask, other=0.0)
         da = dact * s[:, None]
-        if ACTS:
-            gl.store(acts_ptr + srm.to(gl.int64)[:, None] * N + srn[None, :], (su * s[:, None]).to(gl.bfloat16),
-                     mask=mask)
-    elif ACTS:
-        gl.store(acts_ptr + srm.to(gl.int64)[:, None] * N + srn[None, :], (silu * u).to(gl.bfloat16), mask=mask)
+        acts = acts * s[:, None]
+    if ACTS:
+        gl.store(acts_ptr + srm.to(gl.int64)[:, None] * N + srn[None, :], acts.to(gl.bfloat16), mask=mask)
     optrs = out_ptr + srm.to(gl.int64)[:, None] * stride_om + srn[None, :]
     dg = da * u * (sig * (1.0 + g * (1.0 - sig)))
     gl.store(optrs, dg.to(gl.bfloat16), mask=mask)
@@ -82,20 +81,9 @@ def _epi_dswiglu(acc, epi_smem, off_m, off_n, ni, row_end, R, N, out_ptr, stride
     loop iteration; HAS_SCALE: dsp[ni, r] = the row sums over the tile's columns."""
     NP: gl.constexpr = BLOCK_N // SLICES
     store_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (NP // 8), NP // 8], [num_warps, 1], [1, 0])
-    if SLICES == 4:
-        h0, h1 = halves(acc, BLOCK_M, BLOCK_N)
-        q0, q1 = halves(h0, BLOCK_M, BLOCK_N // 2)
-        q2, q3 = halves(h1, BLOCK_M, BLOCK_N // 2)
-        epi_smem.index(0).store(q0)
-        epi_smem.index(1).store(q1)
-        epi_smem.index(2).store(q2)
-        epi_smem.index(3).store(q3)
-    elif SLICES == 2:
-        h0, h1 = halves(acc, BLOCK_M, BLOCK_N)
-        epi_smem.index(0).store(h0)
-        epi_smem.index(1).store(h1)
-    else:
-        epi_smem.index(0).store(acc)
+    q = parts(acc, BLOCK_M, BLOCK_N, SLICES)
+    for c in gl.static_range(SLICES):
+        epi_smem.index(c).store(q[c])
     gl.thread_barrier()  # written by every warp; rewritten only after the next tile's k-loop (CTA barriers)
     part = gl.zeros([BLOCK_M], dtype=gl.float32, layout=gl.SliceLayout(1, store_l))
     for c in range(SLICES):  # a loop, not unrolled: one slice's values live at a time
@@ -136,7 +124,6 @@ def _gluon_fp8_dswiglu_kernel(
 
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
     # 32-column slices where the split is register-only (one warp along N), else the whole tile
     EPI_SLICES: gl.constexpr = BLOCK_N // 32 if WARPS_M == num_warps else 1
     epi_smem = gl.allocate_shared_memory(gl.float32, [EPI_SLICES, BLOCK_M, BLOCK_N // EPI_SLICES],
@@ -163,9 +150,7 @@ def _gluon_fp8_dswiglu_kernel(
 
         for s in gl.static_range(STAGES):  # prologue: the first STAGES k-steps in flight
             if s < k_tiles:
-                st = (it + s) % STAGES
-                _load_stage(a_desc, w_desc, bars.index(st), a_smem.index(st), b_smem.index(st), off_m, wrow,
-                            s * BLOCK_K, nbytes)
+                _load_stage(a_desc, w_desc, bars, a_smem, b_smem, (it + s) % STAGES, off_m, wrow, s * BLOCK_K)
 
         rm = off_m + gl.arange(0, BLOCK_M, layout=rows_l)
         mmask = rm < row_end
@@ -194,14 +179,12 @@ def _gluon_fp8_dswiglu_kernel(
             # P_a's stage is free once every warpgroup got here (each waits for its own wgmmas only)
             gl.thread_barrier()
             if ka + STAGES < k_tiles:
-                _load_stage(a_desc, w_desc, bars.index(sta), a_smem.index(sta), b_smem.index(sta), off_m, wrow,
-                            (ka + STAGES) * BLOCK_K, nbytes)
+                _load_stage(a_desc, w_desc, bars, a_smem, b_smem, sta, off_m, wrow, (ka + STAGES) * BLOCK_K)
             done = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
             acc = acc + done * sc_b[:, None]
             gl.thread_barrier()
             if ka + 1 + STAGES < k_tiles:
-                _load_stage(a_desc, w_desc, bars.index(stb), a_smem.index(stb), b_smem.index(stb), off_m, wrow,
-                            (ka + 1 + STAGES) * BLOCK_K, nbytes)
+                _load_stage(a_desc, w_desc, bars, a_smem, b_smem, stb, off_m, wrow, (ka + 1 + STAGES) * BLOCK_K)
         if k_tiles % 2 == 1:  # an odd last k-step, on its own
             kl = k_tiles - 1
             stl = (it + kl) % STAGES

@@ -50,7 +50,7 @@ from megamoe.comm.signals import SEQ
 from megamoe.kernels.gemm_config import interpreting, record
 from megamoe.kernels.gluon.common import (
     REG_POOL,
-    epi_swiglu_slice,
+    epi_tile,
     nvmma_desc,
     ring,
     ring_done,
@@ -73,7 +73,6 @@ from megamoe.kernels.gluon.fused_io import (
     push_rows_base,
     push_rows_idx,
     push_rows_ptrs,
-    push_slice,
     rd,
     signaller,
     store_pull,
@@ -263,11 +262,8 @@ def _gemm1_half(a_smem, b_smem, ready, empty, epi_smem, act_st_desc, hg_desc, hu
     tma_ok = off_m + HM <= row_end
     off_n = j * BN1
     b0 = 2 * WG + (nst & 1)
-    sl = slices(acc, HM, BN1, mma_s)
-    us = slices(acc2, HM, BN1, mma_s)
-    for c in gl.static_range(NSL1):
-        epi_swiglu_slice(sl[c], us[c], off_m, off_n + 64 * c, row_end, I, act_st_desc, hg_desc, hu_desc, act_ptr, I,
-                         h_ptr, 2 * I, epi_smem, b0 ^ (c % 2), tma_ok, HM, STORE_H, EPI_TMA, store_l)
+    epi_tile(acc, acc2, off_m, off_n, row_end, I, act_st_desc, hg_desc, hu_desc, act_ptr, I, h_ptr, 2 * I, act_ptr,
+             epi_smem, b0, tma_ok, HM, BN1, True, STORE_H, False, EPI_TMA, mma_s, store_l)
     nst += NSL1 * (3 if STORE_H else 1)
     if EPI_TMA:  # act / h written before the counter says so (GEMM2, maybe on another SM, reads them by TMA)
         bulk_writes_done()
@@ -311,12 +307,10 @@ def _gemm2_half(tab, W, a_smem, b_smem, ready, empty, epi_smem, row_src_ptr, row
     a0, a1, a2, a3 = slices(acc, HM, BN2, mma_s)
     b0 = 2 * WG + (nst & 1)
     rp = push_rows_ptrs(sbase, sidx, H, ALIGNED)
-    if BN2 > 64:
-        push_pair(a0.to(gl.bfloat16), a1.to(gl.bfloat16), rp, rvalid, off_n, H, epi_smem, b0, HM, store_l)
-        if BN2 > 128:
-            push_pair(a2.to(gl.bfloat16), a3.to(gl.bfloat16), rp, rvalid, off_n + 128, H, epi_smem, b0, HM, store_l)
-    else:
-        push_slice(a0.to(gl.bfloat16), rp, rvalid, off_n, H, epi_smem, b0, HM, store_l)
+    # (BN2 is 128 or 256: gluon_fused_reason)
+    push_pair(a0.to(gl.bfloat16), a1.to(gl.bfloat16), rp, rvalid, off_n, H, epi_smem, b0, HM, store_l)
+    if BN2 > 128:
+        push_pair(a2.to(gl.bfloat16), a3.to(gl.bfloat16), rp, rvalid, off_n + 128, H, epi_smem, b0, HM, store_l)
     nst += BN2 // 64
     return it, nst
 

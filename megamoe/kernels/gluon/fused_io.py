@@ -381,23 +381,10 @@ def push_rows_ptrs(sbase, sidx, H, ALIGNED: gl.constexpr):
 
 
 @gluon.jit
-def push_slice(val, rp, rvalid, col, H, epi_smem, buf, HM: gl.constexpr, store_l: gl.constexpr):
-    """A [HM, 64] bf16 slice of GEMM2's rows -> each row's owner slot at column col (rp: row pointers in
-    SliceLayout(1, store_l)), through staging buffer buf (16-byte stores, 8 columns per thread)."""
-    b = epi_smem.index(buf)
-    gl.thread_barrier()
-    b.store(val)
-    gl.thread_barrier()
-    v = b.load(store_l)
-    rn = col + gl.arange(0, 64, layout=gl.SliceLayout(0, store_l))
-    gl.store(rp[:, None] + rn[None, :], v, mask=rvalid[:, None] & (rn < H)[None, :])
-
-
-@gluon.jit
 def push_pair(v0, v1, rp, rvalid, col, H, epi_smem, b0, HM: gl.constexpr, store_l: gl.constexpr):
-    """push_slice for two adjacent slices (columns col .. col + 127) through both of the WG's staging buffers: two
-    barriers where two push_slice calls take four (the WG's other buffer is b0 ^ 1): the GEMM2 epilogue 2.74 us
-    against 2.85 with single slices."""
+    """Two adjacent [HM, 64] bf16 slices of GEMM2's rows -> each row's owner slot at columns col .. col + 127 (rp: row
+    pointers in SliceLayout(1, store_l)), through both of the WG's staging buffers (b0, b0 ^ 1; 16-byte stores, 8
+    columns per thread): two barriers where a slice at a time takes four: the GEMM2 epilogue 2.74 us against 2.85."""
     gl.thread_barrier()
     epi_smem.index(b0).store(v0)
     epi_smem.index(b0 ^ 1).store(v1)

@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from megamoe.kernels.gemm_config import GemmConfig, grid_size, record, tma_ok
-from megamoe.kernels.gluon.common import REG_POOL, nvmma_desc, ring, ring_done, slices, stages_reason
+from megamoe.kernels.gluon.common import REG_POOL, nvmma_desc, put, ring, ring_done, slices, stages_reason
 
 
 @gluon.jit
@@ -79,19 +79,6 @@ def _wgrad_loader(x_desc, y_desc, x_smem, y_smem, ready, empty, offs_ptr, M, N, 
             tma.async_copy_global_to_shared(x_desc, [r0, off_m + 64], ready.index(s), x_smem.index(2 * s + 1))
             tma.async_copy_global_to_shared(y_desc, [r0, off_n], ready.index(s), y_smem.index(s))
             it += 1
-
-
-@gluon.jit
-def _wgrad_put(val, c_desc, epi_smem, buf, row, col, NB: gl.constexpr):
-    """val ([64, 64] in c's dtype) -> c's 2-D view at (row, col) by an asynchronous TMA store through staging
-    buffer buf (used in turn, so store_wait(NB - 1) and a warpgroup barrier free it)."""
-    b = epi_smem.index(buf)
-    tma.store_wait(NB - 1)
-    gl.thread_barrier()
-    b.store(val)
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(c_desc, [row, col], b)
 
 
 @gluon.jit
@@ -144,7 +131,8 @@ def _wgrad_consumer(x_smem, y_smem, ready, empty, epi_smem, c_desc, offs_ptr, M,
             crow = e * M + row
             sl = slices(acc, HM, BLOCK_N, mma_s)
             for c in gl.static_range(BLOCK_N // 64):
-                _wgrad_put(sl[c].to(cdt), c_desc, epi_smem, WG * NB + (nst + c) % NB, crow, off_n + 64 * c, NB)
+                v, buf = sl[c].to(cdt), WG * NB + (nst + c) % NB  # (TMA stores only: no pointer, no bounds)
+                put(v, c_desc, c_desc, 0, crow, off_n + 64 * c, 0, 0, epi_smem, buf, True, HM, True, zl, NB)
             nst += BLOCK_N // 64
     tma.store_wait(0)  # the staging buffers stay allocated until the last store has read them
 
