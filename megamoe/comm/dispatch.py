@@ -29,7 +29,7 @@ from megamoe.kernels.interpreter import row_buffer
 from . import signals as S
 from .heap import SymmetricHeap
 from .schedule import Schedule, build_schedule, schedule_buffers
-from .signals import ARRIVE_WORK, DONE, OP_PULL, READY, REG_W, arrive_last, current_call, error_set, publish, wait_flags
+from .signals import ARRIVE_WORK, DONE, OP_PULL, READY, REG_W, arrive_publish, current_call, wait_flags
 
 
 @dataclass
@@ -177,10 +177,7 @@ def _pull_kernel(
                                      (pid + ((u + 3) // NH) * P) * ROWS, n_items, T_max, H, K, KP2, ROWS,
                                      HAS_GATE, DT, WP2)
             u += 2
-    last = arrive_last(tab, W, rank, ARRIVE_WORK, P)
-    if last:
-        if error_set(tab, W, rank) == 0:
-            publish(tab, W, rank, DONE, call, WP2)
+    arrive_publish(tab, W, rank, ARRIVE_WORK, P, DONE, call, WP2)
 
 
 def check_pull(heap: SymmetricHeap, dst: torch.Tensor, width: int | None = None, rows: int | None = None) -> int:

@@ -238,6 +238,17 @@ def arrive_last(tab, W, rank, slot, nprog):
 
 
 @triton.jit
+def arrive_publish(tab, W, rank, slot, nprog, purpose, value, WP2: tl.constexpr):
+    """arrive_last; the last program publishes ``value`` on flag ``purpose`` unless this rank's error record is set.
+    Returns whether this program was the last."""
+    last = arrive_last(tab, W, rank, slot, nprog)
+    if last:
+        if error_set(tab, W, rank) == 0:
+            publish(tab, W, rank, purpose, value, WP2)
+    return last
+
+
+@triton.jit
 def current_call(tab, W, rank):
     ctrl = region_ptr(tab, REG_CTRL, W, rank, tl.int64)
     return tl.load(ctrl + SEQ, volatile=True)

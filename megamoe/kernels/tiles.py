@@ -252,3 +252,56 @@ def load_b(w_desc, w_ptr, e, off_n, off_k, N_lim, K, stride_we, stride_wr,
         else:
             b = tl.load(base + rn.to(tl.int64)[None, :] * stride_wr + rk[:, None], mask=mask, other=0.0)
     return b
+
+
+@triton.jit
+def mma(a_desc, a_ptr, w_desc, w_ptr, e, off_m, off_n, row_end, N, K, N_UP, k_tiles, stride_am, stride_we,
+        stride_wr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_KN: tl.constexpr,
+        USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, GATED: tl.constexpr, UP_FIRST: tl.constexpr = False,
+        FP8: tl.constexpr = False, as_ptr=None, ws_ptr=None, stride_asm=0, stride_wse=0, stride_wsn=0):
+    """The k-loop of one tile (fp32): acc = a[off_m:+BLOCK_M] @ w[e][off_n:+BLOCK_N]^T (load_b's layouts), rows from
+    row_end on read as 0; GATED: acc2 likewise from w's rows N_UP + off_n.. (SwiGLU's up projection), else zeros;
+    UP_FIRST: both weight tiles loaded before the first dot (the megakernel's order, its code as it was tuned).
+    FP8: each k-step's product scaled by a_s[rows, kb] * w_s[e, cols // 128, kb] (as_ptr [R, *] with row stride
+    stride_asm, ws_ptr [E_l, *, *] with strides stride_wse, stride_wsn) before it is added."""
+    if FP8:
+        rm = off_m + tl.arange(0, BLOCK_M)
+        rn = off_n + tl.arange(0, BLOCK_N)
+        as_ptrs = as_ptr + rm.to(tl.int64) * stride_asm
+        amask = rm < row_end
+        ws_base = ws_ptr + e.to(tl.int64) * stride_wse
+        ws_ptrs = ws_base + (rn // 128) * stride_wsn
+        ws2_ptrs = ws_base + ((N_UP + rn) // 128) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(k_tiles):
+        off_k = ki * BLOCK_K
+        a = load_a(a_desc, a_ptr, off_m, off_k, row_end, K, stride_am, BLOCK_M, BLOCK_K, USE_TMA)
+        b = load_b(w_desc, w_ptr, e, off_n, off_k, N, K, stride_we, stride_wr, BLOCK_N, BLOCK_K,
+                    W_KN, USE_TMA)
+        if GATED and UP_FIRST:
+            b2 = load_b(w_desc, w_ptr, e, N_UP + off_n, off_k, N_UP + N, K, stride_we, stride_wr,
+                        BLOCK_N, BLOCK_K, W_KN, USE_TMA)
+        if FP8:
+            sa = tl.load(as_ptrs + ki, mask=amask, other=0.0)
+            sb = tl.load(ws_ptrs + ki, mask=rn < N, other=0.0)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if FP8:
+            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        else:
+            acc = tl.dot(a, b, acc)
+        if GATED:
+            if not UP_FIRST:
+                b2 = load_b(w_desc, w_ptr, e, N_UP + off_n, off_k, N_UP + N, K, stride_we, stride_wr,
+                            BLOCK_N, BLOCK_K, W_KN, USE_TMA)
+            if FP8:
+                sb2 = tl.load(ws2_ptrs + ki, mask=rn < N, other=0.0)
+            if DOT_F32:
+                b2 = b2.to(tl.float32)
+            if FP8:
+                acc2 += tl.dot(a, b2) * (sa[:, None] * sb2[None, :])
+            else:
+                acc2 = tl.dot(a, b2, acc2)
+    return acc, acc2
