@@ -19,7 +19,7 @@ from megamoe.comm.signals import (
     record_timeout,
     region_ptr,
 )
-from megamoe.kernels.tiles import halves
+from megamoe.kernels.tiles import col_slices
 
 PURPOSE_TILE = tl.constexpr(3)
 
@@ -171,11 +171,6 @@ def push_epilogue(acc, off_n, rp, valid, H, BM: tl.constexpr, BN: tl.constexpr, 
         _push_part(acc, off_n, rp, valid, H, BN, DT)
     else:
         NP: tl.constexpr = BN // EPI_SPLIT
-        a0, a1 = halves(acc, BM, BN)
-        parts = (a0, a1)
-        if EPI_SPLIT == 4:
-            a00, a01 = halves(a0, BM, BN // 2)
-            a10, a11 = halves(a1, BM, BN // 2)
-            parts = (a00, a01, a10, a11)
+        parts = col_slices(acc, BM, BN, EPI_SPLIT)
         for c in tl.static_range(EPI_SPLIT):
             _push_part(parts[c], off_n + c * NP, rp, valid, H, NP, DT)

@@ -180,6 +180,18 @@ def halves(x, BLOCK_M: tl.constexpr, NP: tl.constexpr):
 
 
 @triton.jit
+def col_slices(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] -> a tuple of its SPLIT (2 or 4) column slices, left to right."""
+    x0, x1 = halves(x, BLOCK_M, BLOCK_N)
+    parts = (x0, x1)
+    if SPLIT == 4:
+        x00, x01 = halves(x0, BLOCK_M, BLOCK_N // 2)
+        x10, x11 = halves(x1, BLOCK_M, BLOCK_N // 2)
+        parts = (x00, x01, x10, x11)
+    return parts
+
+
+@triton.jit
 def epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N,
               out_ptr, stride_om, h_ptr, stride_hm, scale_ptr, dsp_ptr, acts_ptr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -195,17 +207,8 @@ def epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N,
                          bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
     else:
         NP: tl.constexpr = BLOCK_N // EPI_SPLIT
-        a0, a1 = halves(acc, BLOCK_M, BLOCK_N)
-        b0, b1 = halves(acc2, BLOCK_M, BLOCK_N)
-        aa = (a0, a1)
-        bb = (b0, b1)
-        if EPI_SPLIT == 4:
-            a00, a01 = halves(a0, BLOCK_M, BLOCK_N // 2)
-            b00, b01 = halves(b0, BLOCK_M, BLOCK_N // 2)
-            a10, a11 = halves(a1, BLOCK_M, BLOCK_N // 2)
-            b10, b11 = halves(b1, BLOCK_M, BLOCK_N // 2)
-            aa = (a00, a01, a10, a11)
-            bb = (b00, b01, b10, b11)
+        aa = col_slices(acc, BLOCK_M, BLOCK_N, EPI_SPLIT)
+        bb = col_slices(acc2, BLOCK_M, BLOCK_N, EPI_SPLIT)
         part = epi_part(aa[0], bb[0], off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
                          scale_ptr, acts_ptr, BLOCK_M, NP, EPILOGUE, HAS_SCALE, STORE_H,
                          bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
