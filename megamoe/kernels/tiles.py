@@ -104,71 +104,56 @@ def epi_part(acc, acc2, off_m, off_n, row_end, R, N,
             gc = tl.minimum(g, limit)
             act = gc / (1.0 + tl.exp(-alpha * gc)) * (tl.minimum(tl.maximum(u, -limit), limit) + 1.0)
         tl.store(o_base + o_offs, act.to(out_ptr.dtype.element_ty), mask=mask)
-    elif ACT == 1:
-        part = _dact_clamped(acc, off_m, N, out_ptr, o_base, o_offs, h_ptr, stride_hm, scale_ptr, acts_ptr,
-                             lm, rn, rm, mmask, mask, alpha, limit, BLOCK_M, HAS_SCALE, STORE_H)
     else:
         h_base = h_ptr + off_m.to(tl.int64) * stride_hm
         h_offs = lm[:, None] * stride_hm + rn[None, :]
         g = tl.load(h_base + h_offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(h_base + N + h_offs, mask=mask, other=0.0).to(tl.float32)
-        sig = 1.0 / (1.0 + tl.exp(-g))
-        silu = g * sig
         da = acc
-        if HAS_SCALE:
-            if STORE_H:  # the gated activation first, so that its values die before dg / du (registers)
+        if ACT == 1:
+            # h holds the biased, unclamped g, u: gc = min(g, limit), uc = clamp(u, -limit, limit), sig =
+            # sigmoid(alpha * gc), act = gc * sig * (uc + 1); dg = da * (uc + 1) * sig * (1 + alpha * gc * (1 - sig))
+            # where g <= limit, else 0; du = da * gc * sig where -limit <= u <= limit, else 0
+            gc = tl.minimum(g, limit)
+            up1 = tl.minimum(tl.maximum(u, -limit), limit) + 1.0
+            sig = 1.0 / (1.0 + tl.exp(-alpha * gc))
+            glu = gc * sig
+            act = glu * up1
+            if HAS_SCALE:
                 s = tl.load(scale_ptr + rm, mask=mmask, other=0.0)
-                su = silu * u
+                part = tl.sum(acc * act, axis=1)
+                if STORE_H:
+                    tl.store(acts_ptr + off_m.to(tl.int64) * N + (lm[:, None] * N + rn[None, :]),
+                             (act * s[:, None]).to(acts_ptr.dtype.element_ty), mask=mask)
+                da = acc * s[:, None]
+            elif STORE_H:
                 tl.store(acts_ptr + off_m.to(tl.int64) * N + (lm[:, None] * N + rn[None, :]),
-                         (su * s[:, None]).to(acts_ptr.dtype.element_ty), mask=mask)
-                part = tl.sum(acc * su, axis=1)
-            else:  # this order: no spills on sm_90a with the default config
-                part = tl.sum(acc * silu * u, axis=1)
-                s = tl.load(scale_ptr + rm, mask=mmask, other=0.0)
-            da = acc * s[:, None]
-        elif STORE_H:
-            tl.store(acts_ptr + off_m.to(tl.int64) * N + (lm[:, None] * N + rn[None, :]),
-                     (silu * u).to(acts_ptr.dtype.element_ty), mask=mask)
-        dg = da * u * (sig * (1.0 + g * (1.0 - sig)))
-        tl.store(o_base + o_offs, dg.to(out_ptr.dtype.element_ty), mask=mask)
-        du = da * silu
-        tl.store(o_base + N + o_offs, du.to(out_ptr.dtype.element_ty), mask=mask)
-    return part
-
-
-@triton.jit
-def _dact_clamped(acc, off_m, N, out_ptr, o_base, o_offs, h_ptr, stride_hm, scale_ptr, acts_ptr,
-                  lm, rn, rm, mmask, mask, alpha, limit, BLOCK_M: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  STORE_H: tl.constexpr):
-    """EPI_DSWIGLU of gpt-oss's clamped SwiGLU (epi_part, ACT=1): from g, u in h (biased, unclamped),
-    gc = min(g, limit), uc = clamp(u, -limit, limit), sig = sigmoid(alpha * gc), act = gc * sig * (uc + 1);
-    da = s[r] * acc; dg = da * (uc + 1) * sig * (1 + alpha * gc * (1 - sig)) where g <= limit, else 0;
-    du = da * gc * sig where -limit <= u <= limit, else 0. Returns the row sums of acc * act."""
-    h_base = h_ptr + off_m.to(tl.int64) * stride_hm
-    h_offs = lm[:, None] * stride_hm + rn[None, :]
-    g = tl.load(h_base + h_offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(h_base + N + h_offs, mask=mask, other=0.0).to(tl.float32)
-    gc = tl.minimum(g, limit)
-    up1 = tl.minimum(tl.maximum(u, -limit), limit) + 1.0
-    sig = 1.0 / (1.0 + tl.exp(-alpha * gc))
-    glu = gc * sig
-    act = glu * up1
-    part = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    da = acc
-    if HAS_SCALE:
-        s = tl.load(scale_ptr + rm, mask=mmask, other=0.0)
-        part = tl.sum(acc * act, axis=1)
-        if STORE_H:
-            tl.store(acts_ptr + off_m.to(tl.int64) * N + (lm[:, None] * N + rn[None, :]),
-                     (act * s[:, None]).to(acts_ptr.dtype.element_ty), mask=mask)
-        da = acc * s[:, None]
-    elif STORE_H:
-        tl.store(acts_ptr + off_m.to(tl.int64) * N + (lm[:, None] * N + rn[None, :]),
-                 act.to(acts_ptr.dtype.element_ty), mask=mask)
-    dg = tl.where(g <= limit, da * up1 * (sig * (1.0 + alpha * gc * (1.0 - sig))), 0.0)
-    tl.store(o_base + o_offs, dg.to(out_ptr.dtype.element_ty), mask=mask)
-    du = tl.where((u >= -limit) & (u <= limit), da * glu, 0.0)
-    tl.store(o_base + N + o_offs, du.to(out_ptr.dtype.element_ty), mask=mask)
+                         act.to(acts_ptr.dtype.element_ty), mask=mask)
+            dg = tl.where(g <= limit, da * up1 * (sig * (1.0 + alpha * gc * (1.0 - sig))), 0.0)
+            tl.store(o_base + o_offs, dg.to(out_ptr.dtype.element_ty), mask=mask)
+            du = tl.where((u >= -limit) & (u <= limit), da * glu, 0.0)
+            tl.store(o_base + N + o_offs, du.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            sig = 1.0 / (1.0 + tl.exp(-g))
+            silu = g * sig
+            if HAS_SCALE:
+                if STORE_H:  # the gated activation first, so that its values die before dg / du (registers)
+                    s = tl.load(scale_ptr + rm, mask=mmask, other=0.0)
+                    su = silu * u
+                    tl.store(acts_ptr + off_m.to(tl.int64) * N + (lm[:, None] * N + rn[None, :]),
+                             (su * s[:, None]).to(acts_ptr.dtype.element_ty), mask=mask)
+                    part = tl.sum(acc * su, axis=1)
+                else:  # this order: no spills on sm_90a with the default config
+                    part = tl.sum(acc * silu * u, axis=1)
+                    s = tl.load(scale_ptr + rm, mask=mmask, other=0.0)
+                da = acc * s[:, None]
+            elif STORE_H:
+                tl.store(acts_ptr + off_m.to(tl.int64) * N + (lm[:, None] * N + rn[None, :]),
+                         (silu * u).to(acts_ptr.dtype.element_ty), mask=mask)
+            dg = da * u * (sig * (1.0 + g * (1.0 - sig)))
+            tl.store(o_base + o_offs, dg.to(out_ptr.dtype.element_ty), mask=mask)
+            du = da * silu
+            tl.store(o_base + N + o_offs, du.to(out_ptr.dtype.element_ty), mask=mask)
     return part
 
 
@@ -181,9 +166,11 @@ def halves(x, BLOCK_M: tl.constexpr, NP: tl.constexpr):
 
 @triton.jit
 def col_slices(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] -> a tuple of its SPLIT (2 or 4) column slices, left to right."""
-    x0, x1 = halves(x, BLOCK_M, BLOCK_N)
-    parts = (x0, x1)
+    """[BLOCK_M, BLOCK_N] -> a tuple of its SPLIT (1, 2 or 4) column slices, left to right."""
+    parts = (x,)
+    if SPLIT > 1:
+        x0, x1 = halves(x, BLOCK_M, BLOCK_N)
+        parts = (x0, x1)
     if SPLIT == 4:
         x00, x01 = halves(x0, BLOCK_M, BLOCK_N // 2)
         x10, x11 = halves(x1, BLOCK_M, BLOCK_N // 2)
@@ -201,21 +188,16 @@ def epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N,
     """Write one [BLOCK_M, BLOCK_N] output tile in EPI_SPLIT column slices (1, 2 or 4; fewer live registers),
     see epi_part (also for the bias and activation arguments); EPI_DSWIGLU with HAS_SCALE also writes
     dsp[ni, r] = sum over the tile's columns."""
-    if EPI_SPLIT == 1:
-        part = epi_part(acc, acc2, off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                         scale_ptr, acts_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H,
-                         bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
-    else:
-        NP: tl.constexpr = BLOCK_N // EPI_SPLIT
-        aa = col_slices(acc, BLOCK_M, BLOCK_N, EPI_SPLIT)
-        bb = col_slices(acc2, BLOCK_M, BLOCK_N, EPI_SPLIT)
-        part = epi_part(aa[0], bb[0], off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                         scale_ptr, acts_ptr, BLOCK_M, NP, EPILOGUE, HAS_SCALE, STORE_H,
-                         bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
-        for c in tl.static_range(1, EPI_SPLIT):
-            part += epi_part(aa[c], bb[c], off_m, off_n + c * NP, row_end, R, N, out_ptr, stride_om, h_ptr,
-                              stride_hm, scale_ptr, acts_ptr, BLOCK_M, NP, EPILOGUE, HAS_SCALE, STORE_H,
-                              bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
+    NP: tl.constexpr = BLOCK_N // EPI_SPLIT
+    aa = col_slices(acc, BLOCK_M, BLOCK_N, EPI_SPLIT)
+    bb = col_slices(acc2, BLOCK_M, BLOCK_N, EPI_SPLIT)
+    part = epi_part(aa[0], bb[0], off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
+                     scale_ptr, acts_ptr, BLOCK_M, NP, EPILOGUE, HAS_SCALE, STORE_H,
+                     bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
+    for c in tl.static_range(1, EPI_SPLIT):
+        part += epi_part(aa[c], bb[c], off_m, off_n + c * NP, row_end, R, N, out_ptr, stride_om, h_ptr,
+                          stride_hm, scale_ptr, acts_ptr, BLOCK_M, NP, EPILOGUE, HAS_SCALE, STORE_H,
+                          bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
     if EPILOGUE == 2:
         if HAS_SCALE:
             rm = off_m + tl.arange(0, BLOCK_M)
