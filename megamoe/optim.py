@@ -42,14 +42,16 @@ def _bf16_stochastic(x, r):
     return tl.where(x == x, rounded, x).to(tl.bfloat16)
 
 
-@triton.jit
-def _adam_update(p_ptr, g_ptr, x_ptr, m_ptr, v_ptr, mult_ptr, offs, mask,
-                 decay, beta1, beta2, step_size, inv_sqrt_bc2, eps, seed,
-                 HAS_MASTER: tl.constexpr, HAS_MULT: tl.constexpr, MOM_BF16: tl.constexpr):
-    """Update the elements at ``offs`` (int64; masked lanes untouched): x = master (HAS_MASTER) or the float32
-    parameter; g = grad (* mult); x *= decay (1 - lr * wd); m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
-    x -= step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps); stores m, v, master and parameter (x rounded to its dtype)
-    and returns the rounded value. MOM_BF16: m, v stochastically rounded with Philox bits of (seed, offset)."""
+@triton.jit(do_not_specialize=["seed"])  # a new seed every step: no recompile when it happens to be 1 or 16k
+def _adamw_kernel(p_ptr, g_ptr, x_ptr, m_ptr, v_ptr, mult_ptr, n,
+                  decay, beta1, beta2, step_size, inv_sqrt_bc2, eps, seed,
+                  HAS_MASTER: tl.constexpr, HAS_MULT: tl.constexpr, MOM_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (cdiv(n, BLOCK),): one BLOCK of the flat parameter. x = master (HAS_MASTER) or the float32 parameter;
+    g = grad (* mult); x *= decay (1 - lr * wd); m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+    x -= step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps); stores m, v, master and parameter (x rounded to its dtype).
+    MOM_BF16: m, v stochastically rounded with Philox bits of (seed, offset)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_MULT:
         g = g * tl.load(mult_ptr)
@@ -74,17 +76,6 @@ def _adam_update(p_ptr, g_ptr, x_ptr, m_ptr, v_ptr, mult_ptr, offs, mask,
     if HAS_MASTER:
         tl.store(x_ptr + offs, x, mask=mask)
     tl.store(p_ptr + offs, pv, mask=mask)
-    return pv
-
-
-@triton.jit(do_not_specialize=["seed"])  # a new seed every step: no recompile when it happens to be 1 or 16k
-def _adamw_kernel(p_ptr, g_ptr, x_ptr, m_ptr, v_ptr, mult_ptr, n,
-                  decay, beta1, beta2, step_size, inv_sqrt_bc2, eps, seed,
-                  HAS_MASTER: tl.constexpr, HAS_MULT: tl.constexpr, MOM_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (cdiv(n, BLOCK),): one BLOCK of the flat parameter through _adam_update."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    _adam_update(p_ptr, g_ptr, x_ptr, m_ptr, v_ptr, mult_ptr, offs, offs < n, decay, beta1, beta2, step_size,
-                 inv_sqrt_bc2, eps, seed, HAS_MASTER, HAS_MULT, MOM_BF16)
 
 
 def _bf16_stochastic_torch(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

@@ -29,18 +29,7 @@ from megamoe.kernels.interpreter import row_buffer
 from . import signals as S
 from .dispatch import DispatchHandle, pull_rows
 from .presum import presum_gather
-from .signals import (
-    ARRIVE_WORK,
-    DONE,
-    DW_DONE,
-    READY,
-    REG_DW,
-    arrive_last,
-    current_call,
-    error_set,
-    publish,
-    wait_flags,
-)
+from .signals import ARRIVE_WORK, DONE, DW_DONE, READY, REG_DW, arrive_publish, current_call, wait_flags
 
 
 @triton.jit(do_not_specialize=["rank"])
@@ -100,10 +89,7 @@ def _gather_sum_kernel(
                 tl.store(y_ptr + t.to(tl.int64)[:, None] * H + oh[None, :], acc.to(DT), mask=m2)
                 h0 += BLOCK_H
             t0 += P * ROWS
-    last = arrive_last(tab, W, rank, ARRIVE_WORK, P)
-    if last:
-        if error_set(tab, W, rank) == 0:
-            publish(tab, W, rank, DONE, call, WP2)
+    arrive_publish(tab, W, rank, ARRIVE_WORK, P, DONE, call, WP2)
 
 
 def _gather(rows: torch.Tensor, topk_w: torch.Tensor | None, handle: DispatchHandle, num_sms: int | None,
@@ -186,10 +172,7 @@ def _send_dw_kernel(tab, W, rank, offs_ptr, E_l, row_src_ptr, row_tok_ptr, row_s
         dwp = tl.load(tab + REG_DW * W + src, mask=m, other=0).to(tl.pointer_type(tl.float32))
         tl.store(dwp + tok * K + slot, tl.load(ds_ptr + r, mask=m, other=0.0), mask=m)
         r0 += P * BLOCK
-    last = arrive_last(tab, W, rank, ARRIVE_WORK, P)
-    if last:
-        if error_set(tab, W, rank) == 0:
-            publish(tab, W, rank, DW_DONE, call, WP2)
+    arrive_publish(tab, W, rank, ARRIVE_WORK, P, DW_DONE, call, WP2)
 
 
 def pull_grad(dy: torch.Tensor, topk_w: torch.Tensor, handle: DispatchHandle,

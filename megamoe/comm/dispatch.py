@@ -29,7 +29,7 @@ from megamoe.kernels.interpreter import row_buffer
 from . import signals as S
 from .heap import SymmetricHeap
 from .schedule import Schedule, build_schedule, schedule_buffers
-from .signals import ARRIVE_WORK, DONE, OP_PULL, READY, REG_W, arrive_last, current_call, error_set, publish, wait_flags
+from .signals import ARRIVE_WORK, DONE, OP_PULL, READY, REG_W, arrive_publish, current_call, wait_flags
 
 
 @dataclass
@@ -55,13 +55,14 @@ def _per_source(vals, s, WP2: tl.constexpr):
 
 
 @triton.jit
-def _pull_items(recv_row_ptr, T_all, src_all, w_all, rank, W, i0, n_items, T_max, H,
-                K: tl.constexpr, KP2: tl.constexpr, ROWS: tl.constexpr, LOAD_W: tl.constexpr, DT: tl.constexpr,
-                WP2: tl.constexpr):
+def _pull_items(src, i0, K: tl.constexpr, KP2: tl.constexpr, ROWS: tl.constexpr, LOAD_W: tl.constexpr,
+                DT: tl.constexpr, WP2: tl.constexpr):
     """Index loads of items [i0, i0 + ROWS), issued without waiting: the rows this rank writes per item (int32
     [ROWS, KP2], -1 for none), each item's source row address (int64 [ROWS]) and (LOAD_W) the gates w_s[t, :] (fp32
-    [ROWS, KP2], meaningful where rows >= 0). T_all, src_all, w_all: [WP2] per-source T_s and ``tok`` / ``w``
-    addresses, loaded once: every mask comes from registers, so only the consumer, a stage later, waits."""
+    [ROWS, KP2], meaningful where rows >= 0). src: the pull's fixed arguments (the tuple _pull_kernel builds); in it
+    T_all, src_all, w_all: [WP2] per-source T_s and ``tok`` / ``w`` addresses, loaded once: every mask comes from
+    registers, so only the consumer, a stage later, waits."""
+    recv_row_ptr, T_all, src_all, w_all, rank, W, n_items, T_max, H = src
     jj = tl.arange(0, KP2)
     ii = i0 + tl.arange(0, ROWS)
     t = ii // W
@@ -158,29 +159,21 @@ def _pull_kernel(
         n_units = tl.cdiv(tl.maximum(tl.cdiv(n_items, ROWS) - pid, 0), P) * NH  # this program's units
         # unit u: step pid + (u // NH) * P, chunk h0 = (u % NH) * BLOCK_W words. Two units per iteration, so a row is
         # stored from the register it was loaded into (a loop-carried copy of a pending load would wait for it).
-        ra, aa, wa = _pull_items(recv_row_ptr, T_all, src_all, w_all, rank, W, pid * ROWS, n_items, T_max, H,
-                                 K, KP2, ROWS, HAS_GATE, DT, WP2)
-        rb, ab, wb = _pull_items(recv_row_ptr, T_all, src_all, w_all, rank, W, (pid + (1 // NH) * P) * ROWS,
-                                 n_items, T_max, H, K, KP2, ROWS, HAS_GATE, DT, WP2)
+        src = (recv_row_ptr, T_all, src_all, w_all, rank, W, n_items, T_max, H)
+        ra, aa, wa = _pull_items(src, pid * ROWS, K, KP2, ROWS, HAS_GATE, DT, WP2)
+        rb, ab, wb = _pull_items(src, (pid + (1 // NH) * P) * ROWS, K, KP2, ROWS, HAS_GATE, DT, WP2)
         va = _pull_load(ra, aa, 0, HW, BLOCK_W, ALIGNED, WT)
         u = pid * 0
         while u < n_units:  # entry: row of unit u in flight (va), indices of u (ra) and u+1 (rb)
             vb = _pull_load(rb, ab, ((u + 1) % NH) * BLOCK_W, HW, BLOCK_W, ALIGNED, WT)
             _pull_store(dst_w, gate_ptr, ra, wa, va, (u % NH) * BLOCK_W, HW, HAS_GATE, K, KP2, BLOCK_W)
-            ra, aa, wa = _pull_items(recv_row_ptr, T_all, src_all, w_all, rank, W,
-                                     (pid + ((u + 2) // NH) * P) * ROWS, n_items, T_max, H, K, KP2, ROWS,
-                                     HAS_GATE, DT, WP2)
+            ra, aa, wa = _pull_items(src, (pid + ((u + 2) // NH) * P) * ROWS, K, KP2, ROWS, HAS_GATE, DT, WP2)
             va = _pull_load(ra, aa, ((u + 2) % NH) * BLOCK_W, HW, BLOCK_W, ALIGNED, WT)
             _pull_store(dst_w, gate_ptr, rb, wb, vb, ((u + 1) % NH) * BLOCK_W, HW, HAS_GATE, K, KP2,
                         BLOCK_W)  # unit u+1 (masked off past the last unit)
-            rb, ab, wb = _pull_items(recv_row_ptr, T_all, src_all, w_all, rank, W,
-                                     (pid + ((u + 3) // NH) * P) * ROWS, n_items, T_max, H, K, KP2, ROWS,
-                                     HAS_GATE, DT, WP2)
+            rb, ab, wb = _pull_items(src, (pid + ((u + 3) // NH) * P) * ROWS, K, KP2, ROWS, HAS_GATE, DT, WP2)
             u += 2
-    last = arrive_last(tab, W, rank, ARRIVE_WORK, P)
-    if last:
-        if error_set(tab, W, rank) == 0:
-            publish(tab, W, rank, DONE, call, WP2)
+    arrive_publish(tab, W, rank, ARRIVE_WORK, P, DONE, call, WP2)
 
 
 def check_pull(heap: SymmetricHeap, dst: torch.Tensor, width: int | None = None, rows: int | None = None) -> int:

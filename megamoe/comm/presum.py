@@ -26,21 +26,7 @@ import triton.language as tl
 
 from . import signals as S
 from .dispatch import DispatchHandle
-from .signals import (
-    ARRIVE_STAGE,
-    ARRIVE_WORK,
-    DONE,
-    READY,
-    REG_CTRL,
-    REG_ROWS,
-    SEQ,
-    arrive_last,
-    current_call,
-    error_set,
-    publish,
-    region_ptr,
-    wait_flags,
-)
+from .signals import DONE, READY, REG_CTRL, REG_ROWS, SEQ, arrive_publish, current_call, publish, region_ptr, wait_flags
 
 
 @triton.jit(do_not_specialize=["rank"])
@@ -102,9 +88,9 @@ def _presum_stage_kernel(
                 tl.store(drow[:, None] + oh[None, :], acc.to(DT), mask=need[:, None] & mh[None, :])
                 h0 += BLOCK_H
             i0 += P * ROWS
-    last = arrive_last(tab, W, rank, ARRIVE_STAGE, P)
+    last = S.arrive_last(tab, W, rank, S.ARRIVE_STAGE, P)
     if last:
-        if error_set(tab, W, rank) == 0:
+        if S.error_set(tab, W, rank) == 0:
             publish(tab, W, rank, READY, prev + 1, WP2)
         tl.store(ctrl + SEQ, prev + 1)
 
@@ -154,10 +140,7 @@ def _rank_gather_kernel(
                          mask=mt[:, None] & mh[None, :])
                 h0 += BLOCK_H
             t0 += P * ROWS
-    last = arrive_last(tab, W, rank, ARRIVE_WORK, P)
-    if last:
-        if error_set(tab, W, rank) == 0:
-            publish(tab, W, rank, DONE, call, WP2)
+    arrive_publish(tab, W, rank, S.ARRIVE_WORK, P, DONE, call, WP2)
 
 
 def presum_gather(rows: torch.Tensor, handle: DispatchHandle, gated: bool, programs: int, y: torch.Tensor,

@@ -238,6 +238,17 @@ def arrive_last(tab, W, rank, slot, nprog):
 
 
 @triton.jit
+def arrive_publish(tab, W, rank, slot, nprog, purpose, value, WP2: tl.constexpr):
+    """arrive_last; the last program publishes ``value`` on flag ``purpose`` unless this rank's error record is set.
+    Returns whether this program was the last."""
+    last = arrive_last(tab, W, rank, slot, nprog)
+    if last:
+        if error_set(tab, W, rank) == 0:
+            publish(tab, W, rank, purpose, value, WP2)
+    return last
+
+
+@triton.jit
 def current_call(tab, W, rank):
     ctrl = region_ptr(tab, REG_CTRL, W, rank, tl.int64)
     return tl.load(ctrl + SEQ, volatile=True)
@@ -253,13 +264,7 @@ def _finish_kernel(tab, W, rank, src_reg, dst_ptr, n, timeout_ns, BLOCK: tl.cons
     s = current_call(tab, W, rank)
     ok = wait_flags(tab, W, rank, PURPOSE, 0, W, s, OP_FINISH, timeout_ns, WP2)
     if ok:
-        src = region_ptr(tab, src_reg, W, rank, tl.float32)
-        start = pid * BLOCK
-        while start < n:
-            o = start + tl.arange(0, BLOCK)
-            m = o < n
-            tl.store(dst_ptr + o, tl.load(src + o, mask=m, volatile=True), mask=m)
-            start += P * BLOCK
+        _copy(dst_ptr, region_ptr(tab, src_reg, W, rank, tl.float32), n, pid, P, BLOCK, True)
 
 
 def finish(heap, src_reg: int, dst, n: int, programs: int, purpose: int) -> None:
@@ -270,15 +275,14 @@ def finish(heap, src_reg: int, dst, n: int, programs: int, purpose: int) -> None
 
 
 @triton.jit
-def _copy_table(tab, W, rank, reg, src_ptr, n, pid, P):
-    """region[reg][:n] = src[:n] (4-byte words), the programs of the launch striding over blocks of 1024."""
-    dst = region_ptr(tab, reg, W, rank, tl.int32)
-    i0 = pid * 1024
+def _copy(dst, src, n, pid, P, BLOCK: tl.constexpr, VOLATILE: tl.constexpr):
+    """dst[:n] = src[:n], the programs of the launch striding over blocks of BLOCK (VOLATILE: src written by peers)."""
+    i0 = pid * BLOCK
     while i0 < n:
-        o = i0 + tl.arange(0, 1024)
+        o = i0 + tl.arange(0, BLOCK)
         m = o < n
-        tl.store(dst + o, tl.load(src_ptr + o, mask=m), mask=m)
-        i0 += P * 1024
+        tl.store(dst + o, tl.load(src + o, mask=m, volatile=VOLATILE), mask=m)
+        i0 += P * BLOCK
 
 
 @triton.jit(do_not_specialize=["rank"])
@@ -341,9 +345,9 @@ def _stage_kernel(
                     h0 += BLOCK_H
                 r0 += P * ROWS
         if HAS_SMALL:
-            _copy_table(tab, W, rank, small_reg, small_ptr, n_small, pid, P)
+            _copy(region_ptr(tab, small_reg, W, rank, tl.int32), small_ptr, n_small, pid, P, 1024, False)
         if HAS_SMALL2:
-            _copy_table(tab, W, rank, small2_reg, small2_ptr, n_small2, pid, P)
+            _copy(region_ptr(tab, small2_reg, W, rank, tl.int32), small2_ptr, n_small2, pid, P, 1024, False)
     last = arrive_last(tab, W, rank, ARRIVE_STAGE, P)
     if last:
         if ntok >= 0:

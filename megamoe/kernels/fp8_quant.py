@@ -125,12 +125,9 @@ def _quant_weight_kernel(
             off = base + rn.to(tl.int64)[:, None] * K + rk[None, :]
             q = quantise_slice(w_ptr + off, mask, s, RNE_IN_FP32)
             off_t = base + rk.to(tl.int64)[None, :] * N + rn[:, None]
-            if TRANSPOSE:
-                tl.store(q_ptr + off_t, q, mask=mask)
-            else:
-                tl.store(q_ptr + off, q, mask=mask)
-                if BOTH and not COLS_T:
-                    tl.store(qt_ptr + off_t, q, mask=mask)
+            tl.store(q_ptr + (off_t if TRANSPOSE else off), q, mask=mask)
+            if BOTH and not (COLS_T or TRANSPOSE):
+                tl.store(qt_ptr + off_t, q, mask=mask)
     if COLS_T and (TRANSPOSE or BOTH):
         rn = nb * 128 + tl.arange(0, 128)
         nmask = rn < N
@@ -139,10 +136,7 @@ def _quant_weight_kernel(
             mask = nmask[:, None] & (rc < K)[None, :]
             q = quantise_slice(w_ptr + base + rn.to(tl.int64)[:, None] * K + rc[None, :], mask, s, RNE_IN_FP32)
             off_t = base + rc.to(tl.int64)[None, :] * N + rn[:, None]
-            if TRANSPOSE:
-                tl.store(q_ptr + off_t, q, mask=mask)
-            else:
-                tl.store(qt_ptr + off_t, q, mask=mask)
+            tl.store((q_ptr if TRANSPOSE else qt_ptr) + off_t, q, mask=mask)
     if TRANSPOSE:
         tl.store(s_ptr + (e * n_kb + kb) * n_nb + nb, s)
     else:

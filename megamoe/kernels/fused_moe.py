@@ -65,7 +65,7 @@ from megamoe.kernels.fused_parts import (
 from megamoe.kernels.gemm_config import interpreting, num_sms, record, tma_ok
 from megamoe.kernels.gluon.fused import gluon_fused_reason, prepare_gluon_fused
 from megamoe.kernels.interpreter import row_buffer
-from megamoe.kernels.tiles import epilogue, expert_tiles, load_a, load_b
+from megamoe.kernels.tiles import epilogue, expert_tiles, mma
 
 
 @triton.jit(do_not_specialize=["rank"])
@@ -168,21 +168,9 @@ def _fused_fwd_kernel(
                     if fine:
                         fence_proxy_async()
                         off_n = j * BN1
-                        acc = tl.zeros((BM, BN1), dtype=tl.float32)
-                        acc2 = tl.zeros((BM, BN1), dtype=tl.float32)
-                        for ki in range(tl.cdiv(H, BK)):
-                            off_k = ki * BK
-                            a = load_a(x_desc, x_ptr, base, off_k, base + nrows, H, H, BM, BK, USE_TMA)
-                            bg = load_b(w13_desc, w13_ptr, e, off_n, off_k, I, H, 2 * I * H, H, BN1, BK, False,
-                                        USE_TMA)
-                            bu = load_b(w13_desc, w13_ptr, e, I + off_n, off_k, 2 * I, H, 2 * I * H, H, BN1, BK,
-                                        False, USE_TMA)
-                            if DOT_F32:
-                                a = a.to(tl.float32)
-                                bg = bg.to(tl.float32)
-                                bu = bu.to(tl.float32)
-                            acc = tl.dot(a, bg, acc)
-                            acc2 = tl.dot(a, bu, acc2)
+                        acc, acc2 = mma(x_desc, x_ptr, w13_desc, w13_ptr, e, base, off_n, base + nrows, I, H, I,
+                                        tl.cdiv(H, BK), H, 2 * I * H, H, BM, BN1, BK, False, USE_TMA, DOT_F32, True,
+                                        True)
                         epilogue(acc, acc2, base, off_n, base + nrows, j, 0, I, act_ptr, I, h_ptr, 2 * I,
                                  act_ptr, act_ptr, act_ptr, BM, BN1, 1, False, STORE_H, EPI_SPLIT1,
                                  b13_ptr, e, 2 * I, alpha, limit, HAS_BIAS, ACT)
@@ -201,15 +189,8 @@ def _fused_fwd_kernel(
                         rp, rvalid = push_rows(row0, nrows, tab, W, row_src_ptr, row_tok_ptr, row_slot_ptr, H,
                                                 K, BM, DT, ALIGNED)
                         off_n = j * BN2
-                        acc = tl.zeros((BM, BN2), dtype=tl.float32)
-                        for ki in range(tl.cdiv(I, BK)):
-                            off_k = ki * BK
-                            a = load_a(act_desc, act_ptr, base, off_k, base + nrows, I, I, BM, BK, USE_TMA)
-                            bw = load_b(w2_desc, w2_ptr, e, off_n, off_k, H, I, H * I, I, BN2, BK, False, USE_TMA)
-                            if DOT_F32:
-                                a = a.to(tl.float32)
-                                bw = bw.to(tl.float32)
-                            acc = tl.dot(a, bw, acc)
+                        acc, _ = mma(act_desc, act_ptr, w2_desc, w2_ptr, e, base, off_n, base + nrows, H, I, 0,
+                                     tl.cdiv(I, BK), I, H * I, I, BM, BN2, BK, False, USE_TMA, DOT_F32, False)
                         if HAS_BIAS:  # before the gate, which the tail applies: y = sum_j w_j * (a @ w2^T + b2)
                             rn = off_n + tl.arange(0, BN2)
                             b2v = tl.load(b2_ptr + e.to(tl.int64) * H + rn, mask=rn < H, other=0.0)

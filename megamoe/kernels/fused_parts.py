@@ -19,7 +19,7 @@ from megamoe.comm.signals import (
     record_timeout,
     region_ptr,
 )
-from megamoe.kernels.tiles import halves
+from megamoe.kernels.tiles import col_slices
 
 PURPOSE_TILE = tl.constexpr(3)
 
@@ -167,15 +167,7 @@ def _push_part(acc, off_n, rp, valid, H, NP: tl.constexpr, DT: tl.constexpr):
 def push_epilogue(acc, off_n, rp, valid, H, BM: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr,
                    EPI_SPLIT: tl.constexpr):
     """GEMM2's [BM, BN] tile pushed in EPI_SPLIT column slices (1, 2 or 4; fewer live registers)."""
-    if EPI_SPLIT == 1:
-        _push_part(acc, off_n, rp, valid, H, BN, DT)
-    else:
-        NP: tl.constexpr = BN // EPI_SPLIT
-        a0, a1 = halves(acc, BM, BN)
-        parts = (a0, a1)
-        if EPI_SPLIT == 4:
-            a00, a01 = halves(a0, BM, BN // 2)
-            a10, a11 = halves(a1, BM, BN // 2)
-            parts = (a00, a01, a10, a11)
-        for c in tl.static_range(EPI_SPLIT):
-            _push_part(parts[c], off_n + c * NP, rp, valid, H, NP, DT)
+    NP: tl.constexpr = BN // EPI_SPLIT
+    parts = col_slices(acc, BM, BN, EPI_SPLIT)
+    for c in tl.static_range(EPI_SPLIT):
+        _push_part(parts[c], off_n + c * NP, rp, valid, H, NP, DT)

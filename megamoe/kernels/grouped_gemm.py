@@ -40,7 +40,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.kernels.gemm_config import EPI_DSWIGLU, GemmConfig, grid_size, interpreting, record, resolve_tma
-from megamoe.kernels.tiles import epilogue, expert_tiles, load_a, load_b, locate_tile
+from megamoe.kernels.tiles import epilogue, expert_tiles, locate_tile, mma
 
 
 @triton.jit
@@ -50,29 +50,16 @@ def _gemm_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, k_tiles,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                W_KN: tl.constexpr, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, STORE_H: tl.constexpr,
                USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, EPI_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-               ACT: tl.constexpr):
-    """One output tile: locate it, run the k-loop, write the epilogue (inlined by the compiler)."""
+               ACT: tl.constexpr, FP8: tl.constexpr = False, as_ptr=None, ws_ptr=None, stride_asm=0, stride_wse=0,
+               stride_wsn=0):
+    """One output tile: locate it, run the k-loop (tiles.mma), write the epilogue (inlined by the compiler)."""
     e, row0, n_rows, mi, ni = locate_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, N, BLOCK_N, GROUP_M)
     off_m = row0 + mi * BLOCK_M
     off_n = ni * BLOCK_N
     row_end = row0 + n_rows
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for ki in range(k_tiles):
-        off_k = ki * BLOCK_K
-        a = load_a(a_desc, a_ptr, off_m, off_k, row_end, K, stride_am, BLOCK_M, BLOCK_K, USE_TMA)
-        b = load_b(w_desc, w_ptr, e, off_n, off_k, N, K, stride_we, stride_wr, BLOCK_N, BLOCK_K,
-                    W_KN, USE_TMA)
-        if DOT_F32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
-        if EPILOGUE == 1:
-            b2 = load_b(w_desc, w_ptr, e, N_UP + off_n, off_k, N_UP + N, K, stride_we, stride_wr,
-                         BLOCK_N, BLOCK_K, W_KN, USE_TMA)
-            if DOT_F32:
-                b2 = b2.to(tl.float32)
-            acc2 = tl.dot(a, b2, acc2)
+    acc, acc2 = mma(a_desc, a_ptr, w_desc, w_ptr, e, off_m, off_n, row_end, N, K, N_UP, k_tiles, stride_am,
+                    stride_we, stride_wr, BLOCK_M, BLOCK_N, BLOCK_K, W_KN, USE_TMA, DOT_F32, EPILOGUE == 1, False, FP8,
+                    as_ptr, ws_ptr, stride_asm, stride_wse, stride_wsn)
     epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N, out_ptr, stride_om, h_ptr, stride_hm,
               scale_ptr, dsp_ptr, acts_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H, EPI_SPLIT,
               bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
@@ -150,39 +137,10 @@ def _grouped_gemm_fp8_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     tile = pid
     while tile < total:
-        e, row0, n_rows, mi, ni = locate_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, N, BLOCK_N, GROUP_M)
-        off_m = row0 + mi * BLOCK_M
-        off_n = ni * BLOCK_N
-        row_end = row0 + n_rows
-        rm = off_m + tl.arange(0, BLOCK_M)
-        rn = off_n + tl.arange(0, BLOCK_N)
-        as_ptrs = as_ptr + rm.to(tl.int64) * stride_asm
-        mmask = rm < row_end
-        ws_base = ws_ptr + e.to(tl.int64) * stride_wse
-        ws_ptrs = ws_base + (rn // 128) * stride_wsn
-        ws2_ptrs = ws_base + ((N_UP + rn) // 128) * stride_wsn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_tiles):
-            off_k = ki * BLOCK_K
-            a = load_a(a_desc, a_ptr, off_m, off_k, row_end, K, stride_am, BLOCK_M, BLOCK_K, USE_TMA)
-            b = load_b(w_desc, w_ptr, e, off_n, off_k, N, K, stride_we, stride_wr, BLOCK_N, BLOCK_K,
-                        False, USE_TMA)
-            sa = tl.load(as_ptrs + ki, mask=mmask, other=0.0)
-            sb = tl.load(ws_ptrs + ki, mask=rn < N, other=0.0)
-            if DOT_F32:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
-            if EPILOGUE == 1:
-                b2 = load_b(w_desc, w_ptr, e, N_UP + off_n, off_k, N_UP + N, K, stride_we, stride_wr,
-                             BLOCK_N, BLOCK_K, False, USE_TMA)
-                sb2 = tl.load(ws2_ptrs + ki, mask=rn < N, other=0.0)
-                if DOT_F32:
-                    b2 = b2.to(tl.float32)
-                acc2 += tl.dot(a, b2) * (sa[:, None] * sb2[None, :])
-        epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                  scale_ptr, dsp_ptr, acts_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H, EPI_SPLIT)
+        _gemm_tile(tile, e_idx, starts, cnts, m_tiles, cum_end, k_tiles, a_desc, a_ptr, w_desc, w_ptr, out_ptr, h_ptr,
+                   scale_ptr, dsp_ptr, acts_ptr, R, N, K, stride_am, stride_we, stride_wr, stride_om, stride_hm, N_UP,
+                   out_ptr, 0, 1.0, 0.0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False, EPILOGUE, HAS_SCALE, STORE_H,
+                   USE_TMA, DOT_F32, EPI_SPLIT, False, 0, True, as_ptr, ws_ptr, stride_asm, stride_wse, stride_wsn)
         tile += num_progs
 
 

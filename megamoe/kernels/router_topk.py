@@ -32,15 +32,12 @@ def _load_scores(logits_ptr, rows, cols, T, E, SIGMOID: tl.constexpr):
     l = tl.load(logits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], mask=m2, other=0.0)
     l = tl.where(cmask2, l, -float("inf"))
     if SIGMOID:
-        s = 1.0 / (1.0 + tl.exp(-l))
-        s = tl.where(cmask2, s, 0.0)
-        z = tl.sum(s, 1)
-        return rmask, m2, cmask2, s, s / z[:, None]
-    mx = tl.max(l, 1)
-    ex = tl.exp(l - mx[:, None])
+        ex = 1.0 / (1.0 + tl.exp(-l))
+    else:
+        ex = tl.exp(l - tl.max(l, 1)[:, None])
     ex = tl.where(cmask2, ex, 0.0)
-    p = ex / tl.sum(ex, 1)[:, None]
-    return rmask, m2, cmask2, p, p
+    p = ex / tl.sum(ex, 1)[:, None]  # softmax: the scores; sigmoid: the density s / sum(s)
+    return rmask, m2, cmask2, ex if SIGMOID else p, p
 
 
 @triton.jit

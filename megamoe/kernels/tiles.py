@@ -104,71 +104,56 @@ def epi_part(acc, acc2, off_m, off_n, row_end, R, N,
             gc = tl.minimum(g, limit)
             act = gc / (1.0 + tl.exp(-alpha * gc)) * (tl.minimum(tl.maximum(u, -limit), limit) + 1.0)
         tl.store(o_base + o_offs, act.to(out_ptr.dtype.element_ty), mask=mask)
-    elif ACT == 1:
-        part = _dact_clamped(acc, off_m, N, out_ptr, o_base, o_offs, h_ptr, stride_hm, scale_ptr, acts_ptr,
-                             lm, rn, rm, mmask, mask, alpha, limit, BLOCK_M, HAS_SCALE, STORE_H)
     else:
         h_base = h_ptr + off_m.to(tl.int64) * stride_hm
         h_offs = lm[:, None] * stride_hm + rn[None, :]
         g = tl.load(h_base + h_offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(h_base + N + h_offs, mask=mask, other=0.0).to(tl.float32)
-        sig = 1.0 / (1.0 + tl.exp(-g))
-        silu = g * sig
         da = acc
-        if HAS_SCALE:
-            if STORE_H:  # the gated activation first, so that its values die before dg / du (registers)
+        if ACT == 1:
+            # h holds the biased, unclamped g, u: gc = min(g, limit), uc = clamp(u, -limit, limit), sig =
+            # sigmoid(alpha * gc), act = gc * sig * (uc + 1); dg = da * (uc + 1) * sig * (1 + alpha * gc * (1 - sig))
+            # where g <= limit, else 0; du = da * gc * sig where -limit <= u <= limit, else 0
+            gc = tl.minimum(g, limit)
+            up1 = tl.minimum(tl.maximum(u, -limit), limit) + 1.0
+            sig = 1.0 / (1.0 + tl.exp(-alpha * gc))
+            glu = gc * sig
+            act = glu * up1
+            if HAS_SCALE:
                 s = tl.load(scale_ptr + rm, mask=mmask, other=0.0)
-                su = silu * u
+                part = tl.sum(acc * act, axis=1)
+                if STORE_H:
+                    tl.store(acts_ptr + off_m.to(tl.int64) * N + (lm[:, None] * N + rn[None, :]),
+                             (act * s[:, None]).to(acts_ptr.dtype.element_ty), mask=mask)
+                da = acc * s[:, None]
+            elif STORE_H:
                 tl.store(acts_ptr + off_m.to(tl.int64) * N + (lm[:, None] * N + rn[None, :]),
-                         (su * s[:, None]).to(acts_ptr.dtype.element_ty), mask=mask)
-                part = tl.sum(acc * su, axis=1)
-            else:  # this order: no spills on sm_90a with the default config
-                part = tl.sum(acc * silu * u, axis=1)
-                s = tl.load(scale_ptr + rm, mask=mmask, other=0.0)
-            da = acc * s[:, None]
-        elif STORE_H:
-            tl.store(acts_ptr + off_m.to(tl.int64) * N + (lm[:, None] * N + rn[None, :]),
-                     (silu * u).to(acts_ptr.dtype.element_ty), mask=mask)
-        dg = da * u * (sig * (1.0 + g * (1.0 - sig)))
-        tl.store(o_base + o_offs, dg.to(out_ptr.dtype.element_ty), mask=mask)
-        du = da * silu
-        tl.store(o_base + N + o_offs, du.to(out_ptr.dtype.element_ty), mask=mask)
-    return part
-
-
-@triton.jit
-def _dact_clamped(acc, off_m, N, out_ptr, o_base, o_offs, h_ptr, stride_hm, scale_ptr, acts_ptr,
-                  lm, rn, rm, mmask, mask, alpha, limit, BLOCK_M: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  STORE_H: tl.constexpr):
-    """EPI_DSWIGLU of gpt-oss's clamped SwiGLU (epi_part, ACT=1): from g, u in h (biased, unclamped),
-    gc = min(g, limit), uc = clamp(u, -limit, limit), sig = sigmoid(alpha * gc), act = gc * sig * (uc + 1);
-    da = s[r] * acc; dg = da * (uc + 1) * sig * (1 + alpha * gc * (1 - sig)) where g <= limit, else 0;
-    du = da * gc * sig where -limit <= u <= limit, else 0. Returns the row sums of acc * act."""
-    h_base = h_ptr + off_m.to(tl.int64) * stride_hm
-    h_offs = lm[:, None] * stride_hm + rn[None, :]
-    g = tl.load(h_base + h_offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(h_base + N + h_offs, mask=mask, other=0.0).to(tl.float32)
-    gc = tl.minimum(g, limit)
-    up1 = tl.minimum(tl.maximum(u, -limit), limit) + 1.0
-    sig = 1.0 / (1.0 + tl.exp(-alpha * gc))
-    glu = gc * sig
-    act = glu * up1
-    part = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    da = acc
-    if HAS_SCALE:
-        s = tl.load(scale_ptr + rm, mask=mmask, other=0.0)
-        part = tl.sum(acc * act, axis=1)
-        if STORE_H:
-            tl.store(acts_ptr + off_m.to(tl.int64) * N + (lm[:, None] * N + rn[None, :]),
-                     (act * s[:, None]).to(acts_ptr.dtype.element_ty), mask=mask)
-        da = acc * s[:, None]
-    elif STORE_H:
-        tl.store(acts_ptr + off_m.to(tl.int64) * N + (lm[:, None] * N + rn[None, :]),
-                 act.to(acts_ptr.dtype.element_ty), mask=mask)
-    dg = tl.where(g <= limit, da * up1 * (sig * (1.0 + alpha * gc * (1.0 - sig))), 0.0)
-    tl.store(o_base + o_offs, dg.to(out_ptr.dtype.element_ty), mask=mask)
-    du = tl.where((u >= -limit) & (u <= limit), da * glu, 0.0)
-    tl.store(o_base + N + o_offs, du.to(out_ptr.dtype.element_ty), mask=mask)
+                         act.to(acts_ptr.dtype.element_ty), mask=mask)
+            dg = tl.where(g <= limit, da * up1 * (sig * (1.0 + alpha * gc * (1.0 - sig))), 0.0)
+            tl.store(o_base + o_offs, dg.to(out_ptr.dtype.element_ty), mask=mask)
+            du = tl.where((u >= -limit) & (u <= limit), da * glu, 0.0)
+            tl.store(o_base + N + o_offs, du.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            sig = 1.0 / (1.0 + tl.exp(-g))
+            silu = g * sig
+            if HAS_SCALE:
+                if STORE_H:  # the gated activation first, so that its values die before dg / du (registers)
+                    s = tl.load(scale_ptr + rm, mask=mmask, other=0.0)
+                    su = silu * u
+                    tl.store(acts_ptr + off_m.to(tl.int64) * N + (lm[:, None] * N + rn[None, :]),
+                             (su * s[:, None]).to(acts_ptr.dtype.element_ty), mask=mask)
+                    part = tl.sum(acc * su, axis=1)
+                else:  # this order: no spills on sm_90a with the default config
+                    part = tl.sum(acc * silu * u, axis=1)
+                    s = tl.load(scale_ptr + rm, mask=mmask, other=0.0)
+                da = acc * s[:, None]
+            elif STORE_H:
+                tl.store(acts_ptr + off_m.to(tl.int64) * N + (lm[:, None] * N + rn[None, :]),
+                         (silu * u).to(acts_ptr.dtype.element_ty), mask=mask)
+            dg = da * u * (sig * (1.0 + g * (1.0 - sig)))
+            tl.store(o_base + o_offs, dg.to(out_ptr.dtype.element_ty), mask=mask)
+            du = da * silu
+            tl.store(o_base + N + o_offs, du.to(out_ptr.dtype.element_ty), mask=mask)
     return part
 
 
@@ -177,6 +162,20 @@ def halves(x, BLOCK_M: tl.constexpr, NP: tl.constexpr):
     """[BLOCK_M, NP] -> (cols 0..NP/2-1, cols NP/2..NP-1)."""
     x = tl.permute(tl.reshape(x, (BLOCK_M, 2, NP // 2)), (0, 2, 1))
     return tl.split(x)
+
+
+@triton.jit
+def col_slices(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] -> a tuple of its SPLIT (1, 2 or 4) column slices, left to right."""
+    parts = (x,)
+    if SPLIT > 1:
+        x0, x1 = halves(x, BLOCK_M, BLOCK_N)
+        parts = (x0, x1)
+    if SPLIT == 4:
+        x00, x01 = halves(x0, BLOCK_M, BLOCK_N // 2)
+        x10, x11 = halves(x1, BLOCK_M, BLOCK_N // 2)
+        parts = (x00, x01, x10, x11)
+    return parts
 
 
 @triton.jit
@@ -189,30 +188,16 @@ def epilogue(acc, acc2, off_m, off_n, row_end, ni, R, N,
     """Write one [BLOCK_M, BLOCK_N] output tile in EPI_SPLIT column slices (1, 2 or 4; fewer live registers),
     see epi_part (also for the bias and activation arguments); EPI_DSWIGLU with HAS_SCALE also writes
     dsp[ni, r] = sum over the tile's columns."""
-    if EPI_SPLIT == 1:
-        part = epi_part(acc, acc2, off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                         scale_ptr, acts_ptr, BLOCK_M, BLOCK_N, EPILOGUE, HAS_SCALE, STORE_H,
-                         bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
-    else:
-        NP: tl.constexpr = BLOCK_N // EPI_SPLIT
-        a0, a1 = halves(acc, BLOCK_M, BLOCK_N)
-        b0, b1 = halves(acc2, BLOCK_M, BLOCK_N)
-        aa = (a0, a1)
-        bb = (b0, b1)
-        if EPI_SPLIT == 4:
-            a00, a01 = halves(a0, BLOCK_M, BLOCK_N // 2)
-            b00, b01 = halves(b0, BLOCK_M, BLOCK_N // 2)
-            a10, a11 = halves(a1, BLOCK_M, BLOCK_N // 2)
-            b10, b11 = halves(b1, BLOCK_M, BLOCK_N // 2)
-            aa = (a00, a01, a10, a11)
-            bb = (b00, b01, b10, b11)
-        part = epi_part(aa[0], bb[0], off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
-                         scale_ptr, acts_ptr, BLOCK_M, NP, EPILOGUE, HAS_SCALE, STORE_H,
-                         bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
-        for c in tl.static_range(1, EPI_SPLIT):
-            part += epi_part(aa[c], bb[c], off_m, off_n + c * NP, row_end, R, N, out_ptr, stride_om, h_ptr,
-                              stride_hm, scale_ptr, acts_ptr, BLOCK_M, NP, EPILOGUE, HAS_SCALE, STORE_H,
-                              bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
+    NP: tl.constexpr = BLOCK_N // EPI_SPLIT
+    aa = col_slices(acc, BLOCK_M, BLOCK_N, EPI_SPLIT)
+    bb = col_slices(acc2, BLOCK_M, BLOCK_N, EPI_SPLIT)
+    part = epi_part(aa[0], bb[0], off_m, off_n, row_end, R, N, out_ptr, stride_om, h_ptr, stride_hm,
+                     scale_ptr, acts_ptr, BLOCK_M, NP, EPILOGUE, HAS_SCALE, STORE_H,
+                     bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
+    for c in tl.static_range(1, EPI_SPLIT):
+        part += epi_part(aa[c], bb[c], off_m, off_n + c * NP, row_end, R, N, out_ptr, stride_om, h_ptr,
+                          stride_hm, scale_ptr, acts_ptr, BLOCK_M, NP, EPILOGUE, HAS_SCALE, STORE_H,
+                          bias_ptr, e, stride_be, alpha, limit, HAS_BIAS, ACT)
     if EPILOGUE == 2:
         if HAS_SCALE:
             rm = off_m + tl.arange(0, BLOCK_M)
@@ -252,3 +237,56 @@ def load_b(w_desc, w_ptr, e, off_n, off_k, N_lim, K, stride_we, stride_wr,
         else:
             b = tl.load(base + rn.to(tl.int64)[None, :] * stride_wr + rk[:, None], mask=mask, other=0.0)
     return b
+
+
+@triton.jit
+def mma(a_desc, a_ptr, w_desc, w_ptr, e, off_m, off_n, row_end, N, K, N_UP, k_tiles, stride_am, stride_we,
+        stride_wr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_KN: tl.constexpr,
+        USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, GATED: tl.constexpr, UP_FIRST: tl.constexpr = False,
+        FP8: tl.constexpr = False, as_ptr=None, ws_ptr=None, stride_asm=0, stride_wse=0, stride_wsn=0):
+    """The k-loop of one tile (fp32): acc = a[off_m:+BLOCK_M] @ w[e][off_n:+BLOCK_N]^T (load_b's layouts), rows from
+    row_end on read as 0; GATED: acc2 likewise from w's rows N_UP + off_n.. (SwiGLU's up projection), else zeros;
+    UP_FIRST: both weight tiles loaded before the first dot (the megakernel's order, its code as it was tuned).
+    FP8: each k-step's product scaled by a_s[rows, kb] * w_s[e, cols // 128, kb] (as_ptr [R, *] with row stride
+    stride_asm, ws_ptr [E_l, *, *] with strides stride_wse, stride_wsn) before it is added."""
+    if FP8:
+        rm = off_m + tl.arange(0, BLOCK_M)
+        rn = off_n + tl.arange(0, BLOCK_N)
+        as_ptrs = as_ptr + rm.to(tl.int64) * stride_asm
+        amask = rm < row_end
+        ws_base = ws_ptr + e.to(tl.int64) * stride_wse
+        ws_ptrs = ws_base + (rn // 128) * stride_wsn
+        ws2_ptrs = ws_base + ((N_UP + rn) // 128) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(k_tiles):
+        off_k = ki * BLOCK_K
+        a = load_a(a_desc, a_ptr, off_m, off_k, row_end, K, stride_am, BLOCK_M, BLOCK_K, USE_TMA)
+        b = load_b(w_desc, w_ptr, e, off_n, off_k, N, K, stride_we, stride_wr, BLOCK_N, BLOCK_K,
+                    W_KN, USE_TMA)
+        if GATED and UP_FIRST:
+            b2 = load_b(w_desc, w_ptr, e, N_UP + off_n, off_k, N_UP + N, K, stride_we, stride_wr,
+                        BLOCK_N, BLOCK_K, W_KN, USE_TMA)
+        if FP8:
+            sa = tl.load(as_ptrs + ki, mask=amask, other=0.0)
+            sb = tl.load(ws_ptrs + ki, mask=rn < N, other=0.0)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if FP8:
+            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        else:
+            acc = tl.dot(a, b, acc)
+        if GATED:
+            if not UP_FIRST:
+                b2 = load_b(w_desc, w_ptr, e, N_UP + off_n, off_k, N_UP + N, K, stride_we, stride_wr,
+                            BLOCK_N, BLOCK_K, W_KN, USE_TMA)
+            if FP8:
+                sb2 = tl.load(ws2_ptrs + ki, mask=rn < N, other=0.0)
+            if DOT_F32:
+                b2 = b2.to(tl.float32)
+            if FP8:
+                acc2 += tl.dot(a, b2) * (sa[:, None] * sb2[None, :])
+            else:
+                acc2 = tl.dot(a, b2, acc2)
+    return acc, acc2
