@@ -64,17 +64,19 @@ if want tests; then
   echo "== tests"
   rm -f "$OUT/errors.jsonl"
   ids=$(python3 -m pytest -q -p no:cacheprovider --collect-only -m gpu 2>/dev/null | grep "::")
-  # 10 processes: the twins (module fixtures shared by a preset's cases) in 3 contiguous chunks, every other test
-  # dealt round-robin over 7, so that one file's heavy neighbours (the fused and split layer cases) run apart
-  sels=$(echo "$ids" | python3 -c "
-import sys
-ids = sys.stdin.read().split()
+  # the twins (module fixtures shared by a preset's cases) in 3 contiguous chunks, every other test dealt round-robin
+  # over 7 (an H200) or 4 (an 80 GB card, where 7 ran out of memory), so that one file's heavy neighbours (the fused
+  # and split layer cases) run apart
+  nrest=$(python3 -c "import torch; print(7 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 4)")
+  sels=$(echo "$ids" | NREST=$nrest python3 -c "
+import os, sys
+ids, n = sys.stdin.read().split(), int(os.environ['NREST'])
 tw = [i for i in ids if 'test_gpu_twins.py' in i]
 rest = [i for i in ids if 'test_gpu_twins.py' not in i]
 per = -(-len(tw) // 3)
-chunks = [tw[k * per:(k + 1) * per] for k in range(3)] + [rest[k::7] for k in range(7)]
+chunks = [tw[k * per:(k + 1) * per] for k in range(3)] + [rest[k::n] for k in range(n)]
 print(';'.join(' '.join(c) for c in chunks if c))")
-  echo "$(echo "$ids" | wc -l) GPU tests in 10 processes"
+  echo "$(echo "$ids" | wc -l) GPU tests in $((3 + nrest)) processes"
   MEGAMOE_ERRLOG="$OUT/errors.jsonl" MEGAMOE_TWINS_JSON="$OUT/twins-tests.json" \
     par_pytest tests "${TESTS_TIMEOUT:-540}" "$sels" -v -v -rfE --durations=10
   SUMMARY+=$(for f in "$OUT"/tests-*.log; do grep -E '[0-9]+ (passed|failed|error)' "$f" | tail -1; done)$'\n'
