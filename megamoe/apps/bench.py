@@ -184,8 +184,7 @@ def capture_step(make_moe, x0: torch.Tensor, dy0: torch.Tensor, device, mode: st
 
 
 def _replay_times(captured: list, xs, dys, args, timer) -> list[list[float]]:
-    """Per-iteration replay times of capture_step's tuples, replayed in turn on rotating inputs copied in outside
-    the timed region."""
+    """Per-iteration times of capture_step's graphs replayed in turn, inputs copied in outside the timed region."""
     times: list[list[float]] = [[] for _ in captured]
     for it in range(args.warmup + args.iters):
         for i, (graph, _moe, x, dy) in enumerate(captured):
@@ -222,8 +221,7 @@ def _stats(per_iter: list[float]) -> dict:
 
 
 def bench_config(args: argparse.Namespace):
-    """The layer's MoEConfig: the preset, its dtype, ``--experts`` if given (MoEConfig checks top_k <= E)."""
-    # split and fused size their buffers for max_tokens_per_rank
+    """The preset at --dtype with --experts (MoEConfig checks top_k <= E), split's and fused's buffers for --tokens."""
     cfg = preset(args.preset, dtype=parse_dtype(args.dtype), max_tokens_per_rank=max(1, args.tokens))
     return cfg if args.experts is None else cfg.replace(num_experts=args.experts)
 

@@ -93,8 +93,7 @@ WGRAD_KERNELS = ("_gluon_wgrad_ws_kernel", "_grouped_wgrad_kernel")
 
 
 def _regs(kernel_names: tuple[str, ...]) -> dict:
-    """Registers, spills and shared memory of the kernel of ``kernel_names`` that the last call launched (the first
-    that was; LAST_COMPILED is cleared of them before the call)."""
+    """Registers, spills and shared memory of the first of ``kernel_names`` the last call launched."""
     from megamoe.kernels.gemm_config import LAST_COMPILED
 
     name = next((n for n in kernel_names if n in LAST_COMPILED), None)
@@ -212,9 +211,8 @@ def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[
 
 
 #: the table's short name of the kernel that ran (the JSON keeps the full name as ours_kernel)
-KERNEL_TAGS = {"_gluon_bf16_ws_kernel": "gluon", "_gluon_fp8_ws_kernel": "gluon", "_gluon_fp8_dswiglu_kernel": "gluon",
-               "_gluon_wgrad_ws_kernel": "gluon", "_grouped_gemm_kernel": "triton",
-               "_grouped_gemm_fp8_kernel": "triton", "_grouped_wgrad_kernel": "triton"}
+KERNEL_TAGS = {n: "gluon" if n.startswith("_gluon") else "triton"
+               for n in (*FP8_KERNELS, *BF16_KERNELS, *WGRAD_KERNELS, "_gluon_fp8_dswiglu_kernel")}
 
 
 def _fmt(v, spec):

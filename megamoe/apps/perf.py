@@ -119,8 +119,7 @@ def event_median_s(fn, iters: int, warmup: int = 3) -> float:
 
 
 def git_commit() -> str:
-    """``MEGAMOE_COMMIT`` if set (for a copied tree without .git), else ``git rev-parse HEAD`` (+ "-dirty"), else
-    "unknown"."""
+    """``MEGAMOE_COMMIT`` (a copied tree without .git), else ``git rev-parse HEAD`` (+ "-dirty"), else "unknown"."""
     if os.environ.get("MEGAMOE_COMMIT"):
         return os.environ["MEGAMOE_COMMIT"]
     here = os.path.dirname(os.path.abspath(__file__))
@@ -175,8 +174,7 @@ def write_json(path: str, obj) -> None:
 
 
 def write_results(path: str | None, device: torch.device, what: str, rows: list) -> None:
-    """A one-GPU benchmark script's JSON: {"meta": run_metadata, "what": its first docstring line, "results"}
-    (nothing when path is None)."""
+    """A one-GPU benchmark's JSON {"meta", "what": its docstring's first line, "results"}; nothing when path is None."""
     if path:
         write_json(path, {"meta": run_metadata(device, 1), "what": what.strip().split("\n")[0], "results": rows})
 

@@ -77,10 +77,7 @@ class LayerCase:
 
 def logit_offset(offset: dict, num_experts: int) -> torch.Tensor:
     """float64 [E]: a case's {expert: logit offset}, 0 for the other experts."""
-    out = torch.zeros(num_experts, dtype=torch.float64)
-    for e, v in offset.items():
-        out[e] = v
-    return out
+    return torch.tensor([float(offset.get(e, 0.0)) for e in range(num_experts)], dtype=torch.float64)
 
 
 def _full_weights(cfg: MoEConfig, seed: int, device: torch.device):

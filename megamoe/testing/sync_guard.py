@@ -4,14 +4,11 @@ On a GPU ``torch.cuda.set_sync_debug_mode("error")`` catches a sync; CPU ranks n
 :func:`no_host_reads` a torch call by megamoe code that reads tensor *data* on the host raises :class:`HostSyncError`
 naming the op and source line (CPU tensors count as device tensors):
 
-* a Python value from tensor data: ``item``, ``tolist``, ``numpy``, ``__array__``, ``__bool__``, ``__int__``,
-  ``__float__``, ``__complex__``, ``__index__``, ``is_nonzero``, ``equal``, ``allclose``;
+* a Python value from tensor data (``item``, ``tolist``, ``__bool__``, ``equal``, ...: :data:`_ALWAYS`), printing;
 * ``Tensor.cpu`` and ``Tensor.to`` a CPU device (not ``to(other_tensor)``, which on CPU cannot tell a move from a
   cast; host -> device copies are not counted);
-* data-dependent output sizes: ``nonzero``, ``argwhere``, one-argument ``torch.where``, ``unique``,
-  ``unique_consecutive``, ``masked_select``, ``bincount``, ``repeat_interleave`` with tensor repeats and no
-  ``output_size``, boolean-mask indexing;
-* printing a tensor (``__repr__``, ``__format__``).
+* data-dependent output sizes (``nonzero``, one-argument ``torch.where``, ``repeat_interleave`` with tensor repeats
+  and no ``output_size``, boolean-mask indexing, ...: :func:`_host_read`).
 
 A call counts when its nearest caller outside torch is megamoe code (by module namespace or package file), except
 :data:`EXCLUDED` (kernels/interpreter.py emulates the device); a torch function megamoe calls is charged to megamoe
