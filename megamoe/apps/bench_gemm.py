@@ -160,14 +160,12 @@ def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[
         ours = _time_ours(call, configs(key), kernels, args.rep)
         best = min((r for r in ours if "ms" in r), key=lambda r: r["ms"], default={})
         floor = max(flops / PEAK[dtype], nbytes / HBM) * 1e3
-        row = dict(base, op=op, dtype=dtype, flops=flops, bytes=nbytes, floor_ms=floor, ours_ms=best.get("ms"),
-                   ours_tflops=flops / best["ms"] / 1e9 if best else None, ours_config=best.get("config"),
-                   ours_kernel=best.get("kernel"), n_regs=best.get("n_regs"), n_spills=best.get("n_spills"),
-                   torch_ms=torch_ms, torch_tflops=flops / torch_ms / 1e9 if torch_ms else None,
-                   torch_error=torch_err, candidates=ours, **extra)
-        rows.append(row)
+        rows.append(dict(base, op=op, dtype=dtype, flops=flops, bytes=nbytes, floor_ms=floor, ours_ms=best.get("ms"),
+                         ours_tflops=flops / best["ms"] / 1e9 if best else None, ours_config=best.get("config"),
+                         ours_kernel=best.get("kernel"), n_regs=best.get("n_regs"), n_spills=best.get("n_spills"),
+                         torch_ms=torch_ms, torch_tflops=flops / torch_ms / 1e9 if torch_ms else None,
+                         torch_error=torch_err, candidates=ours, **extra))
 
-    # ---------------------------------------------------------------- bf16 forward
     act, h = X.gemm1_swiglu(x, w13, offs)
     add("gemm1_swiglu", "bf16", fl1, by1, "gemm1", BF16_KERNELS,
         lambda c: X.gemm1_swiglu(x, w13, offs, out=act, h_out=h, config=c), (x, w13),
@@ -177,7 +175,6 @@ def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[
     add("gemm2", "bf16", fl2, by2, "gemm2", BF16_KERNELS, lambda c: X.gemm2(act, w2, offs, scale=s, out=out, config=c),
         (act, w2), lambda o_t: {"rel_err_vs_torch": _rel(out, o_t * s[:, None])})
 
-    # ---------------------------------------------------------------- fp8 forward
     if not args.no_fp8:
         xq, xs = X.quantize_act(x)
         w13q, w13s = X.quantize_weight(w13)
@@ -194,8 +191,7 @@ def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[
             lambda c: X.gemm2_fp8(aq, as_, w2q, w2s, offs, scale=s, config=c), (act, w2), rel_err_vs_bf16=_rel(o8, out))
         del xq, w13q, aq, w2q, o8
 
-    # ---------------------------------------------------------------- bf16 backward (ours only)
-    if not args.no_bwd:
+    if not args.no_bwd:  # the backward: ours only, no torch timing
         dy = torch.randn(R, H, device=dev, dtype=torch.bfloat16, generator=dgen)
         dh, _ = X.gemm2_dgrad_swiglu(dy, w2, h, offs, scale=s)
         add("dgrad2_swiglu", "bf16", fl2, 2 * (R * H + E_l * H * I + 3 * R * 2 * I), "dgrad2", BF16_KERNELS,

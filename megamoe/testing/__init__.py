@@ -251,8 +251,7 @@ def bf16_cases(world: int) -> list[LayerCase]:
 
 
 def determinism_case(case: LayerCase, backend: str, device: torch.device, **backend_options) -> bool:
-    """Two forward+backward passes on the same inputs, routed as the case's ``offset`` forces, give bitwise-equal
-    outputs and gradients."""
+    """Whether two forward+backward passes on the same inputs (routed as ``offset`` forces) are bitwise equal."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     a, b = layer_runs(case.config(), case.tokens[rank], device, [(backend, backend_options)], calls=2,
                       input_seed=case.seed + 10 + rank, weight_seed=case.seed, offset=case.offset)
@@ -424,8 +423,7 @@ def fp8_bits(t: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def counting_weight_quantisations(moe: MoE):
-    """Counts the quantize_weight_both calls of megamoe.backends.fp8_weights on ``moe``'s own w13 / w2 within the
-    block; yields a dict whose "n" is the count so far."""
+    """Counts fp8_weights.quantize_weight_both calls on ``moe``'s own w13 / w2 in the block: yields {"n": so far}."""
     import megamoe.backends.fp8_weights as split_mod
 
     mine = {moe.w13.data_ptr(), moe.w2.data_ptr()}
