@@ -73,10 +73,9 @@ def floor_seconds(cfg: MoEConfig, rows: int, world: int, ceil: Ceilings | None, 
 def layer_floor_seconds(cfg: MoEConfig, rows_per_rank: list[int], world: int, ceil: Ceilings | None,
                         passes: float = 1.0, experts_per_rank: list[int] | None = None) -> float | None:
     """The largest of the ranks' floors (the ranks wait for each other in the combine)."""
-    if ceil is None:
-        return None
     experts = experts_per_rank if experts_per_rank is not None else [None] * len(rows_per_rank)
-    return max(floor_seconds(cfg, r, world, ceil, passes, e) for r, e in zip(rows_per_rank, experts, strict=True))
+    return None if ceil is None else max(floor_seconds(cfg, r, world, ceil, passes, e)
+                                         for r, e in zip(rows_per_rank, experts, strict=True))
 
 
 class Marks:
