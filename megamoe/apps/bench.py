@@ -153,11 +153,9 @@ def _reference_error(moe, x: torch.Tensor, y: torch.Tensor) -> float:
 
 def capture_step(make_moe, x0: torch.Tensor, dy0: torch.Tensor, device, mode: str):
     """A fresh module's ``mode`` step ("forward" or "forward+backward") captured in a CUDA graph -> (graph, module,
-    x, dy): copy inputs into the static ``x`` / ``dy``, then replay (keep the module alive with the graph).
-
-    Built, warmed up and captured on one side stream: a module first run on the legacy default stream fails to
-    capture later ("operation would make the legacy stream depend on a capturing blocking stream").
-    """
+    x, dy): copy inputs into the static ``x`` / ``dy``, then replay (keep the module alive with the graph). Built,
+    warmed up and captured on one side stream: a module first run on the legacy default stream fails to capture
+    later ("operation would make the legacy stream depend on a capturing blocking stream")."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
