@@ -31,7 +31,7 @@ from megamoe.backends.common import HeapBackend, heap_backward
 from megamoe.comm.dispatch import dispatch
 from megamoe.comm.heap import heap_bytes
 from megamoe.experts import gemm1_swiglu
-from megamoe.kernels.fused_moe import FusedConfig, default_fused_config, fused_forward, plan_lag
+from megamoe.kernels.fused_moe import FusedConfig, default_fused_config, fused_forward, plan_launch
 from megamoe.kernels.gluon.fused import gluon_fused_reason
 
 
@@ -78,9 +78,7 @@ class FusedBackend(HeapBackend):
         if ring_blocks is not None:
             if isinstance(ring_blocks, bool) or not isinstance(ring_blocks, int):
                 raise ValueError(f"ring_blocks must be None or an int, got {ring_blocks!r}")
-            need = plan_lag(self.config, ring_blocks) + 3
-            if ring_blocks < need:
-                raise ValueError(f"ring_blocks must be >= {need} (lag + 3), got {ring_blocks}")
+            plan_launch(self.config, moe.device, cfg.hidden, cfg.intermediate, ring_blocks)  # raises if too small
         self.ring_blocks = ring_blocks
         self._open_heap(moe, timeout_s, slots=True)
 

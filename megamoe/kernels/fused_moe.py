@@ -246,22 +246,17 @@ class FusedState:
     h: torch.Tensor | None       # [NROWS, 2I] (dense + store_h)
 
 
-def plan_lag(cfg: FusedConfig, ring_blocks: int) -> int:
-    """L2 (GEMM1 -> GEMM2 distance in steps) of a launch: the config's, else 3 dense / 1 with a ring."""
-    return cfg.lag if cfg.lag is not None else (1 if ring_blocks else 3)
-
-
-def _plan(cfg: FusedConfig, device: torch.device, H: int, I: int, ring_blocks: int) -> tuple[int, int, int, int]:
+def plan_launch(cfg: FusedConfig, device: torch.device, H: int, I: int, ring_blocks: int) -> tuple[int, int, int, int]:
     """(programs, blocks per step G, lookahead L1, lag L2) for a launch; with a ring, G and L1 shrink so that
     every wait is on an earlier item (PULL(b) on GEMM1(b - NS), GEMM1(b) on GEMM2(b - NS): NS // G > L1 + L2)."""
     P = cfg.programs if cfg.programs is not None else num_sms(device)
-    G, L2 = cfg.group, plan_lag(cfg, ring_blocks)
+    G, L2 = cfg.group, cfg.lag if cfg.lag is not None else (1 if ring_blocks else 3)
     steps_items = G * (1 + triton.cdiv(I, cfg.bn1) + triton.cdiv(H, cfg.bn2))
     L1 = cfg.lookahead if cfg.lookahead is not None else max(triton.cdiv(P, steps_items) + 1, 8)
     if ring_blocks:
+        if ring_blocks < L2 + 3:
+            raise ValueError(f"ring_blocks must be >= {L2 + 3} (lag + 3), got {ring_blocks}")
         G = max(1, min(G, ring_blocks // (L2 + 3)))
-        if ring_blocks < G * (L2 + 3):
-            raise ValueError(f"ring of {ring_blocks} blocks is too small: needs >= lag + 3 = {L2 + 3} blocks")
         L1 = max(1, min(L1, ring_blocks // G - L2 - 2))
     return P, G, L1, L2
 
@@ -305,7 +300,7 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
         if why is not None:
             raise ValueError(f"fused_forward (kernel='gluon'): {why}")
     BM, BK, dev = cfg.block_m, cfg.block_k, heap.device
-    P, GB, L1, L2 = _plan(cfg, dev, H, I, ring_blocks)
+    P, GB, L1, L2 = plan_launch(cfg, dev, H, I, ring_blocks)
     Pc = max(1, int(comm_programs or heap.num_sms))
     R = sh.rows_for(T)
     nrows = ring_blocks * BM if ring_blocks else R

@@ -499,10 +499,8 @@ def prepare_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: 
         ROWS_P=max(1, min(BM // 2, PULL_ELEMS // block_h)), BLOCK_H=block_h, WP2=max(2, heap.wp2),
         STORE_H=h is not None, EPI_TMA=epi_tma, ALIGNED=(H * 2) % 16 == 0,
         CONSUMER_REGS_=CONSUMER_REGS, LOADER_REGS=REG_POOL - 2 * CONSUMER_REGS, SQ_=SQ, xv_desc=xv_desc,
-        tok0=toks8[0], tok1=toks8[1], tok2=toks8[2], tok3=toks8[3], tok4=toks8[4], tok5=toks8[5], tok6=toks8[6],
-        tok7=toks8[7], BULK=bulk is not None, RA=ra, RB=rb, RV=rv, C=cw, NP=max(len(toks), 1), BR=br, IDLE_=IDLE_HALF,
-        num_warps=4,
-        maxnreg=REG_POOL // 3,
+        **{f"tok{i}": t for i, t in enumerate(toks8)}, BULK=bulk is not None, RA=ra, RB=rb, RV=rv, C=cw,
+        NP=max(len(toks), 1), BR=br, IDLE_=IDLE_HALF, num_warps=4, maxnreg=REG_POOL // 3,
     ))
 
 
