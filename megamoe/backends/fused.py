@@ -84,11 +84,10 @@ class FusedBackend(HeapBackend):
 
     def workspace_bytes(self) -> dict:
         """Symmetric heap bytes (shared by layers of this shape) and the megakernel's per-call buffers."""
-        sh, c = self.shape, self.config
-        rows = self.ring_blocks * c.block_m if self.ring_blocks else sh.rows_cap
-        inter = self.moe.config.intermediate
-        h_bytes = 0 if self.ring_blocks else 2 * inter * 2
-        return {"symmetric": heap_bytes(self.shape), "per_call": rows * ((sh.hidden + inter) * 2 + h_bytes)}
+        inter = self.moe.config.intermediate  # per row: x and act, with dense buffers h [2I] too; bf16
+        rows = self.ring_blocks * self.config.block_m if self.ring_blocks else self.shape.rows_cap
+        per_row = (self.shape.hidden + inter + (0 if self.ring_blocks else 2 * inter)) * 2
+        return {"symmetric": heap_bytes(self.shape), "per_call": rows * per_row}
 
     def __call__(self, x, topk_idx, topk_w, w13, w2, b13=None, b2=None):
         train = self._check_call(x, topk_idx, topk_w, w13, w2, b13, b2)

@@ -229,7 +229,6 @@ class FusedConfig:
 
 
 def default_fused_config(device: torch.device) -> FusedConfig:
-    """The launch config of a layer."""
     if interpreting():  # lookahead 2 / lag 1: the GPU defaults (8 / 3) triple the empty items the interpreter walks
         return FusedConfig(block_m=32, bn1=32, bn2=32, block_k=32, num_stages=1, num_warps=4, epi_split1=1,
                            epi_split2=1, programs=1, pull_elems=4096, lookahead=2, lag=1)

@@ -457,8 +457,11 @@ def gluon_fused_reason(cfg, *, H: int, I: int, device: torch.device | None = Non
         return "gpt-oss's epilogues (biases, clamped SwiGLU) exist in the Triton megakernel's items only"
     if interpreting():
         return "Gluon kernels do not run under the Triton interpreter (TRITON_INTERPRET=1)"
-    if device is not None and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9):
-        return f"the Gluon megakernel is built for Hopper (sm_90: wgmma, TMA), got {device}"
+    if device is not None and device.type != "cuda":
+        return f"the Gluon megakernel runs on a CUDA device (Hopper), got {device}"
+    if device is not None and torch.cuda.get_device_capability(device)[0] != 9:
+        return (f"the Gluon megakernel is built for Hopper (sm_90: wgmma, TMA), got capability "
+                f"{torch.cuda.get_device_capability(device)}")
     if (cfg.block_m, cfg.bn1, cfg.block_k) != (128, 128, 64) or cfg.bn2 not in (128, 256):
         return (f"needs block_m=128, bn1=128, block_k=64 and bn2 128 or 256 (two 64-row consumer warpgroups with at "
                 f"most 128 accumulator registers each), got block_m={cfg.block_m}, bn1={cfg.bn1}, "
@@ -474,10 +477,8 @@ def prepare_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: 
                         group: int, lookahead: int, lag: int):
     """The function that launches one forward's items, its descriptors built before the call is staged (``sched``'s
     tables are filled later, in stream order). a = received rows [NROWS, H], w1 = w13, act [NROWS, I], w2."""
-    sh = heap.shape
-    H, k, E_l = sh.hidden, sh.topk, sh.local_experts
-    BM, BN1, BN2 = cfg.block_m, cfg.bn1, cfg.bn2
-    nrows = a.shape[0]
+    H, k, E_l = heap.shape.hidden, heap.shape.topk, heap.shape.local_experts
+    BM, BN1, BN2, nrows = cfg.block_m, cfg.bn1, cfg.bn2, a.shape[0]
     x_desc, act_desc = nvmma_desc(a, [BM, 64], shape=[nrows, H]), nvmma_desc(act, [BM, 64], shape=[nrows, I])
     w13_desc, w2_desc = nvmma_desc(w1.view(E_l * 2 * I, H), [BN1, 64]), nvmma_desc(w2.view(E_l * H, I), [BN2, 64])
     act_st_desc = nvmma_desc(act, [BM // 2, 64], shape=[nrows, I])
