@@ -290,8 +290,7 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
             if tuple(b.shape) != shape or b.dtype != torch.bfloat16 or not b.is_contiguous():
                 raise ValueError(f"fused_forward: {name} must be a contiguous bf16 {list(shape)}, got {b.dtype} "
                                  f"{list(b.shape)}")
-    # every check, buffer and descriptor before READY is published: an error after it would leave the peers waiting
-    # for DONE
+    # every check, buffer and descriptor before READY: an error after it would leave the peers waiting for DONE
     if cfg.kernel not in ("triton", "gluon"):
         raise ValueError(f"FusedConfig.kernel must be 'triton' or 'gluon', got {cfg.kernel!r}")
     if cfg.kernel == "gluon":
@@ -343,8 +342,7 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     block_hc = min(triton.next_power_of_2(H), 1024)
     y_arg = y if T > 0 else heap.rows_buffer()
     slots = heap.buffer("slots")
-    # 1. stage x and the routing, publish READY; 2. schedule (device-side, no host reads); 3. the megakernel's items,
-    # DONE and the tail
+    # stage x and the routing, READY, the schedule (device-side, no host reads); then the items, DONE and the tail
     stage_and_schedule(heap, x, topk_idx, Pc, sched=sched)
     items()
     heap.after_launch()
