@@ -31,7 +31,7 @@ from megamoe.backends.common import HeapBackend, heap_backward
 from megamoe.comm.dispatch import dispatch
 from megamoe.comm.heap import heap_bytes
 from megamoe.experts import gemm1_swiglu
-from megamoe.kernels.fused_moe import FusedConfig, default_fused_config, fused_forward, plan_lag
+from megamoe.kernels.fused_moe import FusedConfig, default_fused_config, fused_forward, plan_launch
 from megamoe.kernels.gluon.fused import gluon_fused_reason
 
 
@@ -78,19 +78,16 @@ class FusedBackend(HeapBackend):
         if ring_blocks is not None:
             if isinstance(ring_blocks, bool) or not isinstance(ring_blocks, int):
                 raise ValueError(f"ring_blocks must be None or an int, got {ring_blocks!r}")
-            need = plan_lag(self.config, ring_blocks) + 3
-            if ring_blocks < need:
-                raise ValueError(f"ring_blocks must be >= {need} (lag + 3), got {ring_blocks}")
+            plan_launch(self.config, moe.device, cfg.hidden, cfg.intermediate, ring_blocks)  # raises if too small
         self.ring_blocks = ring_blocks
         self._open_heap(moe, timeout_s, slots=True)
 
     def workspace_bytes(self) -> dict:
         """Symmetric heap bytes (shared by layers of this shape) and the megakernel's per-call buffers."""
-        sh, c = self.shape, self.config
-        rows = self.ring_blocks * c.block_m if self.ring_blocks else sh.rows_cap
-        inter = self.moe.config.intermediate
-        h_bytes = 0 if self.ring_blocks else 2 * inter * 2
-        return {"symmetric": heap_bytes(self.shape), "per_call": rows * ((sh.hidden + inter) * 2 + h_bytes)}
+        inter = self.moe.config.intermediate  # per row: x and act, with dense buffers h [2I] too; bf16
+        rows = self.ring_blocks * self.config.block_m if self.ring_blocks else self.shape.rows_cap
+        per_row = (self.shape.hidden + inter + (0 if self.ring_blocks else 2 * inter)) * 2
+        return {"symmetric": heap_bytes(self.shape), "per_call": rows * per_row}
 
     def __call__(self, x, topk_idx, topk_w, w13, w2, b13=None, b2=None):
         train = self._check_call(x, topk_idx, topk_w, w13, w2, b13, b2)

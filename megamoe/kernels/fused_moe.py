@@ -229,7 +229,6 @@ class FusedConfig:
 
 
 def default_fused_config(device: torch.device) -> FusedConfig:
-    """The launch config of a layer."""
     if interpreting():  # lookahead 2 / lag 1: the GPU defaults (8 / 3) triple the empty items the interpreter walks
         return FusedConfig(block_m=32, bn1=32, bn2=32, block_k=32, num_stages=1, num_warps=4, epi_split1=1,
                            epi_split2=1, programs=1, pull_elems=4096, lookahead=2, lag=1)
@@ -246,81 +245,19 @@ class FusedState:
     h: torch.Tensor | None       # [NROWS, 2I] (dense + store_h)
 
 
-def plan_lag(cfg: FusedConfig, ring_blocks: int) -> int:
-    """L2 (GEMM1 -> GEMM2 distance in steps) of a launch: the config's, else 3 dense / 1 with a ring."""
-    return cfg.lag if cfg.lag is not None else (1 if ring_blocks else 3)
-
-
-def _plan(cfg: FusedConfig, device: torch.device, H: int, I: int, ring_blocks: int) -> tuple[int, int, int, int]:
+def plan_launch(cfg: FusedConfig, device: torch.device, H: int, I: int, ring_blocks: int) -> tuple[int, int, int, int]:
     """(programs, blocks per step G, lookahead L1, lag L2) for a launch; with a ring, G and L1 shrink so that
     every wait is on an earlier item (PULL(b) on GEMM1(b - NS), GEMM1(b) on GEMM2(b - NS): NS // G > L1 + L2)."""
     P = cfg.programs if cfg.programs is not None else num_sms(device)
-    G, L2 = cfg.group, plan_lag(cfg, ring_blocks)
+    G, L2 = cfg.group, cfg.lag if cfg.lag is not None else (1 if ring_blocks else 3)
     steps_items = G * (1 + triton.cdiv(I, cfg.bn1) + triton.cdiv(H, cfg.bn2))
     L1 = cfg.lookahead if cfg.lookahead is not None else max(triton.cdiv(P, steps_items) + 1, 8)
     if ring_blocks:
+        if ring_blocks < L2 + 3:
+            raise ValueError(f"ring_blocks must be >= {L2 + 3} (lag + 3), got {ring_blocks}")
         G = max(1, min(G, ring_blocks // (L2 + 3)))
-        if ring_blocks < G * (L2 + 3):
-            raise ValueError(f"ring of {ring_blocks} blocks is too small: needs >= lag + 3 = {L2 + 3} blocks")
         L1 = max(1, min(L1, ring_blocks // G - L2 - 2))
     return P, G, L1, L2
-
-
-def _prepare(heap, cfg: FusedConfig, sched, P: int, *, a, w1, act, w2, h, gate, y, T: int, I: int, nb_max: int,
-             ring_blocks: int, group: int, lookahead: int, lag: int, b13=None, b2=None, clamp=None):
-    """Everything the launches need (counters, descriptors), built before the call is staged; returns the function
-    that launches the items on P programs (Triton or Gluon), then DONE and the tail. a = received rows [NROWS, H],
-    w1 = w13, act [NROWS, I], w2; gpt-oss: b13, b2, clamp (Triton items only)."""
-    sh = heap.shape
-    H, k, E_l = sh.hidden, sh.topk, sh.local_experts
-    BM, BK = cfg.block_m, cfg.block_k
-    ctr = torch.zeros(1 + 3 * nb_max, dtype=torch.int64, device=heap.device)
-    if cfg.kernel == "gluon":
-        items = prepare_gluon_fused(heap, cfg, sched, P, a=a, w1=w1, act=act, w2=w2, h=h, ctr=ctr, I=I,
-                                    nb_max=nb_max, ring_blocks=ring_blocks, group=group, lookahead=lookahead, lag=lag)
-    else:
-        use_tma = cfg.use_tma if cfg.use_tma is not None else tma_ok([a, act, w1, w2])
-        if use_tma:
-            a_desc = TensorDescriptor.from_tensor(a, [BM, BK])
-            act_desc = TensorDescriptor.from_tensor(act, [BM, BK])
-            w1_desc = TensorDescriptor.from_tensor(w1, [1, cfg.bn1, BK])
-            w2_desc = TensorDescriptor.from_tensor(w2, [1, cfg.bn2, BK])
-        else:
-            a_desc = act_desc = w1_desc = w2_desc = None
-        block_h = min(triton.next_power_of_2(H), 2048)
-
-        def items():
-            compiled = _fused_fwd_kernel[(P,)](
-                heap.tab, heap.world, heap.rank,
-                a_desc, a, w1_desc, w1, act_desc, act, w2_desc, w2, h if h is not None else act,
-                sched.offs, sched.row_src, sched.row_tok, sched.row_slot, ctr,
-                H, I, E_l, nb_max, ring_blocks, lookahead, lag, heap.timeout_ns,
-                K=k, BM=BM, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
-                EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, GB=group,
-                ROWS_P=max(1, min(BM, cfg.pull_elems // block_h)), BLOCK_H=block_h,
-                USE_TMA=use_tma, DOT_F32=interpreting(), STORE_H=h is not None, ALIGNED=(H * 2) % 16 == 0,
-                WP2=max(2, heap.wp2),
-                b13_ptr=b13, b2_ptr=b2, alpha=None if clamp is None else float(clamp[0]),
-                limit=None if clamp is None else float(clamp[1]), HAS_BIAS=b13 is not None, ACT=int(clamp is not None),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )
-            record("_fused_fwd_kernel", compiled)
-    block_hc = min(triton.next_power_of_2(H), 1024)
-    y_arg = y if T > 0 else heap.rows_buffer()
-    slots = heap.buffer("slots")
-
-    def launch():
-        items()
-        heap.after_launch()
-        _publish_done_kernel[(1,)](heap.tab, heap.world, heap.rank, WP2=max(2, heap.wp2))
-        compiled = _fused_tail_kernel[(P,)](
-            heap.tab, heap.world, heap.rank, gate, y_arg, slots, T, H, heap.timeout_ns, K=k,
-            ROWS_C=max(1, 4096 // block_hc), BLOCK_HC=block_hc, WP2=max(2, heap.wp2),
-            num_warps=16)  # bandwidth-bound (k rows of H per token): 16 warps 2.5x faster than 4 on an H200
-        record("_fused_tail_kernel", compiled)
-        heap.after_launch()
-
-    return launch
 
 
 def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w13: torch.Tensor,
@@ -353,17 +290,15 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
             if tuple(b.shape) != shape or b.dtype != torch.bfloat16 or not b.is_contiguous():
                 raise ValueError(f"fused_forward: {name} must be a contiguous bf16 {list(shape)}, got {b.dtype} "
                                  f"{list(b.shape)}")
-    # every check before anything is staged: a staged call must be followed by its kernels
+    # every check, buffer and descriptor before READY: an error after it would leave the peers waiting for DONE
     if cfg.kernel not in ("triton", "gluon"):
         raise ValueError(f"FusedConfig.kernel must be 'triton' or 'gluon', got {cfg.kernel!r}")
     if cfg.kernel == "gluon":
         why = gluon_fused_reason(cfg, H=H, I=I, device=heap.device, gpt_oss=gpt_oss)
         if why is not None:
             raise ValueError(f"fused_forward (kernel='gluon'): {why}")
-    BM = cfg.block_m
-    dev = heap.device
-    P, GB, L1, L2 = _plan(cfg, dev, H, I, ring_blocks)
-    # every buffer and descriptor first: an error after READY is published would leave the peers waiting for DONE
+    BM, BK, dev = cfg.block_m, cfg.block_k, heap.device
+    P, GB, L1, L2 = plan_launch(cfg, dev, H, I, ring_blocks)
     Pc = max(1, int(comm_programs or heap.num_sms))
     R = sh.rows_for(T)
     nrows = ring_blocks * BM if ring_blocks else R
@@ -374,11 +309,48 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     gate = topk_w.to(torch.float32).contiguous()
     sched = schedule_buffers(heap, T)
-    launch = _prepare(heap, cfg, sched, P, a=xbuf, w1=w13, act=act, w2=w2, h=h, gate=gate, y=y, T=T, I=I,
-                      nb_max=nb_max, ring_blocks=ring_blocks, group=GB, lookahead=L1, lag=L2, b13=b13, b2=b2,
-                      clamp=clamp)
-    # 1. stage x and the routing, publish READY; 2. schedule (device-side, no host reads); 3. the megakernel
+    ctr = torch.zeros(1 + 3 * nb_max, dtype=torch.int64, device=dev)
+    wp2 = max(2, heap.wp2)
+    if cfg.kernel == "gluon":
+        items = prepare_gluon_fused(heap, cfg, sched, P, a=xbuf, w1=w13, act=act, w2=w2, h=h, ctr=ctr, I=I,
+                                    nb_max=nb_max, ring_blocks=ring_blocks, group=GB, lookahead=L1, lag=L2)
+    else:
+        use_tma = cfg.use_tma if cfg.use_tma is not None else tma_ok([xbuf, act, w13, w2])
+        if use_tma:
+            x_desc = TensorDescriptor.from_tensor(xbuf, [BM, BK])
+            act_desc = TensorDescriptor.from_tensor(act, [BM, BK])
+            w13_desc = TensorDescriptor.from_tensor(w13, [1, cfg.bn1, BK])
+            w2_desc = TensorDescriptor.from_tensor(w2, [1, cfg.bn2, BK])
+        else:
+            x_desc = act_desc = w13_desc = w2_desc = None
+        block_h = min(triton.next_power_of_2(H), 2048)
+
+        def items():
+            record("_fused_fwd_kernel", _fused_fwd_kernel[(P,)](
+                heap.tab, heap.world, heap.rank,
+                x_desc, xbuf, w13_desc, w13, act_desc, act, w2_desc, w2, h if h is not None else act,
+                sched.offs, sched.row_src, sched.row_tok, sched.row_slot, ctr,
+                H, I, E_l, nb_max, ring_blocks, L1, L2, heap.timeout_ns,
+                K=k, BM=BM, BN1=cfg.bn1, BN2=cfg.bn2, BK=BK, BLOCK_E=triton.next_power_of_2(max(E_l, 2)),
+                EPI_SPLIT1=cfg.epi_split1, EPI_SPLIT2=cfg.epi_split2, GB=GB,
+                ROWS_P=max(1, min(BM, cfg.pull_elems // block_h)), BLOCK_H=block_h,
+                USE_TMA=use_tma, DOT_F32=interpreting(), STORE_H=h is not None, ALIGNED=(H * 2) % 16 == 0, WP2=wp2,
+                b13_ptr=b13, b2_ptr=b2, alpha=None if clamp is None else float(clamp[0]),
+                limit=None if clamp is None else float(clamp[1]), HAS_BIAS=b13 is not None, ACT=int(clamp is not None),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            ))
+    block_hc = min(triton.next_power_of_2(H), 1024)
+    y_arg = y if T > 0 else heap.rows_buffer()
+    slots = heap.buffer("slots")
+    # stage x and the routing, READY, the schedule (device-side, no host reads); then the items, DONE and the tail
     stage_and_schedule(heap, x, topk_idx, Pc, sched=sched)
-    launch()
+    items()
+    heap.after_launch()
+    _publish_done_kernel[(1,)](heap.tab, heap.world, heap.rank, WP2=wp2)
+    record("_fused_tail_kernel", _fused_tail_kernel[(P,)](
+        heap.tab, heap.world, heap.rank, gate, y_arg, slots, T, H, heap.timeout_ns, K=k,
+        ROWS_C=max(1, 4096 // block_hc), BLOCK_HC=block_hc, WP2=wp2,
+        num_warps=16))  # bandwidth-bound (k rows of H per token): 16 warps 2.5x faster than 4 on an H200
+    heap.after_launch()
     handle = DispatchHandle(heap=heap, num_tokens=T, schedule=sched, offs=sched.offs, num_sms=Pc)
     return y, FusedState(handle=handle, xbuf=xbuf, act=act, h=h)

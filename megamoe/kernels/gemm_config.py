@@ -86,48 +86,43 @@ def default_config(op: str, rows: int, n: int, k: int, *, kernel: str | None = N
     over every preset's EP-4 shapes (docs/performance.md); small tiles under the interpreter keep CPU tests fast."""
     if op in _PINNED:
         return _PINNED[op]
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel == "gluon" and op not in GLUON_OPS:
+    if kernel == "gluon" and op not in GLUON_OPS:  # (an unknown kernel: GemmConfig raises)
         raise ValueError(f"{op}: no Gluon kernel (it runs the Triton kernel on Hopper too); Gluon ops: {GLUON_OPS}")
     if interpreting():
         return GemmConfig(block_m=32, block_n=32, block_k=32 if "fp8" not in op else 128, group_m=2,
                           num_stages=1, num_warps=4, kernel=kernel)
+    # block_m 128 throughout; unnamed fields keep GemmConfig's defaults (block_k 64, 3 stages, 8 warps)
     if kernel == "gluon":
         if op == "wgrad":  # 128 x 256 tiles, BLOCK_K 32 x 6 stages: ahead of BLOCK_K 64 x 3 and of 2 stages
-            return GemmConfig(block_m=128, block_n=256, block_k=32, num_stages=6, num_warps=4, kernel="gluon")
+            return GemmConfig(block_n=256, block_k=32, num_stages=6, num_warps=4, kernel="gluon")
         if op in ("gemm1_swiglu", "dgrad_swiglu"):  # 128 x (128 + 128) SwiGLU tiles, 128 x 128 for its backward
-            return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4, kernel="gluon")
+            return GemmConfig(num_stages=4, num_warps=4, kernel="gluon")
         if op in ("gemm2", "grouped_gemm"):  # 128 x 256 plain tiles, 4 stages
-            return GemmConfig(block_m=128, block_n=256 if n >= 256 else 128, block_k=64, num_stages=4, num_warps=4,
-                              kernel="gluon")
+            return GemmConfig(block_n=256 if n >= 256 else 128, num_stages=4, num_warps=4, kernel="gluon")
         if op == "dgrad_swiglu_fp8":  # the single-stream kernel: 128 x 128 tiles on 8 warps
-            return GemmConfig(block_m=128, block_n=128, block_k=128, num_stages=4, num_warps=8, kernel="gluon")
+            return GemmConfig(block_k=128, num_stages=4, kernel="gluon")
         if op == "gemm1_swiglu_fp8":  # 128 + 128 columns (64 + 64 where I % 128 != 0)
-            return GemmConfig(block_m=128, block_n=128 if n % 128 == 0 else 64, block_k=128, num_stages=4,
-                              num_warps=4, kernel="gluon")
+            return GemmConfig(block_n=128 if n % 128 == 0 else 64, block_k=128, num_stages=4, num_warps=4,
+                              kernel="gluon")
         # plain FP8: 256-column tiles (two 128-column products) beat 128-column ones by 1.1-1.2x
-        return GemmConfig(block_m=128, block_n=256, block_k=128, num_stages=4, num_warps=4, kernel="gluon")
+        return GemmConfig(block_n=256, block_k=128, num_stages=4, num_warps=4, kernel="gluon")
     if op == "wgrad":  # persistent, flattened tile loop (the TMA store pipelined under the next tile's loads)
-        return GemmConfig(block_m=128, block_n=256, block_k=32, num_stages=5, num_warps=8, flatten=True, kernel=kernel)
+        return GemmConfig(block_n=256, block_k=32, num_stages=5, flatten=True, kernel=kernel)
     if op == "gemm1_swiglu":  # 4 slices where N is a multiple of 128 (gpt-oss's N = 2880: slower with them)
         if n % 128 == 0:
-            return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8, epi_split=4,
-                              kernel=kernel)
-        return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=8, epi_split=2, kernel=kernel)
+            return GemmConfig(num_stages=4, epi_split=4, kernel=kernel)
+        return GemmConfig(epi_split=2, kernel=kernel)
     if op == "dgrad_swiglu":
-        return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8, epi_split=2, kernel=kernel)
+        return GemmConfig(num_stages=4, epi_split=2, kernel=kernel)
     if op in ("gemm1_swiglu_fp8", "dgrad_swiglu_fp8"):  # wider FP8 tiles spill (scaled product + accumulator live)
-        return GemmConfig(block_m=128, block_n=64, block_k=128, num_stages=5, num_warps=8, kernel=kernel)
+        return GemmConfig(block_n=64, block_k=128, num_stages=5, kernel=kernel)
     if op.endswith("fp8"):
-        return GemmConfig(block_m=128, block_n=128, block_k=128, num_stages=5, num_warps=8, kernel=kernel)
+        return GemmConfig(block_k=128, num_stages=5, kernel=kernel)
     if op == "gemm2":  # the flattened tile loop pays here (not for GEMM1 + SwiGLU, nor for dgrad1 on every preset)
         if n >= 256:
-            return GemmConfig(block_m=128, block_n=256, block_k=64, num_stages=4, num_warps=8, flatten=True,
-                              epi_split=2, kernel=kernel)
-        return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=8, flatten=True, kernel=kernel)
-    return GemmConfig(block_m=128, block_n=256 if n >= 256 else 128, block_k=64, num_stages=3, num_warps=8,
-                      kernel=kernel)
+            return GemmConfig(block_n=256, num_stages=4, flatten=True, epi_split=2, kernel=kernel)
+        return GemmConfig(flatten=True, kernel=kernel)
+    return GemmConfig(block_n=256 if n >= 256 else 128, kernel=kernel)
 
 
 #: the compiled kernel of the last launch per kernel name (for register/spill reports: .n_regs, .n_spills)

@@ -113,9 +113,7 @@ def _store_fits(cfg: GemmConfig, out_bytes: int) -> bool:
 
 def launch_grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
                          cfg: GemmConfig) -> None:
-    R, M = x.shape
-    N = y.shape[1]
-    E_l = out.shape[0]
+    (R, M), N, E_l = x.shape, y.shape[1], out.shape[0]
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     use_tma = resolve_tma(cfg, [x, y], "grouped_wgrad")
     store_tma = use_tma and tma_ok([out]) and _store_fits(cfg, out.element_size())

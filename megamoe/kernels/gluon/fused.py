@@ -475,13 +475,10 @@ def gluon_fused_reason(cfg, *, H: int, I: int, device: torch.device | None = Non
 
 def prepare_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: int, nb_max: int, ring_blocks: int,
                         group: int, lookahead: int, lag: int):
-    """The launch of one forward's items, built before the call is staged (descriptors checked; fused_forward has
-    checked gluon_fused_reason); returns the function that launches them (fused_moe then launches DONE and the tail).
-    a = received rows [NROWS, H], w1 = w13, act [NROWS, I], w2; ``sched``'s tables are filled later, in stream order."""
-    sh = heap.shape
-    H, k, E_l = sh.hidden, sh.topk, sh.local_experts
-    BM, BN1, BN2 = cfg.block_m, cfg.bn1, cfg.bn2
-    nrows = a.shape[0]
+    """The function that launches one forward's items, its descriptors built before the call is staged (``sched``'s
+    tables are filled later, in stream order). a = received rows [NROWS, H], w1 = w13, act [NROWS, I], w2."""
+    H, k, E_l = heap.shape.hidden, heap.shape.topk, heap.shape.local_experts
+    BM, BN1, BN2, nrows = cfg.block_m, cfg.bn1, cfg.bn2, a.shape[0]
     x_desc, act_desc = nvmma_desc(a, [BM, 64], shape=[nrows, H]), nvmma_desc(act, [BM, 64], shape=[nrows, I])
     w13_desc, w2_desc = nvmma_desc(w1.view(E_l * 2 * I, H), [BN1, 64]), nvmma_desc(w2.view(E_l * H, I), [BN2, 64])
     act_st_desc = nvmma_desc(act, [BM // 2, 64], shape=[nrows, I])
@@ -503,10 +500,8 @@ def prepare_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: 
         ROWS_P=max(1, min(BM // 2, PULL_ELEMS // block_h)), BLOCK_H=block_h, WP2=max(2, heap.wp2),
         STORE_H=h is not None, EPI_TMA=epi_tma, ALIGNED=(H * 2) % 16 == 0,
         CONSUMER_REGS_=CONSUMER_REGS, LOADER_REGS=REG_POOL - 2 * CONSUMER_REGS, SQ_=SQ, xv_desc=xv_desc,
-        tok0=toks8[0], tok1=toks8[1], tok2=toks8[2], tok3=toks8[3], tok4=toks8[4], tok5=toks8[5], tok6=toks8[6],
-        tok7=toks8[7], BULK=bulk is not None, RA=ra, RB=rb, RV=rv, C=cw, NP=max(len(toks), 1), BR=br, IDLE_=IDLE_HALF,
-        num_warps=4,
-        maxnreg=REG_POOL // 3,
+        **{f"tok{i}": t for i, t in enumerate(toks8)}, BULK=bulk is not None, RA=ra, RB=rb, RV=rv, C=cw,
+        NP=max(len(toks), 1), BR=br, IDLE_=IDLE_HALF, num_warps=4, maxnreg=REG_POOL // 3,
     ))
 
 

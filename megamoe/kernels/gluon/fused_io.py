@@ -422,9 +422,8 @@ def bulk_pull_plan(heap, cfg, a):
     if ra + rb < 1:
         return None
     lay_p = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-    xv = TensorDescriptor(a, [a.shape[0] * rv, c], [c, 1], [br, c], lay_p)
-    toks = []
-    for r in range(heap.world):
-        t = heap.peer_buffer("tok", r)
-        toks.append(TensorDescriptor(t, [t.shape[0] * rv, c], [c, 1], [br, c], lay_p))
-    return xv, toks, ra, rb, rv, c, br
+
+    def view(t):  # rows of H as RV rows of C, in [BR, C] boxes
+        return TensorDescriptor(t, [t.shape[0] * rv, c], [c, 1], [br, c], lay_p)
+
+    return view(a), [view(heap.peer_buffer("tok", r)) for r in range(heap.world)], ra, rb, rv, c, br
