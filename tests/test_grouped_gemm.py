@@ -207,6 +207,17 @@ def test_validation_errors():
         X.grouped_gemm_fp8(p["x"], s, wq, ws, p["offs"])
     with pytest.raises(ValueError, match="block_k must be 128"):
         X.grouped_gemm_fp8(q, s, wq, ws, p["offs"], config=GemmConfig(block_k=64))
+    # the shared launcher refuses what its kernels cannot do: FP8 with a bias (or clamp, kn weights), and store_h
+    # under the SwiGLU-backward epilogue (which reads STORE_H as "write acts", into out without them)
+    from megamoe.kernels.gemm_config import EPI_DSWIGLU, EPI_NONE
+    from megamoe.kernels.grouped_gemm import launch_grouped_gemm
+
+    out = torch.zeros(p["R"], 32, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="no bias or clamp"):
+        launch_grouped_gemm(q, wq, p["offs"], out, GemmConfig(block_k=128), n=32, epilogue=EPI_NONE, a_s=s, w_s=ws,
+                            bias=torch.zeros(1, 32, device=DEV))
+    with pytest.raises(ValueError, match="grouped_gemm: store_h"):
+        launch_grouped_gemm(dy, p["w2"], p["offs"], out, GemmConfig(), n=16, epilogue=EPI_DSWIGLU, h=h, store_h=True)
 
 
 def test_experts_fn_autograd_and_determinism():

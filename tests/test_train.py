@@ -171,3 +171,12 @@ def test_capture_moe_layers_validates_its_input():
 def test_train_rejects_non_positive_settings(argv, text):
     with pytest.raises(SystemExit, match=text):
         train_main(["--cpu", "--world", "1", *argv])
+
+
+def test_model_config_rejects_no_layers():
+    # the model refuses what train's flags refuse, for callers that build it directly
+    from megamoe import preset
+    from megamoe.apps.model import ModelConfig
+
+    with pytest.raises(ValueError, match="layers must be >= 1"):
+        ModelConfig(preset("tiny"), layers=0)

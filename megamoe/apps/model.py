@@ -35,6 +35,8 @@ class ModelConfig:
     rope_base: float = 10000.0
 
     def __post_init__(self):
+        if self.layers < 1:
+            raise ValueError(f"layers must be >= 1, got {self.layers}")
         if self.moe.hidden % self.heads:
             raise ValueError(f"hidden ({self.moe.hidden}) must be divisible by heads ({self.heads})")
         if (self.moe.hidden // self.heads) % 2:

@@ -120,6 +120,8 @@ class SonicPeer(nn.Module):
         except Exception as exc:  # noqa: BLE001 - not installed, or its CUTLASS DSL does not load here
             raise ValueError(f"sonicmoe does not import ({type(exc).__name__}: {exc})") from None
         tune = os.environ.get("MEGAMOE_SONIC_TUNE", "all")
+        if tune not in ("all", "default"):
+            raise ValueError(f"MEGAMOE_SONIC_TUNE must be 'all' or 'default', got {tune!r}")
         if tune == "default":  # quack's one default GEMM config, not its first-use tuning (~90 compiles, minutes)
             import quack.gemm_interface as qgi
             from quack.autotuner import AutotuneConfig

@@ -83,7 +83,8 @@ class FusedBackend(HeapBackend):
         self._open_heap(moe, timeout_s, slots=True)
 
     def workspace_bytes(self) -> dict:
-        """Symmetric heap bytes (shared by layers of this shape) and the megakernel's per-call buffers."""
+        """Symmetric heap bytes (shared by layers of this shape) and the megakernel's per-call buffers at most (R_cap
+        rows; one rank sizes them by the call, CommShape.rows_for)."""
         inter = self.moe.config.intermediate  # per row: x and act, with dense buffers h [2I] too; bf16
         rows = self.ring_blocks * self.config.block_m if self.ring_blocks else self.shape.rows_cap
         per_row = (self.shape.hidden + inter + (0 if self.ring_blocks else 2 * inter)) * 2

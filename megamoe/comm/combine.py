@@ -146,8 +146,8 @@ def combine(out: torch.Tensor, topk_w: torch.Tensor | None, handle: DispatchHand
 def dispatch_backward(grad_recv: torch.Tensor, handle: DispatchHandle, num_sms: int | None = None,
                       out_dtype: torch.dtype | None = None, presum: bool = False) -> torch.Tensor:
     """grad_x[t] = sum_j grad_recv[row(t, j)] on its expert rank, in fixed j order, fp32 accumulation.
-    grad_recv: [R_cap, H] (rows >= offs[E_l] ignored), staged unless it is ``heap.rows_buffer()``. Returns grad_x
-    [T, H] in ``out_dtype`` (default: heap dtype). presum: as :func:`combine`'s (rank order).
+    grad_recv: [R_b, H], the call's rows (rows >= offs[E_l] ignored), staged unless it is ``heap.rows_buffer()``.
+    Returns grad_x [T, H] in ``out_dtype`` (default: heap dtype). presum: as :func:`combine`'s (rank order).
     """
     return _gather(grad_recv, None, handle, num_sms, out_dtype, presum, gated=False)
 

@@ -36,7 +36,7 @@ from .signals import ARRIVE_WORK, DONE, OP_PULL, READY, REG_W, arrive_publish, c
 class DispatchHandle:
     """What one dispatch call leaves for combine and both backward passes. num_tokens: T (host int); schedule: the
     device-side :class:`~megamoe.comm.schedule.Schedule`; offs: schedule.offs, int32 [E_l + 1], for the grouped
-    GEMMs; num_sms: programs the call's kernels used; row_gate: fp32 [R_cap] gate of every received row (when
+    GEMMs; num_sms: programs the call's kernels used; row_gate: fp32 [R_b] gate of every received row (when
     dispatch was given ``topk_w``), for ``combine(..., presum=True)``."""
 
     heap: SymmetricHeap
@@ -191,8 +191,8 @@ def check_pull(heap: SymmetricHeap, dst: torch.Tensor, width: int | None = None,
 def pull_rows(heap: SymmetricHeap, sched: Schedule, dst: torch.Tensor, programs: int,
               gate: torch.Tensor | None = None, width: int | None = None) -> None:
     """Launch :func:`_pull_kernel`: dst[r] = tok_s[t][:width] for every received row r = (s, t, j) (x in dispatch,
-    dy in pull_grad). gate: fp32 [R_cap] to fill with each row's gate (staged in ``w``). width: elements moved per
-    row (default H; dispatch_fp8's packed rows are narrower)."""
+    dy in pull_grad). gate: fp32 [R_b] (the call's rows) to fill with each row's gate (staged in ``w``). width:
+    elements moved per row (default H; dispatch_fp8's packed rows are narrower)."""
     sh = heap.shape
     hp = check_pull(heap, dst, width)
     _pull_kernel[(programs,)](

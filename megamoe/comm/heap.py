@@ -140,7 +140,8 @@ def heap_bytes(shape: CommShape) -> int:
 
 
 def workspace_bytes(shape: CommShape) -> int:
-    """Bytes of ordinary device memory one dispatch call allocates (receive buffer + schedule tables)."""
+    """Bytes of ordinary device memory one dispatch call allocates at most (receive buffer + schedule tables
+    for R_cap rows; one rank sizes them by the call, CommShape.rows_for)."""
     W, T, H, k, E = shape.world, shape.max_tokens, shape.hidden, shape.topk, shape.num_experts
     recv = shape.rows_cap * H * shape.dtype.itemsize
     chunks = triton.cdiv(T, chunk_tokens(k))

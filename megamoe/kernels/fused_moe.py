@@ -103,7 +103,7 @@ def _fused_tail_kernel(tab, W, rank, gate_ptr, y_ptr, slots_ptr, T, H, timeout_n
 @triton.jit(do_not_specialize=["W", "E_l", "T", "rank"])
 def _fused_fwd_kernel(
     tab, W, rank,
-    x_desc, x_ptr,          # xbuf [NROWS, H] bf16 (ring: NS * BM rows; dense: R_cap rows)
+    x_desc, x_ptr,          # xbuf [NROWS, H] bf16 (ring: NS * BM rows; dense: the call's rows_for(T))
     w13_desc, w13_ptr,      # w13 [E_l, 2I, H] bf16
     act_desc, act_ptr,      # act [NROWS, I] bf16
     w2_desc, w2_ptr,        # w2 [E_l, H, I] bf16
@@ -265,7 +265,8 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
                   comm_programs: int | None = None, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                   clamp: tuple[float, float] | None = None) -> tuple[torch.Tensor, FusedState]:
     """y [T, H] = the MoE layer's expert part for this rank's tokens (gates applied), via the megakernel.
-    ring_blocks: 0 = dense buffers (R_cap rows, split's layout); else the ring's slots (>= lag + 3 blocks).
+    ring_blocks: 0 = dense buffers (CommShape.rows_for(T) rows, split's layout); else the ring's slots (>= lag + 3
+    blocks).
     store_h: keep the SwiGLU input h (dense only, for the backward; gpt-oss: the biased pre-activation).
     gpt-oss experts: b13 [E_l, 2I], b2 [E_l, H] bf16 and clamp = (alpha, limit), all three or none; y[t] =
     sum_j topk_w[t, j] * (act_j @ w2[e_j]^T + b2[e_j]); the Triton items only (gluon_fused_reason)."""

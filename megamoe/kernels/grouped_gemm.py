@@ -203,8 +203,10 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ou
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     if fp8 and BK != 128:
         raise ValueError(f"grouped_gemm_fp8: block_k must be 128 (one 1x128/128x128 scale per k-step), got {BK}")
-    if fp8 and store_h and epilogue == EPI_DSWIGLU:  # the shared bf16 epilogue reads STORE_H there as "write acts"
-        raise ValueError("grouped_gemm_fp8: store_h is for the SwiGLU forward epilogue")
+    if fp8 and (w_kn or bias is not None or clamp is not None):  # the FP8 kernel has none of these
+        raise ValueError("grouped_gemm_fp8: nk weights only, no bias or clamp")
+    if store_h and epilogue == EPI_DSWIGLU:  # the shared epilogue reads STORE_H there as "write acts" (into out)
+        raise ValueError(f"{name}: store_h is for the SwiGLU forward epilogue")
     if acts is not None and epilogue != EPI_DSWIGLU:
         raise ValueError(f"{name}: acts is an output of the SwiGLU-backward epilogue only")
     use_tma = resolve_tma(cfg, [a, w], name)

@@ -77,10 +77,9 @@ class LayerCase:
 
 def logit_offset(offset: dict, num_experts: int) -> torch.Tensor:
     """float64 [E]: a case's {expert: logit offset}, 0 for the other experts."""
-    out = torch.zeros(num_experts, dtype=torch.float64)
-    for e, v in offset.items():  # an expert id out of range raises (a mistyped case must not pass unskewed)
-        out[e] = v
-    return out
+    if any(not 0 <= e < num_experts for e in offset):  # a mistyped case must not run unskewed
+        raise ValueError(f"logit offset for experts {sorted(offset)} outside [0, {num_experts})")
+    return torch.tensor([float(offset.get(e, 0.0)) for e in range(num_experts)], dtype=torch.float64)
 
 
 def _full_weights(cfg: MoEConfig, seed: int, device: torch.device):
