@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import functools
 import logging
 import math
 import mmap
@@ -103,9 +104,7 @@ class CommShape:
 
 
 #: region name -> its row of the pointer table, the kernels' signals.REG_* constants
-_REG_INDEX = {name: getattr(S, f"REG_{name.upper()}").value
-              for name in ("flags", "ctrl", "meta", "idx", "w", "dw", "tok", "rows", "err", "slots")}
-assert sorted(_REG_INDEX.values()) == list(range(S.NUM_REGIONS))
+_REG_INDEX = {name: i for i, name in enumerate(S.REGIONS)}
 
 
 def _layout(shape: CommShape) -> tuple[dict[str, tuple[int, tuple[int, ...], torch.dtype]], int]:
@@ -455,14 +454,7 @@ def hold_heap(owner, heap: SymmetricHeap):
     is a collective)."""
     if heap.world == 1:
         return weakref.finalize(owner, release_heap, heap)
-    done = []
-
-    def release() -> None:
-        if not done:
-            done.append(True)
-            release_heap(heap)
-
-    return release
+    return functools.cache(lambda: release_heap(heap))  # (cached: a second call does nothing)
 
 
 def close_heaps() -> None:

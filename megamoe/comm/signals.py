@@ -57,18 +57,11 @@ ERR_SEEN = tl.constexpr(6)
 ERR_PURPOSE = tl.constexpr(8)
 ERR_SLOTS = 16
 
-# heap regions: row index into the pointer table tab [NUM_REGIONS, W] (see heap.py)
-REG_FLAGS = tl.constexpr(0)
-REG_CTRL = tl.constexpr(1)
-REG_META = tl.constexpr(2)
-REG_IDX = tl.constexpr(3)
-REG_W = tl.constexpr(4)
-REG_DW = tl.constexpr(5)
-REG_TOK = tl.constexpr(6)
-REG_ROWS = tl.constexpr(7)
-REG_ERR = tl.constexpr(8)
-REG_SLOTS = tl.constexpr(9)
-NUM_REGIONS = 10
+#: heap regions (heap.py) in the order of their rows in the pointer table tab [NUM_REGIONS, W]
+REGIONS = ("flags", "ctrl", "meta", "idx", "w", "dw", "tok", "rows", "err", "slots")
+NUM_REGIONS = len(REGIONS)
+REG_FLAGS, REG_CTRL, REG_META, REG_IDX, REG_W, REG_DW, REG_TOK, REG_ROWS, REG_ERR, REG_SLOTS = (
+    tl.constexpr(i) for i in range(NUM_REGIONS))
 
 #: torch dtype -> triton dtype of the heap's activation regions
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -361,11 +354,7 @@ def _stage_kernel(
 #: tile per program step of the row-moving kernels: op -> (elements per step, num_warps, max BLOCK_H, max ROWS). From
 #: sweeps on 4x H200 (docs/performance.md); the pipelined pull keeps two units in flight, so half the unpipelined
 #: loop's best step keeps as many bytes in flight (twice that spills).
-TILES = {
-    "stage": (8192, 8, 2048, 8),
-    "pull": (16384, 16, 8192, 8),
-    "gather": (8192, 16, 2048, 8),
-}
+TILES = {"stage": (8192, 8, 2048, 8), "pull": (16384, 16, 8192, 8), "gather": (8192, 16, 2048, 8)}
 
 
 def tile_args(heap, op: str, topk: bool = True) -> dict:
