@@ -207,14 +207,10 @@ class SymmetricHeap:
             tab[_REG_INDEX[name]] = torch.tensor([b + off for b in bases], dtype=torch.int64)
         tab[_REG_INDEX["err"]] = self._err_addr
         self.tab = tab.to(self.device)
-        log.info(
-            "megamoe symmetric heap (%s, W=%d, rank %d): %.1f MiB symmetric per rank (rows %.1f MiB, tok %.1f MiB), "
-            "%.1f MiB workspace per dispatch call",
-            backend, self.world, self.rank, self.nbytes / 2**20,
-            shape.rows_cap * shape.hidden * shape.dtype.itemsize / 2**20,
-            shape.max_tokens * shape.hidden * shape.dtype.itemsize / 2**20,
-            workspace_bytes(shape) / 2**20,
-        )
+        row_mib = shape.hidden * shape.dtype.itemsize / 2**20
+        log.info("megamoe symmetric heap (%s, W=%d, rank %d): %.1f MiB symmetric per rank (rows %.1f MiB, tok %.1f "
+                 "MiB), %.1f MiB workspace per dispatch call", backend, self.world, self.rank, self.nbytes / 2**20,
+                 shape.rows_cap * row_mib, shape.max_tokens * row_mib, workspace_bytes(shape) / 2**20)
 
     def _barrier(self) -> None:
         if self.group is not None:

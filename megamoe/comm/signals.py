@@ -280,29 +280,18 @@ def _copy(dst, src, n, pid, P, BLOCK: tl.constexpr, VOLATILE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["rank"])
 def _stage_kernel(
-    tab,  # int64 [NUM_REGIONS, W] heap pointer table
-    W,
-    rank,
-    act_ptr,  # [n_act, H] activation rows to copy into region act_reg (dtype of the heap)
-    n_act,
+    tab, W, rank,  # tab: int64 [NUM_REGIONS, W] heap pointer table
+    act_ptr, n_act,  # [n_act, H] activation rows to copy into region act_reg (dtype of the heap)
     nrows_ptr,  # int32 [1] device-side row count (HAS_NROWS): copy min(n_act, *nrows_ptr) rows
     act_reg,
     H,  # the region's row stride (elements)
     HA,  # act's row width and stride (elements, <= H): a narrower payload fills the first HA of each region row
-    small_ptr,  # int32 [n_small] 4-byte table (top-k ids, or fp32 gates viewed as int32) -> region small_reg
-    n_small,
-    small_reg,
-    small2_ptr,  # int32 [n_small2] a second 4-byte table -> region small2_reg (HAS_SMALL2)
-    n_small2,
-    small2_reg,
+    small_ptr, n_small, small_reg,  # int32 [n_small] 4-byte table (top-k ids, or fp32 gates as int32) -> small_reg
+    small2_ptr, n_small2, small2_reg,  # int32 [n_small2] a second 4-byte table -> region small2_reg (HAS_SMALL2)
     ntok,  # tokens this call (written to meta[0]; < 0: leave meta alone)
     timeout_ns,
-    HAS_ACT: tl.constexpr,
-    HAS_SMALL: tl.constexpr,
-    HAS_SMALL2: tl.constexpr,
-    HAS_NROWS: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    HAS_ACT: tl.constexpr, HAS_SMALL: tl.constexpr, HAS_SMALL2: tl.constexpr, HAS_NROWS: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     ALIGNED: tl.constexpr,  # H * itemsize % 16 == 0
     WP2: tl.constexpr,
 ):

@@ -214,15 +214,9 @@ def _blocks(E: int, K: int) -> tuple[int, int, int, int, int]:
     work (bias loads, atomics). From ``benchmarks/router_bench.py --sweep`` on an H200 at 4096 tokens: 8 tokens,
     4 warps at E = 128; 8 warps at E = 256; 32 tokens at E <= 32; more chunks were slower, larger tiles spilled."""
     block_e = triton.next_power_of_2(E)
-    kp = triton.next_power_of_2(K)
-    if block_e <= 32:
-        block_t = 32
-    elif block_e <= 256:
-        block_t = 8
-    else:  # not swept: keep the tile at 2048 values (16 per thread at 4 warps, 8 at 8)
-        block_t = max(1, 2048 // block_e)
-    warps = 8 if block_e >= 256 else 4
-    return block_t, block_e, kp, 1, warps
+    # past E = 256 (not swept) the tile stays at 2048 values: 16 per thread at 4 warps, 8 at 8
+    block_t = 32 if block_e <= 32 else 8 if block_e <= 256 else max(1, 2048 // block_e)
+    return block_t, block_e, triton.next_power_of_2(K), 1, 8 if block_e >= 256 else 4
 
 
 class RouteTopk(torch.autograd.Function):
@@ -243,8 +237,7 @@ class RouteTopk(torch.autograd.Function):
             block_t, chunks, warps = PIN
         idx = torch.empty(T, k, dtype=torch.int64, device=dev)
         gates = torch.empty(T, k, dtype=torch.float32, device=dev)
-        sums = torch.zeros(2, E, dtype=torch.int64, device=dev)  # counts, density in fixed point
-        counts, denfx = sums[0], sums[1]
+        counts, denfx = torch.zeros(2, E, dtype=torch.int64, device=dev)  # picks, density in fixed point
         has_bias = bias is not None
         b = bias.detach().to(torch.float32).contiguous() if has_bias else gates
         _route_fwd_kernel[(triton.cdiv(T, block_t * chunks),)](
