@@ -374,11 +374,9 @@ def quantize_weight_ref(w: torch.Tensor, *, pow2_scale: bool = False) -> tuple[t
 
 
 def dequantize_act_ref(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    K = q.shape[1]
-    return q.to(dtype) * s.to(dtype).repeat_interleave(QBLOCK, 1)[:, :K]
+    return q.to(dtype) * s.to(dtype).repeat_interleave(QBLOCK, 1)[:, :q.shape[1]]
 
 
 def dequantize_weight_ref(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    N, K = q.shape[1], q.shape[2]
     full = s.to(dtype).repeat_interleave(QBLOCK, 1).repeat_interleave(QBLOCK, 2)
-    return q.to(dtype) * full[:, :N, :K]
+    return q.to(dtype) * full[:, :q.shape[1], :q.shape[2]]

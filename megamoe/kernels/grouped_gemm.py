@@ -212,11 +212,8 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ou
     use_tma = resolve_tma(cfg, [a, w], name)
     if R == 0 or n == 0 or E_l == 0:
         return
-    if use_tma:
-        a_desc = TensorDescriptor.from_tensor(a, [BM, BK])
-        w_desc = TensorDescriptor.from_tensor(w, [1, BK, BN] if w_kn else [1, BN, BK])
-    else:
-        a_desc = w_desc = None
+    a_desc = TensorDescriptor.from_tensor(a, [BM, BK]) if use_tma else None
+    w_desc = TensorDescriptor.from_tensor(w, [1, BK, BN] if w_kn else [1, BN, BK]) if use_tma else None
     grid = grid_size(cfg, (triton.cdiv(R, BM) + E_l) * triton.cdiv(n, BN), a.device)
     if grid == 0:
         return

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
 
 import numpy as np
 import torch
@@ -172,11 +173,7 @@ def apply() -> None:
 
     patch_lang = interpreter._patch_lang
     active: list[frozenset] = []  # the modules the running launch has patched (empty: no launch running)
-
-    class _Kept:  # a helper call's scope: upstream never restores those either
-        def restore(self) -> None:
-            pass
-
+    kept = types.SimpleNamespace(restore=lambda: None)  # a helper call's scope: upstream never restores those either
     seen: dict = {}  # fn -> the language modules its globals hold (the interpreter's _patch_lang test)
 
     def patch_lang_once(fn):
@@ -184,7 +181,7 @@ def apply() -> None:
         if langs is None:
             langs = seen[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
         if active and langs <= active[0]:  # a helper inside a launch whose patch covers its modules
-            return _Kept()
+            return kept
         scope = patch_lang(fn)
         if active:  # a helper that sees another module: patched as upstream does (kept until the launch ends)
             active[0] = active[0] | langs

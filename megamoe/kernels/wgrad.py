@@ -120,11 +120,8 @@ def launch_grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, o
     if R == 0:
         out.zero_()
         return
-    if use_tma:
-        x_desc = TensorDescriptor.from_tensor(x, [BK, BM])
-        y_desc = TensorDescriptor.from_tensor(y, [BK, BN])
-    else:
-        x_desc = y_desc = None
+    x_desc = TensorDescriptor.from_tensor(x, [BK, BM]) if use_tma else None
+    y_desc = TensorDescriptor.from_tensor(y, [BK, BN]) if use_tma else None
     c_desc = TensorDescriptor.from_tensor(out, [1, BM, BN]) if store_tma else None
     total = E_l * triton.cdiv(M, BM) * triton.cdiv(N, BN)
     grid = grid_size(cfg, total, x.device)
