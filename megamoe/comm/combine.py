@@ -41,8 +41,7 @@ def _gather_sum_kernel(
     w_ptr,  # [T, K] gates (any float dtype), HAS_W only
     y_ptr,  # [T, H] out
     T, H, timeout_ns,
-    OP: tl.constexpr,
-    HAS_W: tl.constexpr,
+    OP: tl.constexpr, HAS_W: tl.constexpr,
     K: tl.constexpr, KP2: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     ALIGNED: tl.constexpr, WP2: tl.constexpr,
     SRC_DT: tl.constexpr,  # dtype of the rows (the heap dtype)

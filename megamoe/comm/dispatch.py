@@ -116,8 +116,7 @@ def _pull_kernel(
     gate_ptr,  # fp32 [R_cap] out (HAS_GATE): gate w_s[t, j] of every received row (from the owner's w region)
     T_max, H, timeout_ns,
     HP,  # elements moved per row (<= H, the source rows' stride): dst is [R_cap, HP] (a narrower packed payload)
-    HAS_GATE: tl.constexpr,  # also record each received row's gate
-    K: tl.constexpr, KP2: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_GATE: tl.constexpr, K: tl.constexpr, KP2: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     ALIGNED: tl.constexpr,  # H * itemsize % 16 == 0: rows start on 16-byte boundaries
     EPW: tl.constexpr,  # elements per moved word (2: 16-bit dtype and H even, else 1)
     WP2: tl.constexpr,

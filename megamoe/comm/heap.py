@@ -187,8 +187,10 @@ class SymmetricHeap:
         self.layout, self.nbytes = _layout(shape)
         self._closed = False
         self._error: str | None = None
-        #: peers may still read this rank's ``rows`` (a gather of them is enqueued and no stage kernel since): only a
-        #: stage kernel writes ``rows`` then (rows_buffer). Host-side, in enqueue order, so no sync and graph-safe.
+        #: the ``rows`` rule (docs/design.md, after the flag table): peers may still read this rank's ``rows`` (a
+        #: gather of them is enqueued and no stage kernel since), so only a stage kernel writes ``rows`` then. Set by
+        #: the gather launchers, cleared by the stage launchers, in enqueue order: no sync, the same under graph
+        #: capture; read by backends/common.heap_rows and dgrad_buffer.
         self.rows_busy = False
         self._maps: list = []
         self._watchdog = None

@@ -37,8 +37,7 @@ def _presum_stage_kernel(
     recv_row_ptr,  # int32 [W, T_max, K] row of (s, t, j) here, -1 elsewhere
     ntok_ptr,  # int64 [W] T_s of every source
     T_max, H, timeout_ns,
-    HAS_GATE: tl.constexpr,
-    K: tl.constexpr, KP2: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_GATE: tl.constexpr, K: tl.constexpr, KP2: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     ALIGNED: tl.constexpr, WP2: tl.constexpr,
 ):
     """grid (P,): items i = s * T_max + t over [0, W * T_max), ROWS per step. E.g. this rank holds slots 0 and 1 of
@@ -101,8 +100,7 @@ def _rank_gather_kernel(
     dest_rank_ptr,  # int32 [T_max, K] expert rank of own (t, j)
     y_ptr,  # [T, H] out
     T, T_max, H, timeout_ns,
-    OP: tl.constexpr,
-    K: tl.constexpr, KP2: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    OP: tl.constexpr, K: tl.constexpr, KP2: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     ALIGNED: tl.constexpr, WP2: tl.constexpr,
     SRC_DT: tl.constexpr,  # heap dtype
 ):

@@ -13,10 +13,6 @@ Protocol of one op (call s), every rank running the same sequence of ops:
                          last program to arrive: publish DONE=s into every peer's flags[DONE, me]
     finish (optional):   wait flags[DONE, p] >= s (only where peers *write* into my memory)
 
-The ``rows`` rule (design.md's paragraph after the flag table) is kept on the host: ``heap.rows_busy`` is set by
-the gather launchers and cleared by the stage launchers, in enqueue order, so with no sync and the same under graph
-capture; its readers are backends/common.heap_rows and dgrad_buffer.
-
 Polling: ``ld.acquire.sys`` on the GPU, a volatile ``tl.load`` in the interpreter, never a read-modify-write.
 Publishing: one ``atomic_xchg(sem="release", scope="sys")`` per peer slot.
 

@@ -198,8 +198,7 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ou
     (alpha, limit), gpt-oss's clamped SwiGLU (EPI_SWIGLU, EPI_DSWIGLU)."""
     fp8 = a_s is not None
     name = "grouped_gemm_fp8" if fp8 else "grouped_gemm"
-    R, K = a.shape
-    E_l = w.shape[0]
+    (R, K), E_l = a.shape, w.shape[0]
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     if fp8 and BK != 128:
         raise ValueError(f"grouped_gemm_fp8: block_k must be 128 (one 1x128/128x128 scale per k-step), got {BK}")
