@@ -15,6 +15,7 @@ the function it replaces.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import types
@@ -122,20 +123,16 @@ def _np_dtype_table(interpreter, tl) -> None:
     table = {}
     for v in vars(tl).values():
         if isinstance(v, tl.dtype) and not isinstance(v, (tl.pointer_type, tl.block_type)):
-            try:
+            with contextlib.suppress(KeyError):
                 table[v.name] = orig(v)
-            except KeyError:
-                pass
     u64 = np.dtype(np.uint64)
     ptr, blk = tl.pointer_type, tl.block_type
 
     def get_np_dtype(tt_dtype):
-        if isinstance(tt_dtype, ptr):
-            return u64
         if isinstance(tt_dtype, blk):
             tt_dtype = tt_dtype.element_ty
-            if isinstance(tt_dtype, ptr):
-                return u64
+        if isinstance(tt_dtype, ptr):
+            return u64
         np_dtype = table.get(getattr(tt_dtype, "name", None))
         return np_dtype if np_dtype is not None else orig(tt_dtype)  # (orig raises for what it does not know)
 
