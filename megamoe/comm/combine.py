@@ -94,9 +94,7 @@ def _gather_sum_kernel(
 def _gather(rows: torch.Tensor, topk_w: torch.Tensor | None, handle: DispatchHandle, num_sms: int | None,
             out_dtype: torch.dtype | None, presum: bool, gated: bool) -> torch.Tensor:
     """:func:`combine` / :func:`dispatch_backward` after their own checks: y [T, H] from the rows [<= R_cap, H]."""
-    heap = handle.heap
-    sh = heap.shape
-    T = handle.num_tokens
+    heap, sh, T, P = handle.op_args(num_sms)
     if rows.dim() != 2 or rows.shape[1] != sh.hidden or rows.shape[0] > sh.rows_cap or rows.dtype != sh.dtype:
         raise ValueError(f"expert rows must be [<= R_cap={sh.rows_cap}, H={sh.hidden}] {sh.dtype}, "
                          f"got {tuple(rows.shape)} {rows.dtype}")
@@ -104,7 +102,6 @@ def _gather(rows: torch.Tensor, topk_w: torch.Tensor | None, handle: DispatchHan
         raise ValueError(f"topk_w must be [T={T}, k={sh.topk}], got {tuple(topk_w.shape)}")
     if presum and gated and handle.row_gate is None:
         raise ValueError("a pre-summing combine needs the gates at dispatch: call dispatch(..., topk_w=...)")
-    P = max(1, int(num_sms or handle.num_sms))
     y = torch.empty(T, sh.hidden, dtype=out_dtype or sh.dtype, device=heap.device)  # before READY is published
     y_arg = y if T > 0 else heap.tab.new_empty(1).view(sh.dtype)
     op = S.OP_COMBINE.value if gated else S.OP_DISPATCH_BWD.value
@@ -179,10 +176,7 @@ def pull_grad(dy: torch.Tensor, topk_w: torch.Tensor, handle: DispatchHandle,
     """Open a backward call and pull dy to the expert ranks: (dy_rows [R_b, H] heap dtype, gate [R_b] fp32),
     dy_rows[r] = dy_s[t] (unscaled), gate[r] = topk_w_s[t, j] for every received row r = (s, t, j) (rows >= R
     unwritten). The caller sends d(topk_w) home with :func:`send_gate_grad`, which closes the call."""
-    heap = handle.heap
-    sh = heap.shape
-    T = handle.num_tokens
-    P = max(1, int(num_sms or handle.num_sms))
+    heap, sh, T, P = handle.op_args(num_sms)
     if tuple(dy.shape) != (T, sh.hidden) or dy.dtype != sh.dtype:
         raise ValueError(f"dy must be [T={T}, H={sh.hidden}] {sh.dtype}, got {tuple(dy.shape)} {dy.dtype}")
     if tuple(topk_w.shape) != (T, sh.topk):
@@ -201,11 +195,8 @@ def send_gate_grad(ds: torch.Tensor, handle: DispatchHandle, num_sms: int | None
     """d(topk_w) [T, k] fp32 of this rank's tokens from ds [>= R_cap] fp32 (each received row's value): stored into
     the owners' ``dw`` regions; each owner waits for every DW_DONE and copies its values out. After
     :func:`pull_grad` of the same call, on every rank."""
-    heap = handle.heap
-    sh = heap.shape
+    heap, sh, T, P = handle.op_args(num_sms)
     sched = handle.schedule
-    T = handle.num_tokens
-    P = max(1, int(num_sms or handle.num_sms))
     R = sched.row_src.shape[0]  # the call's row bound (CommShape.rows_for)
     if ds.dtype != torch.float32 or ds.dim() != 1 or not ds.is_contiguous() or ds.shape[0] < R:
         raise ValueError(f"ds must be a contiguous 1-D float32 tensor of >= {R} values (one per receive row), got "

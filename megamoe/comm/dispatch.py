@@ -27,7 +27,7 @@ import triton.language as tl
 from megamoe.kernels.interpreter import row_buffer
 
 from . import signals as S
-from .heap import SymmetricHeap
+from .heap import CommShape, SymmetricHeap
 from .schedule import Schedule, build_schedule, schedule_buffers
 from .signals import ARRIVE_WORK, DONE, OP_PULL, READY, REG_W, arrive_publish, current_call, wait_flags
 
@@ -45,6 +45,10 @@ class DispatchHandle:
     offs: torch.Tensor
     num_sms: int
     row_gate: torch.Tensor | None = None
+
+    def op_args(self, num_sms: int | None) -> tuple[SymmetricHeap, CommShape, int, int]:
+        """(heap, its shape, T, programs: ``num_sms``, default the dispatch's) of an op on this call's rows."""
+        return self.heap, self.heap.shape, self.num_tokens, max(1, int(num_sms or self.num_sms))
 
 
 @triton.jit
