@@ -130,8 +130,7 @@ def combine(out: torch.Tensor, topk_w: torch.Tensor | None, handle: DispatchHand
     out: [R_cap, H] (or its first rows) expert outputs in receive order, heap dtype; pass ``heap.rows_buffer()`` to
     skip the staging copy. topk_w: [T, k] any float dtype. out_dtype: dtype of y (default the heap dtype).
     presum: presum.py's path; topk_w must then be None (the gates given to ``dispatch(..., topk_w=...)`` are used,
-    never a second copy that could differ) and ``out`` is read locally, never staged.
-    """
+    never a second copy that could differ) and ``out`` is read locally, never staged."""
     if presum and topk_w is not None:
         raise ValueError("combine(presum=True) weights with the gates given to dispatch; pass topk_w=None")
     if not presum and topk_w is None:
@@ -143,8 +142,7 @@ def dispatch_backward(grad_recv: torch.Tensor, handle: DispatchHandle, num_sms: 
                       out_dtype: torch.dtype | None = None, presum: bool = False) -> torch.Tensor:
     """grad_x[t] = sum_j grad_recv[row(t, j)] on its expert rank, in fixed j order, fp32 accumulation.
     grad_recv: [R_b, H], the call's rows (rows >= offs[E_l] ignored), staged unless it is ``heap.rows_buffer()``.
-    Returns grad_x [T, H] in ``out_dtype`` (default: heap dtype). presum: as :func:`combine`'s (rank order).
-    """
+    Returns grad_x [T, H] in ``out_dtype`` (default: heap dtype). presum: as :func:`combine`'s (rank order)."""
     return _gather(grad_recv, None, handle, num_sms, out_dtype, presum, gated=False)
 
 

@@ -136,8 +136,8 @@ def _pull_kernel(
         load row(0); indices(1)
         for u = 0, 2, 4, ...:   load row(u+1); store(u); indices(u+2); load row(u+2); store(u+1); indices(u+3)
 
-    so a remote row is in flight while the previous one is stored and index loads are waited for. One writer per
-    dst row: bitwise deterministic."""
+    so a remote row is in flight while the previous one is stored and index loads are waited for. One writer per dst
+    row: bitwise deterministic."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     call = current_call(tab, W, rank)
@@ -254,8 +254,7 @@ def dispatch(
     (R_cap; on one rank T * k).
     x: [T, H] heap dtype, T <= heap.shape.max_tokens (T may be 0). topk_idx: [T, k] integer ids in [0, E).
     num_sms: programs (default heap.num_sms). recv: optional preallocated [>= R_b, H] output. topk_w: optional
-    [T, k] gates that travel with the rows (``handle.row_gate``), for ``combine(..., presum=True)``.
-    """
+    [T, k] gates that travel with the rows (``handle.row_gate``), for ``combine(..., presum=True)``."""
     T = _check_inputs(heap, x, topk_idx, topk_w)
     return _stage_and_pull(heap, x, T, topk_idx, topk_w, num_sms, recv)
 

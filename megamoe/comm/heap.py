@@ -95,9 +95,8 @@ class CommShape:
         return self.world * self.max_tokens * min(self.topk, self.local_experts)
 
     def rows_for(self, tokens: int | None) -> int:
-        """Rows the per-call buffers of a call with ``tokens`` here hold: on one rank every row is one of its own
-        T * k slots, so the call sizes them (at least 1); with peers, whose T the host does not know without a
-        sync, R_cap. None: R_cap."""
+        """Rows the per-call buffers of a call with ``tokens`` here hold: one rank sizes them by the call (every row
+        is one of its T * k slots; at least 1); with peers (their T is unknown without a sync) or None, R_cap."""
         if tokens is None or self.world > 1:
             return self.rows_cap
         return max(1, tokens * min(self.topk, self.local_experts))
@@ -413,9 +412,8 @@ _HEAPS: dict[tuple, SymmetricHeap] = {}
 
 
 def get_heap(shape: CommShape, group, device, timeout_s: float, num_sms: int) -> SymmetricHeap:
-    """The heap of this process group for ``shape`` (built on first use; layers of one shape share it). Without
-    torch.distributed (one process, ``shape.world`` 1) a heap of one rank. Each call counts one user: give it back
-    with :func:`release_heap`."""
+    """The heap of this process group for ``shape`` (built on first use; layers of one shape share it); without
+    torch.distributed (one process, ``shape.world`` 1) of one rank. Each call counts a user (:func:`release_heap`)."""
     if dist.is_available() and dist.is_initialized():
         group = group or dist.group.WORLD
         name = group.group_name  # names are unique, ids can be reused
@@ -448,8 +446,7 @@ def release_heap(heap: SymmetricHeap) -> None:
 def hold_heap(owner, heap: SymmetricHeap):
     """The function that gives ``owner``'s use of ``heap`` (counted by get_heap) back, once. Of a one-rank heap it
     runs also when ``owner`` is garbage collected, so the autograd contexts that keep a backend alive keep its heap;
-    with peers only when called on every rank (ranks collect garbage at different times, and building the next heap
-    is a collective)."""
+    with peers only when called on every rank (ranks collect garbage at different times; a new heap is collective)."""
     if heap.world == 1:
         return weakref.finalize(owner, release_heap, heap)
     return functools.cache(lambda: release_heap(heap))  # (cached: a second call does nothing)

@@ -360,8 +360,7 @@ def stage(heap, act=None, act_reg: int = 0, small=None, small_reg: int = 0, ntok
     """Open a new call on ``heap`` and publish ``act`` / ``small`` / ``small2`` (4-byte tables, e.g. ids and gates)
     into its symmetric regions. ``act`` [n, HA], HA <= H, fills the first HA elements of each region row (packed
     FP8 rows are narrower). ``nrows``: int32 device tensor of one element bounding the rows copied (offs[E_l] lives
-    on the device; the buffers are sized for the worst case).
-    """
+    on the device; the buffers are sized for the worst case)."""
     heap.check()
     H = heap.shape.hidden
     has_act, has_small, has_small2 = (t is not None and t.numel() > 0 for t in (act, small, small2))

@@ -227,8 +227,7 @@ def _dequant_act_kernel(
 def dequantize_act(q: torch.Tensor, s: torch.Tensor, *, dtype: torch.dtype = torch.bfloat16,
                    nrows: torch.Tensor | None = None) -> torch.Tensor:
     """(q [R, K] float8_e4m3fn, s [R, cdiv(K, 128)] fp32), unit inner strides (row-strided views allowed) -> x [R, K]
-    ``dtype`` = q * s per 1x128 block (the inverse of quantize_act up to its rounding). nrows: as quantize_act's
-    (rows from there on are left unwritten)."""
+    ``dtype`` = q * s per 1x128 block (quantize_act's inverse up to its rounding). nrows: as quantize_act's."""
     if q.dim() != 2 or q.stride(-1) != 1 or q.dtype != torch.float8_e4m3fn:
         raise ValueError(f"dequantize_act: q must be float8_e4m3fn [R, K] with unit inner stride, got {q.dtype} "
                          f"{tuple(q.shape)}")
@@ -326,8 +325,7 @@ def quantize_weight_both(w: torch.Tensor, *, pow2_scale: bool = False,
                          out: Fp8Weight | None = None) -> tuple[torch.Tensor, ...]:
     """w [E_l, N, K] (contiguous) -> (q [E_l, N, K], s [E_l, cdiv(N, 128), cdiv(K, 128)], qt [E_l, K, N],
     st [E_l, cdiv(K, 128), cdiv(N, 128)]): ``quantize_weight(w)`` and ``quantize_weight(w, transpose=True)``
-    (bitwise) from one read of w: a layer's forward and dgrad operands. out: an :class:`Fp8Weight` to fill (its
-    key is left to the caller)."""
+    (bitwise) from one read of w: a layer's forward and dgrad operands. out: an Fp8Weight to fill (key: caller's)."""
     if w.dim() != 3 or not w.is_contiguous():
         raise ValueError(f"quantize_weight_both: w must be a contiguous 3-D [E_l, N, K] tensor, got "
                          f"{tuple(w.shape)} with strides {w.stride()}")

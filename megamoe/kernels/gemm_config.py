@@ -153,8 +153,7 @@ def grid_size(cfg: GemmConfig, max_tiles: int, device: torch.device) -> int:
 
 
 def gluon_device_reason(t: torch.Tensor, cfg: GemmConfig) -> str | None:
-    """Why a Gluon kernel (sm_90a wgmma, TMA loads) cannot run on ``t``'s device with ``cfg``, or None. No device
-    sync (torch caches the capability)."""
+    """Why a Gluon kernel (sm_90a wgmma, TMA loads) cannot run on ``t``'s device with ``cfg``, or None (no sync)."""
     if interpreting():
         return "the interpreter (TRITON_INTERPRET=1) cannot run Gluon kernels"
     if t.device.type != "cuda":

@@ -91,8 +91,7 @@ def _grouped_gemm_kernel(
         epilogue(acc, acc2) writes rows < offs[e+1] only.
     FLATTEN: tl.range(..., flatten=True) fuses the tile loop with the k-loop, so the next tile's loads overlap this
     tile's epilogue (faster on some shapes only: gemm_config picks it). HAS_BIAS / ACT (gpt-oss's experts): see
-    tiles.epi_part; HAS_BIAS=False, ACT=0 generate the plain SwiGLU code.
-    """
+    tiles.epi_part; HAS_BIAS=False, ACT=0 generate the plain SwiGLU code."""
     pid = tl.program_id(0)
     e_idx, starts, cnts, m_tiles, cum_end, total = expert_tiles(offs_ptr, E_l, N, BLOCK_M, BLOCK_N, BLOCK_E)
     k_tiles = tl.cdiv(K, BLOCK_K)
