@@ -42,14 +42,8 @@ ARRIVE_STAGE = tl.constexpr(1)
 ARRIVE_WORK = tl.constexpr(2)
 ERR_LOCAL = tl.constexpr(4)  # device-memory mirror of the error flag (cheap to poll; the record is host memory)
 ERR_LOCAL_CLAIM = tl.constexpr(5)
-# error record slots (int64)
-ERR_FLAG = tl.constexpr(0)
-ERR_OP = tl.constexpr(1)
-ERR_CALL = tl.constexpr(2)
-ERR_RANK = tl.constexpr(3)
-ERR_PEER = tl.constexpr(4)
-ERR_EXPECTED = tl.constexpr(5)
-ERR_SEEN = tl.constexpr(6)
+# error record slots (int64; 7 unused)
+ERR_FLAG, ERR_OP, ERR_CALL, ERR_RANK, ERR_PEER, ERR_EXPECTED, ERR_SEEN = (tl.constexpr(i) for i in range(7))
 ERR_PURPOSE = tl.constexpr(8)
 ERR_SLOTS = 16
 
@@ -62,15 +56,9 @@ REG_FLAGS, REG_CTRL, REG_META, REG_IDX, REG_W, REG_DW, REG_TOK, REG_ROWS, REG_ER
 #: torch dtype -> triton dtype of the heap's activation regions
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
-#: op codes written into the error record
+#: op codes written into the error record (the OP_* constants, in this order)
 OPS = {1: "stage", 2: "schedule", 3: "dispatch", 4: "combine", 5: "dispatch_backward", 6: "finish", 8: "fused"}
-OP_STAGE = tl.constexpr(1)
-OP_SCHEDULE = tl.constexpr(2)
-OP_PULL = tl.constexpr(3)
-OP_COMBINE = tl.constexpr(4)
-OP_DISPATCH_BWD = tl.constexpr(5)
-OP_FINISH = tl.constexpr(6)
-OP_FUSED = tl.constexpr(8)
+OP_STAGE, OP_SCHEDULE, OP_PULL, OP_COMBINE, OP_DISPATCH_BWD, OP_FINISH, OP_FUSED = (tl.constexpr(c) for c in OPS)
 PURPOSES = {0: "READY", 1: "DONE", 2: "DW_DONE", 3: "TILE"}  # TILE: a local tile counter of the fused kernel
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
