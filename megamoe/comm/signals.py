@@ -32,14 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-# flag rows
-READY = tl.constexpr(0)
-DONE = tl.constexpr(1)
-DW_DONE = tl.constexpr(2)  # every gate gradient of this call has been written into the owners' ``dw`` regions
+# flag rows (DW_DONE: every gate gradient of this call has been written into the owners' ``dw`` regions)
+READY, DONE, DW_DONE = (tl.constexpr(i) for i in range(3))
 # ctrl slots (int64, local only)
-SEQ = tl.constexpr(0)
-ARRIVE_STAGE = tl.constexpr(1)
-ARRIVE_WORK = tl.constexpr(2)
+SEQ, ARRIVE_STAGE, ARRIVE_WORK = (tl.constexpr(i) for i in range(3))
 ERR_LOCAL = tl.constexpr(4)  # device-memory mirror of the error flag (cheap to poll; the record is host memory)
 ERR_LOCAL_CLAIM = tl.constexpr(5)
 # error record slots (int64; 7 unused)

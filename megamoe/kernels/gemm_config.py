@@ -16,9 +16,7 @@ import torch
 from megamoe.kernels import interpreter
 
 #: epilogues of the grouped GEMM kernels (kernels/grouped_gemm.py has the table of what each writes)
-EPI_NONE = 0
-EPI_SWIGLU = 1
-EPI_DSWIGLU = 2
+EPI_NONE, EPI_SWIGLU, EPI_DSWIGLU = 0, 1, 2
 #: values of GemmConfig.kernel
 KERNELS = (None, "gluon", "triton")
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
