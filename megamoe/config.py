@@ -36,6 +36,11 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}") from None
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What routing and sums over rows compute in for ``dtype`` operands: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """Shape and routing of one MoE layer (SwiGLU experts, top-k routing).

@@ -1,5 +1,4 @@
-"""Expert SwiGLU MLP over expert-grouped rows: the op-level API, the one place that picks a kernel, torch twins,
-autograd.
+"""Expert SwiGLU MLP over expert-grouped rows: op-level API, the one place that picks a kernel, torch twins, autograd.
 
 Shapes: R received rows (buffer capacity), H hidden, I intermediate, E_l local experts. Group e is rows
 ``offs[e]:offs[e+1]``, ``offs`` an int32 device tensor [E_l+1] with offs[0] = 0. Rows from offs[E_l] on are padding,
@@ -235,14 +234,11 @@ def gemm2_dgrad_swiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, offs
     cfg = choose_config("dgrad_swiglu", config, dy, w2, n=I, epilogue=EPI_DSWIGLU, w_kn=True, h=h,
                         gpt_oss=clamp is not None)
     _check(acts_out, "acts_out [R, I]", (R, I), dy.dtype, "gemm2_dgrad_swiglu")
-    dsp = None if scale is None else torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dy.device,
-                                                 dtype=torch.float32)
+    dsp = None if scale is None else dy.new_zeros(((I + cfg.block_n - 1) // cfg.block_n, R), dtype=torch.float32)
     _launch(cfg, dy, w2, offs, dh, n=I, w_kn=True, epilogue=EPI_DSWIGLU, h=h, scale=scale, dsp=dsp, acts=acts_out,
             clamp=clamp)
-    if dsp is None:
-        return dh, None
-    ds = dsp.sum(0)
-    return dh, (ds if b2 is None else ds + row_bias_dot(dy, b2, offs))
+    ds = None if dsp is None else dsp.sum(0)
+    return dh, (ds if ds is None or b2 is None else ds + row_bias_dot(dy, b2, offs))
 
 
 def gemm1_dgrad(dh: torch.Tensor, w13: torch.Tensor, offs: torch.Tensor, *, out: torch.Tensor | None = None,
@@ -320,8 +316,7 @@ def gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, out=N
     cfg = choose_config("dgrad_swiglu_fp8", config, dyq, w2tq, n=I, epilogue=EPI_DSWIGLU, h=h)
     dh = _out(out, (R, 2 * I), dyq)
     _check(acts_out, "acts_out [R, I]", (R, I), torch.bfloat16, "gemm2_dgrad_swiglu_fp8")
-    dsp = None if scale is None else torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dyq.device,
-                                                 dtype=torch.float32)
+    dsp = None if scale is None else dyq.new_zeros(((I + cfg.block_n - 1) // cfg.block_n, R), dtype=torch.float32)
     _launch(cfg, dyq, w2tq, offs, dh, n=I, epilogue=EPI_DSWIGLU, a_s=dy_s, w_s=w2t_s, h=h, scale=scale, dsp=dsp,
             acts=acts_out)
     return dh, (dsp.sum(0) if dsp is not None else None)

@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamoe.backends import make_backend
-from megamoe.config import MoEConfig
+from megamoe.config import MoEConfig, compute_dtype
 from megamoe.dist import wire_dtype
 from megamoe.reference import swiglu
-from megamoe.router import Router, compute_dtype
+from megamoe.router import Router
 
 
 class MoEOutput(NamedTuple):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megamoe.config import MoEConfig
+from megamoe.config import MoEConfig, compute_dtype
 
 
 class RouterOutput(NamedTuple):
@@ -42,10 +42,6 @@ class RouterOutput(NamedTuple):
     aux_loss: torch.Tensor
     tokens_per_expert: torch.Tensor
     logits: torch.Tensor
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class _TensorCoreLogits(torch.autograd.Function):
