@@ -58,8 +58,7 @@ class MoEConfig:
     ``router_bias``: a trained bias [E] added to the router logits (gpt-oss; softmax router only).
     ``expert_kind``: "swiglu" (act = silu(g) * u) or "gpt_oss": biased projections (b13 [2I], b2 [H] per expert) and
     the clamped SwiGLU g = min(g, limit), u = clamp(u, -limit, limit), act = g * sigmoid(alpha * g) * (u + 1), with
-    ``swiglu_alpha``, ``swiglu_limit`` (1.702 and 7 in gpt-oss); the routed experts only, never the shared one.
-    """
+    ``swiglu_alpha``, ``swiglu_limit`` (1.702 and 7 in gpt-oss); the routed experts only, never the shared one."""
 
     hidden: int
     intermediate: int
@@ -164,8 +163,6 @@ PRESETS: dict[str, MoEConfig] = {c.name: c for c in (
 
 def preset(name: str, **overrides) -> MoEConfig:
     """A named preset, optionally with fields replaced (``preset("tiny", dtype=torch.float64)``)."""
-    try:
-        cfg = PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None
-    return cfg.replace(**overrides) if overrides else cfg
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+    return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]

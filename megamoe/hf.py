@@ -179,8 +179,7 @@ class MegaMoEBlock(nn.Module):
         self.__dict__["moe"] = moe
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        shape = hidden_states.shape
-        x = hidden_states
+        x, shape = hidden_states, hidden_states.shape
         if self.training and self.jitter_noise > 0:  # Mixtral's multiplicative input jitter
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         x = x.reshape(-1, shape[-1])

@@ -51,8 +51,7 @@ def route_ref(x: torch.Tensor, weight: torch.Tensor, config: MoEConfig, bias: to
         density = probs / probs.sum(-1, keepdim=True)
     rank_by = rank_by.detach()
     if config.n_group > 1:  # only the experts of the topk_group groups whose two best scores sum highest
-        G = config.n_group
-        per = E // G
+        G, per = config.n_group, E // config.n_group
         best2 = torch.sort(rank_by.reshape(T, G, per), dim=-1, descending=True).values[..., :2].sum(-1)
         groups = torch.sort(best2, dim=-1, descending=True, stable=True).indices[:, :config.topk_group]
         allowed = torch.zeros(T, G, dtype=torch.bool, device=x.device)

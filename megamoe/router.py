@@ -92,8 +92,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, config: MoEConfig, bias: torch.
         raise ValueError(f"router impl must be one of {IMPLS}, got {impl!r}")
     with torch.autocast(x.device.type, enabled=False):  # float32 routing inside bf16 autocast regions too
         cdt = compute_dtype(x.dtype)
-        T = x.shape[0]
-        E, k = config.num_experts, config.top_k
+        T, E, k = x.shape[0], config.num_experts, config.top_k
         logits = _logits(x, weight, cdt)
         if logit_offset is not None:
             logits = logits + logit_offset.to(cdt)
@@ -187,9 +186,8 @@ class Router(nn.Module):
         """Add ``offset`` [E] to every logit from now on (None: remove it)."""
         if offset is None:
             self.logit_offset.zero_()
-            self._offset_set = False
-            return
-        if offset.shape != (self.config.num_experts,):
+        elif offset.shape != (self.config.num_experts,):
             raise ValueError(f"logit offset must have shape [{self.config.num_experts}], got {tuple(offset.shape)}")
-        self.logit_offset.copy_(offset)
-        self._offset_set = True
+        else:
+            self.logit_offset.copy_(offset)
+        self._offset_set = offset is not None
