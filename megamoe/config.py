@@ -141,8 +141,7 @@ class MoEConfig:
 
 PRESETS: dict[str, MoEConfig] = {c.name: c for c in (
     MoEConfig(hidden=2048, intermediate=768, num_experts=128, top_k=8, name="qwen3-30b-a3b"),
-    # DeepSeek-V3's routed experts only (the benchmarks' shape); deepseek-v3-full adds its routing groups and
-    # shared expert.
+    # DeepSeek-V3's routed experts only (the benchmarks' shape); deepseek-v3-full adds its groups and shared expert
     MoEConfig(hidden=7168, intermediate=2048, num_experts=256, top_k=8, router="sigmoid", route_scale=2.5,
               name="deepseek-v3"),
     MoEConfig(hidden=7168, intermediate=2048, num_experts=256, top_k=8, router="sigmoid", route_scale=2.5,

@@ -96,8 +96,7 @@ class TorchBackend:
             recv_counts = torch.empty_like(counts)
             dist.all_to_all_single(recv_counts, counts, group=moe.group)
             # the host sync of the recipe: split sizes of the row all-to-all
-            splits = torch.stack([counts.view(W, E_l).sum(1), recv_counts.view(W, E_l).sum(1)]).tolist()
-            in_splits, out_splits = splits
+            in_splits, out_splits = torch.stack([counts.view(W, E_l).sum(1), recv_counts.view(W, E_l).sum(1)]).tolist()
             recv = _AllToAll.apply(send, out_splits, in_splits, moe.group)
         else:
             recv_counts, recv = counts, send
@@ -108,10 +107,9 @@ class TorchBackend:
         padded = torch.clamp_min((n_l + align - 1) // align * align, align) if align > 1 else n_l
         P = R + (E_l * align if align > 1 else 0)  # host-known upper bound of sum(padded)
         pend = torch.cumsum(padded, 0)
-        pstart = pend - padded
         # start of block (s, l) inside expert l's group: rows of lower source ranks come first
         in_group = torch.cumsum(rc, 0) - rc  # [W, E_l]
-        block_dest = (pstart[None, :] + in_group).reshape(-1)  # [(s, l)]
+        block_dest = ((pend - padded)[None, :] + in_group).reshape(-1)  # [(s, l)]
         block_src = torch.cumsum(rc.reshape(-1), 0) - rc.reshape(-1)
         block_of_row = torch.repeat_interleave(torch.arange(W * E_l, device=dev), rc.reshape(-1), output_size=R)
         dest = block_dest[block_of_row] + (torch.arange(R, device=dev) - block_src[block_of_row])
