@@ -22,11 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 #: NVLink multicast must stay off on the shared machines (NCCL NVLS, symmetric-memory multicast, NVSHMEM NVLS).
-NO_MULTICAST = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def disable_multicast() -> None:

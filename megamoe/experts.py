@@ -53,16 +53,14 @@ from megamoe.kernels.grouped_gemm import check_fp8, check_grouped, launch_groupe
 from megamoe.kernels.interpreter import row_buffer
 from megamoe.kernels.wgrad import launch_grouped_wgrad
 
-__all__ = [
-    "GemmConfig", "default_config", "pin_config", "choose_config", "gluon_reason",
-    "grouped_gemm", "gemm1_swiglu", "gemm2", "gemm2_dgrad_swiglu", "gemm1_dgrad", "grouped_wgrad", "segment_sum",
-    "quantize_act", "dequantize_act", "quantize_weight", "quantize_weight_both", "grouped_gemm_fp8", "gemm1_swiglu_fp8",
-    "gemm2_fp8", "gemm2_dgrad_swiglu_fp8", "gemm1_dgrad_fp8", "ExpertsFn", "experts_mlp",
-    "grouped_gemm_ref", "gemm1_swiglu_ref", "gemm2_ref", "gemm2_dgrad_swiglu_ref", "gemm1_dgrad_ref",
-    "grouped_wgrad_ref", "segment_sum_ref", "experts_mlp_ref", "grouped_gemm_fp8_ref", "gemm1_swiglu_fp8_ref",
-    "gemm2_dgrad_swiglu_fp8_ref", "quantize_act_ref", "quantize_weight_ref", "dequantize_act_ref",
-    "dequantize_weight_ref",
-]
+__all__ = ["GemmConfig", "default_config", "pin_config", "choose_config", "gluon_reason", "grouped_gemm",
+           "gemm1_swiglu", "gemm2", "gemm2_dgrad_swiglu", "gemm1_dgrad", "grouped_wgrad", "segment_sum", "quantize_act",
+           "dequantize_act", "quantize_weight", "quantize_weight_both", "grouped_gemm_fp8", "gemm1_swiglu_fp8",
+           "gemm2_fp8", "gemm2_dgrad_swiglu_fp8", "gemm1_dgrad_fp8", "ExpertsFn", "experts_mlp", "grouped_gemm_ref",
+           "gemm1_swiglu_ref", "gemm2_ref", "gemm2_dgrad_swiglu_ref", "gemm1_dgrad_ref", "grouped_wgrad_ref",
+           "segment_sum_ref", "experts_mlp_ref", "grouped_gemm_fp8_ref", "gemm1_swiglu_fp8_ref",
+           "gemm2_dgrad_swiglu_fp8_ref", "quantize_act_ref", "quantize_weight_ref", "dequantize_act_ref",
+           "dequantize_weight_ref"]
 
 
 def _check(t: torch.Tensor | None, what: str, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> None:
@@ -261,8 +259,7 @@ def grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, *, out_d
                          f"{tuple(x.shape)} and {tuple(y.shape)}")
     if offs.dtype != torch.int32 or offs.dim() != 1:
         raise ValueError("grouped_wgrad: offs must be an int32 [E_l + 1] tensor")
-    E_l = offs.numel() - 1
-    out = torch.empty((E_l, x.shape[1], y.shape[1]), device=x.device, dtype=out_dtype)
+    out = x.new_empty((offs.numel() - 1, x.shape[1], y.shape[1]), dtype=out_dtype)  # [E_l, M, N]
     cfg = choose_config("wgrad", config, x, y, n=y.shape[1], out_dtype=out_dtype)
     if cfg.kernel == "gluon":
         from megamoe.kernels.gluon.wgrad import launch_gluon_wgrad_ws
@@ -438,8 +435,7 @@ def gemm1_dgrad_ref(dh, w13, offs):
 
 
 def grouped_wgrad_ref(x, y, offs):
-    E_l = offs.numel() - 1
-    out = torch.zeros((E_l, x.shape[1], y.shape[1]), dtype=x.dtype, device=x.device)
+    out = x.new_zeros((offs.numel() - 1, x.shape[1], y.shape[1]))
     for e, (s0, s1) in enumerate(_bounds(offs)):
         out[e] = x[s0:s1].T @ y[s0:s1]
     return out
@@ -459,8 +455,7 @@ def grouped_gemm_fp8_ref(aq, a_s, wq, w_s, offs, *, scale=None, dtype=torch.floa
 
 def gemm1_swiglu_fp8_ref(xq, x_s, w13q, w13_s, offs, *, dtype=torch.float64):
     """(act, h) twin of gemm1_swiglu_fp8."""
-    return gemm1_swiglu_ref(dequantize_act_ref(xq, x_s, dtype), dequantize_weight_ref(w13q, w13_s, dtype),
-                            offs)
+    return gemm1_swiglu_ref(dequantize_act_ref(xq, x_s, dtype), dequantize_weight_ref(w13q, w13_s, dtype), offs)
 
 
 def gemm2_dgrad_swiglu_fp8_ref(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, dtype=torch.float64):

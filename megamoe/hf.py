@@ -40,14 +40,9 @@ from megamoe.layer import MoE, capture_graphs, gather_experts, shard_experts
 from megamoe.router import route
 
 #: transformers block class -> model type
-SUPPORTED = {
-    "Qwen3MoeSparseMoeBlock": "qwen3_moe",
-    "Qwen2MoeSparseMoeBlock": "qwen2_moe",
-    "MixtralSparseMoeBlock": "mixtral",
-    "OlmoeSparseMoeBlock": "olmoe",
-    "DeepseekV3MoE": "deepseek_v3",
-    "GptOssMLP": "gpt_oss",
-}
+SUPPORTED = {"Qwen3MoeSparseMoeBlock": "qwen3_moe", "Qwen2MoeSparseMoeBlock": "qwen2_moe",
+             "MixtralSparseMoeBlock": "mixtral", "OlmoeSparseMoeBlock": "olmoe", "DeepseekV3MoE": "deepseek_v3",
+             "GptOssMLP": "gpt_oss"}
 _SHARED = ("shared_expert", "shared_expert_gate", "shared_experts")
 #: the expert tensors a patched block shards and gathers (gpt_oss has all four)
 _EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")

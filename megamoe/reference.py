@@ -161,8 +161,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
         raise ValueError("reference: give shared=(w13, w2, gate) exactly when the config has a shared expert")
     r = route_ref(x, router_weight, config, router_bias, logit_offset)
     b13, b2 = expert_bias or (None, None)
-    y = experts_ref(x, r.topk_idx, r.topk_w, w13, w2, store_dtype=store_dtype, b13=b13, b2=b2,
-                    act=expert_act(config))
+    y = experts_ref(x, r.topk_idx, r.topk_w, w13, w2, store_dtype=store_dtype, b13=b13, b2=b2, act=expert_act(config))
     if shared is not None:
         y = (y.to(compute_dtype(x.dtype)) + shared_ref(x, *shared)).to(x.dtype)
     return y, r

@@ -62,8 +62,7 @@ class _TensorCoreLogits(torch.autograd.Function):
 
 
 def _logits(x: torch.Tensor, weight: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
-    if (x.is_cuda and cdt == torch.float32 and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype):
+    if x.is_cuda and cdt == torch.float32 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
         return _TensorCoreLogits.apply(x, weight)
     return F.linear(x.to(cdt), weight.to(cdt))
 
@@ -99,10 +98,9 @@ def route(x: torch.Tensor, weight: torch.Tensor, config: MoEConfig, bias: torch.
         if T > 0 and _use_triton(impl, x, cdt):
             from megamoe.kernels.router_topk import RouteTopk
 
-            idx, gates, aux, counts = RouteTopk.apply(
-                logits, bias, k, config.router == "sigmoid", config.norm_topk, config.route_scale, config.aux_loss_coef,
-                config.n_group, config.topk_group)
-            return RouterOutput(idx, gates, aux, counts, logits)
+            return RouterOutput(*RouteTopk.apply(logits, bias, k, config.router == "sigmoid", config.norm_topk,
+                                                 config.route_scale, config.aux_loss_coef, config.n_group,
+                                                 config.topk_group), logits)  # (idx, gates, aux, counts, logits)
         if config.router == "softmax":
             probs = torch.softmax(logits, dim=-1)
             if config.n_group > 1:

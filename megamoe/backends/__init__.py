@@ -18,11 +18,8 @@ if TYPE_CHECKING:
     from megamoe.layer import MoE
 
 # name -> (module, class). A backend whose module is missing is "not built" and selecting it raises.
-_REGISTRY = {
-    "torch": ("megamoe.backends.torch_a2a", "TorchBackend"),
-    "split": ("megamoe.backends.split", "SplitBackend"),
-    "fused": ("megamoe.backends.fused", "FusedBackend"),
-}
+_REGISTRY = {"torch": ("megamoe.backends.torch_a2a", "TorchBackend"),
+             "split": ("megamoe.backends.split", "SplitBackend"), "fused": ("megamoe.backends.fused", "FusedBackend")}
 
 
 def parse_backend(spec: str) -> tuple[str, dict]:
