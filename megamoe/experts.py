@@ -66,8 +66,7 @@ __all__ = ["GemmConfig", "default_config", "pin_config", "choose_config", "gluon
 def _check(t: torch.Tensor | None, what: str, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> None:
     """``t`` (None passes) must be a contiguous ``dtype`` tensor of ``shape``; ``what``: its name and symbolic shape."""
     if t is not None and (tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous()):
-        raise ValueError(f"{name}: {what} must be a contiguous {dtype} {shape} tensor, got {t.dtype} "
-                         f"{tuple(t.shape)}")
+        raise ValueError(f"{name}: {what} must be a contiguous {dtype} {shape} tensor, got {t.dtype} {tuple(t.shape)}")
 
 
 def _check_bf16(name: str, *ts: torch.Tensor) -> None:
@@ -89,8 +88,7 @@ def gluon_reason(op: str, cfg: GemmConfig, a: torch.Tensor, w: torch.Tensor, *, 
     has a bias or the clamped SwiGLU in its epilogue."""
     if gpt_oss:
         return "gpt-oss's epilogue (biases, clamped SwiGLU) exists in the Triton kernels only"
-    why = gluon_device_reason(a, cfg)
-    if why is not None:
+    if (why := gluon_device_reason(a, cfg)) is not None:
         return why
     if not tma_ok([a, w] + ([h] if h is not None and epilogue == EPI_DSWIGLU else [])):
         return "TMA needs 16-byte aligned base pointers and row strides"
@@ -128,10 +126,8 @@ def choose_config(op: str, config: GemmConfig | None, a: torch.Tensor, w: torch.
         if gluon is not None and gluon_reason(op, gluon, a, w, **reason) is None:
             return gluon
         return default_config(op, *rows_n_k, kernel="triton" if op.endswith("fp8") else None)
-    if cfg.kernel == "gluon":
-        why = gluon_reason(op, cfg, a, w, **reason)
-        if why is not None:
-            raise ValueError(f"{op}: the config pins kernel='gluon', but {why}")
+    if cfg.kernel == "gluon" and (why := gluon_reason(op, cfg, a, w, **reason)) is not None:
+        raise ValueError(f"{op}: the config pins kernel='gluon', but {why}")
     return cfg
 
 
@@ -443,8 +439,7 @@ def grouped_wgrad_ref(x, y, offs):
 
 def experts_mlp_ref(x, offs, w13, w2, scale=None):
     """Twin of experts_mlp, differentiable through torch autograd (use float64 leaves for a reference)."""
-    act, _ = gemm1_swiglu_ref(x, w13, offs)
-    return gemm2_ref(act, w2, offs, scale=scale)
+    return gemm2_ref(gemm1_swiglu_ref(x, w13, offs)[0], w2, offs, scale=scale)
 
 
 def grouped_gemm_fp8_ref(aq, a_s, wq, w_s, offs, *, scale=None, dtype=torch.float64):

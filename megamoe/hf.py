@@ -106,8 +106,7 @@ class MegaMoEExperts(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         moe = self.moe
         for name in _EXPERT_TENSORS:  # a full transformers tensor: keep this rank's experts
-            t = state_dict.get(prefix + name)
-            if t is not None and moe.world > 1 and t.shape[0] == moe.config.num_experts:
+            if (t := state_dict.get(prefix + name)) is not None and moe.world > 1 and t.shape[0] == self.num_experts:
                 state_dict[prefix + name] = shard_experts(t, moe.rank, moe.world)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -224,8 +223,7 @@ def capture(model: nn.Module, tokens: int, autocast=None) -> nn.Module:
     :func:`megamoe.capture_moe_layers` does for MoE layers (its rules hold), and return ``model``: the host cost of the
     backend's kernel chain, which an eager training loop pays per layer, goes. Router and shared experts stay eager;
     every call must have ``tokens`` tokens (batch x sequence; another count raises ``ValueError``)."""
-    found = blocks(model)
-    if not found:
+    if not (found := blocks(model)):
         raise ValueError(f"{type(model).__name__} has no patched MoE block: call megamoe.hf.patch first")
 
     def sample(moe: MoE, gen: torch.Generator) -> tuple:

@@ -133,8 +133,7 @@ class MoE(nn.Module):
             gen = torch.Generator().manual_seed(seed * 1_000_003 + 17)
             fan_in = {"shared_w13": cfg.hidden, "shared_w2": cfg.shared_intermediate, "shared_gate": cfg.hidden}
             for name, fan in fan_in.items():
-                p = getattr(self, name)
-                if p is not None:
+                if (p := getattr(self, name)) is not None:
                     p.copy_(torch.randn(p.shape, generator=gen) * fan ** -0.5)
 
     def _prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
@@ -211,8 +210,7 @@ class MoE(nn.Module):
         idx = topk_idx.reshape(-1, k).to(torch.int64).contiguous()
         w = topk_w.reshape(-1, k).to(compute_dtype(dtype)).contiguous()
         with torch.autocast(x.device.type, enabled=False):
-            y = self._run_experts(x2, idx, w, dtype)
-        return y.reshape(*lead, self.config.hidden)
+            return self._run_experts(x2, idx, w, dtype).reshape(*lead, self.config.hidden)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -67,8 +67,7 @@ def route_ref(x: torch.Tensor, weight: torch.Tensor, config: MoEConfig, bias: to
     if T == 0 or config.aux_loss_coef == 0:
         aux = logits.sum() * 0.0
     else:
-        load = counts.to(cdt) / (T * k)
-        aux = config.aux_loss_coef * E * torch.dot(load, density.mean(0))
+        aux = config.aux_loss_coef * E * torch.dot(counts.to(cdt) / (T * k), density.mean(0))
     return RouteRef(order, gates, aux, counts)
 
 

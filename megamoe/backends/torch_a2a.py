@@ -45,8 +45,7 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    wire = wire_dtype(x.dtype, group)
-    send = x.to(wire).contiguous()
+    send = x.to(wire_dtype(x.dtype, group)).contiguous()
     out = send.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, send, out_splits, in_splits, group=group)
     return out.to(x.dtype)
@@ -96,7 +95,8 @@ class TorchBackend:
             recv_counts = torch.empty_like(counts)
             dist.all_to_all_single(recv_counts, counts, group=moe.group)
             # the host sync of the recipe: split sizes of the row all-to-all
-            in_splits, out_splits = torch.stack([counts.view(W, E_l).sum(1), recv_counts.view(W, E_l).sum(1)]).tolist()
+            splits = torch.stack([counts.view(W, E_l).sum(1), recv_counts.view(W, E_l).sum(1)]).tolist()
+            in_splits, out_splits = splits
             recv = _AllToAll.apply(send, out_splits, in_splits, moe.group)
         else:
             recv_counts, recv = counts, send
@@ -131,8 +131,7 @@ class TorchBackend:
         inv[order] = torch.arange(order.numel(), device=dev)
         out_tk = back[inv].view(T, k, H)
         cdt = topk_w.dtype if topk_w.dtype == torch.float64 else torch.float32
-        y = (out_tk.to(cdt) * topk_w.to(cdt).unsqueeze(-1)).sum(1)
-        return y.to(x.dtype)
+        return (out_tk.to(cdt) * topk_w.to(cdt).unsqueeze(-1)).sum(1).to(x.dtype)
 
 
 __all__ = ["TorchBackend", "grouped_mm"]

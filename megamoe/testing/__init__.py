@@ -34,8 +34,7 @@ from megamoe.reference import experts_ref, moe_forward, route_ref, shared_ref
 
 def note_error(key: str, err: float) -> None:
     """Append {key, err} as a JSON line to $MEGAMOE_ERRLOG if set: the bounds come from the worst per key."""
-    path = os.environ.get("MEGAMOE_ERRLOG")
-    if path:
+    if path := os.environ.get("MEGAMOE_ERRLOG"):
         with open(path, "a") as f:
             f.write(json.dumps({"key": key, "err": err}) + "\n")
 
