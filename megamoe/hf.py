@@ -211,10 +211,9 @@ def patch(model: nn.Module, backend: str = "torch", group=None, max_tokens_per_r
         raise ValueError(f"{type(model).__name__} has no sparse MoE block megamoe.hf can patch; supported blocks: "
                          f"{', '.join(SUPPORTED)}")
     for name, block in found:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, MegaMoEBlock(block, group=group, backend=backend,
-                                            max_tokens_per_rank=max_tokens_per_rank, **backend_options))
+        parent, _, child = name.rpartition(".")  # get_submodule("") is the model itself
+        setattr(model.get_submodule(parent), child, MegaMoEBlock(
+            block, group=group, backend=backend, max_tokens_per_rank=max_tokens_per_rank, **backend_options))
     return model
 
 

@@ -167,9 +167,8 @@ class Router(nn.Module):
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         # Same values on every rank for the same generator state: drawn on the CPU, then copied.
         std = self.config.hidden ** -0.5
-        w = torch.randn(self.weight.shape, generator=generator, dtype=torch.float32) * std
         with torch.no_grad():
-            self.weight.copy_(w)
+            self.weight.copy_(torch.randn(self.weight.shape, generator=generator, dtype=torch.float32) * std)
             if self.logit_bias is not None:
                 self.logit_bias.copy_(torch.randn(self.logit_bias.shape, generator=generator) * std)
 
