@@ -15,8 +15,7 @@ _MIN_VERSIONS = {"torch": (2, 11), "triton": (3, 6)}
 
 
 def _parse(version: str) -> tuple[int, ...]:
-    pieces = version.split("+")[0].split(".")[:2]
-    return tuple(int("".join(ch for ch in piece if ch.isdigit()) or 0) for piece in pieces)
+    return tuple(int("".join(filter(str.isdigit, piece)) or 0) for piece in version.split("+")[0].split(".")[:2])
 
 
 def _check_versions() -> None:
@@ -48,8 +47,7 @@ __all__ = sorted(_LAZY) + ["__version__"]
 
 
 def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
+    if (module := _LAZY.get(name)) is None:
         raise AttributeError(f"module 'megamoe' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value

@@ -36,6 +36,11 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}") from None
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What routing and sums over rows compute in for ``dtype`` operands: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """Shape and routing of one MoE layer (SwiGLU experts, top-k routing).
@@ -53,8 +58,7 @@ class MoEConfig:
     ``router_bias``: a trained bias [E] added to the router logits (gpt-oss; softmax router only).
     ``expert_kind``: "swiglu" (act = silu(g) * u) or "gpt_oss": biased projections (b13 [2I], b2 [H] per expert) and
     the clamped SwiGLU g = min(g, limit), u = clamp(u, -limit, limit), act = g * sigmoid(alpha * g) * (u + 1), with
-    ``swiglu_alpha``, ``swiglu_limit`` (1.702 and 7 in gpt-oss); the routed experts only, never the shared one.
-    """
+    ``swiglu_alpha``, ``swiglu_limit`` (1.702 and 7 in gpt-oss); the routed experts only, never the shared one."""
 
     hidden: int
     intermediate: int
@@ -135,54 +139,29 @@ class MoEConfig:
         return dataclasses.replace(self, **changes)
 
 
-PRESETS: dict[str, MoEConfig] = {
-    "qwen3-30b-a3b": MoEConfig(
-        hidden=2048, intermediate=768, num_experts=128, top_k=8, router="softmax", norm_topk=True,
-        name="qwen3-30b-a3b",
-    ),
-    # DeepSeek-V3's routed experts only (the benchmarks' shape); deepseek-v3-full adds its routing groups and
-    # shared expert.
-    "deepseek-v3": MoEConfig(
-        hidden=7168, intermediate=2048, num_experts=256, top_k=8, router="sigmoid", norm_topk=True,
-        route_scale=2.5, name="deepseek-v3",
-    ),
-    "deepseek-v3-full": MoEConfig(
-        hidden=7168, intermediate=2048, num_experts=256, top_k=8, router="sigmoid", norm_topk=True,
-        route_scale=2.5, n_group=8, topk_group=4, shared_intermediate=2048, name="deepseek-v3-full",
-    ),
-    "qwen2-57b-a14b": MoEConfig(
-        hidden=3584, intermediate=2560, num_experts=64, top_k=8, router="softmax", norm_topk=False,
-        shared_intermediate=20480, shared_gate=True, name="qwen2-57b-a14b",
-    ),
-    "olmoe-1b-7b": MoEConfig(
-        hidden=2048, intermediate=1024, num_experts=64, top_k=8, router="softmax", norm_topk=False,
-        name="olmoe-1b-7b",
-    ),
-    "mixtral-8x7b": MoEConfig(
-        hidden=4096, intermediate=14336, num_experts=8, top_k=2, router="softmax", norm_topk=True,
-        name="mixtral-8x7b",
-    ),
+PRESETS: dict[str, MoEConfig] = {c.name: c for c in (
+    MoEConfig(hidden=2048, intermediate=768, num_experts=128, top_k=8, name="qwen3-30b-a3b"),
+    # DeepSeek-V3's routed experts only (the benchmarks' shape); deepseek-v3-full adds its groups and shared expert
+    MoEConfig(hidden=7168, intermediate=2048, num_experts=256, top_k=8, router="sigmoid", route_scale=2.5,
+              name="deepseek-v3"),
+    MoEConfig(hidden=7168, intermediate=2048, num_experts=256, top_k=8, router="sigmoid", route_scale=2.5,
+              n_group=8, topk_group=4, shared_intermediate=2048, name="deepseek-v3-full"),
+    MoEConfig(hidden=3584, intermediate=2560, num_experts=64, top_k=8, norm_topk=False, shared_intermediate=20480,
+              shared_gate=True, name="qwen2-57b-a14b"),
+    MoEConfig(hidden=2048, intermediate=1024, num_experts=64, top_k=8, norm_topk=False, name="olmoe-1b-7b"),
+    MoEConfig(hidden=4096, intermediate=14336, num_experts=8, top_k=2, name="mixtral-8x7b"),
     # gpt-oss: router bias, biased projections, clamped SwiGLU (transformers' GptOssMLP)
-    "gpt-oss-120b": MoEConfig(
-        hidden=2880, intermediate=2880, num_experts=128, top_k=4, router="softmax", norm_topk=True,
-        router_bias=True, expert_kind="gpt_oss", name="gpt-oss-120b",
-    ),
-    "gpt-oss-20b": MoEConfig(
-        hidden=2880, intermediate=2880, num_experts=32, top_k=4, router="softmax", norm_topk=True,
-        router_bias=True, expert_kind="gpt_oss", name="gpt-oss-20b",
-    ),
+    MoEConfig(hidden=2880, intermediate=2880, num_experts=128, top_k=4, router_bias=True, expert_kind="gpt_oss",
+              name="gpt-oss-120b"),
+    MoEConfig(hidden=2880, intermediate=2880, num_experts=32, top_k=4, router_bias=True, expert_kind="gpt_oss",
+              name="gpt-oss-20b"),
     # CPU runs and tests; H not a power of two on purpose.
-    "tiny": MoEConfig(
-        hidden=96, intermediate=64, num_experts=8, top_k=2, router="softmax", norm_topk=True,
-        max_tokens_per_rank=256, name="tiny",
-    ),
-}
+    MoEConfig(hidden=96, intermediate=64, num_experts=8, top_k=2, max_tokens_per_rank=256, name="tiny"),
+)}
 
 
 def preset(name: str, **overrides) -> MoEConfig:
     """A named preset, optionally with fields replaced (``preset("tiny", dtype=torch.float64)``)."""
-    try:
-        cfg = PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None
-    return cfg.replace(**overrides) if overrides else cfg
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+    return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]

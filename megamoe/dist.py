@@ -22,16 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 #: NVLink multicast must stay off on the shared machines (NCCL NVLS, symmetric-memory multicast, NVSHMEM NVLS).
-NO_MULTICAST = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
-
-
-def disable_multicast() -> None:
-    """Force the multicast switches off in this process (and in the children it starts)."""
-    os.environ.update(NO_MULTICAST)
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def under_torchrun() -> bool:
@@ -86,7 +77,7 @@ def init_from_env(device: str | None = None, timeout_s: float = 300.0):
     import torch
     import torch.distributed as dist
 
-    disable_multicast()
+    os.environ.update(NO_MULTICAST)  # also for the children this process starts
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     rank = int(os.environ["RANK"])
@@ -120,7 +111,6 @@ def init_from_env(device: str | None = None, timeout_s: float = 300.0):
 
 
 def _child(rank: int, world: int, port: int, device: str, fn: Callable, args: tuple, queue) -> None:
-    disable_multicast()
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     import torch
@@ -130,8 +120,7 @@ def _child(rank: int, world: int, port: int, device: str, fn: Callable, args: tu
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         init_from_env(device)
-        result = fn(rank, world, *args)
-        queue.put((rank, True, result))
+        queue.put((rank, True, fn(rank, world, *args)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent with its traceback
         queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -161,7 +150,7 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, device: str = "cpu", t
 
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
-    disable_multicast()
+    os.environ.update(NO_MULTICAST)  # also for the children this process starts
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()

@@ -1,5 +1,4 @@
-"""Expert SwiGLU MLP over expert-grouped rows: the op-level API, the one place that picks a kernel, torch twins,
-autograd.
+"""Expert SwiGLU MLP over expert-grouped rows: op-level API, the one place that picks a kernel, torch twins, autograd.
 
 Shapes: R received rows (buffer capacity), H hidden, I intermediate, E_l local experts. Group e is rows
 ``offs[e]:offs[e+1]``, ``offs`` an int32 device tensor [E_l+1] with offs[0] = 0. Rows from offs[E_l] on are padding,
@@ -54,23 +53,20 @@ from megamoe.kernels.grouped_gemm import check_fp8, check_grouped, launch_groupe
 from megamoe.kernels.interpreter import row_buffer
 from megamoe.kernels.wgrad import launch_grouped_wgrad
 
-__all__ = [
-    "GemmConfig", "default_config", "pin_config", "choose_config", "gluon_reason",
-    "grouped_gemm", "gemm1_swiglu", "gemm2", "gemm2_dgrad_swiglu", "gemm1_dgrad", "grouped_wgrad", "segment_sum",
-    "quantize_act", "dequantize_act", "quantize_weight", "quantize_weight_both", "grouped_gemm_fp8", "gemm1_swiglu_fp8",
-    "gemm2_fp8", "gemm2_dgrad_swiglu_fp8", "gemm1_dgrad_fp8", "ExpertsFn", "experts_mlp",
-    "grouped_gemm_ref", "gemm1_swiglu_ref", "gemm2_ref", "gemm2_dgrad_swiglu_ref", "gemm1_dgrad_ref",
-    "grouped_wgrad_ref", "segment_sum_ref", "experts_mlp_ref", "grouped_gemm_fp8_ref", "gemm1_swiglu_fp8_ref",
-    "gemm2_dgrad_swiglu_fp8_ref", "quantize_act_ref", "quantize_weight_ref", "dequantize_act_ref",
-    "dequantize_weight_ref",
-]
+__all__ = ["GemmConfig", "default_config", "pin_config", "choose_config", "gluon_reason", "grouped_gemm",
+           "gemm1_swiglu", "gemm2", "gemm2_dgrad_swiglu", "gemm1_dgrad", "grouped_wgrad", "segment_sum", "quantize_act",
+           "dequantize_act", "quantize_weight", "quantize_weight_both", "grouped_gemm_fp8", "gemm1_swiglu_fp8",
+           "gemm2_fp8", "gemm2_dgrad_swiglu_fp8", "gemm1_dgrad_fp8", "ExpertsFn", "experts_mlp", "grouped_gemm_ref",
+           "gemm1_swiglu_ref", "gemm2_ref", "gemm2_dgrad_swiglu_ref", "gemm1_dgrad_ref", "grouped_wgrad_ref",
+           "segment_sum_ref", "experts_mlp_ref", "grouped_gemm_fp8_ref", "gemm1_swiglu_fp8_ref",
+           "gemm2_dgrad_swiglu_fp8_ref", "quantize_act_ref", "quantize_weight_ref", "dequantize_act_ref",
+           "dequantize_weight_ref"]
 
 
 def _check(t: torch.Tensor | None, what: str, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> None:
     """``t`` (None passes) must be a contiguous ``dtype`` tensor of ``shape``; ``what``: its name and symbolic shape."""
     if t is not None and (tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous()):
-        raise ValueError(f"{name}: {what} must be a contiguous {dtype} {shape} tensor, got {t.dtype} "
-                         f"{tuple(t.shape)}")
+        raise ValueError(f"{name}: {what} must be a contiguous {dtype} {shape} tensor, got {t.dtype} {tuple(t.shape)}")
 
 
 def _check_bf16(name: str, *ts: torch.Tensor) -> None:
@@ -92,8 +88,7 @@ def gluon_reason(op: str, cfg: GemmConfig, a: torch.Tensor, w: torch.Tensor, *, 
     has a bias or the clamped SwiGLU in its epilogue."""
     if gpt_oss:
         return "gpt-oss's epilogue (biases, clamped SwiGLU) exists in the Triton kernels only"
-    why = gluon_device_reason(a, cfg)
-    if why is not None:
+    if (why := gluon_device_reason(a, cfg)) is not None:
         return why
     if not tma_ok([a, w] + ([h] if h is not None and epilogue == EPI_DSWIGLU else [])):
         return "TMA needs 16-byte aligned base pointers and row strides"
@@ -131,10 +126,8 @@ def choose_config(op: str, config: GemmConfig | None, a: torch.Tensor, w: torch.
         if gluon is not None and gluon_reason(op, gluon, a, w, **reason) is None:
             return gluon
         return default_config(op, *rows_n_k, kernel="triton" if op.endswith("fp8") else None)
-    if cfg.kernel == "gluon":
-        why = gluon_reason(op, cfg, a, w, **reason)
-        if why is not None:
-            raise ValueError(f"{op}: the config pins kernel='gluon', but {why}")
+    if cfg.kernel == "gluon" and (why := gluon_reason(op, cfg, a, w, **reason)) is not None:
+        raise ValueError(f"{op}: the config pins kernel='gluon', but {why}")
     return cfg
 
 
@@ -235,14 +228,11 @@ def gemm2_dgrad_swiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, offs
     cfg = choose_config("dgrad_swiglu", config, dy, w2, n=I, epilogue=EPI_DSWIGLU, w_kn=True, h=h,
                         gpt_oss=clamp is not None)
     _check(acts_out, "acts_out [R, I]", (R, I), dy.dtype, "gemm2_dgrad_swiglu")
-    dsp = None if scale is None else torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dy.device,
-                                                 dtype=torch.float32)
+    dsp = None if scale is None else dy.new_zeros(((I + cfg.block_n - 1) // cfg.block_n, R), dtype=torch.float32)
     _launch(cfg, dy, w2, offs, dh, n=I, w_kn=True, epilogue=EPI_DSWIGLU, h=h, scale=scale, dsp=dsp, acts=acts_out,
             clamp=clamp)
-    if dsp is None:
-        return dh, None
-    ds = dsp.sum(0)
-    return dh, (ds if b2 is None else ds + row_bias_dot(dy, b2, offs))
+    ds = None if dsp is None else dsp.sum(0)
+    return dh, (ds if ds is None or b2 is None else ds + row_bias_dot(dy, b2, offs))
 
 
 def gemm1_dgrad(dh: torch.Tensor, w13: torch.Tensor, offs: torch.Tensor, *, out: torch.Tensor | None = None,
@@ -265,8 +255,7 @@ def grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, *, out_d
                          f"{tuple(x.shape)} and {tuple(y.shape)}")
     if offs.dtype != torch.int32 or offs.dim() != 1:
         raise ValueError("grouped_wgrad: offs must be an int32 [E_l + 1] tensor")
-    E_l = offs.numel() - 1
-    out = torch.empty((E_l, x.shape[1], y.shape[1]), device=x.device, dtype=out_dtype)
+    out = x.new_empty((offs.numel() - 1, x.shape[1], y.shape[1]), dtype=out_dtype)  # [E_l, M, N]
     cfg = choose_config("wgrad", config, x, y, n=y.shape[1], out_dtype=out_dtype)
     if cfg.kernel == "gluon":
         from megamoe.kernels.gluon.wgrad import launch_gluon_wgrad_ws
@@ -320,8 +309,7 @@ def gemm2_dgrad_swiglu_fp8(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, out=N
     cfg = choose_config("dgrad_swiglu_fp8", config, dyq, w2tq, n=I, epilogue=EPI_DSWIGLU, h=h)
     dh = _out(out, (R, 2 * I), dyq)
     _check(acts_out, "acts_out [R, I]", (R, I), torch.bfloat16, "gemm2_dgrad_swiglu_fp8")
-    dsp = None if scale is None else torch.zeros(((I + cfg.block_n - 1) // cfg.block_n, R), device=dyq.device,
-                                                 dtype=torch.float32)
+    dsp = None if scale is None else dyq.new_zeros(((I + cfg.block_n - 1) // cfg.block_n, R), dtype=torch.float32)
     _launch(cfg, dyq, w2tq, offs, dh, n=I, epilogue=EPI_DSWIGLU, a_s=dy_s, w_s=w2t_s, h=h, scale=scale, dsp=dsp,
             acts=acts_out)
     return dh, (dsp.sum(0) if dsp is not None else None)
@@ -443,8 +431,7 @@ def gemm1_dgrad_ref(dh, w13, offs):
 
 
 def grouped_wgrad_ref(x, y, offs):
-    E_l = offs.numel() - 1
-    out = torch.zeros((E_l, x.shape[1], y.shape[1]), dtype=x.dtype, device=x.device)
+    out = x.new_zeros((offs.numel() - 1, x.shape[1], y.shape[1]))
     for e, (s0, s1) in enumerate(_bounds(offs)):
         out[e] = x[s0:s1].T @ y[s0:s1]
     return out
@@ -452,8 +439,7 @@ def grouped_wgrad_ref(x, y, offs):
 
 def experts_mlp_ref(x, offs, w13, w2, scale=None):
     """Twin of experts_mlp, differentiable through torch autograd (use float64 leaves for a reference)."""
-    act, _ = gemm1_swiglu_ref(x, w13, offs)
-    return gemm2_ref(act, w2, offs, scale=scale)
+    return gemm2_ref(gemm1_swiglu_ref(x, w13, offs)[0], w2, offs, scale=scale)
 
 
 def grouped_gemm_fp8_ref(aq, a_s, wq, w_s, offs, *, scale=None, dtype=torch.float64):
@@ -464,8 +450,7 @@ def grouped_gemm_fp8_ref(aq, a_s, wq, w_s, offs, *, scale=None, dtype=torch.floa
 
 def gemm1_swiglu_fp8_ref(xq, x_s, w13q, w13_s, offs, *, dtype=torch.float64):
     """(act, h) twin of gemm1_swiglu_fp8."""
-    return gemm1_swiglu_ref(dequantize_act_ref(xq, x_s, dtype), dequantize_weight_ref(w13q, w13_s, dtype),
-                            offs)
+    return gemm1_swiglu_ref(dequantize_act_ref(xq, x_s, dtype), dequantize_weight_ref(w13q, w13_s, dtype), offs)
 
 
 def gemm2_dgrad_swiglu_fp8_ref(dyq, dy_s, w2tq, w2t_s, h, offs, *, scale=None, dtype=torch.float64):

@@ -40,14 +40,9 @@ from megamoe.layer import MoE, capture_graphs, gather_experts, shard_experts
 from megamoe.router import route
 
 #: transformers block class -> model type
-SUPPORTED = {
-    "Qwen3MoeSparseMoeBlock": "qwen3_moe",
-    "Qwen2MoeSparseMoeBlock": "qwen2_moe",
-    "MixtralSparseMoeBlock": "mixtral",
-    "OlmoeSparseMoeBlock": "olmoe",
-    "DeepseekV3MoE": "deepseek_v3",
-    "GptOssMLP": "gpt_oss",
-}
+SUPPORTED = {"Qwen3MoeSparseMoeBlock": "qwen3_moe", "Qwen2MoeSparseMoeBlock": "qwen2_moe",
+             "MixtralSparseMoeBlock": "mixtral", "OlmoeSparseMoeBlock": "olmoe", "DeepseekV3MoE": "deepseek_v3",
+             "GptOssMLP": "gpt_oss"}
 _SHARED = ("shared_expert", "shared_expert_gate", "shared_experts")
 #: the expert tensors a patched block shards and gathers (gpt_oss has all four)
 _EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
@@ -111,8 +106,7 @@ class MegaMoEExperts(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         moe = self.moe
         for name in _EXPERT_TENSORS:  # a full transformers tensor: keep this rank's experts
-            t = state_dict.get(prefix + name)
-            if t is not None and moe.world > 1 and t.shape[0] == moe.config.num_experts:
+            if (t := state_dict.get(prefix + name)) is not None and moe.world > 1 and t.shape[0] == self.num_experts:
                 state_dict[prefix + name] = shard_experts(t, moe.rank, moe.world)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -179,8 +173,7 @@ class MegaMoEBlock(nn.Module):
         self.__dict__["moe"] = moe
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        shape = hidden_states.shape
-        x = hidden_states
+        x, shape = hidden_states, hidden_states.shape
         if self.training and self.jitter_noise > 0:  # Mixtral's multiplicative input jitter
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         x = x.reshape(-1, shape[-1])
@@ -218,10 +211,9 @@ def patch(model: nn.Module, backend: str = "torch", group=None, max_tokens_per_r
         raise ValueError(f"{type(model).__name__} has no sparse MoE block megamoe.hf can patch; supported blocks: "
                          f"{', '.join(SUPPORTED)}")
     for name, block in found:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, MegaMoEBlock(block, group=group, backend=backend,
-                                            max_tokens_per_rank=max_tokens_per_rank, **backend_options))
+        parent, _, child = name.rpartition(".")  # get_submodule("") is the model itself
+        setattr(model.get_submodule(parent), child, MegaMoEBlock(
+            block, group=group, backend=backend, max_tokens_per_rank=max_tokens_per_rank, **backend_options))
     return model
 
 
@@ -230,8 +222,7 @@ def capture(model: nn.Module, tokens: int, autocast=None) -> nn.Module:
     :func:`megamoe.capture_moe_layers` does for MoE layers (its rules hold), and return ``model``: the host cost of the
     backend's kernel chain, which an eager training loop pays per layer, goes. Router and shared experts stay eager;
     every call must have ``tokens`` tokens (batch x sequence; another count raises ``ValueError``)."""
-    found = blocks(model)
-    if not found:
+    if not (found := blocks(model)):
         raise ValueError(f"{type(model).__name__} has no patched MoE block: call megamoe.hf.patch first")
 
     def sample(moe: MoE, gen: torch.Generator) -> tuple:

@@ -1,12 +1,11 @@
 """``megamoe.MoE``: the expert-parallel MoE layer (shapes as in :mod:`megamoe.config`).
 
-Each rank holds the replicated router (``router.weight`` [E, H]) and experts r*E_l .. (r+1)*E_l - 1:
-``w13`` [E_l, 2I, H] (gate rows 0..I-1, up rows I..2I-1) and ``w2`` [E_l, H, I] (gpt_oss experts also ``b13``
-[E_l, 2I], ``b2`` [E_l, H]; its router ``router.logit_bias`` [E]); with a shared expert also the
-replicated ``shared_w13`` [2S, H], ``shared_w2`` [H, S] and (gated) ``shared_gate`` [1, H]. ``forward(x [..., H])``
-returns :class:`MoEOutput`; the token count may differ between ranks, including 0. Expert gradients are complete on
-their owning rank; the replicated parameters' cover this rank's tokens only, so reduce them over the data-parallel
-group (DDP does).
+Each rank holds the replicated router (``router.weight`` [E, H]) and experts r*E_l .. (r+1)*E_l - 1: ``w13``
+[E_l, 2I, H] (gate rows 0..I-1, up rows I..2I-1) and ``w2`` [E_l, H, I] (gpt_oss experts also ``b13`` [E_l, 2I],
+``b2`` [E_l, H]; its router ``router.logit_bias`` [E]); with a shared expert also the replicated ``shared_w13``
+[2S, H], ``shared_w2`` [H, S] and (gated) ``shared_gate`` [1, H]. ``forward(x [..., H])`` returns
+:class:`MoEOutput`; the token count may differ between ranks, including 0. Expert gradients are complete on their
+owning rank; the replicated parameters' cover this rank's tokens only: reduce them over the data-parallel group.
 
 Dtypes follow ``nn.Linear``: under ``torch.autocast`` on the input's device the layer computes in the autocast dtype
 (weights cast per call, gradients flow back to them in their own dtype) and returns that dtype; outside autocast the
@@ -26,10 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamoe.backends import make_backend
-from megamoe.config import MoEConfig
+from megamoe.config import MoEConfig, compute_dtype
 from megamoe.dist import wire_dtype
 from megamoe.reference import swiglu
-from megamoe.router import Router, compute_dtype
+from megamoe.router import Router
 
 
 class MoEOutput(NamedTuple):
@@ -51,8 +50,7 @@ class MoE(nn.Module):
     the router is drawn from it (same on every rank), expert e from seed and e (independent of W). ``init``:
     ``"random"`` (from ``seed``) or ``"none"`` (uninitialised memory, for a checkpoint to be copied in: one copy).
     ``backend_options``: the table in the backend's module. :meth:`close` (or deleting the layer) frees what the
-    backend holds on the device.
-    """
+    backend holds on the device."""
 
     def __init__(self, config: MoEConfig, group=None, backend: str = "torch", device=None, seed: int = 0,
                  init: str = "random", **backend_options):
@@ -126,18 +124,16 @@ class MoE(nn.Module):
             for e_local in range(self.local_experts):
                 e = self.expert_offset + e_local
                 gen = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + 7919 * (e + 1))
-                w13 = torch.randn(self.w13.shape[1:], generator=gen, device=self.device, dtype=torch.float32)
-                w2 = torch.randn(self.w2.shape[1:], generator=gen, device=self.device, dtype=torch.float32)
-                self.w13[e_local].copy_(w13 * cfg.hidden ** -0.5)
-                self.w2[e_local].copy_(w2 * cfg.intermediate ** -0.5)
+                kw = dict(generator=gen, device=self.device)
+                for p, std in ((self.w13, cfg.hidden ** -0.5), (self.w2, cfg.intermediate ** -0.5)):
+                    p[e_local].copy_(torch.randn(p.shape[1:], dtype=torch.float32, **kw) * std)
                 if self.b13 is not None:  # drawn after the weights: SwiGLU layers keep their draws
-                    self.b13[e_local].copy_(torch.randn(self.b13.shape[1:], generator=gen, device=self.device) * 0.1)
-                    self.b2[e_local].copy_(torch.randn(self.b2.shape[1:], generator=gen, device=self.device) * 0.1)
+                    for p in (self.b13, self.b2):
+                        p[e_local].copy_(torch.randn(p.shape[1:], **kw) * 0.1)
             gen = torch.Generator().manual_seed(seed * 1_000_003 + 17)
             fan_in = {"shared_w13": cfg.hidden, "shared_w2": cfg.shared_intermediate, "shared_gate": cfg.hidden}
             for name, fan in fan_in.items():
-                p = getattr(self, name)
-                if p is not None:
+                if (p := getattr(self, name)) is not None:
                     p.copy_(torch.randn(p.shape, generator=gen) * fan ** -0.5)
 
     def _prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
@@ -214,8 +210,7 @@ class MoE(nn.Module):
         idx = topk_idx.reshape(-1, k).to(torch.int64).contiguous()
         w = topk_w.reshape(-1, k).to(compute_dtype(dtype)).contiguous()
         with torch.autocast(x.device.type, enabled=False):
-            y = self._run_experts(x2, idx, w, dtype)
-        return y.reshape(*lead, self.config.hidden)
+            return self._run_experts(x2, idx, w, dtype).reshape(*lead, self.config.hidden)
 
     def extra_repr(self) -> str:
         c = self.config
@@ -236,8 +231,7 @@ def capture_moe_layers(layers, tokens: int, autocast=None) -> None:
     ``autocast``: the step's autocast context with ``cache_enabled=False``, or None. Call on every rank at once (the
     warm-up communicates), before wrapping the model in DDP. Outputs and parameter gradients live in static buffers
     the next replay overwrites: consume them within the step (no gradient accumulation). Host-side state changed after
-    capture (``router.set_logit_offset``) is not seen.
-    """
+    capture (``router.set_logit_offset``) is not seen."""
     layers = tuple(layers)
     capture_graphs("capture_moe_layers", layers, layers, tokens, lambda m, gen: (torch.randn(
         tokens, m.config.hidden, device=m.device, dtype=m.w13.dtype, generator=gen).requires_grad_(),), autocast)

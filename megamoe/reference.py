@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from megamoe.config import MoEConfig
+from megamoe.config import MoEConfig, compute_dtype
 
 
 class RouteRef(NamedTuple):
@@ -31,16 +31,12 @@ class RouteRef(NamedTuple):
     counts: torch.Tensor
 
 
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def route_ref(x: torch.Tensor, weight: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None = None,
               logit_offset: torch.Tensor | None = None) -> RouteRef:
     """Top-k routing of x [T, H] by weight [E, H] from the definitions in :mod:`megamoe.router` (ties: lower
     expert id first), in float64 for float64 input, else float32."""
     E, k = config.num_experts, config.top_k
-    cdt = _wide(x.dtype)
+    cdt = compute_dtype(x.dtype)
     logits = x.to(cdt) @ weight.to(cdt).t()
     if logit_offset is not None:
         logits = logits + logit_offset.to(cdt)
@@ -55,8 +51,7 @@ def route_ref(x: torch.Tensor, weight: torch.Tensor, config: MoEConfig, bias: to
         density = probs / probs.sum(-1, keepdim=True)
     rank_by = rank_by.detach()
     if config.n_group > 1:  # only the experts of the topk_group groups whose two best scores sum highest
-        G = config.n_group
-        per = E // G
+        G, per = config.n_group, E // config.n_group
         best2 = torch.sort(rank_by.reshape(T, G, per), dim=-1, descending=True).values[..., :2].sum(-1)
         groups = torch.sort(best2, dim=-1, descending=True, stable=True).indices[:, :config.topk_group]
         allowed = torch.zeros(T, G, dtype=torch.bool, device=x.device)
@@ -72,8 +67,7 @@ def route_ref(x: torch.Tensor, weight: torch.Tensor, config: MoEConfig, bias: to
     if T == 0 or config.aux_loss_coef == 0:
         aux = logits.sum() * 0.0
     else:
-        load = counts.to(cdt) / (T * k)
-        aux = config.aux_loss_coef * E * torch.dot(load, density.mean(0))
+        aux = config.aux_loss_coef * E * torch.dot(counts.to(cdt) / (T * k), density.mean(0))
     return RouteRef(order, gates, aux, counts)
 
 
@@ -125,7 +119,7 @@ def experts_ref(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w
     x [T, H]; topk_idx [T, k] global ids. y is in x's dtype, accumulated in float64 for float64 x, else float32,
     in expert order. Weights are cast one expert at a time: no float64 copy of a deepseek-v3-sized layer."""
     T, H = x.shape
-    cdt = _wide(x.dtype)
+    cdt = compute_dtype(x.dtype)
     y = torch.zeros(T, H, dtype=cdt, device=x.device)
     for e_local in range(w13.shape[0]):
         e = expert_offset + e_local
@@ -143,7 +137,7 @@ def experts_ref(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w
 def shared_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
     """The shared expert: x [T, H], w13 [2S, H], w2 [H, S], gate [1, H] or None -> [T, H] in float64 for float64 x,
     else float32 (from operands in x's dtype)."""
-    cdt = _wide(x.dtype)
+    cdt = compute_dtype(x.dtype)
     out = expert_mlp(x, w13.to(x.dtype), w2.to(x.dtype)).to(cdt)
     if gate is not None:
         out = out * torch.sigmoid(x.to(cdt) @ gate.to(cdt).t())
@@ -166,8 +160,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
         raise ValueError("reference: give shared=(w13, w2, gate) exactly when the config has a shared expert")
     r = route_ref(x, router_weight, config, router_bias, logit_offset)
     b13, b2 = expert_bias or (None, None)
-    y = experts_ref(x, r.topk_idx, r.topk_w, w13, w2, store_dtype=store_dtype, b13=b13, b2=b2,
-                    act=expert_act(config))
+    y = experts_ref(x, r.topk_idx, r.topk_w, w13, w2, store_dtype=store_dtype, b13=b13, b2=b2, act=expert_act(config))
     if shared is not None:
-        y = (y.to(_wide(x.dtype)) + shared_ref(x, *shared)).to(x.dtype)
+        y = (y.to(compute_dtype(x.dtype)) + shared_ref(x, *shared)).to(x.dtype)
     return y, r

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megamoe.config import MoEConfig
+from megamoe.config import MoEConfig, compute_dtype
 
 
 class RouterOutput(NamedTuple):
@@ -42,10 +42,6 @@ class RouterOutput(NamedTuple):
     aux_loss: torch.Tensor
     tokens_per_expert: torch.Tensor
     logits: torch.Tensor
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class _TensorCoreLogits(torch.autograd.Function):
@@ -66,8 +62,7 @@ class _TensorCoreLogits(torch.autograd.Function):
 
 
 def _logits(x: torch.Tensor, weight: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
-    if (x.is_cuda and cdt == torch.float32 and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype):
+    if x.is_cuda and cdt == torch.float32 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
         return _TensorCoreLogits.apply(x, weight)
     return F.linear(x.to(cdt), weight.to(cdt))
 
@@ -96,18 +91,16 @@ def route(x: torch.Tensor, weight: torch.Tensor, config: MoEConfig, bias: torch.
         raise ValueError(f"router impl must be one of {IMPLS}, got {impl!r}")
     with torch.autocast(x.device.type, enabled=False):  # float32 routing inside bf16 autocast regions too
         cdt = compute_dtype(x.dtype)
-        T = x.shape[0]
-        E, k = config.num_experts, config.top_k
+        T, E, k = x.shape[0], config.num_experts, config.top_k
         logits = _logits(x, weight, cdt)
         if logit_offset is not None:
             logits = logits + logit_offset.to(cdt)
         if T > 0 and _use_triton(impl, x, cdt):
             from megamoe.kernels.router_topk import RouteTopk
 
-            idx, gates, aux, counts = RouteTopk.apply(
-                logits, bias, k, config.router == "sigmoid", config.norm_topk, config.route_scale, config.aux_loss_coef,
-                config.n_group, config.topk_group)
-            return RouterOutput(idx, gates, aux, counts, logits)
+            return RouterOutput(*RouteTopk.apply(logits, bias, k, config.router == "sigmoid", config.norm_topk,
+                                                 config.route_scale, config.aux_loss_coef, config.n_group,
+                                                 config.topk_group), logits)  # (idx, gates, aux, counts, logits)
         if config.router == "softmax":
             probs = torch.softmax(logits, dim=-1)
             if config.n_group > 1:
@@ -174,9 +167,8 @@ class Router(nn.Module):
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         # Same values on every rank for the same generator state: drawn on the CPU, then copied.
         std = self.config.hidden ** -0.5
-        w = torch.randn(self.weight.shape, generator=generator, dtype=torch.float32) * std
         with torch.no_grad():
-            self.weight.copy_(w)
+            self.weight.copy_(torch.randn(self.weight.shape, generator=generator, dtype=torch.float32) * std)
             if self.logit_bias is not None:
                 self.logit_bias.copy_(torch.randn(self.logit_bias.shape, generator=generator) * std)
 
@@ -191,9 +183,8 @@ class Router(nn.Module):
         """Add ``offset`` [E] to every logit from now on (None: remove it)."""
         if offset is None:
             self.logit_offset.zero_()
-            self._offset_set = False
-            return
-        if offset.shape != (self.config.num_experts,):
+        elif offset.shape != (self.config.num_experts,):
             raise ValueError(f"logit offset must have shape [{self.config.num_experts}], got {tuple(offset.shape)}")
-        self.logit_offset.copy_(offset)
-        self._offset_set = True
+        else:
+            self.logit_offset.copy_(offset)
+        self._offset_set = offset is not None

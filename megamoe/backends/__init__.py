@@ -18,11 +18,8 @@ if TYPE_CHECKING:
     from megamoe.layer import MoE
 
 # name -> (module, class). A backend whose module is missing is "not built" and selecting it raises.
-_REGISTRY = {
-    "torch": ("megamoe.backends.torch_a2a", "TorchBackend"),
-    "split": ("megamoe.backends.split", "SplitBackend"),
-    "fused": ("megamoe.backends.fused", "FusedBackend"),
-}
+_REGISTRY = {"torch": ("megamoe.backends.torch_a2a", "TorchBackend"),
+             "split": ("megamoe.backends.split", "SplitBackend"), "fused": ("megamoe.backends.fused", "FusedBackend")}
 
 
 def parse_backend(spec: str) -> tuple[str, dict]:
@@ -78,12 +75,10 @@ def available_backends(device="cpu") -> list[str]:
 def make_backend(name: str, moe: MoE, **options):
     """Build backend ``name`` for ``moe``; raises :class:`BackendUnavailable` (never falls back)."""
     cls = _load(name)
-    reason = cls.why_unavailable(moe.device)
-    if reason is not None:
+    if (reason := cls.why_unavailable(moe.device)) is not None:
         raise BackendUnavailable(f"backend {name!r} cannot run on {moe.device}: {reason}")
     known = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "moe")]
-    unknown = sorted(set(options) - set(known))
-    if unknown:
+    if unknown := sorted(set(options) - set(known)):
         raise ValueError(f"backend {name!r} has no option {', '.join(map(repr, unknown))}; its options: "
                          f"{', '.join(known) or 'none'}")
     return cls(moe, **options)

@@ -94,12 +94,11 @@ def retained() -> bool:
 
 def heap_backward(dy, topk_w, handle, recv, h, w13, w2, num_sms, *, wq=None, recv_scales=None, presum=False,
                   b13=None, b2=None, clamp=None) -> tuple:
-    """The whole backward: (dx, d_topk_w in topk_w's dtype, dW13, dW2, db13, db2) from the forward's received rows
-    ``recv`` and GEMM1's pre-activation ``h``. h's memory goes once GEMM2's dgrad has read it (its storage shrunk to
-    nothing, since the saved tensor still refers to it; kept when the graph is retained), dy's rows and the
-    activations once dW2 has, so the peak never holds them all beside both weight gradients. d_recv goes to the
-    heap's ``rows`` region unless ``presum``. FP8 (``wq``): recv is e4m3 with 1x128 ``recv_scales``, dequantised for
-    dW13 only. gpt-oss: b13, b2 (their dtypes are the gradients') and clamp, bf16 GEMMs only."""
+    """The whole backward (module docstring): (dx, d_topk_w in topk_w's dtype, dW13, dW2, db13, db2) from the
+    forward's received rows ``recv`` and GEMM1's pre-activation ``h``, whose storage is shrunk to nothing after GEMM2's
+    dgrad (the saved tensor still refers to it) unless the graph is retained. d_recv goes to the heap's ``rows``
+    region unless ``presum``. FP8 (``wq``): recv is e4m3 with 1x128 ``recv_scales``, dequantised for dW13 only. gpt-oss:
+    b13, b2 (their dtypes are the gradients') and clamp, bf16 GEMMs only."""
     dy = dy.contiguous()
     offs = handle.offs
     n = offs[-1:]  # rows received: only those are quantised (the buffers may hold more)

@@ -1,7 +1,6 @@
 """Backend ``fused``: the forward as one persistent megakernel (megamoe/kernels/fused_moe.py).
 
-Shape legend: T tokens on this rank, H hidden, I intermediate, E_l local experts, k top-k, R_cap worst-case
-rows received, BM rows of a block.
+Shapes as in :mod:`megamoe.config`, T_max its max_tokens_per_rank, R_cap the worst-case rows received.
 
 forward (one torch.autograd.Function): stage, schedule, the megakernel and its tail, as kernels/fused_moe.py's
 docstring lays out (gpt-oss experts: docs/design.md, "gpt-oss experts").

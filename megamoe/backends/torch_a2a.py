@@ -45,8 +45,7 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    wire = wire_dtype(x.dtype, group)
-    send = x.to(wire).contiguous()
+    send = x.to(wire_dtype(x.dtype, group)).contiguous()
     out = send.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, send, out_splits, in_splits, group=group)
     return out.to(x.dtype)
@@ -108,10 +107,9 @@ class TorchBackend:
         padded = torch.clamp_min((n_l + align - 1) // align * align, align) if align > 1 else n_l
         P = R + (E_l * align if align > 1 else 0)  # host-known upper bound of sum(padded)
         pend = torch.cumsum(padded, 0)
-        pstart = pend - padded
         # start of block (s, l) inside expert l's group: rows of lower source ranks come first
         in_group = torch.cumsum(rc, 0) - rc  # [W, E_l]
-        block_dest = (pstart[None, :] + in_group).reshape(-1)  # [(s, l)]
+        block_dest = ((pend - padded)[None, :] + in_group).reshape(-1)  # [(s, l)]
         block_src = torch.cumsum(rc.reshape(-1), 0) - rc.reshape(-1)
         block_of_row = torch.repeat_interleave(torch.arange(W * E_l, device=dev), rc.reshape(-1), output_size=R)
         dest = block_dest[block_of_row] + (torch.arange(R, device=dev) - block_src[block_of_row])
@@ -133,8 +131,7 @@ class TorchBackend:
         inv[order] = torch.arange(order.numel(), device=dev)
         out_tk = back[inv].view(T, k, H)
         cdt = topk_w.dtype if topk_w.dtype == torch.float64 else torch.float32
-        y = (out_tk.to(cdt) * topk_w.to(cdt).unsqueeze(-1)).sum(1)
-        return y.to(x.dtype)
+        return (out_tk.to(cdt) * topk_w.to(cdt).unsqueeze(-1)).sum(1).to(x.dtype)
 
 
 __all__ = ["TorchBackend", "grouped_mm"]

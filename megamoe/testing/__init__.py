@@ -34,8 +34,7 @@ from megamoe.reference import experts_ref, moe_forward, route_ref, shared_ref
 
 def note_error(key: str, err: float) -> None:
     """Append {key, err} as a JSON line to $MEGAMOE_ERRLOG if set: the bounds come from the worst per key."""
-    path = os.environ.get("MEGAMOE_ERRLOG")
-    if path:
+    if path := os.environ.get("MEGAMOE_ERRLOG"):
         with open(path, "a") as f:
             f.write(json.dumps({"key": key, "err": err}) + "\n")
 
@@ -267,13 +266,10 @@ def qwen3_experts(world: int) -> int:
 
 def gpu_cases(world: int) -> list[LayerCase]:
     """Full-width shapes for GPU runs: qwen3-30b-a3b experts (H 2048, I 768, 128 experts, top-8) in bf16."""
-    experts = qwen3_experts(world)
-    return [
-        LayerCase("bf16-qwen3-512", preset="qwen3-30b-a3b", dtype="bf16", tokens=tuple([512] * world),
-                  overrides={"num_experts": experts}),
-        LayerCase("bf16-qwen3-ragged-skew", preset="qwen3-30b-a3b", dtype="bf16", overrides={"num_experts": experts},
-                  tokens=tuple(300 + 77 * r for r in range(world)), offset={0: 3.0, 1: 2.5, 2: 2.0}),
-    ]
+    kw = dict(preset="qwen3-30b-a3b", dtype="bf16", overrides={"num_experts": qwen3_experts(world)})
+    return [LayerCase("bf16-qwen3-512", tokens=tuple([512] * world), **kw),
+            LayerCase("bf16-qwen3-ragged-skew", tokens=tuple(300 + 77 * r for r in range(world)),
+                      offset={0: 3.0, 1: 2.5, 2: 2.0}, **kw)]
 
 
 #: Bounds on :func:`layer_case`'s errors per backend and dtype ("fp8": bf16 layers with FP8 GEMMs): the worst over

@@ -213,10 +213,7 @@ def _fused_items(items: str | None):
     import megamoe.kernels.fused_moe as fm
 
     orig = backend.gluon_fused_reason
-
-    def no_device(cfg, **kw):
-        return orig(cfg, **{**kw, "device": None})
-
+    no_device = lambda cfg, **kw: orig(cfg, **{**kw, "device": None})
     with contextlib.ExitStack() as stack:
         for mod in (backend, fm) if items is not None else ():
             stack.enter_context(mock.patch.object(mod, "gluon_fused_reason", no_device))
@@ -266,8 +263,7 @@ def _grouped(E: int, R: int, **cfg):
 
 
 def _gluon_fp8_ws(compiled: dict, where: dict) -> None:
-    """Compile megamoe/kernels/gluon/fp8.py's kernel for WS_VARIANTS (plain: K = I = 2048, N = H = 7168; SwiGLU:
-    K = H, I = 2048)."""
+    """Compile megamoe/kernels/gluon/fp8.py's kernel for WS_VARIANTS at deepseek-v3's H and I (plain: K = I)."""
     from megamoe.kernels.gluon.fp8 import launch_gluon_fp8_ws
 
     H, I = 7168, 2048
@@ -332,8 +328,7 @@ WS_BF16_VARIANTS = [
 
 
 def _gluon_bf16_ws(compiled: dict, where: dict) -> None:
-    """Compile megamoe/kernels/gluon/bf16.py's kernel for WS_BF16_VARIANTS (GEMM2: K = I = 2048, N = H = 7168;
-    GEMM1: K = H, I = 2048; SwiGLU backward: kn w2 [E, H, I], K = H, N = I)."""
+    """Compile megamoe/kernels/gluon/bf16.py's kernel for WS_BF16_VARIANTS at deepseek-v3's H and I (dswiglu: kn w2)."""
     from megamoe.kernels.gluon.bf16 import launch_gluon_bf16_ws
 
     H, I = 7168, 2048
@@ -449,8 +444,7 @@ def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
             layer_opts = {k: v for k, v in opts.items() if k != "items"}
             with ctx, mock.patch.object(MoE, "reset_parameters", router_only), _fused_items(opts.get("items")):
                 moe = MoE(cfg, backend=backend, device=torch.device("cpu"), seed=0, **layer_opts)
-                x = torch.zeros(tokens, cfg.hidden, dtype=cfg.dtype).requires_grad_()
-                out = moe(x).out
+                out = moe(torch.zeros(tokens, cfg.hidden, dtype=cfg.dtype).requires_grad_()).out
                 out.backward(torch.zeros_like(out))
             del moe
     if standalone:

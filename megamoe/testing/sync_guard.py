@@ -80,8 +80,7 @@ def _is_mask(i) -> bool:
 
 def _host_read(func, args, kwargs) -> str | None:
     """The name of the host read ``func(*args, **kwargs)`` would make, or None."""
-    name = _ALWAYS.get(func)
-    if name is not None:
+    if (name := _ALWAYS.get(func)) is not None:
         return name
     if func is torch.Tensor.to:
         devs = [kwargs.get("device")] + [a for a in args[1:] if isinstance(a, (str, torch.device))]
@@ -121,8 +120,7 @@ def _install_backward_wrapper() -> None:
     from torch.autograd.function import BackwardCFunction
 
     for name in ("apply", "apply_boxed"):
-        orig = getattr(BackwardCFunction, name, None)
-        if orig is None or getattr(orig, "_megamoe_guarded", False):
+        if (orig := getattr(BackwardCFunction, name, None)) is None or getattr(orig, "_megamoe_guarded", False):
             continue
 
         def wrapped(self, *args, _orig=orig):
