@@ -241,8 +241,7 @@ def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w
     if epi_tma:
         out_desc = nvmma_desc(out, [bm // 2, 64], shape=[R, n])
         if mode == 1 and store_h:
-            hg_desc = nvmma_desc(h, [bm // 2, 64], shape=[R, n])
-            hu_desc = nvmma_desc(h[:, n:], [bm // 2, 64], shape=[R, n])
+            hg_desc, hu_desc = (nvmma_desc(h[:, col:], [bm // 2, 64], shape=[R, n]) for col in (0, n))
     grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * triton.cdiv(n, cfg.block_n), aq.device)
     k = _gluon_fp8_ws_kernel[(grid,)](
         a_desc, w_desc, out_desc, hg_desc, hu_desc, a_s, w_s, out, h if h is not None else out,
@@ -254,6 +253,3 @@ def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w
         CONSUMER_REGS=consumer_regs, LOADER_REGS=REG_POOL - 2 * consumer_regs, num_warps=4, maxnreg=REG_POOL // 3,
     )
     record("_gluon_fp8_ws_kernel", k)
-
-
-__all__ = ["ws_limits", "launch_gluon_fp8_ws"]

@@ -250,6 +250,3 @@ def launch_gluon_fp8_dswiglu(dyq: torch.Tensor, dy_s: torch.Tensor, wq: torch.Te
         num_warps=warps,
     )
     record("_gluon_fp8_dswiglu_kernel", k)
-
-
-__all__ = ["dswiglu_limits", "launch_gluon_fp8_dswiglu"]

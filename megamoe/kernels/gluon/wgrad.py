@@ -170,12 +170,6 @@ def staging_buffers(cfg: GemmConfig, out_bytes: int) -> int:
     return cfg.block_n // 64 if out_bytes == 2 else 2
 
 
-def smem_bytes(cfg: GemmConfig, out_bytes: int) -> int:
-    """Shared memory of a launch: the ring, the consumers' staging buffers, barriers (rounded up)."""
-    nb = staging_buffers(cfg, out_bytes)
-    return cfg.num_stages * 2 * cfg.block_k * (128 + cfg.block_n) + 2 * nb * 64 * 64 * out_bytes + 1024
-
-
 def ws_wgrad_limits(cfg: GemmConfig, *, m: int, n: int, out_dtype: torch.dtype) -> str | None:
     """Why the warp-specialised wgrad kernel cannot run this launch (config and shapes; device checks are the
     caller's), or None."""
@@ -184,7 +178,11 @@ def ws_wgrad_limits(cfg: GemmConfig, *, m: int, n: int, out_dtype: torch.dtype) 
                 f"of 64 rows), got {cfg.block_m} x {cfg.block_n} x {cfg.block_k}, num_warps {cfg.num_warps}")
     if out_dtype not in (torch.bfloat16, torch.float32):
         return f"the output must be bfloat16 or float32, got {out_dtype}"
-    if (why := stages_reason(cfg, smem_bytes(cfg, torch.finfo(out_dtype).bits // 8))) is not None:
+    out_bytes = torch.finfo(out_dtype).bits // 8
+    # shared memory: the ring, both consumers' [64, 64] staging buffers, barriers (rounded up)
+    smem = (cfg.num_stages * 2 * cfg.block_k * (128 + cfg.block_n) + 2 * staging_buffers(cfg, out_bytes) * 64 * 64
+            * out_bytes + 1024)
+    if (why := stages_reason(cfg, smem)) is not None:
         return why
     if m % 64 or n % 8:
         return (f"M must be a multiple of 64 (output halves stored by TMA without straddling experts) and N of 8, "
@@ -222,6 +220,3 @@ def launch_gluon_wgrad_ws(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, 
         CONSUMER_REGS=224, LOADER_REGS=REG_POOL - 2 * 224, num_warps=4, maxnreg=REG_POOL // 3,
     )
     record("_gluon_wgrad_ws_kernel", k)
-
-
-__all__ = ["launch_gluon_wgrad_ws", "ws_wgrad_limits"]
