@@ -331,7 +331,7 @@ def launch_gluon_bf16_ws(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, o
             if two and store_h:
                 hg_desc, hu_desc = desc(h), desc(h, n)
     grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * triton.cdiv(n, bn), a.device)
-    k = _gluon_bf16_ws_kernel[(grid,)](
+    record("_gluon_bf16_ws_kernel", _gluon_bf16_ws_kernel[(grid,)](
         a_desc, w_desc, out_desc, hg_desc, hu_desc, du_desc, acts_desc, out, h if h is not None else out,
         scale if scale is not None else out, acts if acts is not None else out, dsp if dsp is not None else out, offs,
         R, n, K, E_l, grid, out.stride(0), h.stride(0) if h is not None else 0, n_w, n_up,
@@ -339,5 +339,4 @@ def launch_gluon_bf16_ws(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, o
         STAGES=cfg.num_stages, HAS_SCALE=scale is not None, SWIGLU=epilogue == EPI_SWIGLU, STORE_H=store_h,
         EPI_TMA=epi_tma, W_KN=w_kn, DSWIGLU=back, ACTS=acts is not None, CONSUMER_REGS=consumer_regs,
         LOADER_REGS=REG_POOL - 2 * consumer_regs, num_warps=4, maxnreg=REG_POOL // 3,
-    )
-    record("_gluon_bf16_ws_kernel", k)
+    ))

@@ -243,7 +243,7 @@ def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w
         if mode == 1 and store_h:
             hg_desc, hu_desc = (nvmma_desc(h[:, col:], [bm // 2, 64], shape=[R, n]) for col in (0, n))
     grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * triton.cdiv(n, cfg.block_n), aq.device)
-    k = _gluon_fp8_ws_kernel[(grid,)](
+    record("_gluon_fp8_ws_kernel", _gluon_fp8_ws_kernel[(grid,)](
         a_desc, w_desc, out_desc, hg_desc, hu_desc, a_s, w_s, out, h if h is not None else out,
         scale if scale is not None else out, offs,
         R, n, K, E_l, grid, a_s.stride(0), w_s.stride(0), w_s.stride(1), out.stride(0),
@@ -251,5 +251,4 @@ def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.group_m, BLOCK_E=block_e,
         STAGES=cfg.num_stages, HAS_SCALE=scale is not None, MODE=mode, STORE_H=store_h, EPI_TMA=epi_tma,
         CONSUMER_REGS=consumer_regs, LOADER_REGS=REG_POOL - 2 * consumer_regs, num_warps=4, maxnreg=REG_POOL // 3,
-    )
-    record("_gluon_fp8_ws_kernel", k)
+    ))

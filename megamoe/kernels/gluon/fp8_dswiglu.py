@@ -241,12 +241,10 @@ def launch_gluon_fp8_dswiglu(dyq: torch.Tensor, dy_s: torch.Tensor, wq: torch.Te
     a_desc = nvmma_desc(dyq, [bm, 128], gl.float8e4nv)
     w_desc = nvmma_desc(wq.view(E_l * N_w, K), [bn, 128], gl.float8e4nv)
     grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * (n // bn), dyq.device)
-    k = _gluon_fp8_dswiglu_kernel[(grid,)](
+    record("_gluon_fp8_dswiglu_kernel", _gluon_fp8_dswiglu_kernel[(grid,)](
         a_desc, w_desc, dy_s, w_s, out, h, scale if scale is not None else out, dsp if dsp is not None else out,
         acts if acts is not None else out, offs,
         R, n, K, E_l, grid, dy_s.stride(0), w_s.stride(0), w_s.stride(1), out.stride(0), h.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(max(E_l, 2)), STAGES=cfg.num_stages,
-        HAS_SCALE=scale is not None, ACTS=acts is not None, WARPS_M=warps_m, INSTR_N=instr_n,
-        num_warps=warps,
-    )
-    record("_gluon_fp8_dswiglu_kernel", k)
+        HAS_SCALE=scale is not None, ACTS=acts is not None, WARPS_M=warps_m, INSTR_N=instr_n, num_warps=warps,
+    ))

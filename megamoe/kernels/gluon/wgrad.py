@@ -213,10 +213,8 @@ def launch_gluon_wgrad_ws(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, 
     c_desc = nvmma_desc(out.view(E_l * M, N), [64, 64], gl.bfloat16 if out.dtype == torch.bfloat16 else gl.float32)
     total = E_l * triton.cdiv(M, 128) * triton.cdiv(N, bn)
     grid = grid_size(cfg, total, x.device)
-    k = _gluon_wgrad_ws_kernel[(grid,)](
-        x_desc, y_desc, c_desc, offs, M, N, total, grid,
+    record("_gluon_wgrad_ws_kernel", _gluon_wgrad_ws_kernel[(grid,)](
+        x_desc, y_desc, c_desc, offs, M, N, total, grid, NB=staging_buffers(cfg, out.element_size()),
         BLOCK_M=128, BLOCK_N=bn, BK=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        NB=staging_buffers(cfg, out.element_size()),
         CONSUMER_REGS=224, LOADER_REGS=REG_POOL - 2 * 224, num_warps=4, maxnreg=REG_POOL // 3,
-    )
-    record("_gluon_wgrad_ws_kernel", k)
+    ))
