@@ -56,8 +56,7 @@ def _ws_consumer(a_smem, b_smem, b2_smem, ready, empty, epi_smem, out_desc, hg_d
     TN: gl.constexpr = 2 * BLOCK_N if MODE == 2 else BLOCK_N
     SERIAL: gl.constexpr = MODE != 0 and BLOCK_N == 128
     sched: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_N, 32])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
     store_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # the masked stores: [HM, 64] slices
@@ -209,10 +208,9 @@ def ws_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, n_up:
     return None
 
 
-def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w_s: torch.Tensor,
-                        offs: torch.Tensor, out: torch.Tensor, cfg: GemmConfig, *, n: int, epilogue: int,
-                        h: torch.Tensor | None = None, scale: torch.Tensor | None = None, store_h: bool = False,
-                        n_up: int = 0) -> None:
+def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w_s: torch.Tensor, offs: torch.Tensor,
+                        out: torch.Tensor, cfg: GemmConfig, *, n: int, epilogue: int, h: torch.Tensor | None = None,
+                        scale: torch.Tensor | None = None, store_h: bool = False, n_up: int = 0) -> None:
     """Launch _gluon_fp8_ws_kernel with the arguments of grouped_gemm.launch_grouped_gemm's FP8 launch (operands
     validated by the caller); ValueError naming the failing limit."""
     R, K = aq.shape

@@ -166,12 +166,10 @@ def _gluon_fp8_dswiglu_kernel(
             sc_b = gl.load(as_row + ka + 1, mask=mmask, other=0.0) * gl.load(ws_tile + ka + 1)
             sta = (it + ka) % STAGES
             mbarrier.wait(bars.index(sta), ((it + ka) // STAGES) & 1)
-            pa = warpgroup_mma(a_smem.index(sta), b_smem.index(sta).permute((1, 0)), zero, use_acc=False,
-                               is_async=True)
+            pa = warpgroup_mma(a_smem.index(sta), b_smem.index(sta).permute((1, 0)), zero, use_acc=False, is_async=True)
             stb = (it + ka + 1) % STAGES
             mbarrier.wait(bars.index(stb), ((it + ka + 1) // STAGES) & 1)
-            pb = warpgroup_mma(a_smem.index(stb), b_smem.index(stb).permute((1, 0)), zero, use_acc=False,
-                               is_async=True)
+            pb = warpgroup_mma(a_smem.index(stb), b_smem.index(stb).permute((1, 0)), zero, use_acc=False, is_async=True)
             done = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))  # P_a done, P_b still running
             acc = acc + done * sc_a[:, None]
             # keeps P_a's promotion ahead of the refill's block boundary: overlapped with P_b in SASS

@@ -152,8 +152,7 @@ def _issue_loads(x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, emp
             mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(st), nbytes2)
             tma.async_copy_global_to_shared(act_desc, [base, ki * BK], ready.index(st), a_smem.index(st))
-            tma.async_copy_global_to_shared(w2_desc, [wrow, ki * BK], ready.index(st),
-                                            b_smem.index(st).slice(0, BN2))
+            tma.async_copy_global_to_shared(w2_desc, [wrow, ki * BK], ready.index(st), b_smem.index(st).slice(0, BN2))
             it += 1
     return it
 
@@ -162,9 +161,9 @@ def _issue_loads(x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, emp
 def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
             q_smem, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
             BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, BLOCK_E: gl.constexpr, GB: gl.constexpr,
-            STAGES: gl.constexpr, QD_: gl.constexpr, tok_descs,
-            row_src_ptr, row_tok_ptr, BULK: gl.constexpr, RA: gl.constexpr, RB: gl.constexpr, RV: gl.constexpr,
-            C: gl.constexpr, WP2: gl.constexpr, NP: gl.constexpr, BR: gl.constexpr):
+            STAGES: gl.constexpr, QD_: gl.constexpr, tok_descs, row_src_ptr, row_tok_ptr, BULK: gl.constexpr,
+            RA: gl.constexpr, RB: gl.constexpr, RV: gl.constexpr, C: gl.constexpr, WP2: gl.constexpr, NP: gl.constexpr,
+            BR: gl.constexpr):
     """Claims the items, waits for their inputs, hands them over, then issues their loads. BULK: the PULL items' loads
     too (issue_pull), after READY of every rank (the peers' tokens staged)."""
     BK: gl.constexpr = 64
@@ -315,12 +314,11 @@ def _gemm2_half(tab, W, a_smem, b_smem, ready, empty, epi_smem, row_src_ptr, row
 
 @gluon.jit
 def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_smem, s_full, s_empty, s_smem, epi_smem,
-              act_st_desc, hg_desc, hu_desc, x_ptr, act_ptr, h_ptr, row_src_ptr, row_tok_ptr, row_slot_ptr,
-              H, I, E_l, NB_MAX, timeout_ns,
-              K: gl.constexpr, BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, STAGES: gl.constexpr,
-              QD_: gl.constexpr, ROWS_P: gl.constexpr, BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr,
-              EPI_TMA: gl.constexpr, ALIGNED: gl.constexpr, WG: gl.constexpr, SQ: gl.constexpr, xv_desc,
-              BULK: gl.constexpr, RA: gl.constexpr, RB: gl.constexpr, RV: gl.constexpr, C: gl.constexpr,
+              act_st_desc, hg_desc, hu_desc, x_ptr, act_ptr, h_ptr, row_src_ptr, row_tok_ptr, row_slot_ptr, H, I, E_l,
+              NB_MAX, timeout_ns, K: gl.constexpr, BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr,
+              STAGES: gl.constexpr, QD_: gl.constexpr, ROWS_P: gl.constexpr, BLOCK_H: gl.constexpr, WP2: gl.constexpr,
+              STORE_H: gl.constexpr, EPI_TMA: gl.constexpr, ALIGNED: gl.constexpr, WG: gl.constexpr, SQ: gl.constexpr,
+              xv_desc, BULK: gl.constexpr, RA: gl.constexpr, RB: gl.constexpr, RV: gl.constexpr, C: gl.constexpr,
               BR: gl.constexpr, IDLE_: gl.constexpr):
     """Consumer warpgroup WG: rows WG * 64 .. WG * 64 + 63 of every item's block (module docstring)."""
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -436,8 +434,7 @@ def _gluon_fused_fwd_kernel(
     ring_done(s_full, s_empty, SQ_)
 
 
-def gluon_fused_reason(cfg, *, H: int, I: int, device: torch.device | None = None,
-                       gpt_oss: bool = False) -> str | None:
+def gluon_fused_reason(cfg, *, H: int, I: int, device: torch.device | None = None, gpt_oss: bool = False) -> str | None:
     """Why ``FusedConfig(kernel="gluon")`` cannot run a forward of these sizes on ``device`` (None: it can; device
     None: the config and sizes only). ``gpt_oss``: the layer's experts are gpt-oss's (biases, clamped SwiGLU)."""
     if gpt_oss:

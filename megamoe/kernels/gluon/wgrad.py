@@ -87,8 +87,7 @@ def _wgrad_consumer(x_smem, y_smem, ready, empty, epi_smem, c_desc, offs_ptr, M,
                     STAGES: gl.constexpr, NB: gl.constexpr, WG: gl.constexpr):
     """Rows WG * 64 .. WG * 64 + 63 of every output tile of this program."""
     HM: gl.constexpr = 64
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_N, 16])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # x's [BK, 64] box, 16 bytes per thread
     cdt: gl.constexpr = c_desc.dtype
