@@ -22,10 +22,8 @@ import torch.distributed as dist
 from megamoe.apps.perf import Marks, run_metadata, write_json
 from megamoe.dist import init_from_env
 
-CONFIGS = {
-    "deepseek-v3": dict(hidden=7168, num_experts=256, topk=8),
-    "qwen3-30b-a3b": dict(hidden=2048, num_experts=128, topk=8),
-}
+CONFIGS = {"deepseek-v3": dict(hidden=7168, num_experts=256, topk=8),
+           "qwen3-30b-a3b": dict(hidden=2048, num_experts=128, topk=8)}
 
 
 def _time(fn, iters: int, warmup: int):
@@ -60,8 +58,7 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
     w = torch.rand(tokens, k, generator=g).to(dev)
     x = torch.randn(tokens, H, generator=g).to(torch.bfloat16).to(dev)
     heap = SymmetricHeap(CommShape(W, tokens, H, k, E), device=dev, timeout_s=60.0, num_sms=max(sms_list))
-    heap.tokens_buffer()[:tokens].copy_(x)
-    x_heap = heap.tokens_buffer()[:tokens]
+    x_heap = heap.tokens_buffer()[:tokens].copy_(x)
 
     # bytes: rows received from other ranks (dispatch: deduplicated (token, dest rank); combine: (token, slot))
     dest = idx // E_l  # [T, k]
@@ -136,8 +133,7 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
     # correctness spot check of the last combine (identity experts): y = sum_j w_j x
     y = combine(rows, w, h)
     ref = (w.float()[:, :, None] * x.float()[:, None, :]).sum(1)
-    err = ((y.float() - ref).norm() / ref.norm()).item()
-    res["combine_rel_err_identity"] = err
+    res["combine_rel_err_identity"] = ((y.float() - ref).norm() / ref.norm()).item()
     torch.cuda.synchronize()
     heap.check()
     heap.close()

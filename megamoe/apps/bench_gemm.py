@@ -133,11 +133,9 @@ def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[
 
     configs = candidates or (lambda op: [None])
     H, I, E, k = {**PRESETS, **TINY}[preset]
-    E_l = E // ep
-    R = tokens * k
+    E_l, R = E // ep, tokens * k
     dev = torch.device(args.device)
-    gen = torch.Generator().manual_seed(args.seed)
-    sizes = _group_sizes(R, E_l, args.align, gen)
+    sizes = _group_sizes(R, E_l, args.align, torch.Generator().manual_seed(args.seed))
     offs = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32, device=dev)
     ends = offs[1:].contiguous()
     dgen = torch.Generator(device=dev).manual_seed(args.seed)  # the operands too: rel_err fields repeat
@@ -148,10 +146,8 @@ def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[
     rows = []
     base = {"preset": preset, "tokens_per_gpu": tokens, "ep": ep, "R": R, "H": H, "I": I, "E_l": E_l,
             "group_min": min(sizes), "group_max": max(sizes)}
-    fl1 = 2.0 * R * H * 2 * I
-    fl2 = 2.0 * R * I * H
-    by1 = 2 * (R * H + E_l * 2 * I * H + R * I + R * 2 * I)
-    by2 = 2 * (R * I + E_l * H * I + R * H)
+    fl1, fl2 = 2.0 * R * H * 2 * I, 2.0 * R * I * H  # GEMM1's and GEMM2's flops and minimum bytes
+    by1, by2 = 2 * (R * H + E_l * 2 * I * H + R * I + R * 2 * I), 2 * (R * I + E_l * H * I + R * H)
 
     def add(op, dtype, flops, nbytes, key, kernels, call, vs_torch=(), check=None, **extra):
         """op's row: torch's GEMM of ``vs_torch`` (a, w) timed if given, then ``call(config)`` per ``configs(key)``."""
@@ -247,8 +243,7 @@ def main(argv: list[str] | None = None, candidates=None) -> int:
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench-gemm needs a CUDA GPU (or --device cpu --presets tiny under TRITON_INTERPRET=1)",
-              file=sys.stderr)
+        print("bench-gemm needs a CUDA GPU (or --device cpu --presets tiny under TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
     rows = []
     for preset, tokens in itertools.product(args.presets, args.tokens):
@@ -257,21 +252,17 @@ def main(argv: list[str] | None = None, candidates=None) -> int:
         rows.extend(new)
         print_table(new)
         sys.stdout.flush()
-        _write(args, rows)  # after every shape: a long run's partial results survive
+        if args.json:  # after every shape: a long run's partial results survive
+            meta = {"commit": args.commit or git_commit(),
+                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                    "torch": torch.__version__, "triton": triton.__version__,
+                    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                    "config": {k: v for k, v in vars(args).items() if k != "json"},
+                    "ceilings": {"bf16_tflops": 790, "fp8_tflops": 1345, "hbm_tbps": 4.3}}
+            write_json(args.json, {"meta": meta, "rows": rows})
     print("\n== all shapes ==")
     print_table(rows)
     return 0
-
-
-def _write(args, rows) -> None:
-    if args.json:
-        meta = {"commit": args.commit or git_commit(),
-                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                "torch": torch.__version__, "triton": triton.__version__,
-                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                "config": {k: v for k, v in vars(args).items() if k != "json"},
-                "ceilings": {"bf16_tflops": 790, "fp8_tflops": 1345, "hbm_tbps": 4.3}}
-        write_json(args.json, {"meta": meta, "rows": rows})
 
 
 if __name__ == "__main__":

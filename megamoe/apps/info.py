@@ -49,8 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         print("peer access (row can access column):")
         print("        " + " ".join(f"{j:>3}" for j in range(n)))
         for i in range(n):
-            row = ["  -" if i == j else ("yes" if torch.cuda.can_device_access_peer(i, j) else " no")
-                   for j in range(n)]
+            row = ["  -" if i == j else ("yes" if torch.cuda.can_device_access_peer(i, j) else " no") for j in range(n)]
             print(f"  cuda:{i} " + " ".join(row))
         try:
             results = spawn(_symm_mem_probe, n, device="cuda", timeout_s=300)

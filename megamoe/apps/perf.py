@@ -35,9 +35,7 @@ class Ceilings:
 
 
 #: substring of torch.cuda.get_device_name() -> ceilings measured on that GPU
-CEILINGS = {
-    "H200": Ceilings(790e12, 1438e12, 4.3e12, 394e9, "measured on 4x H200 (docs/performance.md)"),
-}
+CEILINGS = {"H200": Ceilings(790e12, 1438e12, 4.3e12, 394e9, "measured on 4x H200 (docs/performance.md)")}
 
 
 def ceilings_for(device: torch.device) -> Ceilings | None:

@@ -251,18 +251,14 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     med = {k: (statistics.median(v) if v else None) for k, v in times.items()}
     dist.all_reduce(load_sum if load_sum is not None else torch.zeros(1, device=device))
     summary = {
-        "backend": backend,
-        "moe_cuda_graph": graphed,
+        "backend": backend, "moe_cuda_graph": graphed,
         "compiled_dense": args.compile,  # torch.compile backend of the dense parts, or None
         "fp8": bool(fp8_layers),  # FP8 layers, their weight copies kept by the optimizer
-        "steps_run": end - start,
-        "tokens_per_step_per_gpu": tokens_per_step,
+        "steps_run": end - start, "tokens_per_step_per_gpu": tokens_per_step,
         "tokens_per_s_per_gpu": tokens_per_step / med["step"] if med["step"] else None,
-        "step_time_s": med,
-        "wall_s": wall,
+        "step_time_s": med, "wall_s": wall,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if on_gpu else None,
-        "history": history,
-        "expert_load": load_sum.sum(0).tolist() if load_sum is not None else None,
+        "history": history, "expert_load": load_sum.sum(0).tolist() if load_sum is not None else None,
         "final_loss": history["loss"][-1] if history["loss"] else None,
     }
     del ddp, model, opt

@@ -27,7 +27,7 @@ Deadlock-free without any occupancy assumption (docs/design.md, "Residency"): an
 smaller index, and the ring only makes PULL(b) wait on GEMM1(b - NS) and GEMM1(b) on GEMM2(b - NS), earlier items
 when NS > L1 + L2. Under the interpreter a single program runs every item in order.
 
-Ring (``NS`` > 0): xbuf / act / h hold NS blocks, block b in slot b % NS: NS * BM rows whatever the routing. NS = 0
+Ring (``NS`` > 0): xbuf / act hold NS blocks, block b in slot b % NS: NS * BM rows whatever the routing. NS = 0
 (dense): block b's rows live at their receive rows (split's expert-grouped layout), so the backward can reuse them.
 
 No static split between communication and compute programs: every program takes the next item, so the share of SMs
@@ -205,8 +205,7 @@ class FusedConfig:
     """Launch config of the megakernel (not a public option: the backend picks it; tests ``with_`` fields).
     block_m: BM; bn1: GEMM1 columns per tile (gate and up each); bn2: GEMM2 columns per tile; programs: None = SM
     count; lookahead: L1 (None: max(programs / items per step + 1, 8), capped by a ring); lag: L2 (None: 3 dense, 1
-    with a ring); at L1 = 3, L2 = 1 qwen3's GEMM items waited on pulls and on GEMM1 tiles. kernel: "triton" | "gluon".
-    """
+    with a ring); at L1 = 3, L2 = 1 qwen3's GEMM items waited on pulls and GEMM1 tiles. kernel: "triton" | "gluon"."""
 
     block_m: int = 128
     bn1: int = 128
@@ -266,8 +265,7 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
                   clamp: tuple[float, float] | None = None) -> tuple[torch.Tensor, FusedState]:
     """y [T, H] = the MoE layer's expert part for this rank's tokens (gates applied), via the megakernel.
     ring_blocks: 0 = dense buffers (CommShape.rows_for(T) rows, split's layout); else the ring's slots (>= lag + 3
-    blocks).
-    store_h: keep the SwiGLU input h (dense only, for the backward; gpt-oss: the biased pre-activation).
+    blocks). store_h: keep the SwiGLU input h (dense only, for the backward; gpt-oss: the biased pre-activation).
     gpt-oss experts: b13 [E_l, 2I], b2 [E_l, H] bf16 and clamp = (alpha, limit), all three or none; y[t] =
     sum_j topk_w[t, j] * (act_j @ w2[e_j]^T + b2[e_j]); the Triton items only (gluon_fused_reason)."""
     sh = heap.shape
@@ -294,10 +292,8 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
     # every check, buffer and descriptor before READY: an error after it would leave the peers waiting for DONE
     if cfg.kernel not in ("triton", "gluon"):
         raise ValueError(f"FusedConfig.kernel must be 'triton' or 'gluon', got {cfg.kernel!r}")
-    if cfg.kernel == "gluon":
-        why = gluon_fused_reason(cfg, H=H, I=I, device=heap.device, gpt_oss=gpt_oss)
-        if why is not None:
-            raise ValueError(f"fused_forward (kernel='gluon'): {why}")
+    if cfg.kernel == "gluon" and (why := gluon_fused_reason(cfg, H=H, I=I, device=heap.device, gpt_oss=gpt_oss)):
+        raise ValueError(f"fused_forward (kernel='gluon'): {why}")
     BM, BK, dev = cfg.block_m, cfg.block_k, heap.device
     P, GB, L1, L2 = plan_launch(cfg, dev, H, I, ring_blocks)
     Pc = max(1, int(comm_programs or heap.num_sms))
@@ -317,13 +313,11 @@ def fused_forward(heap, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
                                     nb_max=nb_max, ring_blocks=ring_blocks, group=GB, lookahead=L1, lag=L2)
     else:
         use_tma = cfg.use_tma if cfg.use_tma is not None else tma_ok([xbuf, act, w13, w2])
+        x_desc = act_desc = w13_desc = w2_desc = None
         if use_tma:
-            x_desc = TensorDescriptor.from_tensor(xbuf, [BM, BK])
-            act_desc = TensorDescriptor.from_tensor(act, [BM, BK])
+            x_desc, act_desc = (TensorDescriptor.from_tensor(t, [BM, BK]) for t in (xbuf, act))
             w13_desc = TensorDescriptor.from_tensor(w13, [1, cfg.bn1, BK])
             w2_desc = TensorDescriptor.from_tensor(w2, [1, cfg.bn2, BK])
-        else:
-            x_desc = act_desc = w13_desc = w2_desc = None
         block_h = min(triton.next_power_of_2(H), 2048)
 
         def items():

@@ -92,8 +92,7 @@ def _pull_rows_ptrs(tab, W, row0, r_lo, rr, nrows, base, row_src_ptr, row_tok_pt
     valid = r < nrows
     src = tl.load(row_src_ptr + row0 + r, mask=valid, other=0)
     tok = tl.load(row_tok_ptr + row0 + r, mask=valid, other=0)
-    addr = tl.load(tab + REG_TOK * W + src, mask=valid, other=0) + tok.to(tl.int64) * H * (
-        DT.primitive_bitwidth // 8)
+    addr = tl.load(tab + REG_TOK * W + src, mask=valid, other=0) + tok.to(tl.int64) * H * (DT.primitive_bitwidth // 8)
     sp = addr.to(tl.pointer_type(DT))
     if ALIGNED:
         sp = tl.multiple_of(sp, 16)

@@ -7,19 +7,18 @@ by GemmConfig(kernel="gluon"); the default on Hopper where ``ws_bf16_limits`` ho
     out[r, n] = sum_k a[r, k] * w[e][n, k]      (fp32 accumulation, bf16 out; with a scale: * scale[r])
     SwiGLU: g, u = the same for the gate rows n and the up rows N_UP + n; out = silu(g) * u, h = [g | u]
 
-Why: a kernel that issues loads and wgmmas from one instruction stream, with a CTA barrier per k-step, stops the
-tensor cores in every epilogue (SwiGLU writes h and act: 1.5x the bytes of torch's); the Triton kernel reaches
-0.83-0.90x torch._grouped_mm (CUTLASS, warp-specialised) on GEMM1 + SwiGLU. Here one loader warp (common.ws_loader:
-a STAGES-deep ring, the next tiles' loads issued as soon as stages free up, across tile boundaries) feeds two 4-warp
-consumers that take rows 0..63 / 64..127 of every 128-row tile: 128 x 256 plain or 128 x (128 gate + 128 up) SwiGLU
-tiles, each stage released by both (empty count 2). The epilogue's math stops the tensor cores, its stores do not,
-and the ring is full when the next tile starts.
+Why: a kernel issuing loads and wgmmas from one instruction stream, with a CTA barrier per k-step, stops the tensor
+cores in every epilogue (SwiGLU writes h and act: 1.5x the bytes of torch's); the Triton kernel reaches 0.83-0.90x
+torch._grouped_mm (CUTLASS, warp-specialised) on GEMM1 + SwiGLU. Here one loader warp (common.ws_loader: a
+STAGES-deep ring, loads issued as soon as stages free up, across tile boundaries) feeds two 4-warp consumers taking
+rows 0..63 / 64..127 of every 128-row tile (128 x 256 plain or 128 x (128 gate + 128 up) SwiGLU tiles), each stage
+released by both (empty count 2): the epilogue's math stops the tensor cores, its stores do not.
 
-k-loop: the accumulator is chained through async wgmmas; warpgroup_mma_wait(1) (SwiGLU: 2, gate and up) leaves the step
-just issued in flight and proves the previous one done, whose stage is then released. Epilogue: common.put, in 64-column
-slices; h as two descriptors [R, N] of row stride 2N, so a gate slice past N is clipped instead of overwriting the up
-half. Rows of a tile past its expert's end (the next expert's, or TMA zero fill) and weight rows past N are loaded and
-dropped by the epilogue's mask, hence any N.
+k-loop: the accumulator is chained through async wgmmas; warpgroup_mma_wait(1) (SwiGLU: 2, gate and up) leaves the
+step just issued in flight and proves the previous one done, whose stage is then released. Epilogue: common.put, in
+64-column slices; h as two descriptors [R, N] of row stride 2N, so a gate slice past N is clipped instead of
+overwriting the up half. Rows past the expert's end (the next expert's, or TMA zero fill) and weight rows past N are
+loaded and dropped by the epilogue's mask, hence any N.
 """
 
 from __future__ import annotations
@@ -52,8 +51,6 @@ from megamoe.kernels.gluon.common import (
 )
 
 BLOCK_K = 64  # one 128-byte swizzled row of bf16 per k-step
-#: epilogue -> allowed block_n: at most 128 accumulator registers per thread (the SwiGLU backward also holds g, u)
-WIDTHS = {EPI_NONE: (128, 256), EPI_SWIGLU: (64, 128), EPI_DSWIGLU: (64, 128)}
 
 
 @gluon.jit
@@ -105,8 +102,7 @@ def _bf16_consumer(a_smem, b_smem, b2_smem, ready, empty, epi_smem, h_smem, h_ba
     HM: gl.constexpr = BLOCK_M // 2
     NSL: gl.constexpr = BLOCK_N // 64
     sched: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_N, 16])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     store_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     e_idx, starts, cnts, m_tiles, cum_end, total = schedule(offs_ptr, E_l, N, BLOCK_M, BLOCK_N, BLOCK_E, sched)
@@ -246,16 +242,6 @@ def _gluon_bf16_ws_kernel(
             mbarrier.invalidate(h_bar.index(c))
 
 
-def smem_bytes(cfg: GemmConfig, epilogue: int) -> int:
-    """Shared memory of a launch: the ring, the consumers' staging buffers (2 x 2 x [64, 64] bf16), the SwiGLU
-    backward's h tiles, barriers (rounded up)."""
-    two = epilogue == EPI_SWIGLU
-    ring = cfg.num_stages * 2 * BLOCK_K * (cfg.block_m + (2 if two else 1) * cfg.block_n)
-    rows = cfg.block_m // 2
-    h = 2 * 2 * rows * cfg.block_n * 2 if epilogue == EPI_DSWIGLU else 0  # each consumer's h gate and up slices
-    return ring + 4 * rows * 64 * 2 + h + 1024
-
-
 def ws_bf16_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, w_kn: bool = False,
                    n_up: int = 0) -> str | None:
     """Why the warp-specialised bf16 kernel cannot run this launch (config and shapes only; device checks are the
@@ -278,12 +264,17 @@ def ws_bf16_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, 
     if cfg.block_m != 128 or cfg.num_warps != 4:
         return (f"block_m must be 128 and num_warps 4 (consumer warpgroups of 4 warps), got block_m={cfg.block_m}, "
                 f"num_warps={cfg.num_warps}")
-    widths = WIDTHS[epilogue]
+    widths = (128, 256) if epilogue == EPI_NONE else (64, 128)
     if cfg.block_n not in widths:
         return (f"block_n must be one of {widths}{' with SwiGLU (gate = up columns per tile)' if two else ''} (128 "
                 f"accumulator registers per thread at most; the SwiGLU backward's epilogue holds g and u besides), "
                 f"got {cfg.block_n}")
-    if (why := stages_reason(cfg, smem_bytes(cfg, epilogue))) is not None:
+    # shared memory: the ring, the consumers' staging buffers (2 x 2 x [64, 64] bf16), barriers (rounded up), and the
+    # SwiGLU backward's h tiles (each consumer's gate and up slices)
+    smem = cfg.num_stages * 2 * BLOCK_K * (cfg.block_m + (2 if two else 1) * cfg.block_n) + 4 * 64 * 64 * 2 + 1024
+    if epilogue == EPI_DSWIGLU:
+        smem += 2 * 2 * 64 * cfg.block_n * 2
+    if (why := stages_reason(cfg, smem)) is not None:
         return why
     if k <= 0 or k % 8:
         return f"K must be a positive multiple of 8 (16-byte TMA strides), got K = {k}"
@@ -319,32 +310,27 @@ def launch_gluon_bf16_ws(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, o
     a_desc = nvmma_desc(a, [bm, BLOCK_K])
     w2d = w.view(E_l * K, n_w) if w_kn else w.view(E_l * n_w, K)
     w_desc = nvmma_desc(w2d, [BLOCK_K, bn] if w_kn else [bn, BLOCK_K])
-    hm = cfg.block_m // 2
-    two = epilogue == EPI_SWIGLU
-    back = epilogue == EPI_DSWIGLU
+    two, back = epilogue == EPI_SWIGLU, epilogue == EPI_DSWIGLU
 
-    def halves(t):  # t [R, 2n] -> descriptors of its halves [R, n] (row stride 2n)
-        return nvmma_desc(t, [hm, 64], shape=[R, n]), nvmma_desc(t[:, n:], [hm, 64], shape=[R, n])
+    def desc(t, col=0):  # columns col .. col + n - 1 of t as [R, n] (t's row stride), blocks [bm / 2, 64]
+        return nvmma_desc(t[:, col:], [bm // 2, 64], shape=[R, n])
 
     # TMA stores where the outputs are TMA-able: 16-byte aligned bases and row strides (a half's base: n % 8 == 0)
-    if back:
-        epi_tma = tma_ok([out]) and n % 8 == 0 and (acts is None or tma_ok([acts]))
-    else:
-        epi_tma = tma_ok([out]) and (not (two and store_h) or (tma_ok([h]) and n % 8 == 0))
     out_desc = hg_desc = hu_desc = du_desc = acts_desc = a_desc  # unused where not set below
     if back:  # h is read by TMA whatever the outputs (the caller checked it TMA-able)
-        hg_desc, hu_desc = halves(h)
-    if epi_tma:
-        if back:
-            out_desc, du_desc = halves(out)
-            if acts is not None:
-                acts_desc = nvmma_desc(acts, [hm, 64], shape=[R, n])
-        else:
-            out_desc = nvmma_desc(out, [hm, 64], shape=[R, n])
+        hg_desc, hu_desc = desc(h), desc(h, n)
+        epi_tma = tma_ok([out]) and n % 8 == 0 and (acts is None or tma_ok([acts]))
+        if epi_tma:
+            out_desc, du_desc = desc(out), desc(out, n)
+            acts_desc = desc(acts) if acts is not None else a_desc
+    else:
+        epi_tma = tma_ok([out]) and (not (two and store_h) or (tma_ok([h]) and n % 8 == 0))
+        if epi_tma:
+            out_desc = desc(out)
             if two and store_h:
-                hg_desc, hu_desc = halves(h)
+                hg_desc, hu_desc = desc(h), desc(h, n)
     grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * triton.cdiv(n, bn), a.device)
-    k = _gluon_bf16_ws_kernel[(grid,)](
+    record("_gluon_bf16_ws_kernel", _gluon_bf16_ws_kernel[(grid,)](
         a_desc, w_desc, out_desc, hg_desc, hu_desc, du_desc, acts_desc, out, h if h is not None else out,
         scale if scale is not None else out, acts if acts is not None else out, dsp if dsp is not None else out, offs,
         R, n, K, E_l, grid, out.stride(0), h.stride(0) if h is not None else 0, n_w, n_up,
@@ -352,8 +338,4 @@ def launch_gluon_bf16_ws(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, o
         STAGES=cfg.num_stages, HAS_SCALE=scale is not None, SWIGLU=epilogue == EPI_SWIGLU, STORE_H=store_h,
         EPI_TMA=epi_tma, W_KN=w_kn, DSWIGLU=back, ACTS=acts is not None, CONSUMER_REGS=consumer_regs,
         LOADER_REGS=REG_POOL - 2 * consumer_regs, num_warps=4, maxnreg=REG_POOL // 3,
-    )
-    record("_gluon_bf16_ws_kernel", k)
-
-
-__all__ = ["ws_bf16_limits", "launch_gluon_bf16_ws", "WIDTHS"]
+    ))

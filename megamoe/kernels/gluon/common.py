@@ -229,11 +229,9 @@ def ws_loader(a_desc, w_desc, a_smem, b_smem, b2_smem, ready, empty, offs_ptr, N
             mbarrier.expect(ready.index(s), nbytes)
             tma.async_copy_global_to_shared(a_desc, [off_m, ki * BLOCK_K], ready.index(s), a_smem.index(s))
             if MODE == 3:
-                tma.async_copy_global_to_shared(w_desc, [wrow + ki * BLOCK_K, ni * TN], ready.index(s),
-                                                b_smem.index(s))
+                tma.async_copy_global_to_shared(w_desc, [wrow + ki * BLOCK_K, ni * TN], ready.index(s), b_smem.index(s))
             else:
                 tma.async_copy_global_to_shared(w_desc, [wrow, ki * BLOCK_K], ready.index(s), b_smem.index(s))
             if TWO:
-                tma.async_copy_global_to_shared(w_desc, [wrow + B2_OFF, ki * BLOCK_K], ready.index(s),
-                                                b2_smem.index(s))
+                tma.async_copy_global_to_shared(w_desc, [wrow + B2_OFF, ki * BLOCK_K], ready.index(s), b2_smem.index(s))
             it += 1

@@ -56,8 +56,7 @@ def _ws_consumer(a_smem, b_smem, b2_smem, ready, empty, epi_smem, out_desc, hg_d
     TN: gl.constexpr = 2 * BLOCK_N if MODE == 2 else BLOCK_N
     SERIAL: gl.constexpr = MODE != 0 and BLOCK_N == 128
     sched: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_N, 32])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
     store_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # the masked stores: [HM, 64] slices
@@ -209,10 +208,9 @@ def ws_limits(cfg: GemmConfig, *, n: int, k: int, n_w: int, epilogue: int, n_up:
     return None
 
 
-def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w_s: torch.Tensor,
-                        offs: torch.Tensor, out: torch.Tensor, cfg: GemmConfig, *, n: int, epilogue: int,
-                        h: torch.Tensor | None = None, scale: torch.Tensor | None = None, store_h: bool = False,
-                        n_up: int = 0) -> None:
+def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w_s: torch.Tensor, offs: torch.Tensor,
+                        out: torch.Tensor, cfg: GemmConfig, *, n: int, epilogue: int, h: torch.Tensor | None = None,
+                        scale: torch.Tensor | None = None, store_h: bool = False, n_up: int = 0) -> None:
     """Launch _gluon_fp8_ws_kernel with the arguments of grouped_gemm.launch_grouped_gemm's FP8 launch (operands
     validated by the caller); ValueError naming the failing limit."""
     R, K = aq.shape
@@ -241,10 +239,9 @@ def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w
     if epi_tma:
         out_desc = nvmma_desc(out, [bm // 2, 64], shape=[R, n])
         if mode == 1 and store_h:
-            hg_desc = nvmma_desc(h, [bm // 2, 64], shape=[R, n])
-            hu_desc = nvmma_desc(h[:, n:], [bm // 2, 64], shape=[R, n])
+            hg_desc, hu_desc = (nvmma_desc(h[:, col:], [bm // 2, 64], shape=[R, n]) for col in (0, n))
     grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * triton.cdiv(n, cfg.block_n), aq.device)
-    k = _gluon_fp8_ws_kernel[(grid,)](
+    record("_gluon_fp8_ws_kernel", _gluon_fp8_ws_kernel[(grid,)](
         a_desc, w_desc, out_desc, hg_desc, hu_desc, a_s, w_s, out, h if h is not None else out,
         scale if scale is not None else out, offs,
         R, n, K, E_l, grid, a_s.stride(0), w_s.stride(0), w_s.stride(1), out.stride(0),
@@ -252,8 +249,4 @@ def launch_gluon_fp8_ws(aq: torch.Tensor, a_s: torch.Tensor, wq: torch.Tensor, w
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.group_m, BLOCK_E=block_e,
         STAGES=cfg.num_stages, HAS_SCALE=scale is not None, MODE=mode, STORE_H=store_h, EPI_TMA=epi_tma,
         CONSUMER_REGS=consumer_regs, LOADER_REGS=REG_POOL - 2 * consumer_regs, num_warps=4, maxnreg=REG_POOL // 3,
-    )
-    record("_gluon_fp8_ws_kernel", k)
-
-
-__all__ = ["ws_limits", "launch_gluon_fp8_ws"]
+    ))

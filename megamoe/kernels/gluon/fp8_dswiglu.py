@@ -166,12 +166,10 @@ def _gluon_fp8_dswiglu_kernel(
             sc_b = gl.load(as_row + ka + 1, mask=mmask, other=0.0) * gl.load(ws_tile + ka + 1)
             sta = (it + ka) % STAGES
             mbarrier.wait(bars.index(sta), ((it + ka) // STAGES) & 1)
-            pa = warpgroup_mma(a_smem.index(sta), b_smem.index(sta).permute((1, 0)), zero, use_acc=False,
-                               is_async=True)
+            pa = warpgroup_mma(a_smem.index(sta), b_smem.index(sta).permute((1, 0)), zero, use_acc=False, is_async=True)
             stb = (it + ka + 1) % STAGES
             mbarrier.wait(bars.index(stb), ((it + ka + 1) // STAGES) & 1)
-            pb = warpgroup_mma(a_smem.index(stb), b_smem.index(stb).permute((1, 0)), zero, use_acc=False,
-                               is_async=True)
+            pb = warpgroup_mma(a_smem.index(stb), b_smem.index(stb).permute((1, 0)), zero, use_acc=False, is_async=True)
             done = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))  # P_a done, P_b still running
             acc = acc + done * sc_a[:, None]
             # keeps P_a's promotion ahead of the refill's block boundary: overlapped with P_b in SASS
@@ -241,15 +239,10 @@ def launch_gluon_fp8_dswiglu(dyq: torch.Tensor, dy_s: torch.Tensor, wq: torch.Te
     a_desc = nvmma_desc(dyq, [bm, 128], gl.float8e4nv)
     w_desc = nvmma_desc(wq.view(E_l * N_w, K), [bn, 128], gl.float8e4nv)
     grid = grid_size(cfg, (triton.cdiv(R, bm) + E_l) * (n // bn), dyq.device)
-    k = _gluon_fp8_dswiglu_kernel[(grid,)](
+    record("_gluon_fp8_dswiglu_kernel", _gluon_fp8_dswiglu_kernel[(grid,)](
         a_desc, w_desc, dy_s, w_s, out, h, scale if scale is not None else out, dsp if dsp is not None else out,
         acts if acts is not None else out, offs,
         R, n, K, E_l, grid, dy_s.stride(0), w_s.stride(0), w_s.stride(1), out.stride(0), h.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(max(E_l, 2)), STAGES=cfg.num_stages,
-        HAS_SCALE=scale is not None, ACTS=acts is not None, WARPS_M=warps_m, INSTR_N=instr_n,
-        num_warps=warps,
-    )
-    record("_gluon_fp8_dswiglu_kernel", k)
-
-
-__all__ = ["dswiglu_limits", "launch_gluon_fp8_dswiglu"]
+        HAS_SCALE=scale is not None, ACTS=acts is not None, WARPS_M=warps_m, INSTR_N=instr_n, num_warps=warps,
+    ))

@@ -11,31 +11,29 @@ run with the structure of the warp-specialised GEMMs (kernels/gluon/bf16.py):
                descriptor per rank, a stage holding RA + RB whole rows; the loader waits for READY itself), and hands
                the item to the consumers through a QD-deep queue: a message in shared memory behind an mbarrier
                (fused_io.pack: the item decoded and its block located; "go" off at the end, "fine" off when a wait
-               failed: every partition stops there). Items with no block (the schedule's padding) are claimed and
-               dropped.
+               failed: every partition stops there). Items with no block (the schedule's padding) are dropped.
     consumer 0 4 warps (the default partition): rows 0..63 of the item's block
     consumer 1 4 warps (a worker partition):    rows 64..127
                PULL: the stages the loader filled, TMA-stored into the receive buffer (fused_io.store_pull: even stages
-               by consumer 0, odd by consumer 1, each stage freed once read, the writes waited for before the
-               signal); where fused_io.bulk_pull_plan has no plan (H % 64, more than 8 boxes per row or more than
-               8 ranks) half of the part's rows through its registers (fused_io.pull_rows). GEMM1: 64 x (128 gate +
-               128 up) async wgmmas, SwiGLU epilogue through common.put (TMA stores into act / h where every row is
-               the block's); GEMM2: 64 x BN2, epilogue pushing each row into its owner's slot. On a GEMM item of a
-               block of <= 64 rows consumer 1 only frees the ring stages as they land (common.ring_skip), so consumer
-               0 has the tensor cores to itself. Each consumer posts the item's counter into the signaller's SQ-deep
-               queue once its stores are done and goes on to its next item.
+               by consumer 0, odd by consumer 1, each freed once read, the writes waited for before the signal); where
+               fused_io.bulk_pull_plan has none (H % 64, more than 8 boxes per row or 8 ranks) half of the part's rows
+               through its registers (fused_io.pull_rows). GEMM1: 64 x (128 gate + 128 up) async wgmmas, SwiGLU
+               epilogue through common.put (TMA stores into act / h where every row is the block's); GEMM2: 64 x BN2,
+               epilogue pushing each row into its owner's slot. On a GEMM item of a block of <= 64 rows consumer 1
+               only frees the ring stages as they land (common.ring_skip): consumer 0 has the tensor cores to itself.
+               Each consumer posts the item's counter into the signaller's SQ-deep queue once its stores are done.
     signaller  1 warp: once both consumers posted an item, ``counter += 2`` (release, GPU scope: cumulative, so it
-               publishes the consumers' stores, which reached this warp through the mbarrier), in posting order. The
-               targets are 2x the Triton kernel's (2 per pull item, 2 per GEMM tile). A release waits until the stores
-               before it are performed: done here it holds no consumer's next item back.
+               publishes the consumers' stores, which reached this warp through the mbarrier), in posting order; the
+               targets are 2x the Triton kernel's. A release waits until the stores before it are performed: done here
+               it holds no consumer's next item back.
 
 Deadlock freedom is the Triton kernel's argument (fused_moe.py). Within a program the consumers run the items in
-claim order; the loader hands an item over as soon as its inputs are ready and then issues its loads, and waits for the
-next item's inputs only after all of this item's loads are issued, so a loader waiting on a counter never waits on a
-consumer that waits on that loader. The loader does every wait (the consumers wait only on mbarriers that the loader or
-the signaller always completes; the signaller only on the consumers' posts, and each consumer posts an end message
-however its loop ends), so a timeout cannot leave one partition stopped while another waits for it. DONE and the tail
-are fused_moe.py's launches.
+claim order; the loader hands an item over as soon as its inputs are ready, then issues its loads, and waits for the
+next item's inputs only after all of them are issued, so a loader waiting on a counter never waits on a consumer that
+waits on that loader. The loader does every wait (the consumers wait only on mbarriers that the loader or the
+signaller always completes; the signaller only on the consumers' posts, and each consumer posts an end message however
+its loop ends), so a timeout cannot leave one partition stopped while another waits for it. DONE and the tail are
+fused_moe.py's launches.
 """
 
 from __future__ import annotations
@@ -154,8 +152,7 @@ def _issue_loads(x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, emp
             mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(st), nbytes2)
             tma.async_copy_global_to_shared(act_desc, [base, ki * BK], ready.index(st), a_smem.index(st))
-            tma.async_copy_global_to_shared(w2_desc, [wrow, ki * BK], ready.index(st),
-                                            b_smem.index(st).slice(0, BN2))
+            tma.async_copy_global_to_shared(w2_desc, [wrow, ki * BK], ready.index(st), b_smem.index(st).slice(0, BN2))
             it += 1
     return it
 
@@ -164,9 +161,9 @@ def _issue_loads(x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, emp
 def _loader(tab, W, rank, x_desc, w13_desc, act_desc, w2_desc, a_smem, b_smem, ready, empty, q_full, q_empty,
             q_smem, offs_ptr, ctr_ptr, H, I, E_l, NB_MAX, NS, L1, L2, timeout_ns,
             BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, BLOCK_E: gl.constexpr, GB: gl.constexpr,
-            STAGES: gl.constexpr, QD_: gl.constexpr, tok_descs,
-            row_src_ptr, row_tok_ptr, BULK: gl.constexpr, RA: gl.constexpr, RB: gl.constexpr, RV: gl.constexpr,
-            C: gl.constexpr, WP2: gl.constexpr, NP: gl.constexpr, BR: gl.constexpr):
+            STAGES: gl.constexpr, QD_: gl.constexpr, tok_descs, row_src_ptr, row_tok_ptr, BULK: gl.constexpr,
+            RA: gl.constexpr, RB: gl.constexpr, RV: gl.constexpr, C: gl.constexpr, WP2: gl.constexpr, NP: gl.constexpr,
+            BR: gl.constexpr):
     """Claims the items, waits for their inputs, hands them over, then issues their loads. BULK: the PULL items' loads
     too (issue_pull), after READY of every rank (the peers' tokens staged)."""
     BK: gl.constexpr = 64
@@ -317,12 +314,11 @@ def _gemm2_half(tab, W, a_smem, b_smem, ready, empty, epi_smem, row_src_ptr, row
 
 @gluon.jit
 def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_smem, s_full, s_empty, s_smem, epi_smem,
-              act_st_desc, hg_desc, hu_desc, x_ptr, act_ptr, h_ptr, row_src_ptr, row_tok_ptr, row_slot_ptr,
-              H, I, E_l, NB_MAX, timeout_ns,
-              K: gl.constexpr, BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, STAGES: gl.constexpr,
-              QD_: gl.constexpr, ROWS_P: gl.constexpr, BLOCK_H: gl.constexpr, WP2: gl.constexpr, STORE_H: gl.constexpr,
-              EPI_TMA: gl.constexpr, ALIGNED: gl.constexpr, WG: gl.constexpr, SQ: gl.constexpr, xv_desc,
-              BULK: gl.constexpr, RA: gl.constexpr, RB: gl.constexpr, RV: gl.constexpr, C: gl.constexpr,
+              act_st_desc, hg_desc, hu_desc, x_ptr, act_ptr, h_ptr, row_src_ptr, row_tok_ptr, row_slot_ptr, H, I, E_l,
+              NB_MAX, timeout_ns, K: gl.constexpr, BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr,
+              STAGES: gl.constexpr, QD_: gl.constexpr, ROWS_P: gl.constexpr, BLOCK_H: gl.constexpr, WP2: gl.constexpr,
+              STORE_H: gl.constexpr, EPI_TMA: gl.constexpr, ALIGNED: gl.constexpr, WG: gl.constexpr, SQ: gl.constexpr,
+              xv_desc, BULK: gl.constexpr, RA: gl.constexpr, RB: gl.constexpr, RV: gl.constexpr, C: gl.constexpr,
               BR: gl.constexpr, IDLE_: gl.constexpr):
     """Consumer warpgroup WG: rows WG * 64 .. WG * 64 + 63 of every item's block (module docstring)."""
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -343,12 +339,8 @@ def _consumer(tab, W, rank, a_smem, b_smem, ready, empty, q_full, q_empty, q_sme
         mbarrier.wait(q_full.index(qs), (n // QD_) & 1)
         m = q_smem.index(qs)  # the loader's message (pack): only live items, the end, or a failed wait
         go = (rd(m, 1, lay) != 0) & (rd(m, 2, lay) != 0)
-        kind = rd(m, 3, lay)
-        b = rd(m, 4, lay)
-        j = rd(m, 5, lay)
-        row0 = rd(m, 7, lay)
-        nrows = rd(m, 8, lay)
-        base = rd(m, 9, lay)
+        kind, b, j = rd(m, 3, lay), rd(m, 4, lay), rd(m, 5, lay)
+        row0, nrows, base = rd(m, 7, lay), rd(m, 8, lay), rd(m, 9, lay)
         gl.thread_barrier()
         mbarrier.arrive(q_empty.index(qs), count=1)
         if go:
@@ -442,15 +434,7 @@ def _gluon_fused_fwd_kernel(
     ring_done(s_full, s_empty, SQ_)
 
 
-def smem_bytes(cfg) -> int:
-    """Shared memory of a launch: the ring (a [BM, 64] tile + the weight rows of the wider GEMM item per stage), the
-    consumers' staging buffers (4 x [BM / 2, 64]), barriers (rounded up); bf16 throughout."""
-    bw = max(2 * cfg.bn1, cfg.bn2)
-    return cfg.num_stages * 128 * (cfg.block_m + bw) + 4 * (cfg.block_m // 2) * 64 * 2 + 1024
-
-
-def gluon_fused_reason(cfg, *, H: int, I: int, device: torch.device | None = None,
-                       gpt_oss: bool = False) -> str | None:
+def gluon_fused_reason(cfg, *, H: int, I: int, device: torch.device | None = None, gpt_oss: bool = False) -> str | None:
     """Why ``FusedConfig(kernel="gluon")`` cannot run a forward of these sizes on ``device`` (None: it can; device
     None: the config and sizes only). ``gpt_oss``: the layer's experts are gpt-oss's (biases, clamped SwiGLU)."""
     if gpt_oss:
@@ -466,7 +450,10 @@ def gluon_fused_reason(cfg, *, H: int, I: int, device: torch.device | None = Non
         return (f"needs block_m=128, bn1=128, block_k=64 and bn2 128 or 256 (two 64-row consumer warpgroups with at "
                 f"most 128 accumulator registers each), got block_m={cfg.block_m}, bn1={cfg.bn1}, "
                 f"block_k={cfg.block_k}, bn2={cfg.bn2}")
-    if (why := stages_reason(cfg, smem_bytes(cfg))) is not None:
+    # shared memory (bf16): the ring (a [BM, 64] tile + the weight rows of the wider GEMM item per stage), the
+    # consumers' staging buffers (4 x [BM / 2, 64]), barriers (rounded up)
+    smem = cfg.num_stages * 128 * (cfg.block_m + max(2 * cfg.bn1, cfg.bn2)) + 4 * (cfg.block_m // 2) * 64 * 2 + 1024
+    if (why := stages_reason(cfg, smem)) is not None:
         return why
     if H % 8 or I % 8:
         return f"H and I must be multiples of 8 (16-byte TMA row strides), got H={H}, I={I}"
@@ -484,8 +471,7 @@ def prepare_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: 
     act_st_desc = nvmma_desc(act, [BM // 2, 64], shape=[nrows, I])
     hg_desc = hu_desc = act_st_desc
     if h is not None:
-        hg_desc = nvmma_desc(h, [BM // 2, 64], shape=[nrows, I])
-        hu_desc = nvmma_desc(h[:, I:], [BM // 2, 64], shape=[nrows, I])
+        hg_desc, hu_desc = (nvmma_desc(h[:, col:], [BM // 2, 64], shape=[nrows, I]) for col in (0, I))
     epi_tma = all(t.data_ptr() % 16 == 0 for t in [act] + ([h] if h is not None else []))
     block_h = min(triton.next_power_of_2(H), 2048)
     bulk = bulk_pull_plan(heap, cfg, a)
@@ -503,6 +489,3 @@ def prepare_gluon_fused(heap, cfg, sched, P: int, *, a, w1, act, w2, h, ctr, I: 
         **{f"tok{i}": t for i, t in enumerate(toks8)}, BULK=bulk is not None, RA=ra, RB=rb, RV=rv, C=cw,
         NP=max(len(toks), 1), BR=br, IDLE_=IDLE_HALF, num_warps=4, maxnreg=REG_POOL // 3,
     ))
-
-
-__all__ = ["gluon_fused_reason", "prepare_gluon_fused", "smem_bytes"]

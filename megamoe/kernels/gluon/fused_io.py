@@ -264,8 +264,7 @@ def issue_pull(tok_descs, a_smem, b_smem, ready, empty, row_src_ptr, row_tok_ptr
                 else:
                     for p in gl.static_range(NP):
                         if src == p:
-                            tma.async_copy_global_to_shared(tok_descs[p], [tok * RV + i * BR, 0], ready.index(st),
-                                                            dst)
+                            tma.async_copy_global_to_shared(tok_descs[p], [tok * RV + i * BR, 0], ready.index(st), dst)
         it += 1
     return it
 

@@ -87,8 +87,7 @@ def _wgrad_consumer(x_smem, y_smem, ready, empty, epi_smem, c_desc, offs_ptr, M,
                     STAGES: gl.constexpr, NB: gl.constexpr, WG: gl.constexpr):
     """Rows WG * 64 .. WG * 64 + 63 of every output tile of this program."""
     HM: gl.constexpr = 64
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_N, 16])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # x's [BK, 64] box, 16 bytes per thread
     cdt: gl.constexpr = c_desc.dtype
@@ -170,12 +169,6 @@ def staging_buffers(cfg: GemmConfig, out_bytes: int) -> int:
     return cfg.block_n // 64 if out_bytes == 2 else 2
 
 
-def smem_bytes(cfg: GemmConfig, out_bytes: int) -> int:
-    """Shared memory of a launch: the ring, the consumers' staging buffers, barriers (rounded up)."""
-    nb = staging_buffers(cfg, out_bytes)
-    return cfg.num_stages * 2 * cfg.block_k * (128 + cfg.block_n) + 2 * nb * 64 * 64 * out_bytes + 1024
-
-
 def ws_wgrad_limits(cfg: GemmConfig, *, m: int, n: int, out_dtype: torch.dtype) -> str | None:
     """Why the warp-specialised wgrad kernel cannot run this launch (config and shapes; device checks are the
     caller's), or None."""
@@ -184,7 +177,11 @@ def ws_wgrad_limits(cfg: GemmConfig, *, m: int, n: int, out_dtype: torch.dtype) 
                 f"of 64 rows), got {cfg.block_m} x {cfg.block_n} x {cfg.block_k}, num_warps {cfg.num_warps}")
     if out_dtype not in (torch.bfloat16, torch.float32):
         return f"the output must be bfloat16 or float32, got {out_dtype}"
-    if (why := stages_reason(cfg, smem_bytes(cfg, torch.finfo(out_dtype).bits // 8))) is not None:
+    out_bytes = torch.finfo(out_dtype).bits // 8
+    # shared memory: the ring, both consumers' [64, 64] staging buffers, barriers (rounded up)
+    smem = (cfg.num_stages * 2 * cfg.block_k * (128 + cfg.block_n) + 2 * staging_buffers(cfg, out_bytes) * 64 * 64
+            * out_bytes + 1024)
+    if (why := stages_reason(cfg, smem)) is not None:
         return why
     if m % 64 or n % 8:
         return (f"M must be a multiple of 64 (output halves stored by TMA without straddling experts) and N of 8, "
@@ -215,13 +212,8 @@ def launch_gluon_wgrad_ws(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, 
     c_desc = nvmma_desc(out.view(E_l * M, N), [64, 64], gl.bfloat16 if out.dtype == torch.bfloat16 else gl.float32)
     total = E_l * triton.cdiv(M, 128) * triton.cdiv(N, bn)
     grid = grid_size(cfg, total, x.device)
-    k = _gluon_wgrad_ws_kernel[(grid,)](
-        x_desc, y_desc, c_desc, offs, M, N, total, grid,
+    record("_gluon_wgrad_ws_kernel", _gluon_wgrad_ws_kernel[(grid,)](
+        x_desc, y_desc, c_desc, offs, M, N, total, grid, NB=staging_buffers(cfg, out.element_size()),
         BLOCK_M=128, BLOCK_N=bn, BK=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        NB=staging_buffers(cfg, out.element_size()),
         CONSUMER_REGS=224, LOADER_REGS=REG_POOL - 2 * 224, num_warps=4, maxnreg=REG_POOL // 3,
-    )
-    record("_gluon_wgrad_ws_kernel", k)
-
-
-__all__ = ["launch_gluon_wgrad_ws", "ws_wgrad_limits"]
+    ))
