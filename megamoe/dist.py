@@ -65,6 +65,19 @@ def rank_device():
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def group_world_rank(group=None) -> tuple:
+    """(group, W, rank): ``group`` (None: the default one), its size and this process's rank; without
+    torch.distributed (None, 1, 0): one process, where a group given raises."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        group = group or dist.group.WORLD
+        return group, dist.get_world_size(group), dist.get_rank(group)
+    if group is not None:
+        raise ValueError("a process group was given but torch.distributed is not initialised")
+    return None, 1, 0
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -24,7 +24,6 @@ where it cannot run). Twins (``*_ref``): pure torch, any float dtype, padding ro
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from megamoe.kernels.bias_grad import row_bias_dot, segment_sum, segment_sum_ref
 from megamoe.kernels.fp8_quant import (  # the FP8 operands' quantisers, part of this module's op-level API
@@ -52,6 +51,7 @@ from megamoe.kernels.gemm_config import (
 from megamoe.kernels.grouped_gemm import check_fp8, check_grouped, launch_grouped_gemm
 from megamoe.kernels.interpreter import row_buffer
 from megamoe.kernels.wgrad import launch_grouped_wgrad
+from megamoe.reference import gpt_oss_act, swiglu
 
 __all__ = ["GemmConfig", "default_config", "pin_config", "choose_config", "gluon_reason", "grouped_gemm",
            "gemm1_swiglu", "gemm2", "gemm2_dgrad_swiglu", "gemm1_dgrad", "grouped_wgrad", "segment_sum", "quantize_act",
@@ -384,14 +384,9 @@ def _row_bias(bias, offs, R: int, dtype) -> torch.Tensor:
 def gemm1_swiglu_ref(x, w13, offs, *, bias=None, clamp=None):
     """(act, h) twin of gemm1_swiglu (bias and clamp as there)."""
     h = grouped_gemm_ref(x, w13, offs)
-    I = w13.shape[1] // 2
     if bias is not None:
         h = h + _row_bias(bias, offs, x.shape[0], x.dtype)
-    if clamp is None:
-        return F.silu(h[:, :I]) * h[:, I:], h
-    alpha, limit = clamp
-    g, u = h[:, :I].clamp(max=limit), h[:, I:].clamp(min=-limit, max=limit)
-    return g * torch.sigmoid(alpha * g) * (u + 1), h
+    return (swiglu(h) if clamp is None else gpt_oss_act(h, *clamp)), h
 
 
 def gemm2_ref(act, w2, offs, *, scale=None, bias=None):
@@ -406,15 +401,13 @@ def gemm2_dgrad_swiglu_ref(dy, w2, h, offs, *, scale=None, clamp=None, b2=None):
     I = w2.shape[2]
     g, u = h[:, :I].to(dy.dtype), h[:, I:].to(dy.dtype)
     if clamp is not None:  # by autograd through the clamps (torch.clamp's gradient: 0 where a bound holds)
-        alpha, limit = clamp
         with torch.enable_grad():
-            g, u = g.detach().requires_grad_(), u.detach().requires_grad_()
-            gc, uc = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
-            act = gc * torch.sigmoid(alpha * gc) * (uc + 1)
+            hg = h.to(dy.dtype).detach().requires_grad_()
+            act = gpt_oss_act(hg, *clamp)
         ds = None if scale is None else (dact * act.detach()).sum(1)
         if scale is not None:
             dact = dact * scale.to(dy.dtype)[:, None]
-        dh = torch.cat(torch.autograd.grad(act, [g, u], dact), 1)
+        dh = torch.autograd.grad(act, hg, dact)[0]
     else:
         sig = torch.sigmoid(g)
         ds = None if scale is None else (dact * (g * sig) * u).sum(1)

@@ -142,8 +142,7 @@ class MegaMoEBlock(nn.Module):
             aux_loss_coef=0.0,  # transformers computes its own from the recorded router logits
             dtype=w13.dtype, max_tokens_per_rank=max_tokens_per_rank,
             n_group=n_group, topk_group=gate.topk_group if n_group > 1 else 1,
-            name=f"hf-{self.model_type}",
-        )
+            name=f"hf-{self.model_type}")
         tensors = {"w13": w13, "w2": w2}
         if gpt_oss:
             cfg = cfg.replace(router_bias=True, expert_kind="gpt_oss",

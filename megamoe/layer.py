@@ -26,7 +26,7 @@ from torch import nn
 
 from megamoe.backends import make_backend
 from megamoe.config import MoEConfig, compute_dtype
-from megamoe.dist import wire_dtype
+from megamoe.dist import group_world_rank, wire_dtype
 from megamoe.reference import swiglu
 from megamoe.router import Router
 
@@ -61,12 +61,7 @@ class MoE(nn.Module):
             raise ValueError(f"init must be 'random' or 'none', got {init!r}")
         self.config = config
         self.group = group
-        if dist.is_available() and dist.is_initialized():
-            self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        elif group is not None:
-            raise ValueError("a process group was given but torch.distributed is not initialised")
-        else:
-            self.world, self.rank = 1, 0
+        _, self.world, self.rank = group_world_rank(group)
         self.local_experts = config.local_experts(self.world)  # raises unless W divides E
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"

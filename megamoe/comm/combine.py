@@ -105,20 +105,18 @@ def _gather(rows: torch.Tensor, topk_w: torch.Tensor | None, handle: DispatchHan
     y = torch.empty(T, sh.hidden, dtype=out_dtype or sh.dtype, device=heap.device)  # before READY is published
     y_arg = y if T > 0 else heap.tab.new_empty(1).view(sh.dtype)
     op = S.OP_COMBINE.value if gated else S.OP_DISPATCH_BWD.value
-    if presum:
-        presum_gather(rows, handle, gated, P, y_arg, op)
-        return y
-    sched = handle.schedule
-    w = topk_w.contiguous() if gated else sched.dest_row  # gated: topk_w given (combine's check)
-    in_place = rows.data_ptr() == heap.rows_buffer().data_ptr() and rows.stride() == (sh.hidden, 1)
-    # only rows < offs[E_l] hold data; that count lives on the device, so the kernel reads it there
-    S.stage(heap, act=None if in_place else rows.contiguous(), act_reg=S.REG_ROWS.value, programs=P,
-            nrows=handle.offs[-1:])
-    _gather_sum_kernel[(P,)](
-        heap.tab, heap.world, heap.rank, S.REG_ROWS.value, sched.dest_row, sched.dest_rank, w, y_arg, T,
-        sh.hidden, heap.timeout_ns,
-        OP=op, HAS_W=gated, SRC_DT=S.TL_DTYPES[sh.dtype], **S.tile_args(heap, "gather"),
-    )
+    if presum:  # presum.py: each expert rank sums (with the gates dispatch brought) a token's rows it holds
+        presum_gather(rows, handle.row_gate if gated else None, handle, P, y_arg, op)
+    else:
+        sched = handle.schedule
+        w = topk_w.contiguous() if gated else sched.dest_row  # gated: topk_w given (combine's check)
+        in_place = rows.data_ptr() == heap.rows_buffer().data_ptr() and rows.stride() == (sh.hidden, 1)
+        # only rows < offs[E_l] hold data; that count lives on the device, so the kernel reads it there
+        S.stage(heap, act=None if in_place else rows.contiguous(), act_reg=S.REG_ROWS.value, programs=P,
+                nrows=handle.offs[-1:])
+        _gather_sum_kernel[(P,)](
+            heap.tab, heap.world, heap.rank, S.REG_ROWS.value, sched.dest_row, sched.dest_rank, w, y_arg, T,
+            sh.hidden, heap.timeout_ns, OP=op, HAS_W=gated, SRC_DT=S.TL_DTYPES[sh.dtype], **S.tile_args(heap, "gather"))
     heap.rows_busy = True  # the peers read this rank's rows until their DONE of this call
     heap.after_launch()
     return y
@@ -203,8 +201,7 @@ def send_gate_grad(ds: torch.Tensor, handle: DispatchHandle, num_sms: int | None
     grad_w = torch.empty(T, sh.topk, dtype=torch.float32, device=heap.device)  # before DW_DONE is published
     _send_dw_kernel[(max(1, min(P, triton.cdiv(R, block))),)](
         heap.tab, heap.world, heap.rank, sched.offs, sh.local_experts, sched.row_src, sched.row_tok, sched.row_slot, ds,
-        K=sh.topk, BLOCK=block, WP2=heap.wp2,
-    )
+        K=sh.topk, BLOCK=block, WP2=heap.wp2)
     heap.after_launch()
     S.finish(heap, S.REG_DW.value, grad_w if T > 0 else heap.tab.new_empty(1).view(torch.float32), T * sh.topk, P,
              purpose=DW_DONE.value)

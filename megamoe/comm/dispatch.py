@@ -201,8 +201,7 @@ def pull_rows(heap: SymmetricHeap, sched: Schedule, dst: torch.Tensor, programs:
     _pull_kernel[(programs,)](
         heap.tab, heap.world, heap.rank, S.REG_TOK.value, sched.recv_row, sched.tokens_per_rank, dst,
         gate if gate is not None else dst, sh.max_tokens, sh.hidden, heap.timeout_ns, hp, HAS_GATE=gate is not None,
-        EPW=2 if sh.dtype.itemsize == 2 and sh.hidden % 2 == 0 and hp % 2 == 0 else 1, **S.tile_args(heap, "pull"),
-    )
+        EPW=2 if sh.dtype.itemsize == 2 and sh.hidden % 2 == 0 and hp % 2 == 0 else 1, **S.tile_args(heap, "pull"))
     heap.after_launch()
 
 
@@ -242,14 +241,9 @@ def stage_and_schedule(heap: SymmetricHeap, x: torch.Tensor, topk_idx: torch.Ten
     return build_schedule(heap, sched)
 
 
-def dispatch(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    heap: SymmetricHeap,
-    num_sms: int | None = None,
-    recv: torch.Tensor | None = None,
-    topk_w: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, DispatchHandle]:
+def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, heap: SymmetricHeap, num_sms: int | None = None,
+             recv: torch.Tensor | None = None,
+             topk_w: torch.Tensor | None = None) -> tuple[torch.Tensor, DispatchHandle]:
     """Route x_TH to the ranks owning its experts; returns (recv_RH [R_b, H], handle), R_b = heap.shape.rows_for(T)
     (R_cap; on one rank T * k).
     x: [T, H] heap dtype, T <= heap.shape.max_tokens (T may be 0). topk_idx: [T, k] integer ids in [0, E).
@@ -294,13 +288,8 @@ def fp8_row_views(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.
     return rb[:, :hidden].view(torch.float8_e4m3fn), rb[:, so:so + 4 * triton.cdiv(hidden, 128)].view(torch.float32)
 
 
-def dispatch_fp8(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    heap: SymmetricHeap,
-    num_sms: int | None = None,
-    topk_w: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+def dispatch_fp8(x: torch.Tensor, topk_idx: torch.Tensor, heap: SymmetricHeap, num_sms: int | None = None,
+                 topk_w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
     """:func:`dispatch` of x quantised once per token on its home rank: (aq [R_cap, H] float8_e4m3fn, a_s [R_cap,
     cdiv(H, 128)] fp32, handle), row-strided views of one buffer of packed rows, ready for the FP8 GEMM1. T rows
     are quantised (not up to k received copies) and each moves ~H + H / 32 bytes instead of 2H; bitwise what

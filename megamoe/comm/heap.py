@@ -49,6 +49,8 @@ import torch
 import torch.distributed as dist
 import triton
 
+from megamoe.dist import gpu_ranks_on_gloo, group_world_rank, share_gpus
+
 from . import signals as S
 from .schedule import chunk_tokens
 from .signals import CommTimeoutError
@@ -152,29 +154,15 @@ class SymmetricHeap:
     ``num_sms``: the communication kernels' default programs. :meth:`buffer`: this rank's views; ``tab`` (int64
     [NUM_REGIONS, W] on ``device``): the peer-pointer table the kernels take."""
 
-    def __init__(
-        self,
-        shape: CommShape,
-        group: dist.ProcessGroup | None = None,
-        device: torch.device | str | None = None,
-        timeout_s: float = 60.0,
-        num_sms: int = 32,
-    ):
-        if dist.is_available() and dist.is_initialized():
-            self.group = group or dist.group.WORLD
-            self.rank = dist.get_rank(self.group)
-            self.world = dist.get_world_size(self.group)
-        elif group is not None:
-            raise ValueError("a process group was given but torch.distributed is not initialised")
-        else:  # one process without torch.distributed: a heap of one rank, no collective ever runs
-            self.group, self.rank, self.world = None, 0, 1
+    def __init__(self, shape: CommShape, group: dist.ProcessGroup | None = None,
+                 device: torch.device | str | None = None, timeout_s: float = 60.0, num_sms: int = 32):
+        # without torch.distributed: one process, a heap of one rank, no collective ever runs
+        self.group, self.world, self.rank = group_world_rank(group)
         if self.world != shape.world:
             raise ValueError(f"shape.world={shape.world} but the process group has {self.world} ranks")
         if device is not None:  # the backend by the device; else by the group (nccl, or GPU ranks on gloo)
             backend = "cuda" if torch.device(device).type == "cuda" else "host"
         else:
-            from megamoe.dist import gpu_ranks_on_gloo
-
             gpu_group = self.group is not None and (dist.get_backend(self.group) == "nccl" or gpu_ranks_on_gloo())
             backend = "cuda" if torch.cuda.is_available() and gpu_group else "host"
         self.shape = shape
@@ -238,8 +226,6 @@ class SymmetricHeap:
 
     def _ranks_share_a_gpu(self) -> bool:
         """Whether two ranks of the group run on one GPU (asked only under MEGAMOE_SHARE_GPUS=1: one collective)."""
-        from megamoe.dist import share_gpus
-
         if self.world == 1 or not share_gpus():
             return False
         mine = str(torch.cuda.get_device_properties(self.device).uuid)
@@ -346,11 +332,9 @@ class SymmetricHeap:
             return None
         op = S.OPS.get(rec[S.ERR_OP.value], str(rec[S.ERR_OP.value]))
         purpose = S.PURPOSES.get(rec[S.ERR_PURPOSE.value], str(rec[S.ERR_PURPOSE.value]))
-        return (
-            f"megamoe comm timeout in {op} (call {rec[S.ERR_CALL.value]}) on rank {rec[S.ERR_RANK.value]}: "
-            f"peer rank {rec[S.ERR_PEER.value]} never signalled {purpose} (expected >= {rec[S.ERR_EXPECTED.value]}, "
-            f"saw {rec[S.ERR_SEEN.value]}) within {self.timeout_s:g} s"
-        )
+        return (f"megamoe comm timeout in {op} (call {rec[S.ERR_CALL.value]}) on rank {rec[S.ERR_RANK.value]}: "
+                f"peer rank {rec[S.ERR_PEER.value]} never signalled {purpose} (expected >= "
+                f"{rec[S.ERR_EXPECTED.value]}, saw {rec[S.ERR_SEEN.value]}) within {self.timeout_s:g} s")
 
     def _watch(self) -> None:
         """CUDA: the kernel that recorded a timeout trapped (signals.fail_stop), so the context is lost and the main
@@ -414,11 +398,8 @@ _HEAPS: dict[tuple, SymmetricHeap] = {}
 def get_heap(shape: CommShape, group, device, timeout_s: float, num_sms: int) -> SymmetricHeap:
     """The heap of this process group for ``shape`` (built on first use; layers of one shape share it); without
     torch.distributed (one process, ``shape.world`` 1) of one rank. Each call counts a user (:func:`release_heap`)."""
-    if dist.is_available() and dist.is_initialized():
-        group = group or dist.group.WORLD
-        name = group.group_name  # names are unique, ids can be reused
-    else:
-        name = None
+    group = group_world_rank(group)[0]
+    name = None if group is None else group.group_name  # names are unique, ids can be reused
     key = (name, shape, str(device), timeout_s, num_sms)
     heap = _HEAPS.get(key)
     if heap is None or heap._closed:

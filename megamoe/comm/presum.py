@@ -141,26 +141,20 @@ def _rank_gather_kernel(
     arrive_publish(tab, W, rank, S.ARRIVE_WORK, P, DONE, call, WP2)
 
 
-def presum_gather(rows: torch.Tensor, handle: DispatchHandle, gated: bool, programs: int, y: torch.Tensor,
-                  op: int) -> None:
-    """y[t] = sum over expert ranks q (ascending) of q's partial sum of t's rows (gated: weighted by the gates
-    dispatch brought, ``handle.row_gate``), for combine.py's ``_gather``, which checked rows [<= R_cap, H] (local,
-    heap dtype) and allocated y [T, H] (a placeholder when T is 0). ``op``: the error record's op code."""
-    heap = handle.heap
+def presum_gather(rows: torch.Tensor, gate: torch.Tensor | None, handle: DispatchHandle, programs: int,
+                  y: torch.Tensor, op: int) -> None:
+    """y[t] = sum over expert ranks q (ascending) of q's partial sum of t's rows, weighted by ``gate`` (fp32 [R_b],
+    each received row's gate; None: 1), for combine.py's ``_gather``, which checked rows [<= R_cap, H] (local, heap
+    dtype), allocated y [T, H] (a placeholder when T is 0) and marks ``rows`` busy after. ``op``: the error code."""
+    heap, sched, tiles = handle.heap, handle.schedule, S.tile_args(handle.heap, "gather")
     sh = heap.shape
-    sched = handle.schedule
-    tiles = S.tile_args(heap, "gather")
     heap.check()
     rows = rows.contiguous()
     _presum_stage_kernel[(programs,)](
-        heap.tab, heap.world, heap.rank, rows, handle.row_gate if gated else rows,
-        sched.recv_row, sched.tokens_per_rank, sh.max_tokens, sh.hidden, heap.timeout_ns, HAS_GATE=gated, **tiles,
-    )
+        heap.tab, heap.world, heap.rank, rows, rows if gate is None else gate, sched.recv_row, sched.tokens_per_rank,
+        sh.max_tokens, sh.hidden, heap.timeout_ns, HAS_GATE=gate is not None, **tiles)
     heap.rows_busy = False  # a stage kernel (waited for DONE of every earlier call from every peer)
     heap.after_launch()
-    _rank_gather_kernel[(programs,)](
-        heap.tab, heap.world, heap.rank, sched.dest_rank, y, handle.num_tokens, sh.max_tokens, sh.hidden,
-        heap.timeout_ns, OP=op, SRC_DT=S.TL_DTYPES[sh.dtype], **tiles,
-    )
-    heap.rows_busy = True  # the peers read this rank's rows until their DONE of this call
-    heap.after_launch()
+    _rank_gather_kernel[(programs,)](heap.tab, heap.world, heap.rank, sched.dest_rank, y, handle.num_tokens,
+                                     sh.max_tokens, sh.hidden, heap.timeout_ns, OP=op, SRC_DT=S.TL_DTYPES[sh.dtype],
+                                     **tiles)

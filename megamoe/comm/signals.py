@@ -92,16 +92,13 @@ else:
     @triton.jit
     def now_ns():
         """Nanoseconds from %globaltimer."""
-        return tl.inline_asm_elementwise(
-            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
-        )
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
     @triton.jit
     def ld_acquire(ptr):
         """``ld.acquire.sys`` of int64 ``ptr`` (a block of pointers; every lane must be valid)."""
-        return tl.inline_asm_elementwise(
-            "ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64, is_pure=False, pack=1
-        )
+        return tl.inline_asm_elementwise("ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64,
+                                         is_pure=False, pack=1)
 
     @triton.jit
     def trap():
@@ -359,7 +356,6 @@ def stage(heap, act=None, act_reg: int = 0, small=None, small_reg: int = 0, ntok
         small2 if has_small2 else heap.tab, small2.numel() if has_small2 else 0, small2_reg,
         ntok, heap.timeout_ns,
         HAS_ACT=has_act, HAS_SMALL=has_small, HAS_SMALL2=has_small2, HAS_NROWS=nrows is not None,
-        **tile_args(heap, "stage", topk=False),
-    )
+        **tile_args(heap, "stage", topk=False))
     heap.rows_busy = False  # the kernel waited for DONE of every earlier call from every peer, reads included
     heap.after_launch()

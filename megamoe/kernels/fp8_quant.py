@@ -56,6 +56,19 @@ def to_e4m3(v, RNE_IN_FP32: tl.constexpr):
 
 
 @triton.jit
+def _act_block(R, K, nrows_ptr, BLOCK_R: tl.constexpr, HAS_NROWS: tl.constexpr):
+    """Program (pid_r, kb)'s 1x128 blocks of an [R, K] activation: (kb, rows, columns, the rows bound (R, or *nrows
+    when HAS_NROWS and smaller), mask, rows as int64)."""
+    pid_r = tl.program_id(0)
+    kb = tl.program_id(1)
+    if HAS_NROWS:
+        R = tl.minimum(R, tl.load(nrows_ptr))
+    rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    rk = kb * 128 + tl.arange(0, 128)
+    return kb, rr, rk, R, (rr < R)[:, None] & (rk < K)[None, :], rr.to(tl.int64)
+
+
+@triton.jit
 def _quant_act_kernel(
     x_ptr,   # x_RK [R, K] bf16/fp32, row stride stride_x
     q_ptr,   # q_RK [R, K] fp8 e4m3, row stride stride_q
@@ -65,14 +78,7 @@ def _quant_act_kernel(
     BLOCK_R: tl.constexpr, POW2: tl.constexpr, RNE_IN_FP32: tl.constexpr, HAS_NROWS: tl.constexpr,
 ):
     """Grid: (cdiv(R, BLOCK_R), n_kb). s[r, kb] = amax(x[r, kb*128 : +128]) / 448; q = x / s."""
-    pid_r = tl.program_id(0)
-    kb = tl.program_id(1)
-    if HAS_NROWS:
-        R = tl.minimum(R, tl.load(nrows_ptr))
-    rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    rk = kb * 128 + tl.arange(0, 128)
-    mask = (rr < R)[:, None] & (rk < K)[None, :]
-    rr64 = rr.to(tl.int64)
+    kb, rr, rk, R, mask, rr64 = _act_block(R, K, nrows_ptr, BLOCK_R, HAS_NROWS)
     x = tl.load(x_ptr + rr64[:, None] * stride_x + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     s = scale_of(tl.max(tl.abs(x), axis=1), POW2)
     q = tl.clamp(tl.div_rn(x, s[:, None]), -448.0, 448.0)  # IEEE division: bitwise equal to torch
@@ -211,14 +217,7 @@ def _dequant_act_kernel(
     BLOCK_R: tl.constexpr, HAS_NROWS: tl.constexpr,
 ):
     """Grid: (cdiv(R, BLOCK_R), n_kb). x[r, kb*128 : +128] = q * s[r, kb] (fp32 product, rounded to x's dtype)."""
-    pid_r = tl.program_id(0)
-    kb = tl.program_id(1)
-    if HAS_NROWS:
-        R = tl.minimum(R, tl.load(nrows_ptr))
-    rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    rk = kb * 128 + tl.arange(0, 128)
-    mask = (rr < R)[:, None] & (rk < K)[None, :]
-    rr64 = rr.to(tl.int64)
+    kb, rr, rk, R, mask, rr64 = _act_block(R, K, nrows_ptr, BLOCK_R, HAS_NROWS)
     q = tl.load(q_ptr + rr64[:, None] * stride_q + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     sc = tl.load(s_ptr + rr64 * stride_s + kb, mask=rr < R, other=0.0)
     tl.store(x_ptr + rr64[:, None] * K + rk[None, :], (q * sc[:, None]).to(x_ptr.dtype.element_ty), mask=mask)

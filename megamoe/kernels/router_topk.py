@@ -244,8 +244,7 @@ class RouteTopk(torch.autograd.Function):
             logits, b, idx, gates, counts, denfx, T, E, float(scale),
             K=k, KP=kp, SIGMOID=sigmoid, HAS_BIAS=has_bias, NORM=norm, BLOCK_T=block_t, BLOCK_E=block_e,
             CHUNKS=chunks, DEN_ONE=DEN_ONE, G=n_group, GP=triton.next_power_of_2(n_group), TOPK_G=topk_group,
-            num_warps=warps,
-        )
+            num_warps=warps)
         aux = torch.empty(1, dtype=torch.float32, device=dev)
         coef_e = float(coef) * E
         _route_finish_kernel[(1,)](counts, denfx, aux, E, 1.0 / (T * k), 1.0 / T, coef_e, BLOCK_E=block_e,
@@ -270,6 +269,5 @@ class RouteTopk(torch.autograd.Function):
         _route_bwd_kernel[(triton.cdiv(T, block_t),)](
             logits, idx, dg, counts, da, dlogits, T, E, scale, 1.0 / (T * k), 1.0 / T, coef_e,
             K=k, KP=kp, SIGMOID=sigmoid, NORM=norm, HAS_DG=has_dg, HAS_DAUX=has_daux,
-            BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps,
-        )
+            BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps)
         return dlogits, None, None, None, None, None, None, None, None

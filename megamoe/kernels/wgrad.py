@@ -130,6 +130,5 @@ def launch_grouped_wgrad(x: torch.Tensor, y: torch.Tensor, offs: torch.Tensor, o
     k = _grouped_wgrad_kernel[(grid,)](
         x_desc, x, y_desc, y, c_desc, out, offs, M, N, total, grid,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.group_m, USE_TMA=use_tma, DOT_F32=interpreting(),
-        FLATTEN=cfg.flatten, STORE_TMA=store_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        FLATTEN=cfg.flatten, STORE_TMA=store_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     record("_grouped_wgrad_kernel", k)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe.config import MoEConfig, parse_dtype, preset
-from megamoe.dist import gpu_world, rank_device  # noqa: F401 - the GPU tests take them from here
+from megamoe.dist import gpu_world, group_world_rank, rank_device  # noqa: F401 - the GPU tests take them from here
 from megamoe.layer import MoE, gather_experts, load_full_weights
 from megamoe.reference import experts_ref, moe_forward, route_ref, shared_ref
 
@@ -108,7 +108,7 @@ def layer_case(case: LayerCase, backend: str, device: torch.device, group=None, 
                **backend_options) -> dict:
     """Run ``case`` on this rank -> {"case", "rank", "tag", errors...}. ``tag``: its :data:`BOUNDS` entry (default
     "<backend>.<dtype>", or "<backend>.fp8" with fp8=1, + ".cuda" on a GPU)."""
-    world, rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
+    _, world, rank = group_world_rank(group)
     calls = [case.tokens] + ([case.then] if case.then is not None else [])
     if any(len(t) != world for t in calls):
         raise ValueError(f"case {case.name}: token counts {calls} for {world} ranks")
