@@ -10,9 +10,10 @@
 #   shared  the GPU tests of several ranks (EP 2-4: the fused, split and torch layers, their sync-free and graphed
 #           steps, the FP8 presum case, graphed training) on ranks sharing this GPU (MEGAMOE_SHARE_GPUS=1: real
 #           cross-process device memory, not NVLink, never speed); `tests` skips them on one GPU
-#   bench   megamoe bench --experts E/4 --tokens 4096 --cuda-graph --interleave for qwen3-30b-a3b (32), deepseek-v3 (64),
-#           mixtral-8x7b (2); with BASE=<dir holding another tree's megamoe/> that tree too, runs alternating (new, base,
-#           new, base), then a table of new / base per backend and mode (benchmarks/ab_table.py)
+#   bench   megamoe bench --experts E/4 --tokens 4096 (or BENCH_TOKENS) --cuda-graph --interleave for qwen3-30b-a3b
+#           (32), deepseek-v3 (64), mixtral-8x7b (2); with BASE=<dir holding another tree's megamoe/> that tree too,
+#           runs alternating (new, base, new, base), then a table of new / base per backend and mode
+#           (benchmarks/ab_table.py)
 #   peers   the same at 1, 512 and 4096 tokens with --peers (transformers' modules beside the backends; no base), and
 #           SonicMoE where .whl/sonic/ holds its wheels (benchmarks/sonic_wheels.sh; carry .whl)
 #   gemm    megamoe bench-gemm at the EP-4 shapes, 4096 and 16384 tokens per GPU
@@ -115,10 +116,11 @@ if want bench; then
   for pe in $BENCH_SET; do
     p=${pe%%:*}; e=${pe##*:}
     for r in 1 2; do
-      bench_one . "$p" "$e" 4096 "$OUT/bench-$p-new$r.json" > "$OUT/bench-$p-new$r.log" 2>&1
+      bench_one . "$p" "$e" "${BENCH_TOKENS:-4096}" "$OUT/bench-$p-new$r.json" > "$OUT/bench-$p-new$r.log" 2>&1
       tail -8 "$OUT/bench-$p-new$r.log"
       if [ -n "${BASE:-}" ]; then
-        bench_one "$BASE" "$p" "$e" 4096 "$OUT/bench-$p-base$r.json" > "$OUT/bench-$p-base$r.log" 2>&1
+        bench_one "$BASE" "$p" "$e" "${BENCH_TOKENS:-4096}" "$OUT/bench-$p-base$r.json" \
+          > "$OUT/bench-$p-base$r.log" 2>&1
         tail -8 "$OUT/bench-$p-base$r.log"
       fi
     done

@@ -83,15 +83,19 @@ def run_case(rank, world, case, device, timeout_s=30.0, num_sms=None):
     import torch
 
     from megamoe.comm import CommShape, SymmetricHeap, combine, dispatch
+    from megamoe.comm import schedule as SCH
     from megamoe.comm import signals as S
     from megamoe.comm.reference import combine_ref, dispatch_ref, gather_rows_ref
 
     D = importlib.import_module("megamoe.comm.dispatch")
     name = case["name"]
     T_list, H, k, E = case["T"], case["H"], case["k"], case["E"]
-    saved_tiles = dict(S.TILES)
+    saved_tiles, saved_one = dict(S.TILES), SCH.ONE_LAUNCH_ITEMS
     if "tiles" in case:  # force a tile shape on every row-moving kernel (e.g. BLOCK_H < H: chunked rows)
         S.TILES.update({op: case["tiles"] for op in S.TILES})
+    if case.get("four_launches"):  # the schedule's four kernels where its one-program kernel would run
+        SCH.ONE_LAUNCH_ITEMS = 0
+    SCH.ONE_LAUNCH_ITEMS = case.get("one_launch_items", SCH.ONE_LAUNCH_ITEMS)
     dtype = torch.bfloat16
     fails = []
     from megamoe.testing import seed_offset
@@ -178,6 +182,7 @@ def run_case(rank, world, case, device, timeout_s=30.0, num_sms=None):
         heap.close()
         S.TILES.clear()
         S.TILES.update(saved_tiles)
+        SCH.ONE_LAUNCH_ITEMS = saved_one
     return fails
 
 

@@ -30,6 +30,10 @@ CASES_W2 = [
     # tiles forced small: BLOCK_H = 16 < H = 40, so every kernel walks a row in 3 chunks (last one masked),
     # 2 rows per step; the pipelined pull then carries a row's chunks across its two units per iteration
     dict(name="w2-chunked-rows", T=[7, 4], H=40, k=3, E=4, seed=7, tiles=(32, 4, 16, 2)),
+    # the schedule's four kernels (these small cases otherwise take its one-program kernel)
+    dict(name="w2-four-launches", T=[9, 5], H=48, k=2, E=4, seed=11, four_launches=True),
+    # 3 schedule chunks of 16 tokens (k = 8): W * NCH = 6 pairs, past the one-program kernel's 4
+    dict(name="w2-chunks", T=[40, 21], H=32, k=8, E=16, seed=12),
     # heap sized for 11 tokens, calls with 5 and 3: the pull stops its walk at max T_s = 5 (and 2 rows per
     # step make the pipelined pull run several steps per program, an odd number of units on some)
     dict(name="w2-spare-capacity", T=[5, 3], H=32, k=2, E=4, seed=8, max_tokens=11, tiles=(64, 4, 32, 2)),
@@ -47,6 +51,8 @@ CASES_W4 = [
     dict(name="w4-k3", T=[6, 0, 5, 3], H=40, k=3, E=8, seed=5),
     # expert 0 in every token's list (receives everything); k = 4 > E_l = 2
     dict(name="w4-hot-k4", T=[4, 5, 3, 6], H=24, k=4, E=8, routing="hot", seed=6),
+    # the one-program schedule over 4 ranks and 2 chunks of 16 tokens each (ONE_LAUNCH_ITEMS raised to 8)
+    dict(name="w4-one-program-chunks", T=[17, 32, 2, 20], H=24, k=8, E=16, seed=13, one_launch_items=8),
 ]
 
 

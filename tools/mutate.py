@@ -118,6 +118,14 @@ MUTATIONS = [
         "m = (t[:, None] <= T_s) & (jj[None, :] < K)",
         COMM,
     ),
+    Mutation(
+        "schedule-one-program-first-rank",
+        "the one-program schedule places the entries of rank 0 only (its placement loop stops after one rank)",
+        "megamoe/comm/schedule.py",
+        "            c += 1\n        s += 1\n\n\n#: at most",
+        "            c += 1\n        s += W\n\n\n#: at most",
+        COMM,
+    ),
     # The wait removals are races: tests/test_comm.py's late-stager and late-reader cases make one rank late on
     # purpose (before its staging; before its pull, with back-to-back dispatches), so the suite catches them always.
     Mutation(

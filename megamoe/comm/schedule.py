@@ -23,6 +23,8 @@ Kernels (launched in order on the stream, no host reads):
     _base_kernel   grid (1,):      base[s, e] = segoff[e] + sum_{s'<s} tot[s', e]; offs, counts, ntok
     _place_kernel  grid (W, NCH):  recv_row[s, t, j] (local entries, else -1), row_src/tok/slot[row],
                                    and for s == rank: dest_row[t, j], dest_rank[t, j]
+or, where W * NCH <= ONE_LAUNCH_ITEMS (small batches, where each launch costs more than its work), all four in
+one program: _schedule_kernel, grid (1,).
 """
 
 from __future__ import annotations
@@ -60,20 +62,10 @@ class Schedule:
     scratch: tuple = ()  # the kernels' working tables (cnt [W, NCH, E], tot [W, E], base [W, E])
 
 
-@triton.jit(do_not_specialize=["rank"])
-def _hist_kernel(
-    tab, W, rank,
-    cnt_ptr,  # int32 [W, NCH, E] per-chunk expert counts (out)
-    T_max, NCH, E, timeout_ns,
-    K: tl.constexpr, KP2: tl.constexpr, CH: tl.constexpr, EP2: tl.constexpr, WP2: tl.constexpr,
-):
-    """grid (W, NCH): cnt[s, c, e] = #{(t, j): t in chunk c, t < T_s, topk_idx_s[t, j] == e}."""
-    s = tl.program_id(0)
-    c = tl.program_id(1)
-    call = current_call(tab, W, rank)
-    ok = wait_flags(tab, W, rank, READY, s, s + 1, call, OP_SCHEDULE, timeout_ns, WP2)
-    T_s = tl.load(region_ptr(tab, REG_META, W, s, tl.int64), volatile=True)
-    T_s = tl.where(ok, T_s, 0)
+@triton.jit
+def _hist(tab, W, s, c, T_s, cnt_ptr, NCH, E, K: tl.constexpr, KP2: tl.constexpr, CH: tl.constexpr,
+          EP2: tl.constexpr):
+    """cnt[s, c, e] = #{(t, j): t in chunk c, t < T_s, topk_idx_s[t, j] == e}."""
     t = c * CH + tl.arange(0, CH)
     jj = tl.arange(0, KP2)
     m = (t[:, None] < T_s) & (jj[None, :] < K)
@@ -86,18 +78,27 @@ def _hist_kernel(
     tl.store(cnt_ptr + (s * NCH + c) * E + eb, hist, mask=eb < E)
 
 
-@triton.jit
-def _prefix_kernel(
-    cnt_ptr,  # int32 [W, NCH, E] in: counts, out: exclusive prefix over chunks
-    tot_ptr,  # int32 [W, E] out: rows of expert e from rank s
-    NCH, E,
-    CB: tl.constexpr, EB: tl.constexpr,
+@triton.jit(do_not_specialize=["rank"])
+def _hist_kernel(
+    tab, W, rank,
+    cnt_ptr,  # int32 [W, NCH, E] per-chunk expert counts (out)
+    T_max, NCH, E, timeout_ns,
+    K: tl.constexpr, KP2: tl.constexpr, CH: tl.constexpr, EP2: tl.constexpr, WP2: tl.constexpr,
 ):
-    """grid (W, ceil(E / EB)): cnt[s, c, e] <- sum_{c' < c} cnt[s, c', e]; tot[s, e] = sum_c cnt[s, c, e]."""
+    """grid (W, NCH): _hist of chunk c of rank s, once rank s is READY."""
     s = tl.program_id(0)
-    ee = tl.program_id(1) * EB + tl.arange(0, EB)
+    c = tl.program_id(1)
+    call = current_call(tab, W, rank)
+    ok = wait_flags(tab, W, rank, READY, s, s + 1, call, OP_SCHEDULE, timeout_ns, WP2)
+    T_s = tl.load(region_ptr(tab, REG_META, W, s, tl.int64), volatile=True)
+    _hist(tab, W, s, c, tl.where(ok, T_s, 0), cnt_ptr, NCH, E, K, KP2, CH, EP2)
+
+
+@triton.jit
+def _prefix(cnt_ptr, tot_ptr, s, ee, NCH, E, CB: tl.constexpr):
+    """Experts ee of rank s: cnt[s, c, e] <- sum_{c' < c} cnt[s, c', e]; tot[s, e] = sum_c cnt[s, c, e]."""
     me = ee < E
-    carry = tl.zeros([EB], tl.int32)
+    carry = tl.zeros(ee.shape, tl.int32)
     c0 = s * 0
     while c0 < NCH:  # while, not range: range() with tensor bounds fails in the interpreter on numpy >= 2.4
         cc = c0 + tl.arange(0, CB)
@@ -111,18 +112,21 @@ def _prefix_kernel(
     tl.store(tot_ptr + s * E + ee, carry, mask=me)
 
 
-@triton.jit(do_not_specialize=["rank"])
-def _base_kernel(
-    tab, W, rank,
-    tot_ptr,  # int32 [W, E]
-    base_ptr,  # int32 [W, E] out
-    offs_ptr,  # int32 [E_l + 1] out
-    counts_ptr,  # int32 [E_l] out
-    ntok_ptr,  # int64 [W] out: T_s of every rank
-    E, E_l,
-    EP2: tl.constexpr, WP2: tl.constexpr,
+@triton.jit
+def _prefix_kernel(
+    cnt_ptr,  # int32 [W, NCH, E] in: counts, out: exclusive prefix over chunks
+    tot_ptr,  # int32 [W, E] out: rows of expert e from rank s
+    NCH, E,
+    CB: tl.constexpr, EB: tl.constexpr,
 ):
-    """grid (1,): segment offsets of every expert inside its rank's receive buffer, and this rank's offs.
+    """grid (W, ceil(E / EB)): _prefix of EB experts of rank s."""
+    _prefix(cnt_ptr, tot_ptr, tl.program_id(0), tl.program_id(1) * EB + tl.arange(0, EB), NCH, E, CB)
+
+
+@triton.jit
+def _base(tab, W, rank, tot_ptr, base_ptr, offs_ptr, counts_ptr, ntok_ptr, E, E_l, EP2: tl.constexpr,
+          WP2: tl.constexpr):
+    """Segment offsets of every expert inside its rank's receive buffer, and this rank's offs.
         etot[e] = sum_s tot[s, e];  segoff[e] = sum of etot over experts e' < e on the same rank
         base[s, e] = segoff[e] + sum_{s' < s} tot[s', e]
         offs[le] = segoff[rank*E_l + le], offs[E_l] = rows this rank receives"""
@@ -153,21 +157,25 @@ def _base_kernel(
 
 
 @triton.jit(do_not_specialize=["rank"])
-def _place_kernel(
+def _base_kernel(
     tab, W, rank,
-    cnt_ptr,  # int32 [W, NCH, E] exclusive prefix over chunks
-    base_ptr,  # int32 [W, E]
-    ntok_ptr,  # int64 [W]
-    recv_row_ptr,  # int32 [W, T_max, K] out
-    dest_row_ptr,  # int32 [T_max, K] out
-    dest_rank_ptr,  # int32 [T_max, K] out
-    row_src_ptr, row_tok_ptr, row_slot_ptr,  # int32 [R_b] out (R_b: the call's row bound, <= R_cap)
-    T_max, NCH, E, E_l, R_b,
-    K: tl.constexpr, KP2: tl.constexpr, CH: tl.constexpr,
+    tot_ptr,  # int32 [W, E]
+    base_ptr,  # int32 [W, E] out
+    offs_ptr,  # int32 [E_l + 1] out
+    counts_ptr,  # int32 [E_l] out
+    ntok_ptr,  # int64 [W] out: T_s of every rank
+    E, E_l,
+    EP2: tl.constexpr, WP2: tl.constexpr,
 ):
-    """grid (W, NCH): rows of the entries of chunk c of rank s (see the module docstring)."""
-    s = tl.program_id(0)
-    c = tl.program_id(1)
+    """grid (1,): _base."""
+    _base(tab, W, rank, tot_ptr, base_ptr, offs_ptr, counts_ptr, ntok_ptr, E, E_l, EP2, WP2)
+
+
+@triton.jit
+def _place(tab, W, rank, s, c, cnt_ptr, base_ptr, ntok_ptr, recv_row_ptr, dest_row_ptr, dest_rank_ptr, row_src_ptr,
+           row_tok_ptr, row_slot_ptr, T_max, NCH, E, E_l, R_b, K: tl.constexpr, KP2: tl.constexpr,
+           CH: tl.constexpr):
+    """Rows of the entries of chunk c of rank s (see the module docstring)."""
     N: tl.constexpr = CH * KP2
     T_s = tl.load(ntok_ptr + s)
     t2 = c * CH + tl.arange(0, CH)[:, None] + tl.zeros([CH, KP2], tl.int32)
@@ -197,6 +205,65 @@ def _place_kernel(
     own = m & (s == rank)
     tl.store(dest_row_ptr + t * K + j, row, mask=own)
     tl.store(dest_rank_ptr + t * K + j, q, mask=own)
+
+
+@triton.jit(do_not_specialize=["rank"])
+def _place_kernel(
+    tab, W, rank,
+    cnt_ptr,  # int32 [W, NCH, E] exclusive prefix over chunks
+    base_ptr,  # int32 [W, E]
+    ntok_ptr,  # int64 [W]
+    recv_row_ptr,  # int32 [W, T_max, K] out
+    dest_row_ptr,  # int32 [T_max, K] out
+    dest_rank_ptr,  # int32 [T_max, K] out
+    row_src_ptr, row_tok_ptr, row_slot_ptr,  # int32 [R_b] out (R_b: the call's row bound, <= R_cap)
+    T_max, NCH, E, E_l, R_b,
+    K: tl.constexpr, KP2: tl.constexpr, CH: tl.constexpr,
+):
+    """grid (W, NCH): _place of chunk c of rank s."""
+    _place(tab, W, rank, tl.program_id(0), tl.program_id(1), cnt_ptr, base_ptr, ntok_ptr, recv_row_ptr,
+           dest_row_ptr, dest_rank_ptr, row_src_ptr, row_tok_ptr, row_slot_ptr, T_max, NCH, E, E_l, R_b, K, KP2, CH)
+
+
+@triton.jit(do_not_specialize=["rank"])
+def _schedule_kernel(
+    tab, W, rank, cnt_ptr, tot_ptr, base_ptr, offs_ptr, counts_ptr, ntok_ptr, recv_row_ptr, dest_row_ptr,
+    dest_rank_ptr, row_src_ptr, row_tok_ptr, row_slot_ptr,  # as the four kernels'
+    T_max, NCH, E, E_l, R_b, timeout_ns,
+    K: tl.constexpr, KP2: tl.constexpr, CH: tl.constexpr, EP2: tl.constexpr, WP2: tl.constexpr, CB: tl.constexpr,
+):
+    """grid (1,): the four kernels' work in one program, phase after phase (a CTA barrier between them makes each
+    phase's stores visible to the next's loads), for few (rank, chunk) pairs: small T_max."""
+    call = current_call(tab, W, rank)
+    ok = wait_flags(tab, W, rank, READY, 0, W, call, OP_SCHEDULE, timeout_ns, WP2)
+    s = rank * 0
+    while s < W:  # (while loops: the interpreter's range() takes no tensor bounds)
+        T_s = tl.where(ok, tl.load(region_ptr(tab, REG_META, W, s, tl.int64), volatile=True), 0)
+        c = s * 0
+        while c < NCH:
+            _hist(tab, W, s, c, T_s, cnt_ptr, NCH, E, K, KP2, CH, EP2)
+            c += 1
+        s += 1
+    tl.debug_barrier()
+    s = rank * 0
+    while s < W:
+        _prefix(cnt_ptr, tot_ptr, s, tl.arange(0, EP2), NCH, E, CB)
+        s += 1
+    tl.debug_barrier()
+    _base(tab, W, rank, tot_ptr, base_ptr, offs_ptr, counts_ptr, ntok_ptr, E, E_l, EP2, WP2)
+    tl.debug_barrier()
+    s = rank * 0
+    while s < W:
+        c = s * 0
+        while c < NCH:
+            _place(tab, W, rank, s, c, cnt_ptr, base_ptr, ntok_ptr, recv_row_ptr, dest_row_ptr, dest_rank_ptr,
+                   row_src_ptr, row_tok_ptr, row_slot_ptr, T_max, NCH, E, E_l, R_b, K, KP2, CH)
+            c += 1
+        s += 1
+
+
+#: at most this many (rank, chunk) pairs (W * NCH) take _schedule_kernel's one launch instead of four
+ONE_LAUNCH_ITEMS = 4
 
 
 def chunk_tokens(topk: int) -> int:
@@ -234,6 +301,15 @@ def build_schedule(heap, sched: Schedule) -> Schedule:
     W, NCH, E = cnt.shape  # as schedule_buffers sized them
     T_max, K, E_l = heap.shape.max_tokens, heap.shape.topk, heap.shape.local_experts
     KP2, CH, EP2 = triton.next_power_of_2(K), chunk_tokens(K), triton.next_power_of_2(E)
+    if W * NCH <= ONE_LAUNCH_ITEMS:
+        _schedule_kernel[(1,)](
+            heap.tab, W, heap.rank, cnt, tot, base, sched.offs, sched.counts, sched.tokens_per_rank, sched.recv_row,
+            sched.dest_row, sched.dest_rank, sched.row_src, sched.row_tok, sched.row_slot, T_max, NCH, E, E_l,
+            sched.row_src.shape[0], heap.timeout_ns, K=K, KP2=KP2, CH=CH, EP2=EP2, WP2=heap.wp2,
+            CB=triton.next_power_of_2(NCH), num_warps=4,
+        )
+        heap.after_launch()
+        return sched
     _hist_kernel[(W, NCH)](
         heap.tab, W, heap.rank, cnt, T_max, NCH, E, heap.timeout_ns,
         K=K, KP2=KP2, CH=CH, EP2=EP2, WP2=heap.wp2, num_warps=4,
