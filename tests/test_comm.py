@@ -60,6 +60,19 @@ def _run(world, cases):
     assert_no_failures(spawn(rank_cases, world, cases, timeout_s=600))
 
 
+CASES_W1 = [
+    # heap sized for 200 tokens (13 schedule chunks at k 8), calls of 5 and 40 tokens: the one-program schedule over
+    # the call's 1 and 3 chunks; 100 tokens: the four kernels over its 7
+    dict(name="w1-one-chunk", T=[5], H=32, k=8, E=8, seed=14, max_tokens=200),
+    dict(name="w1-three-chunks", T=[40], H=32, k=8, E=8, seed=15, max_tokens=200),
+    dict(name="w1-seven-chunks", T=[100], H=32, k=8, E=8, seed=16, max_tokens=200),
+]
+
+
+def test_dispatch_combine_one_rank():
+    _run(1, CASES_W1)
+
+
 def test_dispatch_combine_two_ranks():
     _run(2, CASES_W2)
 

@@ -126,6 +126,14 @@ MUTATIONS = [
         "            c += 1\n        s += W\n\n\n#: at most",
         COMM,
     ),
+    Mutation(
+        "schedule-call-chunks",
+        "one rank alone schedules one chunk fewer than its call holds (the last chunk's entries never placed)",
+        "megamoe/comm/schedule.py",
+        "NCH = max(1, min(NCH, triton.cdiv(T, CH)))",
+        "NCH = max(1, min(NCH, triton.cdiv(T, CH) - 1))",
+        COMM,
+    ),
     # The wait removals are races: tests/test_comm.py's late-stager and late-reader cases make one rank late on
     # purpose (before its staging; before its pull, with back-to-back dispatches), so the suite catches them always.
     Mutation(

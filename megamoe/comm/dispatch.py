@@ -238,7 +238,7 @@ def stage_and_schedule(heap: SymmetricHeap, x: torch.Tensor, topk_idx: torch.Ten
     ids = topk_idx.to(torch.int32).contiguous()
     S.stage(heap, act=act, act_reg=S.REG_TOK.value, small=ids, small_reg=S.REG_IDX.value, ntok=T,
             programs=programs, small2=w32, small2_reg=S.REG_W.value)
-    return build_schedule(heap, sched)
+    return build_schedule(heap, sched, T)
 
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, heap: SymmetricHeap, num_sms: int | None = None,

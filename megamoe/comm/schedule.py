@@ -21,7 +21,8 @@ Kernels (launched in order on the stream, no host reads):
     _hist_kernel   grid (W, NCH):  wait READY of rank s; cnt[s, c, e] = #entries of chunk c with expert e
     _prefix_kernel grid (W, ceil(E / EB)): cnt[s, c, e] <- exclusive prefix over c; tot[s, e]
     _base_kernel   grid (1,):      base[s, e] = segoff[e] + sum_{s'<s} tot[s', e]; offs, counts, ntok
-    _place_kernel  grid (W, NCH):  recv_row[s, t, j] (local entries, else -1), row_src/tok/slot[row],
+    _place_kernel  grid (W, NCH):  recv_row[s, t, j] (local entries, else -1; readers mask t < T_s: one rank
+                                   alone writes only the call's chunks), row_src/tok/slot[row],
                                    and for s == rank: dest_row[t, j], dest_rank[t, j]
 or, where W * NCH <= ONE_LAUNCH_ITEMS (small batches, where each launch costs more than its work), all four in
 one program: _schedule_kernel, grid (1,).
@@ -294,13 +295,15 @@ def schedule_buffers(heap, tokens: int | None = None) -> Schedule:
     )
 
 
-def build_schedule(heap, sched: Schedule) -> Schedule:
+def build_schedule(heap, sched: Schedule, T: int | None = None) -> Schedule:
     """Launch the schedule kernels into ``sched`` (:func:`schedule_buffers`) for the call the last
-    :func:`signals.stage` opened (ids in ``idx``)."""
+    :func:`signals.stage` opened (ids in ``idx``); ``T``: this rank's tokens in the call."""
     cnt, tot, base = sched.scratch
     W, NCH, E = cnt.shape  # as schedule_buffers sized them
     T_max, K, E_l = heap.shape.max_tokens, heap.shape.topk, heap.shape.local_experts
     KP2, CH, EP2 = triton.next_power_of_2(K), chunk_tokens(K), triton.next_power_of_2(E)
+    if W == 1 and T is not None:  # alone, the call's chunks are known on the host (peers' T_s are not)
+        NCH = max(1, min(NCH, triton.cdiv(T, CH)))  # cnt read as [W, NCH, E] by every kernel of the call
     if W * NCH <= ONE_LAUNCH_ITEMS:
         _schedule_kernel[(1,)](
             heap.tab, W, heap.rank, cnt, tot, base, sched.offs, sched.counts, sched.tokens_per_rank, sched.recv_row,
