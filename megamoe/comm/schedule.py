@@ -295,14 +295,14 @@ def schedule_buffers(heap, tokens: int | None = None) -> Schedule:
     )
 
 
-def build_schedule(heap, sched: Schedule, T: int | None = None) -> Schedule:
+def build_schedule(heap, sched: Schedule, T: int) -> Schedule:
     """Launch the schedule kernels into ``sched`` (:func:`schedule_buffers`) for the call the last
     :func:`signals.stage` opened (ids in ``idx``); ``T``: this rank's tokens in the call."""
     cnt, tot, base = sched.scratch
     W, NCH, E = cnt.shape  # as schedule_buffers sized them
     T_max, K, E_l = heap.shape.max_tokens, heap.shape.topk, heap.shape.local_experts
     KP2, CH, EP2 = triton.next_power_of_2(K), chunk_tokens(K), triton.next_power_of_2(E)
-    if W == 1 and T is not None:  # alone, the call's chunks are known on the host (peers' T_s are not)
+    if W == 1:  # alone, the call's chunks are known on the host (peers' T_s are not)
         NCH = max(1, min(NCH, triton.cdiv(T, CH)))  # cnt read as [W, NCH, E] by every kernel of the call
     if W * NCH <= ONE_LAUNCH_ITEMS:
         _schedule_kernel[(1,)](
