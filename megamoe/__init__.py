@@ -14,10 +14,6 @@ __version__ = "0.1.0"
 _MIN_VERSIONS = {"torch": (2, 11), "triton": (3, 6)}
 
 
-def _parse(version: str) -> tuple[int, ...]:
-    return tuple(int("".join(filter(str.isdigit, piece)) or 0) for piece in version.split("+")[0].split(".")[:2])
-
-
 def _check_versions() -> None:
     for name, minimum in _MIN_VERSIONS.items():
         need = f"megamoe needs {name} >= {'.'.join(map(str, minimum))}"
@@ -29,7 +25,7 @@ def _check_versions() -> None:
                 found = importlib.import_module(name).__version__
             except ImportError as exc:
                 raise ImportError(f"{need}, and {name} is not installed") from exc
-        if _parse(found) < minimum:
+        if tuple(int("".join(filter(str.isdigit, p)) or 0) for p in found.split("+")[0].split(".")[:2]) < minimum:
             raise ImportError(f"{need}, found {name} {found}; upgrade it (on a CPU machine: pip install "
                               "torch==2.13.0 triton==3.6.0)")
 

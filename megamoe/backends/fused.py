@@ -12,11 +12,9 @@ waits and results) where they can (H and I multiples of 8, SwiGLU experts); else
 Triton kernel. bf16 GEMMs only: an FP8 megakernel measured slower than both this one and split:fp8=1
 (docs/performance.md).
 
-Options (docs/performance.md has the measurements behind each default):
-
-    ring_blocks=None  memory bounded by a routing-independent ring of that many 128-row blocks (>= 4; None: dense
-                      buffers); the backward recomputes the rows
-    comm_sms, timeout_s  as split's (backends/split.py); comm_sms programs run the staging and backward kernels
+Options (the README's table): ``ring_blocks`` (None: dense buffers; N >= 4: a routing-independent ring of N 128-row
+blocks bounds the memory, and the backward recomputes the rows), ``comm_sms`` and ``timeout_s`` as split's (comm_sms
+programs run the staging and backward kernels).
 
 No token is dropped (docs/design.md, "Capacity"): dense buffers hold the worst case, a ring cycles. The heap adds a
 [T_max, k, H] slot buffer per rank (``CommShape(slots=True)``); sizes: :meth:`FusedBackend.workspace_bytes`.
@@ -26,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from megamoe.backends import common
 from megamoe.backends.common import HeapBackend, heap_backward
 from megamoe.comm.dispatch import dispatch
 from megamoe.comm.heap import heap_bytes
@@ -42,7 +41,8 @@ class _FusedMoE(torch.autograd.Function):
                               store_h=train and not ring, comm_programs=backend.comm_sms, b13=b13, b2=b2,
                               clamp=backend.clamp)
         if train:
-            ctx.save_for_backward(x, topk_idx, topk_w, w13, w2, b13, b2, *(() if ring else (st.xbuf, st.h)))
+            kept = () if ring else (x if common.keeps_x(backend.heap) else st.xbuf, st.h)
+            ctx.save_for_backward(x, topk_idx, topk_w, w13, w2, b13, b2, *kept)
             ctx.handle = st.handle
             ctx.backend = backend
         return y
@@ -55,6 +55,7 @@ class _FusedMoE(torch.autograd.Function):
         if b.ring_blocks:  # the ring overwrote the forward's rows: recompute them (dispatch + GEMM1)
             recv, handle = dispatch(x, topk_idx, b.heap, num_sms=b.comm_sms)
             _, h = gemm1_swiglu(recv, w13, handle.offs, store_h=True, bias=b13, clamp=b.clamp)
+            recv = x if common.keeps_x(b.heap) else recv
         else:
             recv, h = saved[7:]
             handle = ctx.handle

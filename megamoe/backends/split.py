@@ -14,21 +14,17 @@ R_cap is the worst case (bytes: :meth:`SplitBackend.workspace_bytes`); one rank 
 Layers of one shape share one heap (docs/design.md, "The communication protocol"): every rank makes their calls in
 the same order.
 
-Options (measurements in docs/performance.md):
-
-    fp8=False             e4m3 GEMMs, forward and dgrad; the rows travel FP8-packed (one quantisation per token);
-                          weight gradients stay bf16; SwiGLU experts only (gpt-oss's run on the bf16 GEMMs)
-    presum_combine=False  2+ GPUs: each expert rank pre-sums a token's rows, so one row per remote rank crosses
-                          NVLink instead of one per slot
-    comm_sms=None         programs of the communication kernels (None: every SM; fewer leave SMs to another stream)
-    timeout_s=60          bound of every device-side wait; a peer that never signals raises CommTimeoutError
-                          (on a GPU the kernel traps and the process stops: docs/design.md, "Fail-stop")
+Options (the README's table; measurements in docs/performance.md): ``fp8`` (e4m3 GEMMs forward and dgrad, rows
+travelling FP8-packed, weight gradients bf16; SwiGLU experts only), ``presum_combine`` (2+ GPUs: one row per remote
+rank crosses NVLink instead of one per slot), ``comm_sms`` (programs of the communication kernels; None: every SM),
+``timeout_s`` (bound of every device-side wait: CommTimeoutError; on a GPU the kernel traps, docs/design.md).
 """
 
 from __future__ import annotations
 
 import torch
 
+from megamoe.backends import common
 from megamoe.backends.common import HeapBackend, check_flag, expert_forward, heap_backward, heap_rows
 from megamoe.backends.fp8_weights import Fp8WeightCache
 from megamoe.comm.combine import combine
@@ -51,7 +47,7 @@ class _SplitMoE(torch.autograd.Function):
         act, h, out = expert_forward(recv, w13, w2, handle.offs, wq, a_s, out=out_buf, b13=b13, b2=b2,
                                      clamp=backend.clamp, store_h=train)
         y = combine(out, None if presum else topk_w, handle, num_sms=num_sms, out_dtype=x.dtype, presum=presum)
-        ctx.save_for_backward(recv, h, topk_w, w13, w2, a_s, b13, b2)
+        ctx.save_for_backward(x if common.keeps_x(heap, wq) else recv, h, topk_w, w13, w2, a_s, b13, b2)
         ctx.handle, ctx.wq = handle, wq
         ctx.backend = backend  # the backward needs the heap, which a one-rank backend frees when collected
         return y

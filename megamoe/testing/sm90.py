@@ -413,11 +413,6 @@ def _router(compiled: dict, where: dict) -> None:
             (gates.sum() + aux).backward()
 
 
-def launch_nothing():
-    """A context in which every Triton launch is skipped (returns None): a rank whose kernels are not wanted."""
-    return _launches_to(lambda self, *args, grid, warmup, **kwargs: None)
-
-
 def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
     """This rank's LAYERS entries of this world size under compile_only; ``standalone``: also the Gluon GEMM,
     wgrad and router variants."""
@@ -429,9 +424,11 @@ def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
     entries = [e for e in LAYERS if e[0] == world]
 
     # the layers initialise only the router: no kernel reads the expert weights, and drawing them costs ~6% of the
-    # report's time
+    # report's time; one rank keeps its rows (its backward would gather them by row_tok, which nothing writes here)
     def router_only(self, seed: int = 0) -> None:
         self.router.reset_parameters(torch.Generator().manual_seed(seed))
+
+    kept = mock.patch("megamoe.backends.common.keeps_x", lambda heap, wq=None: False)
 
     # pass 0: rank 0 compiles, the others skip their launches; pass 1: the reverse, rank 0's kernels from the cache
     for compiling in range(min(world, 2)):
@@ -440,9 +437,10 @@ def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
         for w, name, experts, tokens, backend, opts in entries:
             cfg = preset(name, num_experts=experts, max_tokens_per_rank=max(tokens, 1))
             label = f"W{w}/{name}/{tokens}tok/{backend}" + "".join(f":{k}={v}" for k, v in opts.items())
-            ctx = _compiling(compiled, where, label) if (rank > 0) == (compiling == 1) else launch_nothing()
+            skip = _launches_to(lambda self, *args, grid, warmup, **kwargs: None)  # kernels not wanted on this rank
+            ctx = _compiling(compiled, where, label) if (rank > 0) == (compiling == 1) else skip
             layer_opts = {k: v for k, v in opts.items() if k != "items"}
-            with ctx, mock.patch.object(MoE, "reset_parameters", router_only), _fused_items(opts.get("items")):
+            with ctx, kept, mock.patch.object(MoE, "reset_parameters", router_only), _fused_items(opts.get("items")):
                 moe = MoE(cfg, backend=backend, device=torch.device("cpu"), seed=0, **layer_opts)
                 out = moe(torch.zeros(tokens, cfg.hidden, dtype=cfg.dtype).requires_grad_()).out
                 out.backward(torch.zeros_like(out))
