@@ -193,7 +193,7 @@ class HeapBackend:
         """Give the symmetric heap back (freed with its last layer)."""
         self._release()
 
-    def _check_call(self, x, topk_idx, topk_w, w13, w2, b13, b2) -> bool:
+    def _check_call(self, x, topk_w, w13, w2, b13, b2) -> bool:
         """Check a call on the host (not its expert ids: that would read them, a sync); whether autograd will run a
         backward through it (else nothing is kept for one)."""
         if x.shape[0] > self.shape.max_tokens:

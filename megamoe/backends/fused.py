@@ -91,5 +91,5 @@ class FusedBackend(HeapBackend):
         return {"symmetric": heap_bytes(self.shape), "per_call": rows * per_row}
 
     def __call__(self, x, topk_idx, topk_w, w13, w2, b13=None, b2=None):
-        train = self._check_call(x, topk_idx, topk_w, w13, w2, b13, b2)
+        train = self._check_call(x, topk_w, w13, w2, b13, b2)
         return _FusedMoE.apply(x, topk_w, w13, w2, b13, b2, topk_idx, self, train)

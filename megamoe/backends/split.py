@@ -92,6 +92,6 @@ class SplitBackend(HeapBackend, Fp8WeightCache):
         return out
 
     def __call__(self, x, topk_idx, topk_w, w13, w2, b13=None, b2=None):
-        train = self._check_call(x, topk_idx, topk_w, w13, w2, b13, b2)  # else no backward reads h
+        train = self._check_call(x, topk_w, w13, w2, b13, b2)  # else no backward reads h
         wq = self.fp8_weights(w13, w2) if self.fp8 else None
         return _SplitMoE.apply(x, topk_w, w13, w2, b13, b2, topk_idx, self, wq, train)
