@@ -123,17 +123,17 @@ def main(argv=None) -> dict:
     runs = [(f"transformers ({args.baseline_experts})", lambda: build(args)), (f"megamoe ({args.backend})", patched)]
     if args.device == "cuda":  # eager training pays the experts' kernel chain from Python per layer: graph it
         runs.append((f"megamoe ({args.backend}, experts graphed)", lambda: hf.capture(patched(), tokens)))
-    results = []
+    dev_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    report = {"config": vars(args), "device": dev_name, "torch": torch.__version__, "runs": []}
     for name, make in runs:
         model = make()
-        results.append(run(model, name, args, corpus))
+        report["runs"].append(run(model, name, args, corpus))
         del model
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    dev_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    report = {"config": vars(args), "device": dev_name, "torch": torch.__version__, "runs": results}
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=1)
+        with open(args.json, "w") as f:  # after every run: a run cut short leaves the finished ones
+            json.dump(report, f, indent=1)
+    results = report["runs"]
     try:
         import matplotlib
 

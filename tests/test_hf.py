@@ -282,6 +282,7 @@ def test_training_example_runs_tiny(tmp_path):
     # examples/hf_train.py (the H200 comparison) at a CPU size: both runs train from the same weights on the same
     # batches, so in float64 their loss curves agree
     import importlib.util
+    import json
     import pathlib
 
     path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "hf_train.py"
@@ -292,6 +293,7 @@ def test_training_example_runs_tiny(tmp_path):
                     "float64", "--device", "cpu", "--json", str(tmp_path / "r.json"), "--png", str(tmp_path / "r.png")])
     base, ours = rep["runs"]
     assert len(base["losses"]) == 3 and ours["tokens_per_s"] > 0
+    assert json.loads((tmp_path / "r.json").read_text()) == rep  # written after each run, the last with both
     for r in (base, ours):  # a timed step's phases: positive, and together within the 2 timed steps' time
         assert sorted(r["phase_ms"]) == ["backward", "forward", "optimizer"], r["phase_ms"]
         assert all(v > 0 for v in r["phase_ms"].values()), r["phase_ms"]
