@@ -24,7 +24,6 @@ import os
 import re
 import sys
 from pathlib import Path
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -118,14 +117,12 @@ def _layers(compiled: dict, where: dict, layer_opts) -> None:
     from megamoe.layer import MoE
 
     sm90 = _sm90()
-    # one rank's backward gathers its rows from x by the schedule's row_tok, which nothing writes here: keep them
-    kept = mock.patch("megamoe.backends.common.keeps_x", lambda heap, wq=None: False, create=True)
     for w, name, experts, tokens, backend, opts in LAYERS:
         cfg = preset(name, num_experts=experts * w, max_tokens_per_rank=max(tokens, 1))
         opts = layer_opts(backend, opts)
         label = f"W{w}/{name}/{tokens}tok/{backend}" + "".join(f":{k}={v}" for k, v in sorted(opts.items()))
         before = {n: set(v) for n, v in compiled.items()}
-        with sm90.compile_only(compiled), kept:
+        with sm90.compile_only(compiled):
             moe = MoE(cfg, backend=backend, device=torch.device("cpu"), seed=0, **opts)
             x = torch.zeros(tokens, cfg.hidden, dtype=cfg.dtype).requires_grad_()
             out = moe(x).out

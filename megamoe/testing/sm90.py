@@ -162,7 +162,8 @@ def _launches_to(run):
 def compile_only(compiled: dict[str, dict[str, object]]):
     """Inside the block every Triton launch compiles for sm_90a with its real specialisation and launches nothing;
     ``compiled[kernel name][cache key]`` collects the kernels. Outputs stay unwritten, so only code that never reads
-    device results on the host (the sync-free backends) runs unchanged."""
+    device results on the host (the sync-free backends) runs unchanged; one rank's backward keeps its rows (gathering
+    them from x would index by the schedule's row_tok, which no kernel writes here)."""
     orig_run = JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
@@ -175,7 +176,8 @@ def compile_only(compiled: dict[str, dict[str, object]]):
         compiled.setdefault(self.fn.__name__, {})[k.hash] = k
         return k
 
-    with knobs.nvidia.scope(), _launches_to(run):  # scope restores the knob and the environment variable it sets
+    kept = mock.patch("megamoe.backends.common.keeps_x", lambda heap, wq=None: False)
+    with knobs.nvidia.scope(), _launches_to(run), kept:  # scope restores the knob and the environment variable
         knobs.nvidia.dump_ptxas_log = True
         yield compiled
 
@@ -424,11 +426,9 @@ def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
     entries = [e for e in LAYERS if e[0] == world]
 
     # the layers initialise only the router: no kernel reads the expert weights, and drawing them costs ~6% of the
-    # report's time; one rank keeps its rows (its backward would gather them by row_tok, which nothing writes here)
+    # report's time
     def router_only(self, seed: int = 0) -> None:
         self.router.reset_parameters(torch.Generator().manual_seed(seed))
-
-    kept = mock.patch("megamoe.backends.common.keeps_x", lambda heap, wq=None: False)
 
     # pass 0: rank 0 compiles, the others skip their launches; pass 1: the reverse, rank 0's kernels from the cache
     for compiling in range(min(world, 2)):
@@ -440,7 +440,7 @@ def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
             skip = _launches_to(lambda self, *args, grid, warmup, **kwargs: None)  # kernels not wanted on this rank
             ctx = _compiling(compiled, where, label) if (rank > 0) == (compiling == 1) else skip
             layer_opts = {k: v for k, v in opts.items() if k != "items"}
-            with ctx, kept, mock.patch.object(MoE, "reset_parameters", router_only), _fused_items(opts.get("items")):
+            with ctx, mock.patch.object(MoE, "reset_parameters", router_only), _fused_items(opts.get("items")):
                 moe = MoE(cfg, backend=backend, device=torch.device("cpu"), seed=0, **layer_opts)
                 out = moe(torch.zeros(tokens, cfg.hidden, dtype=cfg.dtype).requires_grad_()).out
                 out.backward(torch.zeros_like(out))
