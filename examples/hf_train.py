@@ -103,6 +103,8 @@ def main(argv=None) -> dict:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
+    p.add_argument("--ceiling", action="store_true",
+                   help="also the model with its experts skipped: the speed-up no experts implementation can pass")
     p.add_argument("--json", default="hf_train.json")
     p.add_argument("--png", default="hf_train.png")
     args = p.parse_args(argv)
@@ -119,8 +121,21 @@ def main(argv=None) -> dict:
     def patched():
         return hf.patch(build(args), backend, max_tokens_per_rank=tokens, **options)
 
+    def ceiling():  # the experts reduced to what any implementation does: read the weights, write their gradients
+        model = build(args)
+        for m in model.modules():
+            if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj"):
+                def skip(hs, idx, w, m=m):
+                    touch = (m.gate_up_proj.sum() + m.down_proj.sum()) * 0
+                    return hs * w.sum(-1, keepdim=True).to(hs.dtype) + touch.to(hs.dtype)
+                m.forward = skip
+        return model
+
     # every run builds the same model from the seed, alone on the device (its peak memory is its own)
-    runs = [(f"transformers ({args.baseline_experts})", lambda: build(args)), (f"megamoe ({args.backend})", patched)]
+    runs = [(f"transformers ({args.baseline_experts})", lambda: build(args))]
+    if args.ceiling:
+        runs.append(("experts skipped (weights read, gradients written: the ceiling)", ceiling))
+    runs.append((f"megamoe ({args.backend})", patched))
     if args.device == "cuda":  # eager training pays the experts' kernel chain from Python per layer: graph it
         runs.append((f"megamoe ({args.backend}, experts graphed)", lambda: hf.capture(patched(), tokens)))
     dev_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

@@ -290,8 +290,10 @@ def test_training_example_runs_tiny(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     rep = mod.main(["--tiny", "--steps", "3", "--backend", "torch", "--baseline-experts", "eager", "--dtype",
-                    "float64", "--device", "cpu", "--json", str(tmp_path / "r.json"), "--png", str(tmp_path / "r.png")])
-    base, ours = rep["runs"]
+                    "float64", "--device", "cpu", "--json", str(tmp_path / "r.json"), "--png", str(tmp_path / "r.png"),
+                    "--ceiling"])
+    base, ceiling, ours = rep["runs"]
+    assert ceiling["losses"][0] != base["losses"][0]  # the experts' output is gone, routing and weights stay
     assert len(base["losses"]) == 3 and ours["tokens_per_s"] > 0
     assert json.loads((tmp_path / "r.json").read_text()) == rep  # written after each run, the last with both
     for r in (base, ours):  # a timed step's phases: positive, and together within the 2 timed steps' time

@@ -10,9 +10,8 @@ R_cap worst-case rows received, offs int32 [E_l + 1] on the device. Backward (sa
     dW2 = dy_R^T acts;  dW13 = dh^T recv                      deterministic, no atomics
 
 Each buffer goes once its last reader is enqueued (h after GEMM2's dgrad; dy_R and acts after dW2): the peak holds
-neither h nor the backward's row buffers beside both weight gradients (unless the graph is retained). The rows are saved
-tensors, so saved-tensor hooks (non-reentrant checkpointing, offloading) see them. One rank alone keeps x instead of its
-received rows, k copies of it, and gathers them again for dW13 (keeps_x).
+neither h nor the backward's row buffers beside both weight gradients (unless the graph is retained). The rows are
+saved tensors, so saved-tensor hooks (non-reentrant checkpointing, offloading) see them.
 
 gpt-oss experts (``clamp`` = (alpha, limit), biases b13 / b2; bf16 GEMMs only): docs/design.md, "gpt-oss experts";
 db13 = per-expert row sums of dh, db2 = of gate * dy_R (kernels/bias_grad.py).
@@ -72,12 +71,6 @@ def dgrad_buffer(shape, device, heap=None) -> torch.Tensor:
     return buf.fill_(float("nan")) if POISON_PADDING else buf
 
 
-def keeps_x(heap, wq=None) -> bool:
-    """Whether a backward keeps x instead of the received rows: one rank alone with bf16 rows, k copies of x, which
-    heap_backward gathers again for dW13 (T * k * H bf16 less per layer for one gather)."""
-    return heap.world == 1 and wq is None
-
-
 def expert_forward(recv, w13, w2, offs, wq=None, recv_scales=None, out=None, b13=None, b2=None, clamp=None,
                    store_h=True):
     """(act [R, I], h [R, 2I] or None, out [R, H]), bf16. With ``wq`` both GEMMs run FP8: recv is e4m3 with 1x128
@@ -102,7 +95,7 @@ def retained() -> bool:
 def heap_backward(dy, topk_w, handle, recv, h, w13, w2, num_sms, *, wq=None, recv_scales=None, presum=False,
                   b13=None, b2=None, clamp=None) -> tuple:
     """The whole backward (module docstring): (dx, d_topk_w in topk_w's dtype, dW13, dW2, db13, db2) from the
-    forward's received rows ``recv`` (or x: :func:`keeps_x`) and GEMM1's pre-activation ``h``, whose storage is shrunk
+    forward's received rows ``recv`` and GEMM1's pre-activation ``h``, whose storage is shrunk
     to nothing after GEMM2's dgrad unless the graph is retained. d_recv goes to the heap's ``rows`` region unless
     ``presum``. FP8 (``wq``): recv is e4m3 with 1x128 ``recv_scales``, dequantised for dW13 only. gpt-oss: b13, b2
     (their dtypes are the gradients') and clamp, bf16 GEMMs only."""
@@ -130,10 +123,7 @@ def heap_backward(dy, topk_w, handle, recv, h, w13, w2, num_sms, *, wq=None, rec
     del d_recv
     dw2 = grouped_wgrad(dy_rows, acts, offs, out_dtype=w2.dtype)  # deterministic, no atomics
     del dy_rows, acts
-    if keeps_x(handle.heap, wq):  # recv is x: row r is x[row_tok[r]], bitwise what dispatch pulled
-        rows = handle.schedule.row_tok[:dh.shape[0]]
-        recv = recv.index_select(0, rows) if handle.num_tokens else recv.new_empty((dh.shape[0], recv.shape[1]))
-    elif recv_scales is not None:
+    if recv_scales is not None:
         recv = dequantize_act(recv, recv_scales, nrows=n)
     dw13 = grouped_wgrad(dh, recv, offs, out_dtype=w13.dtype)
     return dx, d_topk_w, dw13, dw2, db13, db2

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.backends import common
 from megamoe.backends.common import HeapBackend, heap_backward
 from megamoe.comm.dispatch import dispatch
 from megamoe.comm.heap import heap_bytes
@@ -41,8 +40,7 @@ class _FusedMoE(torch.autograd.Function):
                               store_h=train and not ring, comm_programs=backend.comm_sms, b13=b13, b2=b2,
                               clamp=backend.clamp)
         if train:
-            kept = () if ring else (x if common.keeps_x(backend.heap) else st.xbuf, st.h)
-            ctx.save_for_backward(x, topk_idx, topk_w, w13, w2, b13, b2, *kept)
+            ctx.save_for_backward(x, topk_idx, topk_w, w13, w2, b13, b2, *(() if ring else (st.xbuf, st.h)))
             ctx.handle = st.handle
             ctx.backend = backend
         return y
@@ -55,7 +53,6 @@ class _FusedMoE(torch.autograd.Function):
         if b.ring_blocks:  # the ring overwrote the forward's rows: recompute them (dispatch + GEMM1)
             recv, handle = dispatch(x, topk_idx, b.heap, num_sms=b.comm_sms)
             _, h = gemm1_swiglu(recv, w13, handle.offs, store_h=True, bias=b13, clamp=b.clamp)
-            recv = x if common.keeps_x(b.heap) else recv
         else:
             recv, h = saved[7:]
             handle = ctx.handle

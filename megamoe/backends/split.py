@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.backends import common
 from megamoe.backends.common import HeapBackend, check_flag, expert_forward, heap_backward, heap_rows
 from megamoe.backends.fp8_weights import Fp8WeightCache
 from megamoe.comm.combine import combine
@@ -47,7 +46,7 @@ class _SplitMoE(torch.autograd.Function):
         act, h, out = expert_forward(recv, w13, w2, handle.offs, wq, a_s, out=out_buf, b13=b13, b2=b2,
                                      clamp=backend.clamp, store_h=train)
         y = combine(out, None if presum else topk_w, handle, num_sms=num_sms, out_dtype=x.dtype, presum=presum)
-        ctx.save_for_backward(x if common.keeps_x(heap, wq) else recv, h, topk_w, w13, w2, a_s, b13, b2)
+        ctx.save_for_backward(recv, h, topk_w, w13, w2, a_s, b13, b2)
         ctx.handle, ctx.wq = handle, wq
         ctx.backend = backend  # the backward needs the heap, which a one-rank backend frees when collected
         return y

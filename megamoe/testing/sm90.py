@@ -176,8 +176,7 @@ def compile_only(compiled: dict[str, dict[str, object]]):
         compiled.setdefault(self.fn.__name__, {})[k.hash] = k
         return k
 
-    kept = mock.patch("megamoe.backends.common.keeps_x", lambda heap, wq=None: False)
-    with knobs.nvidia.scope(), _launches_to(run), kept:  # scope restores the knob and the environment variable
+    with knobs.nvidia.scope(), _launches_to(run):  # scope restores the knob and the environment variable
         knobs.nvidia.dump_ptxas_log = True
         yield compiled
 
