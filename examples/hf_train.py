@@ -16,6 +16,7 @@ start.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -144,6 +145,7 @@ def main(argv=None) -> dict:
         model = make()
         report["runs"].append(run(model, name, args, corpus))
         del model
+        gc.collect()  # (a run's cycles, e.g. the ceiling's forwards, would hold its weights into the next run)
         if args.device == "cuda":
             torch.cuda.empty_cache()
         with open(args.json, "w") as f:  # after every run: a run cut short leaves the finished ones
