@@ -11,8 +11,6 @@ Under ``torchrun`` it joins that group; otherwise it spawns ``--world N`` gloo C
   partial sums are all-reduced);
 * peak memory (GPU): the most allocated during each mode's eager iterations, with only that backend's layer (and
   its heap) alive; ``resident_bytes`` is what was allocated before them (weights, heap, inputs).
-``--peers`` (one process) adds HuggingFace transformers' own MoE modules on the same weights and inputs
-(megamoe.apps.peers).
 """
 
 from __future__ import annotations
@@ -420,19 +418,6 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _finish(report: dict, args, on_gpu: bool) -> None:
-    print(format_table(report))
-    path = args.json
-    if path is None and on_gpu:
-        stamp = report["meta"]["date"][:10]
-        path = os.path.join("benchmarks", "results",
-                            f"bench-{args.preset}{'' if args.experts is None else f'-E{args.experts}'}-{args.tokens}-"
-                            f"{report['config']['world']}gpu-{stamp}.json")
-    if path:
-        write_json(path, report)
-        print(f"wrote {path}")
-
-
 def main(argv: list[str] | None = None) -> int:
     raw = build_parser().parse_args(argv)
     on_gpu = torch.cuda.is_available() and not raw.cpu
@@ -444,6 +429,15 @@ def main(argv: list[str] | None = None) -> int:
         bench_config(args).validate_world(world)
 
     report = run_ranks(run_rank, args, on_gpu, check_world, timeout_s=3600)
-    if report is not None:
-        _finish(report, args, on_gpu)
+    if report is None:
+        return 0
+    print(format_table(report))
+    path = args.json
+    if path is None and on_gpu:
+        path = os.path.join("benchmarks", "results",
+                            f"bench-{args.preset}{'' if args.experts is None else f'-E{args.experts}'}-{args.tokens}-"
+                            f"{report['config']['world']}gpu-{report['meta']['date'][:10]}.json")
+    if path:
+        write_json(path, report)
+        print(f"wrote {path}")
     return 0

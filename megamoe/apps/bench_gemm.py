@@ -81,8 +81,7 @@ def _torch_time(a, w, ends, rep_ms: float, extra: dict, fp8: bool, check=None):
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm())
+    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 #: the kernels one op may launch (Gluon where it runs, else Triton); the JSON records which one did
@@ -172,10 +171,8 @@ def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[
         (act, w2), lambda o_t: {"rel_err_vs_torch": _rel(out, o_t * s[:, None])})
 
     if not args.no_fp8:
-        xq, xs = X.quantize_act(x)
-        w13q, w13s = X.quantize_weight(w13)
-        aq, as_ = X.quantize_act(act)
-        w2q, w2s = X.quantize_weight(w2)
+        (xq, xs), (w13q, w13s) = X.quantize_act(x), X.quantize_weight(w13)
+        (aq, as_), (w2q, w2s) = X.quantize_act(act), X.quantize_weight(w2)
         a8, h8 = X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs)
         add("gemm1_swiglu", "fp8", fl1, by1 // 2, "gemm1_fp8", FP8_KERNELS,
             lambda c: X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs, config=c), (x, w13),

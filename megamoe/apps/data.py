@@ -30,8 +30,7 @@ class ByteCorpus:
             raise ValueError("no training files found")
         chunks, total = [], 0
         for path in self.files:
-            with open(path, "rb") as f:
-                chunks.append(np.frombuffer(f.read(), dtype=np.uint8))
+            chunks.append(np.fromfile(path, dtype=np.uint8))
             total += len(chunks[-1])
             if total >= max_bytes:
                 break

@@ -119,13 +119,10 @@ def git_commit() -> str:
     """``MEGAMOE_COMMIT`` (a copied tree without .git), else ``git rev-parse HEAD`` (+ "-dirty"), else "unknown"."""
     if os.environ.get("MEGAMOE_COMMIT"):
         return os.environ["MEGAMOE_COMMIT"]
-    here = os.path.dirname(os.path.abspath(__file__))
+    git = lambda *a: subprocess.run(["git", *a], cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
+                                    text=True, check=True).stdout.strip()
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
+        return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -140,9 +137,9 @@ def source_digest(root: str | None = None) -> str:
     for d, dirs, files in os.walk(root):
         dirs[:] = sorted(x for x in dirs if x != "__pycache__")
         paths += [os.path.join(d, f) for f in files if f.endswith(".py")]
-    h = hashlib.sha1()
-    for p in sorted(paths, key=lambda q: os.path.relpath(q, root).replace(os.sep, "/")):
-        h.update(os.path.relpath(p, root).replace(os.sep, "/").encode() + b"\0")
+    h, rel = hashlib.sha1(), lambda p: os.path.relpath(p, root).replace(os.sep, "/")
+    for p in sorted(paths, key=rel):
+        h.update(rel(p).encode() + b"\0")
         with open(p, "rb") as f:
             h.update(f.read() + b"\0")
     return h.hexdigest()

@@ -185,9 +185,9 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     if args.compile:
         for blk in model.blocks:
             blk.dense = torch.compile(blk.dense, backend=args.compile)
-    experts = model.expert_parameters()
-    expert_ids = {id(p) for p in experts}
-    replicated = [p for p in model.parameters() if id(p) not in expert_ids]
+    expert_names = model.expert_parameter_names()
+    experts = [model.get_parameter(name) for name in expert_names]
+    replicated = [p for name, p in model.named_parameters() if name not in expert_names]
     opt = MasterAdamW([replicated, experts], lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
                       moments_dtype=torch.bfloat16 if args.adam_moments == "bf16" else torch.float32)
     fp8_layers = [blk.moe for blk in model.blocks if getattr(blk.moe.backend, "fp8", False)]
@@ -196,7 +196,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
             opt.maintain_fp8(p, copy)
     if graphed:  # after maintain_fp8: a layer whose FP8 copies the optimizer keeps reads them in its graphs
         capture_moe_layers([blk.moe for blk in model.blocks], args.batch * args.seq, autocast)
-    DDP._set_params_and_buffers_to_ignore_for_model(model, model.expert_parameter_names())
+    DDP._set_params_and_buffers_to_ignore_for_model(model, expert_names)
     # buffers are equal on every rank: no broadcast per forward (torch 2.13 warns on the older broadcast_buffers)
     no_sync = next(k for k in ("forward_sync_buffers", "broadcast_buffers") if k in inspect.signature(DDP).parameters)
     ddp = DDP(model, device_ids=[device.index] if on_gpu else None, **{no_sync: False})
