@@ -209,9 +209,8 @@ def _fmt(v, spec):
 
 
 def print_table(rows: list[dict]) -> None:
-    hdr = f"{'preset':14} {'tok':>5} {'op':14} {'dt':4} {'ours ms':>8} {'TF/s':>6} {'torch ms':>8} {'TF/s':>6} " \
-          f"{'x':>5} {'floor':>6} {'regs':>4} {'spl':>3} cfg"
-    print(hdr)
+    print(f"{'preset':14} {'tok':>5} {'op':14} {'dt':4} {'ours ms':>8} {'TF/s':>6} {'torch ms':>8} {'TF/s':>6} "
+          f"{'x':>5} {'floor':>6} {'regs':>4} {'spl':>3} cfg")
     for r in rows:
         ratio = r["torch_ms"] / r["ours_ms"] if r.get("torch_ms") and r.get("ours_ms") else None
         c = r.get("ours_config") or {}

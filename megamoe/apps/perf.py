@@ -41,8 +41,7 @@ CEILINGS = {"H200": Ceilings(790e12, 1438e12, 4.3e12, 394e9, "measured on 4x H20
 def ceilings_for(device: torch.device) -> Ceilings | None:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((ceil for key, ceil in CEILINGS.items() if key in name), None)
+    return next((ceil for key, ceil in CEILINGS.items() if key in torch.cuda.get_device_name(device)), None)
 
 
 def forward_bytes(cfg: MoEConfig, rows: int, world: int, experts: int | None = None) -> float:
@@ -53,8 +52,7 @@ def forward_bytes(cfg: MoEConfig, rows: int, world: int, experts: int | None = N
     experts = local if experts is None else experts
     if not 0 <= experts <= local:
         raise ValueError(f"experts used on a rank must be in [0, {local}], got {experts}")
-    weights = cfg.expert_weight_bytes(world) * experts // local
-    return float(weights + rows * 2 * cfg.hidden * elem)
+    return float(cfg.expert_weight_bytes(world) * experts // local + rows * 2 * cfg.hidden * elem)
 
 
 def floor_seconds(cfg: MoEConfig, rows: int, world: int, ceil: Ceilings | None, passes: float = 1.0,
@@ -63,9 +61,8 @@ def floor_seconds(cfg: MoEConfig, rows: int, world: int, ceil: Ceilings | None, 
     ``experts`` of its local experts (default all; unused experts' weights need not be read)."""
     if ceil is None:
         return None
-    flops = passes * float(cfg.flops_forward(rows))
-    nbytes = passes * forward_bytes(cfg, rows, world, experts)
-    return max(flops / ceil.matmul_bf16, nbytes / ceil.hbm)
+    return max(passes * float(cfg.flops_forward(rows)) / ceil.matmul_bf16,
+               passes * forward_bytes(cfg, rows, world, experts) / ceil.hbm)
 
 
 def layer_floor_seconds(cfg: MoEConfig, rows_per_rank: list[int], world: int, ceil: Ceilings | None,
