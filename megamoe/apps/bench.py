@@ -25,9 +25,11 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megamoe.apps.peers import HFPeer, SonicPeer
 from megamoe.apps.perf import Marks, ceilings_for, layer_floor_seconds, run_metadata, run_ranks, write_json
-from megamoe.backends import parse_backend
+from megamoe.backends import available_backends, parse_backend
 from megamoe.config import PRESETS, parse_dtype, preset
+from megamoe.reference import expert_act, experts_ref, shared_ref
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,8 +121,6 @@ def _max_over_ranks(times: list[float], device) -> list[float]:
 def _reference_error(moe, x: torch.Tensor, y: torch.Tensor) -> float:
     """||y - y_ref|| / ||y_ref|| over the global batch; the routing is the layer's own (shared by backends), the
     experts' form (biases, activation) and the shared expert the layer's config's."""
-    from megamoe.reference import expert_act, experts_ref, shared_ref
-
     W = moe.world
     with torch.no_grad():
         r = moe.router(x)
@@ -270,7 +270,6 @@ def _graphed_entry(spec: str, make, rel_err, interleaved: list, xs, dys, args, t
 def _peers(cfg, args, xs, dys, offset, timer, device, show, results, interleaved) -> None:
     """--peers: transformers' modules on the torch backend's weights (same seed as every backend), timed as the
     backends are; under --cuda-graph also graphed."""
-    from megamoe.apps.peers import HFPeer, SonicPeer
     from megamoe.layer import MoE
 
     if offset is not None:
@@ -306,7 +305,6 @@ def _peers(cfg, args, xs, dys, offset, timer, device, show, results, interleaved
 
 def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
     """The benchmark on one rank of an initialised process group; rank 0 returns the results."""
-    from megamoe.backends import available_backends
     from megamoe.layer import MoE
 
     W, rank = dist.get_world_size(), dist.get_rank()

@@ -13,9 +13,8 @@ import torch
 
 
 def default_corpus_files() -> list[str]:
-    root = sysconfig.get_paths()["stdlib"]
     files = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(sysconfig.get_paths()["stdlib"]):
         dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__", "test", "tests"))
         files.extend(os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py"))
     return sorted(files)

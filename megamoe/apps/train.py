@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from megamoe.apps.data import ByteCorpus
 from megamoe.apps.model import ModelConfig, MoETransformer
@@ -170,8 +171,6 @@ def train_step(ddp, data: torch.Tensor, opt: MasterAdamW, replicated: list[torch
 
 def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) -> dict:
     """Train one model with ``backend``; returns this rank's summary (rank 0's is the one reported)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     W, rank = dist.get_world_size(), dist.get_rank()
     on_gpu = device.type == "cuda"
     ep_group = dist.new_group(list(range(W)))  # the MoE layers' own communicator, apart from DDP's
