@@ -11,8 +11,6 @@ Under ``torchrun`` it joins that group; otherwise it spawns ``--world N`` gloo C
   partial sums are all-reduced);
 * peak memory (GPU): the most allocated during each mode's eager iterations, with only that backend's layer (and
   its heap) alive; ``resident_bytes`` is what was allocated before them (weights, heap, inputs).
-``--peers`` (one process) adds HuggingFace transformers' own MoE modules on the same weights and inputs
-(megamoe.apps.peers).
 """
 
 from __future__ import annotations
@@ -27,9 +25,11 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megamoe.apps.peers import HFPeer, SonicPeer
 from megamoe.apps.perf import Marks, ceilings_for, layer_floor_seconds, run_metadata, run_ranks, write_json
-from megamoe.backends import parse_backend
+from megamoe.backends import available_backends, parse_backend
 from megamoe.config import PRESETS, parse_dtype, preset
+from megamoe.reference import expert_act, experts_ref, shared_ref
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,8 +121,6 @@ def _max_over_ranks(times: list[float], device) -> list[float]:
 def _reference_error(moe, x: torch.Tensor, y: torch.Tensor) -> float:
     """||y - y_ref|| / ||y_ref|| over the global batch; the routing is the layer's own (shared by backends), the
     experts' form (biases, activation) and the shared expert the layer's config's."""
-    from megamoe.reference import expert_act, experts_ref, shared_ref
-
     W = moe.world
     with torch.no_grad():
         r = moe.router(x)
@@ -272,7 +270,6 @@ def _graphed_entry(spec: str, make, rel_err, interleaved: list, xs, dys, args, t
 def _peers(cfg, args, xs, dys, offset, timer, device, show, results, interleaved) -> None:
     """--peers: transformers' modules on the torch backend's weights (same seed as every backend), timed as the
     backends are; under --cuda-graph also graphed."""
-    from megamoe.apps.peers import HFPeer, SonicPeer
     from megamoe.layer import MoE
 
     if offset is not None:
@@ -308,7 +305,6 @@ def _peers(cfg, args, xs, dys, offset, timer, device, show, results, interleaved
 
 def run_rank(args: argparse.Namespace, device: torch.device) -> dict | None:
     """The benchmark on one rank of an initialised process group; rank 0 returns the results."""
-    from megamoe.backends import available_backends
     from megamoe.layer import MoE
 
     W, rank = dist.get_world_size(), dist.get_rank()
@@ -420,19 +416,6 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _finish(report: dict, args, on_gpu: bool) -> None:
-    print(format_table(report))
-    path = args.json
-    if path is None and on_gpu:
-        stamp = report["meta"]["date"][:10]
-        path = os.path.join("benchmarks", "results",
-                            f"bench-{args.preset}{'' if args.experts is None else f'-E{args.experts}'}-{args.tokens}-"
-                            f"{report['config']['world']}gpu-{stamp}.json")
-    if path:
-        write_json(path, report)
-        print(f"wrote {path}")
-
-
 def main(argv: list[str] | None = None) -> int:
     raw = build_parser().parse_args(argv)
     on_gpu = torch.cuda.is_available() and not raw.cpu
@@ -444,6 +427,15 @@ def main(argv: list[str] | None = None) -> int:
         bench_config(args).validate_world(world)
 
     report = run_ranks(run_rank, args, on_gpu, check_world, timeout_s=3600)
-    if report is not None:
-        _finish(report, args, on_gpu)
+    if report is None:
+        return 0
+    print(format_table(report))
+    path = args.json
+    if path is None and on_gpu:
+        path = os.path.join("benchmarks", "results",
+                            f"bench-{args.preset}{'' if args.experts is None else f'-E{args.experts}'}-{args.tokens}-"
+                            f"{report['config']['world']}gpu-{report['meta']['date'][:10]}.json")
+    if path:
+        write_json(path, report)
+        print(f"wrote {path}")
     return 0

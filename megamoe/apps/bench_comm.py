@@ -62,9 +62,7 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
 
     # bytes: rows received from other ranks (dispatch: deduplicated (token, dest rank); combine: (token, slot))
     dest = idx // E_l  # [T, k]
-    onehot = torch.zeros(tokens, W, dtype=torch.bool, device=dev)
-    onehot.scatter_(1, dest, True)
-    send_dedup = onehot.sum(0)  # rows this rank sends to each rank in dispatch
+    send_dedup = torch.zeros(tokens, W, dtype=torch.bool, device=dev).scatter_(1, dest, True).sum(0)  # sent per rank
     send_slots = torch.bincount(dest.reshape(-1), minlength=W)  # rows this rank receives back per rank in combine
     recv_dedup, recv_slots = torch.empty_like(send_dedup), torch.empty_like(send_slots)
     dist.all_to_all_single(recv_dedup, send_dedup)  # from each source q: its send_dedup[rank]
@@ -78,7 +76,12 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
            "dispatch_remote_bytes": disp_bytes, "combine_remote_bytes": comb_bytes,
            "combine_presum_remote_bytes": presum_bytes, "rows": []}
 
-    def add(op, sms, fn, nbytes):
+    def add(op, sms, fn, nbytes, graph=False):
+        if graph:  # fn captured in a CUDA graph, its replays timed
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            fn = g.replay
         us, samples = _time(fn, iters, warmup)
         row = {"op": op, "sms": sms, "us": round(us, 2), "GBps": round(nbytes / (us * 1e-6) / 1e9, 1),
                "bytes": nbytes, "samples_us": [round(s, 2) for s in samples]}
@@ -102,33 +105,26 @@ def run_config(name: str, tokens: int, sms_list: list[int], iters: int, warmup: 
 
     def disp(sms):
         _, state["h"] = dispatch(x_heap, idx, heap, num_sms=sms, recv=recv)
-
-    def add_graphed(op, sms, fn, nbytes):  # fn captured in a CUDA graph, its replays timed
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        add(op, sms, g.replay, nbytes)
+        return state["h"]
 
     for sms in sms_list:
-        disp(sms)
-        h = state["h"]
+        h = disp(sms)
         rows.copy_(recv)  # identity experts, written where combine reads them
         add("pull", sms, functools.partial(pull_rows, heap, h.schedule, recv, sms), disp_bytes)
         add("gather", sms, functools.partial(combine, rows, w, h, num_sms=sms), comb_bytes)
         add("dispatch", sms, functools.partial(disp, sms), disp_bytes)
         add("dispatch+copy", sms, functools.partial(dispatch, x, idx, heap, num_sms=sms, recv=recv), disp_bytes)
         add("schedule", sms, functools.partial(build_schedule, heap, schedule_buffers(heap)), 0)
-        add_graphed("dispatch(graph)", sms, functools.partial(disp, sms), disp_bytes)
+        add("dispatch(graph)", sms, functools.partial(disp, sms), disp_bytes, graph=True)
         comb = functools.partial(combine, rows, w, state["h"], num_sms=sms)
         add("combine", sms, comb, comb_bytes)
-        add_graphed("combine(graph)", sms, comb, comb_bytes)
+        add("combine(graph)", sms, comb, comb_bytes, graph=True)
         # pre-summing combine: gates travel with dispatch, expert ranks pre-sum, owner pulls <= W rows
         _, hp = dispatch(x_heap, idx, heap, num_sms=sms, recv=recv, topk_w=w)
         presum = functools.partial(combine, recv, None, hp, num_sms=sms, presum=True)
         add("combine_presum", sms, presum, presum_bytes)
-        add_graphed("combine_presum(graph)", sms, presum, presum_bytes)
-        disp(sms)
-        h = state["h"]
+        add("combine_presum(graph)", sms, presum, presum_bytes, graph=True)
+        h = disp(sms)
         rows.copy_(recv)  # the pre-summing combine wrote partial sums over the identity rows
     # correctness spot check of the last combine (identity experts): y = sum_j w_j x
     y = combine(rows, w, h)

@@ -81,8 +81,7 @@ def _torch_time(a, w, ends, rep_ms: float, extra: dict, fp8: bool, check=None):
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm())
+    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 #: the kernels one op may launch (Gluon where it runs, else Triton); the JSON records which one did
@@ -92,18 +91,16 @@ DGRAD1_KERNELS = ("_grouped_gemm_kernel",)  # GEMM1's dgrad (kn weights): the Tr
 WGRAD_KERNELS = ("_gluon_wgrad_ws_kernel", "_grouped_wgrad_kernel")
 
 
-def _regs(kernel_names: tuple[str, ...]) -> dict:
-    """Registers, spills and shared memory of the first of ``kernel_names`` the last call launched."""
-    from megamoe.kernels.gemm_config import LAST_COMPILED
-
-    name = next((n for n in kernel_names if n in LAST_COMPILED), None)
+def _regs(kernel_names: tuple[str, ...], compiled: dict) -> dict:
+    """Registers, spills and shared memory of the first of ``kernel_names`` in ``compiled`` (gemm_config's
+    LAST_COMPILED: what the last call launched)."""
+    name = next((n for n in kernel_names if n in compiled), None)
     if name is None:
         return {}
-    k = LAST_COMPILED[name]
     out = {"kernel": name}
     for key, attr in (("n_regs", "n_regs"), ("n_spills", "n_spills"), ("shared_bytes", "metadata.shared")):
         with contextlib.suppress(Exception):  # attribute names differ across triton versions
-            out[key] = int(operator.attrgetter(attr)(k))
+            out[key] = int(operator.attrgetter(attr)(compiled[name]))
     return out
 
 
@@ -120,7 +117,7 @@ def _time_ours(call, configs, kernel_names, rep_ms):
             fn()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            regs = _regs(kernel_names)
+            regs = _regs(kernel_names, LAST_COMPILED)
             results.append({"config": None if cfg is None else cfg.__dict__, "ms": _bench(fn, rep_ms), **regs})
         except Exception as exc:  # noqa: BLE001 - a config that does not fit (shared memory) is reported
             results.append({"config": None if cfg is None else cfg.__dict__, "error": _failure(exc)})
@@ -172,10 +169,8 @@ def run_shape(preset: str, tokens: int, ep: int, args, candidates=None) -> list[
         (act, w2), lambda o_t: {"rel_err_vs_torch": _rel(out, o_t * s[:, None])})
 
     if not args.no_fp8:
-        xq, xs = X.quantize_act(x)
-        w13q, w13s = X.quantize_weight(w13)
-        aq, as_ = X.quantize_act(act)
-        w2q, w2s = X.quantize_weight(w2)
+        (xq, xs), (w13q, w13s) = X.quantize_act(x), X.quantize_weight(w13)
+        (aq, as_), (w2q, w2s) = X.quantize_act(act), X.quantize_weight(w2)
         a8, h8 = X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs)
         add("gemm1_swiglu", "fp8", fl1, by1 // 2, "gemm1_fp8", FP8_KERNELS,
             lambda c: X.gemm1_swiglu_fp8(xq, xs, w13q, w13s, offs, config=c), (x, w13),
@@ -212,9 +207,8 @@ def _fmt(v, spec):
 
 
 def print_table(rows: list[dict]) -> None:
-    hdr = f"{'preset':14} {'tok':>5} {'op':14} {'dt':4} {'ours ms':>8} {'TF/s':>6} {'torch ms':>8} {'TF/s':>6} " \
-          f"{'x':>5} {'floor':>6} {'regs':>4} {'spl':>3} cfg"
-    print(hdr)
+    print(f"{'preset':14} {'tok':>5} {'op':14} {'dt':4} {'ours ms':>8} {'TF/s':>6} {'torch ms':>8} {'TF/s':>6} "
+          f"{'x':>5} {'floor':>6} {'regs':>4} {'spl':>3} cfg")
     for r in rows:
         ratio = r["torch_ms"] / r["ours_ms"] if r.get("torch_ms") and r.get("ours_ms") else None
         c = r.get("ours_config") or {}
@@ -224,7 +218,7 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['preset']:14} {r['tokens_per_gpu']:>5} {r['op']:14} {r['dtype']:4} {_fmt(r['ours_ms'], '8.3f')} "
               f"{_fmt(r['ours_tflops'], '6.0f')} {_fmt(r['torch_ms'], '8.3f')} {_fmt(r['torch_tflops'], '6.0f')} "
               f"{_fmt(ratio, '5.2f')} {_fmt(r['floor_ms'], '6.3f')} {_fmt(r.get('n_regs'), '4d')} "
-              f"{_fmt(r.get('n_spills'), '3d')} {cfg}{' ' + kernel if kernel else ''}")
+              f"{_fmt(r.get('n_spills'), '3d')} {cfg}{' ' + kernel if kernel else ''}", flush=True)
 
 
 def main(argv: list[str] | None = None, candidates=None) -> int:
@@ -251,7 +245,6 @@ def main(argv: list[str] | None = None, candidates=None) -> int:
         torch.cuda.empty_cache()
         rows.extend(new)
         print_table(new)
-        sys.stdout.flush()
         if args.json:  # after every shape: a long run's partial results survive
             meta = {"commit": args.commit or git_commit(),
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

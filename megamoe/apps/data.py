@@ -13,9 +13,8 @@ import torch
 
 
 def default_corpus_files() -> list[str]:
-    root = sysconfig.get_paths()["stdlib"]
     files = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(sysconfig.get_paths()["stdlib"]):
         dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__", "test", "tests"))
         files.extend(os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py"))
     return sorted(files)
@@ -30,8 +29,7 @@ class ByteCorpus:
             raise ValueError("no training files found")
         chunks, total = [], 0
         for path in self.files:
-            with open(path, "rb") as f:
-                chunks.append(np.frombuffer(f.read(), dtype=np.uint8))
+            chunks.append(np.fromfile(path, dtype=np.uint8))
             total += len(chunks[-1])
             if total >= max_bytes:
                 break

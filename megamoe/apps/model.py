@@ -113,11 +113,8 @@ class MoETransformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def expert_parameters(self) -> list[nn.Parameter]:
-        """Parameters that live on this rank only (the MoE experts); everything else is replicated."""
-        return [p for blk in self.blocks for p in (blk.moe.w13, blk.moe.w2)]
-
     def expert_parameter_names(self) -> list[str]:
+        """The parameters that live on this rank only (the MoE experts); everything else is replicated."""
         return [f"blocks.{i}.moe.{n}" for i in range(len(self.blocks)) for n in ("w13", "w2")]
 
     def forward(self, tokens: torch.Tensor):

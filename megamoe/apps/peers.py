@@ -57,8 +57,7 @@ def _hf_modules(cfg):
         from transformers.models.mixtral import modeling_mixtral as m
         from transformers.models.mixtral.configuration_mixtral import MixtralConfig
 
-        common.pop("moe_intermediate_size")
-        common.pop("norm_topk_prob")
+        del common["moe_intermediate_size"], common["norm_topk_prob"]
         hf = MixtralConfig(num_local_experts=cfg.num_experts, intermediate_size=cfg.intermediate, **common)
         return m.MixtralTopKRouter(hf), m.MixtralExperts(hf), "mixtral"
     from transformers.models.qwen3_moe import modeling_qwen3_moe as m

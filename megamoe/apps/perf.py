@@ -41,8 +41,7 @@ CEILINGS = {"H200": Ceilings(790e12, 1438e12, 4.3e12, 394e9, "measured on 4x H20
 def ceilings_for(device: torch.device) -> Ceilings | None:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((ceil for key, ceil in CEILINGS.items() if key in name), None)
+    return next((ceil for key, ceil in CEILINGS.items() if key in torch.cuda.get_device_name(device)), None)
 
 
 def forward_bytes(cfg: MoEConfig, rows: int, world: int, experts: int | None = None) -> float:
@@ -53,8 +52,7 @@ def forward_bytes(cfg: MoEConfig, rows: int, world: int, experts: int | None = N
     experts = local if experts is None else experts
     if not 0 <= experts <= local:
         raise ValueError(f"experts used on a rank must be in [0, {local}], got {experts}")
-    weights = cfg.expert_weight_bytes(world) * experts // local
-    return float(weights + rows * 2 * cfg.hidden * elem)
+    return float(cfg.expert_weight_bytes(world) * experts // local + rows * 2 * cfg.hidden * elem)
 
 
 def floor_seconds(cfg: MoEConfig, rows: int, world: int, ceil: Ceilings | None, passes: float = 1.0,
@@ -63,9 +61,8 @@ def floor_seconds(cfg: MoEConfig, rows: int, world: int, ceil: Ceilings | None, 
     ``experts`` of its local experts (default all; unused experts' weights need not be read)."""
     if ceil is None:
         return None
-    flops = passes * float(cfg.flops_forward(rows))
-    nbytes = passes * forward_bytes(cfg, rows, world, experts)
-    return max(flops / ceil.matmul_bf16, nbytes / ceil.hbm)
+    return max(passes * float(cfg.flops_forward(rows)) / ceil.matmul_bf16,
+               passes * forward_bytes(cfg, rows, world, experts) / ceil.hbm)
 
 
 def layer_floor_seconds(cfg: MoEConfig, rows_per_rank: list[int], world: int, ceil: Ceilings | None,
@@ -119,13 +116,10 @@ def git_commit() -> str:
     """``MEGAMOE_COMMIT`` (a copied tree without .git), else ``git rev-parse HEAD`` (+ "-dirty"), else "unknown"."""
     if os.environ.get("MEGAMOE_COMMIT"):
         return os.environ["MEGAMOE_COMMIT"]
-    here = os.path.dirname(os.path.abspath(__file__))
+    git = lambda *a: subprocess.run(["git", *a], cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
+                                    text=True, check=True).stdout.strip()
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
+        return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -140,9 +134,9 @@ def source_digest(root: str | None = None) -> str:
     for d, dirs, files in os.walk(root):
         dirs[:] = sorted(x for x in dirs if x != "__pycache__")
         paths += [os.path.join(d, f) for f in files if f.endswith(".py")]
-    h = hashlib.sha1()
-    for p in sorted(paths, key=lambda q: os.path.relpath(q, root).replace(os.sep, "/")):
-        h.update(os.path.relpath(p, root).replace(os.sep, "/").encode() + b"\0")
+    h, rel = hashlib.sha1(), lambda p: os.path.relpath(p, root).replace(os.sep, "/")
+    for p in sorted(paths, key=rel):
+        h.update(rel(p).encode() + b"\0")
         with open(p, "rb") as f:
             h.update(f.read() + b"\0")
     return h.hexdigest()

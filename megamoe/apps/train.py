@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from megamoe.apps.data import ByteCorpus
 from megamoe.apps.model import ModelConfig, MoETransformer
@@ -170,8 +171,6 @@ def train_step(ddp, data: torch.Tensor, opt: MasterAdamW, replicated: list[torch
 
 def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) -> dict:
     """Train one model with ``backend``; returns this rank's summary (rank 0's is the one reported)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     W, rank = dist.get_world_size(), dist.get_rank()
     on_gpu = device.type == "cuda"
     ep_group = dist.new_group(list(range(W)))  # the MoE layers' own communicator, apart from DDP's
@@ -185,9 +184,9 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
     if args.compile:
         for blk in model.blocks:
             blk.dense = torch.compile(blk.dense, backend=args.compile)
-    experts = model.expert_parameters()
-    expert_ids = {id(p) for p in experts}
-    replicated = [p for p in model.parameters() if id(p) not in expert_ids]
+    expert_names = model.expert_parameter_names()
+    experts = [model.get_parameter(name) for name in expert_names]
+    replicated = [p for name, p in model.named_parameters() if name not in expert_names]
     opt = MasterAdamW([replicated, experts], lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
                       moments_dtype=torch.bfloat16 if args.adam_moments == "bf16" else torch.float32)
     fp8_layers = [blk.moe for blk in model.blocks if getattr(blk.moe.backend, "fp8", False)]
@@ -196,7 +195,7 @@ def train_backend(backend: str, args, device: torch.device, corpus: ByteCorpus) 
             opt.maintain_fp8(p, copy)
     if graphed:  # after maintain_fp8: a layer whose FP8 copies the optimizer keeps reads them in its graphs
         capture_moe_layers([blk.moe for blk in model.blocks], args.batch * args.seq, autocast)
-    DDP._set_params_and_buffers_to_ignore_for_model(model, model.expert_parameter_names())
+    DDP._set_params_and_buffers_to_ignore_for_model(model, expert_names)
     # buffers are equal on every rank: no broadcast per forward (torch 2.13 warns on the older broadcast_buffers)
     no_sync = next(k for k in ("forward_sync_buffers", "broadcast_buffers") if k in inspect.signature(DDP).parameters)
     ddp = DDP(model, device_ids=[device.index] if on_gpu else None, **{no_sync: False})
