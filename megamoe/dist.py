@@ -170,8 +170,7 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, device: str = "cpu", t
     procs = [ctx.Process(target=_child, args=(r, world, port, device, fn, args, q), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
-    failures: dict[int, str] = {}
+    results, failures = {}, {}  # rank -> fn's result, rank -> traceback
     deadline = time.monotonic() + timeout_s
     try:
         while len(results) + len(failures) < world:
@@ -182,15 +181,13 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, device: str = "cpu", t
             try:
                 rank, ok, payload = q.get(timeout=min(remaining, 1.0))
             except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if p.exitcode not in (None, 0) and r not in results and r not in failures]
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results | failures]
                 if not dead:
                     continue
                 try:  # give a dying rank a moment to flush its report through the queue
                     rank, ok, payload = q.get(timeout=2.0)
                 except queue_mod.Empty:
-                    for r in dead:
-                        failures[r] = f"process exited with code {procs[r].exitcode} without a report"
+                    failures.update({r: f"process exited with code {procs[r].exitcode} without a report" for r in dead})
                     continue
             (results if ok else failures)[rank] = payload
     finally:

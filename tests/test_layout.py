@@ -142,7 +142,7 @@ def test_no_private_names_across_modules():
 
 
 #: lines the package may hold: a guard against regrowth at its present size; the goal is 12,000
-PACKAGE_LINES = 12_259
+PACKAGE_LINES = 12_223
 
 
 def test_size():

@@ -110,19 +110,11 @@ _REG_INDEX = {name: i for i, name in enumerate(S.REGIONS)}
 
 def _layout(shape: CommShape) -> tuple[dict[str, tuple[int, tuple[int, ...], torch.dtype]], int]:
     """({region: (byte offset, dims, dtype)}, total bytes) of the module docstring's table."""
-    W, T, H, k = shape.world, shape.max_tokens, shape.hidden, shape.topk
-    regions = [
-        ("flags", (3, W), torch.int64),
-        ("ctrl", (8,), torch.int64),
-        ("meta", (8,), torch.int64),
-        ("idx", (T, k), torch.int32),
-        ("w", (T, k), torch.float32),
-        ("dw", (T, k), torch.float32),
-        ("tok", (T, H), shape.dtype),
-        ("rows", (shape.rows_cap, H), shape.dtype),
-        ("err", (S.ERR_SLOTS,), torch.int64),
-        ("slots", (T, k, H) if shape.slots else (0,), shape.dtype),
-    ]
+    W, T, H, k, dt = shape.world, shape.max_tokens, shape.hidden, shape.topk, shape.dtype
+    i64, f32 = torch.int64, torch.float32
+    regions = [("flags", (3, W), i64), ("ctrl", (8,), i64), ("meta", (8,), i64), ("idx", (T, k), torch.int32),
+               ("w", (T, k), f32), ("dw", (T, k), f32), ("tok", (T, H), dt), ("rows", (shape.rows_cap, H), dt),
+               ("err", (S.ERR_SLOTS,), i64), ("slots", (T, k, H) if shape.slots else (0,), dt)]
     out, off = {}, 0
     for name, dims, dtype in regions:
         out[name] = (off, dims, dtype)
@@ -165,8 +157,7 @@ class SymmetricHeap:
         else:
             gpu_group = self.group is not None and (dist.get_backend(self.group) == "nccl" or gpu_ranks_on_gloo())
             backend = "cuda" if torch.cuda.is_available() and gpu_group else "host"
-        self.shape = shape
-        self.backend = backend
+        self.shape, self.backend = shape, backend
         self.timeout_s = float(timeout_s)
         self.timeout_ns = int(self.timeout_s * 1e9)
         self.num_sms = int(num_sms)
@@ -174,10 +165,9 @@ class SymmetricHeap:
         self.layout, self.nbytes = _layout(shape)
         self._closed = False
         self._error: str | None = None
-        #: the ``rows`` rule (docs/design.md, after the flag table): peers may still read this rank's ``rows`` (a
-        #: gather of them is enqueued and no stage kernel since), so only a stage kernel writes ``rows`` then. Set by
-        #: the gather launchers, cleared by the stage launchers, in enqueue order: no sync, the same under graph
-        #: capture; read by backends/common.heap_rows and dgrad_buffer.
+        #: the ``rows`` rule (docs/design.md, after the flag table): while peers may still read this rank's ``rows`` (a
+        #: gather of them enqueued, no stage kernel since) only a stage kernel writes them. Set by the gather launchers,
+        #: cleared by the stage launchers in enqueue order (no sync, graph-safe); read by backends/common.heap_rows etc.
         self.rows_busy = False
         self._maps: list = []
         self._watchdog = None
@@ -191,11 +181,9 @@ class SymmetricHeap:
             bases = self._alloc_host()
         own = self._buf if backend == "cuda" else torch.frombuffer(self._maps[self.rank], dtype=torch.uint8)
         self._views = {name: _region_view(own, *spec) for name, spec in self.layout.items()}
-        tab = torch.empty(len(_REG_INDEX), self.world, dtype=torch.int64)
-        for name, (off, _, _) in self.layout.items():
-            tab[_REG_INDEX[name]] = torch.tensor([b + off for b in bases], dtype=torch.int64)
-        tab[_REG_INDEX["err"]] = self._err_addr
-        self.tab = tab.to(self.device)
+        addrs = [[b + self.layout[name][0] for b in bases] for name in S.REGIONS]
+        addrs[_REG_INDEX["err"]] = [self._err_addr] * self.world  # this process's own record
+        self.tab = torch.tensor(addrs, dtype=torch.int64, device=self.device)
         row_mib = shape.hidden * shape.dtype.itemsize / 2**20
         log.info("megamoe symmetric heap (%s, W=%d, rank %d): %.1f MiB symmetric per rank (rows %.1f MiB, tok %.1f "
                  "MiB), %.1f MiB workspace per dispatch call", backend, self.world, self.rank, self.nbytes / 2**20,
@@ -403,8 +391,7 @@ def get_heap(shape: CommShape, group, device, timeout_s: float, num_sms: int) ->
     key = (name, shape, str(device), timeout_s, num_sms)
     heap = _HEAPS.get(key)
     if heap is None or heap._closed:
-        heap = SymmetricHeap(shape, group=group, device=device, timeout_s=timeout_s, num_sms=num_sms)
-        _HEAPS[key] = heap
+        heap = _HEAPS[key] = SymmetricHeap(shape, group=group, device=device, timeout_s=timeout_s, num_sms=num_sms)
     heap.users += 1
     return heap
 
@@ -416,9 +403,8 @@ def release_heap(heap: SymmetricHeap) -> None:
     heap.users -= 1
     if heap.users > 0 or heap._closed:
         return
-    for key, h in list(_HEAPS.items()):
-        if h is heap:
-            del _HEAPS[key]
+    for key in [key for key, h in _HEAPS.items() if h is heap]:
+        del _HEAPS[key]
     if heap.backend == "cuda" and torch.cuda.is_available():
         torch.cuda.synchronize(heap.device)
     heap.close()

@@ -141,9 +141,7 @@ def _call(moe: MoE, tokens: tuple[int, ...], rank: int, world: int, group, devic
     """One forward + backward on this rank's share of a global batch from ``seed``, against the reference."""
     cfg, (router_w, w13, w2, bias, offset, shared) = moe.config, ref_weights
     gen = torch.Generator().manual_seed(seed)
-    T_all = sum(tokens)
-    x_all = torch.randn(T_all, cfg.hidden, generator=gen, dtype=torch.float64)
-    g_all = torch.randn(T_all, cfg.hidden, generator=gen, dtype=torch.float64)
+    x_all, g_all = (torch.randn(sum(tokens), cfg.hidden, generator=gen, dtype=torch.float64) for _ in range(2))
     bounds = [sum(tokens[:q]) for q in range(world + 1)]
     lo, hi = bounds[rank], bounds[rank + 1]
 

@@ -6,11 +6,10 @@ one-token call), and slow memory access (a pointer loaded from memory, such as t
 alignment the compiler can see; without ``tl.multiple_of`` every element is its own 2-byte access).
 
 ``compile_only`` stands in for the CUDA driver: every launch compiles its kernel for sm_90a with the launch's own
-specialisation (Triton's bundled ptxas) and launches nothing. ``access_widths`` counts global loads/stores by width
-in the PTX; ``ptxas_usage`` reports registers, spills and shared memory. ``python -m megamoe.testing.sm90`` runs
-the LAYERS variants (forward + backward on gloo ranks) and the Gluon GEMM and router variants under
-``compile_only`` and prints a JSON report per kernel for tests/test_sm90_compile.py. It needs TRITON_INTERPRET
-unset (interpreted @triton.jit functions cannot be compiled), so the test runs it as a subprocess.
+specialisation (Triton's bundled ptxas) and launches nothing. ``python -m megamoe.testing.sm90`` runs the LAYERS
+variants (forward + backward on gloo ranks) and the Gluon GEMM and router variants under ``compile_only`` and prints
+a JSON report per kernel (global access widths, ptxas usage, ...) for tests/test_sm90_compile.py. It needs
+TRITON_INTERPRET unset (interpreted @triton.jit functions cannot be compiled), so the test runs it as a subprocess.
 """
 
 from __future__ import annotations
@@ -39,15 +38,6 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.runtime import driver as drv
 from triton.runtime.jit import JITFunction
-
-HOPPER = GPUTarget("cuda", 90, 32)
-
-
-def access_widths(compiled) -> dict[str, Counter]:
-    """Global loads and stores in the PTX, by instruction (e.g. 'st.global.v4.b32': 60, 'st.global.b16': 16)."""
-    ptx = compiled.asm["ptx"]
-    pat = r"\b({kind}(?:\.[A-Za-z0-9_:]+)*\.global(?:\.[A-Za-z0-9_:]+)*)"
-    return {kind: Counter(re.findall(pat.format(kind=kind), ptx)) for kind in ("ld", "st")}
 
 
 def unfenced_publishes(ptx: str) -> int:
@@ -111,10 +101,8 @@ def ptxas_usage(compiled, sass_always: bool = False) -> dict[str, int]:
     return {"registers": _count(r"Used (\d+) registers", text, -1),
             # ptxas C7510-C7519: "wgmma.mma_async instructions are serialized" (a wait after every wgmma)
             "wgmma_serialized": sorted(set(re.findall(r"\((C751\d)\)", text))),
-            "spill_store_bytes": spill_st,
-            "spill_load_bytes": _count(r"(\d+) bytes spill loads", text),
-            "shared_bytes": int(compiled.metadata.shared),
-            "ffma_under_wgmma": overlapped,
+            "spill_store_bytes": spill_st, "spill_load_bytes": _count(r"(\d+) bytes spill loads", text),
+            "shared_bytes": int(compiled.metadata.shared), "ffma_under_wgmma": overlapped,
             # spill-store bytes by the registers per thread where they are (spills_by_regs; None: no cuobjdump)
             "spill_store_bytes_by_regs": by_regs}
 
@@ -140,9 +128,8 @@ def spills_by_regs(sass: str) -> dict[int, int]:
 
 #: stands in for Triton's CUDA driver where there is no GPU: the current target is sm_90a; the device "sm90a" is its
 #: own key in JITFunction's per-device cache, so sm_90a kernels never mix with real device-0 kernels
-_HOPPER_DRIVER = types.SimpleNamespace(get_current_target=lambda: HOPPER, get_current_device=lambda: "sm90a",
-                                       get_current_stream=lambda device=None: 0)
-
+_HOPPER_DRIVER = types.SimpleNamespace(get_current_target=lambda: GPUTarget("cuda", 90, 32),
+                                       get_current_device=lambda: "sm90a", get_current_stream=lambda device=None: 0)
 
 #: ptxas -v output of each kernel compiled under :func:`compile_only`, by hash, so ptxas_usage need not rerun ptxas
 _PTXAS_LOGS: dict[str, str] = {}
@@ -162,8 +149,7 @@ def _launches_to(run):
 def compile_only(compiled: dict[str, dict[str, object]]):
     """Inside the block every Triton launch compiles for sm_90a with its real specialisation and launches nothing;
     ``compiled[kernel name][cache key]`` collects the kernels. Outputs stay unwritten, so only code that never reads
-    device results on the host (the sync-free backends) runs unchanged; one rank's backward keeps its rows (gathering
-    them from x would index by the schedule's row_tok, which no kernel writes here)."""
+    device results on the host (the sync-free backends) runs unchanged."""
     orig_run = JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
@@ -222,12 +208,14 @@ def _fused_items(items: str | None):
 
 
 def _summary(k) -> dict:
-    widths, ptx = access_widths(k), k.asm["ptx"]
+    ptx = k.asm["ptx"]
+    # "ld" / "st": global loads and stores by instruction (e.g. 'st.global.v4.b32': 60, 'st.global.b16': 16)
+    widths = {kind: dict(Counter(re.findall(rf"\b({kind}(?:\.[A-Za-z0-9_:]+)*\.global(?:\.[A-Za-z0-9_:]+)*)", ptx)))
+              for kind in ("ld", "st")}
     waits = Counter(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))
     tma_st = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx))
-    return {"ld": dict(widths["ld"]), "st": dict(widths["st"]), "tma_stores": tma_st, "wgmma_wait_groups": dict(waits),
-            "bounded_waits": "%globaltimer" in ptx, "traps": len(re.findall(r"\btrap;", ptx)),
-            "unfenced_publishes": unfenced_publishes(ptx),
+    return {**widths, "tma_stores": tma_st, "wgmma_wait_groups": dict(waits), "bounded_waits": "%globaltimer" in ptx,
+            "traps": len(re.findall(r"\btrap;", ptx)), "unfenced_publishes": unfenced_publishes(ptx),
             **ptxas_usage(k, sass_always=k.metadata.name in SASS_KERNELS),
             "compile_s": round(_COMPILE_S.get(k.hash, 0.0), 2)}  # 0: taken from Triton's cache
 
@@ -256,6 +244,10 @@ WS_VARIANTS = [
 ]
 
 
+#: deepseek-v3's hidden and intermediate widths, the Gluon GEMM variants' shapes
+H, I = 7168, 2048
+
+
 def _grouped(E: int, R: int, **cfg):
     """(offsets of R rows split evenly over E experts, a Gluon GemmConfig on 132 SMs)."""
     from megamoe.kernels.gemm_config import GemmConfig
@@ -267,7 +259,6 @@ def _gluon_fp8_ws(compiled: dict, where: dict) -> None:
     """Compile megamoe/kernels/gluon/fp8.py's kernel for WS_VARIANTS at deepseek-v3's H and I (plain: K = I)."""
     from megamoe.kernels.gluon.fp8 import launch_gluon_fp8_ws
 
-    H, I = 7168, 2048
     f8, bf = torch.float8_e4m3fn, torch.bfloat16
     for label, epi, bn, stages, E, R in WS_VARIANTS:
         N, K, N_w = (H, I, H) if epi == 0 else (I, H, 2 * I)
@@ -297,7 +288,6 @@ def _gluon_fp8_dswiglu(compiled: dict, where: dict) -> None:
     """Compile megamoe/kernels/gluon/fp8_dswiglu.py's kernel for DSWIGLU_VARIANTS (K = H = 7168, N = I = 2048)."""
     from megamoe.kernels.gluon.fp8_dswiglu import launch_gluon_fp8_dswiglu
 
-    H, I = 7168, 2048
     f8, bf = torch.float8_e4m3fn, torch.bfloat16
     for label, (bm, bn, stages, warps), scaled, edge in DSWIGLU_VARIANTS:
         E, R = (1, 1) if edge else (8, 1024)
@@ -332,7 +322,6 @@ def _gluon_bf16_ws(compiled: dict, where: dict) -> None:
     """Compile megamoe/kernels/gluon/bf16.py's kernel for WS_BF16_VARIANTS at deepseek-v3's H and I (dswiglu: kn w2)."""
     from megamoe.kernels.gluon.bf16 import launch_gluon_bf16_ws
 
-    H, I = 7168, 2048
     bf = torch.bfloat16
     for label, epi, bn, stages, E, R, aligned in WS_BF16_VARIANTS:
         kn = epi == 2
@@ -422,18 +411,16 @@ def _layer_rank(rank: int, world: int, standalone: bool = False) -> dict:
 
     compiled: dict[str, dict[str, object]] = {}
     where: dict[str, str] = {}
-    entries = [e for e in LAYERS if e[0] == world]
 
     # the layers initialise only the router: no kernel reads the expert weights, and drawing them costs ~6% of the
     # report's time
-    def router_only(self, seed: int = 0) -> None:
-        self.router.reset_parameters(torch.Generator().manual_seed(seed))
+    router_only = lambda self, seed=0: self.router.reset_parameters(torch.Generator().manual_seed(seed))
 
     # pass 0: rank 0 compiles, the others skip their launches; pass 1: the reverse, rank 0's kernels from the cache
     for compiling in range(min(world, 2)):
         if compiling:  # else rank 1, running ahead, would compile rank 0's last entries too
             dist.barrier()
-        for w, name, experts, tokens, backend, opts in entries:
+        for w, name, experts, tokens, backend, opts in [e for e in LAYERS if e[0] == world]:
             cfg = preset(name, num_experts=experts, max_tokens_per_rank=max(tokens, 1))
             label = f"W{w}/{name}/{tokens}tok/{backend}" + "".join(f":{k}={v}" for k, v in opts.items())
             skip = _launches_to(lambda self, *args, grid, warmup, **kwargs: None)  # kernels not wanted on this rank

@@ -2,21 +2,18 @@
 
 On a GPU ``torch.cuda.set_sync_debug_mode("error")`` catches a sync; CPU ranks never wait, so inside
 :func:`no_host_reads` a torch call by megamoe code that reads tensor *data* on the host raises :class:`HostSyncError`
-naming the op and source line (CPU tensors count as device tensors):
-
-* a Python value from tensor data (``item``, ``tolist``, ``__bool__``, ``equal``, ...: :data:`_ALWAYS`), printing;
-* ``Tensor.cpu`` and ``Tensor.to`` a CPU device (not ``to(other_tensor)``, which on CPU cannot tell a move from a
-  cast; host -> device copies are not counted);
-* data-dependent output sizes (``nonzero``, one-argument ``torch.where``, ``repeat_interleave`` with tensor repeats
-  and no ``output_size``, boolean-mask indexing, ...: :func:`_host_read`).
+naming the op and source line (CPU tensors count as device tensors): a Python value from tensor data (``item``,
+``tolist``, ``__bool__``, ``equal``, printing, ...: :data:`_ALWAYS`); ``Tensor.cpu`` and ``Tensor.to`` a CPU device
+(not ``to(other_tensor)``, which on CPU cannot tell a move from a cast; host -> device copies do not count);
+data-dependent output sizes (``nonzero``, one-argument ``torch.where``, ``repeat_interleave`` with tensor repeats and
+no ``output_size``, boolean-mask indexing, ...: :func:`_host_read`).
 
 A call counts when its nearest caller outside torch is megamoe code (by module namespace or package file), except
 :data:`EXCLUDED` (kernels/interpreter.py emulates the device); a torch function megamoe calls is charged to megamoe
-whatever it does inside (a read in DDP's forward counts). A ``TorchFunctionMode`` sees every torch call in the
-thread but is off while its own handler runs, so the backwards ``Tensor.backward`` starts would go unseen: while a
-guard is active, ``BackwardCFunction.apply`` (the engine's entry into custom backwards) re-pushes the innermost
-guard's mode. ``Tensor.register_hook`` hooks are not covered (megamoe has none); one thread at a time. Use after a
-warm-up call outside the guard::
+whatever it does inside (a read in DDP's forward counts). A ``TorchFunctionMode`` is off while its own handler runs,
+so the backwards ``Tensor.backward`` starts would go unseen: while a guard is active, ``BackwardCFunction.apply``
+(the engine's entry into custom backwards) re-pushes the innermost guard's mode. ``Tensor.register_hook`` hooks are
+not covered (megamoe has none); one thread at a time. Use after a warm-up call outside the guard::
 
     with no_host_reads():
         out = moe(x)
@@ -125,9 +122,8 @@ def _install_backward_wrapper() -> None:
 
         def wrapped(self, *args, _orig=orig):
             mode = _active[-1] if _active else None
-            if mode is None or any(m is mode for m in torch.overrides._get_current_function_mode_stack()):
-                return _orig(self, *args)
-            with mode:
+            skip = mode is None or any(m is mode for m in torch.overrides._get_current_function_mode_stack())
+            with contextlib.nullcontext() if skip else mode:  # skip: no guard, or its mode is on the stack already
                 return _orig(self, *args)
 
         wrapped._megamoe_guarded = True
