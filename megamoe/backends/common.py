@@ -95,10 +95,10 @@ def retained() -> bool:
 def heap_backward(dy, topk_w, handle, recv, h, w13, w2, num_sms, *, wq=None, recv_scales=None, presum=False,
                   b13=None, b2=None, clamp=None) -> tuple:
     """The whole backward (module docstring): (dx, d_topk_w in topk_w's dtype, dW13, dW2, db13, db2) from the
-    forward's received rows ``recv`` and GEMM1's pre-activation ``h``, whose storage is shrunk
-    to nothing after GEMM2's dgrad unless the graph is retained. d_recv goes to the heap's ``rows`` region unless
-    ``presum``. FP8 (``wq``): recv is e4m3 with 1x128 ``recv_scales``, dequantised for dW13 only. gpt-oss: b13, b2
-    (their dtypes are the gradients') and clamp, bf16 GEMMs only."""
+    forward's received rows ``recv`` and GEMM1's pre-activation ``h``, whose storage is shrunk to nothing after GEMM2's
+    dgrad (the saved tensor still refers to it) unless the graph is retained. d_recv goes to the heap's ``rows``
+    region unless ``presum``. FP8 (``wq``): recv is e4m3 with 1x128 ``recv_scales``, dequantised for dW13 only. gpt-oss:
+    b13, b2 (their dtypes are the gradients') and clamp, bf16 GEMMs only."""
     dy = dy.contiguous()
     offs = handle.offs
     n = offs[-1:]  # rows received: only those are quantised (the buffers may hold more)
@@ -114,7 +114,7 @@ def heap_backward(dy, topk_w, handle, recv, h, w13, w2, num_sms, *, wq=None, rec
     d_topk_w = send_gate_grad(ds, handle, num_sms=num_sms).to(topk_w.dtype)
     db13 = None if b13 is None else segment_sum(dh, offs, out_dtype=b13.dtype)
     db2 = None if b2 is None else segment_sum(dy_rows, offs, scale=gate, out_dtype=b2.dtype)
-    d_recv = dgrad_buffer((dh.shape[0], w13.shape[2]), dh.device, None if presum else handle.heap)
+    d_recv = dgrad_buffer((recv.shape[0], w13.shape[2]), recv.device, None if presum else handle.heap)
     if wq is None:
         gemm1_dgrad(dh, w13, offs, out=d_recv)
     else:  # (the FP8 kernel wants both operands K-major: w13^T)
